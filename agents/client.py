@@ -1,0 +1,196 @@
+"""The producer API: create agents, submit requests, approve, reject, cancel, read state and the journal."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from agents import core
+from agents import journal as journal_mod
+from agents.commands import Command
+from agents.errors import AgentNotFound, InvalidInput
+from agents.phases import Event
+from models.db import Database
+from models.schemas import AgentRow, AgentState, JournalEvent, NewAgent
+from models.settings import Settings
+from models.tables import agents
+
+AgentRef = UUID | str
+Deadline = datetime | timedelta | None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "input"
+    return f"{field}: {err['msg']}"
+
+
+class Client:
+    """Talks to Keel's database directly; every change goes through :func:`agents.core.transition`."""
+
+    def __init__(self, db: Database, settings: Settings | None = None) -> None:
+        self.db = db
+        self.settings = settings or Settings()
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None) -> Client:
+        settings = settings or Settings()
+        return cls(Database.from_settings(settings), settings)
+
+    def close(self) -> None:
+        self.db.dispose()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- reads ------------------------------------------------------------------------------------------------
+
+    def _row(self, agent: AgentRef) -> AgentRow:
+        query = select(agents)
+        agent_id = _as_uuid(agent)
+        query = query.where(agents.c.id == agent_id) if agent_id is not None else query.where(agents.c.name == agent)
+        with core.store_errors(), self.db.engine.connect() as conn:
+            found = conn.execute(query).first()
+        if found is None:
+            raise AgentNotFound(agent)
+        return AgentRow(**found._mapping)
+
+    def get_state(self, agent: AgentRef) -> AgentState:
+        """The agent's current state, by id or name."""
+        return AgentState.of(self._row(agent))
+
+    def list_agents(self) -> list[AgentState]:
+        with core.store_errors(), self.db.engine.connect() as conn:
+            rows = conn.execute(select(agents).order_by(agents.c.created_at, agents.c.name)).all()
+        return [AgentState.of(AgentRow(**r._mapping)) for r in rows]
+
+    def journal(
+        self, *, agent_id: AgentRef | None = None, request_id: str | None = None, limit: int | None = None
+    ) -> list[JournalEvent]:
+        """Journal events, oldest first, for an agent and/or a request."""
+        resolved = None if agent_id is None else self._row(agent_id).id
+        with core.store_errors():
+            return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
+
+    # --- commands ---------------------------------------------------------------------------------------------
+
+    def create_agent(
+        self,
+        name: str,
+        *,
+        budget_tokens: int | None = None,
+        budget_cost: Decimal | float | str | None = None,
+        actor: str = "client",
+    ) -> AgentState:
+        """Create an idle agent at revision 0. Budgets of None mean unlimited."""
+        try:
+            spec = NewAgent(name=name, budget_tokens=budget_tokens, budget_cost=budget_cost)
+        except ValidationError as exc:
+            raise InvalidInput(f"cannot create agent: {_first_error(exc)}") from None
+        row = core.create_agent(
+            self.db, spec.name, budget_tokens=spec.budget_tokens, budget_cost=spec.budget_cost, actor=actor
+        )
+        return AgentState.of(row)
+
+    def submit(
+        self,
+        agent_id: AgentRef,
+        request_id: str,
+        input: Any,
+        *,
+        expected_revision: int | None = None,
+        soft_deadline: Deadline = None,
+        hard_deadline: Deadline = None,
+        actor: str = "client",
+    ) -> AgentState:
+        """Start request ``request_id`` on an idle, done or failed agent.
+
+        Idempotent: submitting a request id the agent already had returns the current state and changes nothing.
+        Deadlines are absolute (timezone-aware) or relative to now.
+        """
+        at = core.now()
+        soft, hard = _deadline("soft_deadline", soft_deadline, at), _deadline("hard_deadline", hard_deadline, at)
+        if hard is not None and hard <= at:
+            raise InvalidInput(f"hard_deadline {hard.isoformat()} has passed already")
+        input_json = self._input_json(input)
+        command = Command(
+            agent_id=self._row(agent_id).id,
+            event=Event.SUBMIT,
+            actor=actor,
+            expected_revision=expected_revision,
+            request_id=request_id,
+            soft_deadline=soft,
+            hard_deadline=hard,
+        )
+        return AgentState.of(core.transition(self.db, command, input_json=input_json).agent)
+
+    def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str) -> AgentState:
+        """Approve the pending tool call of an agent waiting for approval."""
+        return self._command(agent_id, Event.APPROVE, expected_revision, actor, None)
+
+    def reject(
+        self, agent_id: AgentRef, *, expected_revision: int, actor: str, reason: str | None = None
+    ) -> AgentState:
+        """Decline the pending tool call; the agent goes back to planning to revise."""
+        return self._command(agent_id, Event.REJECT, expected_revision, actor, reason)
+
+    def cancel(
+        self, agent_id: AgentRef, *, expected_revision: int | None = None, actor: str, reason: str | None = None
+    ) -> AgentState:
+        """Stop the request in flight: any active phase moves to failed."""
+        return self._command(agent_id, Event.CANCEL, expected_revision, actor, reason)
+
+    def _command(
+        self, agent: AgentRef, event: Event, expected_revision: int | None, actor: str, reason: str | None
+    ) -> AgentState:
+        if expected_revision is not None and (isinstance(expected_revision, bool) or not isinstance(expected_revision, int)):
+            raise InvalidInput(f"expected_revision must be an integer, got {expected_revision!r}")
+        details = {} if reason is None else {"reason": reason}
+        command = Command(
+            agent_id=self._row(agent).id,
+            event=event,
+            actor=actor,
+            expected_revision=expected_revision,
+            details=details,
+        )
+        return AgentState.of(core.transition(self.db, command).agent)
+
+    def _input_json(self, value: Any) -> str:
+        try:
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"input must be JSON-serialisable: {exc}") from None
+        size = len(text.encode())
+        if size > self.settings.max_input_bytes:
+            raise InvalidInput(f"input is {size} bytes as JSON; the limit is {self.settings.max_input_bytes}")
+        return text
+
+
+def _as_uuid(agent: AgentRef) -> UUID | None:
+    if isinstance(agent, UUID):
+        return agent
+    try:
+        return UUID(agent)
+    except ValueError:
+        return None
+
+
+def _deadline(name: str, value: Deadline, at: datetime) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return at + value
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidInput(f"{name} must be timezone-aware (got a naive datetime)")
+        return value
+    raise InvalidInput(f"{name} must be a datetime or a timedelta, got {type(value).__name__}")

@@ -1,0 +1,115 @@
+"""Commands and the pure decision on each: accept, suppress as a duplicate, or reject.
+
+Nothing here touches the database: :func:`decide` sees the locked row and returns what should happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from agents.errors import IllegalTransition, InvalidInput, Rejected, RequestConflict, StaleRevision
+from agents.keys import check_request_id
+from agents.phases import Event, Phase, allowed_events, target_of
+from models.schemas import AgentRow
+
+ACCEPTED = "accepted"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A request to apply ``event`` to one agent.
+
+    ``expected_revision`` None means "whatever the current revision is" (system moves). ``reason`` is the policy
+    decision recorded in the journal for an accepted move (e.g. ``budget_exhausted`` for a ``fail``).
+    """
+
+    agent_id: UUID
+    event: Event
+    actor: str
+    expected_revision: int | None = None
+    request_id: str | None = None
+    soft_deadline: datetime | None = None
+    hard_deadline: datetime | None = None
+    reason: str = ACCEPTED
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.event, Event):
+            raise InvalidInput(f"event {self.event!r} is unknown: expected one of {', '.join(Event)}")
+        if not self.actor or len(self.actor) > 200:
+            raise InvalidInput("actor must be 1-200 characters: every change names who made it")
+        if self.expected_revision is not None and self.expected_revision < 0:
+            raise InvalidInput(f"expected_revision must be >= 0, got {self.expected_revision}")
+        if self.event is Event.SUBMIT:
+            if self.request_id is None:
+                raise InvalidInput("submit needs a request_id")
+            check_request_id(self.request_id)
+        elif self.request_id is not None or self.soft_deadline or self.hard_deadline:
+            raise InvalidInput("request_id and deadlines are set only by submit")
+        for name in ("soft_deadline", "hard_deadline"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:
+                raise InvalidInput(f"{name} must be timezone-aware")
+        if self.soft_deadline and self.hard_deadline and self.soft_deadline > self.hard_deadline:
+            raise InvalidInput("soft_deadline must not be after hard_deadline")
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    after: AgentRow  # the row with the move applied; its journal fields are filled in by the writer
+
+
+@dataclass(frozen=True, slots=True)
+class Suppress:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    error: Rejected
+    decision: str
+
+
+Decision = Accept | Suppress | Reject
+
+
+def is_repeat_submit(row: AgentRow, command: Command) -> bool:
+    """A submit of the request the agent is already on: a producer's retry."""
+    return command.event is Event.SUBMIT and command.request_id == row.request_id
+
+
+def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUID | None = None) -> Decision:
+    """Decide ``command`` against the locked ``row``.
+
+    ``request_owner`` is, for a submit, the agent that already owns the request id (None if it is new).
+    Order matters: a duplicate submit is suppressed before its (necessarily old) revision is checked.
+    """
+    if command.event is Event.SUBMIT:
+        if is_repeat_submit(row, command) or request_owner == row.id:
+            return Suppress("duplicate_request")
+        if request_owner is not None:
+            assert command.request_id is not None
+            return Reject(RequestConflict(request_id=command.request_id, owner=request_owner), "request_conflict")
+    if command.expected_revision is not None and command.expected_revision != row.revision:
+        error = StaleRevision(agent_id=row.id, expected=command.expected_revision, current=row.revision)
+        return Reject(error, "stale_revision")
+    phase = Phase(row.phase)
+    target = target_of(phase, command.event)
+    if target is None:
+        allowed = [e.value for e in allowed_events(phase)]
+        illegal = IllegalTransition(agent_id=row.id, phase=phase.value, event=command.event.value, allowed=allowed)
+        return Reject(illegal, "illegal_transition")
+    after = replace(row, phase=target.value, revision=row.revision + 1, updated_at=now)
+    if command.event is Event.SUBMIT:
+        after = replace(
+            after,
+            request_id=command.request_id,
+            soft_deadline=command.soft_deadline,
+            hard_deadline=command.hard_deadline,
+        )
+    return Accept(after)
+

@@ -1,0 +1,189 @@
+"""The single writer of agent state.
+
+``transition()`` is the only code that changes an agent row. It runs one transaction that locks the row
+(``SELECT … FOR UPDATE``), decides the command (:func:`agents.commands.decide`), writes the new row, the command's
+effects and exactly one journal event, and commits — all or nothing. A rejected command rolls back and is then
+journaled in a transaction of its own, so the rejection is on record while the agent stays as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import psycopg
+import sqlalchemy.exc
+
+from agents import journal
+from agents.commands import Accept, Command, Reject, Suppress, decide, is_repeat_submit
+from agents.errors import AgentExists, AgentNotFound, StoreError
+from agents.phases import Event
+from models.db import Database
+from models.schemas import AgentRow
+from models.sql import LostUpdate, claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
+
+#: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
+#: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled.
+EffectsTxn = Callable[[psycopg.Cursor[Any], AgentRow, AgentRow], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Transitioned:
+    """The result of an accepted (or suppressed) command."""
+
+    agent: AgentRow
+    journal_seq: int
+    suppressed: bool = False
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+@contextmanager
+def store_errors() -> Iterator[None]:
+    """The one boundary where driver errors become :class:`StoreError`."""
+    try:
+        yield
+    except LostUpdate as exc:
+        raise StoreError(str(exc)) from exc
+    except psycopg.Error as exc:
+        raise StoreError(f"database error: {_message(exc)}") from exc
+    except sqlalchemy.exc.DBAPIError as exc:
+        raise StoreError(f"database error: {_message(exc.orig)}") from exc
+
+
+def _message(exc: BaseException | None) -> str:
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    return str(primary or exc).strip()
+
+
+def create_agent(
+    db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str
+) -> AgentRow:
+    """Insert a new idle agent at revision 0 and start its journal chain with a ``created`` event."""
+    at = now()
+    with store_errors(), db.transaction() as cur:
+        row = insert_agent_txn(cur, name=name, budget_tokens=budget_tokens, budget_cost=budget_cost, at=at)
+        if row is None:
+            raise AgentExists(name)
+        details = {"budget_tokens": budget_tokens, "budget_cost": None if budget_cost is None else str(budget_cost)}
+        link = journal.append_side_event_txn(
+            cur, row, kind="created", event="create", actor=actor, decision="accepted", details=details, at=at
+        )
+    return replace(row, journal_seq=link.seq, journal_head=link.hash)
+
+
+def transition(
+    db: Database, command: Command, *, input_json: str = "null", effects: EffectsTxn | None = None
+) -> Transitioned:
+    """Apply ``command`` to its agent: the only way an agent's state changes.
+
+    Raises :class:`~agents.errors.StaleRevision`, :class:`~agents.errors.IllegalTransition` or
+    :class:`~agents.errors.RequestConflict` (each journaled as ``rejected``), or
+    :class:`~agents.errors.AgentNotFound`. A submit of a request id the agent already had returns the current
+    state unchanged, journaled as ``suppressed``. ``input_json`` is a submit's request input.
+    """
+    with store_errors():
+        at = now()
+        with db.transaction() as cur:
+            row = lock_agent_txn(cur, command.agent_id)
+            if row is None:
+                raise AgentNotFound(command.agent_id)
+            owner = None
+            if command.event is Event.SUBMIT and not is_repeat_submit(row, command):
+                assert command.request_id is not None
+                owner = claim_request_txn(
+                    cur,
+                    request_id=command.request_id,
+                    agent_id=row.id,
+                    input_json=input_json,
+                    actor=command.actor,
+                    at=at,
+                )
+            decision = decide(row, command, at, request_owner=owner)
+            if isinstance(decision, Suppress):
+                link = journal.append_side_event_txn(
+                    cur,
+                    row,
+                    kind="suppressed",
+                    event=command.event.value,
+                    actor=command.actor,
+                    request_id=command.request_id,
+                    decision=decision.reason,
+                    details=dict(command.details),
+                    at=at,
+                )
+                return Transitioned(replace(row, journal_seq=link.seq, journal_head=link.hash), link.seq, True)
+            if isinstance(decision, Accept):
+                return Transitioned(_apply_txn(cur, row, decision.after, command, at, effects), row.journal_seq + 1)
+            # Rejected: leave this transaction (it wrote at most the request claim, which must not stay).
+            cur.connection.rollback()
+        assert isinstance(decision, Reject)
+        _journal_rejection(db, command, decision)
+    raise decision.error
+
+
+def _apply_txn(
+    cur: psycopg.Cursor[Any],
+    before: AgentRow,
+    after: AgentRow,
+    command: Command,
+    at: datetime,
+    effects: EffectsTxn | None,
+) -> AgentRow:
+    # The journal event's hash covers the effects' summary, so effects run before the event is written;
+    # the row is written last, carrying the new chain head.
+    details: dict[str, Any] = dict(command.details)
+    if command.event is Event.SUBMIT:
+        details["soft_deadline"] = after.soft_deadline
+        details["hard_deadline"] = after.hard_deadline
+    if effects is not None:
+        summary = effects(cur, before, after)
+        if summary:
+            details["effects"] = dict(summary)
+    link = journal.append_txn(
+        cur,
+        before,
+        kind="transition",
+        event=command.event.value,
+        actor=command.actor,
+        request_id=after.request_id,
+        from_phase=before.phase,
+        to_phase=after.phase,
+        revision=after.revision,
+        decision=command.reason,
+        details=details,
+        at=at,
+    )
+    after = replace(after, journal_seq=link.seq, journal_head=link.hash)
+    update_agent_txn(cur, before, after)
+    return after
+
+
+def _journal_rejection(db: Database, command: Command, decision: Reject) -> None:
+    """Record a rejected command in its own transaction, leaving the agent's state as it is."""
+    details: dict[str, Any] = {"error": str(decision.error), **command.details}
+    if command.expected_revision is not None:
+        details["expected_revision"] = command.expected_revision
+    with db.transaction() as cur:
+        row = lock_agent_txn(cur, command.agent_id)
+        if row is None:  # pragma: no cover - agents are never deleted
+            return
+        journal.append_side_event_txn(
+            cur,
+            row,
+            kind="rejected",
+            event=command.event.value,
+            actor=command.actor,
+            request_id=command.request_id,
+            decision=decision.decision,
+            details=details,
+            at=now(),
+        )
+

@@ -1,0 +1,234 @@
+"""The immutable journal: appending events to an agent's hash chain, reading them back, verifying the chains.
+
+Each event stores the hash of the agent's previous event (``prev_hash``) and its own hash over every field, so a
+changed, removed or reordered event breaks the chain at that point. The agent row stores the chain's head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from sqlalchemy import select
+
+from models.db import Database
+from models.schemas import AgentRow, JournalEvent
+from models.sql import advance_chain_txn, insert_event_txn
+from models.tables import GENESIS_HASH, agents, journal
+
+
+def canonical_json(value: Mapping[str, Any]) -> str:
+    """The one JSON text of ``value`` that is hashed and stored."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def event_hash(
+    *,
+    prev_hash: str,
+    agent_id: UUID,
+    seq: int,
+    kind: str,
+    event: str,
+    actor: str,
+    request_id: str | None,
+    from_phase: str | None,
+    to_phase: str | None,
+    revision: int,
+    decision: str,
+    details_json: str,
+    at: datetime,
+) -> str:
+    """sha256 over the previous hash and every field of the event, in a fixed unambiguous encoding."""
+    fields = [
+        prev_hash,
+        str(agent_id),
+        seq,
+        kind,
+        event,
+        actor,
+        request_id,
+        from_phase,
+        to_phase,
+        revision,
+        decision,
+        details_json,
+        at.astimezone(UTC).isoformat(),
+    ]
+    return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Where an appended event sits in its agent's chain."""
+
+    seq: int
+    hash: str
+
+
+def append_txn(
+    cur: psycopg.Cursor[Any],
+    row: AgentRow,
+    *,
+    kind: str,
+    event: str,
+    actor: str,
+    request_id: str | None,
+    from_phase: str | None,
+    to_phase: str | None,
+    revision: int,
+    decision: str,
+    details: Mapping[str, Any],
+    at: datetime,
+) -> Link:
+    """Insert the next event of ``row``'s chain (the row must be locked by the caller). Does not move the head."""
+    seq = row.journal_seq + 1
+    details_json = canonical_json(details)
+    fields: dict[str, Any] = {
+        "agent_id": row.id,
+        "seq": seq,
+        "kind": kind,
+        "event": event,
+        "actor": actor,
+        "request_id": request_id,
+        "from_phase": from_phase,
+        "to_phase": to_phase,
+        "revision": revision,
+        "decision": decision,
+        "details_json": details_json,
+        "at": at,
+    }
+    digest = event_hash(prev_hash=row.journal_head, **fields)
+    insert_event_txn(cur, prev_hash=row.journal_head, hash=digest, **fields)
+    return Link(seq, digest)
+
+
+def append_side_event_txn(
+    cur: psycopg.Cursor[Any],
+    row: AgentRow,
+    *,
+    kind: str,
+    event: str,
+    actor: str,
+    decision: str,
+    details: Mapping[str, Any],
+    at: datetime,
+    request_id: str | None = None,
+) -> Link:
+    """Journal an event that leaves the agent's state as it is (rejected, suppressed) and advance the head."""
+    link = append_txn(
+        cur,
+        row,
+        kind=kind,
+        event=event,
+        actor=actor,
+        request_id=request_id if request_id is not None else row.request_id,
+        from_phase=row.phase,
+        to_phase=row.phase,
+        revision=row.revision,
+        decision=decision,
+        details=details,
+        at=at,
+    )
+    advance_chain_txn(cur, row.id, link.seq, link.hash)
+    return link
+
+
+def events(
+    db: Database, *, agent_id: UUID | None = None, request_id: str | None = None, limit: int | None = None
+) -> list[JournalEvent]:
+    """Journal events, oldest first, filtered by agent and/or request."""
+    query = select(journal).order_by(journal.c.id)
+    if agent_id is not None:
+        query = query.where(journal.c.agent_id == agent_id)
+    if request_id is not None:
+        query = query.where(journal.c.request_id == request_id)
+    if limit is not None:
+        query = query.limit(limit)
+    with db.engine.connect() as conn:
+        return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainBreak:
+    """The first broken link of one agent's chain."""
+
+    agent_id: UUID
+    seq: int
+    journal_id: int | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    agents: int
+    events: int
+    breaks: tuple[ChainBreak, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.breaks
+
+
+_CHAIN_QUERY = (
+    "SELECT id, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details::text,"
+    " at, prev_hash, hash FROM audit.journal WHERE agent_id = %s ORDER BY seq"
+)
+
+
+def _first_break(rows: Iterator[tuple[Any, ...]], agent_id: UUID, head_seq: int, head: str) -> tuple[int, ChainBreak | None]:
+    expected_prev, expected_seq, count = GENESIS_HASH, 1, 0
+    for jid, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details, at, prev, digest in rows:
+        count += 1
+        if seq != expected_seq:
+            return count, ChainBreak(agent_id, expected_seq, jid, f"event {expected_seq} is missing (found {seq})")
+        if prev != expected_prev:
+            return count, ChainBreak(agent_id, seq, jid, "prev_hash does not match the previous event's hash")
+        recomputed = event_hash(
+            prev_hash=prev,
+            agent_id=agent_id,
+            seq=seq,
+            kind=kind,
+            event=event,
+            actor=actor,
+            request_id=request_id,
+            from_phase=from_phase,
+            to_phase=to_phase,
+            revision=revision,
+            decision=decision,
+            details_json=details,
+            at=at,
+        )
+        if recomputed != digest:
+            return count, ChainBreak(agent_id, seq, jid, "the event's content does not match its hash")
+        expected_prev, expected_seq = digest, seq + 1
+    if expected_seq - 1 != head_seq or expected_prev != head:
+        reason = f"the chain ends at event {expected_seq - 1} but the agent's head is event {head_seq}"
+        if expected_seq - 1 == head_seq:
+            reason = "the agent's head hash does not match its last event"
+        return count, ChainBreak(agent_id, expected_seq - 1, None, reason)
+    return count, None
+
+
+def verify(db: Database) -> VerifyReport:
+    """Walk every agent's chain from genesis to its head; report the first broken link of each broken chain."""
+    breaks: list[ChainBreak] = []
+    total = 0
+    with db.engine.connect() as conn:
+        heads = conn.execute(select(agents.c.id, agents.c.journal_seq, agents.c.journal_head).order_by(agents.c.id))
+        chain_heads = [(r.id, r.journal_seq, r.journal_head) for r in heads]
+    with db.connection() as raw:
+        for agent_id, head_seq, head in chain_heads:
+            with raw.cursor() as cur:
+                cur.execute(_CHAIN_QUERY, (agent_id,))
+                count, broken = _first_break(iter(cur), agent_id, head_seq, head)
+            total += count
+            if broken is not None:
+                breaks.append(broken)
+        raw.rollback()
+    return VerifyReport(agents=len(chain_heads), events=total, breaks=tuple(breaks))

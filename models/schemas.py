@@ -1,0 +1,102 @@
+"""Row snapshots and the pydantic models producers see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRow:
+    """One ``agents`` row as read under its lock. Column order is :data:`models.sql.AGENT_COLUMNS`."""
+
+    id: UUID
+    name: str
+    phase: str
+    revision: int
+    request_id: str | None
+    soft_deadline: datetime | None
+    hard_deadline: datetime | None
+    budget_tokens: int | None
+    budget_cost: Decimal | None
+    spent_tokens: int
+    spent_cost: Decimal
+    created_at: datetime
+    updated_at: datetime
+    journal_seq: int
+    journal_head: str
+
+
+class AgentState(BaseModel):
+    """What an agent is doing now, as a producer or a UI sees it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: UUID
+    name: str
+    phase: str
+    revision: int
+    request_id: str | None
+    soft_deadline: datetime | None
+    hard_deadline: datetime | None
+    budget_tokens: int | None
+    budget_cost: Decimal | None
+    spent_tokens: int
+    spent_cost: Decimal
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: AgentRow) -> AgentState:
+        return cls(
+            id=row.id,
+            name=row.name,
+            phase=row.phase,
+            revision=row.revision,
+            request_id=row.request_id,
+            soft_deadline=row.soft_deadline,
+            hard_deadline=row.hard_deadline,
+            budget_tokens=row.budget_tokens,
+            budget_cost=row.budget_cost,
+            spent_tokens=row.spent_tokens,
+            spent_cost=row.spent_cost,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+        )
+
+
+class JournalEvent(BaseModel):
+    """One immutable journal event: who did what to which agent, and what the policy decided."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    agent_id: UUID
+    seq: int
+    kind: str
+    event: str
+    actor: str
+    request_id: str | None
+    from_phase: str | None
+    to_phase: str | None
+    revision: int
+    decision: str
+    details: dict[str, Any]
+    at: datetime
+    prev_hash: str
+    hash: str
+
+
+class NewAgent(BaseModel):
+    """Input of ``create_agent``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_cost: Decimal | None = Field(default=None, ge=0, max_digits=18, decimal_places=6)

@@ -1,0 +1,150 @@
+"""Hot-path SQL, run on raw psycopg cursors inside the caller's transaction.
+
+Each ``*_txn`` helper takes the caller's cursor and never commits: it succeeds or rolls back with the transition
+that called it. Statements are plain strings so psycopg can prepare them once per connection.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from models.schemas import AgentRow
+
+AGENT_COLUMNS = (
+    "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
+    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head"
+)
+
+_LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
+
+# The WHERE clause repeats the revision we read under the lock: the database refuses a lost update by itself.
+_UPDATE_AGENT = (
+    "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s, hard_deadline = %s,"
+    " updated_at = %s, journal_seq = %s, journal_head = %s"
+    " WHERE id = %s AND revision = %s"
+)
+
+# Rejections and suppressions leave the agent's state alone; only its journal chain advances.
+_ADVANCE_CHAIN = "UPDATE agents SET journal_seq = %s, journal_head = %s WHERE id = %s AND journal_seq = %s"
+
+_INSERT_EVENT = (
+    "INSERT INTO audit.journal (agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision,"
+    " decision, details, at, prev_hash, hash) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+
+_INSERT_AGENT = (
+    "INSERT INTO agents (name, budget_tokens, budget_cost, created_at, updated_at) VALUES (%s, %s, %s, %s, %s)"
+    f" ON CONFLICT (name) DO NOTHING RETURNING {AGENT_COLUMNS}"
+)
+
+_CLAIM_REQUEST = (
+    "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at) VALUES (%s, %s, %s, %s, %s)"
+    " ON CONFLICT (request_id) DO NOTHING RETURNING agent_id"
+)
+_REQUEST_OWNER = "SELECT agent_id FROM requests WHERE request_id = %s"
+
+
+class LostUpdate(RuntimeError):
+    """A guarded UPDATE matched no row although the row was locked: a writer bypassed the lock."""
+
+
+def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> AgentRow | None:
+    """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it; None if there is no such agent."""
+    cur.execute(_LOCK_AGENT, (agent_id,))
+    row = cur.fetchone()
+    return None if row is None else AgentRow(*row)
+
+
+def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow) -> None:
+    """Write ``after`` over ``before``; raises :class:`LostUpdate` if the row moved on behind the lock."""
+    cur.execute(
+        _UPDATE_AGENT,
+        (
+            after.phase,
+            after.revision,
+            after.request_id,
+            after.soft_deadline,
+            after.hard_deadline,
+            after.updated_at,
+            after.journal_seq,
+            after.journal_head,
+            before.id,
+            before.revision,
+        ),
+    )
+    if cur.rowcount != 1:
+        raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
+
+
+def advance_chain_txn(cur: psycopg.Cursor[Any], agent_id: UUID, seq: int, head: str) -> None:
+    """Move the agent's journal chain head to event ``seq`` without touching its state."""
+    cur.execute(_ADVANCE_CHAIN, (seq, head, agent_id, seq - 1))
+    if cur.rowcount != 1:
+        raise LostUpdate(f"agent {agent_id}'s journal chain is no longer at event {seq - 1}")
+
+
+def insert_event_txn(
+    cur: psycopg.Cursor[Any],
+    *,
+    agent_id: UUID,
+    seq: int,
+    kind: str,
+    event: str,
+    actor: str,
+    request_id: str | None,
+    from_phase: str | None,
+    to_phase: str | None,
+    revision: int,
+    decision: str,
+    details_json: str,
+    at: datetime,
+    prev_hash: str,
+    hash: str,
+) -> None:
+    """Append one event to ``audit.journal``."""
+    cur.execute(
+        _INSERT_EVENT,
+        (
+            agent_id,
+            seq,
+            kind,
+            event,
+            actor,
+            request_id,
+            from_phase,
+            to_phase,
+            revision,
+            decision,
+            details_json,
+            at,
+            prev_hash,
+            hash,
+        ),
+    )
+
+
+def insert_agent_txn(
+    cur: psycopg.Cursor[Any], *, name: str, budget_tokens: int | None, budget_cost: Any, at: datetime
+) -> AgentRow | None:
+    """Insert a new idle agent; None if the name is taken."""
+    cur.execute(_INSERT_AGENT, (name, budget_tokens, budget_cost, at, at))
+    row = cur.fetchone()
+    return None if row is None else AgentRow(*row)
+
+
+def claim_request_txn(
+    cur: psycopg.Cursor[Any], *, request_id: str, agent_id: UUID, input_json: str, actor: str, at: datetime
+) -> UUID | None:
+    """Record a new request for ``agent_id``. Returns None if it is new, else the agent that already owns it."""
+    cur.execute(_CLAIM_REQUEST, (request_id, agent_id, input_json, actor, at))
+    if cur.fetchone() is not None:
+        return None
+    cur.execute(_REQUEST_OWNER, (request_id,))
+    owner = cur.fetchone()
+    assert owner is not None, "ON CONFLICT without a conflicting row"
+    owner_id: UUID = owner[0]
+    return owner_id
