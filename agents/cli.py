@@ -1,0 +1,371 @@
+"""The ``keel`` command line. One function per subcommand; bad input exits non-zero with a one-line reason."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from decimal import Decimal
+from functools import wraps
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import click
+from pydantic import BaseModel, ValidationError
+
+from agents.errors import KeelError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+DOCS_PHASES = Path("docs/phases.md")
+
+
+def _settings() -> Any:
+    from models.settings import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        raise click.ClickException(f"bad configuration: {field}: {err['msg']}") from None
+
+
+def _client() -> Any:
+    from agents.client import Client
+
+    return Client.from_settings(_settings())
+
+
+def _friendly(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn Keel's errors into one line on stderr and exit status 1."""
+
+    @wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except KeelError as exc:
+            raise click.ClickException(str(exc)) from None
+        except FileNotFoundError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper
+
+
+def _emit(value: BaseModel | Sequence[BaseModel] | dict[str, Any], as_json: bool, text: str) -> None:
+    if as_json:
+        if isinstance(value, BaseModel):
+            data: Any = value.model_dump(mode="json")
+        elif isinstance(value, dict):
+            data = value
+        else:
+            data = [v.model_dump(mode="json") for v in value]
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        click.echo(text)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+actor_option = click.option("--actor", default="cli", show_default=True, help="Who is doing this (journaled).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Keel: a control plane for long-running AI agents.
+
+    Configuration comes from KEEL_* environment variables (KEEL_DATABASE_URL, KEEL_BROKER_URL, ...). With none
+    set, Keel starts an embedded PostgreSQL and Redis under ./.keel/ (see `keel dev status`).
+    """
+
+
+# --- db --------------------------------------------------------------------------------------------------------
+
+
+@cli.group()
+def db() -> None:
+    """Database schema (Alembic migrations)."""
+
+
+@db.command("upgrade")
+@click.option("--revision", default="head", show_default=True, help="Target migration.")
+@_friendly
+def db_upgrade(revision: str) -> None:
+    """Apply migrations up to REVISION."""
+    from models import migrations
+    from models.embedded import database_url_for
+
+    url = database_url_for(_settings())
+    migrations.upgrade(url, revision)
+    click.echo(f"database at {revision}")
+
+
+@db.command("downgrade")
+@click.argument("revision")
+@_friendly
+def db_downgrade(revision: str) -> None:
+    """Revert migrations down to REVISION ('base' removes everything)."""
+    from models import migrations
+    from models.embedded import database_url_for
+
+    migrations.downgrade(database_url_for(_settings()), revision)
+    click.echo(f"database at {revision}")
+
+
+# --- agents ----------------------------------------------------------------------------------------------------
+
+
+def _state_text(state: Any) -> str:
+    budget_tokens = "unlimited" if state.budget_tokens is None else state.budget_tokens
+    budget_cost = "unlimited" if state.budget_cost is None else state.budget_cost
+    return "\n".join(
+        [
+            f"agent      {state.name} ({state.id})",
+            f"phase      {state.phase}",
+            f"revision   {state.revision}",
+            f"request    {state.request_id or '-'}",
+            f"deadlines  soft {state.soft_deadline or '-'}  hard {state.hard_deadline or '-'}",
+            f"tokens     {state.spent_tokens} spent of {budget_tokens}",
+            f"cost       {state.spent_cost} spent of {budget_cost}",
+            f"updated    {state.updated_at}",
+        ]
+    )
+
+
+@cli.group()
+def agent() -> None:
+    """Create and inspect agents."""
+
+
+@agent.command("create")
+@click.argument("name")
+@click.option("--budget-tokens", type=click.IntRange(min=0), help="Token budget (default: unlimited).")
+@click.option("--budget-cost", type=str, help="Cost budget, e.g. 2.50 (default: unlimited).")
+@actor_option
+@json_option
+@_friendly
+def agent_create(
+    name: str, budget_tokens: int | None, budget_cost: str | None, actor: str, as_json: bool
+) -> None:
+    """Create an idle agent called NAME."""
+    cost = None
+    if budget_cost is not None:
+        try:
+            cost = Decimal(budget_cost)
+        except ArithmeticError:
+            raise click.BadParameter(f"{budget_cost!r} is not a number", param_hint="--budget-cost") from None
+    with _client() as client:
+        state = client.create_agent(name, budget_tokens=budget_tokens, budget_cost=cost, actor=actor)
+    _emit(state, as_json, _state_text(state))
+
+
+@agent.command("show")
+@click.argument("agent_ref", metavar="AGENT")
+@json_option
+@_friendly
+def agent_show(agent_ref: str, as_json: bool) -> None:
+    """Show AGENT (id or name)."""
+    with _client() as client:
+        state = client.get_state(agent_ref)
+    _emit(state, as_json, _state_text(state))
+
+
+@agent.command("list")
+@json_option
+@_friendly
+def agent_list(as_json: bool) -> None:
+    """List all agents."""
+    with _client() as client:
+        states = client.list_agents()
+    lines = [f"{s.name:<24} {s.phase:<17} rev {s.revision:<6} {s.request_id or '-'}" for s in states]
+    _emit(states, as_json, "\n".join(lines) or "no agents")
+
+
+@cli.command("submit")
+@click.argument("agent_ref", metavar="AGENT")
+@click.argument("request_id")
+@click.option("--input", "input_text", default="null", help="The request's input as JSON.")
+@click.option("--revision", type=click.IntRange(min=0), help="Expected revision (rejected if stale).")
+@actor_option
+@json_option
+@_friendly
+def submit(agent_ref: str, request_id: str, input_text: str, revision: int | None, actor: str, as_json: bool) -> None:
+    """Start request REQUEST_ID on AGENT (idempotent on REQUEST_ID)."""
+    try:
+        value = json.loads(input_text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
+    with _client() as client:
+        state = client.submit(agent_ref, request_id, value, expected_revision=revision, actor=actor)
+    _emit(state, as_json, _state_text(state))
+
+
+def _decision_command(name: str, help_text: str) -> None:
+    @cli.command(name, help=help_text)
+    @click.argument("agent_ref", metavar="AGENT")
+    @click.option("--revision", type=click.IntRange(min=0), required=name != "cancel", help="Expected revision.")
+    @click.option("--reason", help="Why (journaled).")
+    @actor_option
+    @json_option
+    @_friendly
+    def command(agent_ref: str, revision: int | None, reason: str | None, actor: str, as_json: bool) -> None:
+        with _client() as client:
+            if name == "approve":
+                assert revision is not None
+                state = client.approve(agent_ref, expected_revision=revision, actor=actor)
+            elif name == "reject":
+                assert revision is not None
+                state = client.reject(agent_ref, expected_revision=revision, actor=actor, reason=reason)
+            else:
+                state = client.cancel(agent_ref, expected_revision=revision, actor=actor, reason=reason)
+        _emit(state, as_json, _state_text(state))
+
+
+_decision_command("approve", "Approve AGENT's pending tool call (needs --revision).")
+_decision_command("reject", "Decline AGENT's pending tool call; it goes back to planning (needs --revision).")
+_decision_command("cancel", "Stop AGENT's request in flight: it moves to failed.")
+
+
+# --- journal and audit -----------------------------------------------------------------------------------------
+
+
+def journal_table(events: Sequence[Any]) -> str:
+    """The journal as a fixed-width text table."""
+    header = f"{'seq':>4}  {'at':<15} {'kind':<10} {'event':<16} {'from -> to':<30} {'rev':>4}  {'actor':<12} decision"
+    lines = [header]
+    for e in events:
+        move = f"{e.from_phase} -> {e.to_phase}" if e.from_phase != e.to_phase else str(e.to_phase)
+        lines.append(
+            f"{e.seq:>4}  {e.at:%H:%M:%S.%f} {e.kind:<10} {e.event:<16} {move:<30} {e.revision:>4}  "
+            f"{e.actor[:12]:<12} {e.decision}"
+        )
+    return "\n".join(lines)
+
+
+@cli.command("journal")
+@click.option("--agent", "agent_ref", help="Only this agent (id or name).")
+@click.option("--request-id", help="Only this request.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many events.")
+@json_option
+@_friendly
+def journal_cmd(agent_ref: str | None, request_id: str | None, limit: int | None, as_json: bool) -> None:
+    """Show journal events, oldest first."""
+    with _client() as client:
+        events = client.journal(agent_id=agent_ref, request_id=request_id, limit=limit)
+    _emit(events, as_json, journal_table(events) if events else "no events")
+
+
+@cli.group()
+def audit() -> None:
+    """Check the journal's integrity."""
+
+
+@audit.command("verify")
+@json_option
+@_friendly
+def audit_verify(as_json: bool) -> None:
+    """Walk every agent's hash chain; exit 1 at the first broken link of any chain."""
+    from agents import journal
+
+    with _client() as client:
+        report = journal.verify(client.db)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "ok": report.ok,
+                    "agents": report.agents,
+                    "events": report.events,
+                    "breaks": [
+                        {"agent_id": str(b.agent_id), "seq": b.seq, "journal_id": b.journal_id, "reason": b.reason}
+                        for b in report.breaks
+                    ],
+                },
+                indent=2,
+            )
+        )
+    elif report.ok:
+        click.echo(f"ok: {report.events} events in {report.agents} agent chains verified")
+    else:
+        for b in report.breaks:
+            where = f"journal id {b.journal_id}" if b.journal_id is not None else "chain head"
+            click.echo(f"BROKEN agent {b.agent_id} at event {b.seq} ({where}): {b.reason}", err=True)
+    if not report.ok:
+        sys.exit(1)
+
+
+# --- docs ------------------------------------------------------------------------------------------------------
+
+
+@cli.group()
+def docs() -> None:
+    """Generated documentation."""
+
+
+@docs.command("phases")
+@click.option("--output", type=click.Path(path_type=Path), default=DOCS_PHASES, show_default=True)
+@click.option("--check", is_flag=True, help="Exit 1 if the file differs from the phase table instead of writing.")
+def docs_phases(output: Path, check: bool) -> None:
+    """Write the phase diagram (Mermaid) generated from agents/phases.py."""
+    from agents.phases import phases_markdown
+
+    text = phases_markdown()
+    if check:
+        current = output.read_text() if output.exists() else ""
+        if current != text:
+            raise click.ClickException(f"{output} is out of date: run `keel docs phases`")
+        click.echo(f"{output} matches the phase table")
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    click.echo(f"wrote {output}")
+
+
+# --- demo and dev ----------------------------------------------------------------------------------------------
+
+
+@cli.command("demo")
+@_friendly
+def demo() -> None:
+    """Run agents through their phases and show the transitions and the journal."""
+    from agents.demo import run_demo
+
+    sys.exit(run_demo(_settings(), click.echo))
+
+
+@cli.group()
+def dev() -> None:
+    """The embedded development servers under ./.keel/."""
+
+
+@dev.command("status")
+@json_option
+def dev_status(as_json: bool) -> None:
+    """Show whether the embedded PostgreSQL and Redis are running."""
+    from models import embedded
+
+    home = _settings().home
+    statuses = [embedded.postgres_status(home), embedded.redis_status(home)]
+    if as_json:
+        data = {
+            s.name: {"running": s.running, "pid": s.pid, "url": s.url, "data_dir": str(s.data_dir)} for s in statuses
+        }
+        click.echo(json.dumps(data, indent=2))
+        return
+    for s in statuses:
+        state = f"running (pid {s.pid})  {s.url}" if s.running else "stopped"
+        click.echo(f"{s.name:<9} {state}  data: {s.data_dir}")
+
+
+@dev.command("stop")
+def dev_stop() -> None:
+    """Stop the embedded PostgreSQL and Redis (their data stays in ./.keel/)."""
+    from models import embedded
+
+    home = _settings().home
+    for name, stop in (("postgres", embedded.stop_postgres), ("redis", embedded.stop_redis)):
+        click.echo(f"{name:<9} {'stopped' if stop(home) else 'was not running'}")
+
+
+def main() -> None:
+    cli(prog_name="keel")
