@@ -144,9 +144,7 @@ def agent() -> None:
 @actor_option
 @json_option
 @_friendly
-def agent_create(
-    name: str, budget_tokens: int | None, budget_cost: str | None, actor: str, as_json: bool
-) -> None:
+def agent_create(name: str, budget_tokens: int | None, budget_cost: str | None, actor: str, as_json: bool) -> None:
     """Create an idle agent called NAME."""
     cost = None
     if budget_cost is not None:
@@ -277,7 +275,12 @@ def audit_verify(as_json: bool) -> None:
                     "agents": report.agents,
                     "events": report.events,
                     "breaks": [
-                        {"agent_id": str(b.agent_id), "seq": b.seq, "journal_id": b.journal_id, "reason": b.reason}
+                        {
+                            "agent_id": str(b.agent_id),
+                            "seq": b.seq,
+                            "journal_id": b.journal_id,
+                            "reason": b.reason,
+                        }
                         for b in report.breaks
                     ],
                 },
@@ -368,4 +371,19 @@ def dev_stop() -> None:
 
 
 def main() -> None:
-    cli(prog_name="keel")
+    """Entry point: every error is one line on stderr (no usage dump, no traceback) and a non-zero status."""
+    try:
+        status = cli.main(prog_name="keel", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("keel: aborted", err=True)
+        sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        click.echo(exc.format_message(), err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        message = " ".join(exc.format_message().split())
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            message += f" (see '{exc.ctx.command_path} --help')"
+        click.echo(f"keel: error: {message}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(status if isinstance(status, int) else 0)

@@ -93,7 +93,7 @@ class Client:
     ) -> AgentState:
         """Create an idle agent at revision 0. Budgets of None mean unlimited."""
         try:
-            spec = NewAgent(name=name, budget_tokens=budget_tokens, budget_cost=budget_cost)
+            spec = NewAgent.model_validate({"name": name, "budget_tokens": budget_tokens, "budget_cost": budget_cost})
         except ValidationError as exc:
             raise InvalidInput(f"cannot create agent: {_first_error(exc)}") from None
         row = core.create_agent(
@@ -118,7 +118,10 @@ class Client:
         Deadlines are absolute (timezone-aware) or relative to now.
         """
         at = core.now()
-        soft, hard = _deadline("soft_deadline", soft_deadline, at), _deadline("hard_deadline", hard_deadline, at)
+        soft, hard = (
+            _deadline("soft_deadline", soft_deadline, at),
+            _deadline("hard_deadline", hard_deadline, at),
+        )
         if hard is not None and hard <= at:
             raise InvalidInput(f"hard_deadline {hard.isoformat()} has passed already")
         input_json = self._input_json(input)
@@ -144,7 +147,12 @@ class Client:
         return self._command(agent_id, Event.REJECT, expected_revision, actor, reason)
 
     def cancel(
-        self, agent_id: AgentRef, *, expected_revision: int | None = None, actor: str, reason: str | None = None
+        self,
+        agent_id: AgentRef,
+        *,
+        expected_revision: int | None = None,
+        actor: str,
+        reason: str | None = None,
     ) -> AgentState:
         """Stop the request in flight: any active phase moves to failed."""
         return self._command(agent_id, Event.CANCEL, expected_revision, actor, reason)
@@ -152,7 +160,9 @@ class Client:
     def _command(
         self, agent: AgentRef, event: Event, expected_revision: int | None, actor: str, reason: str | None
     ) -> AgentState:
-        if expected_revision is not None and (isinstance(expected_revision, bool) or not isinstance(expected_revision, int)):
+        if expected_revision is not None and (
+            isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
+        ):
             raise InvalidInput(f"expected_revision must be an integer, got {expected_revision!r}")
         details = {} if reason is None else {"reason": reason}
         command = Command(

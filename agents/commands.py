@@ -112,4 +112,3 @@ def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUI
             hard_deadline=command.hard_deadline,
         )
     return Accept(after)
-

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
-from uuid import UUID
 
 import psycopg
 import sqlalchemy.exc
@@ -63,16 +62,17 @@ def _message(exc: BaseException | None) -> str:
     return str(primary or exc).strip()
 
 
-def create_agent(
-    db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str
-) -> AgentRow:
+def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str) -> AgentRow:
     """Insert a new idle agent at revision 0 and start its journal chain with a ``created`` event."""
     at = now()
     with store_errors(), db.transaction() as cur:
         row = insert_agent_txn(cur, name=name, budget_tokens=budget_tokens, budget_cost=budget_cost, at=at)
         if row is None:
             raise AgentExists(name)
-        details = {"budget_tokens": budget_tokens, "budget_cost": None if budget_cost is None else str(budget_cost)}
+        details = {
+            "budget_tokens": budget_tokens,
+            "budget_cost": None if budget_cost is None else str(budget_cost),
+        }
         link = journal.append_side_event_txn(
             cur, row, kind="created", event="create", actor=actor, decision="accepted", details=details, at=at
         )
@@ -186,4 +186,3 @@ def _journal_rejection(db: Database, command: Command, decision: Reject) -> None
             details=details,
             at=now(),
         )
-

@@ -98,7 +98,10 @@ def _approval_story(client: Client, echo: Echo, check: Checks) -> None:
         echo(f"  {'dave cancels the finished request':<44} rejected: {exc}")
         check("cancelling a finished request is refused", "submit" in exc.allowed)
     after = client.get_state(agent.id)
-    check("rejections left the agent as it was", (after.phase, after.revision) == ("done", approved.revision + 2))
+    check(
+        "rejections left the agent as it was",
+        (after.phase, after.revision) == ("done", approved.revision + 2),
+    )
 
     events = client.journal(agent_id=agent.id)
     echo(f"\nJournal of {agent.name}:")
@@ -106,7 +109,10 @@ def _approval_story(client: Client, echo: Echo, check: Checks) -> None:
     revisions = [e.revision for e in events if e.kind == "transition"]
     check("journal revisions are 1..N with no gap", revisions == list(range(1, after.revision + 1)))
     kinds = [e.kind for e in events]
-    check("rejected and suppressed commands are journaled", kinds.count("rejected") == 2 and "suppressed" in kinds)
+    check(
+        "rejected and suppressed commands are journaled",
+        kinds.count("rejected") == 2 and "suppressed" in kinds,
+    )
 
 
 def _race(client: Client, echo: Echo, check: Checks) -> None:

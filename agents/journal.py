@@ -181,9 +181,26 @@ _CHAIN_QUERY = (
 )
 
 
-def _first_break(rows: Iterator[tuple[Any, ...]], agent_id: UUID, head_seq: int, head: str) -> tuple[int, ChainBreak | None]:
+def _first_break(
+    rows: Iterator[tuple[Any, ...]], agent_id: UUID, head_seq: int, head: str
+) -> tuple[int, ChainBreak | None]:
     expected_prev, expected_seq, count = GENESIS_HASH, 1, 0
-    for jid, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details, at, prev, digest in rows:
+    for (
+        jid,
+        seq,
+        kind,
+        event,
+        actor,
+        request_id,
+        from_phase,
+        to_phase,
+        revision,
+        decision,
+        details,
+        at,
+        prev,
+        digest,
+    ) in rows:
         count += 1
         if seq != expected_seq:
             return count, ChainBreak(agent_id, expected_seq, jid, f"event {expected_seq} is missing (found {seq})")
@@ -207,11 +224,14 @@ def _first_break(rows: Iterator[tuple[Any, ...]], agent_id: UUID, head_seq: int,
         if recomputed != digest:
             return count, ChainBreak(agent_id, seq, jid, "the event's content does not match its hash")
         expected_prev, expected_seq = digest, seq + 1
-    if expected_seq - 1 != head_seq or expected_prev != head:
-        reason = f"the chain ends at event {expected_seq - 1} but the agent's head is event {head_seq}"
-        if expected_seq - 1 == head_seq:
-            reason = "the agent's head hash does not match its last event"
-        return count, ChainBreak(agent_id, expected_seq - 1, None, reason)
+    last = expected_seq - 1
+    if last < head_seq:
+        reason = (
+            f"event {expected_seq} is missing: the chain ends at event {last} but the agent's head is event {head_seq}"
+        )
+        return count, ChainBreak(agent_id, expected_seq, None, reason)
+    if last > head_seq or expected_prev != head:
+        return count, ChainBreak(agent_id, last, None, "the agent's head does not match its last event")
     return count, None
 
 

@@ -22,6 +22,7 @@ class Phase(StrEnum):
 class Event(StrEnum):
     SUBMIT = "submit"  # a producer starts a new request
     PLAN = "plan"  # the model chose tool calls to run
+    PROGRESS = "progress"  # a step finished (result, usage recorded); the phase stays
     OBSERVE = "observe"  # tool results go back to the model
     REQUEST_APPROVAL = "request_approval"  # a tool call needs a person
     APPROVE = "approve"
@@ -48,7 +49,9 @@ def _moves() -> tuple[Move, ...]:
     moves = [
         *(Move(phase, Event.SUBMIT, Phase.PLANNING) for phase in (Phase.IDLE, Phase.DONE, Phase.FAILED)),
         Move(Phase.PLANNING, Event.PLAN, Phase.EXECUTING),
+        Move(Phase.PLANNING, Event.PROGRESS, Phase.PLANNING),
         Move(Phase.PLANNING, Event.FINISH, Phase.DONE),
+        Move(Phase.EXECUTING, Event.PROGRESS, Phase.EXECUTING),
         Move(Phase.EXECUTING, Event.OBSERVE, Phase.PLANNING),
         Move(Phase.EXECUTING, Event.REQUEST_APPROVAL, Phase.WAITING_APPROVAL),
         Move(Phase.EXECUTING, Event.FINISH, Phase.DONE),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from alembic import context
 from sqlalchemy import create_engine, pool
 
+from alembic import context
 from models.embedded import database_url_for
 from models.settings import Settings
 from models.tables import AUDIT_SCHEMA, metadata

@@ -1,0 +1,28 @@
+# Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
+PY ?= .venv/bin/python
+
+.PHONY: install check lint types test bench docs demo
+
+install:
+	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
+
+check: lint types test
+
+lint:
+	$(PY) -m ruff check agents tasks models tests bench alembic
+	$(PY) -m ruff format --check agents tasks models tests bench alembic
+
+types:
+	$(PY) -m mypy
+
+test:
+	$(PY) -m pytest
+
+bench:
+	$(PY) -m bench.transitions
+
+docs:
+	.venv/bin/keel docs phases
+
+demo:
+	.venv/bin/keel demo

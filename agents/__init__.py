@@ -1,0 +1,1 @@
+"""The agent core: phase machine, the single transition handler, keys, policies, producer client and CLI."""

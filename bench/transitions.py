@@ -1,0 +1,230 @@
+"""Benchmark: transitions through ``agents.core.transition()`` beside a raw psycopg baseline, in the same run.
+
+The baseline runs the same statements with no Keel code around them — ``SELECT … FOR UPDATE`` on the agent row,
+``UPDATE`` it, ``INSERT`` one journal event, ``COMMIT`` — on its own connections and its own agents, with the same
+threads. Scenarios:
+
+  (a) one connection, one agent
+  (b) 8 connections over 1,000 agents (each connection works through its own share of them)
+  (c) 8 connections on one agent (every transaction waits for the row lock)
+
+Run with ``make bench`` (or ``python -m bench.transitions``). Uses KEEL_DATABASE_URL's server, else the embedded one;
+the benchmark creates and drops a database of its own there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from agents.commands import Command
+from agents.core import create_agent, transition
+from agents.phases import Event, Phase
+from models import migrations
+from models.db import Database
+from models.embedded import database_url_for
+from models.settings import Settings
+from models.urls import libpq_url, with_database
+
+Step = Callable[[int], None]  # does one transition; the argument is the iteration number
+
+
+@dataclass
+class Result:
+    label: str
+    count: int
+    seconds: float
+    latencies: list[float]
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds
+
+    def pct(self, p: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1000
+
+
+def run_threads(label: str, steps: list[Step], duration: float) -> Result:
+    """Each thread runs its own step function for ``duration`` seconds; all start together."""
+    barrier = threading.Barrier(len(steps) + 1)
+    stop = threading.Event()
+    per_thread: list[list[float]] = [[] for _ in steps]
+
+    def loop(n: int) -> None:
+        lat = per_thread[n]
+        step = steps[n]
+        barrier.wait()
+        i = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            step(i)
+            lat.append(time.perf_counter() - t0)
+            i += 1
+
+    threads = [threading.Thread(target=loop, args=(n,)) for n in range(len(steps))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    time.sleep(duration)
+    stop.set()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    latencies = [x for lat in per_thread for x in lat]
+    return Result(label, len(latencies), elapsed, latencies)
+
+
+# --- the raw baseline ------------------------------------------------------------------------------------------
+
+RAW_LOCK = "SELECT phase, revision, journal_seq, journal_head FROM agents WHERE id = %s FOR UPDATE"
+RAW_UPDATE = (
+    "UPDATE agents SET phase = %s, revision = %s, updated_at = %s, journal_seq = %s, journal_head = %s WHERE id = %s"
+)
+RAW_INSERT = (
+    "INSERT INTO audit.journal (agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision,"
+    " decision, details, at, prev_hash, hash) VALUES (%s, %s, 'transition', %s, 'bench', NULL, %s, %s, %s,"
+    " 'accepted', '{}', %s, %s, %s)"
+)
+FLIP = {"planning": ("executing", "plan"), "executing": ("planning", "observe")}
+
+
+def raw_step(conn: psycopg.Connection[Any], agents: list[UUID], *, flip: bool) -> Step:
+    def step(i: int) -> None:
+        agent_id = agents[i % len(agents)]
+        with conn.cursor() as cur:
+            cur.execute(RAW_LOCK, (agent_id,))
+            phase, revision, seq, head = cur.fetchone()  # type: ignore[misc]
+            target, event = FLIP[phase] if flip else (phase, "progress")
+            digest = hashlib.sha256(f"{head}{seq + 1}".encode()).hexdigest()
+            at = datetime.now(UTC)
+            cur.execute(RAW_UPDATE, (target, revision + 1, at, seq + 1, digest, agent_id))
+            cur.execute(RAW_INSERT, (agent_id, seq + 1, event, phase, target, revision + 1, at, head, digest))
+        conn.commit()
+
+    return step
+
+
+# --- through Keel ----------------------------------------------------------------------------------------------
+
+
+def keel_step(db: Database, agents: list[UUID], phases: dict[UUID, Phase], *, flip: bool) -> Step:
+    def step(i: int) -> None:
+        agent_id = agents[i % len(agents)]
+        if flip:
+            event = Event.PLAN if phases[agent_id] is Phase.PLANNING else Event.OBSERVE
+        else:
+            event = Event.PROGRESS
+        result = transition(db, Command(agent_id, event, "bench"))
+        if flip:
+            phases[agent_id] = Phase(result.agent.phase)
+
+    return step
+
+
+def make_agents(db: Database, prefix: str, n: int) -> list[UUID]:
+    ids = []
+    for k in range(n):
+        row = create_agent(db, f"{prefix}-{k}", budget_tokens=None, budget_cost=None, actor="bench")
+        transition(db, Command(row.id, Event.SUBMIT, "bench", request_id=f"{prefix}-{k}-r"))
+        ids.append(row.id)
+    return ids
+
+
+def report(name: str, raw: list[Result], keel: list[Result]) -> float:
+    raw_rate = statistics.mean(r.rate for r in raw)
+    keel_rate = statistics.mean(r.rate for r in keel)
+    ratio = keel_rate / raw_rate
+    print(f"\n{name}")
+    for label, runs in (("raw psycopg", raw), ("keel transition()", keel)):
+        lat = [x for r in runs for x in r.latencies]
+        merged = Result(label, sum(r.count for r in runs), sum(r.seconds for r in runs), lat)
+        print(
+            f"  {label:<18} {merged.rate:>8.0f} transitions/s   p50 {merged.pct(50):6.2f} ms   "
+            f"p95 {merged.pct(95):6.2f} ms   p99 {merged.pct(99):6.2f} ms   ({merged.count} in {merged.seconds:.1f}s)"
+        )
+    print(f"  ratio keel/raw     {ratio:.2f}x")
+    return ratio
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measured run (default 4)")
+    parser.add_argument("--rounds", type=int, default=2, help="raw/keel alternations per scenario (default 2)")
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--agents", type=int, default=1000)
+    args = parser.parse_args(argv)
+
+    server = database_url_for(Settings())
+    name = f"keel_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(libpq_url(with_database(server, "postgres")), autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = with_database(server, name)
+    try:
+        migrations.upgrade(url)
+        db = Database(url, pool_size=args.threads + 2)
+        print(f"transition benchmark on {name}: {args.duration}s runs, {args.rounds} rounds, threads={args.threads}")
+        print("setting up agents ...", flush=True)
+        keel_many, raw_many = make_agents(db, "k", args.agents), make_agents(db, "r", args.agents)
+        keel_one, raw_one = make_agents(db, "k1", 1), make_agents(db, "r1", 1)
+        keel_hot, raw_hot = make_agents(db, "kh", 1), make_agents(db, "rh", 1)
+        phases = dict.fromkeys(keel_many + keel_one + keel_hot, Phase.PLANNING)
+        raw_conns = [psycopg.connect(libpq_url(url)) for _ in range(args.threads)]
+
+        def shares(ids: list[UUID]) -> list[list[UUID]]:
+            shuffled = random.Random(7).sample(ids, len(ids))
+            return [shuffled[n :: args.threads] for n in range(args.threads)]
+
+        scenarios = [
+            (
+                "(a) 1 connection, 1 agent",
+                [raw_step(raw_conns[0], raw_one, flip=True)],
+                [keel_step(db, keel_one, phases, flip=True)],
+            ),
+            (
+                f"(b) {args.threads} connections over {args.agents} agents",
+                [raw_step(c, s, flip=True) for c, s in zip(raw_conns, shares(raw_many), strict=True)],
+                [keel_step(db, s, phases, flip=True) for s in shares(keel_many)],
+            ),
+            (
+                f"(c) {args.threads} connections on 1 agent",
+                [raw_step(c, raw_hot, flip=False) for c in raw_conns],
+                [keel_step(db, keel_hot, phases, flip=False) for _ in range(args.threads)],
+            ),
+        ]
+        ratios = {}
+        for label, raw_steps, keel_steps in scenarios:
+            run_threads("warm-up", raw_steps, 0.5)
+            run_threads("warm-up", keel_steps, 0.5)
+            raw_runs, keel_runs = [], []
+            for _ in range(args.rounds):
+                raw_runs.append(run_threads("raw", raw_steps, args.duration))
+                keel_runs.append(run_threads("keel", keel_steps, args.duration))
+            ratios[label] = report(label, raw_runs, keel_runs)
+        for conn in raw_conns:
+            conn.close()
+        db.dispose()
+        target = ratios[scenarios[1][0]]
+        print(f"\ntarget: (b) at least 0.70x the raw baseline -> {target:.2f}x {'met' if target >= 0.7 else 'NOT MET'}")
+    finally:
+        with psycopg.connect(libpq_url(with_database(server, "postgres")), autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Shared fixtures: real PostgreSQL, one database per test cloned from a migrated template.
+
+Where the servers come from: ``KEEL_TEST_DATABASE_URL`` if set, else the local server on 127.0.0.1:5432. If that is
+unreachable, CI (``CI=true``) fails loudly; anywhere else the embedded PostgreSQL under ./.keel/test is started.
+Tests never skip for a missing service.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+# Tests decide their own configuration: nothing from the developer's shell leaks in.
+for _name in [n for n in os.environ if n.startswith("KEEL_") and not n.startswith("KEEL_TEST_")]:
+    del os.environ[_name]
+
+from agents.client import Client  # noqa: E402
+from models import migrations  # noqa: E402
+from models.db import Database  # noqa: E402
+from models.urls import libpq_url, with_database  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def _reachable(url: str) -> str | None:
+    try:
+        with psycopg.connect(libpq_url(url), connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> str:
+    """URL of a PostgreSQL server where the tests may create and drop databases (as a superuser)."""
+    explicit = os.environ.get("KEEL_TEST_DATABASE_URL")
+    url = explicit or LOCAL_POSTGRES
+    problem = _reachable(url)
+    if problem is None:
+        return url
+    if explicit or IN_CI:
+        pytest.exit(f"PostgreSQL at {url} is unreachable ({problem}); CI=true or an explicit URL: failing", 3)
+    from models.embedded import start_postgres
+
+    return start_postgres(ROOT / ".keel" / "test")
+
+
+def _admin(server_url: str) -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(libpq_url(with_database(server_url, "postgres")), autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server_url: str) -> Iterator[str]:
+    """A database migrated to head, used as the template of every test database."""
+    name = f"keel_tpl_{uuid.uuid4().hex[:10]}"
+    with _admin(pg_server_url) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = with_database(pg_server_url, name)
+    migrations.upgrade(url)
+    yield name
+    with _admin(pg_server_url) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def db_url(pg_server_url: str, template_db: str) -> Iterator[str]:
+    """A fresh migrated database of this test's own."""
+    name = f"keel_t_{uuid.uuid4().hex[:12]}"
+    with _admin(pg_server_url) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    yield with_database(pg_server_url, name)
+    with _admin(pg_server_url) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def empty_db_url(pg_server_url: str) -> Iterator[str]:
+    """A fresh database with no schema at all (for migration tests)."""
+    name = f"keel_e_{uuid.uuid4().hex[:12]}"
+    with _admin(pg_server_url) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield with_database(pg_server_url, name)
+    with _admin(pg_server_url) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    database = Database(db_url, pool_size=12)
+    yield database
+    database.dispose()
+
+
+@pytest.fixture
+def client(db: Database) -> Client:
+    return Client(db)
+
+
+@pytest.fixture
+def raw(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A superuser psycopg connection to the test database, autocommit, for poking at tables directly."""
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        yield conn

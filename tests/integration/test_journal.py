@@ -1,0 +1,138 @@
+"""The journal is append-only, and `keel audit verify` finds any tampering with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from agents import journal
+from agents.client import Client
+from agents.commands import Command
+from agents.core import transition
+from agents.errors import StaleRevision
+from agents.phases import Event
+from models.db import Database
+
+pytestmark = pytest.mark.integration
+
+
+def _history(client: Client) -> Any:
+    agent = client.create_agent("audited")
+    client.submit(agent.id, "r1", {"q": 1.5, "nested": {"b": [1, 2], "a": None}})
+    transition(client.db, Command(agent.id, Event.PLAN, "worker", details={"model": "m", "ratio": 0.1}))
+    with pytest.raises(StaleRevision):
+        client.cancel(agent.id, expected_revision=0, actor="late")
+    client.submit(agent.id, "r1", None)  # suppressed
+    transition(client.db, Command(agent.id, Event.FINISH, "worker"))
+    client.create_agent("bystander")
+    return agent
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE audit.journal SET actor = 'mallory'",
+        "DELETE FROM audit.journal WHERE seq = 2",
+        "TRUNCATE audit.journal",
+    ],
+)
+def test_journal_refuses_update_delete_and_truncate(
+    client: Client, raw: psycopg.Connection[Any], statement: str
+) -> None:
+    _history(client)
+    before = raw.execute("SELECT id, actor, hash FROM audit.journal ORDER BY id").fetchall()
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="append-only"):
+        raw.execute(statement)
+    assert raw.execute("SELECT id, actor, hash FROM audit.journal ORDER BY id").fetchall() == before
+
+
+def test_verify_passes_on_an_intact_journal(client: Client, db: Database) -> None:
+    _history(client)
+    report = journal.verify(db)
+    assert report.ok and report.agents == 2
+    assert report.events == len(client.journal())
+
+
+def _tamper(raw: psycopg.Connection[Any], sql: str, *params: Any) -> None:
+    # A superuser can switch the triggers off; the hash chain still tells.
+    raw.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")
+    raw.execute(sql, params)
+    raw.execute("ALTER TABLE audit.journal ENABLE TRIGGER USER")
+
+
+@pytest.mark.parametrize(
+    ("sql", "seq", "reason"),
+    [
+        (
+            "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 3",
+            3,
+            "content does not match",
+        ),
+        (
+            'UPDATE audit.journal SET details = \'{"model":"m","ratio":0.2}\' WHERE agent_id = %s AND seq = 3',
+            3,
+            "content does not match",
+        ),
+        (
+            "UPDATE audit.journal SET at = at + interval '1 microsecond' WHERE agent_id = %s AND seq = 4",
+            4,
+            "content does not match",
+        ),
+        ("DELETE FROM audit.journal WHERE agent_id = %s AND seq = 2", 2, "event 2 is missing"),
+        ("DELETE FROM audit.journal WHERE agent_id = %s AND seq = 6", 6, "chain ends at event 5"),
+    ],
+)
+def test_verify_reports_the_first_broken_link(
+    client: Client, db: Database, raw: psycopg.Connection[Any], sql: str, seq: int, reason: str
+) -> None:
+    agent = _history(client)
+    _tamper(raw, sql, agent.id)
+    report = journal.verify(db)
+    assert not report.ok
+    assert len(report.breaks) == 1, "only the tampered agent's chain breaks"
+    broken = report.breaks[0]
+    assert (broken.agent_id, broken.seq) == (agent.id, seq)
+    assert reason in broken.reason
+
+
+def test_verify_catches_a_rewritten_event_with_a_recomputed_hash(
+    client: Client, db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    """Re-hashing a forged event is not enough: the next event's prev_hash still points at the original."""
+    agent = _history(client)
+    events = client.journal(agent_id=agent.id)
+    forged = events[2]
+    new_hash = journal.event_hash(
+        prev_hash=forged.prev_hash,
+        agent_id=forged.agent_id,
+        seq=forged.seq,
+        kind=forged.kind,
+        event=forged.event,
+        actor="mallory",
+        request_id=forged.request_id,
+        from_phase=forged.from_phase,
+        to_phase=forged.to_phase,
+        revision=forged.revision,
+        decision=forged.decision,
+        details_json=journal.canonical_json(forged.details),
+        at=forged.at,
+    )
+    _tamper(raw, "UPDATE audit.journal SET actor = 'mallory', hash = %s WHERE id = %s", new_hash, forged.id)
+    report = journal.verify(db)
+    assert [(b.seq, b.reason) for b in report.breaks] == [(4, "prev_hash does not match the previous event's hash")]
+
+
+def test_the_database_refuses_a_revision_that_skips_or_repeats(client: Client, raw: psycopg.Connection[Any]) -> None:
+    agent = client.create_agent("guarded")
+    client.submit(agent.id, "r1", None)
+    with pytest.raises(psycopg.errors.RaiseException, match="revision must go from 1 to 2, not to 3"):
+        raw.execute("UPDATE agents SET revision = 3, phase = 'done' WHERE id = %s", (agent.id,))
+    with pytest.raises(psycopg.errors.RaiseException, match="must bump the revision"):
+        raw.execute("UPDATE agents SET phase = 'done' WHERE id = %s", (agent.id,))
+    with pytest.raises(psycopg.errors.CheckViolation, match="ck_agents_phase"):
+        raw.execute("UPDATE agents SET phase = 'dreaming', revision = 2 WHERE id = %s", (agent.id,))
+    with pytest.raises(psycopg.errors.CheckViolation, match="budget_tokens"):
+        raw.execute("UPDATE agents SET budget_tokens = -1 WHERE id = %s", (agent.id,))
+    assert client.get_state(agent.id).revision == 1

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from agents.commands import Accept, Command, Reject, Suppress, decide
+from agents.errors import IllegalTransition, InvalidInput, RequestConflict, StaleRevision
+from agents.phases import Event
+from models.schemas import AgentRow
+from models.tables import GENESIS_HASH
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def row(phase: str = "idle", revision: int = 0, request_id: str | None = None) -> AgentRow:
+    return AgentRow(
+        id=uuid.UUID(int=1),
+        name="a",
+        phase=phase,
+        revision=revision,
+        request_id=request_id,
+        soft_deadline=None,
+        hard_deadline=None,
+        budget_tokens=None,
+        budget_cost=None,
+        spent_tokens=0,
+        spent_cost=Decimal(0),
+        created_at=NOW,
+        updated_at=NOW,
+        journal_seq=1,
+        journal_head=GENESIS_HASH,
+    )
+
+
+def cmd(event: Event, **kw: object) -> Command:
+    return Command(agent_id=uuid.UUID(int=1), event=event, actor="t", **kw)  # type: ignore[arg-type]
+
+
+def test_accepted_move_bumps_revision_by_one_and_sets_the_target() -> None:
+    result = decide(row("planning", 4, "r"), cmd(Event.PLAN, expected_revision=4), NOW)
+    assert isinstance(result, Accept)
+    assert (result.after.phase, result.after.revision, result.after.updated_at) == ("executing", 5, NOW)
+
+
+def test_stale_revision_carries_the_current_one() -> None:
+    result = decide(row("planning", 4, "r"), cmd(Event.PLAN, expected_revision=3), NOW)
+    assert isinstance(result, Reject) and isinstance(result.error, StaleRevision)
+    assert (result.error.current_revision, result.error.expected_revision, result.decision) == (
+        4,
+        3,
+        "stale_revision",
+    )
+
+
+def test_illegal_move_names_the_allowed_events() -> None:
+    result = decide(row("done", 2, "r"), cmd(Event.CANCEL), NOW)
+    assert isinstance(result, Reject) and isinstance(result.error, IllegalTransition)
+    assert result.error.allowed == ("submit",)
+    assert "allowed: submit" in str(result.error)
+
+
+def test_repeat_submit_is_suppressed_even_with_an_old_revision() -> None:
+    result = decide(row("executing", 7, "r1"), cmd(Event.SUBMIT, request_id="r1", expected_revision=0), NOW)
+    assert result == Suppress("duplicate_request")
+
+
+def test_submit_of_an_older_request_of_the_same_agent_is_suppressed() -> None:
+    result = decide(row("done", 7, "r2"), cmd(Event.SUBMIT, request_id="r1"), NOW, request_owner=uuid.UUID(int=1))
+    assert result == Suppress("duplicate_request")
+
+
+def test_submit_of_another_agents_request_is_a_conflict() -> None:
+    other = uuid.UUID(int=2)
+    result = decide(row("idle"), cmd(Event.SUBMIT, request_id="r1"), NOW, request_owner=other)
+    assert isinstance(result, Reject) and isinstance(result.error, RequestConflict)
+    assert result.error.owner == other
+
+
+def test_submit_sets_request_and_deadlines() -> None:
+    soft, hard = NOW + timedelta(minutes=1), NOW + timedelta(minutes=2)
+    result = decide(
+        row("failed", 3, "old"),
+        cmd(Event.SUBMIT, request_id="new", soft_deadline=soft, hard_deadline=hard),
+        NOW,
+    )
+    assert isinstance(result, Accept)
+    assert (result.after.request_id, result.after.soft_deadline, result.after.hard_deadline) == (
+        "new",
+        soft,
+        hard,
+    )
+    assert (result.after.phase, result.after.revision) == ("planning", 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"event": "teleport"}, "event 'teleport' is unknown"),
+        ({"event": Event.PLAN, "actor": ""}, "actor must be"),
+        ({"event": Event.PLAN, "expected_revision": -1}, "expected_revision must be >= 0"),
+        ({"event": Event.SUBMIT}, "submit needs a request_id"),
+        ({"event": Event.SUBMIT, "request_id": "has space"}, "request_id 'has space' is invalid"),
+        ({"event": Event.PLAN, "request_id": "r"}, "set only by submit"),
+        ({"event": Event.SUBMIT, "request_id": "r", "hard_deadline": datetime(2030, 1, 1)}, "timezone-aware"),
+        (
+            {
+                "event": Event.SUBMIT,
+                "request_id": "r",
+                "soft_deadline": NOW + timedelta(2),
+                "hard_deadline": NOW,
+            },
+            "soft_deadline must not be after hard_deadline",
+        ),
+    ],
+)
+def test_malformed_commands_are_refused_with_the_rule(kwargs: dict[str, object], message: str) -> None:
+    kwargs = {"agent_id": uuid.UUID(int=1), "actor": "t", **kwargs}
+    with pytest.raises(InvalidInput, match=message):
+        Command(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from models.settings import Settings
+from models.urls import libpq_url, sqlalchemy_url
+
+
+def test_plain_psql_url_gets_the_psycopg_driver() -> None:
+    assert sqlalchemy_url("postgresql://root@127.0.0.1:5432/test") == "postgresql+psycopg://root@127.0.0.1:5432/test"
+    assert sqlalchemy_url("postgres://u:p@h/db") == "postgresql+psycopg://u:p@h/db"
+    assert libpq_url("postgresql+psycopg://u@h:1/db") == "postgresql://u@h:1/db"
+
+
+def test_settings_read_keel_prefixed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_DATABASE_URL", "postgresql://root@127.0.0.1:5432/test")
+    monkeypatch.setenv("KEEL_BROKER_URL", "redis://127.0.0.1:6379/3")
+    settings = Settings()
+    assert settings.database_url == "postgresql+psycopg://root@127.0.0.1:5432/test"
+    assert settings.broker_url == "redis://127.0.0.1:6379/3"
+    assert not settings.uses_embedded
+
+
+def test_nothing_set_means_embedded() -> None:
+    assert Settings().uses_embedded
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"database_url": "mysql://root@localhost/db"}, "Keel needs PostgreSQL"),
+        ({"broker_url": "amqp://guest@localhost//"}, "must be a redis:// URL"),
+        ({"environment": "production"}, "production needs KEEL_DATABASE_URL and KEEL_BROKER_URL"),
+        ({"db_pool_size": 0}, "greater than or equal to 1"),
+    ],
+)
+def test_unsafe_or_malformed_settings_are_refused(env: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings(**env)  # type: ignore[arg-type]
