@@ -175,9 +175,14 @@ class VerifyReport:
         return not self.breaks
 
 
+# The hashed fields, in event_hash's keyword names; the chain query selects them in this order after id and hash.
+_HASHED = (
+    "prev_hash", "seq", "kind", "event", "actor", "request_id", "from_phase", "to_phase", "revision", "decision",
+    "details_json", "at",
+)  # fmt: skip
 _CHAIN_QUERY = (
-    "SELECT id, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details::text,"
-    " at, prev_hash, hash FROM audit.journal WHERE agent_id = %s ORDER BY seq"
+    "SELECT id, hash, prev_hash, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision,"
+    " details::text, at FROM audit.journal WHERE agent_id = %s ORDER BY seq"
 )
 
 
@@ -185,43 +190,15 @@ def _first_break(
     rows: Iterator[tuple[Any, ...]], agent_id: UUID, head_seq: int, head: str
 ) -> tuple[int, ChainBreak | None]:
     expected_prev, expected_seq, count = GENESIS_HASH, 1, 0
-    for (
-        jid,
-        seq,
-        kind,
-        event,
-        actor,
-        request_id,
-        from_phase,
-        to_phase,
-        revision,
-        decision,
-        details,
-        at,
-        prev,
-        digest,
-    ) in rows:
+    for jid, digest, *values in rows:
         count += 1
+        fields = dict(zip(_HASHED, values, strict=True))
+        seq = fields["seq"]
         if seq != expected_seq:
             return count, ChainBreak(agent_id, expected_seq, jid, f"event {expected_seq} is missing (found {seq})")
-        if prev != expected_prev:
+        if fields["prev_hash"] != expected_prev:
             return count, ChainBreak(agent_id, seq, jid, "prev_hash does not match the previous event's hash")
-        recomputed = event_hash(
-            prev_hash=prev,
-            agent_id=agent_id,
-            seq=seq,
-            kind=kind,
-            event=event,
-            actor=actor,
-            request_id=request_id,
-            from_phase=from_phase,
-            to_phase=to_phase,
-            revision=revision,
-            decision=decision,
-            details_json=details,
-            at=at,
-        )
-        if recomputed != digest:
+        if event_hash(agent_id=agent_id, **fields) != digest:
             return count, ChainBreak(agent_id, seq, jid, "the event's content does not match its hash")
         expected_prev, expected_seq = digest, seq + 1
     last = expected_seq - 1

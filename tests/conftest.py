@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 # Tests decide their own configuration: nothing from the developer's shell leaks in.
 for _name in [n for n in os.environ if n.startswith("KEEL_") and not n.startswith("KEEL_TEST_")]:
@@ -57,39 +59,41 @@ def _admin(server_url: str) -> psycopg.Connection[tuple[object, ...]]:
     return psycopg.connect(libpq_url(with_database(server_url, "postgres")), autocommit=True)
 
 
+@contextmanager
+def _scratch_database(server_url: str, prefix: str, template: str | None = None) -> Iterator[str]:
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    clause = f' TEMPLATE "{template}"' if template else ""
+    with _admin(server_url) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"{clause}')
+    try:
+        yield with_database(server_url, name)
+    finally:
+        with _admin(server_url) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(scope="session")
 def template_db(pg_server_url: str) -> Iterator[str]:
     """A database migrated to head, used as the template of every test database."""
-    name = f"keel_tpl_{uuid.uuid4().hex[:10]}"
-    with _admin(pg_server_url) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = with_database(pg_server_url, name)
-    migrations.upgrade(url)
-    yield name
-    with _admin(pg_server_url) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _scratch_database(pg_server_url, "keel_tpl") as url:
+        migrations.upgrade(url)
+        name = make_url(url).database
+        assert name is not None
+        yield name
 
 
 @pytest.fixture
 def db_url(pg_server_url: str, template_db: str) -> Iterator[str]:
     """A fresh migrated database of this test's own."""
-    name = f"keel_t_{uuid.uuid4().hex[:12]}"
-    with _admin(pg_server_url) as admin:
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    yield with_database(pg_server_url, name)
-    with _admin(pg_server_url) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _scratch_database(pg_server_url, "keel_t", template_db) as url:
+        yield url
 
 
 @pytest.fixture
 def empty_db_url(pg_server_url: str) -> Iterator[str]:
     """A fresh database with no schema at all (for migration tests)."""
-    name = f"keel_e_{uuid.uuid4().hex[:12]}"
-    with _admin(pg_server_url) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield with_database(pg_server_url, name)
-    with _admin(pg_server_url) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _scratch_database(pg_server_url, "keel_e") as url:
+        yield url
 
 
 @pytest.fixture

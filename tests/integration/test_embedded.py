@@ -20,6 +20,7 @@ KEEL = str(Path(sys.executable).parent / "keel")
 
 
 def keel(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run keel with no server URLs at all, as on a fresh machine: it must use the embedded servers."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env["KEEL_HOME"] = str(home)
     return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=120, check=True)
@@ -38,6 +39,9 @@ def test_embedded_servers_start_report_and_stop(tmp_path: Path) -> None:
         client = redis.Redis.from_url(redis_url)
         assert client.ping()
         client.close()
+        demo = keel(home, "demo")
+        assert f"Keel demo on embedded servers under {home}" in demo.stdout
+        assert "all invariants held" in demo.stdout
         status = json.loads(keel(home, "dev", "status", "--json").stdout)
         assert status["postgres"]["running"] and status["redis"]["running"]
         assert status["redis"]["url"] == redis_url

@@ -1,0 +1,27 @@
+"""Only agents.core.transition() (and create_agent beside it) writes agent rows: the SQL that does lives in
+models/sql.py, and only the core and the journal it calls use those helpers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [p for d in ("agents", "tasks", "models", "alembic") for p in (ROOT / d).rglob("*.py")]
+WRITES = re.compile(
+    r"\b(UPDATE\s+agents|INSERT\s+INTO\s+agents|DELETE\s+FROM\s+agents|agents\.(update|insert|delete)\()", re.IGNORECASE
+)
+HELPERS = ("update_agent_txn", "advance_chain_txn", "insert_agent_txn", "lock_agent_txn")
+
+
+def test_agent_row_sql_lives_only_in_models_sql() -> None:
+    offenders = [str(p.relative_to(ROOT)) for p in SOURCES if WRITES.search(p.read_text()) and p.name != "sql.py"]
+    assert offenders == [], f"agent rows written outside models/sql.py: {offenders}"
+
+
+def test_only_the_core_and_its_journal_call_the_row_writers() -> None:
+    allowed = {"models/sql.py", "agents/core.py", "agents/journal.py"}
+    for path in SOURCES:
+        rel = str(path.relative_to(ROOT))
+        used = [h for h in HELPERS if re.search(rf"\b{h}\b", path.read_text())]
+        assert rel in allowed or not used, f"{rel} calls {used}: only agents/core.py may change an agent row"
