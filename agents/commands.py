@@ -8,15 +8,57 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
-from agents.errors import IllegalTransition, InvalidInput, Rejected, RequestConflict, StaleRevision
-from agents.keys import check_request_id
+from agents.errors import (
+    HardDeadlinePassed,
+    IllegalTransition,
+    InvalidInput,
+    Rejected,
+    RequestConflict,
+    StaleRevision,
+)
+from agents.keys import check_request_id, make_key
 from agents.phases import Event, Phase, allowed_events, target_of
 from models.schemas import AgentRow
 
 ACCEPTED = "accepted"
+NORMAL, LOW = "normal", "low"
+#: Events that may still be applied after the hard deadline: the ones that stop or restart a request.
+AFTER_HARD_DEADLINE = frozenset({Event.CANCEL, Event.FAIL, Event.SUBMIT})
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one step spent: model tokens and money."""
+
+    tokens: int = 0
+    cost: Decimal = Decimal(0)
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or self.cost < 0:
+            raise InvalidInput(f"usage cannot be negative (tokens={self.tokens}, cost={self.cost})")
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.cost)
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A job a transition schedules. Its key is ``{request_id}:{operation}:{target}`` of the agent's request."""
+
+    operation: str
+    target: str
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    run_at: datetime | None = None  # None: now
+    priority: int = 5
+
+    def __post_init__(self) -> None:
+        make_key("r", self.operation, self.target)  # validates both segments
+        if not 0 <= self.priority <= 9:
+            raise InvalidInput(f"job priority must be 0-9, got {self.priority}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +78,9 @@ class Command:
     hard_deadline: datetime | None = None
     reason: str = ACCEPTED
     details: Mapping[str, Any] = field(default_factory=dict)
+    spend: Usage = Usage()
+    jobs: tuple[JobSpec, ...] = ()
+    priority: str | None = None  # "low" demotes the agent's jobs (soft deadline)
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, Event):
@@ -56,6 +101,8 @@ class Command:
                 raise InvalidInput(f"{name} must be timezone-aware")
         if self.soft_deadline and self.hard_deadline and self.soft_deadline > self.hard_deadline:
             raise InvalidInput("soft_deadline must not be after hard_deadline")
+        if self.priority not in (None, NORMAL, LOW):
+            raise InvalidInput(f"priority must be 'normal' or 'low', got {self.priority!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,18 +144,29 @@ def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUI
     if command.expected_revision is not None and command.expected_revision != row.revision:
         error = StaleRevision(agent_id=row.id, expected=command.expected_revision, current=row.revision)
         return Reject(error, "stale_revision")
+    if command.event not in AFTER_HARD_DEADLINE and row.hard_deadline is not None and row.hard_deadline <= now:
+        return Reject(HardDeadlinePassed(agent_id=row.id, hard_deadline=row.hard_deadline), "hard_deadline_passed")
     phase = Phase(row.phase)
     target = target_of(phase, command.event)
     if target is None:
         allowed = [e.value for e in allowed_events(phase)]
         illegal = IllegalTransition(agent_id=row.id, phase=phase.value, event=command.event.value, allowed=allowed)
         return Reject(illegal, "illegal_transition")
-    after = replace(row, phase=target.value, revision=row.revision + 1, updated_at=now)
+    after = replace(
+        row,
+        phase=target.value,
+        revision=row.revision + 1,
+        updated_at=now,
+        spent_tokens=row.spent_tokens + command.spend.tokens,
+        spent_cost=row.spent_cost + command.spend.cost,
+        priority=command.priority or row.priority,
+    )
     if command.event is Event.SUBMIT:
         after = replace(
             after,
             request_id=command.request_id,
             soft_deadline=command.soft_deadline,
             hard_deadline=command.hard_deadline,
+            priority=command.priority or NORMAL,
         )
     return Accept(after)

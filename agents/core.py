@@ -18,10 +18,12 @@ import psycopg
 import sqlalchemy.exc
 
 from agents import journal
-from agents.commands import Accept, Command, Reject, Suppress, decide, is_repeat_submit
+from agents.commands import LOW, Accept, Command, Reject, Suppress, decide, is_repeat_submit
+from agents.jobs import LOW_QUEUE, new_jobs
 from agents.errors import AgentExists, AgentNotFound, StoreError
-from agents.phases import Event
+from agents.phases import RESTING, Event, Phase
 from models.db import Database
+from models.jobs_sql import Due, cancel_agent_jobs_txn, demote_agent_jobs_txn, insert_jobs_txn
 from models.schemas import AgentRow
 from models.sql import LostUpdate, claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
 
@@ -37,6 +39,8 @@ class Transitioned:
     agent: AgentRow
     journal_seq: int
     suppressed: bool = False
+    #: Jobs this transition inserted as ``enqueued``: the caller publishes them now (``publish_due=True``).
+    to_publish: tuple[Due, ...] = ()
 
 
 def now() -> datetime:
@@ -80,7 +84,12 @@ def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_c
 
 
 def transition(
-    db: Database, command: Command, *, input_json: str = "null", effects: EffectsTxn | None = None
+    db: Database,
+    command: Command,
+    *,
+    input_json: str = "null",
+    effects: EffectsTxn | None = None,
+    publish_due: bool = False,
 ) -> Transitioned:
     """Apply ``command`` to its agent: the only way an agent's state changes.
 
@@ -88,6 +97,10 @@ def transition(
     :class:`~agents.errors.RequestConflict` (each journaled as ``rejected``), or
     :class:`~agents.errors.AgentNotFound`. A submit of a request id the agent already had returns the current
     state unchanged, journaled as ``suppressed``. ``input_json`` is a submit's request input.
+
+    In the same transaction it inserts ``command.jobs`` (an existing key is a suppressed duplicate, journaled in the
+    event's details), cancels the agent's live jobs when it comes to rest (done/failed; running ones are fenced off),
+    demotes them to the low queue when ``command.priority`` is low, and runs ``effects``.
     """
     with store_errors():
         at = now()
@@ -121,7 +134,8 @@ def transition(
                 )
                 return Transitioned(replace(row, journal_seq=link.seq, journal_head=link.hash), link.seq, True)
             if isinstance(decision, Accept):
-                return Transitioned(_apply_txn(cur, row, decision.after, command, at, effects), row.journal_seq + 1)
+                after, to_publish = _apply_txn(cur, row, decision.after, command, at, effects, publish_due)
+                return Transitioned(after, after.journal_seq, to_publish=to_publish)
             # Rejected: leave this transaction (it wrote at most the request claim, which must not stay).
             cur.connection.rollback()
         assert isinstance(decision, Reject)
@@ -136,17 +150,37 @@ def _apply_txn(
     command: Command,
     at: datetime,
     effects: EffectsTxn | None,
-) -> AgentRow:
-    # The journal event's hash covers the effects' summary, so effects run before the event is written;
+    publish_due: bool,
+) -> tuple[AgentRow, tuple[Due, ...]]:
+    # The journal event's hash covers what the effects did, so effects run before the event is written;
     # the row is written last, carrying the new chain head.
     details: dict[str, Any] = dict(command.details)
     if command.event is Event.SUBMIT:
         details["soft_deadline"] = after.soft_deadline
         details["hard_deadline"] = after.hard_deadline
+    if command.spend:
+        details["spend"] = {"tokens": command.spend.tokens, "cost": str(command.spend.cost)}
     if effects is not None:
         summary = effects(cur, before, after)
         if summary:
             details["effects"] = dict(summary)
+    to_publish: tuple[Due, ...] = ()
+    if command.jobs:
+        rows = new_jobs(after, command.jobs, at, publish_due=publish_due)
+        inserted, suppressed = insert_jobs_txn(cur, rows, at)
+        details["jobs"] = inserted
+        if suppressed:
+            details["jobs_suppressed"] = suppressed
+        fresh = set(inserted)
+        to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in fresh and r.status == "enqueued")
+    if Phase(after.phase) in RESTING and Phase(before.phase) not in RESTING:
+        cancelled = cancel_agent_jobs_txn(cur, after.id, at, f"agent {after.phase}: {command.reason}")
+        if cancelled:
+            details["jobs_cancelled"] = cancelled
+    if after.priority == LOW and before.priority != LOW:
+        demoted = demote_agent_jobs_txn(cur, after.id, LOW_QUEUE, at)
+        if demoted:
+            details["jobs_demoted"] = demoted
     link = journal.append_txn(
         cur,
         before,
@@ -163,7 +197,7 @@ def _apply_txn(
     )
     after = replace(after, journal_seq=link.seq, journal_head=link.hash)
     update_agent_txn(cur, before, after)
-    return after
+    return after, to_publish
 
 
 def _journal_rejection(db: Database, command: Command, decision: Reject) -> None:

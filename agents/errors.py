@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 
@@ -69,6 +71,54 @@ class RequestConflict(Rejected):
         self.request_id = request_id
         self.owner = owner
         super().__init__(f"request id {request_id!r} already belongs to agent {owner}")
+
+
+class HardDeadlinePassed(Rejected):
+    """The request's hard deadline has passed: only cancel or fail may move the agent now."""
+
+    def __init__(self, *, agent_id: UUID, hard_deadline: datetime) -> None:
+        self.agent_id = agent_id
+        self.hard_deadline = hard_deadline
+        super().__init__(f"agent {agent_id}'s hard deadline {hard_deadline.isoformat()} has passed")
+
+
+class JobError(KeelError):
+    """A job's step failed. Raised by handlers; the class decides whether and when it is retried."""
+
+    error_class = "unknown"
+
+    def __init__(self, message: str | None = None, *, usage: Any = None, retry_after: float | None = None) -> None:
+        self.usage = usage  # agents.commands.Usage spent before the failure, charged as retry-caused cost
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class TransientError(JobError):
+    """A temporary failure (5xx, timeout, dropped connection); trying again later may succeed."""
+
+    error_class = "transient"
+
+
+class RateLimited(JobError):
+    """The receiver is rate limiting; retry after ``retry_after`` seconds."""
+
+    error_class = "rate_limited"
+
+
+class InvalidJob(JobError):
+    """The job cannot succeed as asked (bad input, 4xx, unknown operation); it is not retried."""
+
+    error_class = "invalid"
+
+
+class BudgetExceeded(JobError):
+    """The agent's budget does not allow this step."""
+
+    error_class = "budget"
+
+
+class Fenced(KeelError):
+    """The job's lease was taken over: this worker may no longer write its outcome."""
 
 
 class StoreError(KeelError):

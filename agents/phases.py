@@ -55,6 +55,7 @@ def _moves() -> tuple[Move, ...]:
         Move(Phase.EXECUTING, Event.OBSERVE, Phase.PLANNING),
         Move(Phase.EXECUTING, Event.REQUEST_APPROVAL, Phase.WAITING_APPROVAL),
         Move(Phase.EXECUTING, Event.FINISH, Phase.DONE),
+        Move(Phase.WAITING_APPROVAL, Event.PROGRESS, Phase.WAITING_APPROVAL),
         Move(Phase.WAITING_APPROVAL, Event.APPROVE, Phase.EXECUTING),
         Move(Phase.WAITING_APPROVAL, Event.REJECT, Phase.PLANNING),
     ]

@@ -30,6 +30,23 @@ class AgentRow:
     updated_at: datetime
     journal_seq: int
     journal_head: str
+    priority: str = "normal"
+
+
+class JobView(BaseModel):
+    """A job as the state view lists it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key: str
+    operation: str
+    target: str
+    status: str
+    queue: str
+    run_at: datetime
+    attempts: int
+    error_attempts: dict[str, int]
+    last_error: str | None
 
 
 class AgentState(BaseModel):
@@ -50,9 +67,11 @@ class AgentState(BaseModel):
     spent_cost: Decimal
     created_at: datetime
     updated_at: datetime
+    priority: str = "normal"
+    pending_jobs: tuple[JobView, ...] = ()
 
     @classmethod
-    def of(cls, row: AgentRow) -> AgentState:
+    def of(cls, row: AgentRow, pending_jobs: tuple[JobView, ...] = ()) -> AgentState:
         return cls(
             id=row.id,
             name=row.name,
@@ -67,6 +86,8 @@ class AgentState(BaseModel):
             spent_cost=row.spent_cost,
             created_at=row.created_at,
             updated_at=row.updated_at,
+            priority=row.priority,
+            pending_jobs=pending_jobs,
         )
 
 

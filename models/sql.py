@@ -16,7 +16,7 @@ from models.schemas import AgentRow
 
 AGENT_COLUMNS = (
     "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
-    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head"
+    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority"
 )
 
 _LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
@@ -24,7 +24,7 @@ _LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
 # The WHERE clause repeats the revision we read under the lock: the database refuses a lost update by itself.
 _UPDATE_AGENT = (
     "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s, hard_deadline = %s,"
-    " updated_at = %s, journal_seq = %s, journal_head = %s"
+    " updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s, priority = %s"
     " WHERE id = %s AND revision = %s"
 )
 
@@ -72,6 +72,9 @@ def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow
             after.updated_at,
             after.journal_seq,
             after.journal_head,
+            after.spent_tokens,
+            after.spent_cost,
+            after.priority,
             before.id,
             before.revision,
         ),

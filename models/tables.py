@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from sqlalchemy import (
+    Boolean,
+    Integer,
+    Sequence,
+    SmallInteger,
     JSON,
     BigInteger,
     CheckConstraint,
@@ -26,6 +30,10 @@ AUDIT_SCHEMA = "audit"
 # Kept literally here because models/ may not import agents/; a unit test holds it equal to agents.phases.Phase.
 PHASES: tuple[str, ...] = ("idle", "planning", "executing", "waiting_approval", "done", "failed")
 JOURNAL_KINDS: tuple[str, ...] = ("created", "transition", "rejected", "suppressed")
+JOB_STATUSES: tuple[str, ...] = ("pending", "enqueued", "running", "succeeded", "failed", "cancelled", "dead")
+#: Job statuses from which nothing moves on.
+JOB_FINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled", "dead")
+AGENT_PRIORITIES: tuple[str, ...] = ("normal", "low")
 
 #: sha256 of nothing yet: the ``prev_hash`` of an agent's first journal event.
 GENESIS_HASH = "0" * 64
@@ -67,7 +75,10 @@ agents = Table(
     # The agent's journal chain: number and hash of its latest event.
     Column("journal_seq", BigInteger, nullable=False, server_default="0"),
     Column("journal_head", Text, nullable=False, server_default=GENESIS_HASH),
+    # "low" once the soft deadline has passed: the agent's jobs go to the low-priority queue.
+    Column("priority", Text, nullable=False, server_default="normal"),
     CheckConstraint(_in("phase", PHASES), name="phase"),
+    CheckConstraint(_in("priority", AGENT_PRIORITIES), name="priority"),
     CheckConstraint("revision >= 0", name="revision_non_negative"),
     CheckConstraint("char_length(name) BETWEEN 1 AND 200", name="name_length"),
     CheckConstraint("budget_tokens IS NULL OR budget_tokens >= 0", name="budget_tokens_non_negative"),
@@ -115,4 +126,67 @@ journal = Table(
     CheckConstraint("seq >= 1", name="seq_positive"),
     Index(None, "request_id"),
     schema=AUDIT_SCHEMA,
+)
+
+#: Every claim of a job takes the next value: a worker holding an older token can no longer write the job.
+fencing_tokens = Sequence("job_fencing_token_seq", metadata=metadata)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("key", Text, primary_key=True),  # {request_id}:{operation}:{target}, also the Celery task id
+    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False, index=True),
+    Column("request_id", Text, nullable=False),
+    Column("operation", Text, nullable=False),
+    Column("target", Text, nullable=False),
+    Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("status", Text, nullable=False, server_default="pending"),
+    Column("queue", Text, nullable=False),
+    Column("priority", SmallInteger, nullable=False, server_default="5"),
+    Column("run_at", DateTime(timezone=True), nullable=False),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    # Failures so far per error class, e.g. {"transient": 2}: each class has its own cap.
+    Column("error_attempts", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("fencing_token", BigInteger, nullable=False, server_default="0"),
+    Column("lease_until", DateTime(timezone=True)),
+    Column("worker", Text),
+    Column("last_error", Text),
+    Column("error_class", Text),
+    Column("result", JSONB),
+    Column("tokens", BigInteger, nullable=False, server_default="0"),
+    Column("cost", Money, nullable=False, server_default="0"),
+    # Spend of attempts that failed: the retry-caused cost.
+    Column("failed_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("failed_cost", Money, nullable=False, server_default="0"),
+    Column("suppressed", Integer, nullable=False, server_default="0"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("enqueued_at", DateTime(timezone=True)),
+    Column("started_at", DateTime(timezone=True)),
+    Column("finished_at", DateTime(timezone=True)),
+    CheckConstraint(_in("status", JOB_STATUSES), name="status"),
+    CheckConstraint(
+        "attempts >= 0 AND tokens >= 0 AND cost >= 0 AND failed_tokens >= 0 AND failed_cost >= 0", name="non_negative"
+    ),
+    CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
+    Index("ix_jobs_due", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
+)
+
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False),
+    Column("every_seconds", Integer),
+    Column("cron", Text),
+    Column("operation", Text, nullable=False),
+    Column("input", JSONB, nullable=False),
+    Column("enabled", Boolean, nullable=False, server_default=text("true")),
+    Column("next_fire_at", DateTime(timezone=True), nullable=False),
+    Column("last_fire_at", DateTime(timezone=True)),
+    Column("last_outcome", Text),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("(every_seconds IS NULL) <> (cron IS NULL)", name="interval_or_cron"),
+    CheckConstraint("every_seconds IS NULL OR every_seconds > 0", name="every_positive"),
 )

@@ -134,5 +134,7 @@ def test_the_database_refuses_a_revision_that_skips_or_repeats(client: Client, r
     with pytest.raises(psycopg.errors.CheckViolation, match="ck_agents_phase"):
         raw.execute("UPDATE agents SET phase = 'dreaming', revision = 2 WHERE id = %s", (agent.id,))
     with pytest.raises(psycopg.errors.CheckViolation, match="budget_tokens"):
-        raw.execute("UPDATE agents SET budget_tokens = -1 WHERE id = %s", (agent.id,))
+        raw.execute("UPDATE agents SET budget_tokens = -1, revision = 2 WHERE id = %s", (agent.id,))
+    with pytest.raises(psycopg.errors.RaiseException, match="must bump the revision"):
+        raw.execute("UPDATE agents SET spent_tokens = 5 WHERE id = %s", (agent.id,))
     assert client.get_state(agent.id).revision == 1

@@ -1,0 +1,46 @@
+"""Jobs as transitions schedule them: keys, queues, and the rows a transition inserts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from agents.commands import LOW, JobSpec
+from agents.keys import make_key
+from models.jobs_sql import NewJob
+from models.schemas import AgentRow
+
+JOBS_QUEUE = "keel.jobs"
+LOW_QUEUE = "keel.jobs.low"  # jobs of agents past their soft deadline, and jobs asked with priority < 5
+CONTROL_QUEUE = "keel.control"  # beat's periodic tasks (deadline enforcement)
+NORMAL_PRIORITY = 5
+
+
+def queue_for(agent: AgentRow, spec: JobSpec) -> str:
+    return LOW_QUEUE if agent.priority == LOW or spec.priority < NORMAL_PRIORITY else JOBS_QUEUE
+
+
+def new_jobs(agent: AgentRow, specs: Sequence[JobSpec], now: datetime, *, publish_due: bool) -> list[NewJob]:
+    """The rows for ``specs`` under ``agent``'s current request. Jobs due now are inserted already ``enqueued``
+    when the caller publishes them right after commit (the dispatcher re-publishes any that never arrive)."""
+    if specs and agent.request_id is None:
+        raise ValueError("jobs need a request in flight")
+    rows = []
+    for spec in specs:
+        run_at = spec.run_at or now
+        due = run_at <= now
+        rows.append(
+            NewJob(
+                key=make_key(agent.request_id or "", spec.operation, spec.target),
+                agent_id=agent.id,
+                request_id=agent.request_id or "",
+                operation=spec.operation,
+                target=spec.target,
+                payload=dict(spec.payload),
+                status="enqueued" if publish_due and due else "pending",
+                queue=queue_for(agent, spec),
+                priority=min(spec.priority, 2) if agent.priority == LOW else spec.priority,
+                run_at=run_at,
+            )
+        )
+    return rows

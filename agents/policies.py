@@ -1,0 +1,83 @@
+"""Policies as pure functions: retry or give up, deadlines, budgets. No database, no Celery, no clock of their own."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from enum import StrEnum
+
+
+class ErrorClass(StrEnum):
+    TRANSIENT = "transient"  # 5xx, timeouts, dropped connections: try again soon
+    RATE_LIMITED = "rate_limited"  # 429: try again after the receiver's retry-after
+    INVALID = "invalid"  # 4xx, bad input, unknown operation: retrying cannot help
+    BUDGET = "budget"  # the agent has no budget left
+    UNKNOWN = "unknown"  # an exception nobody classified
+
+
+@dataclass(frozen=True, slots=True)
+class RetryRule:
+    """At most ``max_attempts`` failures of one class; then the job is dead. Backoff doubles from ``base``."""
+
+    max_attempts: int
+    base_seconds: float = 1.0
+    max_seconds: float = 300.0
+    jitter: float = 0.25  # up to +25% random delay, so retries of many jobs do not fire together
+
+
+DEFAULT_RULES: dict[ErrorClass, RetryRule] = {
+    ErrorClass.TRANSIENT: RetryRule(max_attempts=5, base_seconds=1.0, max_seconds=120.0),
+    ErrorClass.RATE_LIMITED: RetryRule(max_attempts=8, base_seconds=5.0, max_seconds=600.0),
+    ErrorClass.INVALID: RetryRule(max_attempts=1),
+    ErrorClass.BUDGET: RetryRule(max_attempts=1),
+    ErrorClass.UNKNOWN: RetryRule(max_attempts=3, base_seconds=2.0, max_seconds=120.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    delay: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    reason: str  # journaled as the policy decision
+
+
+def decide_retry(
+    error_class: ErrorClass,
+    failures: int,
+    *,
+    retry_after: float | None = None,
+    rules: dict[ErrorClass, RetryRule] = DEFAULT_RULES,
+    rng: random.Random | None = None,
+) -> Retry | GiveUp:
+    """After the ``failures``-th failure of ``error_class`` (counting this one): retry after a delay, or give up.
+
+    A rate limit's ``retry_after`` is a floor for the delay, never shortened by the backoff.
+    """
+    rule = rules[error_class]
+    if failures >= rule.max_attempts:
+        if rule.max_attempts == 1:
+            return GiveUp(f"{error_class.value}_not_retried")
+        return GiveUp(f"{error_class.value}_cap_reached")
+    backoff = min(rule.max_seconds, rule.base_seconds * 2 ** (failures - 1))
+    backoff *= 1 + (rng or random).uniform(0, rule.jitter)
+    if retry_after is not None:
+        backoff = max(backoff, retry_after)
+    return Retry(timedelta(seconds=backoff))
+
+
+def over_budget(
+    *, spent_tokens: int, spent_cost: Decimal, budget_tokens: int | None, budget_cost: Decimal | None
+) -> bool:
+    """True when no further spend is allowed: a budget exists and the spend has reached it."""
+    return (budget_tokens is not None and spent_tokens >= budget_tokens) or (
+        budget_cost is not None and spent_cost >= budget_cost
+    )
+
+
+def past(deadline: datetime | None, now: datetime) -> bool:
+    return deadline is not None and deadline <= now

@@ -1,0 +1,291 @@
+"""Job and schedule SQL. ``*_txn`` helpers run inside the caller's transaction; the others open their own.
+
+The database guards the job state machine: every write names the statuses it may move from (and, for a worker's
+writes, the fencing token it claimed with), so a write that lost a race matches zero rows instead of clobbering.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from models.db import Database
+
+LIVE = ("pending", "enqueued", "running")
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    key: str
+    agent_id: UUID
+    request_id: str
+    operation: str
+    target: str
+    payload: dict[str, Any]
+    status: str  # pending, or enqueued when the caller publishes it right after commit
+    queue: str
+    priority: int
+    run_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """A job this worker now runs, under ``fencing_token`` until ``lease_until``."""
+
+    key: str
+    agent_id: UUID
+    request_id: str
+    operation: str
+    target: str
+    payload: dict[str, Any]
+    attempts: int
+    error_attempts: dict[str, int]
+    fencing_token: int
+    lease_until: datetime
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    key: str
+    agent_id: UUID
+    status: str
+    run_at: datetime
+    lease_until: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """A job to publish to the broker."""
+
+    key: str
+    queue: str
+    recovered: bool  # its lease or enqueue had expired: a worker died or the broker lost the message
+
+
+class FencedOff(RuntimeError):
+    """The job's fencing token changed: another claim took it over, or the agent's stop cancelled it."""
+
+
+_INSERT = (
+    "INSERT INTO jobs (key, agent_id, request_id, operation, target, payload, status, queue, priority, run_at,"
+    " enqueued_at, created_at, updated_at)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, CASE WHEN %s = 'enqueued' THEN %s END, %s, %s)"
+    " ON CONFLICT (key) DO NOTHING"
+)
+
+
+def insert_jobs_txn(cur: psycopg.Cursor[Any], jobs: Sequence[NewJob], now: datetime) -> tuple[list[str], list[str]]:
+    """Insert ``jobs``; an existing key is left alone. Returns (inserted keys, suppressed duplicate keys)."""
+    inserted: list[str] = []
+    suppressed: list[str] = []
+    for job in jobs:
+        cur.execute(
+            _INSERT,
+            (
+                job.key,
+                job.agent_id,
+                job.request_id,
+                job.operation,
+                job.target,
+                json.dumps(job.payload),
+                job.status,
+                job.queue,
+                job.priority,
+                job.run_at,
+                job.status,
+                now,
+                now,
+                now,
+            ),
+        )
+        (inserted if cur.rowcount == 1 else suppressed).append(job.key)
+    return inserted, suppressed
+
+
+def cancel_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, now: datetime, reason: str) -> list[str]:
+    """Cancel every live job of the agent. Running ones get a new fencing token, so their outcome cannot land."""
+    cur.execute(
+        "UPDATE jobs SET status = 'cancelled', last_error = %s, lease_until = NULL, finished_at = %s, updated_at = %s,"
+        " fencing_token = CASE WHEN status = 'running' THEN nextval('job_fencing_token_seq') ELSE fencing_token END"
+        " WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running') RETURNING key",
+        (reason, now, now, agent_id),
+    )
+    return [r[0] for r in cur.fetchall()]
+
+
+def demote_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, queue: str, now: datetime) -> list[str]:
+    """Move the agent's jobs that have not started to the low-priority queue."""
+    cur.execute(
+        "UPDATE jobs SET queue = %s, priority = LEAST(priority, 2), updated_at = %s"
+        " WHERE agent_id = %s AND status IN ('pending', 'enqueued') RETURNING key",
+        (queue, now, agent_id),
+    )
+    return [r[0] for r in cur.fetchall()]
+
+
+def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) -> ClaimedJob | JobStatus | None:
+    """Claim ``key`` (pending/enqueued, or running with an expired lease → running, new fencing token).
+
+    Returns the claimed job; or, when it cannot be claimed, its current status (a duplicate delivery);
+    or None when no such job exists.
+    """
+    with db.transaction() as cur:
+        cur.execute(
+            "UPDATE jobs SET status = 'running', fencing_token = nextval('job_fencing_token_seq'),"
+            " lease_until = %s, attempts = attempts + 1, worker = %s, started_at = %s, updated_at = %s"
+            " WHERE key = %s AND run_at <= %s"
+            " AND (status IN ('pending', 'enqueued') OR (status = 'running' AND lease_until < %s))"
+            " RETURNING key, agent_id, request_id, operation, target, payload, attempts, error_attempts,"
+            " fencing_token, lease_until, queue",
+            (now + lease, worker, now, now, key, now + timedelta(seconds=1), now),
+        )
+        row = cur.fetchone()
+        if row is not None:
+            return ClaimedJob(*row)
+        cur.execute("SELECT key, agent_id, status, run_at, lease_until FROM jobs WHERE key = %s", (key,))
+        found = cur.fetchone()
+        return None if found is None else JobStatus(*found)
+
+
+def extend_lease(db: Database, key: str, token: int, until: datetime) -> bool:
+    """Heartbeat: push the lease out. False if this worker no longer holds the job."""
+    with db.transaction() as cur:
+        cur.execute(
+            "UPDATE jobs SET lease_until = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
+            (until, key, token),
+        )
+        return cur.rowcount == 1
+
+
+def finish_txn(
+    cur: psycopg.Cursor[Any],
+    key: str,
+    token: int,
+    *,
+    status: str,
+    now: datetime,
+    result: dict[str, Any] | None = None,
+    tokens: int = 0,
+    cost: Decimal = Decimal(0),
+    error: str | None = None,
+    error_class: str | None = None,
+    failed_tokens: int = 0,
+    failed_cost: Decimal = Decimal(0),
+    error_attempts: dict[str, int] | None = None,
+) -> None:
+    """Write the final outcome of a claimed job; raises :class:`FencedOff` if the claim is no longer ours."""
+    cur.execute(
+        "UPDATE jobs SET status = %s, result = %s, tokens = tokens + %s, cost = cost + %s, last_error = %s,"
+        " error_class = %s, failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s,"
+        " error_attempts = COALESCE(%s, error_attempts), lease_until = NULL, finished_at = %s, updated_at = %s"
+        " WHERE key = %s AND fencing_token = %s AND status = 'running'",
+        (
+            status,
+            None if result is None else json.dumps(result),
+            tokens,
+            cost,
+            error,
+            error_class,
+            failed_tokens,
+            failed_cost,
+            None if error_attempts is None else json.dumps(error_attempts),
+            now,
+            now,
+            key,
+            token,
+        ),
+    )
+    if cur.rowcount != 1:
+        raise FencedOff(key)
+
+
+def retry_txn(
+    cur: psycopg.Cursor[Any],
+    key: str,
+    token: int,
+    *,
+    run_at: datetime,
+    now: datetime,
+    error: str,
+    error_class: str,
+    error_attempts: dict[str, int],
+    failed_tokens: int,
+    failed_cost: Decimal,
+) -> None:
+    """Put a failed attempt back to pending, due at ``run_at``, under the same key."""
+    cur.execute(
+        "UPDATE jobs SET status = 'pending', run_at = %s, last_error = %s, error_class = %s, error_attempts = %s,"
+        " failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s, lease_until = NULL, enqueued_at = NULL,"
+        " updated_at = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
+        (run_at, error, error_class, json.dumps(error_attempts), failed_tokens, failed_cost, now, key, token),
+    )
+    if cur.rowcount != 1:
+        raise FencedOff(key)
+
+
+def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
+    cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
+
+
+def take_due(cur: psycopg.Cursor[Any], now: datetime, *, enqueue_timeout: timedelta, limit: int) -> list[Due]:
+    """Mark due jobs enqueued (skipping rows another dispatcher holds) and return them for publishing.
+
+    Due: pending and run_at has come; enqueued too long ago and never claimed (the broker lost it); running with
+    an expired lease (the worker died). All keep their key.
+    """
+    cur.execute(
+        "WITH due AS ("
+        "  SELECT key, status FROM jobs"
+        "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= %s"
+        "    AND (status = 'pending' OR (status = 'enqueued' AND enqueued_at < %s)"
+        "         OR (status = 'running' AND lease_until < %s))"
+        "  ORDER BY priority DESC, run_at LIMIT %s FOR UPDATE SKIP LOCKED)"
+        " UPDATE jobs SET status = 'enqueued', enqueued_at = %s, lease_until = NULL, updated_at = %s"
+        " FROM due WHERE jobs.key = due.key RETURNING jobs.key, jobs.queue, due.status",
+        (now, now - enqueue_timeout, now, limit, now, now),
+    )
+    return [Due(key, queue, previous != "pending") for key, queue, previous in cur.fetchall()]
+
+
+def pending_jobs(db: Database, agent_id: UUID) -> list[tuple[Any, ...]]:
+    with db.connection() as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT key, operation, target, status, queue, run_at, attempts, error_attempts, last_error FROM jobs"
+            " WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running') ORDER BY run_at, key",
+            (agent_id,),
+        )
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
+
+
+def job_row(db: Database, key: str) -> dict[str, Any] | None:
+    with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        cur.execute("SELECT * FROM jobs WHERE key = %s", (key,))
+        row = cur.fetchone()
+        conn.rollback()
+    return row
+
+
+def agents_past_deadlines(db: Database, now: datetime, active: Iterable[str]) -> tuple[list[UUID], list[UUID]]:
+    """Active agents whose soft deadline passed while still at normal priority, and those past the hard one."""
+    phases = list(active)
+    with db.connection() as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT id FROM agents WHERE phase = ANY(%s) AND priority = 'normal' AND soft_deadline <= %s"
+            " AND (hard_deadline IS NULL OR hard_deadline > %s)",
+            (phases, now, now),
+        )
+        soft = [r[0] for r in cur.fetchall()]
+        cur.execute("SELECT id FROM agents WHERE phase = ANY(%s) AND hard_deadline <= %s", (phases, now))
+        hard = [r[0] for r in cur.fetchall()]
+        conn.rollback()
+    return soft, hard
