@@ -19,8 +19,8 @@ import sqlalchemy.exc
 
 from agents import journal
 from agents.commands import LOW, Accept, Command, Reject, Suppress, decide, is_repeat_submit
-from agents.jobs import LOW_QUEUE, new_jobs
 from agents.errors import AgentExists, AgentNotFound, StoreError
+from agents.jobs import LOW_QUEUE, new_jobs
 from agents.phases import RESTING, Event, Phase
 from models.db import Database
 from models.jobs_sql import Due, cancel_agent_jobs_txn, demote_agent_jobs_txn, insert_jobs_txn
