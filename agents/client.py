@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -13,15 +14,17 @@ from sqlalchemy import select
 
 from agents import core
 from agents import journal as journal_mod
-from agents.commands import Command
+from agents.commands import Command, JobSpec
 from agents.errors import AgentNotFound, InvalidInput
 from agents.phases import Event
 from models.db import Database
-from models.schemas import AgentRow, AgentState, JournalEvent, NewAgent
+from models.jobs_sql import Due, pending_jobs
+from models.schemas import AgentRow, AgentState, JobView, JournalEvent, NewAgent
 from models.settings import Settings
 from models.tables import agents
 
 AgentRef = UUID | str
+Publisher = Callable[[Sequence[Due]], None]
 Deadline = datetime | timedelta | None
 
 
@@ -34,9 +37,14 @@ def _first_error(exc: ValidationError) -> str:
 class Client:
     """Talks to Keel's database directly; every change goes through :func:`agents.core.transition`."""
 
-    def __init__(self, db: Database, settings: Settings | None = None) -> None:
+    def __init__(
+        self, db: Database, settings: Settings | None = None, *, publisher: Publisher | None = None
+    ) -> None:
+        """``publisher`` (e.g. ``tasks.app.publisher()``) sends a submit's first job to the broker at once;
+        without it the beat dispatcher picks the job up on its next pass."""
         self.db = db
         self.settings = settings or Settings()
+        self.publisher = publisher
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> Client:
@@ -65,8 +73,19 @@ class Client:
         return AgentRow(**found._mapping)
 
     def get_state(self, agent: AgentRef) -> AgentState:
-        """The agent's current state, by id or name."""
-        return AgentState.of(self._row(agent))
+        """The agent's current state, by id or name, with its pending jobs."""
+        return self._state(self._row(agent))
+
+    def _state(self, row: AgentRow) -> AgentState:
+        with core.store_errors():
+            jobs = tuple(
+                JobView(
+                    key=r[0], operation=r[1], target=r[2], status=r[3], queue=r[4], run_at=r[5], attempts=r[6],
+                    error_attempts=r[7], last_error=r[8],
+                )
+                for r in pending_jobs(self.db, row.id)
+            )
+        return AgentState.of(row, jobs)
 
     def list_agents(self) -> list[AgentState]:
         with core.store_errors(), self.db.engine.connect() as conn:
@@ -111,8 +130,10 @@ class Client:
         soft_deadline: Deadline = None,
         hard_deadline: Deadline = None,
         actor: str = "client",
+        operation: str = "plan",
     ) -> AgentState:
-        """Start request ``request_id`` on an idle, done or failed agent.
+        """Start request ``request_id`` on an idle, done or failed agent; its first job is ``operation``
+        (key ``{request_id}:{operation}:1``), which gets the input as ``payload["input"]``.
 
         Idempotent: submitting a request id the agent already had returns the current state and changes nothing.
         Deadlines are absolute (timezone-aware) or relative to now.
@@ -133,8 +154,12 @@ class Client:
             request_id=request_id,
             soft_deadline=soft,
             hard_deadline=hard,
+            jobs=(JobSpec(operation, "1", payload={"input": json.loads(input_json)}),),
         )
-        return AgentState.of(core.transition(self.db, command, input_json=input_json).agent)
+        done = core.transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
+        if self.publisher is not None and done.to_publish:
+            self.publisher(done.to_publish)
+        return self._state(done.agent)
 
     def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str) -> AgentState:
         """Approve the pending tool call of an agent waiting for approval."""
@@ -172,7 +197,7 @@ class Client:
             expected_revision=expected_revision,
             details=details,
         )
-        return AgentState.of(core.transition(self.db, command).agent)
+        return self._state(core.transition(self.db, command).agent)
 
     def _input_json(self, value: Any) -> str:
         try:

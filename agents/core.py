@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import sqlalchemy.exc
@@ -198,6 +199,30 @@ def _apply_txn(
     after = replace(after, journal_seq=link.seq, journal_head=link.hash)
     update_agent_txn(cur, before, after)
     return after, to_publish
+
+
+def record_side_event(
+    db: Database,
+    agent_id: UUID,
+    *,
+    kind: str,
+    event: str,
+    actor: str,
+    decision: str,
+    details: Mapping[str, Any],
+    effects: Callable[[psycopg.Cursor[Any]], None] | None = None,
+) -> None:
+    """Journal something that happened to an agent without changing its state (a suppressed duplicate delivery,
+    a fenced-off outcome), in a transaction of its own, with optional effects on other tables."""
+    with store_errors(), db.transaction() as cur:
+        row = lock_agent_txn(cur, agent_id)
+        if row is None:
+            raise AgentNotFound(agent_id)
+        if effects is not None:
+            effects(cur)
+        journal.append_side_event_txn(
+            cur, row, kind=kind, event=event, actor=actor, decision=decision, details=details, at=now()
+        )
 
 
 def _journal_rejection(db: Database, command: Command, decision: Reject) -> None:

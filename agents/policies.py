@@ -60,6 +60,8 @@ def decide_retry(
     """
     rule = rules[error_class]
     if failures >= rule.max_attempts:
+        if error_class is ErrorClass.BUDGET:
+            return GiveUp("budget_exhausted")
         if rule.max_attempts == 1:
             return GiveUp(f"{error_class.value}_not_retried")
         return GiveUp(f"{error_class.value}_cap_reached")
@@ -81,3 +83,27 @@ def over_budget(
 
 def past(deadline: datetime | None, now: datetime) -> bool:
     return deadline is not None and deadline <= now
+
+
+def rules_with(overrides: dict[str, dict[str, float]]) -> dict[ErrorClass, RetryRule]:
+    """The default rules with per-class overrides, e.g. ``{"transient": {"max_attempts": 3}}`` (KEEL_RETRY_POLICY)."""
+    rules = dict(DEFAULT_RULES)
+    for name, fields in overrides.items():
+        try:
+            error_class = ErrorClass(name)
+        except ValueError:
+            known = ", ".join(c.value for c in ErrorClass)
+            raise ValueError(f"retry policy names unknown error class {name!r} (known: {known})") from None
+        unknown = set(fields) - {"max_attempts", "base_seconds", "max_seconds", "jitter"}
+        if unknown:
+            raise ValueError(f"retry policy for {name!r} has unknown fields {sorted(unknown)}")
+        base = rules[error_class]
+        rules[error_class] = RetryRule(
+            max_attempts=int(fields.get("max_attempts", base.max_attempts)),
+            base_seconds=float(fields.get("base_seconds", base.base_seconds)),
+            max_seconds=float(fields.get("max_seconds", base.max_seconds)),
+            jitter=float(fields.get("jitter", base.jitter)),
+        )
+        if rules[error_class].max_attempts < 1:
+            raise ValueError(f"retry policy for {name!r}: max_attempts must be at least 1")
+    return rules

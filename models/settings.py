@@ -27,6 +27,37 @@ class Settings(BaseSettings):
     # Largest accepted request input, as canonical JSON.
     max_input_bytes: int = Field(default=64 * 1024, ge=1)
 
+    # Jobs and the Celery side.
+    imports: list[str] = Field(default_factory=list)  # modules with @handler functions, loaded by workers
+    worker_concurrency: int = Field(default=2, ge=1, le=64)
+    job_lease_seconds: float = Field(default=60.0, gt=0)  # a running job's lease; heartbeats renew it
+    enqueue_timeout_seconds: float = Field(default=300.0, gt=0)  # enqueued but never claimed → re-published
+    dispatch_interval_seconds: float = Field(default=0.5, gt=0)
+    dispatch_batch: int = Field(default=500, ge=1)
+    deadline_check_seconds: float = Field(default=5.0, gt=0)
+    # Redis redelivers a message nobody acked after this long; every place that must agree reads this one value.
+    visibility_timeout_seconds: int = Field(default=3600, ge=10)
+    # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.
+    retry_policy: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+    @field_validator("retry_policy")
+    @classmethod
+    def _retry_policy_names_known_classes(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        known = {"transient", "rate_limited", "invalid", "budget", "unknown"}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"unknown error classes {sorted(unknown)}; known: {sorted(known)}")
+        return value
+
+    @model_validator(mode="after")
+    def _lease_fits_visibility(self) -> Settings:
+        if self.job_lease_seconds >= self.visibility_timeout_seconds:
+            raise ValueError(
+                "KEEL_JOB_LEASE_SECONDS must be shorter than KEEL_VISIBILITY_TIMEOUT_SECONDS, so a dead worker's job"
+                " is recovered from Postgres before Redis redelivers its message"
+            )
+        return self
+
     @field_validator("database_url")
     @classmethod
     def _database_url_is_postgres(cls, value: str | None) -> str | None:

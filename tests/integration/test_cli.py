@@ -45,7 +45,7 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         ("transition", "submit", "alice"),
         ("transition", "cancel", "bob"),
     ]
-    assert events[2]["details"] == {"reason": "wrong prompt"}
+    assert events[2]["details"] == {"reason": "wrong prompt", "jobs_cancelled": ["req-7:plan:1"]}
     by_request = json.loads(keel(db_url, "journal", "--request-id", "req-7", "--json").stdout)
     assert [e["event"] for e in by_request] == ["submit", "cancel"]
     assert "planning -> failed" in keel(db_url, "journal", "--agent", "ops-bot").stdout

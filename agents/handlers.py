@@ -1,0 +1,87 @@
+"""Job handlers, registered by operation name.
+
+A handler takes a :class:`JobContext` and returns a :class:`JobResult` (or raises a
+:class:`~agents.errors.JobError` subclass to say how it failed). Modules listed in ``KEEL_IMPORTS`` and entry points
+in the ``keel.handlers`` group are imported at worker start so their ``@handler`` decorators run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+from uuid import UUID
+
+from agents.commands import JobSpec, Usage
+from agents.phases import Event
+from models.db import Database
+
+
+@dataclass(frozen=True, slots=True)
+class JobContext:
+    key: str
+    agent_id: UUID
+    request_id: str
+    operation: str
+    target: str
+    payload: Mapping[str, Any]
+    attempt: int  # 1 for the first run
+    fencing_token: int
+    db: Database
+    #: Set when this worker lost the job (lease taken over, agent stopped): stop early, the outcome is discarded.
+    lost: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """What a step produced. ``event`` moves the agent (None: it stays in its phase); ``jobs`` are the next steps."""
+
+    output: Mapping[str, Any] = field(default_factory=dict)
+    usage: Usage = Usage()
+    event: Event | None = None
+    jobs: tuple[JobSpec, ...] = ()
+
+
+Handler = Callable[[JobContext], JobResult]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+
+    def register(self, operation: str, fn: Handler, *, replace: bool = False) -> None:
+        if operation in self._handlers and self._handlers[operation] is not fn and not replace:
+            raise ValueError(f"operation {operation!r} has a handler already")
+        self._handlers[operation] = fn
+
+    def get(self, operation: str) -> Handler | None:
+        return self._handlers.get(operation)
+
+    def operations(self) -> list[str]:
+        return sorted(self._handlers)
+
+
+#: The process-wide registry that ``@handler`` fills.
+registry = Registry()
+
+
+def handler(operation: str) -> Callable[[Handler], Handler]:
+    """Register the decorated function as the handler of ``operation``."""
+
+    def register(fn: Handler) -> Handler:
+        registry.register(operation, fn)
+        return fn
+
+    return register
+
+
+def load(modules: Iterable[str]) -> Registry:
+    """Import handler modules (``KEEL_IMPORTS``) and ``keel.handlers`` entry points; return the registry."""
+    for name in modules:
+        importlib.import_module(name)
+    for point in entry_points(group="keel.handlers"):
+        point.load()
+    return registry
