@@ -43,12 +43,15 @@ def _friendly(fn: Callable[P, R]) -> Callable[P, R]:
 
     @wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from agents.core import store_errors
+
         try:
-            return fn(*args, **kwargs)
+            with store_errors():
+                return fn(*args, **kwargs)
         except KeelError as exc:
             raise click.ClickException(str(exc)) from None
-        except FileNotFoundError as exc:
-            raise click.ClickException(str(exc)) from None
+        except (FileNotFoundError, RuntimeError) as exc:  # alembic's CommandError, embedded server failures
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
     return wrapper
 

@@ -37,9 +37,7 @@ def _first_error(exc: ValidationError) -> str:
 class Client:
     """Talks to Keel's database directly; every change goes through :func:`agents.core.transition`."""
 
-    def __init__(
-        self, db: Database, settings: Settings | None = None, *, publisher: Publisher | None = None
-    ) -> None:
+    def __init__(self, db: Database, settings: Settings | None = None, *, publisher: Publisher | None = None) -> None:
         """``publisher`` (e.g. ``tasks.app.publisher()``) sends a submit's first job to the broker at once;
         without it the beat dispatcher picks the job up on its next pass."""
         self.db = db
@@ -80,8 +78,15 @@ class Client:
         with core.store_errors():
             jobs = tuple(
                 JobView(
-                    key=r[0], operation=r[1], target=r[2], status=r[3], queue=r[4], run_at=r[5], attempts=r[6],
-                    error_attempts=r[7], last_error=r[8],
+                    key=r[0],
+                    operation=r[1],
+                    target=r[2],
+                    status=r[3],
+                    queue=r[4],
+                    run_at=r[5],
+                    attempts=r[6],
+                    error_attempts=r[7],
+                    last_error=r[8],
                 )
                 for r in pending_jobs(self.db, row.id)
             )
@@ -189,6 +194,8 @@ class Client:
             isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
         ):
             raise InvalidInput(f"expected_revision must be an integer, got {expected_revision!r}")
+        if reason is not None and "\x00" in reason:
+            raise InvalidInput("reason must not contain NUL characters")
         details = {} if reason is None else {"reason": reason}
         command = Command(
             agent_id=self._row(agent).id,
@@ -204,6 +211,8 @@ class Client:
             text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"input must be JSON-serialisable: {exc}") from None
+        if "\\u0000" in text:
+            raise InvalidInput("input must not contain NUL characters (PostgreSQL cannot store them)")
         size = len(text.encode())
         if size > self.settings.max_input_bytes:
             raise InvalidInput(f"input is {size} bytes as JSON; the limit is {self.settings.max_input_bytes}")

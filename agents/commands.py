@@ -78,17 +78,22 @@ class Command:
     hard_deadline: datetime | None = None
     reason: str = ACCEPTED
     details: Mapping[str, Any] = field(default_factory=dict)
-    spend: Usage = Usage()
+    spend: Usage = field(default_factory=Usage)
     jobs: tuple[JobSpec, ...] = ()
     priority: str | None = None  # "low" demotes the agent's jobs (soft deadline)
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, Event):
             raise InvalidInput(f"event {self.event!r} is unknown: expected one of {', '.join(Event)}")
-        if not self.actor or len(self.actor) > 200:
+        if not isinstance(self.actor, str) or not self.actor or len(self.actor) > 200:
             raise InvalidInput("actor must be 1-200 characters: every change names who made it")
-        if self.expected_revision is not None and self.expected_revision < 0:
-            raise InvalidInput(f"expected_revision must be >= 0, got {self.expected_revision}")
+        if "\x00" in self.actor or "\x00" in self.reason:
+            raise InvalidInput("actor and reason must not contain NUL characters")
+        if self.expected_revision is not None:
+            if isinstance(self.expected_revision, bool) or not isinstance(self.expected_revision, int):
+                raise InvalidInput(f"expected_revision must be an integer, got {self.expected_revision!r}")
+            if self.expected_revision < 0:
+                raise InvalidInput(f"expected_revision must be >= 0, got {self.expected_revision}")
         if self.event is Event.SUBMIT:
             if self.request_id is None:
                 raise InvalidInput("submit needs a request_id")

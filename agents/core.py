@@ -104,11 +104,11 @@ def transition(
     demotes them to the low queue when ``command.priority`` is low, and runs ``effects``.
     """
     with store_errors():
-        at = now()
         with db.transaction() as cur:
             row = lock_agent_txn(cur, command.agent_id)
             if row is None:
                 raise AgentNotFound(command.agent_id)
+            at = now()  # after the lock: along a chain, time never goes back
             owner = None
             if command.event is Event.SUBMIT and not is_repeat_submit(row, command):
                 assert command.request_id is not None
@@ -140,7 +140,10 @@ def transition(
             # Rejected: leave this transaction (it wrote at most the request claim, which must not stay).
             cur.connection.rollback()
         assert isinstance(decision, Reject)
-        _journal_rejection(db, command, decision)
+        try:
+            _journal_rejection(db, command, decision, row)
+        except StoreError as exc:  # the caller still learns why its command was refused
+            raise decision.error from exc
     raise decision.error
 
 
@@ -225,9 +228,15 @@ def record_side_event(
         )
 
 
-def _journal_rejection(db: Database, command: Command, decision: Reject) -> None:
-    """Record a rejected command in its own transaction, leaving the agent's state as it is."""
-    details: dict[str, Any] = {"error": str(decision.error), **command.details}
+def _journal_rejection(db: Database, command: Command, decision: Reject, judged: AgentRow) -> None:
+    """Record a rejected command in its own transaction, leaving the agent's state as it is. Other writers may
+    have moved the agent in between: the event records the state the command was judged against too."""
+    details: dict[str, Any] = {
+        "error": str(decision.error),
+        "judged_revision": judged.revision,
+        "judged_phase": judged.phase,
+        **command.details,
+    }
     if command.expected_revision is not None:
         details["expected_revision"] = command.expected_revision
     with db.transaction() as cur:

@@ -21,6 +21,7 @@ from agents.errors import IllegalTransition, KeelError, StaleRevision
 from agents.phases import Event
 from models import migrations
 from models.db import Database
+from models.embedded import broker_url_for
 from models.settings import Settings
 
 Echo = Callable[[str], None]
@@ -40,10 +41,13 @@ class Checks:
 
 def run_demo(settings: Settings, echo: Echo) -> int:
     """Run the demo; return the process exit status."""
-    where = "embedded servers under " + str(settings.home) if settings.uses_embedded else "configured servers"
-    echo(f"Keel demo on {where}")
     started = time.perf_counter()
     db = Database.from_settings(settings)
+    broker = broker_url_for(settings)
+    home = settings.home
+    database_where = "configured" if settings.database_url else f"embedded under {home}"
+    broker_where = "configured" if settings.broker_url else f"embedded under {home}"
+    echo(f"Keel demo: PostgreSQL {database_where}; Redis {broker_where} ({broker})")
     migrations.upgrade(db.url)
     client = Client(db, settings)
     check = Checks()

@@ -40,7 +40,7 @@ class JobResult:
     """What a step produced. ``event`` moves the agent (None: it stays in its phase); ``jobs`` are the next steps."""
 
     output: Mapping[str, Any] = field(default_factory=dict)
-    usage: Usage = Usage()
+    usage: Usage = field(default_factory=Usage)
     event: Event | None = None
     jobs: tuple[JobSpec, ...] = ()
 

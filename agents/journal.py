@@ -20,7 +20,7 @@ from sqlalchemy import select
 from models.db import Database
 from models.schemas import AgentRow, JournalEvent
 from models.sql import advance_chain_txn, insert_event_txn
-from models.tables import GENESIS_HASH, agents, journal
+from models.tables import GENESIS_HASH, journal
 
 
 def canonical_json(value: Mapping[str, Any]) -> str:
@@ -186,10 +186,20 @@ _CHAIN_QUERY = (
 )
 
 
-def _first_break(
-    rows: Iterator[tuple[Any, ...]], agent_id: UUID, head_seq: int, head: str
-) -> tuple[int, ChainBreak | None]:
+@dataclass(frozen=True, slots=True)
+class _Head:
+    agent_id: UUID
+    seq: int
+    hash: str
+    revision: int
+    phase: str
+    request_id: str | None
+
+
+def _first_break(rows: Iterator[tuple[Any, ...]], head: _Head) -> tuple[int, ChainBreak | None]:
+    agent_id = head.agent_id
     expected_prev, expected_seq, count = GENESIS_HASH, 1, 0
+    state: tuple[int, str | None, str | None] = (0, "idle", None)  # revision, phase, request as the journal tells
     for jid, digest, *values in rows:
         count += 1
         fields = dict(zip(_HASHED, values, strict=True))
@@ -200,32 +210,50 @@ def _first_break(
             return count, ChainBreak(agent_id, seq, jid, "prev_hash does not match the previous event's hash")
         if event_hash(agent_id=agent_id, **fields) != digest:
             return count, ChainBreak(agent_id, seq, jid, "the event's content does not match its hash")
+        if fields["kind"] == "transition":
+            state = (fields["revision"], fields["to_phase"], fields["request_id"])
         expected_prev, expected_seq = digest, seq + 1
     last = expected_seq - 1
-    if last < head_seq:
+    if last < head.seq:
         reason = (
-            f"event {expected_seq} is missing: the chain ends at event {last} but the agent's head is event {head_seq}"
+            f"event {expected_seq} is missing: the chain ends at event {last} but the agent's head is event {head.seq}"
         )
         return count, ChainBreak(agent_id, expected_seq, None, reason)
-    if last > head_seq or expected_prev != head:
+    if last > head.seq or expected_prev != head.hash:
         return count, ChainBreak(agent_id, last, None, "the agent's head does not match its last event")
+    if state != (head.revision, head.phase, head.request_id):
+        reason = (
+            f"the agent row says revision {head.revision} ({head.phase}, request {head.request_id}) but its last"
+            f" transition event says revision {state[0]} ({state[1]}, request {state[2]})"
+        )
+        return count, ChainBreak(agent_id, last, None, reason)
     return count, None
 
 
 def verify(db: Database) -> VerifyReport:
-    """Walk every agent's chain from genesis to its head; report the first broken link of each broken chain."""
+    """Walk every agent's chain from genesis to its head; report the first broken link of each broken chain.
+
+    Heads and chains are read in one snapshot, so transitions committing meanwhile cannot look like tampering.
+    """
     breaks: list[ChainBreak] = []
     total = 0
-    with db.engine.connect() as conn:
-        heads = conn.execute(select(agents.c.id, agents.c.journal_seq, agents.c.journal_head).order_by(agents.c.id))
-        chain_heads = [(r.id, r.journal_seq, r.journal_head) for r in heads]
     with db.connection() as raw:
-        for agent_id, head_seq, head in chain_heads:
-            with raw.cursor() as cur:
-                cur.execute(_CHAIN_QUERY, (agent_id,))
-                count, broken = _first_break(iter(cur), agent_id, head_seq, head)
-            total += count
-            if broken is not None:
-                breaks.append(broken)
         raw.rollback()
-    return VerifyReport(agents=len(chain_heads), events=total, breaks=tuple(breaks))
+        raw.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        raw.read_only = True
+        try:
+            with raw.cursor() as cur:
+                cur.execute("SELECT id, journal_seq, journal_head, revision, phase, request_id FROM agents ORDER BY id")
+                heads = [_Head(*row) for row in cur.fetchall()]
+            for head in heads:
+                with raw.cursor() as cur:
+                    cur.execute(_CHAIN_QUERY, (head.agent_id,))
+                    count, broken = _first_break(iter(cur), head)
+                total += count
+                if broken is not None:
+                    breaks.append(broken)
+        finally:
+            raw.rollback()
+            raw.isolation_level = None
+            raw.read_only = None
+    return VerifyReport(agents=len(heads), events=total, breaks=tuple(breaks))

@@ -109,7 +109,9 @@ class Runner:
         now = core.now()
         if Phase(agent.phase) in RESTING:
             with self.db.transaction() as cur:
-                finish_txn(cur, job.key, job.fencing_token, status="cancelled", now=now, error=f"agent is {agent.phase}")
+                finish_txn(
+                    cur, job.key, job.fencing_token, status="cancelled", now=now, error=f"agent is {agent.phase}"
+                )
             return RunOutcome(job.key, "cancelled", f"agent is {agent.phase}")
         if past(agent.hard_deadline, now):
             return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
@@ -235,16 +237,21 @@ class Runner:
             agent = read_agent(self.db, job.agent_id)
             if agent is not None and Phase(agent.phase) in RESTING:
                 return self._fenced(job, f"agent is {agent.phase}; the outcome came too late")
-            return self._fail(job, _Failure(ErrorClass.INVALID, f"handler asked for an illegal move: {exc}",
-                                            result.usage, None))
+            return self._fail(
+                job, _Failure(ErrorClass.INVALID, f"handler asked for an illegal move: {exc}", result.usage, None)
+            )
         return RunOutcome(job.key, "succeeded", to_publish=done.to_publish)
 
     def _fail(self, job: ClaimedJob, failure: _Failure) -> RunOutcome:
         failures = job.error_attempts.get(failure.error_class.value, 0) + 1
         decision = decide_retry(failure.error_class, failures, retry_after=failure.retry_after, rules=self.rules)
         error_attempts = {**job.error_attempts, failure.error_class.value: failures}
-        details = {"job": job.key, "attempt": job.attempts, "error_class": failure.error_class.value,
-                   "error": failure.message[:2000]}
+        details = {
+            "job": job.key,
+            "attempt": job.attempts,
+            "error_class": failure.error_class.value,
+            "error": failure.message[:2000],
+        }
         now = core.now()
         if isinstance(decision, GiveUp):
             status = "dead" if decision.reason.endswith("_cap_reached") else "failed"
@@ -253,8 +260,9 @@ class Runner:
                 _finish_failed(cur, job, failure, status, error_attempts, after.updated_at)
                 return {"job_status": status}
 
-            command = Command(job.agent_id, Event.FAIL, self.actor, reason=decision.reason, spend=failure.usage,
-                              details=details)
+            command = Command(
+                job.agent_id, Event.FAIL, self.actor, reason=decision.reason, spend=failure.usage, details=details
+            )
             return self._write_failure(job, command, give_up, status, decision.reason)
 
         run_at = now + decision.delay
@@ -274,12 +282,19 @@ class Runner:
             )
             return {"job_status": "pending", "retry_at": run_at.isoformat()}
 
-        command = Command(job.agent_id, Event.PROGRESS, self.actor, reason="retry_scheduled", spend=failure.usage,
-                          details={**details, "retry_in_seconds": round(decision.delay.total_seconds(), 3)})
+        command = Command(
+            job.agent_id,
+            Event.PROGRESS,
+            self.actor,
+            reason="retry_scheduled",
+            spend=failure.usage,
+            details={**details, "retry_in_seconds": round(decision.delay.total_seconds(), 3)},
+        )
         return self._write_failure(job, command, retry, "retrying", f"retry at {run_at.isoformat()}")
 
-    def _write_failure(self, job: ClaimedJob, command: Command, effects: core.EffectsTxn, status: str,
-                       detail: str) -> RunOutcome:
+    def _write_failure(
+        self, job: ClaimedJob, command: Command, effects: core.EffectsTxn, status: str, detail: str
+    ) -> RunOutcome:
         try:
             core.transition(self.db, command, effects=effects)
         except FencedOff:

@@ -48,6 +48,7 @@ def run_migrations_online() -> None:
             include_name=_include_name,
             include_object=_include_object,
             compare_type=True,
+            compare_server_default=True,
         )
         with context.begin_transaction():
             context.run_migrations()

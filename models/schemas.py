@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +121,12 @@ class NewAgent(BaseModel):
     name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
     budget_tokens: int | None = Field(default=None, ge=0)
     budget_cost: Decimal | None = Field(default=None, ge=0, max_digits=18, decimal_places=6)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_not_an_id(cls, value: str) -> str:
+        try:
+            UUID(value)
+        except ValueError:
+            return value
+        raise ValueError("must not look like a UUID: agents are looked up by id or name")

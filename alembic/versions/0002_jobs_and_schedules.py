@@ -58,6 +58,18 @@ BEGIN
     IF NEW.journal_seq < OLD.journal_seq THEN
         RAISE EXCEPTION 'agents: the journal chain never moves back (% to %)', OLD.journal_seq, NEW.journal_seq;
     END IF;
+    -- No change of state without its journal event: the head must point at the event that explains it.
+    IF NEW.revision <> OLD.revision AND NOT EXISTS (
+        SELECT 1 FROM audit.journal j WHERE j.agent_id = NEW.id AND j.seq = NEW.journal_seq
+           AND j.hash = NEW.journal_head AND j.kind = 'transition' AND j.revision = NEW.revision
+           AND j.to_phase = NEW.phase) THEN
+        RAISE EXCEPTION 'agents: revision % of agent % has no transition event in audit.journal', NEW.revision, NEW.id;
+    END IF;
+    IF NEW.journal_seq <> OLD.journal_seq AND (NEW.journal_seq <> OLD.journal_seq + 1 OR NOT EXISTS (
+        SELECT 1 FROM audit.journal j WHERE j.agent_id = NEW.id AND j.seq = NEW.journal_seq
+           AND j.hash = NEW.journal_head)) THEN
+        RAISE EXCEPTION 'agents: the journal head of agent % must move to its next event', NEW.id;
+    END IF;
     RETURN NEW;
 END;
 $$;

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,14 @@ import pytest
 pytestmark = pytest.mark.integration
 
 KEEL = str(Path(sys.executable).parent / "keel")
+SCRATCH = tempfile.mkdtemp(prefix="keel-cli-")
 
 
 def keel(db_url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env["KEEL_DATABASE_URL"] = db_url
-    result = subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=60)
+    # In a directory of its own: a developer's .env must not leak into the test.
+    result = subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=60, cwd=SCRATCH)
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -73,10 +76,14 @@ def test_bad_input_exits_non_zero_with_one_line(db_url: str, args: tuple[str, ..
     assert "Traceback" not in result.stderr
 
 
-def test_unreachable_database_is_one_line_too(tmp_path: Path) -> None:
-    result = keel("postgresql://nobody@127.0.0.1:1/none", "agent", "list", check=False)
+@pytest.mark.parametrize(
+    "args", [("agent", "list"), ("audit", "verify"), ("db", "upgrade"), ("demo",), ("journal", "--agent", "x")]
+)
+def test_unreachable_database_is_one_line_too(args: tuple[str, ...]) -> None:
+    result = keel("postgresql://nobody@127.0.0.1:1/none", *args, check=False)
     assert result.returncode == 1
-    assert result.stderr.startswith("keel: error: database error:") and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("keel: error: database error:"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_audit_verify_exits_1_on_tampering(db_url: str) -> None:

@@ -131,10 +131,56 @@ def test_the_database_refuses_a_revision_that_skips_or_repeats(client: Client, r
         raw.execute("UPDATE agents SET revision = 3, phase = 'done' WHERE id = %s", (agent.id,))
     with pytest.raises(psycopg.errors.RaiseException, match="must bump the revision"):
         raw.execute("UPDATE agents SET phase = 'done' WHERE id = %s", (agent.id,))
+    with pytest.raises(psycopg.errors.RaiseException, match=r"revision 2 of agent .* has no transition event"):
+        raw.execute("UPDATE agents SET revision = revision + 1, phase = 'done' WHERE id = %s", (agent.id,))
+    with pytest.raises(psycopg.errors.RaiseException, match=r"journal head of agent .* must move to its next event"):
+        raw.execute("UPDATE agents SET journal_seq = journal_seq + 1 WHERE id = %s", (agent.id,))
+    raw.execute("ALTER TABLE agents DISABLE TRIGGER agents_revision_guard")  # the check constraints stand alone too
     with pytest.raises(psycopg.errors.CheckViolation, match="ck_agents_phase"):
-        raw.execute("UPDATE agents SET phase = 'dreaming', revision = 2 WHERE id = %s", (agent.id,))
+        raw.execute("UPDATE agents SET phase = 'dreaming' WHERE id = %s", (agent.id,))
     with pytest.raises(psycopg.errors.CheckViolation, match="budget_tokens"):
-        raw.execute("UPDATE agents SET budget_tokens = -1, revision = 2 WHERE id = %s", (agent.id,))
+        raw.execute("UPDATE agents SET budget_tokens = -1 WHERE id = %s", (agent.id,))
+    raw.execute("ALTER TABLE agents ENABLE TRIGGER agents_revision_guard")
     with pytest.raises(psycopg.errors.RaiseException, match="must bump the revision"):
         raw.execute("UPDATE agents SET spent_tokens = 5 WHERE id = %s", (agent.id,))
     assert client.get_state(agent.id).revision == 1
+
+
+def test_verify_catches_a_state_change_that_skipped_the_journal(
+    client: Client, db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    agent = _history(client)
+    raw.execute("ALTER TABLE agents DISABLE TRIGGER agents_revision_guard")
+    raw.execute("UPDATE agents SET revision = revision + 1, phase = 'planning' WHERE id = %s", (agent.id,))
+    raw.execute("ALTER TABLE agents ENABLE TRIGGER agents_revision_guard")
+    report = journal.verify(db)
+    assert len(report.breaks) == 1 and report.breaks[0].agent_id == agent.id
+    assert "the agent row says revision 4 (planning" in report.breaks[0].reason
+
+
+def test_verify_sees_no_tampering_while_agents_are_busy(client: Client, db: Database) -> None:
+    """Transitions committing during a verify must not look like broken chains (one snapshot)."""
+    import threading
+
+    ids = [client.create_agent(f"busy-{n}").id for n in range(4)]
+    for agent_id in ids:
+        client.submit(agent_id, f"r-{agent_id.hex[:8]}", None)
+    stop = threading.Event()
+
+    def churn(agent_id: Any) -> None:
+        event = Event.PLAN
+        while not stop.is_set():
+            transition(client.db, Command(agent_id, event, "churn"))
+            event = Event.OBSERVE if event is Event.PLAN else Event.PLAN
+
+    threads = [threading.Thread(target=churn, args=(a,)) for a in ids]
+    for t in threads:
+        t.start()
+    try:
+        reports = [journal.verify(db) for _ in range(15)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert all(r.ok for r in reports), [b for r in reports for b in r.breaks][:3]
+    assert reports[-1].events > reports[0].events, "the agents were not busy during the verifies"

@@ -4,6 +4,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy as sa
 
 from models import migrations
 from models.urls import libpq_url
@@ -27,3 +28,36 @@ def test_upgrade_check_downgrade_upgrade(empty_db_url: str) -> None:
     assert _tables(empty_db_url) <= {"public.alembic_version"}
     migrations.upgrade(empty_db_url)
     migrations.check(empty_db_url)
+
+
+def _guards(url: str) -> tuple[set[str], set[str]]:
+    with psycopg.connect(libpq_url(url)) as conn:
+        triggers = {r[0] for r in conn.execute("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal").fetchall()}
+        checks = {
+            r[0]
+            for r in conn.execute(
+                "SELECT conname FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace"
+                " WHERE contype = 'c' AND nspname IN ('public', 'audit')"
+            ).fetchall()
+        }
+    return triggers, checks
+
+
+def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> None:
+    """`alembic check` cannot see triggers or CHECK constraints: compare them with the model here."""
+    from models.tables import metadata
+
+    expected_checks = {
+        str(constraint.name)
+        for table in metadata.tables.values()
+        for constraint in table.constraints
+        if isinstance(constraint, sa.CheckConstraint)
+    }
+    expected_triggers = {"journal_no_update_delete", "journal_no_truncate", "agents_revision_guard", "jobs_guard"}
+    migrations.upgrade(empty_db_url)
+    first = _guards(empty_db_url)
+    assert first == (expected_triggers, expected_checks)
+    migrations.downgrade(empty_db_url, "base")
+    assert _guards(empty_db_url) == (set(), set())
+    migrations.upgrade(empty_db_url)
+    assert _guards(empty_db_url) == first

@@ -9,7 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [p for d in ("agents", "tasks", "models", "alembic") for p in (ROOT / d).rglob("*.py")]
 WRITES = re.compile(
-    r"\b(UPDATE\s+agents|INSERT\s+INTO\s+agents|DELETE\s+FROM\s+agents|agents\.(update|insert|delete)\()", re.IGNORECASE
+    r"\b(UPDATE\s+(public\.)?agents\b|INSERT\s+INTO\s+(public\.)?agents\b|DELETE\s+FROM\s+(public\.)?agents\b"
+    r"|agents\.(update|insert|delete)\(|(update|insert|delete)\(\s*agents\b)",
+    re.IGNORECASE,
 )
 HELPERS = ("update_agent_txn", "advance_chain_txn", "insert_agent_txn", "lock_agent_txn")
 
