@@ -73,7 +73,27 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 actor_option = click.option("--actor", default="cli", show_default=True, help="Who is doing this (journaled).")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Keel(click.Group):
+    """Adds the subcommands registered in the ``keel.commands`` entry point group, loaded only when used."""
+
+    def _plugins(self) -> dict[str, Any]:
+        from importlib.metadata import entry_points
+
+        return {point.name: point for point in entry_points(group="keel.commands")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._plugins()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and cmd_name in (plugins := self._plugins()):
+            loaded = plugins[cmd_name].load()
+            assert isinstance(loaded, click.Command)
+            return loaded
+        return command
+
+
+@click.group(cls=_Keel, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Keel: a control plane for long-running AI agents.
 

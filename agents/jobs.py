@@ -12,7 +12,6 @@ from models.schemas import AgentRow
 
 JOBS_QUEUE = "keel.jobs"
 LOW_QUEUE = "keel.jobs.low"  # jobs of agents past their soft deadline, and jobs asked with priority < 5
-CONTROL_QUEUE = "keel.control"  # beat's periodic tasks (deadline enforcement)
 NORMAL_PRIORITY = 5
 
 

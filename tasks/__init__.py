@@ -1,1 +1,1 @@
-"""Celery glue: the app and its tasks (job runner, dispatcher, outbox relay, deadline enforcer) call agents/."""
+"""Celery glue: the app, the job task and the beat dispatcher (which also enforces deadlines); they call agents/."""

@@ -7,6 +7,7 @@ Tests never skip for a missing service.
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
 from collections.abc import Iterator
@@ -113,3 +114,51 @@ def raw(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
     """A superuser psycopg connection to the test database, autocommit, for poking at tables directly."""
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
         yield conn
+
+
+# --- Redis ------------------------------------------------------------------------------------------------------
+
+LOCAL_REDIS = "redis://127.0.0.1:6379"
+_redis_dbs = itertools.count()
+
+
+def _redis_problem(url: str) -> str | None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        return str(exc)
+    finally:
+        client.close()
+    return None
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> str:
+    """URL (without a db number) of a Redis server the tests may use databases 1-15 of."""
+    explicit = os.environ.get("KEEL_TEST_REDIS_URL")
+    url = (explicit or LOCAL_REDIS).rstrip("/")
+    problem = _redis_problem(url)
+    if problem is None:
+        return url
+    if explicit or IN_CI:
+        pytest.exit(f"Redis at {url} is unreachable ({problem}); CI=true or an explicit URL: failing", 3)
+    from models.embedded import start_redis
+
+    return start_redis(ROOT / ".keel" / "test").rsplit("/", 1)[0]
+
+
+@pytest.fixture
+def broker_url(redis_server_url: str) -> Iterator[str]:
+    """A Redis database of this test's own, empty before and after."""
+    import redis
+
+    number = next(_redis_dbs) % 15 + 1  # db 0 is left to whoever else uses this server
+    url = f"{redis_server_url}/{number}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()

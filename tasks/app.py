@@ -1,0 +1,89 @@
+"""The Celery app, built from Keel's settings with reliable defaults.
+
+``celery -A tasks.app worker`` and ``keel worker`` both use :data:`app`. Its configuration is computed the first
+time Celery reads it, so importing this module starts nothing (the embedded Redis starts only when needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+from kombu import Queue  # type: ignore[attr-defined]
+
+from agents.jobs import JOBS_QUEUE, LOW_QUEUE
+from models.embedded import broker_url_for
+from models.jobs_sql import Due
+from models.settings import Settings
+
+RUN_JOB = "keel.run_job"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings that make a lost or repeated message harmless and rare."""
+    visibility = settings.visibility_timeout_seconds
+    transport = {
+        # One value everywhere: Redis redelivers an unacked message after this long, and workers sweep for such
+        # messages often enough that the redelivery actually happens close to it.
+        "visibility_timeout": visibility,
+        "unacked_restore_interval": max(1, min(10, visibility // 6)),
+        "unacked_restore_throttle": 1,
+    }
+    return {
+        "broker_url": broker_url_for(settings),
+        "broker_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        # Postgres holds every job's outcome; Celery's result backend would be a second, weaker truth.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # Ack after the handler, and put the message back if the worker process dies mid-task.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        # One message at a time per process: a dying worker takes at most one unacked message with it.
+        "worker_prefetch_multiplier": 1,
+        # On warm shutdown, give running jobs time to finish before their messages go back to the queue.
+        "worker_soft_shutdown_timeout": 10.0,
+        "worker_enable_soft_shutdown_on_idle": True,
+        # If the broker connection drops, cancel what runs (the message will be redelivered; the claim dedupes).
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_default_queue": JOBS_QUEUE,
+        "task_queues": [Queue(JOBS_QUEUE), Queue(LOW_QUEUE)],  # type: ignore[no-untyped-call]
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "enable_utc": True,
+        "timezone": "UTC",
+        "beat_max_loop_interval": settings.dispatch_interval_seconds,
+        "imports": ["tasks.jobs"],
+    }
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    celery = Celery("keel")
+    celery.add_defaults(lambda: celery_config(settings or Settings()))
+    return celery
+
+
+app = make_app()
+
+
+def publish(due: Sequence[Due], celery: Celery | None = None) -> None:
+    """Send jobs to the broker. The task id is the job key; retries and re-publishes reuse it."""
+    if not due:
+        return
+    celery = celery or app
+    with celery.producer_or_acquire() as producer:
+        # Declared on every publish, not once per connection: if Redis lost its keys (FLUSHALL, a failover),
+        # a cached declaration would route every message to nowhere until a restart.
+        for name in {job.queue for job in due}:
+            celery.amqp.queues[name](producer.channel).declare()
+        for job in due:
+            celery.send_task(RUN_JOB, args=(job.key,), task_id=job.key, queue=job.queue, producer=producer)
+
+
+def publisher(celery: Celery | None = None) -> Any:
+    """A :class:`agents.client.Client` publisher: ``Client(db, publisher=publisher())``."""
+    return lambda due: publish(due, celery)

@@ -1,0 +1,48 @@
+"""`keel worker`, `keel beat` and `keel flower`: the Celery side of the CLI (plugged in through entry points)."""
+
+from __future__ import annotations
+
+import click
+
+from agents.jobs import JOBS_QUEUE, LOW_QUEUE
+
+ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE])
+
+
+@click.command()
+@click.option(
+    "-c", "--concurrency", type=click.IntRange(min=1), help="Worker processes (default KEEL_WORKER_CONCURRENCY)."
+)
+@click.option("-Q", "--queues", default=ALL_QUEUES, show_default=True, help="Queues to consume, comma-separated.")
+@click.option("-n", "--name", default="keel@%h", show_default=True, help="Node name (unique per host).")
+@click.option("-l", "--loglevel", default="info", show_default=True)
+@click.option("--pool", default="prefork", show_default=True, help="prefork, threads or solo.")
+def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str) -> None:
+    """Run a Celery worker that executes Keel jobs."""
+    from models.settings import Settings
+    from tasks.app import app
+
+    processes = concurrency or Settings().worker_concurrency
+    app.worker_main(
+        ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, "-E", "--without-mingle"]
+    )
+
+
+@click.command()
+@click.option("-l", "--loglevel", default="info", show_default=True)
+def beat(loglevel: str) -> None:
+    """Run beat: the dispatcher (due jobs, expired leases, schedules) and the periodic tasks. Run one or more;
+    a Postgres advisory lock makes one of them the leader."""
+    from tasks.app import app
+
+    app.start(["beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--port", default=5555, show_default=True, type=int)
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+def flower(port: int, flower_args: tuple[str, ...]) -> None:
+    """Run Flower on the Keel broker (extra arguments go to Flower, e.g. --basic-auth=user:pass)."""
+    from tasks.app import app
+
+    app.start(["flower", f"--port={port}", *flower_args])

@@ -1,0 +1,143 @@
+"""The beat dispatcher: Postgres decides what is due, Redis only carries it.
+
+Every ``KEEL_DISPATCH_INTERVAL_SECONDS`` the beat leader fires due schedules and publishes due jobs (task id = key):
+new ones whose ``run_at`` has come, enqueued ones whose message never got claimed (the broker lost it), and running
+ones whose lease expired (the worker died). Nothing is ever put on Redis with an ETA. Claims use
+``FOR UPDATE SKIP LOCKED``, so two dispatchers never publish the same row at once; a Postgres advisory lock keeps a
+single beat leader anyway, and a beat that dies hands leadership over as soon as its connection closes.
+
+Every ``KEEL_DEADLINE_CHECK_SECONDS`` the leader also enforces deadlines, in the beat process itself: a deadline
+must bite even when every worker is busy with the very job that overran it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from celery import Celery
+from celery.beat import Scheduler
+
+from agents import deadlines, schedules
+from agents.core import now, store_errors
+from models.db import Database
+from models.jobs_sql import take_due
+from models.settings import Settings
+from tasks.app import publish
+
+log = logging.getLogger("keel.dispatcher")
+
+#: pg_advisory_lock key of the beat leader ("keel" in ASCII).
+LEADER_LOCK = 0x6B65656C
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchReport:
+    published: int
+    recovered: int
+    fired: int
+
+
+def dispatch_once(db: Database, celery: Celery, settings: Settings, at: datetime | None = None) -> DispatchReport:
+    """One pass: fire due schedules, then publish due jobs in batches until none are left."""
+    at = at or now()
+    fired = schedules.fire_due(db, at)
+    published = recovered = 0
+    timeout = timedelta(seconds=settings.enqueue_timeout_seconds)
+    while True:
+        with store_errors(), db.transaction() as cur:
+            due = take_due(cur, at, enqueue_timeout=timeout, limit=settings.dispatch_batch)
+            # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
+            # commit fails after publishing, the next pass publishes again and the claim suppresses the duplicate.
+            publish(due, celery)
+        published += len(due)
+        recovered += sum(1 for d in due if d.recovered)
+        if len(due) < settings.dispatch_batch:
+            break
+    if recovered:
+        log.warning("recovered %d jobs whose worker died or whose message was lost", recovered)
+    return DispatchReport(published, recovered, len(fired))
+
+
+class Leadership:
+    """Holds the beat leader's advisory lock on a connection of its own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn: psycopg.Connection[Any] | None = None
+
+    def held(self) -> bool:
+        try:
+            if self.conn is None or self.conn.closed:
+                self.conn = psycopg.connect(self.url, autocommit=True)
+                row = self.conn.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)).fetchone()
+                if not (row and row[0]):
+                    self.conn.close()
+                    self.conn = None
+                    return False
+                log.info("this beat is the leader")
+                return True
+            self.conn.execute("SELECT 1")  # still connected means still holding the lock
+            return True
+        except psycopg.Error:
+            log.warning("lost the leader connection; will try again", exc_info=True)
+            if self.conn is not None:
+                self.conn.close()
+            self.conn = None
+            return False
+
+    def release(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class KeelScheduler(Scheduler):  # type: ignore[misc]
+    """Celery beat's scheduler plus the dispatcher. Only the leader dispatches or sends periodic tasks.
+
+    In-memory on purpose: what is due lives in Postgres, so beat keeps no schedule file of its own.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.settings = Settings()
+        self.db = Database.from_settings(self.settings)
+        self.leadership = Leadership(self.db.libpq_url)
+        self._next_deadline_check = 0.0
+        super().__init__(*args, **kwargs)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        interval = self.settings.dispatch_interval_seconds
+        if not self.leadership.held():
+            return interval
+        started = time.monotonic()
+        try:
+            report = dispatch_once(self.db, self.app, self.settings)
+            if report.published or report.fired:
+                log.info(
+                    "dispatched %d jobs (%d recovered), fired %d schedules",
+                    report.published,
+                    report.recovered,
+                    report.fired,
+                )
+        except Exception:  # beat must outlive a database or broker hiccup; the rows stay due
+            log.exception("dispatch pass failed; retrying next tick")
+        if started >= self._next_deadline_check:
+            self._next_deadline_check = started + self.settings.deadline_check_seconds
+            try:
+                enforced = deadlines.enforce(self.db, now())
+                if enforced.demoted or enforced.stopped:
+                    log.info("deadlines: %d agents demoted, %d stopped", len(enforced.demoted), len(enforced.stopped))
+            except Exception:
+                log.exception("deadline pass failed; retrying next tick")
+        spent = time.monotonic() - started
+        next_periodic: float = super().tick(*args, **kwargs)
+        return max(0.01, min(next_periodic, interval - spent))
+
+    def close(self) -> None:
+        self.leadership.release()
+        self.db.dispose()
+        super().close()

@@ -1,0 +1,136 @@
+"""Real Celery worker and beat processes against the test's own database and Redis db, killed and restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+import pytest
+
+from models.urls import libpq_url
+from tests.support.handlers import EXECUTIONS_DDL
+
+ROOT = Path(__file__).resolve().parents[2]
+KEEL = str(Path(sys.executable).parent / "keel")
+
+# Short timeouts so that recovery happens within a test's patience.
+FAST = {
+    "KEEL_JOB_LEASE_SECONDS": "3",
+    "KEEL_ENQUEUE_TIMEOUT_SECONDS": "4",
+    "KEEL_DISPATCH_INTERVAL_SECONDS": "0.2",
+    "KEEL_DEADLINE_CHECK_SECONDS": "0.5",
+    "KEEL_VISIBILITY_TIMEOUT_SECONDS": "10",
+    "KEEL_RETRY_POLICY": json.dumps(
+        {
+            "transient": {"max_attempts": 3, "base_seconds": 0.2, "max_seconds": 1},
+            "unknown": {"max_attempts": 2, "base_seconds": 0.2},
+            "rate_limited": {"base_seconds": 0.2},
+        }
+    ),
+}
+
+
+def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+class Stack:
+    """Starts keel worker/beat/flower processes for one test and kills exactly those (and their children)."""
+
+    def __init__(self, db_url: str, broker_url: str, logs: Path) -> None:
+        self.db_url = db_url
+        self.broker_url = broker_url
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+        self.env.update(FAST)
+        self.env.update(
+            {
+                "KEEL_DATABASE_URL": db_url,
+                "KEEL_BROKER_URL": broker_url,
+                "KEEL_IMPORTS": json.dumps(["tests.support.handlers"]),
+                "PYTHONPATH": str(ROOT),
+                "FLOWER_UNAUTHENTICATED_API": "true",
+            }
+        )
+        with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+            conn.execute(EXECUTIONS_DDL)
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with open(self.logs / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [KEEL, *args], env={**self.env, **(env or {})}, stdout=log, stderr=log, cwd=self.logs
+            )
+        self.procs[name] = proc
+        return proc
+
+    def worker(self, name: str = "w1", concurrency: int = 1, **env: str) -> subprocess.Popen[bytes]:
+        proc = self.start(name, "worker", "-c", str(concurrency), "-n", f"{name}@%h", "-l", "info", env=env)
+        wait_until(f"worker {name} ready", lambda: b"ready." in (self.logs / f"{name}.log").read_bytes(), 60)
+        return proc
+
+    def beat(self, name: str = "beat", **env: str) -> subprocess.Popen[bytes]:
+        return self.start(name, "beat", "-l", "info", env=env)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and every process it started, as if the machine died."""
+        proc = self.procs.pop(name)
+        try:
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            family = []
+        for member in family:
+            try:
+                member.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait(timeout=10)
+        psutil.wait_procs(family, timeout=10)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        with psycopg.connect(libpq_url(self.db_url), autocommit=True) as conn:
+            return conn.execute(sql, params).fetchall()
+
+
+@pytest.fixture
+def stack(db_url: str, broker_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    stack = Stack(db_url, broker_url, tmp_path)
+    try:
+        yield stack
+    finally:
+        stack.stop_all()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed:
+            for log in sorted(tmp_path.glob("*.log")):
+                print(f"\n----- {log.name} (last 60 lines) -----")
+                print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{report.when}", report)

@@ -1,0 +1,233 @@
+"""Nothing runs twice, nothing is lost: real workers and beats, killed, doubled and robbed of their broker."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from agents.client import Client
+from tests.chaos.conftest import ROOT, Stack, wait_until
+
+pytestmark = pytest.mark.chaos
+
+
+def executions(stack: Stack, phase: str = "start") -> dict[str, int]:
+    rows = stack.query("SELECT key, count(*) FROM executions WHERE phase = %s GROUP BY key", phase)
+    return {key: n for key, n in rows}
+
+
+def statuses(stack: Stack) -> dict[str, str]:
+    return {key: status for key, status in stack.query("SELECT key, status FROM jobs")}
+
+
+def all_succeeded(stack: Stack, n: int) -> bool:
+    values = list(statuses(stack).values())
+    return len(values) == n and all(s == "succeeded" for s in values)
+
+
+def make_agents(client: Client, n: int, prefix: str = "a") -> list[str]:
+    return [client.create_agent(f"{prefix}-{i}").name for i in range(n)]
+
+
+def test_four_producers_submitting_the_same_hundred_keys_run_each_once(stack: Stack, client: Client) -> None:
+    names = make_agents(client, 100)
+    pairs = [f"{name}:req-{i}" for i, name in enumerate(names)]
+    stack.worker("w1", concurrency=2)
+    stack.beat()
+    producers = []
+    for seed in range(4):
+        order = random.Random(seed).sample(pairs, len(pairs))
+        producers.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.support.produce", "count", *order],
+                env=stack.env,
+                cwd=ROOT,
+                stderr=subprocess.PIPE,
+            )
+        )
+    for proc in producers:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+    wait_until("all 100 jobs to succeed", lambda: all_succeeded(stack, 100), 90)
+    counts = executions(stack)
+    assert len(counts) == 100 and set(counts.values()) == {1}, "a key ran more than once"
+    suppressed = stack.query("SELECT count(*) FROM audit.journal WHERE kind = 'suppressed' AND event = 'submit'")
+    assert suppressed == [(300,)], "every repeated submit is journaled as a suppressed duplicate"
+    assert {s.phase for s in client.list_agents()} == {"done"}
+
+
+def test_sigkill_mid_job_then_restart_completes_once_and_suppresses_the_redelivery(
+    stack: Stack, client: Client
+) -> None:
+    agent = client.create_agent("victim")
+    stack.worker("w1")
+    stack.beat()
+    client.submit(agent.id, "req-kill", None, operation="block")
+    key = "req-kill:block:1"
+    wait_until("the job to start", lambda: executions(stack).get(key) == 1)
+    stack.kill("w1")
+    stack.worker("w2")
+    redis.Redis.from_url(stack.broker_url).set(f"release:{key}", 1)
+    wait_until("the job to succeed on the new worker", lambda: statuses(stack).get(key) == "succeeded", 60)
+    assert executions(stack, "finish") == {key: 1}, "the job completed more than once"
+    assert executions(stack) == {key: 2}, "started by the killed worker, then once more after recovery"
+    # Redis gives the killed worker's unacked message back after the visibility timeout: it must be suppressed.
+    wait_until(
+        "the redelivered message to be suppressed",
+        lambda: stack.query("SELECT suppressed FROM jobs WHERE key = %s", key) >= [(1,)],
+        60,
+    )
+    decisions = stack.query(
+        "SELECT decision FROM audit.journal WHERE kind = 'suppressed' AND details::jsonb->>'job' = %s", key
+    )
+    assert ("duplicate_delivery",) in decisions
+    assert executions(stack, "finish") == {key: 1}
+    state = client.get_state(agent.id)
+    assert (state.phase, state.pending_jobs) == ("done", ())
+
+
+def test_flushed_broker_loses_nothing(stack: Stack, client: Client) -> None:
+    """The broker's data is wiped (FLUSHDB of the test's own Redis db: FLUSHALL would wipe other tests' dbs)
+    while jobs wait in the queue behind a busy worker. Postgres still knows them; every one completes once."""
+    names = make_agents(client, 11)
+    stack.worker("w1", concurrency=1)
+    stack.beat()
+    client.submit(names[0], "req-busy", None, operation="block")
+    wait_until("the worker to be busy", lambda: executions(stack).get("req-busy:block:1") == 1)
+    for i, name in enumerate(names[1:]):
+        client.submit(name, f"req-{i}", None, operation="count")
+    wait_until("ten jobs to wait on the broker", lambda: list(statuses(stack).values()).count("enqueued") == 10)
+    broker = redis.Redis.from_url(stack.broker_url)
+    assert broker.llen("keel.jobs") == 10
+    broker.flushdb()
+    broker.set("release:req-busy:block:1", 1)
+    wait_until("every job to succeed after the flush", lambda: all_succeeded(stack, 11), 60)
+    counts = executions(stack)
+    assert counts.pop("req-busy:block:1") == 1
+    assert len(counts) == 10 and set(counts.values()) == {1}
+    assert "recovered" in stack.log("beat")
+
+
+def test_two_beats_and_a_killed_beat_neither_duplicate_nor_lose(stack: Stack, client: Client) -> None:
+    names = make_agents(client, 60)
+    stack.worker("w1", concurrency=2)
+    stack.beat("beat-a")
+    stack.beat("beat-b")
+    for i, name in enumerate(names[:30]):
+        client.submit(name, f"req-{i}", None, operation="count")
+    wait_until("a leader to dispatch", lambda: sum(s == "succeeded" for s in statuses(stack).values()) >= 5, 60)
+    leader = "beat-a" if "this beat is the leader" in stack.log("beat-a") else "beat-b"
+    follower = "beat-b" if leader == "beat-a" else "beat-a"
+    assert "this beat is the leader" not in stack.log(follower), "two leaders at once"
+    stack.kill(leader)
+    for i, name in enumerate(names[30:], start=30):
+        client.submit(name, f"req-{i}", None, operation="count")
+    stack.beat("beat-c")
+    wait_until("all 60 jobs to succeed", lambda: all_succeeded(stack, 60), 90)
+    counts = executions(stack)
+    assert len(counts) == 60 and set(counts.values()) == {1}
+    assert "this beat is the leader" in stack.log(follower), "the surviving beat took over"
+
+
+def test_a_job_past_its_hard_deadline_fails_the_agent_and_its_late_outcome_is_fenced_off(
+    stack: Stack, client: Client
+) -> None:
+    from datetime import timedelta
+
+    agent = client.create_agent("late")
+    stack.worker("w1")
+    stack.beat()
+    client.submit(agent.id, "req-late", None, operation="block", hard_deadline=timedelta(seconds=2))
+    key = "req-late:block:1"
+    wait_until("the job to start", lambda: executions(stack).get(key) == 1)
+    wait_until("the deadline to stop the agent", lambda: client.get_state(agent.id).phase == "failed", 30)
+    assert statuses(stack)[key] == "cancelled"
+    stopped_at = client.get_state(agent.id)
+    redis.Redis.from_url(stack.broker_url).set(f"release:{key}", 1)
+    wait_until("the handler to finish late", lambda: executions(stack, "finish").get(key) == 1)
+    wait_until(
+        "the late outcome to be journaled as fenced off",
+        lambda: stack.query("SELECT count(*) FROM audit.journal WHERE decision = 'fenced_off'") == [(1,)],
+    )
+    after = client.get_state(agent.id)
+    assert (after.phase, after.revision) == ("failed", stopped_at.revision), "the late outcome changed the agent"
+    assert statuses(stack)[key] == "cancelled"
+    fail = [e for e in client.journal(agent_id=agent.id) if e.kind == "transition" and e.event == "fail"]
+    assert [e.decision for e in fail] == ["hard_deadline_passed"]
+    assert fail[0].details["jobs_cancelled"] == [key]
+
+
+def _job(stack: Stack, key: str) -> dict[str, Any]:
+    cols = ["status", "attempts", "error_attempts", "error_class", "failed_tokens", "last_error"]
+    rows = stack.query(f"SELECT {', '.join(cols)} FROM jobs WHERE key = %s", key)
+    return dict(zip(cols, rows[0], strict=True))
+
+
+def test_retry_caps_per_error_class(stack: Stack, client: Client) -> None:
+    invalid, flaky, limited, recovers = make_agents(client, 4)
+    stack.worker("w1", concurrency=2)
+    stack.beat()
+    client.submit(invalid, "req-invalid", None, operation="invalid")
+    client.submit(flaky, "req-flaky", None, operation="flaky")
+    client.submit(limited, "req-limited", {"retry_after": 2}, operation="ratelimited")
+    client.submit(recovers, "req-recovers", {"succeed_on": 2}, operation="flaky")
+    finals = {"failed", "dead", "succeeded"}
+    wait_until("all four to finish", lambda: all(s in finals for s in statuses(stack).values()), 60)
+
+    assert executions(stack)["req-invalid:invalid:1"] == 1, "invalid is never retried"
+    assert _job(stack, "req-invalid:invalid:1")["status"] == "failed"
+    assert client.journal(agent_id=invalid)[-1].decision == "invalid_not_retried"
+
+    job = _job(stack, "req-flaky:flaky:1")
+    assert executions(stack)["req-flaky:flaky:1"] == 3 == job["attempts"], "transient runs up to its cap (3 here)"
+    assert (job["status"], job["error_attempts"], job["failed_tokens"]) == ("dead", {"transient": 3}, 30)
+    state = client.get_state(flaky)
+    assert (state.phase, state.spent_tokens) == ("failed", 30), "failed attempts' spend is charged"
+    assert client.journal(agent_id=flaky)[-1].decision == "transient_cap_reached"
+
+    runs = stack.query("SELECT at FROM executions WHERE key = 'req-limited:ratelimited:1' ORDER BY at")
+    assert len(runs) == 2 and (runs[1][0] - runs[0][0]).total_seconds() >= 2.0, "429 waits its retry-after"
+    assert _job(stack, "req-limited:ratelimited:1")["status"] == "succeeded"
+
+    job = _job(stack, "req-recovers:flaky:1")
+    assert (job["status"], job["attempts"], job["failed_tokens"]) == ("succeeded", 2, 10)
+    state = client.get_state(recovers)
+    assert (state.phase, state.spent_tokens) == ("done", 15), "retry-caused 10 plus the successful attempt's 5"
+
+
+def test_budget_stops_spending_before_the_next_step(stack: Stack, client: Client) -> None:
+    agent = client.create_agent("spender", budget_tokens=350)
+    stack.worker("w1")
+    stack.beat()
+    client.submit(agent.id, "req-spend", None, operation="spend")
+    wait_until("the budget to stop the agent", lambda: client.get_state(agent.id).phase == "failed", 60)
+    state = client.get_state(agent.id)
+    assert state.spent_tokens == 400, "four steps of 100 ran; the fifth was not started"
+    assert len(executions(stack)) == 4
+    last = client.journal(agent_id=agent.id)[-1]
+    assert (last.event, last.decision) == ("fail", "budget_exhausted")
+    assert _job(stack, "req-spend:spend:5")["status"] == "failed"
+
+
+def test_flower_lists_the_worker(stack: Stack) -> None:
+    import httpx
+
+    stack.worker("w1")
+    port = 20000 + uuid.uuid4().int % 20000
+    stack.start("flower", "flower", "--port", str(port), "--address=127.0.0.1")
+
+    def workers() -> Any:
+        try:
+            response = httpx.get(f"http://127.0.0.1:{port}/api/workers?refresh=1", timeout=5)
+        except httpx.HTTPError:
+            return None
+        return response.json() if response.status_code == 200 and response.json() else None
+
+    listed = wait_until("Flower to list the worker", workers, 60, every=1)
+    assert any(name.startswith("w1@") for name in listed)

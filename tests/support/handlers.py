@@ -1,0 +1,98 @@
+"""Job handlers the tests' real worker processes load (KEEL_IMPORTS=tests.support.handlers).
+
+Each records every execution in the test database's ``executions`` table, so a test can count runs per key.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from decimal import Decimal
+
+import redis
+
+from agents.commands import JobSpec, Usage
+from agents.errors import InvalidJob, RateLimited, TransientError
+from agents.handlers import JobContext, JobResult, handler
+from agents.phases import Event
+
+EXECUTIONS_DDL = (
+    "CREATE TABLE IF NOT EXISTS executions (id bigserial PRIMARY KEY, key text NOT NULL, attempt int NOT NULL,"
+    " pid int NOT NULL, token bigint NOT NULL, phase text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+)
+
+
+def record(ctx: JobContext, phase: str) -> None:
+    with ctx.db.transaction() as cur:
+        cur.execute(
+            "INSERT INTO executions (key, attempt, pid, token, phase) VALUES (%s, %s, %s, %s, %s)",
+            (ctx.key, ctx.attempt, os.getpid(), ctx.fencing_token, phase),
+        )
+
+
+@handler("count")
+def count(ctx: JobContext) -> JobResult:
+    record(ctx, "start")
+    return JobResult(output={"pid": os.getpid()}, event=Event.FINISH)
+
+
+@handler("noop")
+def noop(ctx: JobContext) -> JobResult:
+    return JobResult(event=Event.FINISH)
+
+
+@handler("block")
+def block(ctx: JobContext) -> JobResult:
+    """Runs until the test sets the Redis key ``release:{job key}`` (on the broker's Redis db)."""
+    record(ctx, "start")
+    client = redis.Redis.from_url(os.environ["KEEL_BROKER_URL"])
+    try:
+        while not client.exists(f"release:{ctx.key}"):
+            time.sleep(0.05)
+    finally:
+        client.close()
+    record(ctx, "finish")
+    return JobResult(output={"released": True}, event=Event.FINISH)
+
+
+@handler("slow")
+def slow(ctx: JobContext) -> JobResult:
+    record(ctx, "start")
+    time.sleep(float(ctx.payload.get("seconds", 1)))
+    record(ctx, "finish")
+    return JobResult(event=Event.FINISH)
+
+
+@handler("flaky")
+def flaky(ctx: JobContext) -> JobResult:
+    """Fails transiently (spending 10 tokens each time) until attempt ``succeed_on``; never if it is 0."""
+    record(ctx, "start")
+    succeed_on = int((ctx.payload.get("input") or {}).get("succeed_on", 0))
+    if succeed_on and ctx.attempt >= succeed_on:
+        return JobResult(usage=Usage(5, Decimal("0.01")), event=Event.FINISH)
+    raise TransientError(f"upstream 503 on attempt {ctx.attempt}", usage=Usage(10, Decimal("0.02")))
+
+
+@handler("invalid")
+def invalid(ctx: JobContext) -> JobResult:
+    record(ctx, "start")
+    raise InvalidJob("400 Bad Request: the prompt is empty")
+
+
+@handler("ratelimited")
+def ratelimited(ctx: JobContext) -> JobResult:
+    """429 with Retry-After on the first attempt, then succeeds."""
+    record(ctx, "start")
+    if ctx.attempt == 1:
+        raise RateLimited(
+            "429 Too Many Requests", retry_after=float((ctx.payload.get("input") or {}).get("retry_after", 2))
+        )
+    return JobResult(event=Event.FINISH)
+
+
+@handler("spend")
+def spend(ctx: JobContext) -> JobResult:
+    """Spends 100 tokens per step and schedules the next step, forever: only the budget stops it."""
+    record(ctx, "start")
+    step = int(ctx.target)
+    return JobResult(usage=Usage(100, Decimal("0.10")), jobs=(JobSpec("spend", str(step + 1)),))
