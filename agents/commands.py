@@ -62,6 +62,33 @@ class JobSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """The outcome of a claimed job, written by the transition that records it, and only while ``fencing_token`` is
+    still the job's (a worker whose lease was taken over writes nothing). ``status`` ``pending`` is a retry."""
+
+    key: str
+    fencing_token: int
+    status: str  # succeeded, pending (retry at run_at), failed, dead, cancelled
+    result: Mapping[str, Any] | None = None
+    usage: Usage = field(default_factory=Usage)  # of a successful attempt
+    failed_usage: Usage = field(default_factory=Usage)  # of a failed attempt: retry-caused cost
+    error: str | None = None
+    error_class: str | None = None
+    error_attempts: Mapping[str, int] | None = None
+    run_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in ("succeeded", "pending", "failed", "dead", "cancelled"):
+            raise InvalidInput(f"job outcome status {self.status!r} is unknown")
+        if self.status == "pending" and self.run_at is None:
+            raise InvalidInput("a retry (status pending) needs run_at")
+
+    @property
+    def leaves_job_live(self) -> bool:
+        return self.status == "pending"
+
+
+@dataclass(frozen=True, slots=True)
 class Command:
     """A request to apply ``event`` to one agent.
 
@@ -81,6 +108,7 @@ class Command:
     spend: Usage = field(default_factory=Usage)
     jobs: tuple[JobSpec, ...] = ()
     priority: str | None = None  # "low" demotes the agent's jobs (soft deadline)
+    outcome: JobOutcome | None = None  # the job whose result this transition records
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, Event):

@@ -19,12 +19,19 @@ import psycopg
 import sqlalchemy.exc
 
 from agents import journal
-from agents.commands import LOW, Accept, Command, Reject, Suppress, decide, is_repeat_submit
+from agents.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
 from agents.errors import AgentExists, AgentNotFound, StoreError
 from agents.jobs import LOW_QUEUE, new_jobs
 from agents.phases import RESTING, Event, Phase
 from models.db import Database
-from models.jobs_sql import Due, cancel_agent_jobs_txn, demote_agent_jobs_txn, insert_jobs_txn
+from models.jobs_sql import (
+    Due,
+    cancel_agent_jobs_txn,
+    demote_agent_jobs_txn,
+    finish_txn,
+    insert_jobs_txn,
+    retry_txn,
+)
 from models.schemas import AgentRow
 from models.sql import LostUpdate, claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
 
@@ -105,9 +112,10 @@ def transition(
     """
     with store_errors():
         with db.transaction() as cur:
-            row = lock_agent_txn(cur, command.agent_id)
-            if row is None:
+            locked = lock_agent_txn(cur, command.agent_id)
+            if locked is None:
                 raise AgentNotFound(command.agent_id)
+            row, live_jobs = locked
             at = now()  # after the lock: along a chain, time never goes back
             owner = None
             if command.event is Event.SUBMIT and not is_repeat_submit(row, command):
@@ -135,7 +143,7 @@ def transition(
                 )
                 return Transitioned(replace(row, journal_seq=link.seq, journal_head=link.hash), link.seq, True)
             if isinstance(decision, Accept):
-                after, to_publish = _apply_txn(cur, row, decision.after, command, at, effects, publish_due)
+                after, to_publish = _apply_txn(cur, row, decision.after, command, at, effects, publish_due, live_jobs)
                 return Transitioned(after, after.journal_seq, to_publish=to_publish)
             # Rejected: leave this transaction (it wrote at most the request claim, which must not stay).
             cur.connection.rollback()
@@ -155,6 +163,7 @@ def _apply_txn(
     at: datetime,
     effects: EffectsTxn | None,
     publish_due: bool,
+    live_jobs: int,
 ) -> tuple[AgentRow, tuple[Due, ...]]:
     # The journal event's hash covers what the effects did, so effects run before the event is written;
     # the row is written last, carrying the new chain head.
@@ -164,6 +173,11 @@ def _apply_txn(
         details["hard_deadline"] = after.hard_deadline
     if command.spend:
         details["spend"] = {"tokens": command.spend.tokens, "cost": str(command.spend.cost)}
+    if command.outcome is not None:
+        _write_outcome_txn(cur, command.outcome, at)
+        details["job_status"] = command.outcome.status
+        if not command.outcome.leaves_job_live:
+            live_jobs -= 1
     if effects is not None:
         summary = effects(cur, before, after)
         if summary:
@@ -177,7 +191,11 @@ def _apply_txn(
             details["jobs_suppressed"] = suppressed
         fresh = set(inserted)
         to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in fresh and r.status == "enqueued")
-    if Phase(after.phase) in RESTING and Phase(before.phase) not in RESTING:
+    if (
+        Phase(after.phase) in RESTING
+        and Phase(before.phase) not in RESTING
+        and (live_jobs > 0 or effects or command.jobs)
+    ):
         cancelled = cancel_agent_jobs_txn(cur, after.id, at, f"agent {after.phase}: {command.reason}")
         if cancelled:
             details["jobs_cancelled"] = cancelled
@@ -185,8 +203,7 @@ def _apply_txn(
         demoted = demote_agent_jobs_txn(cur, after.id, LOW_QUEUE, at)
         if demoted:
             details["jobs_demoted"] = demoted
-    link = journal.append_txn(
-        cur,
+    event = journal.new_event(
         before,
         kind="transition",
         event=command.event.value,
@@ -199,9 +216,44 @@ def _apply_txn(
         details=details,
         at=at,
     )
-    after = replace(after, journal_seq=link.seq, journal_head=link.hash)
-    update_agent_txn(cur, before, after)
+    after = replace(after, journal_seq=event.seq, journal_head=event.hash)
+    update_agent_txn(cur, before, after, event)
     return after, to_publish
+
+
+def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime) -> None:
+    """Write a job's outcome under its fencing token; raises :class:`~models.jobs_sql.FencedOff` if the claim
+    is no longer the writer's."""
+    if outcome.status == "pending":
+        assert outcome.run_at is not None
+        retry_txn(
+            cur,
+            outcome.key,
+            outcome.fencing_token,
+            run_at=outcome.run_at,
+            now=at,
+            error=outcome.error or "",
+            error_class=outcome.error_class or "unknown",
+            error_attempts=dict(outcome.error_attempts or {}),
+            failed_tokens=outcome.failed_usage.tokens,
+            failed_cost=outcome.failed_usage.cost,
+        )
+        return
+    finish_txn(
+        cur,
+        outcome.key,
+        outcome.fencing_token,
+        status=outcome.status,
+        now=at,
+        result=None if outcome.result is None else dict(outcome.result),
+        tokens=outcome.usage.tokens,
+        cost=outcome.usage.cost,
+        error=outcome.error,
+        error_class=outcome.error_class,
+        failed_tokens=outcome.failed_usage.tokens,
+        failed_cost=outcome.failed_usage.cost,
+        error_attempts=None if outcome.error_attempts is None else dict(outcome.error_attempts),
+    )
 
 
 def record_side_event(
@@ -218,9 +270,10 @@ def record_side_event(
     """Journal something that happened to an agent without changing its state (a suppressed duplicate delivery,
     a fenced-off outcome), in a transaction of its own, with optional effects on other tables."""
     with store_errors(), db.transaction() as cur:
-        row = lock_agent_txn(cur, agent_id)
-        if row is None:
+        locked = lock_agent_txn(cur, agent_id)
+        if locked is None:
             raise AgentNotFound(agent_id)
+        row = locked[0]
         if effects is not None:
             effects(cur)
         journal.append_side_event_txn(
@@ -240,9 +293,10 @@ def _journal_rejection(db: Database, command: Command, decision: Reject, judged:
     if command.expected_revision is not None:
         details["expected_revision"] = command.expected_revision
     with db.transaction() as cur:
-        row = lock_agent_txn(cur, command.agent_id)
-        if row is None:  # pragma: no cover - agents are never deleted
+        locked = lock_agent_txn(cur, command.agent_id)
+        if locked is None:  # pragma: no cover - agents are never deleted
             return
+        row = locked[0]
         journal.append_side_event_txn(
             cur,
             row,

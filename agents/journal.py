@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from models.db import Database
 from models.schemas import AgentRow, JournalEvent
-from models.sql import advance_chain_txn, insert_event_txn
+from models.sql import NewEvent, advance_chain_txn
 from models.tables import GENESIS_HASH, journal
 
 
@@ -63,16 +63,7 @@ def event_hash(
     return hashlib.sha256(json.dumps(fields, separators=(",", ":")).encode()).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class Link:
-    """Where an appended event sits in its agent's chain."""
-
-    seq: int
-    hash: str
-
-
-def append_txn(
-    cur: psycopg.Cursor[Any],
+def new_event(
     row: AgentRow,
     *,
     kind: str,
@@ -85,13 +76,11 @@ def append_txn(
     decision: str,
     details: Mapping[str, Any],
     at: datetime,
-) -> Link:
-    """Insert the next event of ``row``'s chain (the row must be locked by the caller). Does not move the head."""
-    seq = row.journal_seq + 1
-    details_json = canonical_json(details)
+) -> NewEvent:
+    """The next event of ``row``'s chain, hashed onto its head (the caller holds the row's lock)."""
     fields: dict[str, Any] = {
         "agent_id": row.id,
-        "seq": seq,
+        "seq": row.journal_seq + 1,
         "kind": kind,
         "event": event,
         "actor": actor,
@@ -100,12 +89,10 @@ def append_txn(
         "to_phase": to_phase,
         "revision": revision,
         "decision": decision,
-        "details_json": details_json,
+        "details_json": canonical_json(details),
         "at": at,
     }
-    digest = event_hash(prev_hash=row.journal_head, **fields)
-    insert_event_txn(cur, prev_hash=row.journal_head, hash=digest, **fields)
-    return Link(seq, digest)
+    return NewEvent(**fields, prev_hash=row.journal_head, hash=event_hash(prev_hash=row.journal_head, **fields))
 
 
 def append_side_event_txn(
@@ -119,10 +106,9 @@ def append_side_event_txn(
     details: Mapping[str, Any],
     at: datetime,
     request_id: str | None = None,
-) -> Link:
-    """Journal an event that leaves the agent's state as it is (rejected, suppressed) and advance the head."""
-    link = append_txn(
-        cur,
+) -> NewEvent:
+    """Journal an event that leaves the agent's state as it is (created, rejected, suppressed); move the head."""
+    appended = new_event(
         row,
         kind=kind,
         event=event,
@@ -135,8 +121,8 @@ def append_side_event_txn(
         details=details,
         at=at,
     )
-    advance_chain_txn(cur, row.id, link.seq, link.hash)
-    return link
+    advance_chain_txn(cur, appended)
+    return appended
 
 
 def events(

@@ -10,25 +10,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from decimal import Decimal
-from typing import Any
+from datetime import timedelta
 
 import psycopg
 
 from agents import core
-from agents.commands import Command, Usage
+from agents.commands import Command, JobOutcome, Usage
 from agents.errors import HardDeadlinePassed, IllegalTransition, InvalidJob, JobError, KeelError
 from agents.handlers import JobContext, JobResult, Registry
 from agents.phases import RESTING, Event, Phase
 from agents.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
 from models.db import Database
-from models.jobs_sql import ClaimedJob, Due, FencedOff, claim, count_suppressed_txn, extend_lease, finish_txn, retry_txn
-from models.schemas import AgentRow
-from models.sql import read_agent
+from models.jobs_sql import ClaimedJob, Due, FencedOff, claim, count_suppressed_txn, extend_lease, finish_txn
 
 log = logging.getLogger("keel.runner")
 
@@ -51,6 +48,46 @@ class _Failure:
     retry_after: float | None
 
 
+class LeaseKeeper:
+    """One thread per process renews the leases of the jobs running in it, every third of the lease; a job whose
+    lease was taken over (or cancelled) gets its ``lost`` flag set and is dropped."""
+
+    def __init__(self, db: Database, lease: timedelta) -> None:
+        self.db = db
+        self.lease = lease
+        self._held: dict[str, tuple[int, threading.Event]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def hold(self, key: str, token: int, lost: threading.Event) -> Iterator[None]:
+        with self._lock:
+            self._held[key] = (token, lost)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._renew_forever, name="keel-leases", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.pop(key, None)
+
+    def _renew_forever(self) -> None:
+        interval = self.lease.total_seconds() / 3
+        while True:
+            time.sleep(interval)
+            with self._lock:
+                held = list(self._held.items())
+            for key, (token, lost) in held:
+                try:
+                    if not extend_lease(self.db, key, token, core.now() + self.lease):
+                        lost.set()
+                        with self._lock:
+                            self._held.pop(key, None)
+                except psycopg.Error:
+                    log.warning("job %s: lease renewal failed; will retry", key, exc_info=True)
+
+
 class Runner:
     def __init__(
         self,
@@ -68,6 +105,7 @@ class Runner:
         self.lease = lease
         self.rules = rules
         self.publish_due = publish_due  # the caller publishes next jobs right after commit
+        self.leases = LeaseKeeper(db, lease)
 
     @property
     def actor(self) -> str:
@@ -92,9 +130,7 @@ class Runner:
             )
             return RunOutcome(key, "suppressed", f"{reason}: job is {claimed.status}")
         job = claimed
-        agent = read_agent(self.db, job.agent_id)
-        assert agent is not None, "jobs reference their agent"
-        stop = self._preflight(job, agent)
+        stop = self._preflight(job)
         if stop is not None:
             return stop
         failure, result = self._execute(job)
@@ -105,44 +141,37 @@ class Runner:
 
     # --- before the handler -----------------------------------------------------------------------------------
 
-    def _preflight(self, job: ClaimedJob, agent: AgentRow) -> RunOutcome | None:
+    def _preflight(self, job: ClaimedJob) -> RunOutcome | None:
         now = core.now()
-        if Phase(agent.phase) in RESTING:
+        if Phase(job.agent_phase) in RESTING:
             with self.db.transaction() as cur:
                 finish_txn(
-                    cur, job.key, job.fencing_token, status="cancelled", now=now, error=f"agent is {agent.phase}"
+                    cur, job.key, job.fencing_token, status="cancelled", now=now, error=f"agent is {job.agent_phase}"
                 )
-            return RunOutcome(job.key, "cancelled", f"agent is {agent.phase}")
-        if past(agent.hard_deadline, now):
+            return RunOutcome(job.key, "cancelled", f"agent is {job.agent_phase}")
+        if past(job.hard_deadline, now):
             return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
         if over_budget(
-            spent_tokens=agent.spent_tokens,
-            spent_cost=agent.spent_cost,
-            budget_tokens=agent.budget_tokens,
-            budget_cost=agent.budget_cost,
+            spent_tokens=job.spent_tokens,
+            spent_cost=job.spent_cost,
+            budget_tokens=job.budget_tokens,
+            budget_cost=job.budget_cost,
         ):
             return self._stop_agent(job, "budget_exhausted", "failed", ErrorClass.BUDGET)
         return None
 
     def _stop_agent(self, job: ClaimedJob, reason: str, status: str, error_class: ErrorClass | None) -> RunOutcome:
-        def finish(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow) -> dict[str, Any]:
-            finish_txn(
-                cur,
-                job.key,
-                job.fencing_token,
-                status=status,
-                now=after.updated_at,
-                error=f"not started: {reason}",
-                error_class=None if error_class is None else error_class.value,
-            )
-            return {"job": job.key, "job_status": status}
-
-        command = Command(job.agent_id, Event.FAIL, self.actor, reason=reason, details={"job": job.key})
-        try:
-            core.transition(self.db, command, effects=finish)
-        except (IllegalTransition, FencedOff) as exc:
-            return self._fenced(job, f"agent moved on before {reason} could be applied: {exc}")
-        return RunOutcome(job.key, status, reason)
+        outcome = JobOutcome(
+            job.key,
+            job.fencing_token,
+            status,
+            error=f"not started: {reason}",
+            error_class=None if error_class is None else error_class.value,
+        )
+        command = Command(
+            job.agent_id, Event.FAIL, self.actor, reason=reason, details={"job": job.key}, outcome=outcome
+        )
+        return self._record(job, command, status, reason)
 
     # --- the handler ------------------------------------------------------------------------------------------
 
@@ -163,7 +192,7 @@ class Runner:
             fencing_token=job.fencing_token,
             db=self.db,
         )
-        with self._heartbeat(job, context.lost):
+        with self.leases.hold(job.key, job.fencing_token, context.lost):
             try:
                 result = handler(context)
             except Exception as exc:  # every failure is classified, none crashes the worker
@@ -180,45 +209,10 @@ class Runner:
             return _Failure(ErrorClass(exc.error_class), str(exc), usage, exc.retry_after)
         return _Failure(ErrorClass.UNKNOWN, f"{type(exc).__name__}: {exc}", Usage(), None)
 
-    @contextmanager
-    def _heartbeat(self, job: ClaimedJob, lost: threading.Event) -> Iterator[None]:
-        """Renew the lease every third of its length while the handler runs; flag ``lost`` if it was taken."""
-        done = threading.Event()
-        interval = self.lease.total_seconds() / 3
-
-        def beat() -> None:
-            while not done.wait(interval):
-                try:
-                    if not extend_lease(self.db, job.key, job.fencing_token, core.now() + self.lease):
-                        lost.set()
-                        return
-                except psycopg.Error:
-                    log.warning("job %s: lease renewal failed; will retry", job.key, exc_info=True)
-
-        thread = threading.Thread(target=beat, name=f"lease:{job.key}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-
     # --- outcomes ---------------------------------------------------------------------------------------------
 
     def _succeed(self, job: ClaimedJob, result: JobResult) -> RunOutcome:
-        def finish(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow) -> dict[str, Any]:
-            finish_txn(
-                cur,
-                job.key,
-                job.fencing_token,
-                status="succeeded",
-                now=after.updated_at,
-                result=dict(result.output),
-                tokens=result.usage.tokens,
-                cost=result.usage.cost,
-            )
-            return {"job": job.key, "job_status": "succeeded"}
-
+        outcome = JobOutcome(job.key, job.fencing_token, "succeeded", result=dict(result.output), usage=result.usage)
         command = Command(
             job.agent_id,
             result.event or Event.PROGRESS,
@@ -226,79 +220,65 @@ class Runner:
             spend=result.usage,
             jobs=result.jobs,
             details={"job": job.key, "attempt": job.attempts},
+            outcome=outcome,
         )
         try:
-            done = core.transition(self.db, command, effects=finish, publish_due=self.publish_due)
+            done = core.transition(self.db, command, publish_due=self.publish_due)
+        except IllegalTransition as exc:
+            if Phase(exc.phase) in RESTING:
+                return self._fenced(job, f"agent is {exc.phase}; the outcome came too late")
+            failure = _Failure(ErrorClass.INVALID, f"handler asked for an illegal move: {exc}", result.usage, None)
+            return self._fail(job, failure)
         except FencedOff:
             return self._fenced(job, "the job's lease was taken over before its outcome was written")
         except HardDeadlinePassed:
             return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
-        except IllegalTransition as exc:
-            agent = read_agent(self.db, job.agent_id)
-            if agent is not None and Phase(agent.phase) in RESTING:
-                return self._fenced(job, f"agent is {agent.phase}; the outcome came too late")
-            return self._fail(
-                job, _Failure(ErrorClass.INVALID, f"handler asked for an illegal move: {exc}", result.usage, None)
-            )
         return RunOutcome(job.key, "succeeded", to_publish=done.to_publish)
 
     def _fail(self, job: ClaimedJob, failure: _Failure) -> RunOutcome:
         failures = job.error_attempts.get(failure.error_class.value, 0) + 1
         decision = decide_retry(failure.error_class, failures, retry_after=failure.retry_after, rules=self.rules)
-        error_attempts = {**job.error_attempts, failure.error_class.value: failures}
-        details = {
-            "job": job.key,
-            "attempt": job.attempts,
+        message = failure.message[:2000]
+        details = {"job": job.key, "attempt": job.attempts, "error_class": failure.error_class.value, "error": message}
+        common = {
+            "failed_usage": failure.usage,
+            "error": message,
             "error_class": failure.error_class.value,
-            "error": failure.message[:2000],
+            "error_attempts": {**job.error_attempts, failure.error_class.value: failures},
         }
-        now = core.now()
         if isinstance(decision, GiveUp):
             status = "dead" if decision.reason.endswith("_cap_reached") else "failed"
-
-            def give_up(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow) -> dict[str, Any]:
-                _finish_failed(cur, job, failure, status, error_attempts, after.updated_at)
-                return {"job_status": status}
-
+            outcome = JobOutcome(job.key, job.fencing_token, status, **common)  # type: ignore[arg-type]
             command = Command(
-                job.agent_id, Event.FAIL, self.actor, reason=decision.reason, spend=failure.usage, details=details
+                job.agent_id,
+                Event.FAIL,
+                self.actor,
+                reason=decision.reason,
+                spend=failure.usage,
+                details=details,
+                outcome=outcome,
             )
-            return self._write_failure(job, command, give_up, status, decision.reason)
-
-        run_at = now + decision.delay
-
-        def retry(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow) -> dict[str, Any]:
-            retry_txn(
-                cur,
-                job.key,
-                job.fencing_token,
-                run_at=run_at,
-                now=after.updated_at,
-                error=failure.message[:2000],
-                error_class=failure.error_class.value,
-                error_attempts=error_attempts,
-                failed_tokens=failure.usage.tokens,
-                failed_cost=failure.usage.cost,
-            )
-            return {"job_status": "pending", "retry_at": run_at.isoformat()}
-
+            return self._record(job, command, status, decision.reason)
+        run_at = core.now() + decision.delay
+        outcome = JobOutcome(job.key, job.fencing_token, "pending", run_at=run_at, **common)  # type: ignore[arg-type]
+        retry_in = round(decision.delay.total_seconds(), 3)
         command = Command(
             job.agent_id,
             Event.PROGRESS,
             self.actor,
             reason="retry_scheduled",
             spend=failure.usage,
-            details={**details, "retry_in_seconds": round(decision.delay.total_seconds(), 3)},
+            details={**details, "retry_in_seconds": retry_in},
+            outcome=outcome,
         )
-        return self._write_failure(job, command, retry, "retrying", f"retry at {run_at.isoformat()}")
+        return self._record(job, command, "retrying", f"retry at {run_at.isoformat()}")
 
-    def _write_failure(
-        self, job: ClaimedJob, command: Command, effects: core.EffectsTxn, status: str, detail: str
-    ) -> RunOutcome:
+    def _record(self, job: ClaimedJob, command: Command, status: str, detail: str) -> RunOutcome:
+        """Write a failure or a stop through transition(); a lost race means this worker's outcome is void."""
         try:
-            core.transition(self.db, command, effects=effects)
+            core.transition(self.db, command)
         except FencedOff:
-            return self._fenced(job, "the job's lease was taken over before its failure was written")
+            return self._fenced(job, "the job's lease was taken over before its outcome was written")
         except HardDeadlinePassed:
             return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
         except IllegalTransition as exc:
@@ -320,25 +300,3 @@ class Runner:
         except KeelError:
             log.exception("job %s: could not journal the fenced-off outcome", job.key)
         return RunOutcome(job.key, "fenced", why)
-
-
-def _finish_failed(
-    cur: psycopg.Cursor[Any],
-    job: ClaimedJob,
-    failure: _Failure,
-    status: str,
-    error_attempts: dict[str, int],
-    now: datetime,
-) -> None:
-    finish_txn(
-        cur,
-        job.key,
-        job.fencing_token,
-        status=status,
-        now=now,
-        error=failure.message[:2000],
-        error_class=failure.error_class.value,
-        failed_tokens=failure.usage.tokens,
-        failed_cost=Decimal(failure.usage.cost),
-        error_attempts=error_attempts,
-    )

@@ -63,5 +63,16 @@ class Database:
                 conn.rollback()
                 raise
 
+    @contextmanager
+    def autocommit(self) -> Iterator[psycopg.Cursor[Any]]:
+        """A cursor whose every statement commits by itself: one round trip for a one-statement write."""
+        with self.connection() as conn:
+            conn.autocommit = True
+            try:
+                with conn.cursor() as cur:
+                    yield cur
+            finally:
+                conn.autocommit = False
+
     def dispose(self) -> None:
         self.engine.dispose()

@@ -50,6 +50,13 @@ class ClaimedJob:
     fencing_token: int
     lease_until: datetime
     queue: str
+    # The agent as it was at the claim, for the checks before the handler runs (budget, deadline, phase).
+    agent_phase: str
+    hard_deadline: datetime | None
+    spent_tokens: int
+    spent_cost: Decimal
+    budget_tokens: int | None
+    budget_cost: Decimal | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,14 +144,16 @@ def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) 
     Returns the claimed job; or, when it cannot be claimed, its current status (a duplicate delivery);
     or None when no such job exists.
     """
-    with db.transaction() as cur:
+    # One statement in autocommit: the claim is durable before the handler starts, in a single round trip.
+    with db.autocommit() as cur:
         cur.execute(
-            "UPDATE jobs SET status = 'running', fencing_token = nextval('job_fencing_token_seq'),"
-            " lease_until = %s, attempts = attempts + 1, worker = %s, started_at = %s, updated_at = %s"
-            " WHERE key = %s AND run_at <= %s"
-            " AND (status IN ('pending', 'enqueued') OR (status = 'running' AND lease_until < %s))"
-            " RETURNING key, agent_id, request_id, operation, target, payload, attempts, error_attempts,"
-            " fencing_token, lease_until, queue",
+            "UPDATE jobs j SET status = 'running', fencing_token = nextval('job_fencing_token_seq'),"
+            " lease_until = %s, attempts = j.attempts + 1, worker = %s, started_at = %s, updated_at = %s"
+            " FROM agents a WHERE j.key = %s AND a.id = j.agent_id AND j.run_at <= %s"
+            " AND (j.status IN ('pending', 'enqueued') OR (j.status = 'running' AND j.lease_until < %s))"
+            " RETURNING j.key, j.agent_id, j.request_id, j.operation, j.target, j.payload, j.attempts,"
+            " j.error_attempts, j.fencing_token, j.lease_until, j.queue, a.phase, a.hard_deadline, a.spent_tokens,"
+            " a.spent_cost, a.budget_tokens, a.budget_cost",
             (now + lease, worker, now, now, key, now + timedelta(seconds=1), now),
         )
         row = cur.fetchone()
@@ -157,7 +166,7 @@ def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) 
 
 def extend_lease(db: Database, key: str, token: int, until: datetime) -> bool:
     """Heartbeat: push the lease out. False if this worker no longer holds the job."""
-    with db.transaction() as cur:
+    with db.autocommit() as cur:
         cur.execute(
             "UPDATE jobs SET lease_until = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
             (until, key, token),

@@ -6,6 +6,7 @@ that called it. Statements are plain strings so psycopg can prepare them once pe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -19,22 +20,58 @@ AGENT_COLUMNS = (
     " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority"
 )
 
-_LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
+# With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep.
+_LOCK_AGENT = (
+    f"SELECT {AGENT_COLUMNS}, (SELECT count(*) FROM jobs j WHERE j.agent_id = agents.id"
+    " AND j.status IN ('pending', 'enqueued', 'running')) FROM agents WHERE id = %s FOR UPDATE OF agents"
+)
 
-# The WHERE clause repeats the revision we read under the lock: the database refuses a lost update by itself.
+_EVENT_COLUMNS = (
+    "agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details, at,"
+    " prev_hash, hash"
+)
+_EVENT_CTE = f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 14)}) RETURNING 1) "
+
+# One statement writes the journal event and the row it explains (a deferred trigger checks they agree at commit).
+# The WHERE clause repeats the revision read under the lock: the database refuses a lost update by itself.
 _UPDATE_AGENT = (
-    "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s, hard_deadline = %s,"
-    " updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s, priority = %s"
-    " WHERE id = %s AND revision = %s"
+    _EVENT_CTE + "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s,"
+    " hard_deadline = %s, updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s,"
+    " priority = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
 )
 
 # Rejections and suppressions leave the agent's state alone; only its journal chain advances.
-_ADVANCE_CHAIN = "UPDATE agents SET journal_seq = %s, journal_head = %s WHERE id = %s AND journal_seq = %s"
-
-_INSERT_EVENT = (
-    "INSERT INTO audit.journal (agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision,"
-    " decision, details, at, prev_hash, hash) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+_ADVANCE_CHAIN = (
+    _EVENT_CTE + "UPDATE agents SET journal_seq = %s, journal_head = %s"
+    " WHERE id = %s AND journal_seq = %s AND EXISTS (SELECT 1 FROM ev)"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """A journal event ready to insert (its hash already computed over these very values)."""
+
+    agent_id: UUID
+    seq: int
+    kind: str
+    event: str
+    actor: str
+    request_id: str | None
+    from_phase: str | None
+    to_phase: str | None
+    revision: int
+    decision: str
+    details_json: str
+    at: datetime
+    prev_hash: str
+    hash: str
+
+    def params(self) -> tuple[Any, ...]:
+        return (
+            self.agent_id, self.seq, self.kind, self.event, self.actor, self.request_id, self.from_phase,
+            self.to_phase, self.revision, self.decision, self.details_json, self.at, self.prev_hash, self.hash,
+        )  # fmt: skip
+
 
 _INSERT_AGENT = (
     "INSERT INTO agents (name, budget_tokens, budget_cost, created_at, updated_at) VALUES (%s, %s, %s, %s, %s)"
@@ -52,11 +89,12 @@ class LostUpdate(RuntimeError):
     """A guarded UPDATE matched no row although the row was locked: a writer bypassed the lock."""
 
 
-def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> AgentRow | None:
-    """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it; None if there is no such agent."""
+def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> tuple[AgentRow, int] | None:
+    """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs;
+    None if there is no such agent."""
     cur.execute(_LOCK_AGENT, (agent_id,))
     row = cur.fetchone()
-    return None if row is None else AgentRow(*row)
+    return None if row is None else (AgentRow(*row[:-1]), int(row[-1]))
 
 
 def read_agent(db: Any, agent_id: UUID) -> AgentRow | None:
@@ -68,11 +106,13 @@ def read_agent(db: Any, agent_id: UUID) -> AgentRow | None:
     return None if row is None else AgentRow(*row)
 
 
-def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow) -> None:
-    """Write ``after`` over ``before``; raises :class:`LostUpdate` if the row moved on behind the lock."""
+def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> None:
+    """Write ``after`` over ``before`` together with the event that explains it; raises :class:`LostUpdate` if the
+    row moved on behind the lock."""
     cur.execute(
         _UPDATE_AGENT,
         (
+            *event.params(),
             after.phase,
             after.revision,
             after.request_id,
@@ -92,51 +132,11 @@ def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
 
 
-def advance_chain_txn(cur: psycopg.Cursor[Any], agent_id: UUID, seq: int, head: str) -> None:
-    """Move the agent's journal chain head to event ``seq`` without touching its state."""
-    cur.execute(_ADVANCE_CHAIN, (seq, head, agent_id, seq - 1))
+def advance_chain_txn(cur: psycopg.Cursor[Any], event: NewEvent) -> None:
+    """Append ``event`` (a rejection, a suppression) and move the agent's chain head to it, state untouched."""
+    cur.execute(_ADVANCE_CHAIN, (*event.params(), event.seq, event.hash, event.agent_id, event.seq - 1))
     if cur.rowcount != 1:
-        raise LostUpdate(f"agent {agent_id}'s journal chain is no longer at event {seq - 1}")
-
-
-def insert_event_txn(
-    cur: psycopg.Cursor[Any],
-    *,
-    agent_id: UUID,
-    seq: int,
-    kind: str,
-    event: str,
-    actor: str,
-    request_id: str | None,
-    from_phase: str | None,
-    to_phase: str | None,
-    revision: int,
-    decision: str,
-    details_json: str,
-    at: datetime,
-    prev_hash: str,
-    hash: str,
-) -> None:
-    """Append one event to ``audit.journal``."""
-    cur.execute(
-        _INSERT_EVENT,
-        (
-            agent_id,
-            seq,
-            kind,
-            event,
-            actor,
-            request_id,
-            from_phase,
-            to_phase,
-            revision,
-            decision,
-            details_json,
-            at,
-            prev_hash,
-            hash,
-        ),
-    )
+        raise LostUpdate(f"agent {event.agent_id}'s journal chain is no longer at event {event.seq - 1}")
 
 
 def insert_agent_txn(

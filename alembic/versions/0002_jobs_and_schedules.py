@@ -58,21 +58,38 @@ BEGIN
     IF NEW.journal_seq < OLD.journal_seq THEN
         RAISE EXCEPTION 'agents: the journal chain never moves back (% to %)', OLD.journal_seq, NEW.journal_seq;
     END IF;
-    -- No change of state without its journal event: the head must point at the event that explains it.
+    IF NEW.journal_seq <> OLD.journal_seq AND NEW.journal_seq <> OLD.journal_seq + 1 THEN
+        RAISE EXCEPTION 'agents: the journal head of agent % must move to its next event', NEW.id;
+    END IF;
+    IF NEW.revision <> OLD.revision AND NEW.journal_seq = OLD.journal_seq THEN
+        RAISE EXCEPTION 'agents: revision % of agent % has no transition event in audit.journal', NEW.revision, NEW.id;
+    END IF;
+    RETURN NEW;
+END;
+$$;
+"""
+# No change of state without its journal event: at commit, the head must point at the event that explains it.
+# Deferred, so a transition can write its event and its row in one statement.
+AGENTS_JOURNALED = """
+CREATE FUNCTION keel_agents_journaled() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
     IF NEW.revision <> OLD.revision AND NOT EXISTS (
         SELECT 1 FROM audit.journal j WHERE j.agent_id = NEW.id AND j.seq = NEW.journal_seq
            AND j.hash = NEW.journal_head AND j.kind = 'transition' AND j.revision = NEW.revision
            AND j.to_phase = NEW.phase) THEN
         RAISE EXCEPTION 'agents: revision % of agent % has no transition event in audit.journal', NEW.revision, NEW.id;
     END IF;
-    IF NEW.journal_seq <> OLD.journal_seq AND (NEW.journal_seq <> OLD.journal_seq + 1 OR NOT EXISTS (
+    IF NOT EXISTS (
         SELECT 1 FROM audit.journal j WHERE j.agent_id = NEW.id AND j.seq = NEW.journal_seq
-           AND j.hash = NEW.journal_head)) THEN
+           AND j.hash = NEW.journal_head) THEN
         RAISE EXCEPTION 'agents: the journal head of agent % must move to its next event', NEW.id;
     END IF;
-    RETURN NEW;
+    RETURN NULL;
 END;
 $$;
+CREATE CONSTRAINT TRIGGER agents_journaled AFTER UPDATE ON agents DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW WHEN (NEW.journal_seq <> OLD.journal_seq OR NEW.revision <> OLD.revision)
+    EXECUTE FUNCTION keel_agents_journaled();
 """
 AGENT_REVISION_GUARD_0001 = """
 CREATE OR REPLACE FUNCTION keel_agents_revision_guard() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -160,9 +177,12 @@ def upgrade() -> None:
     op.create_check_constraint(op.f("ck_agents_priority"), "agents", "priority IN ('normal', 'low')")
     op.execute(JOB_GUARD)
     op.execute(AGENT_REVISION_GUARD)
+    op.execute(AGENTS_JOURNALED)
 
 
 def downgrade() -> None:
+    op.execute("DROP TRIGGER agents_journaled ON agents")
+    op.execute("DROP FUNCTION keel_agents_journaled()")
     op.execute(AGENT_REVISION_GUARD_0001)
     op.execute("DROP TRIGGER jobs_guard ON jobs")
     op.execute("DROP FUNCTION keel_jobs_guard()")

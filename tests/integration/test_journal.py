@@ -135,12 +135,12 @@ def test_the_database_refuses_a_revision_that_skips_or_repeats(client: Client, r
         raw.execute("UPDATE agents SET revision = revision + 1, phase = 'done' WHERE id = %s", (agent.id,))
     with pytest.raises(psycopg.errors.RaiseException, match=r"journal head of agent .* must move to its next event"):
         raw.execute("UPDATE agents SET journal_seq = journal_seq + 1 WHERE id = %s", (agent.id,))
-    raw.execute("ALTER TABLE agents DISABLE TRIGGER agents_revision_guard")  # the check constraints stand alone too
+    raw.execute("ALTER TABLE agents DISABLE TRIGGER USER")  # the check constraints stand alone too
     with pytest.raises(psycopg.errors.CheckViolation, match="ck_agents_phase"):
         raw.execute("UPDATE agents SET phase = 'dreaming' WHERE id = %s", (agent.id,))
     with pytest.raises(psycopg.errors.CheckViolation, match="budget_tokens"):
         raw.execute("UPDATE agents SET budget_tokens = -1 WHERE id = %s", (agent.id,))
-    raw.execute("ALTER TABLE agents ENABLE TRIGGER agents_revision_guard")
+    raw.execute("ALTER TABLE agents ENABLE TRIGGER USER")
     with pytest.raises(psycopg.errors.RaiseException, match="must bump the revision"):
         raw.execute("UPDATE agents SET spent_tokens = 5 WHERE id = %s", (agent.id,))
     assert client.get_state(agent.id).revision == 1
@@ -150,9 +150,9 @@ def test_verify_catches_a_state_change_that_skipped_the_journal(
     client: Client, db: Database, raw: psycopg.Connection[Any]
 ) -> None:
     agent = _history(client)
-    raw.execute("ALTER TABLE agents DISABLE TRIGGER agents_revision_guard")
+    raw.execute("ALTER TABLE agents DISABLE TRIGGER USER")
     raw.execute("UPDATE agents SET revision = revision + 1, phase = 'planning' WHERE id = %s", (agent.id,))
-    raw.execute("ALTER TABLE agents ENABLE TRIGGER agents_revision_guard")
+    raw.execute("ALTER TABLE agents ENABLE TRIGGER USER")
     report = journal.verify(db)
     assert len(report.breaks) == 1 and report.breaks[0].agent_id == agent.id
     assert "the agent row says revision 4 (planning" in report.breaks[0].reason

@@ -53,7 +53,13 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         for constraint in table.constraints
         if isinstance(constraint, sa.CheckConstraint)
     }
-    expected_triggers = {"journal_no_update_delete", "journal_no_truncate", "agents_revision_guard", "jobs_guard"}
+    expected_triggers = {
+        "journal_no_update_delete",
+        "journal_no_truncate",
+        "agents_revision_guard",
+        "agents_journaled",
+        "jobs_guard",
+    }
     migrations.upgrade(empty_db_url)
     first = _guards(empty_db_url)
     assert first == (expected_triggers, expected_checks)

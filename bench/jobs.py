@@ -1,0 +1,237 @@
+"""Benchmark: end-to-end Keel jobs/s beside bare Celery on the same broker, in the same run.
+
+Keel: a backlog of N jobs (one per agent, each from a submit) is dispatched by a real beat, claimed by a real
+worker, run by a no-op handler and finished through the outcome transition. Bare Celery: N no-op tasks with the
+same reliability settings (acks_late, prefetch 1) on the same Redis. Both with 1 and with 2 worker processes,
+throughput measured from the first completion to the last. Then the delay from a job's due time to its start at a
+light load (one job every 50 ms), through the dispatcher and through the client's publish-at-once path.
+
+Run with ``make bench-jobs`` (or ``python -m bench.jobs``). Uses KEEL_DATABASE_URL / KEEL_BROKER_URL's servers,
+else the embedded ones; it creates and drops a database of its own and uses Redis db 13.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+from agents.client import Client
+from models import migrations
+from models.db import Database
+from models.embedded import broker_url_for, database_url_for
+from models.settings import Settings
+from models.urls import libpq_url, with_database
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+@contextmanager
+def process(argv: list[str], env: dict[str, str], log: Path, node: str | None = None) -> Iterator[None]:
+    """Run a process for the block; with ``node``, wait until that Celery worker answers a ping."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, cwd=ROOT)
+    try:
+        if node is not None:
+            from bench.bare import app
+
+            deadline = time.monotonic() + 60
+            while not app.control.ping(destination=[node], timeout=0.5):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"{argv[0]} did not start; see {log}")
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for(what: str, predicate: Any, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        settings = Settings()
+        self.n = args.jobs
+        server = database_url_for(settings)
+        self.db_name = f"keel_bench_jobs_{uuid.uuid4().hex[:8]}"
+        self.server = server
+        with psycopg.connect(libpq_url(with_database(server, "postgres")), autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{self.db_name}"')
+        self.db_url = with_database(server, self.db_name)
+        migrations.upgrade(self.db_url)
+        self.broker_url = broker_url_for(settings).rsplit("/", 1)[0] + "/13"
+        os.environ["BENCH_BROKER_URL"] = self.broker_url  # read by bench.bare at import
+        self.redis = redis.Redis.from_url(self.broker_url)
+        self.redis.flushdb()
+        self.logs = Path(args.logs)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+        base["PYTHONPATH"] = str(ROOT)
+        self.keel_env = {
+            **base,
+            "KEEL_DATABASE_URL": self.db_url,
+            "KEEL_BROKER_URL": self.broker_url,
+            "KEEL_IMPORTS": json.dumps(["bench.handlers"]),
+        }
+        self.bare_env = {**base, "BENCH_BROKER_URL": self.broker_url}
+        self.db = Database(self.db_url, pool_size=4)
+        self.poll = psycopg.connect(libpq_url(self.db_url), autocommit=True)
+        self.client = Client(self.db)
+        self.agent_seq = 0
+
+    def close(self) -> None:
+        self.poll.close()
+        self.db.dispose()
+        self.redis.flushdb()
+        self.redis.close()
+        with psycopg.connect(libpq_url(with_database(self.server, "postgres")), autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
+
+    def new_agents(self, n: int) -> list[Any]:
+        ids = []
+        for _ in range(n):
+            self.agent_seq += 1
+            ids.append(self.client.create_agent(f"bench-{self.agent_seq}").id)
+        return ids
+
+    def submit_all(self, ids: list[Any], client: Client | None = None, spacing: float = 0.0) -> None:
+        client = client or self.client
+        for agent_id in ids:
+            client.submit(agent_id, f"r{uuid.uuid4().hex[:12]}", None, operation="bench_noop")
+            if spacing:
+                time.sleep(spacing)
+
+    def succeeded(self) -> int:
+        # One long-lived connection, polled gently: the measurement must not load the 2 cores it measures.
+        time.sleep(0.2)
+        row = self.poll.execute("SELECT count(*) FROM jobs WHERE status = 'succeeded'").fetchone()
+        return int(row[0]) if row else 0
+
+    def finished_span(self, since: float) -> tuple[int, float]:
+        with psycopg.connect(libpq_url(self.db_url)) as conn:
+            row = conn.execute(
+                "SELECT count(*), extract(epoch FROM max(finished_at) - min(finished_at)) FROM jobs"
+                " WHERE status = 'succeeded' AND extract(epoch FROM finished_at) >= %s",
+                (since,),
+            ).fetchone()
+        assert row is not None
+        return int(row[0]), float(row[1])
+
+    def keel_throughput(self, processes: int) -> float:
+        """N jobs scheduled while no beat runs; then beat and worker take the backlog."""
+        ids = self.new_agents(self.n)
+        self.submit_all(ids)
+        since = time.time()
+        before = self.succeeded()
+        node = f"bench{processes}@{socket.gethostname()}"
+        worker = [str(BIN / "keel"), "worker", "-c", str(processes), "-n", node, "-l", "warning"]
+        log = self.logs / f"keel-worker-{processes}.log"
+        with process(worker, self.keel_env, log, node), \
+                process([str(BIN / "keel"), "beat", "-l", "warning"], self.keel_env, self.logs / "keel-beat.log"):
+            wait_for("the Keel backlog", lambda: self.succeeded() - before >= self.n)
+        count, span = self.finished_span(since)
+        return (count - 1) / span
+
+    def bare_throughput(self, processes: int) -> float:
+        self.redis.delete("bench:done")
+        node = f"bare{processes}@{socket.gethostname()}"
+        worker = [str(BIN / "celery"), "-A", "bench.bare", "worker", "-c", str(processes), "-Q", "bare",
+                  "-n", node, "-l", "warning", "--without-mingle", "-E"]
+        log = self.logs / f"bare-worker-{processes}.log"
+        with process(worker, self.bare_env, log, node):
+            from bench.bare import app, noop
+
+            with app.producer_or_acquire() as producer:
+                for i in range(self.n):
+                    noop.apply_async((i,), producer=producer)
+            wait_for("the bare backlog", lambda: time.sleep(0.2) or self.redis.llen("bench:done") >= self.n)
+        times = sorted(float(t) for t in self.redis.lrange("bench:done", 0, -1))
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def due_to_start(self, publish_at_once: bool) -> list[float]:
+        """Jobs submitted one every 50 ms to an idle worker: seconds from due (run_at) to start."""
+        from tasks.app import make_app, publisher
+
+        ids = self.new_agents(200)
+        client = self.client
+        celery = None
+        if publish_at_once:
+            os.environ["KEEL_BROKER_URL"] = self.broker_url
+            celery = make_app()
+            client = Client(self.db, publisher=publisher(celery))
+        node = f"lat{int(publish_at_once)}@{socket.gethostname()}"
+        worker = [str(BIN / "keel"), "worker", "-c", "2", "-n", node, "-l", "warning"]
+        with process(worker, self.keel_env, self.logs / "keel-latency-worker.log", node), \
+                process([str(BIN / "keel"), "beat", "-l", "warning"], self.keel_env, self.logs / "keel-beat.log"):
+            time.sleep(2)  # let beat become the leader
+            before = self.succeeded()
+            self.submit_all(ids, client, spacing=0.05)
+            wait_for("the latency run", lambda: self.succeeded() - before >= len(ids))
+        if celery is not None:
+            celery.close()
+        with psycopg.connect(libpq_url(self.db_url)) as conn:
+            rows = conn.execute(
+                "SELECT extract(epoch FROM started_at - run_at) FROM jobs WHERE agent_id = ANY(%s)", (ids,)
+            ).fetchall()
+        return [float(r[0]) for r in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2000, help="jobs per throughput run (default 2000)")
+    parser.add_argument("--logs", default=".keel/bench-logs", help="where worker and beat logs go")
+    args = parser.parse_args(argv)
+    bench = Bench(args)
+    try:
+        print(f"job benchmark: {args.jobs} jobs per run, database {bench.db_name}, broker {bench.broker_url}")
+        ratios = []
+        for processes in (1, 2):
+            bare = bench.bare_throughput(processes)
+            keel = bench.keel_throughput(processes)
+            ratios.append(keel / bare)
+            print(f"\n{processes} worker process{'es' if processes > 1 else ''}")
+            print(f"  bare Celery no-op      {bare:8.0f} tasks/s")
+            print(f"  keel end-to-end        {keel:8.0f} jobs/s   (dispatch, claim, no-op handler, outcome transition)")
+            print(f"  ratio keel/bare        {keel / bare:8.2f}x")
+        for label, at_once in (("through the dispatcher", False), ("published at submit", True)):
+            delays = bench.due_to_start(at_once)
+            print(
+                f"\ndue -> start, {label} (200 jobs, one per 50 ms): p50 {pct(delays, 50) * 1000:.0f} ms,"
+                f" p95 {pct(delays, 95) * 1000:.0f} ms, max {max(delays) * 1000:.0f} ms"
+            )
+        worst = min(ratios)
+        print(f"\ntarget: at least 0.50x bare Celery throughput -> {worst:.2f}x {'met' if worst >= 0.5 else 'NOT MET'}")
+    finally:
+        bench.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Jobs without Celery: keys, claims, fencing, outcomes through transition(), deadlines, budgets, schedules."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+
+from agents import deadlines, schedules
+from agents.client import Client
+from agents.commands import Command, JobSpec, Usage
+from agents.core import now, transition
+from agents.errors import InvalidInput
+from agents.handlers import JobContext, JobResult, Registry
+from agents.jobs import LOW_QUEUE
+from agents.phases import Event
+from agents.policies import DEFAULT_RULES
+from agents.runner import Runner
+from models.db import Database
+from models.jobs_sql import claim, job_row, take_due
+
+pytestmark = pytest.mark.integration
+
+
+def runner(db: Database, handlers: dict[str, Callable[[JobContext], JobResult]], **kw: Any) -> Runner:
+    registry = Registry()
+    for name, fn in handlers.items():
+        registry.register(name, fn)
+    return Runner(
+        db,
+        registry,
+        worker=kw.pop("worker", "test"),
+        lease=kw.pop("lease", timedelta(seconds=30)),
+        rules=DEFAULT_RULES,
+        **kw,
+    )
+
+
+def finish(ctx: JobContext) -> JobResult:
+    return JobResult(output={"answer": 42}, usage=Usage(7, Decimal("0.5")), event=Event.FINISH)
+
+
+def test_submit_schedules_the_first_job_under_its_key_and_state_lists_it(client: Client) -> None:
+    agent = client.create_agent("a")
+    state = client.submit(agent.id, "req-1", {"q": 1}, operation="count")
+    assert [(j.key, j.operation, j.target, j.status, j.queue) for j in state.pending_jobs] == [
+        ("req-1:count:1", "count", "1", "pending", "keel.jobs")
+    ]
+    event = client.journal(agent_id=agent.id)[-1]
+    assert event.details["jobs"] == ["req-1:count:1"]
+
+
+def test_an_existing_key_is_a_suppressed_duplicate_journaled_with_the_transition(client: Client) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="count")
+    again = transition(
+        client.db, Command(agent.id, Event.PROGRESS, "w", jobs=(JobSpec("count", "1"), JobSpec("count", "2")))
+    )
+    assert [j.key for j in client.get_state(agent.id).pending_jobs] == ["req-1:count:1", "req-1:count:2"]
+    details = client.journal(agent_id=agent.id)[-1].details
+    assert (details["jobs"], details["jobs_suppressed"]) == (["req-1:count:2"], ["req-1:count:1"])
+    assert again.agent.revision == 2
+
+
+def test_a_transition_that_rolls_back_schedules_nothing(client: Client, db: Database) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="count")
+
+    def boom(cur: psycopg.Cursor[Any], before: Any, after: Any) -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=(JobSpec("count", "2"),)), effects=boom)
+    assert job_row(db, "req-1:count:2") is None
+
+
+def test_run_once_outcome_goes_through_transition(client: Client, db: Database) -> None:
+    agent = client.create_agent("a", budget_tokens=100)
+    client.submit(agent.id, "req-1", None, operation="answer")
+    outcome = runner(db, {"answer": finish}).run("req-1:answer:1")
+    assert outcome.status == "succeeded"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens, state.spent_cost, state.pending_jobs) == ("done", 7, Decimal("0.5"), ())
+    row = job_row(db, "req-1:answer:1")
+    assert row is not None and (row["status"], row["result"], row["tokens"]) == ("succeeded", {"answer": 42}, 7)
+    last = client.journal(agent_id=agent.id)[-1]
+    assert (last.event, last.actor, last.details["job"], last.details["spend"]["tokens"]) == (
+        "finish",
+        "worker:test",
+        "req-1:answer:1",
+        7,
+    )
+    # A second delivery of the same key finds it finished: suppressed, counted, journaled.
+    again = runner(db, {"answer": finish}).run("req-1:answer:1")
+    assert again.status == "suppressed"
+    assert job_row(db, "req-1:answer:1")["suppressed"] == 1  # type: ignore[index]
+    assert client.journal(agent_id=agent.id)[-1].decision == "duplicate_delivery"
+
+
+def test_a_worker_whose_lease_was_taken_over_cannot_write_its_outcome(client: Client, db: Database) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="slow")
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: JobContext) -> JobResult:
+        started.set()
+        release.wait(10)
+        return JobResult(output={"who": "first"}, event=Event.FINISH)
+
+    first = runner(db, {"slow": slow}, worker="first", lease=timedelta(seconds=30))
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(first.run("req-1:slow:1")))
+    thread.start()
+    started.wait(10)
+    # The first worker looks dead: its lease is made to expire, and a second worker takes the job over.
+    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
+        conn.execute("UPDATE jobs SET lease_until = now() - interval '1 second' WHERE key = 'req-1:slow:1'")
+    second = runner(db, {"slow": lambda ctx: JobResult(output={"who": "second"}, event=Event.FINISH)}, worker="second")
+    assert second.run("req-1:slow:1").status == "succeeded"
+    release.set()
+    thread.join(10)
+    assert results[0].status == "fenced"
+    row = job_row(db, "req-1:slow:1")
+    assert row is not None and (row["result"], row["worker"], row["status"]) == (
+        {"who": "second"},
+        "second",
+        "succeeded",
+    )
+    events = client.journal(agent_id=agent.id)
+    assert [e.event for e in events if e.kind == "transition"] == ["submit", "finish"]
+    assert events[-1].decision == "fenced_off"
+
+
+def test_unknown_operation_fails_the_job_with_a_clear_error(client: Client, db: Database) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="nope")
+    outcome = runner(db, {"answer": finish}).run("req-1:nope:1")
+    assert outcome.status == "failed"
+    row = job_row(db, "req-1:nope:1")
+    assert row is not None and row["error_class"] == "invalid"
+    assert row["last_error"] == "no handler is registered for operation 'nope' (registered: answer)"
+    assert (client.get_state(agent.id).phase, client.journal(agent_id=agent.id)[-1].decision) == (
+        "failed",
+        "invalid_not_retried",
+    )
+
+
+def test_over_budget_job_is_not_started(client: Client, db: Database) -> None:
+    agent = client.create_agent("a", budget_cost="1.00")
+    client.submit(agent.id, "req-1", None, operation="step")
+    calls: list[str] = []
+
+    def step(ctx: JobContext) -> JobResult:
+        calls.append(ctx.key)
+        return JobResult(usage=Usage(0, Decimal("0.60")), jobs=(JobSpec("step", str(int(ctx.target) + 1)),))
+
+    run = runner(db, {"step": step})
+    assert run.run("req-1:step:1").status == "succeeded"
+    assert run.run("req-1:step:2").status == "succeeded"  # 0.60 spent < 1.00: may start
+    assert run.run("req-1:step:3").status == "failed"  # 1.20 spent: not started
+    assert calls == ["req-1:step:1", "req-1:step:2"]
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_cost) == ("failed", Decimal("1.20"))
+    assert client.journal(agent_id=agent.id)[-1].decision == "budget_exhausted"
+
+
+def test_deadlines_demote_then_stop_even_with_no_job_running(client: Client, db: Database) -> None:
+    agent = client.create_agent("a")
+    client.submit(
+        agent.id,
+        "req-1",
+        None,
+        operation="count",
+        soft_deadline=timedelta(seconds=30),
+        hard_deadline=timedelta(seconds=60),
+    )
+    transition(
+        db, Command(agent.id, Event.PROGRESS, "w", jobs=(JobSpec("count", "2", run_at=now() + timedelta(hours=1)),))
+    )
+    report = deadlines.enforce(db, now())
+    assert report.demoted == report.stopped == []
+    report = deadlines.enforce(db, now() + timedelta(seconds=31))
+    assert report.demoted == [agent.id]
+    state = client.get_state(agent.id)
+    assert state.priority == "low" and {j.queue for j in state.pending_jobs} == {LOW_QUEUE}
+    assert client.journal(agent_id=agent.id)[-1].decision == "soft_deadline_passed"
+    assert deadlines.enforce(db, now() + timedelta(seconds=32)).demoted == [], "demoted once"
+    # The running job is fenced off when the hard deadline stops the request.
+    claimed = claim(db, "req-1:count:1", "w", timedelta(seconds=30), now())
+    report = deadlines.enforce(db, now() + timedelta(seconds=61))
+    assert report.stopped == [agent.id]
+    state = client.get_state(agent.id)
+    assert (state.phase, state.pending_jobs) == ("failed", ())
+    row = job_row(db, "req-1:count:1")
+    assert row is not None and row["status"] == "cancelled" and row["fencing_token"] > claimed.fencing_token  # type: ignore[union-attr]
+    last = client.journal(agent_id=agent.id)[-1]
+    assert (last.event, last.decision, sorted(last.details["jobs_cancelled"])) == (
+        "fail",
+        "hard_deadline_passed",
+        ["req-1:count:1", "req-1:count:2"],
+    )
+
+
+def test_dispatcher_takes_due_jobs_once_and_recovers_expired_leases(client: Client, db: Database) -> None:
+    a, b = client.create_agent("a"), client.create_agent("b")
+    client.submit(a.id, "req-a", None, operation="count")
+    client.submit(b.id, "req-b", None, operation="count")
+    transition(
+        db, Command(a.id, Event.PROGRESS, "w", jobs=(JobSpec("count", "later", run_at=now() + timedelta(hours=1)),))
+    )
+    at = now()
+    with db.transaction() as cur:
+        first = take_due(cur, at, enqueue_timeout=timedelta(minutes=5), limit=10)
+    assert sorted(d.key for d in first) == ["req-a:count:1", "req-b:count:1"] and not any(d.recovered for d in first)
+    with db.transaction() as cur:
+        assert take_due(cur, at, enqueue_timeout=timedelta(minutes=5), limit=10) == [], "enqueued once"
+    claim(db, "req-a:count:1", "dead-worker", timedelta(seconds=1), at)
+    later = at + timedelta(seconds=2)
+    with db.transaction() as cur:
+        second = take_due(cur, later, enqueue_timeout=timedelta(minutes=5), limit=10)
+    assert [(d.key, d.recovered) for d in second] == [("req-a:count:1", True)]
+    with db.transaction() as cur:  # the message for req-b was lost: after the enqueue timeout it is sent again
+        third = take_due(cur, at + timedelta(minutes=6), enqueue_timeout=timedelta(minutes=5), limit=10)
+    assert {(d.key, d.recovered) for d in third} >= {("req-b:count:1", True)}
+
+
+def test_two_dispatchers_never_take_the_same_row(client: Client, db: Database) -> None:
+    for n in range(40):
+        client.submit(client.create_agent(f"a{n}").id, f"req-{n}", None, operation="count")
+    taken: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(4)
+
+    def dispatcher() -> None:
+        barrier.wait()
+        while True:
+            with db.transaction() as cur:
+                due = take_due(cur, now(), enqueue_timeout=timedelta(minutes=5), limit=3)
+            if not due:
+                return
+            with lock:
+                taken.extend(d.key for d in due)
+
+    threads = [threading.Thread(target=dispatcher) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(taken) == len(set(taken)) == 40
+
+
+def test_ensure_schedule_is_idempotent_and_fires_under_deterministic_keys(client: Client, db: Database) -> None:
+    agent = client.create_agent("cron-bot")
+    t0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+    first, changed = schedules.ensure_schedule(
+        db, "digest", agent.id, every=timedelta(minutes=5), input={"n": 1}, operation="count", now=t0
+    )
+    assert changed and first.next_fire_at == t0 + timedelta(minutes=5)
+    for restart in range(3):  # every restart registers it again: nothing changes
+        again, changed = schedules.ensure_schedule(
+            db,
+            "digest",
+            agent.id,
+            every=timedelta(minutes=5),
+            input={"n": 1},
+            operation="count",
+            now=t0 + timedelta(minutes=restart),
+        )
+        assert not changed and again == first
+    with psycopg.connect(db.libpq_url) as conn:
+        assert conn.execute("SELECT count(*) FROM schedules").fetchone() == (1,)
+    fire_at = t0 + timedelta(minutes=5)
+    fired = schedules.fire_due(db, fire_at + timedelta(seconds=1))
+    assert fired == ["digest.20260101T120500Z"]
+    state = client.get_state(agent.id)
+    assert [j.key for j in state.pending_jobs] == ["digest.20260101T120500Z:count:1"]
+    # A second dispatcher attempting the same fire (its bookkeeping lost) is a suppressed duplicate.
+    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
+        conn.execute("UPDATE schedules SET next_fire_at = %s", (fire_at,))
+    assert schedules.fire_due(db, fire_at + timedelta(seconds=2)) == []
+    assert client.journal(agent_id=agent.id)[-1].kind == "suppressed"
+    changed_def, changed = schedules.ensure_schedule(
+        db, "digest", agent.id, cron="0 * * * *", operation="count", now=t0
+    )
+    assert changed and changed_def.cron == "0 * * * *" and changed_def.every_seconds is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of every= or cron="),
+        ({"every": timedelta(seconds=1), "cron": "* * * * *"}, "exactly one of"),
+        ({"cron": "every tuesday"}, "cron expression 'every tuesday' is not valid"),
+        ({"every": timedelta(0)}, "at least one second"),
+        ({"every": timedelta(seconds=5), "operation": "bad op"}, "operation 'bad op' is invalid"),
+    ],
+)
+def test_bad_schedules_are_refused(client: Client, db: Database, kwargs: dict[str, Any], message: str) -> None:
+    agent = client.create_agent("a")
+    with pytest.raises(InvalidInput, match=message):
+        schedules.ensure_schedule(db, "s", agent.id, **kwargs)
