@@ -150,7 +150,14 @@ def _state_text(state: Any) -> str:
             f"deadlines  soft {state.soft_deadline or '-'}  hard {state.hard_deadline or '-'}",
             f"tokens     {state.spent_tokens} spent of {budget_tokens}",
             f"cost       {state.spent_cost} spent of {budget_cost}",
+            f"priority   {state.priority}",
             f"updated    {state.updated_at}",
+            f"jobs       {len(state.pending_jobs) or 'none'} pending",
+            *(
+                f"  {j.key:<48} {j.status:<9} {j.queue:<14} attempts {j.attempts}"
+                + (f"  last error: {j.last_error[:60]}" if j.last_error else "")
+                for j in state.pending_jobs
+            ),
         ]
     )
 
@@ -245,6 +252,28 @@ def _decision_command(name: str, help_text: str) -> None:
 _decision_command("approve", "Approve AGENT's pending tool call (needs --revision).")
 _decision_command("reject", "Decline AGENT's pending tool call; it goes back to planning (needs --revision).")
 _decision_command("cancel", "Stop AGENT's request in flight: it moves to failed.")
+
+
+# --- jobs ------------------------------------------------------------------------------------------------------
+
+
+@cli.command("job")
+@click.argument("key")
+@json_option
+@_friendly
+def job_show(key: str, as_json: bool) -> None:
+    """Show one job by its key ({request_id}:{operation}:{target})."""
+    from models.jobs_sql import job_row
+
+    with _client() as client:
+        row = job_row(client.db, key)
+    if row is None:
+        raise click.ClickException(f"no job has the key {key!r}")
+    data = {
+        k: (str(v) if not isinstance(v, (int, float, str, bool, dict, list, type(None))) else v) for k, v in row.items()
+    }
+    text = "\n".join(f"{k:<15} {v}" for k, v in data.items() if k != "payload")
+    _emit(data, as_json, text)
 
 
 # --- journal and audit -----------------------------------------------------------------------------------------

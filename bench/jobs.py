@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -153,8 +154,10 @@ class Bench:
         node = f"bench{processes}@{socket.gethostname()}"
         worker = [str(BIN / "keel"), "worker", "-c", str(processes), "-n", node, "-l", "warning"]
         log = self.logs / f"keel-worker-{processes}.log"
-        with process(worker, self.keel_env, log, node), \
-                process([str(BIN / "keel"), "beat", "-l", "warning"], self.keel_env, self.logs / "keel-beat.log"):
+        with (
+            process(worker, self.keel_env, log, node),
+            process([str(BIN / "keel"), "beat", "-l", "warning"], self.keel_env, self.logs / "keel-beat.log"),
+        ):
             wait_for("the Keel backlog", lambda: self.succeeded() - before >= self.n)
         count, span = self.finished_span(since)
         return (count - 1) / span
@@ -162,8 +165,22 @@ class Bench:
     def bare_throughput(self, processes: int) -> float:
         self.redis.delete("bench:done")
         node = f"bare{processes}@{socket.gethostname()}"
-        worker = [str(BIN / "celery"), "-A", "bench.bare", "worker", "-c", str(processes), "-Q", "bare",
-                  "-n", node, "-l", "warning", "--without-mingle", "-E"]
+        worker = [
+            str(BIN / "celery"),
+            "-A",
+            "bench.bare",
+            "worker",
+            "-c",
+            str(processes),
+            "-Q",
+            "bare",
+            "-n",
+            node,
+            "-l",
+            "warning",
+            "--without-mingle",
+            "-E",
+        ]
         log = self.logs / f"bare-worker-{processes}.log"
         with process(worker, self.bare_env, log, node):
             from bench.bare import app, noop
@@ -188,8 +205,10 @@ class Bench:
             client = Client(self.db, publisher=publisher(celery))
         node = f"lat{int(publish_at_once)}@{socket.gethostname()}"
         worker = [str(BIN / "keel"), "worker", "-c", "2", "-n", node, "-l", "warning"]
-        with process(worker, self.keel_env, self.logs / "keel-latency-worker.log", node), \
-                process([str(BIN / "keel"), "beat", "-l", "warning"], self.keel_env, self.logs / "keel-beat.log"):
+        with (
+            process(worker, self.keel_env, self.logs / "keel-latency-worker.log", node),
+            process([str(BIN / "keel"), "beat", "-l", "warning"], self.keel_env, self.logs / "keel-beat.log"),
+        ):
             time.sleep(2)  # let beat become the leader
             before = self.succeeded()
             self.submit_all(ids, client, spacing=0.05)
@@ -205,7 +224,8 @@ class Bench:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", type=int, default=2000, help="jobs per throughput run (default 2000)")
+    parser.add_argument("--jobs", type=int, default=1000, help="jobs per throughput run (default 1000)")
+    parser.add_argument("--rounds", type=int, default=3, help="bare/keel alternations per setting (default 3)")
     parser.add_argument("--logs", default=".keel/bench-logs", help="where worker and beat logs go")
     args = parser.parse_args(argv)
     bench = Bench(args)
@@ -213,12 +233,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"job benchmark: {args.jobs} jobs per run, database {bench.db_name}, broker {bench.broker_url}")
         ratios = []
         for processes in (1, 2):
-            bare = bench.bare_throughput(processes)
-            keel = bench.keel_throughput(processes)
+            bares, keels = [], []
+            for _ in range(args.rounds):  # alternating, so drift on the machine hits both sides alike
+                bares.append(bench.bare_throughput(processes))
+                keels.append(bench.keel_throughput(processes))
+            bare, keel = statistics.median(bares), statistics.median(keels)
             ratios.append(keel / bare)
-            print(f"\n{processes} worker process{'es' if processes > 1 else ''}")
-            print(f"  bare Celery no-op      {bare:8.0f} tasks/s")
-            print(f"  keel end-to-end        {keel:8.0f} jobs/s   (dispatch, claim, no-op handler, outcome transition)")
+            runs = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+            print(f"\n{processes} worker process{'es' if processes > 1 else ''} (median of {args.rounds} runs each)")
+            print(f"  bare Celery no-op      {bare:8.0f} tasks/s   runs: {runs(bares)}")
+            print(f"  keel end-to-end        {keel:8.0f} jobs/s    runs: {runs(keels)}")
+            print("                         (dispatch, claim, no-op handler, outcome transition, journal)")
             print(f"  ratio keel/bare        {keel / bare:8.2f}x")
         for label, at_once in (("through the dispatcher", False), ("published at submit", True)):
             delays = bench.due_to_start(at_once)

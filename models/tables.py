@@ -135,7 +135,7 @@ jobs = Table(
     "jobs",
     metadata,
     Column("key", Text, primary_key=True),  # {request_id}:{operation}:{target}, also the Celery task id
-    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False, index=True),
+    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False),
     Column("request_id", Text, nullable=False),
     Column("operation", Text, nullable=False),
     Column("target", Text, nullable=False),
@@ -170,6 +170,8 @@ jobs = Table(
     ),
     CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
     Index("ix_jobs_due", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
+    # An agent's live jobs: counted under every transition's lock, swept when it comes to rest.
+    Index("ix_jobs_agent_live", "agent_id", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
 )
 
 schedules = Table(

@@ -153,7 +153,7 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['agent_id'], ['agents.id'], name=op.f('fk_jobs_agent_id_agents')),
     sa.PrimaryKeyConstraint('key', name=op.f('pk_jobs'))
     )
-    op.create_index(op.f('ix_jobs_agent_id'), 'jobs', ['agent_id'], unique=False)
+    op.create_index('ix_jobs_agent_live', 'jobs', ['agent_id'], unique=False, postgresql_where=sa.text("status IN ('pending', 'enqueued', 'running')"))
     op.create_index('ix_jobs_due', 'jobs', ['run_at'], unique=False, postgresql_where=sa.text("status IN ('pending', 'enqueued', 'running')"))
     op.create_table('schedules',
     sa.Column('name', sa.Text(), nullable=False),
@@ -190,6 +190,6 @@ def downgrade() -> None:
     op.drop_column('agents', 'priority')
     op.drop_table('schedules')
     op.drop_index('ix_jobs_due', table_name='jobs', postgresql_where=sa.text("status IN ('pending', 'enqueued', 'running')"))
-    op.drop_index(op.f('ix_jobs_agent_id'), table_name='jobs')
+    op.drop_index('ix_jobs_agent_live', table_name='jobs', postgresql_where=sa.text("status IN ('pending', 'enqueued', 'running')"))
     op.drop_table('jobs')
     op.execute("DROP SEQUENCE job_fencing_token_seq")

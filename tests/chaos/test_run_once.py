@@ -71,6 +71,7 @@ def test_sigkill_mid_job_then_restart_completes_once_and_suppresses_the_redelive
     client.submit(agent.id, "req-kill", None, operation="block")
     key = "req-kill:block:1"
     wait_until("the job to start", lambda: executions(stack).get(key) == 1)
+    assert f"keel.run_job[{key}] received" in stack.log("w1"), "the Celery task id is the job key"
     stack.kill("w1")
     stack.worker("w2")
     redis.Redis.from_url(stack.broker_url).set(f"release:{key}", 1)

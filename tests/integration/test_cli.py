@@ -40,7 +40,12 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
     keel(db_url, "submit", "ops-bot", "req-7", "--input", '{"prompt": "hi"}', "--actor", "alice")
     shown = json.loads(keel(db_url, "agent", "show", created["id"], "--json").stdout)
     assert (shown["phase"], shown["revision"], shown["request_id"]) == ("planning", 1, "req-7")
-    assert "phase      planning" in keel(db_url, "agent", "show", "ops-bot").stdout
+    shown_text = keel(db_url, "agent", "show", "ops-bot").stdout
+    assert "phase      planning" in shown_text and "req-7:plan:1" in shown_text
+    job = json.loads(keel(db_url, "job", "req-7:plan:1", "--json").stdout)
+    assert (job["status"], job["operation"], job["queue"]) == ("pending", "plan", "keel.jobs")
+    missing = keel(db_url, "job", "nope:plan:1", check=False)
+    assert missing.returncode == 1 and "no job has the key 'nope:plan:1'" in missing.stderr
     keel(db_url, "cancel", "ops-bot", "--revision", "1", "--reason", "wrong prompt", "--actor", "bob")
     events = json.loads(keel(db_url, "journal", "--agent", "ops-bot", "--json").stdout)
     assert [(e["kind"], e["event"], e["actor"]) for e in events] == [

@@ -304,3 +304,39 @@ def test_bad_schedules_are_refused(client: Client, db: Database, kwargs: dict[st
     agent = client.create_agent("a")
     with pytest.raises(InvalidInput, match=message):
         schedules.ensure_schedule(db, "s", agent.id, **kwargs)
+
+
+def test_dispatch_publishes_each_job_under_its_key_with_no_eta(client: Client, db: Database, broker_url: str) -> None:
+    """What actually lands on Redis: task id = job key, no ETA or countdown (Postgres keeps the schedule)."""
+    import json as _json
+    import os
+
+    import redis as redis_lib
+
+    from models.settings import Settings
+    from tasks.app import make_app
+    from tasks.dispatcher import dispatch_once
+
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="count")
+    later = JobSpec("count", "2", run_at=now() + timedelta(hours=1))
+    transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=(later,)))
+    settings = Settings(database_url=db.url, broker_url=broker_url)
+    os.environ["KEEL_BROKER_URL"] = broker_url
+    try:
+        celery = make_app(settings)
+        report = dispatch_once(db, celery, settings)
+        celery.close()
+    finally:
+        del os.environ["KEEL_BROKER_URL"]
+    assert (report.published, report.recovered) == (1, 0)
+    raw_messages = redis_lib.Redis.from_url(broker_url).lrange("keel.jobs", 0, -1)
+    assert len(raw_messages) == 1
+    headers = _json.loads(raw_messages[0])["headers"]
+    assert (
+        headers["id"],
+        headers["task"],
+        headers["eta"],
+        headers["countdown"] if "countdown" in headers else None,
+    ) == ("req-1:count:1", "keel.run_job", None, None)
+    assert job_row(db, "req-1:count:2")["status"] == "pending"  # type: ignore[index]

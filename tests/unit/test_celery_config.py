@@ -1,0 +1,39 @@
+"""The Celery app's reliability settings, and the one visibility timeout they share."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from models.settings import Settings
+from tasks.app import celery_config
+
+PG = "postgresql://u@localhost/db"
+
+
+def test_reliable_defaults() -> None:
+    config = celery_config(Settings(database_url=PG, broker_url="redis://localhost:6379/3"))
+    assert config["task_acks_late"] and config["task_reject_on_worker_lost"]
+    assert config["worker_prefetch_multiplier"] == 1
+    assert config["worker_soft_shutdown_timeout"] > 0
+    assert config["worker_cancel_long_running_tasks_on_connection_loss"]
+    assert config["task_ignore_result"] and config["result_backend"] is None
+    assert {q.name for q in config["task_queues"]} == {"keel.jobs", "keel.jobs.low"}
+
+
+def test_one_visibility_timeout_everywhere() -> None:
+    settings = Settings(database_url=PG, broker_url="redis://localhost/0", visibility_timeout_seconds=120)
+    transport = celery_config(settings)["broker_transport_options"]
+    assert transport["visibility_timeout"] == 120
+    # Workers sweep for abandoned messages often enough for the timeout to mean what it says.
+    assert transport["unacked_restore_interval"] * transport["unacked_restore_throttle"] <= 120 / 6
+
+
+def test_a_lease_longer_than_the_visibility_timeout_is_refused() -> None:
+    with pytest.raises(ValidationError, match="KEEL_JOB_LEASE_SECONDS must be shorter"):
+        Settings(job_lease_seconds=600, visibility_timeout_seconds=300)
+
+
+def test_retry_policy_names_known_classes() -> None:
+    with pytest.raises(ValidationError, match="unknown error classes"):
+        Settings(retry_policy={"sometimes": {"max_attempts": 2}})
