@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.urls import sqlalchemy_url
@@ -40,6 +40,20 @@ class Settings(BaseSettings):
     # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.
     retry_policy: dict[str, dict[str, float]] = Field(default_factory=dict)
 
+    # The outbox relay and the receivers it talks to. Tokens are secrets: never logged, never in error text.
+    slack_token: SecretStr | None = None
+    slack_api_url: str = "https://slack.com/api/"
+    github_token: SecretStr | None = None
+    github_api_url: str = "https://api.github.com"
+    http_timeout_seconds: float = Field(default=10.0, gt=0)
+    outbox_interval_seconds: float = Field(default=0.5, gt=0)
+    outbox_concurrency: int = Field(default=8, ge=1, le=128)  # destinations sent to at once
+    outbox_lease_seconds: float = Field(default=60.0, gt=0)
+    outbox_max_attempts: int = Field(default=12, ge=1)
+    outbox_backoff_seconds: float = Field(default=1.0, gt=0)
+    outbox_backoff_max_seconds: float = Field(default=300.0, gt=0)
+    outbox_pass_seconds: float = Field(default=10.0, gt=0)  # one relay pass sends for at most this long
+
     @field_validator("retry_policy")
     @classmethod
     def _retry_policy_names_known_classes(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -48,6 +62,14 @@ class Settings(BaseSettings):
         if unknown:
             raise ValueError(f"unknown error classes {sorted(unknown)}; known: {sorted(known)}")
         return value
+
+    @model_validator(mode="after")
+    def _outbox_lease_outlives_a_send(self) -> Settings:
+        # A send (and the reconciliation before it) must end well inside the lease, or a second relay could
+        # take the message over while the first is still talking to the receiver.
+        if self.outbox_lease_seconds < 3 * self.http_timeout_seconds:
+            raise ValueError("KEEL_OUTBOX_LEASE_SECONDS must be at least 3 x KEEL_HTTP_TIMEOUT_SECONDS")
+        return self
 
     @model_validator(mode="after")
     def _lease_fits_visibility(self) -> Settings:

@@ -29,11 +29,13 @@ AUDIT_SCHEMA = "audit"
 
 # Kept literally here because models/ may not import agents/; a unit test holds it equal to agents.phases.Phase.
 PHASES: tuple[str, ...] = ("idle", "planning", "executing", "waiting_approval", "done", "failed")
-JOURNAL_KINDS: tuple[str, ...] = ("created", "transition", "rejected", "suppressed")
+JOURNAL_KINDS: tuple[str, ...] = ("created", "transition", "rejected", "suppressed", "operator")
 JOB_STATUSES: tuple[str, ...] = ("pending", "enqueued", "running", "succeeded", "failed", "cancelled", "dead")
 #: Job statuses from which nothing moves on.
 JOB_FINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled", "dead")
 AGENT_PRIORITIES: tuple[str, ...] = ("normal", "low")
+OUTBOX_STATUSES: tuple[str, ...] = ("pending", "sending", "sent", "dead")
+CHANNELS: tuple[str, ...] = ("slack", "github")
 
 #: sha256 of nothing yet: the ``prev_hash`` of an agent's first journal event.
 GENESIS_HASH = "0" * 64
@@ -191,4 +193,46 @@ schedules = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     CheckConstraint("(every_seconds IS NULL) <> (cron IS NULL)", name="interval_or_cron"),
     CheckConstraint("every_seconds IS NULL OR every_seconds > 0", name="every_positive"),
+)
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("key", Text, primary_key=True),  # {request_id}:{channel}:{target}; also the marker at the receiver
+    Column("seq", BigInteger, Identity(always=True), nullable=False, unique=True),  # creation order
+    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False),
+    Column("request_id", Text, nullable=False),
+    Column("channel", Text, nullable=False),
+    Column("destination", Text, nullable=False),  # Slack channel; GitHub owner/repo#number
+    Column("payload", JSONB, nullable=False),
+    Column("status", Text, nullable=False, server_default="pending"),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("next_attempt_at", DateTime(timezone=True), nullable=False),
+    Column("lease_until", DateTime(timezone=True)),
+    Column("claim_token", BigInteger, nullable=False, server_default="0"),
+    # The previous attempt's outcome is unknown: ask the receiver before sending again.
+    Column("needs_reconcile", Boolean, nullable=False, server_default=text("false")),
+    Column("last_error", Text),
+    Column("external_id", Text),  # Slack ts; GitHub comment id
+    Column("external_url", Text),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("sent_at", DateTime(timezone=True)),
+    CheckConstraint(_in("status", OUTBOX_STATUSES), name="status"),
+    CheckConstraint(_in("channel", CHANNELS), name="channel"),
+    CheckConstraint("status <> 'sent' OR external_id IS NOT NULL", name="sent_has_external_id"),
+    Index("ix_outbox_line", "destination", "seq", postgresql_where=text("status IN ('pending', 'sending')")),
+)
+
+#: Append-only: one row per confirmed delivery (sent, or found at the receiver by reconciliation).
+delivery_log = Table(
+    "delivery_log",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("key", Text, ForeignKey("outbox.key"), nullable=False, index=True),
+    Column("external_id", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("how", Text, nullable=False),
+    Column("confirmed_at", DateTime(timezone=True), nullable=False),
+    CheckConstraint("how IN ('sent', 'reconciled')", name="how"),
 )

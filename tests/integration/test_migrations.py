@@ -22,7 +22,7 @@ def _tables(url: str) -> set[str]:
 
 def test_upgrade_check_downgrade_upgrade(empty_db_url: str) -> None:
     migrations.upgrade(empty_db_url)
-    assert {"public.agents", "public.requests", "audit.journal"} <= _tables(empty_db_url)
+    assert {"public.agents", "public.requests", "public.jobs", "public.outbox", "audit.journal"} <= _tables(empty_db_url)
     migrations.check(empty_db_url)  # raises if models/tables.py and the migrated schema differ
     migrations.downgrade(empty_db_url, "base")
     assert _tables(empty_db_url) <= {"public.alembic_version"}
@@ -59,6 +59,8 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "agents_revision_guard",
         "agents_journaled",
         "jobs_guard",
+        "delivery_log_no_update_delete",
+        "delivery_log_no_truncate",
     }
     migrations.upgrade(empty_db_url)
     first = _guards(empty_db_url)
