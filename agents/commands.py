@@ -5,6 +5,7 @@ Nothing here touches the database: :func:`decide` sees the locked row and return
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -61,6 +62,37 @@ class JobSpec:
             raise InvalidInput(f"job priority must be 0-9, got {self.priority}")
 
 
+_SLACK_DESTINATION = re.compile(r"^#?[A-Za-z0-9][A-Za-z0-9_.\-]{0,79}$")
+_GITHUB_DESTINATION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9\-]{0,38}/[A-Za-z0-9._\-]{1,100}#[1-9][0-9]{0,9}$")
+MESSAGE_LIMITS = {"slack": ("text", 40_000), "github": ("body", 65_000)}
+
+
+@dataclass(frozen=True, slots=True)
+class MessageSpec:
+    """A Slack or GitHub message a transition emits through the outbox. Its key is
+    ``{request_id}:{channel}:{target}``; the same key is never delivered twice."""
+
+    channel: str  # slack | github
+    destination: str  # Slack channel id or name; GitHub "owner/repo#number"
+    target: str  # names this message within the request, e.g. "approval-1"
+    payload: Mapping[str, Any]  # slack: {"text": …, "blocks": […]}; github: {"body": …}
+
+    def __post_init__(self) -> None:
+        if self.channel not in MESSAGE_LIMITS:
+            raise InvalidInput(f"message channel {self.channel!r} is unknown: use slack or github")
+        pattern = _SLACK_DESTINATION if self.channel == "slack" else _GITHUB_DESTINATION
+        if not pattern.fullmatch(self.destination):
+            shape = "a channel id or name" if self.channel == "slack" else "owner/repo#number"
+            raise InvalidInput(f"{self.channel} destination {self.destination!r} is invalid: expected {shape}")
+        make_key("r", self.channel, self.target)
+        field_name, limit = MESSAGE_LIMITS[self.channel]
+        text = self.payload.get(field_name)
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInput(f"a {self.channel} message needs a non-empty payload[{field_name!r}]")
+        if len(text) > limit or "\x00" in text:
+            raise InvalidInput(f"payload[{field_name!r}] must be at most {limit} characters, without NUL")
+
+
 @dataclass(frozen=True, slots=True)
 class JobOutcome:
     """The outcome of a claimed job, written by the transition that records it, and only while ``fencing_token`` is
@@ -109,6 +141,7 @@ class Command:
     jobs: tuple[JobSpec, ...] = ()
     priority: str | None = None  # "low" demotes the agent's jobs (soft deadline)
     outcome: JobOutcome | None = None  # the job whose result this transition records
+    messages: tuple[MessageSpec, ...] = ()  # Slack/GitHub messages, sent by the outbox relay after commit
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, Event):

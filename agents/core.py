@@ -20,8 +20,9 @@ import sqlalchemy.exc
 
 from agents import journal
 from agents.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
-from agents.errors import AgentExists, AgentNotFound, StoreError
+from agents.errors import AgentExists, AgentNotFound, InvalidInput, StoreError
 from agents.jobs import LOW_QUEUE, new_jobs
+from agents.keys import make_key
 from agents.phases import RESTING, Event, Phase
 from models.db import Database
 from models.jobs_sql import (
@@ -32,6 +33,7 @@ from models.jobs_sql import (
     insert_jobs_txn,
     retry_txn,
 )
+from models.outbox_sql import NewMessage, insert_messages_txn
 from models.schemas import AgentRow
 from models.sql import LostUpdate, claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
 
@@ -219,6 +221,28 @@ def _apply_txn(
     after = replace(after, journal_seq=event.seq, journal_head=event.hash)
     update_agent_txn(cur, before, after, event)
     return after, to_publish
+
+
+def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Command, at: datetime) -> dict[str, Any]:
+    """Put the command's messages in the outbox, in order; a key already there is a suppressed duplicate."""
+    if agent.request_id is None:
+        raise InvalidInput("messages need a request in flight: their keys start with its id")
+    rows = [
+        NewMessage(
+            make_key(agent.request_id, m.channel, m.target),
+            agent.id,
+            agent.request_id,
+            m.channel,
+            m.destination,
+            dict(m.payload),
+        )
+        for m in command.messages
+    ]
+    inserted, suppressed = insert_messages_txn(cur, rows, at)
+    summary: dict[str, Any] = {"messages": inserted}
+    if suppressed:
+        summary["messages_suppressed"] = suppressed
+    return summary
 
 
 def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime) -> None:

@@ -1,0 +1,231 @@
+"""The receivers of outbox messages: Slack (slack_sdk) and GitHub (REST over httpx).
+
+Each can ``send`` a message carrying its key (Slack: message metadata; GitHub: a hidden ``<!-- keel:KEY -->``
+marker) and ``find`` it again among what the receiver already holds, which is how the relay settles an attempt
+whose outcome it could not see. The client libraries' own retries are off: the outbox owns retries. Every error
+text is built from the receiver's status and reason, never from headers, and is scrubbed of the token anyway.
+"""
+
+from __future__ import annotations
+
+import http.client
+import re
+import socket
+import urllib.error
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol
+
+import httpx
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError
+
+FailureKind = Literal["ambiguous", "rate_limited", "transient", "permanent"]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    external_id: str
+    url: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendFailed:
+    """``ambiguous``: the receiver may have applied it (timeout or dropped connection after sending);
+    ``rate_limited``: try again after ``retry_after``; ``transient``: not applied, try again; ``permanent``: never."""
+
+    kind: FailureKind
+    error: str
+    retry_after: float | None = None
+
+
+class Receiver(Protocol):
+    def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed: ...
+
+    def find(self, key: str, destination: str, since: datetime) -> Delivered | SendFailed | None: ...
+
+
+def redact(text: str, *secrets: str | None) -> str:
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _network_failure(exc: BaseException) -> SendFailed:
+    """Before the request was written (refused, DNS) nothing happened; after, the receiver may have it."""
+    reason = getattr(exc, "reason", exc)
+    if isinstance(reason, ConnectionRefusedError | socket.gaierror) or isinstance(exc, httpx.ConnectError):
+        return SendFailed("transient", f"connection failed: {type(reason).__name__}")
+    return SendFailed("ambiguous", f"no response: {type(reason).__name__}: {reason}")
+
+
+# --- Slack ------------------------------------------------------------------------------------------------------
+
+METADATA_EVENT = "keel_outbox"
+# Errors worth retrying; every other Slack error (channel_not_found, not_in_channel, invalid_auth, …) is final.
+_SLACK_TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout", "team_added_to_org"}
+
+
+class SlackReceiver:
+    def __init__(self, token: str, base_url: str, timeout: float) -> None:
+        self.token = token
+        # retry_handlers=[]: slack_sdk would otherwise re-send once on a connection error, behind our back.
+        self.client = WebClient(token=token, base_url=base_url, timeout=int(max(1, timeout)), retry_handlers=[])
+
+    def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed:
+        try:
+            response = self.client.chat_postMessage(
+                channel=destination,
+                text=payload["text"],
+                blocks=payload.get("blocks"),
+                metadata={"event_type": METADATA_EVENT, "event_payload": {"key": key}},
+            )
+        except SlackApiError as exc:
+            return self._api_failure(exc, sent=True)
+        except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
+            return self._scrub(_network_failure(exc))
+        return Delivered(str(response["ts"]), None)
+
+    def find(self, key: str, destination: str, since: datetime) -> Delivered | SendFailed | None:
+        cursor: str | None = None
+        try:
+            while True:
+                page = self.client.conversations_history(
+                    channel=destination,
+                    oldest=f"{since.timestamp():.6f}",
+                    limit=200,
+                    include_all_metadata=True,
+                    cursor=cursor,
+                )
+                messages: list[dict[str, Any]] = page.get("messages", [])
+                for message in messages:
+                    metadata = message.get("metadata") or {}
+                    if (
+                        metadata.get("event_type") == METADATA_EVENT
+                        and (metadata.get("event_payload") or {}).get("key") == key
+                    ):
+                        return Delivered(str(message["ts"]), None)
+                cursor = (page.get("response_metadata") or {}).get("next_cursor") or None
+                if not page.get("has_more") or not cursor:
+                    return None
+        except SlackApiError as exc:
+            failure = self._api_failure(exc, sent=False)
+            return failure if failure.kind != "ambiguous" else SendFailed("transient", failure.error)
+        except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
+            return self._scrub(SendFailed("transient", f"history read failed: {type(exc).__name__}"))
+
+    def _api_failure(self, exc: SlackApiError, *, sent: bool) -> SendFailed:
+        response = exc.response
+        code = response.get("error") if isinstance(response.data, dict) else None
+        status = response.status_code
+        if status == 429 or code == "ratelimited":
+            retry_after = float(response.headers.get("Retry-After", response.headers.get("retry-after", 30)))
+            return SendFailed("rate_limited", f"slack: 429 ratelimited (retry after {retry_after:g}s)", retry_after)
+        if status >= 500:
+            kind: FailureKind = "ambiguous" if sent else "transient"
+            return self._scrub(SendFailed(kind, f"slack: HTTP {status} {code or ''}".strip()))
+        if code in _SLACK_TRANSIENT:
+            return SendFailed("transient", f"slack: {code}")
+        return self._scrub(SendFailed("permanent", f"slack: {code or f'HTTP {status}'}"))
+
+    def _scrub(self, failure: SendFailed) -> SendFailed:
+        return SendFailed(failure.kind, redact(failure.error, self.token), failure.retry_after)
+
+
+# --- GitHub -----------------------------------------------------------------------------------------------------
+
+_GITHUB_DESTINATION = re.compile(r"^(?P<owner>[^/]+)/(?P<repo>[^#]+)#(?P<number>\d+)$")
+_PERMANENT_STATUSES = {400, 401, 403, 404, 410, 422}
+
+
+def marker(key: str) -> str:
+    return f"<!-- keel:{key} -->"
+
+
+class GitHubReceiver:
+    def __init__(self, token: str, base_url: str, timeout: float, transport: httpx.BaseTransport | None = None) -> None:
+        self.token = token
+        # httpx never retries on its own (no transport retries configured): the outbox owns retries.
+        self.client = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            timeout=timeout,
+            transport=transport,
+            headers={
+                "Authorization": f"Bearer {token}",
+                "Accept": "application/vnd.github+json",
+                "X-GitHub-Api-Version": "2022-11-28",
+                "User-Agent": "keel-outbox",
+            },
+        )
+
+    @staticmethod
+    def _path(destination: str) -> str:
+        match = _GITHUB_DESTINATION.fullmatch(destination)
+        if match is None:
+            raise ValueError(f"not a GitHub destination: {destination!r}")
+        return f"/repos/{match['owner']}/{match['repo']}/issues/{match['number']}/comments"
+
+    def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed:
+        body = f"{payload['body']}\n\n{marker(key)}"
+        try:
+            response = self.client.post(self._path(destination), json={"body": body})
+        except httpx.TransportError as exc:
+            return self._scrub(_network_failure(exc))
+        if response.status_code == 201:
+            data = response.json()
+            return Delivered(str(data["id"]), data.get("html_url"))
+        return self._http_failure(response, sent=True)
+
+    def find(self, key: str, destination: str, since: datetime) -> Delivered | SendFailed | None:
+        wanted = marker(key)
+        url: str | None = self._path(destination)
+        params: dict[str, Any] | None = {"since": since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "per_page": 100}
+        try:
+            while url:
+                response = self.client.get(url, params=params)
+                if response.status_code != 200:
+                    failure = self._http_failure(response, sent=False)
+                    return failure if failure.kind != "ambiguous" else SendFailed("transient", failure.error)
+                for comment in response.json():
+                    if wanted in (comment.get("body") or ""):
+                        return Delivered(str(comment["id"]), comment.get("html_url"))
+                next_link = response.links.get("next", {}).get("url")
+                url, params = (next_link, None) if next_link else (None, None)
+        except httpx.TransportError as exc:
+            return self._scrub(SendFailed("transient", f"comment listing failed: {type(exc).__name__}"))
+        return None
+
+    def _http_failure(self, response: httpx.Response, *, sent: bool) -> SendFailed:
+        status = response.status_code
+        try:
+            message = str(response.json().get("message", ""))
+        except ValueError:
+            message = ""
+        remaining = response.headers.get("x-ratelimit-remaining")
+        secondary = status == 403 and "secondary rate limit" in message.lower()
+        if status == 429 or secondary or (status == 403 and remaining == "0"):
+            retry_after = _github_retry_after(response)
+            error = f"github: {status} rate limited{' (secondary)' if secondary else ''}, retry after {retry_after:g}s"
+            return SendFailed("rate_limited", error, retry_after)
+        if status >= 500:
+            kind: FailureKind = "ambiguous" if sent else "transient"
+            return self._scrub(SendFailed(kind, f"github: HTTP {status}"))
+        if status in _PERMANENT_STATUSES:
+            return self._scrub(SendFailed("permanent", f"github: HTTP {status} {message[:300]}".strip()))
+        return self._scrub(SendFailed("transient", f"github: HTTP {status}"))
+
+    def _scrub(self, failure: SendFailed) -> SendFailed:
+        return SendFailed(failure.kind, redact(failure.error, self.token), failure.retry_after)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _github_retry_after(response: httpx.Response) -> float:
+    if "retry-after" in response.headers:
+        return max(0.0, float(response.headers["retry-after"]))
+    if "x-ratelimit-reset" in response.headers:
+        return max(1.0, float(response.headers["x-ratelimit-reset"]) - datetime.now(UTC).timestamp())
+    return 60.0  # GitHub's advice for a secondary limit without headers: wait at least a minute

@@ -1,0 +1,198 @@
+"""Outbox SQL: emitting inside a transition, claiming heads of line for the relay, recording what happened."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg.rows import dict_row
+
+from models.db import Database
+
+
+@dataclass(frozen=True, slots=True)
+class NewMessage:
+    key: str
+    agent_id: UUID
+    request_id: str
+    channel: str
+    destination: str
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedMessage:
+    """The head of a destination's line, now this relay's until ``lease_until``."""
+
+    key: str
+    channel: str
+    destination: str
+    payload: dict[str, Any]
+    attempts: int
+    claim_token: int
+    needs_reconcile: bool
+    created_at: datetime
+    agent_id: UUID
+
+
+class LostClaim(RuntimeError):
+    """Another relay took the message over (this relay's lease expired): it may not record an outcome."""
+
+
+def insert_messages_txn(
+    cur: psycopg.Cursor[Any], messages: Sequence[NewMessage], now: datetime
+) -> tuple[list[str], list[str]]:
+    """Insert ``messages`` in order; an existing key is left alone. Returns (inserted, suppressed duplicate) keys."""
+    inserted: list[str] = []
+    suppressed: list[str] = []
+    for m in messages:
+        cur.execute(
+            "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, next_attempt_at,"
+            " created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (key) DO NOTHING",
+            (m.key, m.agent_id, m.request_id, m.channel, m.destination, json.dumps(m.payload), now, now, now),
+        )
+        (inserted if cur.rowcount == 1 else suppressed).append(m.key)
+    return inserted, suppressed
+
+
+_CLAIM_COLUMNS = (
+    "o.key, o.channel, o.destination, o.payload, o.attempts, o.claim_token, o.needs_reconcile, o.created_at, o.agent_id"
+)
+
+
+def claim_heads(
+    db: Database, now: datetime, lease: timedelta, limit: int, destination: str | None = None
+) -> list[ClaimedMessage]:
+    """Claim the due head of each destination's line (``FOR UPDATE SKIP LOCKED``), oldest first.
+
+    Only a line's head is ever claimed, so a later message never overtakes an earlier one. A head that is due:
+    pending with its time come, or sending with an expired lease (a relay died mid-send: reconcile first).
+    """
+    where_destination = "AND destination = %(destination)s" if destination is not None else ""
+    with db.transaction() as cur:
+        cur.execute(
+            "WITH heads AS (SELECT DISTINCT ON (destination) key FROM outbox"
+            f" WHERE status IN ('pending', 'sending') {where_destination} ORDER BY destination, seq),"
+            " due AS (SELECT o.key FROM outbox o JOIN heads h ON h.key = o.key"
+            "  WHERE (o.status = 'pending' AND o.next_attempt_at <= %(now)s)"
+            "     OR (o.status = 'sending' AND o.lease_until < %(now)s)"
+            "  ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED)"
+            " UPDATE outbox o SET needs_reconcile = o.needs_reconcile OR o.status = 'sending', status = 'sending',"
+            " lease_until = %(lease_until)s, attempts = o.attempts + 1, claim_token = o.claim_token + 1,"
+            " updated_at = %(now)s FROM due WHERE o.key = due.key"
+            f" RETURNING {_CLAIM_COLUMNS}",
+            {"now": now, "limit": limit, "lease_until": now + lease, "destination": destination},
+        )
+        rows = cur.fetchall()
+    return sorted((ClaimedMessage(*r) for r in rows), key=lambda m: m.created_at)
+
+
+def _fenced_update(db: Database, message: ClaimedMessage, sql: str, params: tuple[Any, ...]) -> None:
+    with db.transaction() as cur:
+        cur.execute(
+            sql + " WHERE key = %s AND claim_token = %s AND status = 'sending'",
+            (*params, message.key, message.claim_token),
+        )
+        if cur.rowcount != 1:
+            raise LostClaim(message.key)
+
+
+def record_delivered(
+    db: Database, message: ClaimedMessage, *, external_id: str, external_url: str | None, how: str, now: datetime
+) -> None:
+    """Mark sent and append the confirmation to the delivery log, in one transaction."""
+    with db.transaction() as cur:
+        cur.execute(
+            "UPDATE outbox SET status = 'sent', external_id = %s, external_url = %s, sent_at = %s, lease_until = NULL,"
+            " needs_reconcile = false, last_error = NULL, updated_at = %s"
+            " WHERE key = %s AND claim_token = %s AND status = 'sending'",
+            (external_id, external_url, now, now, message.key, message.claim_token),
+        )
+        if cur.rowcount != 1:
+            raise LostClaim(message.key)
+        cur.execute(
+            "INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at) VALUES (%s, %s, %s, %s, %s)",
+            (message.key, external_id, message.attempts, how, now),
+        )
+
+
+def record_retry(
+    db: Database, message: ClaimedMessage, *, error: str, at: datetime, ambiguous: bool, now: datetime
+) -> None:
+    """Back to pending until ``at``; ``ambiguous`` means the receiver may have it: reconcile before resending."""
+    _fenced_update(
+        db,
+        message,
+        "UPDATE outbox SET status = 'pending', next_attempt_at = %s, last_error = %s, lease_until = NULL,"
+        " needs_reconcile = needs_reconcile OR %s, updated_at = %s",
+        (at, error, ambiguous, now),
+    )
+
+
+def record_dead(db: Database, message: ClaimedMessage, *, error: str, now: datetime) -> None:
+    _fenced_update(
+        db,
+        message,
+        "UPDATE outbox SET status = 'dead', last_error = %s, lease_until = NULL, updated_at = %s",
+        (error, now),
+    )
+
+
+def revive_txn(cur: psycopg.Cursor[Any], key: str, now: datetime) -> bool:
+    """dead → pending (an operator's retry); False if the message is not dead. It will reconcile first if it
+    ever might have reached the receiver."""
+    cur.execute(
+        "UPDATE outbox SET status = 'pending', next_attempt_at = %s, attempts = 0, updated_at = %s"
+        " WHERE key = %s AND status = 'dead'",
+        (now, now, key),
+    )
+    return cur.rowcount == 1
+
+
+def message_row(db: Database, key: str) -> dict[str, Any] | None:
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute("SELECT * FROM outbox WHERE key = %s", (key,))
+        row = cur.fetchone()
+        conn.rollback()
+    return row
+
+
+def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str, Any]]:
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            "SELECT key, channel, destination, status, attempts, next_attempt_at, last_error, external_id, created_at"
+            " FROM outbox WHERE (%s::text IS NULL OR status = %s) ORDER BY seq DESC LIMIT %s",
+            (status, status, limit),
+        )
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
+
+
+def stats(db: Database) -> dict[str, Any]:
+    """The outbox KPIs: deliveries per key (must be 1), reconciled and dead counts, messages by status."""
+    with db.connection() as conn, conn.cursor() as cur:
+        cur.execute("SELECT status, count(*) FROM outbox GROUP BY status")
+        by_status = {status: n for status, n in cur.fetchall()}
+        cur.execute(
+            "SELECT count(*), coalesce(max(n), 0), count(*) FILTER (WHERE n > 1)"
+            " FROM (SELECT key, count(*) AS n FROM delivery_log GROUP BY key) per_key"
+        )
+        delivered, max_per_key, duplicated = cur.fetchone() or (0, 0, 0)
+        cur.execute("SELECT count(*) FROM delivery_log WHERE how = 'reconciled'")
+        reconciled = (cur.fetchone() or (0,))[0]
+        conn.rollback()
+    return {
+        "by_status": by_status,
+        "delivered_keys": delivered,
+        "max_deliveries_per_key": max_per_key,
+        "keys_delivered_more_than_once": duplicated,
+        "duplicate_rate": (duplicated / delivered) if delivered else 0.0,
+        "reconciled": reconciled,
+        "dead": by_status.get("dead", 0),
+    }
