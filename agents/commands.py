@@ -28,7 +28,7 @@ from models.schemas import AgentRow
 ACCEPTED = "accepted"
 NORMAL, LOW = "normal", "low"
 #: Events that may still be applied after the hard deadline: the ones that stop or restart a request.
-AFTER_HARD_DEADLINE = frozenset({Event.CANCEL, Event.FAIL, Event.SUBMIT})
+AFTER_HARD_DEADLINE = frozenset({Event.CANCEL, Event.FAIL, Event.SUBMIT, Event.CHARGE})
 
 
 @dataclass(frozen=True, slots=True)

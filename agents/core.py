@@ -27,9 +27,11 @@ from agents.phases import RESTING, Event, Phase
 from models.db import Database
 from models.jobs_sql import (
     Due,
+    FencedOff,
     cancel_agent_jobs_txn,
     demote_agent_jobs_txn,
     finish_txn,
+    holds,
     insert_jobs_txn,
     retry_txn,
 )
@@ -147,6 +149,9 @@ def transition(
             if isinstance(decision, Accept):
                 after, to_publish = _apply_txn(cur, row, decision.after, command, at, effects, publish_due, live_jobs)
                 return Transitioned(after, after.journal_seq, to_publish=to_publish)
+            if command.outcome is not None and not holds(cur, command.outcome.key, command.outcome.fencing_token):
+                # The worker lost its job before the agent moved on: that is the story, not the rejection.
+                raise FencedOff(command.outcome.key)
             # Rejected: leave this transaction (it wrote at most the request claim, which must not stay).
             cur.connection.rollback()
         assert isinstance(decision, Reject)
@@ -176,7 +181,7 @@ def _apply_txn(
     if command.spend:
         details["spend"] = {"tokens": command.spend.tokens, "cost": str(command.spend.cost)}
     if command.outcome is not None:
-        _write_outcome_txn(cur, command.outcome, at)
+        _write_outcome_txn(cur, command.outcome, at, LOW_QUEUE if after.priority == LOW else None)
         details["job_status"] = command.outcome.status
         if not command.outcome.leaves_job_live:
             live_jobs -= 1
@@ -245,7 +250,7 @@ def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Comma
     return summary
 
 
-def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime) -> None:
+def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime, queue: str | None) -> None:
     """Write a job's outcome under its fencing token; raises :class:`~models.jobs_sql.FencedOff` if the claim
     is no longer the writer's."""
     if outcome.status == "pending":
@@ -261,6 +266,7 @@ def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: dateti
             error_attempts=dict(outcome.error_attempts or {}),
             failed_tokens=outcome.failed_usage.tokens,
             failed_cost=outcome.failed_usage.cost,
+            queue=queue,  # a retry of an agent past its soft deadline goes to the low-priority queue
         )
         return
     finish_txn(

@@ -30,6 +30,7 @@ class Event(StrEnum):
     FINISH = "finish"  # the request produced its final answer
     FAIL = "fail"  # the system stopped the request (error cap, deadline, budget)
     CANCEL = "cancel"  # a person or producer stopped the request
+    CHARGE = "charge"  # spend that arrived after the fact (a late or fenced-off step) is still charged
 
 
 #: Phases in which no request is in flight; ``submit`` starts a new one from here.
@@ -62,6 +63,7 @@ def _moves() -> tuple[Move, ...]:
     for phase in (Phase.PLANNING, Phase.EXECUTING, Phase.WAITING_APPROVAL):
         moves.append(Move(phase, Event.FAIL, Phase.FAILED))
         moves.append(Move(phase, Event.CANCEL, Phase.FAILED))
+    moves.extend(Move(phase, Event.CHARGE, phase) for phase in Phase)
     return tuple(moves)
 
 

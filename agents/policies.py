@@ -27,6 +27,9 @@ class RetryRule:
     jitter: float = 0.25  # up to +25% random delay, so retries of many jobs do not fire together
 
 
+#: Retrying cannot help these, whatever the configuration says.
+NEVER_RETRIED = frozenset({ErrorClass.INVALID, ErrorClass.BUDGET})
+
 DEFAULT_RULES: dict[ErrorClass, RetryRule] = {
     ErrorClass.TRANSIENT: RetryRule(max_attempts=5, base_seconds=1.0, max_seconds=120.0),
     ErrorClass.RATE_LIMITED: RetryRule(max_attempts=8, base_seconds=5.0, max_seconds=600.0),
@@ -106,4 +109,6 @@ def rules_with(overrides: dict[str, dict[str, float]]) -> dict[ErrorClass, Retry
         )
         if rules[error_class].max_attempts < 1:
             raise ValueError(f"retry policy for {name!r}: max_attempts must be at least 1")
+        if error_class in NEVER_RETRIED and rules[error_class].max_attempts != 1:
+            raise ValueError(f"{name!r} failures are never retried: max_attempts must stay 1")
     return rules

@@ -20,7 +20,7 @@ import psycopg
 
 from agents import core
 from agents.commands import Command, JobOutcome, Usage
-from agents.errors import HardDeadlinePassed, IllegalTransition, InvalidJob, JobError, KeelError
+from agents.errors import HardDeadlinePassed, IllegalTransition, InvalidJob, JobError, KeelError, StoreError
 from agents.handlers import JobContext, JobResult, Registry
 from agents.phases import RESTING, Event, Phase
 from agents.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
@@ -55,14 +55,15 @@ class LeaseKeeper:
     def __init__(self, db: Database, lease: timedelta) -> None:
         self.db = db
         self.lease = lease
-        self._held: dict[str, tuple[int, threading.Event]] = {}
+        # Keyed by (key, token): a fenced-off older run ending must not drop a newer claim's renewal.
+        self._held: dict[tuple[str, int], threading.Event] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     @contextmanager
     def hold(self, key: str, token: int, lost: threading.Event) -> Iterator[None]:
         with self._lock:
-            self._held[key] = (token, lost)
+            self._held[(key, token)] = lost
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._renew_forever, name="keel-leases", daemon=True)
                 self._thread.start()
@@ -70,7 +71,7 @@ class LeaseKeeper:
             yield
         finally:
             with self._lock:
-                self._held.pop(key, None)
+                self._held.pop((key, token), None)
 
     def _renew_forever(self) -> None:
         interval = self.lease.total_seconds() / 3
@@ -78,12 +79,12 @@ class LeaseKeeper:
             time.sleep(interval)
             with self._lock:
                 held = list(self._held.items())
-            for key, (token, lost) in held:
+            for (key, token), lost in held:
                 try:
-                    if not extend_lease(self.db, key, token, core.now() + self.lease):
+                    if not extend_lease(self.db, key, token, self.lease):
                         lost.set()
                         with self._lock:
-                            self._held.pop(key, None)
+                            self._held.pop((key, token), None)
                 except psycopg.Error:
                     log.warning("job %s: lease renewal failed; will retry", key, exc_info=True)
 
@@ -130,10 +131,23 @@ class Runner:
             )
             return RunOutcome(key, "suppressed", f"{reason}: job is {claimed.status}")
         job = claimed
+        lost = threading.Event()
+        # The lease is renewed until the outcome is written, not just while the handler runs.
+        with self.leases.hold(job.key, job.fencing_token, lost):
+            try:
+                return self._run_claimed(job, lost)
+            except StoreError:
+                raise  # the database is away: the lease will expire and the job be recovered (and counted)
+            except Exception as exc:  # a bug in a handler's result must not leave the job running forever
+                log.exception("job %s: its outcome could not be recorded", job.key)
+                failure = _Failure(ErrorClass.INVALID, f"outcome could not be recorded: {exc!r}", Usage(), None)
+                return self._fail(job, failure)
+
+    def _run_claimed(self, job: ClaimedJob, lost: threading.Event) -> RunOutcome:
         stop = self._preflight(job)
         if stop is not None:
             return stop
-        failure, result = self._execute(job)
+        failure, result = self._execute(job, lost)
         if failure is None:
             assert result is not None
             return self._succeed(job, result)
@@ -151,6 +165,9 @@ class Runner:
             return RunOutcome(job.key, "cancelled", f"agent is {job.agent_phase}")
         if past(job.hard_deadline, now):
             return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
+        lost_runs = job.error_attempts.get(ErrorClass.UNKNOWN.value, 0)
+        if lost_runs >= self.rules[ErrorClass.UNKNOWN].max_attempts:  # its workers kept dying under it
+            return self._stop_agent(job, "unknown_cap_reached", "dead", ErrorClass.UNKNOWN)
         if over_budget(
             spent_tokens=job.spent_tokens,
             spent_cost=job.spent_cost,
@@ -160,22 +177,39 @@ class Runner:
             return self._stop_agent(job, "budget_exhausted", "failed", ErrorClass.BUDGET)
         return None
 
-    def _stop_agent(self, job: ClaimedJob, reason: str, status: str, error_class: ErrorClass | None) -> RunOutcome:
+    def _stop_agent(
+        self,
+        job: ClaimedJob,
+        reason: str,
+        status: str,
+        error_class: ErrorClass | None,
+        *,
+        spend: Usage | None = None,
+        error: str | None = None,
+    ) -> RunOutcome:
+        spend = spend or Usage()
         outcome = JobOutcome(
             job.key,
             job.fencing_token,
             status,
-            error=f"not started: {reason}",
+            failed_usage=spend,
+            error=error or f"not started: {reason}",
             error_class=None if error_class is None else error_class.value,
         )
         command = Command(
-            job.agent_id, Event.FAIL, self.actor, reason=reason, details={"job": job.key}, outcome=outcome
+            job.agent_id,
+            Event.FAIL,
+            self.actor,
+            reason=reason,
+            spend=spend,
+            details={"job": job.key},
+            outcome=outcome,
         )
         return self._record(job, command, status, reason)
 
     # --- the handler ------------------------------------------------------------------------------------------
 
-    def _execute(self, job: ClaimedJob) -> tuple[_Failure | None, JobResult | None]:
+    def _execute(self, job: ClaimedJob, lost: threading.Event) -> tuple[_Failure | None, JobResult | None]:
         handler = self.registry.get(job.operation)
         if handler is None:
             known = ", ".join(self.registry.operations()) or "none"
@@ -191,13 +225,13 @@ class Runner:
             attempt=job.attempts,
             fencing_token=job.fencing_token,
             db=self.db,
+            lost=lost,
         )
-        with self.leases.hold(job.key, job.fencing_token, context.lost):
-            try:
-                result = handler(context)
-            except Exception as exc:  # every failure is classified, none crashes the worker
-                log.info("job %s failed: %r", job.key, exc)
-                return self._classify(exc), None
+        try:
+            result = handler(context)
+        except Exception as exc:  # every failure is classified, none crashes the worker
+            log.info("job %s failed: %r", job.key, exc)
+            return self._classify(exc), None
         if not isinstance(result, JobResult):
             return self._classify(InvalidJob(f"handler returned {type(result).__name__}, not JobResult")), None
         return None, result
@@ -226,13 +260,20 @@ class Runner:
             done = core.transition(self.db, command, publish_due=self.publish_due)
         except IllegalTransition as exc:
             if Phase(exc.phase) in RESTING:
-                return self._fenced(job, f"agent is {exc.phase}; the outcome came too late")
+                return self._fenced(job, f"agent is {exc.phase}; the outcome came too late", result.usage)
             failure = _Failure(ErrorClass.INVALID, f"handler asked for an illegal move: {exc}", result.usage, None)
             return self._fail(job, failure)
         except FencedOff:
-            return self._fenced(job, "the job's lease was taken over before its outcome was written")
+            return self._fenced(job, "the job's lease was taken over before its outcome was written", result.usage)
         except HardDeadlinePassed:
-            return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
+            return self._stop_agent(
+                job,
+                "hard_deadline_passed",
+                "cancelled",
+                None,
+                spend=result.usage,
+                error="finished after the hard deadline: its result was discarded",
+            )
         return RunOutcome(job.key, "succeeded", to_publish=done.to_publish)
 
     def _fail(self, job: ClaimedJob, failure: _Failure) -> RunOutcome:
@@ -278,25 +319,33 @@ class Runner:
         try:
             core.transition(self.db, command)
         except FencedOff:
-            return self._fenced(job, "the job's lease was taken over before its outcome was written")
+            return self._fenced(job, "the job's lease was taken over before its outcome was written", command.spend)
         except HardDeadlinePassed:
-            return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
+            return self._stop_agent(job, "hard_deadline_passed", "cancelled", None, spend=command.spend)
         except IllegalTransition as exc:
-            return self._fenced(job, f"agent moved on: {exc}")
+            return self._fenced(job, f"agent moved on: {exc}", command.spend)
         return RunOutcome(job.key, status, detail)
 
-    def _fenced(self, job: ClaimedJob, why: str) -> RunOutcome:
+    def _fenced(self, job: ClaimedJob, why: str, spend: Usage) -> RunOutcome:
+        """This worker's outcome is void. What it spent was still spent: that is charged, and journaled."""
         log.warning("job %s: outcome discarded: %s", job.key, why)
+        details = {"job": job.key, "fencing_token": job.fencing_token, "why": why}
         try:
-            core.record_side_event(
-                self.db,
-                job.agent_id,
-                kind="suppressed",
-                event="job_outcome",
-                actor=self.actor,
-                decision="fenced_off",
-                details={"job": job.key, "fencing_token": job.fencing_token, "why": why},
-            )
+            if spend:
+                core.transition(
+                    self.db,
+                    Command(job.agent_id, Event.CHARGE, self.actor, reason="fenced_off", spend=spend, details=details),
+                )
+            else:
+                core.record_side_event(
+                    self.db,
+                    job.agent_id,
+                    kind="suppressed",
+                    event="job_outcome",
+                    actor=self.actor,
+                    decision="fenced_off",
+                    details=details,
+                )
         except KeelError:
             log.exception("job %s: could not journal the fenced-off outcome", job.key)
         return RunOutcome(job.key, "fenced", why)

@@ -18,7 +18,7 @@ from croniter import croniter
 
 from agents import core
 from agents.commands import Command, JobSpec
-from agents.errors import InvalidInput, Rejected
+from agents.errors import InvalidInput, KeelError, Rejected
 from agents.keys import check_request_id
 from agents.phases import Event
 from models.db import Database
@@ -65,6 +65,8 @@ def ensure_schedule(
     """Register schedule ``name``; returns it and whether anything changed. Same definition → no change at all;
     a changed definition is updated in place (never a second schedule) and its next fire recomputed."""
     check_request_id(name)
+    if len(name) > 100:
+        raise InvalidInput(f"schedule name is {len(name)} characters; at most 100 (fire request ids add 17)")
     if (every is None) == (cron is None):
         raise InvalidInput("a schedule needs exactly one of every= or cron=")
     every_seconds = None if every is None else int(every.total_seconds())
@@ -113,7 +115,11 @@ def fire_due(db: Database, now: datetime, *, actor: str = "scheduler") -> list[s
         due = [Schedule(*row) for row in cur.fetchall()]
         for schedule in due:
             request_id = fire_request_id(schedule.name, schedule.next_fire_at)
-            outcome = _submit(db, schedule, request_id, actor)
+            try:
+                outcome = _submit(db, schedule, request_id, actor)
+            except KeelError as exc:  # one bad schedule must not stop the others
+                log.warning("schedule %s: fire %s failed: %s", schedule.name, request_id, exc)
+                outcome = f"failed ({exc})"
             if outcome == "submitted":
                 fired.append(request_id)
             following = next_fire(every_seconds=schedule.every_seconds, cron=schedule.cron, after=now)

@@ -77,6 +77,12 @@ class Due:
     recovered: bool  # its lease or enqueue had expired: a worker died or the broker lost the message
 
 
+#: error_attempts with one more ``unknown`` failure: a run whose worker died (its lease expired).
+_COUNT_LOST_RUN = (
+    "jsonb_set(j.error_attempts, '{unknown}', to_jsonb(COALESCE((j.error_attempts->>'unknown')::int, 0) + 1))"
+)
+
+
 class FencedOff(RuntimeError):
     """The job's fencing token changed: another claim took it over, or the agent's stop cancelled it."""
 
@@ -145,16 +151,24 @@ def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) 
     or None when no such job exists.
     """
     # One statement in autocommit: the claim is durable before the handler starts, in a single round trip.
+    # It share-locks the agent first (the lock order of every transition: agent, then jobs), so a claim made while
+    # a transition stops the agent waits for it and then sees the agent at rest. Lease times come from the
+    # database's clock, the one clock every worker and beat agrees on. Taking over an expired lease counts as an
+    # ``unknown`` failure of the previous run (its worker died): a job that kills its worker every time hits a cap.
     with db.autocommit() as cur:
         cur.execute(
-            "UPDATE jobs j SET status = 'running', fencing_token = nextval('job_fencing_token_seq'),"
-            " lease_until = %s, attempts = j.attempts + 1, worker = %s, started_at = %s, updated_at = %s"
-            " FROM agents a WHERE j.key = %s AND a.id = j.agent_id AND j.run_at <= %s"
-            " AND (j.status IN ('pending', 'enqueued') OR (j.status = 'running' AND j.lease_until < %s))"
+            "WITH a AS (SELECT id, phase, hard_deadline, spent_tokens, spent_cost, budget_tokens, budget_cost"
+            "  FROM agents WHERE id = (SELECT agent_id FROM jobs WHERE key = %(key)s) FOR SHARE)"
+            " UPDATE jobs j SET status = 'running', fencing_token = nextval('job_fencing_token_seq'),"
+            " lease_until = clock_timestamp() + %(lease)s, attempts = j.attempts + 1, worker = %(worker)s,"
+            " started_at = %(now)s, updated_at = %(now)s,"
+            " error_attempts = CASE WHEN j.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
+            " FROM a WHERE j.key = %(key)s AND j.agent_id = a.id AND j.run_at <= %(due)s"
+            " AND (j.status IN ('pending', 'enqueued') OR (j.status = 'running' AND j.lease_until < clock_timestamp()))"
             " RETURNING j.key, j.agent_id, j.request_id, j.operation, j.target, j.payload, j.attempts,"
             " j.error_attempts, j.fencing_token, j.lease_until, j.queue, a.phase, a.hard_deadline, a.spent_tokens,"
             " a.spent_cost, a.budget_tokens, a.budget_cost",
-            (now + lease, worker, now, now, key, now + timedelta(seconds=1), now),
+            {"key": key, "lease": lease, "worker": worker, "now": now, "due": now + timedelta(seconds=1)},
         )
         row = cur.fetchone()
         if row is not None:
@@ -164,12 +178,13 @@ def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) 
         return None if found is None else JobStatus(*found)
 
 
-def extend_lease(db: Database, key: str, token: int, until: datetime) -> bool:
+def extend_lease(db: Database, key: str, token: int, lease: timedelta) -> bool:
     """Heartbeat: push the lease out. False if this worker no longer holds the job."""
     with db.autocommit() as cur:
         cur.execute(
-            "UPDATE jobs SET lease_until = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
-            (until, key, token),
+            "UPDATE jobs SET lease_until = clock_timestamp() + %s"
+            " WHERE key = %s AND fencing_token = %s AND status = 'running'",
+            (lease, key, token),
         )
         return cur.rowcount == 1
 
@@ -228,38 +243,57 @@ def retry_txn(
     error_attempts: dict[str, int],
     failed_tokens: int,
     failed_cost: Decimal,
+    queue: str | None = None,
 ) -> None:
-    """Put a failed attempt back to pending, due at ``run_at``, under the same key."""
+    """Put a failed attempt back to pending, due at ``run_at``, under the same key (on ``queue`` if given)."""
     cur.execute(
         "UPDATE jobs SET status = 'pending', run_at = %s, last_error = %s, error_class = %s, error_attempts = %s,"
         " failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s, lease_until = NULL, enqueued_at = NULL,"
-        " updated_at = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
-        (run_at, error, error_class, json.dumps(error_attempts), failed_tokens, failed_cost, now, key, token),
+        " queue = COALESCE(%s, queue), updated_at = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
+        (run_at, error, error_class, json.dumps(error_attempts), failed_tokens, failed_cost, queue, now, key, token),
     )
     if cur.rowcount != 1:
         raise FencedOff(key)
+
+
+def holds(cur: psycopg.Cursor[Any], key: str, token: int) -> bool:
+    """Whether the claim ``token`` still owns running job ``key``."""
+    cur.execute("SELECT 1 FROM jobs WHERE key = %s AND fencing_token = %s AND status = 'running'", (key, token))
+    return cur.fetchone() is not None
 
 
 def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
     cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
 
 
-def take_due(cur: psycopg.Cursor[Any], now: datetime, *, enqueue_timeout: timedelta, limit: int) -> list[Due]:
+def take_due(
+    cur: psycopg.Cursor[Any],
+    now: datetime,
+    *,
+    enqueue_timeout: timedelta,
+    limit: int,
+    recover_queues: Sequence[str] | None = None,
+) -> list[Due]:
     """Mark due jobs enqueued (skipping rows another dispatcher holds) and return them for publishing.
 
-    Due: pending and run_at has come; enqueued too long ago and never claimed (the broker lost it); running with
-    an expired lease (the worker died). All keep their key.
+    Due: pending and run_at has come; running with an expired lease (the worker died: counted as an ``unknown``
+    failure); enqueued too long ago and never claimed (the broker lost it) — only for queues in
+    ``recover_queues`` (None: all), so a long but healthy backlog is not published twice. All keep their key.
     """
+    recover = list(recover_queues) if recover_queues is not None else None
     cur.execute(
         "WITH due AS ("
-        "  SELECT key, status FROM jobs"
-        "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= %s"
-        "    AND (status = 'pending' OR (status = 'enqueued' AND enqueued_at < %s)"
-        "         OR (status = 'running' AND lease_until < %s))"
-        "  ORDER BY priority DESC, run_at LIMIT %s FOR UPDATE SKIP LOCKED)"
-        " UPDATE jobs SET status = 'enqueued', enqueued_at = %s, lease_until = NULL, updated_at = %s"
-        " FROM due WHERE jobs.key = due.key RETURNING jobs.key, jobs.queue, due.status",
-        (now, now - enqueue_timeout, now, limit, now, now),
+        "  SELECT key, status FROM jobs j"
+        "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= %(now)s"
+        "    AND (status = 'pending'"
+        "         OR (status = 'running' AND lease_until < clock_timestamp())"
+        "         OR (status = 'enqueued' AND enqueued_at < %(stale)s"
+        "             AND (%(recover)s::text[] IS NULL OR queue = ANY(%(recover)s::text[]))))"
+        "  ORDER BY priority DESC, run_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
+        " UPDATE jobs j SET status = 'enqueued', enqueued_at = %(now)s, lease_until = NULL, updated_at = %(now)s,"
+        " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
+        " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status",
+        {"now": now, "stale": now - enqueue_timeout, "recover": recover, "limit": limit},
     )
     return [Due(key, queue, previous != "pending") for key, queue, previous in cur.fetchall()]
 

@@ -61,6 +61,9 @@ class Settings(BaseSettings):
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"unknown error classes {sorted(unknown)}; known: {sorted(known)}")
+        for never in ("invalid", "budget"):
+            if value.get(never, {}).get("max_attempts", 1) != 1:
+                raise ValueError(f"{never} failures are never retried: its max_attempts must stay 1")
         return value
 
     @model_validator(mode="after")

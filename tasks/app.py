@@ -29,6 +29,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "visibility_timeout": visibility,
         "unacked_restore_interval": max(1, min(10, visibility // 6)),
         "unacked_restore_throttle": 1,
+        # Drain queues in the order a worker lists them (keel.jobs before keel.jobs.low), not round-robin:
+        # otherwise a job demoted past its soft deadline could start before the normal backlog.
+        "queue_order_strategy": "priority",
     }
     return {
         "broker_url": broker_url_for(settings),

@@ -24,6 +24,7 @@ from celery.beat import Scheduler
 
 from agents import deadlines, schedules
 from agents.core import now, store_errors
+from agents.jobs import JOBS_QUEUE, LOW_QUEUE
 from models.db import Database
 from models.jobs_sql import take_due
 from models.settings import Settings
@@ -45,12 +46,17 @@ class DispatchReport:
 def dispatch_once(db: Database, celery: Celery, settings: Settings, at: datetime | None = None) -> DispatchReport:
     """One pass: fire due schedules, then publish due jobs in batches until none are left."""
     at = at or now()
-    fired = schedules.fire_due(db, at)
+    try:
+        fired = schedules.fire_due(db, at)
+    except Exception:  # schedules must never stop the jobs from moving
+        log.exception("firing schedules failed; jobs are dispatched anyway")
+        fired = []
     published = recovered = 0
     timeout = timedelta(seconds=settings.enqueue_timeout_seconds)
+    idle = idle_queues(celery)
     while True:
         with store_errors(), db.transaction() as cur:
-            due = take_due(cur, at, enqueue_timeout=timeout, limit=settings.dispatch_batch)
+            due = take_due(cur, at, enqueue_timeout=timeout, limit=settings.dispatch_batch, recover_queues=idle)
             # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
             # commit fails after publishing, the next pass publishes again and the claim suppresses the duplicate.
             publish(due, celery)
@@ -63,6 +69,22 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings, at: datetime
     return DispatchReport(published, recovered, len(fired))
 
 
+def idle_queues(celery: Celery) -> list[str]:
+    """The job queues the broker holds no message in. Only their long-unclaimed jobs can have lost their message;
+    in a queue with a backlog, an old message is most likely just waiting its turn."""
+    idle = []
+    with celery.connection_for_write() as connection:
+        channel = connection.default_channel
+        for name in (JOBS_QUEUE, LOW_QUEUE):
+            try:
+                waiting = channel.queue_declare(queue=name, passive=True).message_count
+            except connection.channel_errors:  # the broker does not even know the queue (flushed): nothing waits
+                waiting = 0
+            if waiting == 0:
+                idle.append(name)
+    return idle
+
+
 class Leadership:
     """Holds the beat leader's advisory lock on a connection of its own."""
 
@@ -73,7 +95,17 @@ class Leadership:
     def held(self) -> bool:
         try:
             if self.conn is None or self.conn.closed:
-                self.conn = psycopg.connect(self.url, autocommit=True)
+                # Keepalives: after a network partition the server must notice the dead session (and free the
+                # lock for another beat) in seconds, not hours.
+                self.conn = psycopg.connect(
+                    self.url,
+                    autocommit=True,
+                    keepalives=1,
+                    keepalives_idle=10,
+                    keepalives_interval=5,
+                    keepalives_count=3,
+                    tcp_user_timeout=30_000,
+                )
                 row = self.conn.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)).fetchone()
                 if not (row and row[0]):
                     self.conn.close()

@@ -62,6 +62,36 @@ def test_four_producers_submitting_the_same_hundred_keys_run_each_once(stack: St
     assert {s.phase for s in client.list_agents()} == {"done"}
 
 
+def test_four_processes_publishing_the_same_hundred_messages_run_each_key_once(stack: Stack, client: Client) -> None:
+    """Duplicates that reach the broker (Celery does not dedupe task ids): 4 processes publish every key, at once,
+    to two workers. The claim alone must make each key run once."""
+    names = make_agents(client, 100)
+    keys = []
+    for i, name in enumerate(names):
+        client.submit(name, f"req-{i}", None, operation="count")
+        keys.append(f"req-{i}:count:1")
+    stack.worker("w1", concurrency=2)
+    stack.worker("w2", concurrency=2)
+    publishers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.support.publish", *random.Random(seed).sample(keys, 100)],
+            env=stack.env,
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+        )
+        for seed in range(4)
+    ]
+    for proc in publishers:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+    wait_until("all 100 jobs to succeed", lambda: all_succeeded(stack, 100), 90)
+    wait_until(
+        "every duplicate to be suppressed", lambda: stack.query("SELECT sum(suppressed) FROM jobs") == [(300,)], 60
+    )
+    counts = executions(stack)
+    assert len(counts) == 100 and set(counts.values()) == {1}, "a key ran more than once"
+
+
 def test_sigkill_mid_job_then_restart_completes_once_and_suppresses_the_redelivery(
     stack: Stack, client: Client
 ) -> None:

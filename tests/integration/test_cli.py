@@ -68,7 +68,7 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         (("agent", "create", "bad name"), "name: String should match pattern"),
         (("agent", "create", "x", "--budget-cost", "lots"), "'lots' is not a number"),
         (("submit", "ops", "r1", "--input", "{oops"), "not JSON"),
-        (("approve", "ops", "--revision", "0"), "'approve' is not allowed (allowed: submit)"),
+        (("approve", "ops", "--revision", "0"), "'approve' is not allowed (allowed: submit, charge)"),
         (("cancel", "ops", "--revision", "5"), "expected revision 5, the agent is at revision 0"),
     ],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -19,7 +20,7 @@ from agents.errors import InvalidInput
 from agents.handlers import JobContext, JobResult, Registry
 from agents.jobs import LOW_QUEUE
 from agents.phases import Event
-from agents.policies import DEFAULT_RULES
+from agents.policies import DEFAULT_RULES, ErrorClass
 from agents.runner import Runner
 from models.db import Database
 from models.jobs_sql import claim, job_row, take_due
@@ -39,6 +40,11 @@ def runner(db: Database, handlers: dict[str, Callable[[JobContext], JobResult]],
         rules=DEFAULT_RULES,
         **kw,
     )
+
+
+def expire_lease(db: Database, key: str) -> None:
+    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
+        conn.execute("UPDATE jobs SET lease_until = clock_timestamp() - interval '1 second' WHERE key = %s", (key,))
 
 
 def finish(ctx: JobContext) -> JobResult:
@@ -118,8 +124,7 @@ def test_a_worker_whose_lease_was_taken_over_cannot_write_its_outcome(client: Cl
     thread.start()
     started.wait(10)
     # The first worker looks dead: its lease is made to expire, and a second worker takes the job over.
-    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
-        conn.execute("UPDATE jobs SET lease_until = now() - interval '1 second' WHERE key = 'req-1:slow:1'")
+    expire_lease(db, "req-1:slow:1")
     second = runner(db, {"slow": lambda ctx: JobResult(output={"who": "second"}, event=Event.FINISH)}, worker="second")
     assert second.run("req-1:slow:1").status == "succeeded"
     release.set()
@@ -220,10 +225,11 @@ def test_dispatcher_takes_due_jobs_once_and_recovers_expired_leases(client: Clie
     with db.transaction() as cur:
         assert take_due(cur, at, enqueue_timeout=timedelta(minutes=5), limit=10) == [], "enqueued once"
     claim(db, "req-a:count:1", "dead-worker", timedelta(seconds=1), at)
-    later = at + timedelta(seconds=2)
+    expire_lease(db, "req-a:count:1")  # leases run on the database's clock: the worker "dies" here
     with db.transaction() as cur:
-        second = take_due(cur, later, enqueue_timeout=timedelta(minutes=5), limit=10)
+        second = take_due(cur, at + timedelta(seconds=2), enqueue_timeout=timedelta(minutes=5), limit=10)
     assert [(d.key, d.recovered) for d in second] == [("req-a:count:1", True)]
+    assert job_row(db, "req-a:count:1")["error_attempts"] == {"unknown": 1}  # type: ignore[index]
     with db.transaction() as cur:  # the message for req-b was lost: after the enqueue timeout it is sent again
         third = take_due(cur, at + timedelta(minutes=6), enqueue_timeout=timedelta(minutes=5), limit=10)
     assert {(d.key, d.recovered) for d in third} >= {("req-b:count:1", True)}
@@ -340,3 +346,107 @@ def test_dispatch_publishes_each_job_under_its_key_with_no_eta(client: Client, d
         headers["countdown"] if "countdown" in headers else None,
     ) == ("req-1:count:1", "keel.run_job", None, None)
     assert job_row(db, "req-1:count:2")["status"] == "pending"  # type: ignore[index]
+
+
+def test_a_result_that_cannot_be_recorded_fails_the_job_instead_of_rerunning_it(client: Client, db: Database) -> None:
+    agent = client.create_agent("a", budget_tokens=1500)
+    client.submit(agent.id, "req-1", None, operation="bad")
+    calls: list[int] = []
+
+    def bad(ctx: JobContext) -> JobResult:
+        calls.append(ctx.attempt)
+        return JobResult(output={"when": datetime.now(UTC)}, usage=Usage(1000), event=Event.FINISH)  # not JSON
+
+    outcome = runner(db, {"bad": bad}).run("req-1:bad:1")
+    assert outcome.status == "failed" and calls == [1]
+    row = job_row(db, "req-1:bad:1")
+    assert row is not None and row["error_class"] == "invalid" and "could not be recorded" in row["last_error"]
+    assert client.get_state(agent.id).phase == "failed"
+
+
+def test_a_job_whose_workers_keep_dying_is_dead_at_the_unknown_cap(client: Client, db: Database) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="crash")
+    calls: list[int] = []
+    cap = DEFAULT_RULES[ErrorClass.UNKNOWN].max_attempts
+    for _ in range(cap):  # each time the worker "dies" mid-run and the dispatcher recovers the job
+        claim(db, "req-1:crash:1", "doomed", timedelta(seconds=30), now())
+        expire_lease(db, "req-1:crash:1")
+        with db.transaction() as cur:
+            assert [d.key for d in take_due(cur, now(), enqueue_timeout=timedelta(minutes=5), limit=5)] == [
+                "req-1:crash:1"
+            ]
+    outcome = runner(db, {"crash": lambda ctx: calls.append(1) or JobResult()}).run("req-1:crash:1")  # type: ignore[func-returns-value]
+    assert (outcome.status, calls) == ("dead", [])
+    row = job_row(db, "req-1:crash:1")
+    assert row is not None and row["error_attempts"] == {"unknown": cap}
+    assert client.journal(agent_id=agent.id)[-1].decision == "unknown_cap_reached"
+
+
+def test_a_claim_waits_for_a_transition_that_stops_the_agent(client: Client, db: Database) -> None:
+    """A delivery arriving while a cancel holds the agent's lock waits for it, then finds the job cancelled."""
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="work")
+    locked, claim_started = threading.Event(), threading.Event()
+    calls: list[str] = []
+    results: list[Any] = []
+
+    def slow_cancel(cur: psycopg.Cursor[Any], before: Any, after: Any) -> None:
+        locked.set()
+        claim_started.wait(10)
+        time.sleep(0.5)  # the claim is now waiting on the agent's lock
+
+    canceller = threading.Thread(
+        target=lambda: transition(db, Command(agent.id, Event.CANCEL, "op"), effects=slow_cancel)
+    )
+    canceller.start()
+    locked.wait(10)
+    work = runner(db, {"work": lambda ctx: calls.append(ctx.key) or finish(ctx)})  # type: ignore[func-returns-value]
+    claimer = threading.Thread(target=lambda: (claim_started.set(), results.append(work.run("req-1:work:1"))))
+    claimer.start()
+    canceller.join(10)
+    claimer.join(10)
+    assert calls == [], "the handler ran for an agent that had been stopped"
+    assert results[0].status == "suppressed"
+    assert job_row(db, "req-1:work:1")["status"] == "cancelled"  # type: ignore[index]
+
+
+def test_spend_of_a_fenced_off_outcome_is_still_charged(client: Client, db: Database) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="slow")
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: JobContext) -> JobResult:
+        started.set()
+        release.wait(10)
+        return JobResult(usage=Usage(250, Decimal("0.25")), event=Event.FINISH)
+
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(runner(db, {"slow": slow}).run("req-1:slow:1")))
+    thread.start()
+    started.wait(10)
+    client.cancel(agent.id, actor="op")
+    release.set()
+    thread.join(10)
+    assert results[0].status == "fenced"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens, state.spent_cost) == ("failed", 250, Decimal("0.25"))
+    last = client.journal(agent_id=agent.id)[-1]
+    assert (last.kind, last.event, last.decision) == ("transition", "charge", "fenced_off")
+    kinds = [e.kind for e in client.journal(agent_id=agent.id)]
+    assert "rejected" not in kinds, "a fenced-off outcome is journaled as such, not as a rejected move"
+
+
+def test_one_failing_schedule_does_not_stop_the_others(client: Client, db: Database) -> None:
+    a, b = client.create_agent("a"), client.create_agent("b")
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    schedules.ensure_schedule(db, "busy", a.id, every=timedelta(minutes=1), operation="count", now=t0)
+    schedules.ensure_schedule(db, "fine", b.id, every=timedelta(minutes=1), operation="count", now=t0)
+    client.submit(a.id, "already-busy", None, operation="count")  # a is busy: its fire is skipped, not fatal
+    fired = schedules.fire_due(db, t0 + timedelta(minutes=2))
+    assert fired == ["fine.20260101T000100Z"]
+    with psycopg.connect(db.libpq_url) as conn:
+        outcomes = dict(conn.execute("SELECT name, last_outcome FROM schedules").fetchall())
+    assert outcomes["busy"].startswith("busy.20260101T000100Z: skipped")
+    with pytest.raises(InvalidInput, match="at most 100"):
+        schedules.ensure_schedule(db, "x" * 101, a.id, every=timedelta(minutes=1))

@@ -22,7 +22,9 @@ def _tables(url: str) -> set[str]:
 
 def test_upgrade_check_downgrade_upgrade(empty_db_url: str) -> None:
     migrations.upgrade(empty_db_url)
-    assert {"public.agents", "public.requests", "public.jobs", "public.outbox", "audit.journal"} <= _tables(empty_db_url)
+    assert {"public.agents", "public.requests", "public.jobs", "public.outbox", "audit.journal"} <= _tables(
+        empty_db_url
+    )
     migrations.check(empty_db_url)  # raises if models/tables.py and the migrated schema differ
     migrations.downgrade(empty_db_url, "base")
     assert _tables(empty_db_url) <= {"public.alembic_version"}

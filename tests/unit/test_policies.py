@@ -59,3 +59,14 @@ def test_budget() -> None:
     assert over_budget(spent_tokens=100, spent_cost=Decimal(0), budget_tokens=100, budget_cost=None)
     assert over_budget(spent_tokens=0, spent_cost=Decimal("1.00"), budget_tokens=None, budget_cost=Decimal("1.00"))
     assert not over_budget(spent_tokens=10**9, spent_cost=Decimal(10**6), budget_tokens=None, budget_cost=None)
+
+
+def test_invalid_and_budget_can_never_be_configured_to_retry() -> None:
+    from pydantic import ValidationError
+
+    from models.settings import Settings
+
+    with pytest.raises(ValueError, match="never retried"):
+        rules_with({"invalid": {"max_attempts": 3}})
+    with pytest.raises(ValidationError, match="never retried"):
+        Settings(retry_policy={"budget": {"max_attempts": 2}})
