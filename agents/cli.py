@@ -276,6 +276,81 @@ def job_show(key: str, as_json: bool) -> None:
     _emit(data, as_json, text)
 
 
+# --- outbox ----------------------------------------------------------------------------------------------------
+
+
+@cli.group()
+def outbox() -> None:
+    """Slack and GitHub messages waiting for, or done with, the relay."""
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (v if isinstance(v, int | float | str | bool | dict | list | type(None)) else str(v)) for k, v in row.items()
+    }
+
+
+@outbox.command("list")
+@click.option("--status", type=click.Choice(["pending", "sending", "sent", "dead"]), help="Only this status.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@json_option
+@_friendly
+def outbox_list(status: str | None, limit: int, as_json: bool) -> None:
+    """Newest messages first."""
+    from models.outbox_sql import list_messages
+
+    with _client() as client:
+        rows = [_plain(r) for r in list_messages(client.db, status, limit)]
+    lines = [
+        f"{r['key']:<44} {r['channel']:<7} {r['destination']:<24} {r['status']:<8} attempts {r['attempts']}"
+        + (f"  {r['last_error'][:60]}" if r["last_error"] else "")
+        for r in rows
+    ]
+    _emit({"messages": rows}, as_json, "\n".join(lines) or "no messages")
+
+
+@outbox.command("show")
+@click.argument("key")
+@json_option
+@_friendly
+def outbox_show(key: str, as_json: bool) -> None:
+    """One message: status, attempts, last error, the receiver's id."""
+    from models.outbox_sql import message_row
+
+    with _client() as client:
+        row = message_row(client.db, key)
+    if row is None:
+        raise click.ClickException(f"no outbox message has the key {key!r}")
+    data = _plain(row)
+    _emit(data, as_json, "\n".join(f"{k:<16} {v}" for k, v in data.items()))
+
+
+@outbox.command("retry")
+@click.argument("key")
+@actor_option
+@_friendly
+def outbox_retry(key: str, actor: str) -> None:
+    """Send a dead message again (journaled with --actor); it reconciles first if it may have arrived."""
+    from agents.outbox import retry_dead
+
+    with _client() as client:
+        retry_dead(client.db, key, actor=actor)
+    click.echo(f"{key}: dead -> pending")
+
+
+@outbox.command("stats")
+@json_option
+@_friendly
+def outbox_stats(as_json: bool) -> None:
+    """KPIs: deliveries per key (must be 1), duplicate rate, reconciled and dead counts."""
+    from models.outbox_sql import stats
+
+    with _client() as client:
+        data = stats(client.db)
+    text = "\n".join(f"{k:<30} {v}" for k, v in data.items())
+    _emit(data, as_json, text)
+
+
 # --- journal and audit -----------------------------------------------------------------------------------------
 
 

@@ -198,6 +198,9 @@ def _apply_txn(
             details["jobs_suppressed"] = suppressed
         fresh = set(inserted)
         to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in fresh and r.status == "enqueued")
+    if command.messages:
+        details.update(_emit_messages_txn(cur, after, command, at))
+    # Coming to rest cancels the agent's live jobs (an empty sweep costs a statement: skip it when there are none).
     if (
         Phase(after.phase) in RESTING
         and Phase(before.phase) not in RESTING

@@ -45,10 +45,13 @@ class Receiver(Protocol):
 
     def find(self, key: str, destination: str, since: datetime) -> Delivered | SendFailed | None: ...
 
+    def close(self) -> None: ...
+
 
 def redact(text: str, *secrets: str | None) -> str:
+    """``text`` with every secret replaced by ``***`` (secrets too short to be real tokens are left alone)."""
     for secret in secrets:
-        if secret:
+        if secret and len(secret) >= 8:
             text = text.replace(secret, "***")
     return text
 
@@ -132,6 +135,9 @@ class SlackReceiver:
 
     def _scrub(self, failure: SendFailed) -> SendFailed:
         return SendFailed(failure.kind, redact(failure.error, self.token), failure.retry_after)
+
+    def close(self) -> None:
+        """slack_sdk opens a connection per request: nothing to close."""
 
 
 # --- GitHub -----------------------------------------------------------------------------------------------------

@@ -134,12 +134,14 @@ def record_retry(
     )
 
 
-def record_dead(db: Database, message: ClaimedMessage, *, error: str, now: datetime) -> None:
+def record_dead(db: Database, message: ClaimedMessage, *, error: str, now: datetime, ambiguous: bool = False) -> None:
+    """Give up; an ``ambiguous`` last attempt is remembered, so an operator's retry reconciles first."""
     _fenced_update(
         db,
         message,
-        "UPDATE outbox SET status = 'dead', last_error = %s, lease_until = NULL, updated_at = %s",
-        (error, now),
+        "UPDATE outbox SET status = 'dead', last_error = %s, lease_until = NULL,"
+        " needs_reconcile = needs_reconcile OR %s, updated_at = %s",
+        (error, ambiguous, now),
     )
 
 

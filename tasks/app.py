@@ -18,6 +18,8 @@ from models.jobs_sql import Due
 from models.settings import Settings
 
 RUN_JOB = "keel.run_job"
+RELAY_OUTBOX = "keel.relay_outbox"
+OUTBOX_QUEUE = "keel.outbox"  # the relay's own queue: a dedicated worker (`keel worker -Q keel.outbox`) may take it
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -54,13 +56,22 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "task_default_queue": JOBS_QUEUE,
-        "task_queues": [Queue(JOBS_QUEUE), Queue(LOW_QUEUE)],  # type: ignore[no-untyped-call]
+        "task_queues": [Queue(JOBS_QUEUE), Queue(LOW_QUEUE), Queue(OUTBOX_QUEUE)],  # type: ignore[no-untyped-call]
+        "task_routes": {RELAY_OUTBOX: {"queue": OUTBOX_QUEUE}},
         "task_serializer": "json",
         "accept_content": ["json"],
         "enable_utc": True,
         "timezone": "UTC",
         "beat_max_loop_interval": settings.dispatch_interval_seconds,
-        "imports": ["tasks.jobs"],
+        "beat_schedule": {
+            "relay-outbox": {
+                "task": RELAY_OUTBOX,
+                "schedule": settings.outbox_interval_seconds,
+                # A pass that waited longer than a few intervals is pointless: a newer one is already queued.
+                "options": {"queue": OUTBOX_QUEUE, "expires": max(5.0, 4 * settings.outbox_interval_seconds)},
+            },
+        },
+        "imports": ["tasks.jobs", "tasks.outbox"],
     }
 
 

@@ -6,7 +6,7 @@ import click
 
 from agents.jobs import JOBS_QUEUE, LOW_QUEUE
 
-ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE])
+ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
 
 
 @click.command()

@@ -1,0 +1,228 @@
+"""The outbox relay: the only place Slack and GitHub are called.
+
+A pass claims the due head of each destination's line, then works through each line in its own thread (bounded by
+``KEEL_OUTBOX_CONCURRENCY``): a message is sent only after every earlier one to the same destination is settled, so
+nothing overtakes. Before re-sending a message whose previous attempt's outcome is unknown, the relay asks the
+receiver whether it already has it (by the key it carries) and, if so, records it as delivered without sending.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from agents import core
+from agents.errors import InvalidInput, KeelError, StoreError
+from agents.receivers import Delivered, GitHubReceiver, Receiver, SendFailed, SlackReceiver, redact
+from models.db import Database
+from models.outbox_sql import (
+    ClaimedMessage,
+    LostClaim,
+    claim_heads,
+    message_row,
+    record_dead,
+    record_delivered,
+    record_retry,
+    revive_txn,
+)
+from models.settings import Settings
+
+log = logging.getLogger("keel.outbox")
+
+#: How far before a message's creation the reconciliation looks (receiver and database clocks differ a little).
+CLOCK_SLACK = timedelta(minutes=2)
+
+
+@dataclass
+class RelayReport:
+    sent: int = 0
+    reconciled: int = 0
+    retried: int = 0
+    dead: int = 0
+    lost: int = 0  # another relay took the message over: this one's outcome was dropped
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, outcome: str) -> None:
+        with self._lock:
+            setattr(self, outcome, getattr(self, outcome) + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    base_seconds: float
+    max_seconds: float
+    max_attempts: int
+
+    def delay(self, attempts: int) -> float:
+        delay: float = min(self.max_seconds, self.base_seconds * 2 ** max(0, attempts - 1))
+        return delay * random.uniform(1.0, 1.25)
+
+
+class Relay:
+    def __init__(
+        self,
+        db: Database,
+        receivers: Mapping[str, Receiver],
+        *,
+        lease: timedelta,
+        concurrency: int,
+        backoff: Backoff,
+        pass_seconds: float,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
+        self.db = db
+        self.receivers = receivers
+        self.lease = lease
+        self.concurrency = concurrency
+        self.backoff = backoff
+        self.pass_seconds = pass_seconds
+        self.secrets = secrets
+
+    @classmethod
+    def from_settings(cls, db: Database, settings: Settings) -> Relay:
+        receivers: dict[str, Receiver] = {}
+        secrets = []
+        if settings.slack_token is not None:
+            token = settings.slack_token.get_secret_value()
+            receivers["slack"] = SlackReceiver(token, settings.slack_api_url, settings.http_timeout_seconds)
+            secrets.append(token)
+        if settings.github_token is not None:
+            token = settings.github_token.get_secret_value()
+            receivers["github"] = GitHubReceiver(token, settings.github_api_url, settings.http_timeout_seconds)
+            secrets.append(token)
+        return cls(
+            db,
+            receivers,
+            lease=timedelta(seconds=settings.outbox_lease_seconds),
+            concurrency=settings.outbox_concurrency,
+            backoff=Backoff(
+                settings.outbox_backoff_seconds, settings.outbox_backoff_max_seconds, settings.outbox_max_attempts
+            ),
+            pass_seconds=settings.outbox_pass_seconds,
+            secrets=tuple(secrets),
+        )
+
+    def close(self) -> None:
+        for receiver in self.receivers.values():
+            receiver.close()
+
+    def run_pass(self) -> RelayReport:
+        """Relay what is due now: up to ``concurrency`` destinations at once, each line in order."""
+        report = RelayReport()
+        deadline = time.monotonic() + self.pass_seconds
+        heads = claim_heads(self.db, core.now(), self.lease, self.concurrency)
+        if not heads:
+            return report
+        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="keel-relay") as pool:
+            for future in [pool.submit(self._drain, head, deadline, report) for head in heads]:
+                future.result()
+        return report
+
+    def _drain(self, message: ClaimedMessage | None, deadline: float, report: RelayReport) -> None:
+        """Work down one destination's line while its messages go through and the pass has time."""
+        while message is not None:
+            outcome = self._deliver(message)
+            report.add(outcome)
+            if outcome not in ("sent", "reconciled") or time.monotonic() > deadline:
+                return
+            following = claim_heads(self.db, core.now(), self.lease, 1, destination=message.destination)
+            message = following[0] if following else None
+
+    def _deliver(self, message: ClaimedMessage) -> str:
+        receiver = self.receivers.get(message.channel)
+        try:
+            if receiver is None:
+                error = f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
+                record_dead(self.db, message, error=error, now=core.now())
+                return "dead"
+            if message.needs_reconcile:
+                found = receiver.find(message.key, message.destination, since=message.created_at - CLOCK_SLACK)
+                if isinstance(found, Delivered):
+                    self._delivered(message, found, "reconciled")
+                    return "reconciled"
+                if isinstance(found, SendFailed):  # cannot tell yet whether it arrived: do not send blind
+                    return self._failed(message, found)
+            result = receiver.send(message.key, message.destination, message.payload)
+            if isinstance(result, Delivered):
+                self._delivered(message, result, "sent")
+                return "sent"
+            return self._failed(message, result)
+        except LostClaim:
+            log.warning("outbox %s: another relay took it over; this attempt's outcome is dropped", message.key)
+            return "lost"
+        except (StoreError, KeelError):
+            raise
+        except Exception as exc:  # a receiver bug: keep the message, never lose the line
+            log.exception("outbox %s: unexpected failure", message.key)
+            return self._failed(message, SendFailed("ambiguous", f"{type(exc).__name__}: {exc}"))
+
+    def _delivered(self, message: ClaimedMessage, delivered: Delivered, how: str) -> None:
+        record_delivered(
+            self.db, message, external_id=delivered.external_id, external_url=delivered.url, how=how, now=core.now()
+        )
+        log.info("outbox %s: %s as %s", message.key, how, delivered.external_id)
+
+    def _failed(self, message: ClaimedMessage, failure: SendFailed) -> str:
+        error = redact(failure.error, *self.secrets)[:2000]
+        now = core.now()
+        if failure.kind == "permanent":
+            record_dead(self.db, message, error=error, now=now)
+            log.warning("outbox %s: dead: %s", message.key, error)
+            return "dead"
+        if failure.kind != "rate_limited" and message.attempts >= self.backoff.max_attempts:
+            record_dead(
+                self.db,
+                message,
+                error=f"gave up after {message.attempts} attempts: {error}",
+                now=now,
+                ambiguous=failure.kind == "ambiguous",
+            )
+            return "dead"
+        if failure.kind == "rate_limited" and failure.retry_after is not None:
+            delay = failure.retry_after + random.uniform(0, 0.1)  # this destination waits; the others do not
+        else:
+            delay = self.backoff.delay(message.attempts)
+        record_retry(
+            self.db,
+            message,
+            error=error,
+            at=now + timedelta(seconds=delay),
+            ambiguous=failure.kind == "ambiguous",
+            now=now,
+        )
+        log.info("outbox %s: %s, retry in %.1fs: %s", message.key, failure.kind, delay, error)
+        return "retried"
+
+
+def retry_dead(db: Database, key: str, *, actor: str) -> None:
+    """An operator's retry of a dead message: back to pending (it reconciles first if it may have arrived),
+    journaled on its agent's chain with who asked."""
+    row = message_row(db, key)
+    if row is None:
+        raise InvalidInput(f"no outbox message has the key {key!r}")
+    if row["status"] != "dead":
+        raise InvalidInput(f"outbox message {key!r} is {row['status']}, not dead: only dead messages can be retried")
+    revived: list[bool] = []
+
+    def revive(cur: Any) -> None:
+        revived.append(revive_txn(cur, key, core.now()))
+
+    core.record_side_event(
+        db,
+        row["agent_id"],
+        kind="operator",
+        event="outbox_retry",
+        actor=actor,
+        decision="dead_to_pending",
+        details={"key": key, "last_error": row["last_error"], "attempts": row["attempts"]},
+        effects=revive,
+    )
+    if not revived or not revived[0]:  # pragma: no cover - another operator won the race; journaled anyway
+        raise InvalidInput(f"outbox message {key!r} was no longer dead")
