@@ -251,7 +251,7 @@ class FakeGitHub(FakeBase):
             comment = {
                 "id": self.next_id,
                 "body": text,
-                "html_url": f"https://github.example/{destination.replace('#', '/issues/')}#issuecomment-{self.next_id}",
+                "html_url": f"{self.url}/{destination.replace('#', '/issues/')}#issuecomment-{self.next_id}",
                 "created_at": now,
                 "updated_at": now,
             }
