@@ -80,8 +80,13 @@ class Stack:
         self.procs[name] = proc
         return proc
 
-    def worker(self, name: str = "w1", concurrency: int = 1, **env: str) -> subprocess.Popen[bytes]:
-        proc = self.start(name, "worker", "-c", str(concurrency), "-n", f"{name}@%h", "-l", "info", env=env)
+    def worker(
+        self, name: str = "w1", concurrency: int = 1, queues: str | None = None, **env: str
+    ) -> subprocess.Popen[bytes]:
+        args = ["worker", "-c", str(concurrency), "-n", f"{name}@%h", "-l", "info"]
+        if queues:
+            args += ["-Q", queues]
+        proc = self.start(name, *args, env=env)
         wait_until(f"worker {name} ready", lambda: b"ready." in (self.logs / f"{name}.log").read_bytes(), 60)
         return proc
 

@@ -1,0 +1,120 @@
+"""500 messages to 20 destinations through ambiguous failures, rate limits and a relay SIGKILLed twice:
+every key arrives exactly once, in order per destination, with one confirmation each."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import pytest
+
+from agents.client import Client
+from agents.commands import Command, MessageSpec
+from agents.core import transition
+from agents.phases import Event
+from tests.chaos.conftest import Stack, wait_until
+from tests.support.fakes import FakeGitHub, FakeSlack
+
+pytestmark = pytest.mark.chaos
+
+SLACK_TOKEN = "xoxb-chaos-slack-token-000"
+GITHUB_TOKEN = "ghp_chaosGithubToken000"
+
+
+def fault(destination: str, key: str, attempt: int) -> str | None:
+    """Deterministic per key: 20% of first attempts end ambiguously; some hit rate limits or plain 500s."""
+    if attempt > 1:
+        return None
+    bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100
+    if bucket < 10:
+        return "apply_then_timeout"
+    if bucket < 20:
+        return "apply_then_drop"
+    if bucket < 24:
+        return "429" if ":slack:" in key else "403_secondary"
+    if bucket < 27:
+        return "500"
+    return None
+
+
+@pytest.fixture
+def fakes() -> Iterator[tuple[FakeSlack, FakeGitHub]]:
+    slack = FakeSlack(token=SLACK_TOKEN, faults=fault, timeout_delay=1.5, retry_after=0.5).start()
+    github = FakeGitHub(token=GITHUB_TOKEN, faults=fault, timeout_delay=1.5, retry_after=0.5).start()
+    assert isinstance(slack, FakeSlack) and isinstance(github, FakeGitHub)
+    yield slack, github
+    slack.stop()
+    github.stop()
+
+
+def test_five_hundred_messages_survive_faults_and_two_relay_kills(
+    stack: Stack, client: Client, fakes: tuple[FakeSlack, FakeGitHub]
+) -> None:
+    slack, github = fakes
+    stack.env.update(
+        {
+            "KEEL_SLACK_TOKEN": SLACK_TOKEN,
+            "KEEL_SLACK_API_URL": f"{slack.url}/api/",
+            "KEEL_GITHUB_TOKEN": GITHUB_TOKEN,
+            "KEEL_GITHUB_API_URL": github.url,
+            "KEEL_HTTP_TIMEOUT_SECONDS": "1",
+            "KEEL_OUTBOX_LEASE_SECONDS": "3",
+            "KEEL_OUTBOX_INTERVAL_SECONDS": "0.2",
+            "KEEL_OUTBOX_CONCURRENCY": "20",
+            "KEEL_OUTBOX_BACKOFF_SECONDS": "0.2",
+            "KEEL_OUTBOX_BACKOFF_MAX_SECONDS": "1",
+            "KEEL_OUTBOX_PASS_SECONDS": "3",
+        }
+    )
+    destinations = [f"C{n:02d}" for n in range(10)] + [f"acme/repo{n}#{n + 1}" for n in range(10)]
+    expected: dict[str, list[str]] = {d: [] for d in destinations}
+    agents = []
+    for n, destination in enumerate(destinations):
+        agent = client.create_agent(f"notifier-{n}")
+        client.submit(agent.id, f"req-{n}", None, operation="noop")
+        agents.append((agent.id, destination, f"req-{n}"))
+
+    def emit(batch: int) -> None:
+        for agent_id, destination, request_id in agents:
+            channel = "github" if "/" in destination else "slack"
+            field = "body" if channel == "github" else "text"
+            specs = tuple(
+                MessageSpec(channel, destination, f"m{batch * 5 + i:02d}", {field: f"update {batch * 5 + i}"})
+                for i in range(5)
+            )
+            transition(client.db, Command(agent_id, Event.PROGRESS, "notifier", messages=specs))
+            expected[destination] += [f"{request_id}:{channel}:{s.target}" for s in specs]
+
+    stack.worker("relay-1", concurrency=2, queues="keel.outbox")
+    stack.beat()
+    emit(0)
+    emit(1)
+
+    def delivered() -> int:
+        return sum(slack.delivered_keys().values()) + sum(github.delivered_keys().values())
+
+    wait_until("a third to be delivered", lambda: delivered() >= 150, 120)
+    stack.kill("relay-1")
+    emit(2)
+    emit(3)
+    stack.worker("relay-2", concurrency=2, queues="keel.outbox")
+    wait_until("two thirds to be delivered", lambda: delivered() >= 330, 120)
+    stack.kill("relay-2")
+    emit(4)
+    stack.worker("relay-3", concurrency=2, queues="keel.outbox")
+    wait_until(
+        "every message to be sent",
+        lambda: stack.query("SELECT count(*) FROM outbox WHERE status = 'sent'") == [(500,)],
+        180,
+    )
+
+    counts = slack.delivered_keys() + github.delivered_keys()
+    assert len(counts) == 500 and set(counts.values()) == {1}, [k for k, n in counts.items() if n > 1][:5]
+    for destination in destinations:
+        fake = github if "/" in destination else slack
+        assert fake.order(destination) == expected[destination], f"out of order at {destination}"
+    per_key = stack.query("SELECT count(*), count(DISTINCT key) FROM delivery_log")
+    assert per_key == [(500, 500)], "one confirmation per key"
+    reconciled = stack.query("SELECT count(*) FROM delivery_log WHERE how = 'reconciled'")[0][0]
+    assert reconciled > 0, "the ambiguous failures were settled by asking the receivers"
+    assert stack.query("SELECT count(*) FROM outbox WHERE status = 'dead'") == [(0,)]
