@@ -1,7 +1,7 @@
 # Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
 PY ?= .venv/bin/python
 
-.PHONY: install check lint types test bench bench-transitions bench-jobs docs demo
+.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox docs demo
 
 install:
 	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
@@ -18,13 +18,16 @@ types:
 test:
 	$(PY) -m pytest
 
-bench: bench-transitions bench-jobs
+bench: bench-transitions bench-jobs bench-outbox
 
 bench-transitions:
 	$(PY) -m bench.transitions
 
 bench-jobs:
 	$(PY) -m bench.jobs
+
+bench-outbox:
+	$(PY) -m bench.outbox
 
 docs:
 	.venv/bin/keel docs phases

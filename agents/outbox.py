@@ -19,22 +19,28 @@ from datetime import timedelta
 from typing import Any
 
 from agents import core
-from agents.errors import InvalidInput, KeelError, StoreError
+from agents.errors import InvalidInput
 from agents.receivers import Delivered, GitHubReceiver, Receiver, SendFailed, SlackReceiver, redact
 from models.db import Database
 from models.outbox_sql import (
     ClaimedMessage,
+    Delivery,
     LostClaim,
-    claim_heads,
+    claim_run,
+    due_destinations,
     message_row,
     record_dead,
     record_delivered,
     record_retry,
+    release,
     revive_txn,
 )
 from models.settings import Settings
 
 log = logging.getLogger("keel.outbox")
+
+#: Messages of one line claimed and confirmed together (sent one after the other, in order).
+RUN_LENGTH = 50
 
 #: How far before a message's creation the reconciliation looks (receiver and database clocks differ a little).
 CLOCK_SLACK = timedelta(minutes=2)
@@ -117,59 +123,71 @@ class Relay:
         """Relay what is due now: up to ``concurrency`` destinations at once, each line in order."""
         report = RelayReport()
         deadline = time.monotonic() + self.pass_seconds
-        heads = claim_heads(self.db, core.now(), self.lease, self.concurrency)
-        if not heads:
+        destinations = due_destinations(self.db, core.now(), self.concurrency)
+        if not destinations:
             return report
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="keel-relay") as pool:
-            for future in [pool.submit(self._drain, head, deadline, report) for head in heads]:
+            for future in [pool.submit(self._drain, d, deadline, report) for d in destinations]:
                 future.result()
         return report
 
-    def _drain(self, message: ClaimedMessage | None, deadline: float, report: RelayReport) -> None:
-        """Work down one destination's line while its messages go through and the pass has time."""
-        while message is not None:
-            outcome = self._deliver(message)
-            report.add(outcome)
-            if outcome not in ("sent", "reconciled") or time.monotonic() > deadline:
+    def _drain(self, destination: str, deadline: float, report: RelayReport) -> None:
+        """Work down one destination's line, a run of messages at a time, while they go through and time lasts."""
+        while time.monotonic() < deadline:
+            run = claim_run(self.db, destination, core.now(), self.lease, RUN_LENGTH)
+            if not run or not self._send_run(run, report):
                 return
-            following = claim_heads(self.db, core.now(), self.lease, 1, destination=message.destination)
-            message = following[0] if following else None
 
-    def _deliver(self, message: ClaimedMessage) -> str:
-        receiver = self.receivers.get(message.channel)
+    def _send_run(self, run: list[ClaimedMessage], report: RelayReport) -> bool:
+        """Send a claimed run in order. Confirmations are written once for the run: should the relay die first, the
+        messages are still ``sending`` and get reconciled, not re-sent. Stops at the first failure, which is
+        recorded, and gives the rest of the run back untouched. True if the whole run went through."""
+        done: list[Delivery] = []
         try:
-            if receiver is None:
-                error = f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
-                record_dead(self.db, message, error=error, now=core.now())
-                return "dead"
+            for index, message in enumerate(run):
+                delivered = self._attempt(message)
+                if isinstance(delivered, Delivery):
+                    done.append(delivered)
+                    continue
+                self._flush(done, report)
+                report.add(self._settle(message, delivered))
+                release(self.db, run[index + 1 :], core.now())
+                return False
+            self._flush(done, report)
+            return True
+        except LostClaim as exc:
+            log.warning("outbox %s: another relay took it over; this relay's outcome is dropped", exc)
+            report.add("lost")
+            return False
+
+    def _flush(self, done: list[Delivery], report: RelayReport) -> None:
+        record_delivered(self.db, done, now=core.now())
+        for delivery in done:
+            report.add("sent" if delivery.how == "sent" else "reconciled")
+        done.clear()
+
+    def _attempt(self, message: ClaimedMessage) -> Delivery | SendFailed:
+        receiver = self.receivers.get(message.channel)
+        if receiver is None:
+            return SendFailed(
+                "permanent", f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
+            )
+        try:
             if message.needs_reconcile:
                 found = receiver.find(message.key, message.destination, since=message.created_at - CLOCK_SLACK)
                 if isinstance(found, Delivered):
-                    self._delivered(message, found, "reconciled")
-                    return "reconciled"
+                    return Delivery(message, found.external_id, found.url, "reconciled")
                 if isinstance(found, SendFailed):  # cannot tell yet whether it arrived: do not send blind
-                    return self._failed(message, found)
+                    return found
             result = receiver.send(message.key, message.destination, message.payload)
-            if isinstance(result, Delivered):
-                self._delivered(message, result, "sent")
-                return "sent"
-            return self._failed(message, result)
-        except LostClaim:
-            log.warning("outbox %s: another relay took it over; this attempt's outcome is dropped", message.key)
-            return "lost"
-        except (StoreError, KeelError):
-            raise
         except Exception as exc:  # a receiver bug: keep the message, never lose the line
             log.exception("outbox %s: unexpected failure", message.key)
-            return self._failed(message, SendFailed("ambiguous", f"{type(exc).__name__}: {exc}"))
+            return SendFailed("ambiguous", f"{type(exc).__name__}: {exc}")
+        if isinstance(result, Delivered):
+            return Delivery(message, result.external_id, result.url, "sent")
+        return result
 
-    def _delivered(self, message: ClaimedMessage, delivered: Delivered, how: str) -> None:
-        record_delivered(
-            self.db, message, external_id=delivered.external_id, external_url=delivered.url, how=how, now=core.now()
-        )
-        log.info("outbox %s: %s as %s", message.key, how, delivered.external_id)
-
-    def _failed(self, message: ClaimedMessage, failure: SendFailed) -> str:
+    def _settle(self, message: ClaimedMessage, failure: SendFailed) -> str:
         error = redact(failure.error, *self.secrets)[:2000]
         now = core.now()
         if failure.kind == "permanent":

@@ -40,6 +40,14 @@ class ClaimedMessage:
     agent_id: UUID
 
 
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    message: ClaimedMessage
+    external_id: str
+    external_url: str | None
+    how: str  # sent | reconciled
+
+
 class LostClaim(RuntimeError):
     """Another relay took the message over (this relay's lease expired): it may not record an outcome."""
 
@@ -65,31 +73,64 @@ _CLAIM_COLUMNS = (
 )
 
 
-def claim_heads(
-    db: Database, now: datetime, lease: timedelta, limit: int, destination: str | None = None
-) -> list[ClaimedMessage]:
-    """Claim the due head of each destination's line (``FOR UPDATE SKIP LOCKED``), oldest first.
+_DUE = "((o.status = 'pending' AND o.next_attempt_at <= %(now)s) OR (o.status = 'sending' AND o.lease_until < %(now)s))"
 
-    Only a line's head is ever claimed, so a later message never overtakes an earlier one. A head that is due:
-    pending with its time come, or sending with an expired lease (a relay died mid-send: reconcile first).
-    """
-    where_destination = "AND destination = %(destination)s" if destination is not None else ""
+
+def due_destinations(db: Database, now: datetime, limit: int) -> list[str]:
+    """Destinations whose line's head is due (pending and its time come, or sending with an expired lease: a relay
+    died mid-send), oldest head first. Heads another relay is claiming right now are skipped (``SKIP LOCKED``)."""
     with db.transaction() as cur:
         cur.execute(
             "WITH heads AS (SELECT DISTINCT ON (destination) key FROM outbox"
-            f" WHERE status IN ('pending', 'sending') {where_destination} ORDER BY destination, seq),"
-            " due AS (SELECT o.key FROM outbox o JOIN heads h ON h.key = o.key"
-            "  WHERE (o.status = 'pending' AND o.next_attempt_at <= %(now)s)"
-            "     OR (o.status = 'sending' AND o.lease_until < %(now)s)"
-            "  ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED)"
-            " UPDATE outbox o SET needs_reconcile = o.needs_reconcile OR o.status = 'sending', status = 'sending',"
+            " WHERE status IN ('pending', 'sending') ORDER BY destination, seq)"
+            " SELECT o.destination FROM outbox o JOIN heads h ON h.key = o.key"
+            f" WHERE {_DUE} ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED",
+            {"now": now, "limit": limit},
+        )
+        return [row[0] for row in cur.fetchall()]
+
+
+def claim_run(db: Database, destination: str, now: datetime, lease: timedelta, limit: int) -> list[ClaimedMessage]:
+    """Claim the due messages at the front of ``destination``'s line, in order, up to ``limit``.
+
+    Only a prefix of the line is ever claimed: the run stops at the first message that is not due (waiting out a
+    backoff, or held by another relay's live lease), so a later message never overtakes an earlier one. The rows
+    are locked in line order (no SKIP LOCKED here: skipping a locked head would let its followers overtake it).
+    A message that was ``sending`` with an expired lease is claimed to be reconciled before anything is re-sent.
+    """
+    with db.transaction() as cur:
+        cur.execute(
+            f"SELECT o.key, {_DUE} FROM outbox o WHERE o.destination = %(destination)s"
+            " AND o.status IN ('pending', 'sending') ORDER BY o.seq LIMIT %(limit)s FOR UPDATE",
+            {"now": now, "destination": destination, "limit": limit},
+        )
+        keys = []
+        for key, due in cur.fetchall():
+            if not due:
+                break
+            keys.append(key)
+        if not keys:
+            return []
+        cur.execute(
+            "UPDATE outbox o SET needs_reconcile = o.needs_reconcile OR o.status = 'sending', status = 'sending',"
             " lease_until = %(lease_until)s, attempts = o.attempts + 1, claim_token = o.claim_token + 1,"
-            " updated_at = %(now)s FROM due WHERE o.key = due.key"
-            f" RETURNING {_CLAIM_COLUMNS}",
-            {"now": now, "limit": limit, "lease_until": now + lease, "destination": destination},
+            f" updated_at = %(now)s WHERE o.key = ANY(%(keys)s) RETURNING {_CLAIM_COLUMNS}, o.seq",
+            {"now": now, "lease_until": now + lease, "keys": keys},
         )
         rows = cur.fetchall()
-    return sorted((ClaimedMessage(*r) for r in rows), key=lambda m: m.created_at)
+    return [ClaimedMessage(*row[:-1]) for row in sorted(rows, key=lambda r: r[-1])]
+
+
+def release(db: Database, messages: Sequence[ClaimedMessage], now: datetime) -> None:
+    """Give claimed messages that were never attempted back to the line, as they were."""
+    if not messages:
+        return
+    with db.transaction() as cur:
+        cur.executemany(
+            "UPDATE outbox SET status = 'pending', lease_until = NULL, attempts = attempts - 1, updated_at = %s"
+            " WHERE key = %s AND claim_token = %s AND status = 'sending'",
+            [(now, m.key, m.claim_token) for m in messages],
+        )
 
 
 def _fenced_update(db: Database, message: ClaimedMessage, sql: str, params: tuple[Any, ...]) -> None:
@@ -102,22 +143,39 @@ def _fenced_update(db: Database, message: ClaimedMessage, sql: str, params: tupl
             raise LostClaim(message.key)
 
 
-def record_delivered(
-    db: Database, message: ClaimedMessage, *, external_id: str, external_url: str | None, how: str, now: datetime
-) -> None:
-    """Mark sent and append the confirmation to the delivery log, in one transaction."""
+def record_delivered(db: Database, deliveries: Sequence[Delivery], *, now: datetime) -> None:
+    """Mark messages sent and append their confirmations to the delivery log, all in one transaction."""
+    if not deliveries:
+        return
     with db.transaction() as cur:
         cur.execute(
-            "UPDATE outbox SET status = 'sent', external_id = %s, external_url = %s, sent_at = %s, lease_until = NULL,"
-            " needs_reconcile = false, last_error = NULL, updated_at = %s"
-            " WHERE key = %s AND claim_token = %s AND status = 'sending'",
-            (external_id, external_url, now, now, message.key, message.claim_token),
+            "UPDATE outbox o SET status = 'sent', external_id = d.external_id, external_url = d.external_url,"
+            " sent_at = %(now)s, lease_until = NULL, needs_reconcile = false, last_error = NULL, updated_at = %(now)s"
+            " FROM unnest(%(keys)s::text[], %(tokens)s::bigint[], %(ids)s::text[], %(urls)s::text[])"
+            "  AS d(key, claim_token, external_id, external_url)"
+            " WHERE o.key = d.key AND o.claim_token = d.claim_token AND o.status = 'sending' RETURNING o.key",
+            {
+                "now": now,
+                "keys": [d.message.key for d in deliveries],
+                "tokens": [d.message.claim_token for d in deliveries],
+                "ids": [d.external_id for d in deliveries],
+                "urls": [d.external_url for d in deliveries],
+            },
         )
-        if cur.rowcount != 1:
-            raise LostClaim(message.key)
+        recorded = {row[0] for row in cur.fetchall()}
+        for d in deliveries:
+            if d.message.key not in recorded:
+                raise LostClaim(d.message.key)
         cur.execute(
-            "INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at) VALUES (%s, %s, %s, %s, %s)",
-            (message.key, external_id, message.attempts, how, now),
+            "INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at)"
+            " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[], %s::timestamptz[])",
+            (
+                [d.message.key for d in deliveries],
+                [d.external_id for d in deliveries],
+                [d.message.attempts for d in deliveries],
+                [d.how for d in deliveries],
+                [now] * len(deliveries),
+            ),
         )
 
 
