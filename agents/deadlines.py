@@ -9,7 +9,7 @@ from datetime import datetime
 from uuid import UUID
 
 from agents import core
-from agents.commands import LOW, Command
+from agents.commands import LOW, Command, MessageSpec
 from agents.errors import Rejected
 from agents.phases import ACTIVE, Event
 from models.db import Database
@@ -24,13 +24,20 @@ class EnforceReport:
     stopped: list[UUID] = field(default_factory=list)
 
 
-def enforce(db: Database, now: datetime, *, actor: str = "deadline-enforcer") -> EnforceReport:
+def enforce(
+    db: Database, now: datetime, *, actor: str = "deadline-enforcer", notify_slack_channel: str | None = None
+) -> EnforceReport:
     """Apply both deadlines to every active agent that has passed one. Safe to run from several places at once:
-    each move is a transition under the agent's lock, and one that lost a race is simply rejected."""
+    each move is a transition under the agent's lock, and one that lost a race is simply rejected. A stop is
+    announced on ``notify_slack_channel`` through the outbox, in the same transaction."""
     report = EnforceReport()
     soft, hard = agents_past_deadlines(db, now, [p.value for p in ACTIVE])
     for agent_id in hard:
-        command = Command(agent_id, Event.FAIL, actor, reason="hard_deadline_passed")
+        notice: tuple[MessageSpec, ...] = ()
+        if notify_slack_channel:
+            text = f"Keel stopped agent {agent_id}: its request passed its hard deadline. Pending work was cancelled."
+            notice = (MessageSpec("slack", notify_slack_channel, "hard-deadline", {"text": text}),)
+        command = Command(agent_id, Event.FAIL, actor, reason="hard_deadline_passed", messages=notice)
         if _apply(db, command):
             report.stopped.append(agent_id)
     for agent_id in soft:

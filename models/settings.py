@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     github_token: SecretStr | None = None
     github_api_url: str = "https://api.github.com"
     http_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Where Keel tells people it stopped a request at its hard deadline (a Slack channel), if anywhere.
+    notify_slack_channel: str | None = None
     outbox_interval_seconds: float = Field(default=0.5, gt=0)
     outbox_concurrency: int = Field(default=8, ge=1, le=128)  # destinations sent to at once
     outbox_lease_seconds: float = Field(default=60.0, gt=0)

@@ -160,7 +160,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         if started >= self._next_deadline_check:
             self._next_deadline_check = started + self.settings.deadline_check_seconds
             try:
-                enforced = deadlines.enforce(self.db, now())
+                enforced = deadlines.enforce(self.db, now(), notify_slack_channel=self.settings.notify_slack_channel)
                 if enforced.demoted or enforced.stopped:
                     log.info("deadlines: %d agents demoted, %d stopped", len(enforced.demoted), len(enforced.stopped))
             except Exception:

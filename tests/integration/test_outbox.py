@@ -181,6 +181,7 @@ def test_reconciliation_pages_through_a_busy_issue(
         (slack_msg("missing-channel", "x"), "slack: channel_not_found"),
         (slack_msg("outside", "x"), "slack: not_in_channel"),
         (gh_msg("acme/missing#1", "x"), "github: HTTP 404 Not Found"),
+        (gh_msg("acme/api#1", "x", "[reject-422] too long"), "github: HTTP 422 Validation Failed"),
     ],
 )
 def test_permanent_errors_are_dead_at_once_with_the_reason(
@@ -293,3 +294,37 @@ def test_a_token_never_appears_in_logs_or_error_text(
 def test_malformed_messages_are_refused(spec: Any, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         spec()
+
+
+def test_outbox_commands_and_kpis(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub, db_url: str
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    client.create_agent("bot")
+    emit(client, "bot", slack_msg("C1", "ok"), slack_msg("missing-x", "bad"))
+    slack.faults = lambda dest, key, attempt: "apply_then_drop" if key.endswith(":ok") and attempt == 1 else None
+    drain(relay(db, slack, github), pause=0.3)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env["KEEL_DATABASE_URL"] = db_url
+    keel = str(Path(sys.executable).parent / "keel")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([keel, *args], env=env, capture_output=True, text=True, timeout=60, cwd="/")
+
+    listed = json.loads(run("outbox", "list", "--status", "dead", "--json").stdout)
+    assert [m["key"] for m in listed["messages"]] == ["req-bot:slack:bad"]
+    shown = json.loads(run("outbox", "show", "req-bot:slack:ok", "--json").stdout)
+    assert (shown["status"], shown["destination"]) == ("sent", "C1") and shown["external_id"]
+    kpis = json.loads(run("outbox", "stats", "--json").stdout)
+    assert (kpis["max_deliveries_per_key"], kpis["reconciled"], kpis["dead"]) == (1, 1, 1)
+    assert kpis["duplicate_rate"] == 0.0
+    retried = run("outbox", "retry", "req-bot:slack:bad", "--actor", "ops")
+    assert retried.returncode == 0 and "dead -> pending" in retried.stdout
+    again = run("outbox", "retry", "req-bot:slack:bad")
+    assert again.returncode == 1 and "is pending, not dead" in again.stderr
+    assert "no outbox message has the key" in run("outbox", "show", "nope").stderr

@@ -229,7 +229,7 @@ class FakeGitHub(FakeBase):
 
     def create(self, request: BaseHTTPRequestHandler, destination: str, body: dict[str, Any]) -> None:
         text = body.get("body") or ""
-        if not text.strip():
+        if not text.strip() or "[reject-422]" in text:
             return self.reply(request, 422, {"message": "Validation Failed", "errors": [{"field": "body"}]})
         found = MARKER.search(text)
         key = found["key"] if found else None
