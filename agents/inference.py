@@ -1,0 +1,176 @@
+"""Inference providers: one protocol, an OpenAI-compatible chat-completions client, and a scripted provider.
+
+A provider turns a conversation (OpenAI-style messages) and the tools on offer into a :class:`Reply`: either a
+final answer or tool calls, with the usage the provider reported and its cost from the price table. Failures are
+raised as :class:`~agents.errors.JobError` subclasses, so the job runner retries them by class: 429 →
+``rate_limited`` (with Retry-After), 5xx and timeouts → ``transient``, 400 and context overflow → ``invalid``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Protocol
+
+import httpx
+
+from agents.commands import Usage
+from agents.errors import InvalidJob, RateLimited, TransientError
+
+Message = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+
+    def as_message(self) -> dict[str, Any]:
+        """The assistant message to put back into the conversation."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(dict(c.arguments))},
+                }
+                for c in self.tool_calls
+            ]
+        return message
+
+
+class Provider(Protocol):
+    def complete(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], *, attempt: int = 1) -> Reply:
+        """``attempt`` is the step's attempt number (1 first); real providers ignore it."""
+        ...
+
+
+def cost_of(
+    prices: Mapping[str, Mapping[str, float]], model: str, prompt_tokens: int, completion_tokens: int
+) -> Decimal:
+    """Cost from a price table of USD per million tokens: ``{"model": {"input": 0.15, "output": 0.6}}``."""
+    price = prices.get(model)
+    if price is None:
+        return Decimal(0)
+    per_million = Decimal(1_000_000)
+    return (
+        Decimal(str(price.get("input", 0))) * prompt_tokens + Decimal(str(price.get("output", 0))) * completion_tokens
+    ) / per_million
+
+
+class OpenAICompatible:
+    """``POST {base_url}/chat/completions`` with tools; no hidden retries (the job runner owns them)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        *,
+        timeout: float = 60.0,
+        prices: Mapping[str, Mapping[str, float]] | None = None,
+    ) -> None:
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.model = model
+        self.prices = prices or {}
+        self.api_key = api_key
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def complete(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], *, attempt: int = 1) -> Reply:
+        body: dict[str, Any] = {"model": self.model, "messages": list(messages)}
+        if tools:
+            body["tools"] = list(tools)
+        try:
+            response = self.client.post("/chat/completions", json=body)
+        except httpx.TimeoutException as exc:
+            raise TransientError(f"model call timed out ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise TransientError(f"model endpoint unreachable ({type(exc).__name__})") from None
+        if response.status_code != 200:
+            raise self._error(response)
+        data = response.json()
+        usage_data = data.get("usage") or {}
+        prompt, completion = int(usage_data.get("prompt_tokens", 0)), int(usage_data.get("completion_tokens", 0))
+        usage = Usage(
+            int(usage_data.get("total_tokens", prompt + completion)),
+            cost_of(self.prices, self.model, prompt, completion),
+        )
+        message = data["choices"][0]["message"]
+        calls = []
+        for call in message.get("tool_calls") or []:
+            try:
+                arguments = json.loads(call["function"].get("arguments") or "{}")
+            except json.JSONDecodeError:
+                raise InvalidJob(
+                    f"the model sent malformed arguments for {call['function']['name']}", usage=usage
+                ) from None
+            calls.append(ToolCall(call["id"], call["function"]["name"], arguments))
+        return Reply(message.get("content"), tuple(calls), usage)
+
+    def _error(self, response: httpx.Response) -> Exception:
+        status = response.status_code
+        try:
+            error = response.json().get("error") or {}
+        except ValueError:
+            error = {}
+        message = str(error.get("message") or response.reason_phrase)[:300]
+        if self.api_key:
+            message = message.replace(self.api_key, "***")
+        code = str(error.get("code") or "")
+        if status == 429:
+            retry_after = float(response.headers.get("retry-after", "5"))
+            return RateLimited(f"model rate limited: {message}", retry_after=retry_after)
+        if status >= 500:
+            return TransientError(f"model endpoint error {status}: {message}")
+        if code == "context_length_exceeded" or "context length" in message.lower():
+            return InvalidJob(f"the conversation no longer fits the model's context: {message}")
+        return InvalidJob(f"model refused the request ({status}): {message}")
+
+
+@dataclass
+class ScriptedProvider:
+    """Replays a scripted conversation: the n-th call gets the n-th reply. Deterministic, offline (tests, demo).
+
+    ``script`` entries are either a final answer ``{"content": "…"}``, tool calls
+    ``{"tool_calls": [{"name": "…", "arguments": {…}}]}``, or ``{"error": "transient" | "rate_limited" | …}``;
+    each may carry ``"tokens"`` (default 100) and ``"cost"``; an error entry fails the step's first ``"times"``
+    attempts (default 1), then plays on. Which entry to play is decided by the number of assistant messages already
+    in the conversation, so a replay after a crash gives the same reply.
+    """
+
+    script: Sequence[Mapping[str, Any]]
+
+    def complete(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], *, attempt: int = 1) -> Reply:
+        turn = sum(1 for m in messages if m.get("role") == "assistant")
+        if turn >= len(self.script):
+            return Reply("(the script has ended)", (), Usage(1))
+        entry = self.script[turn]
+        usage = Usage(int(entry.get("tokens", 100)), Decimal(str(entry.get("cost", "0.001"))))
+        if "error" in entry and attempt <= int(entry.get("times", 1)):
+            kind = entry["error"]
+            if kind == "rate_limited":
+                raise RateLimited("scripted 429", retry_after=float(entry.get("retry_after", 0.1)), usage=usage)
+            if kind == "invalid":
+                raise InvalidJob("scripted 400", usage=usage)
+            raise TransientError("scripted 503", usage=usage)
+        calls = tuple(
+            ToolCall(f"call_{turn}_{i}", c["name"], c.get("arguments", {}))
+            for i, c in enumerate(entry.get("tool_calls", []))
+        )
+        return Reply(entry.get("content"), calls, usage)
