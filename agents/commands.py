@@ -62,7 +62,8 @@ class JobSpec:
             raise InvalidInput(f"job priority must be 0-9, got {self.priority}")
 
 
-_SLACK_DESTINATION = re.compile(r"^#?[A-Za-z0-9][A-Za-z0-9_.\-]{0,79}$")
+# A conversation id (C…, G…, D…): reconciliation reads the channel's history, which takes ids, not names.
+_SLACK_DESTINATION = re.compile(r"^[CGD][A-Z0-9]{1,20}$")
 _GITHUB_DESTINATION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9\-]{0,38}/[A-Za-z0-9._\-]{1,100}#[1-9][0-9]{0,9}$")
 MESSAGE_LIMITS = {"slack": ("text", 40_000), "github": ("body", 65_000)}
 
@@ -73,7 +74,7 @@ class MessageSpec:
     ``{request_id}:{channel}:{target}``; the same key is never delivered twice."""
 
     channel: str  # slack | github
-    destination: str  # Slack channel id or name; GitHub "owner/repo#number"
+    destination: str  # Slack conversation id (C…/G…/D…); GitHub "owner/repo#number"
     target: str  # names this message within the request, e.g. "approval-1"
     payload: Mapping[str, Any]  # slack: {"text": …, "blocks": […]}; github: {"body": …}
 
@@ -82,7 +83,7 @@ class MessageSpec:
             raise InvalidInput(f"message channel {self.channel!r} is unknown: use slack or github")
         pattern = _SLACK_DESTINATION if self.channel == "slack" else _GITHUB_DESTINATION
         if not pattern.fullmatch(self.destination):
-            shape = "a channel id or name" if self.channel == "slack" else "owner/repo#number"
+            shape = "a conversation id like C0123ABCD" if self.channel == "slack" else "owner/repo#number"
             raise InvalidInput(f"{self.channel} destination {self.destination!r} is invalid: expected {shape}")
         make_key("r", self.channel, self.target)
         field_name, limit = MESSAGE_LIMITS[self.channel]

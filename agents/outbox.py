@@ -20,7 +20,7 @@ from typing import Any
 
 from agents import core
 from agents.errors import InvalidInput
-from agents.receivers import Delivered, GitHubReceiver, Receiver, SendFailed, SlackReceiver, redact
+from agents.receivers import Delivered, FailureKind, GitHubReceiver, Receiver, SendFailed, SlackReceiver, redact
 from models.db import Database
 from models.outbox_sql import (
     ClaimedMessage,
@@ -33,6 +33,7 @@ from models.outbox_sql import (
     record_delivered,
     record_retry,
     release,
+    renew,
     revive_txn,
 )
 from models.settings import Settings
@@ -145,7 +146,11 @@ class Relay:
         done: list[Delivery] = []
         try:
             for index, message in enumerate(run):
-                delivered = self._attempt(message)
+                try:
+                    delivered = self._attempt(message)
+                except LostClaim:
+                    self._flush(done, report)  # what did go out is confirmed; the rest is another relay's now
+                    raise
                 if isinstance(delivered, Delivery):
                     done.append(delivered)
                     continue
@@ -172,16 +177,19 @@ class Relay:
             return SendFailed(
                 "permanent", f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
             )
+        if not renew(self.db, message, self.lease):  # the run outlived its lease: another relay may have it now
+            raise LostClaim(message.key)
         try:
             if message.needs_reconcile:
                 found = receiver.find(message.key, message.destination, since=message.created_at - CLOCK_SLACK)
                 if isinstance(found, Delivered):
                     return Delivery(message, found.external_id, found.url, "reconciled")
-                if isinstance(found, SendFailed):  # cannot tell yet whether it arrived: do not send blind
-                    return found
+                if isinstance(found, SendFailed):  # cannot tell yet whether it arrived: do not send blind, wait
+                    kind: FailureKind = "rate_limited" if found.kind == "rate_limited" else "transient"
+                    return SendFailed(kind, f"cannot check the receiver yet: {found.error}", found.retry_after)
             result = receiver.send(message.key, message.destination, message.payload)
         except Exception as exc:  # a receiver bug: keep the message, never lose the line
-            log.exception("outbox %s: unexpected failure", message.key)
+            log.error("outbox %s: unexpected failure: %s", message.key, redact(repr(exc), *self.secrets))
             return SendFailed("ambiguous", f"{type(exc).__name__}: {exc}")
         if isinstance(result, Delivered):
             return Delivery(message, result.external_id, result.url, "sent")
@@ -211,7 +219,7 @@ class Relay:
             self.db,
             message,
             error=error,
-            at=now + timedelta(seconds=delay),
+            delay=timedelta(seconds=delay),
             ambiguous=failure.kind == "ambiguous",
             now=now,
         )

@@ -9,6 +9,7 @@ text is built from the receiver's status and reason, never from headers, and is 
 from __future__ import annotations
 
 import http.client
+import logging
 import re
 import socket
 import urllib.error
@@ -67,15 +68,36 @@ def _network_failure(exc: BaseException) -> SendFailed:
 # --- Slack ------------------------------------------------------------------------------------------------------
 
 METADATA_EVENT = "keel_outbox"
-# Errors worth retrying; every other Slack error (channel_not_found, not_in_channel, invalid_auth, …) is final.
-_SLACK_TRANSIENT = {"internal_error", "fatal_error", "service_unavailable", "request_timeout", "team_added_to_org"}
+# Slack says of these that some of the operation may have succeeded: after a send, the outcome is unknown.
+_SLACK_MAYBE_APPLIED = {"internal_error", "fatal_error", "request_timeout"}
+# Worth retrying, nothing applied. Every other Slack error (channel_not_found, not_in_channel, invalid_auth, …)
+# is final.
+_SLACK_TRANSIENT = {"service_unavailable", "team_added_to_org"}
+_SLACK_RATE_LIMITS = {"ratelimited", "rate_limited", "message_limit_exceeded"}
+
+
+class _Redacting(logging.Filter):
+    """slack_sdk logs response bodies it cannot parse (a proxy's error page may echo the Authorization header)."""
+
+    def __init__(self, *secrets: str) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = redact(record.getMessage(), *self.secrets)
+        record.args = None
+        return True
 
 
 class SlackReceiver:
     def __init__(self, token: str, base_url: str, timeout: float) -> None:
         self.token = token
+        sdk_log = logging.getLogger(f"keel.slack_sdk.{id(self)}")
+        sdk_log.addFilter(_Redacting(token))
         # retry_handlers=[]: slack_sdk would otherwise re-send once on a connection error, behind our back.
-        self.client = WebClient(token=token, base_url=base_url, timeout=int(max(1, timeout)), retry_handlers=[])
+        self.client = WebClient(
+            token=token, base_url=base_url, timeout=int(max(1, timeout)), retry_handlers=[], logger=sdk_log
+        )
 
     def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed:
         try:
@@ -123,12 +145,12 @@ class SlackReceiver:
         response = exc.response
         code = response.get("error") if isinstance(response.data, dict) else None
         status = response.status_code
-        if status == 429 or code == "ratelimited":
+        unsure: FailureKind = "ambiguous" if sent else "transient"
+        if status == 429 or code in _SLACK_RATE_LIMITS:
             retry_after = float(response.headers.get("Retry-After", response.headers.get("retry-after", 30)))
-            return SendFailed("rate_limited", f"slack: 429 ratelimited (retry after {retry_after:g}s)", retry_after)
-        if status >= 500:
-            kind: FailureKind = "ambiguous" if sent else "transient"
-            return self._scrub(SendFailed(kind, f"slack: HTTP {status} {code or ''}".strip()))
+            return SendFailed("rate_limited", f"slack: {code or 429} (retry after {retry_after:g}s)", retry_after)
+        if status >= 500 or code is None or code in _SLACK_MAYBE_APPLIED:  # no answer we can read: unknown
+            return self._scrub(SendFailed(unsure, f"slack: HTTP {status} {code or 'unreadable response'}"))
         if code in _SLACK_TRANSIENT:
             return SendFailed("transient", f"slack: {code}")
         return self._scrub(SendFailed("permanent", f"slack: {code or f'HTTP {status}'}"))
@@ -210,8 +232,9 @@ class GitHubReceiver:
         except ValueError:
             message = ""
         remaining = response.headers.get("x-ratelimit-remaining")
-        secondary = status == 403 and "secondary rate limit" in message.lower()
-        if status == 429 or secondary or (status == 403 and remaining == "0"):
+        secondary = status == 403 and ("secondary rate limit" in message.lower() or "abuse" in message.lower())
+        throttled = status == 403 and ("retry-after" in response.headers or remaining == "0")
+        if status == 429 or secondary or throttled:
             retry_after = _github_retry_after(response)
             error = f"github: {status} rate limited{' (secondary)' if secondary else ''}, retry after {retry_after:g}s"
             return SendFailed("rate_limited", error, retry_after)

@@ -58,6 +58,10 @@ def insert_messages_txn(
     """Insert ``messages`` in order; an existing key is left alone. Returns (inserted, suppressed duplicate) keys."""
     inserted: list[str] = []
     suppressed: list[str] = []
+    # seq is taken at insert, but a line is read in commit order only if no two transactions insert into one line
+    # at once: hold each destination's advisory lock until commit (sorted, so two emitters cannot deadlock).
+    for destination in sorted({m.destination for m in messages}):
+        cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 7))", ("keel-outbox:" + destination,))
     for m in messages:
         cur.execute(
             "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, next_attempt_at,"
@@ -113,12 +117,24 @@ def claim_run(db: Database, destination: str, now: datetime, lease: timedelta, l
             return []
         cur.execute(
             "UPDATE outbox o SET needs_reconcile = o.needs_reconcile OR o.status = 'sending', status = 'sending',"
-            " lease_until = %(lease_until)s, attempts = o.attempts + 1, claim_token = o.claim_token + 1,"
+            " lease_until = clock_timestamp() + %(lease)s, attempts = o.attempts + 1, claim_token = o.claim_token + 1,"
             f" updated_at = %(now)s WHERE o.key = ANY(%(keys)s) RETURNING {_CLAIM_COLUMNS}, o.seq",
-            {"now": now, "lease_until": now + lease, "keys": keys},
+            {"now": now, "lease": lease, "keys": keys},
         )
         rows = cur.fetchall()
     return [ClaimedMessage(*row[:-1]) for row in sorted(rows, key=lambda r: r[-1])]
+
+
+def renew(db: Database, message: ClaimedMessage, lease: timedelta) -> bool:
+    """Right before a send: extend this relay's lease on ``message``. False if the claim was lost (the lease expired
+    and another relay took it): then this relay must not send."""
+    with db.autocommit() as cur:
+        cur.execute(
+            "UPDATE outbox SET lease_until = clock_timestamp() + %s"
+            " WHERE key = %s AND claim_token = %s AND status = 'sending' AND lease_until > clock_timestamp()",
+            (lease, message.key, message.claim_token),
+        )
+        return cur.rowcount == 1
 
 
 def release(db: Database, messages: Sequence[ClaimedMessage], now: datetime) -> None:
@@ -180,15 +196,15 @@ def record_delivered(db: Database, deliveries: Sequence[Delivery], *, now: datet
 
 
 def record_retry(
-    db: Database, message: ClaimedMessage, *, error: str, at: datetime, ambiguous: bool, now: datetime
+    db: Database, message: ClaimedMessage, *, error: str, delay: timedelta, ambiguous: bool, now: datetime
 ) -> None:
-    """Back to pending until ``at``; ``ambiguous`` means the receiver may have it: reconcile before resending."""
+    """Back to pending for ``delay``; ``ambiguous`` means the receiver may have it: reconcile before resending."""
     _fenced_update(
         db,
         message,
-        "UPDATE outbox SET status = 'pending', next_attempt_at = %s, last_error = %s, lease_until = NULL,"
-        " needs_reconcile = needs_reconcile OR %s, updated_at = %s",
-        (at, error, ambiguous, now),
+        "UPDATE outbox SET status = 'pending', next_attempt_at = clock_timestamp() + %s, last_error = %s,"
+        " lease_until = NULL, needs_reconcile = needs_reconcile OR %s, updated_at = %s",
+        (delay, error, ambiguous, now),
     )
 
 

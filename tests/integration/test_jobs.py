@@ -197,12 +197,12 @@ def test_deadlines_demote_then_stop_even_with_no_job_running(client: Client, db:
     assert deadlines.enforce(db, now() + timedelta(seconds=32)).demoted == [], "demoted once"
     # The running job is fenced off when the hard deadline stops the request.
     claimed = claim(db, "req-1:count:1", "w", timedelta(seconds=30), now())
-    report = deadlines.enforce(db, now() + timedelta(seconds=61), notify_slack_channel="C-ops")
+    report = deadlines.enforce(db, now() + timedelta(seconds=61), notify_slack_channel="COPS")
     assert report.stopped == [agent.id]
     from models.outbox_sql import message_row
 
     notice = message_row(db, "req-1:slack:hard-deadline")
-    assert notice is not None and notice["destination"] == "C-ops" and "hard deadline" in notice["payload"]["text"]
+    assert notice is not None and notice["destination"] == "COPS" and "hard deadline" in notice["payload"]["text"]
     state = client.get_state(agent.id)
     assert (state.phase, state.pending_jobs) == ("failed", ())
     row = job_row(db, "req-1:count:1")

@@ -135,7 +135,7 @@ def test_a_rolled_back_transition_emits_nothing_and_a_duplicate_emit_is_suppress
     assert client.journal(agent_id=agent.id)[-1].details["messages_suppressed"] == ["req-1:slack:m1"]
 
 
-@pytest.mark.parametrize("fault", ["apply_then_timeout", "apply_then_drop", "500"])
+@pytest.mark.parametrize("fault", ["apply_then_timeout", "apply_then_drop", "500", "apply_then_internal_error"])
 def test_an_unknown_outcome_is_reconciled_not_resent(
     client: Client, db: Database, slack: FakeSlack, github: FakeGitHub, fault: str
 ) -> None:
@@ -144,13 +144,19 @@ def test_an_unknown_outcome_is_reconciled_not_resent(
     emit(client, "bot", slack_msg("C1", "s"), gh_msg("acme/api#7", "g"))
     drain(relay(db, slack, github), pause=0.3)
     applied = fault != "500"  # a 500 refuses without applying: the reconcile finds nothing and sends
-    for fake, key in ((slack, "req-bot:slack:s"), (github, "req-bot:github:g")):
+    if fault == "apply_then_internal_error":  # a Slack-only fault: GitHub answered normally
+        github_key = "req-bot:github:g"
+        assert github.delivered_keys()[github_key] == 1
+    pairs = [(slack, "req-bot:slack:s")] + (
+        [] if fault == "apply_then_internal_error" else [(github, "req-bot:github:g")]
+    )
+    for fake, key in pairs:
         assert fake.delivered_keys()[key] == 1
         row = message_row(db, key)
         assert row is not None and row["status"] == "sent"
         with psycopg.connect(db.libpq_url) as conn:
             how = conn.execute("SELECT how FROM delivery_log WHERE key = %s", (key,)).fetchall()
-        assert how == [("reconciled",)] if applied else [("sent",)]
+        assert how == ([("reconciled",)] if applied else [("sent",)]), (key, how, row["last_error"])
 
 
 def test_reconciliation_pages_through_a_busy_issue(
@@ -178,8 +184,8 @@ def test_reconciliation_pages_through_a_busy_issue(
 @pytest.mark.parametrize(
     ("message", "reason"),
     [
-        (slack_msg("missing-channel", "x"), "slack: channel_not_found"),
-        (slack_msg("outside", "x"), "slack: not_in_channel"),
+        (slack_msg("CMISSING", "x"), "slack: channel_not_found"),
+        (slack_msg("COUTSIDE", "x"), "slack: not_in_channel"),
         (gh_msg("acme/missing#1", "x"), "github: HTTP 404 Not Found"),
         (gh_msg("acme/api#1", "x", "[reject-422] too long"), "github: HTTP 422 Validation Failed"),
     ],
@@ -218,7 +224,7 @@ def test_keel_outbox_retry_sends_a_dead_message_once_and_journals_who(
     client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
 ) -> None:
     client.create_agent("bot")
-    emit(client, "bot", slack_msg("missing-later-found", "x"))
+    emit(client, "bot", slack_msg("CMISSING2", "x"))
     r = relay(db, slack, github)
     r.run_pass()
     assert message_row(db, "req-bot:slack:x")["status"] == "dead"  # type: ignore[index]
@@ -247,18 +253,18 @@ def test_a_rate_limit_holds_its_destination_only_and_order_holds(
     slack.faults = lambda dest, key, attempt: "429" if key in limited and attempt == 1 else None
     github.faults = lambda dest, key, attempt: "403_secondary" if key == "req-bot:github:g1" and attempt == 1 else None
     client.create_agent("bot")
-    emit(client, "bot", slack_msg("A", "a1"), slack_msg("A", "a2"), slack_msg("B", "b1"), gh_msg("o/r#1", "g1"))
+    emit(client, "bot", slack_msg("CA", "a1"), slack_msg("CA", "a2"), slack_msg("CB", "b1"), gh_msg("o/r#1", "g1"))
     r = relay(db, slack, github)
     r.run_pass()
     # B went out at once; A's line waits behind its rate-limited head, a2 does not overtake a1.
-    assert slack.order("B") == ["req-bot:slack:b1"] and slack.order("A") == []
+    assert slack.order("CB") == ["req-bot:slack:b1"] and slack.order("CA") == []
     row = message_row(db, "req-bot:slack:a1")
     assert row is not None and row["status"] == "pending" and "retry after 1s" in row["last_error"]
     assert "secondary" in message_row(db, "req-bot:github:g1")["last_error"]  # type: ignore[index]
     started = time.monotonic()
     drain(r, pause=0.1)
     assert time.monotonic() - started >= 0.8, "Retry-After was not honoured"
-    assert slack.order("A") == ["req-bot:slack:a1", "req-bot:slack:a2"]
+    assert slack.order("CA") == ["req-bot:slack:a1", "req-bot:slack:a2"]
     assert github.order("o/r#1") == ["req-bot:github:g1"]
 
 
@@ -285,6 +291,7 @@ def test_a_token_never_appears_in_logs_or_error_text(
     ("spec", "message"),
     [
         (lambda: MessageSpec("email", "x", "t", {"text": "x"}), "channel 'email' is unknown"),
+        (lambda: MessageSpec("slack", "#general", "t", {"text": "x"}), "expected a conversation id"),
         (lambda: MessageSpec("github", "not-an-issue", "t", {"body": "x"}), "expected owner/repo#number"),
         (lambda: MessageSpec("slack", "C1", "t", {"text": ""}), r"needs a non-empty payload\['text'\]"),
         (lambda: MessageSpec("slack", "C1", "bad target", {"text": "x"}), "target 'bad target' is invalid"),
@@ -306,7 +313,7 @@ def test_outbox_commands_and_kpis(
     from pathlib import Path
 
     client.create_agent("bot")
-    emit(client, "bot", slack_msg("C1", "ok"), slack_msg("missing-x", "bad"))
+    emit(client, "bot", slack_msg("C1", "ok"), slack_msg("CMISSING3", "bad"))
     slack.faults = lambda dest, key, attempt: "apply_then_drop" if key.endswith(":ok") and attempt == 1 else None
     drain(relay(db, slack, github), pause=0.3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
@@ -328,3 +335,51 @@ def test_outbox_commands_and_kpis(
     again = run("outbox", "retry", "req-bot:slack:bad")
     assert again.returncode == 1 and "is pending, not dead" in again.stderr
     assert "no outbox message has the key" in run("outbox", "show", "nope").stderr
+
+
+def test_a_relay_whose_run_outlives_its_lease_stops_instead_of_racing_another(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    """Slow answers, a short lease and two relays on one line: still one delivery per key, in order."""
+    import threading
+
+    slack.timeout_delay = 1.6  # "slow" answers take 0.4 s, inside the HTTP timeout
+    slack.faults = lambda dest, key, attempt: "slow"
+    client.create_agent("bot")
+    emit(client, "bot", *[slack_msg("C1", f"m{n:02d}") for n in range(12)])
+
+    def short_lease() -> Relay:
+        made = relay(db, slack, github)
+        made.lease = timedelta(seconds=1)
+        return made
+
+    first, second = short_lease(), short_lease()
+    thread = threading.Thread(target=first.run_pass)
+    thread.start()
+    time.sleep(1.3)
+    second.run_pass()
+    thread.join(30)
+    drain(first, pause=0.2)
+    assert slack.order("C1") == [f"req-bot:slack:m{n:02d}" for n in range(12)]
+
+
+def test_emitters_to_one_destination_take_turns(client: Client, db: Database) -> None:
+    """Creation order is commit order: an emitter waits while another transaction holds the destination's line."""
+    import threading
+
+    agent = client.create_agent("bot")
+    client.submit(agent.id, "req-1", None, operation="noop")
+    done = threading.Event()
+    with psycopg.connect(db.libpq_url) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('keel-outbox:C7', 7))")
+        thread = threading.Thread(
+            target=lambda: (
+                transition(db, Command(agent.id, Event.PROGRESS, "w", messages=(slack_msg("C7", "m"),))),
+                done.set(),
+            )
+        )
+        thread.start()
+        assert not done.wait(0.8), "the emitter did not wait for the line"
+        holder.rollback()
+    assert done.wait(10)
+    thread.join(10)

@@ -158,9 +158,9 @@ class FakeSlack(FakeBase):
         channel = body.get("channel", "")
         metadata = body.get("metadata") or {}
         key = (metadata.get("event_payload") or {}).get("key")
-        if channel.startswith("missing"):
+        if channel.startswith("CMISSING"):
             return self.reply(request, 200, {"ok": False, "error": "channel_not_found"})
-        if channel.startswith("outside"):
+        if channel.startswith("COUTSIDE"):
             return self.reply(request, 200, {"ok": False, "error": "not_in_channel"})
         fault = self.fault_for(channel, key)
         if fault == "429":
@@ -177,6 +177,8 @@ class FakeSlack(FakeBase):
             message = {"type": "message", "ts": ts, "text": body.get("text"), "metadata": metadata}
             self.channels.setdefault(channel, []).append(message)
             self.accepted.append(Accepted(channel, key, ts))
+        if fault == "apply_then_internal_error":  # Slack: "some aspect of the operation may have succeeded"
+            return self.reply(request, 200, {"ok": False, "error": "internal_error"})
         self.finish_after_apply(
             request,
             fault,

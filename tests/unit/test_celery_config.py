@@ -18,7 +18,10 @@ def test_reliable_defaults() -> None:
     assert config["worker_soft_shutdown_timeout"] > 0
     assert config["worker_cancel_long_running_tasks_on_connection_loss"]
     assert config["task_ignore_result"] and config["result_backend"] is None
-    assert {q.name for q in config["task_queues"]} == {"keel.jobs", "keel.jobs.low"}
+    assert {q.name for q in config["task_queues"]} == {"keel.jobs", "keel.jobs.low", "keel.outbox"}
+    assert config["task_routes"]["keel.relay_outbox"] == {"queue": "keel.outbox"}
+    relay = config["beat_schedule"]["relay-outbox"]
+    assert (relay["task"], relay["options"]["queue"]) == ("keel.relay_outbox", "keel.outbox")
 
 
 def test_one_visibility_timeout_everywhere() -> None:
