@@ -90,7 +90,13 @@ class Client:
                 )
                 for r in pending_jobs(self.db, row.id)
             )
-        return AgentState.of(row, jobs)
+        approval = None
+        if row.phase == "waiting_approval":
+            from agents.runtime import pending_approval
+
+            pending = pending_approval(self.db, row.request_id)
+            approval = None if pending is None else pending.as_dict()
+        return AgentState.of(row, jobs, approval)
 
     def list_agents(self) -> list[AgentState]:
         with core.store_errors(), self.db.engine.connect() as conn:
@@ -167,14 +173,26 @@ class Client:
         return self._state(done.agent)
 
     def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str) -> AgentState:
-        """Approve the pending tool call of an agent waiting for approval."""
-        return self._command(agent_id, Event.APPROVE, expected_revision, actor, None)
+        """Approve the pending tool call of an agent waiting for approval: the call runs next."""
+        from agents.runtime import approval_jobs, pending_approval
+
+        row = self._row(agent_id)
+        pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
+        jobs = approval_jobs(pending) if pending else ()
+        details = {"call": pending.as_dict()} if pending else {}
+        return self._command(row.id, Event.APPROVE, expected_revision, actor, None, jobs=jobs, extra=details)
 
     def reject(
         self, agent_id: AgentRef, *, expected_revision: int, actor: str, reason: str | None = None
     ) -> AgentState:
-        """Decline the pending tool call; the agent goes back to planning to revise."""
-        return self._command(agent_id, Event.REJECT, expected_revision, actor, reason)
+        """Decline the pending tool call; the model is told why and revises its plan."""
+        from agents.runtime import pending_approval, rejection_jobs
+
+        row = self._row(agent_id)
+        pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
+        jobs = rejection_jobs(pending, reason or f"rejected by {actor}") if pending else ()
+        details = {"call": pending.as_dict()} if pending else {}
+        return self._command(row.id, Event.REJECT, expected_revision, actor, reason, jobs=jobs, extra=details)
 
     def cancel(
         self,
@@ -188,7 +206,15 @@ class Client:
         return self._command(agent_id, Event.CANCEL, expected_revision, actor, reason)
 
     def _command(
-        self, agent: AgentRef, event: Event, expected_revision: int | None, actor: str, reason: str | None
+        self,
+        agent: AgentRef,
+        event: Event,
+        expected_revision: int | None,
+        actor: str,
+        reason: str | None,
+        *,
+        jobs: tuple[JobSpec, ...] = (),
+        extra: dict[str, Any] | None = None,
     ) -> AgentState:
         if expected_revision is not None and (
             isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
@@ -196,13 +222,15 @@ class Client:
             raise InvalidInput(f"expected_revision must be an integer, got {expected_revision!r}")
         if reason is not None and "\x00" in reason:
             raise InvalidInput("reason must not contain NUL characters")
-        details = {} if reason is None else {"reason": reason}
+        details: dict[str, Any] = {} if reason is None else {"reason": reason}
+        details.update(extra or {})
         command = Command(
             agent_id=self._row(agent).id,
             event=event,
             actor=actor,
             expected_revision=expected_revision,
             details=details,
+            jobs=jobs,
         )
         return self._state(core.transition(self.db, command).agent)
 

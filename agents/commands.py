@@ -122,6 +122,15 @@ class JobOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class Join:
+    """Applied instead of the command's event when the job it records was the agent's last live one, while the
+    agent is executing: the last tool result of a round sends the conversation back to the model."""
+
+    event: Event
+    jobs: tuple[JobSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Command:
     """A request to apply ``event`` to one agent.
 
@@ -143,6 +152,7 @@ class Command:
     priority: str | None = None  # "low" demotes the agent's jobs (soft deadline)
     outcome: JobOutcome | None = None  # the job whose result this transition records
     messages: tuple[MessageSpec, ...] = ()  # Slack/GitHub messages, sent by the outbox relay after commit
+    join: Join | None = None  # see Join: decided under the agent's lock, where the count of live jobs is exact
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, Event):

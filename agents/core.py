@@ -121,6 +121,7 @@ def transition(
                 raise AgentNotFound(command.agent_id)
             row, live_jobs = locked
             at = now()  # after the lock: along a chain, time never goes back
+            command = _joined(command, row, live_jobs)
             owner = None
             if command.event is Event.SUBMIT and not is_repeat_submit(row, command):
                 assert command.request_id is not None
@@ -229,6 +230,15 @@ def _apply_txn(
     after = replace(after, journal_seq=event.seq, journal_head=event.hash)
     update_agent_txn(cur, before, after, event)
     return after, to_publish
+
+
+def _joined(command: Command, row: AgentRow, live_jobs: int) -> Command:
+    if command.join is None or row.phase != Phase.EXECUTING.value:
+        return command
+    finishing = command.outcome is not None and not command.outcome.leaves_job_live
+    if live_jobs - (1 if finishing else 0) > 0:
+        return command
+    return replace(command, event=command.join.event, jobs=command.jobs + command.join.jobs, join=None)
 
 
 def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Command, at: datetime) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any
 from uuid import UUID
 
-from agents.commands import JobSpec, Usage
+from agents.commands import JobSpec, Join, MessageSpec, Usage
 from agents.phases import Event
 from models.db import Database
 
@@ -43,6 +43,8 @@ class JobResult:
     usage: Usage = field(default_factory=Usage)
     event: Event | None = None
     jobs: tuple[JobSpec, ...] = ()
+    messages: tuple[MessageSpec, ...] = ()  # sent through the outbox once the result is recorded
+    join: Join | None = None  # what to do instead of ``event`` if this was the agent's last live job
 
 
 Handler = Callable[[JobContext], JobResult]

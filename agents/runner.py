@@ -253,6 +253,8 @@ class Runner:
             self.actor,
             spend=result.usage,
             jobs=result.jobs,
+            messages=result.messages,
+            join=result.join,
             details={"job": job.key, "attempt": job.attempts},
             outcome=outcome,
         )

@@ -332,3 +332,18 @@ def agents_past_deadlines(db: Database, now: datetime, active: Iterable[str]) ->
         hard = [r[0] for r in cur.fetchall()]
         conn.rollback()
     return soft, hard
+
+
+def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, Any]]]:
+    """A request's input and its jobs (key, operation, target, status, payload, result), oldest first."""
+    with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
+        found = cur.fetchone()
+        cur.execute(
+            "SELECT key, operation, target, status, payload, result, finished_at FROM jobs WHERE request_id = %s"
+            " ORDER BY created_at, key",
+            (request_id,),
+        )
+        jobs = cur.fetchall()
+        conn.rollback()
+    return (None if found is None else found["input"]), jobs

@@ -69,9 +69,13 @@ class AgentState(BaseModel):
     updated_at: datetime
     priority: str = "normal"
     pending_jobs: tuple[JobView, ...] = ()
+    #: While waiting_approval: the tool call a person must approve or reject (tool, call_id, arguments, round).
+    pending_approval: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, row: AgentRow, pending_jobs: tuple[JobView, ...] = ()) -> AgentState:
+    def of(
+        cls, row: AgentRow, pending_jobs: tuple[JobView, ...] = (), pending_approval: dict[str, Any] | None = None
+    ) -> AgentState:
         return cls(
             id=row.id,
             name=row.name,
@@ -88,6 +92,7 @@ class AgentState(BaseModel):
             updated_at=row.updated_at,
             priority=row.priority,
             pending_jobs=pending_jobs,
+            pending_approval=pending_approval,
         )
 
 

@@ -40,6 +40,17 @@ class Settings(BaseSettings):
     # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.
     retry_policy: dict[str, dict[str, float]] = Field(default_factory=dict)
 
+    # Inference: "scripted" replays the conversation each request carries in its input (tests, the demo, offline
+    # use); "openai" calls an OpenAI-compatible chat-completions endpoint.
+    llm_provider: Literal["scripted", "openai"] = "scripted"
+    llm_base_url: str = "https://api.openai.com/v1"
+    llm_model: str = "gpt-4o-mini"
+    llm_api_key: SecretStr | None = None
+    llm_timeout_seconds: float = Field(default=60.0, gt=0)
+    # USD per million tokens, e.g. {"gpt-4o-mini": {"input": 0.15, "output": 0.6}}.
+    llm_prices: dict[str, dict[str, float]] = Field(default_factory=dict)
+    llm_system_prompt: str = "You are a careful assistant. Use the tools when they help; answer briefly."
+
     # The outbox relay and the receivers it talks to. Tokens are secrets: never logged, never in error text.
     slack_token: SecretStr | None = None
     slack_api_url: str = "https://slack.com/api/"

@@ -11,6 +11,7 @@ from functools import cache
 from agents.handlers import Registry, load
 from agents.policies import rules_with
 from agents.runner import Runner
+from agents.tools import load_entry_points
 from models.db import Database
 from models.settings import Settings
 
@@ -27,7 +28,9 @@ def _runtime(pid: int) -> Runtime:
     # Keyed by pid: a forked pool child must not share its parent's connections.
     settings = Settings()
     db = Database.from_settings(settings)
-    registry: Registry = load(settings.imports)
+    # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
+    registry: Registry = load(["agents.runtime", *settings.imports])
+    load_entry_points()
     runner = Runner(
         db,
         registry,

@@ -273,3 +273,67 @@ class FakeGitHub(FakeBase):
             path = urlparse(request.path).path
             headers["Link"] = f'<{self.url}{path}?since={since}&per_page={per_page}&page={page + 1}>; rel="next"'
         self.reply(request, 200, chunk, headers)
+
+
+@dataclass
+class FakeLLM(FakeBase):
+    """``POST /v1/chat/completions`` in OpenAI's wire format. ``replies`` are played in order (then a plain answer);
+    ``fault`` injects ``429`` (Retry-After: 3), ``500``, ``timeout``, ``context`` (400 context_length_exceeded),
+    ``401``. ``completed`` counts answers actually delivered (a call the client gave up on does not count)."""
+
+    replies: list[dict[str, Any]] = field(default_factory=list)
+    fault: str | None = None
+    requests_seen: list[dict[str, Any]] = field(default_factory=list)
+    completed: int = 0
+
+    def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
+        if urlparse(request.path).path != "/v1/chat/completions" or method != "POST":
+            return self.reply(request, 404, {"error": {"message": "not found"}})
+        if self.fault == "401" or request.headers.get("Authorization") != f"Bearer {self.token}":
+            return self.reply(
+                request, 401, {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}}
+            )
+        body = json.loads(raw or b"{}")
+        with self.lock:
+            self.requests_seen.append(body)
+        if self.fault == "429":
+            return self.reply(request, 429, {"error": {"message": "Rate limit reached"}}, {"retry-after": "3"})
+        if self.fault == "500":
+            return self.reply(request, 500, {"error": {"message": "The server had an error"}})
+        if self.fault == "context":
+            error = {"message": "This model's maximum context length is 8192 tokens", "code": "context_length_exceeded"}
+            return self.reply(request, 400, {"error": error})
+        if self.fault == "timeout":
+            time.sleep(self.timeout_delay)
+        with self.lock:
+            planned = self.replies.pop(0) if self.replies else {"content": "done"}
+        prompt, completion = planned.get("usage", (10, 5))
+        message: dict[str, Any] = {"role": "assistant", "content": planned.get("content")}
+        if planned.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in planned["tool_calls"]
+            ]
+        self.reply(
+            request,
+            200,
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "finish_reason": "tool_calls" if planned.get("tool_calls") else "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                },
+            },
+        )
+        with self.lock:
+            self.completed += 1

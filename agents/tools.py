@@ -1,0 +1,131 @@
+"""Tools the model may call: registered with ``@tool``, their input validated by pydantic.
+
+A tool gets its validated arguments and a :class:`ToolContext`, and returns a :class:`ToolOutput`: the content the
+model sees next, and any Slack/GitHub messages to send — through the outbox, in the transition that records the
+result, never from inside the tool. Tools with ``needs_approval`` wait for a person before they run.
+Modules in ``KEEL_IMPORTS`` and ``keel.tools`` entry points are imported at worker start.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, get_type_hints
+
+from pydantic import BaseModel, Field, ValidationError
+
+from agents.commands import MessageSpec, Usage
+from agents.errors import InvalidJob
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    key: str
+    request_id: str
+    call_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    content: str
+    messages: tuple[MessageSpec, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str  # e.g. "slack.post"; the model sees it as "slack_post"
+    fn: Callable[[Any, ToolContext], ToolOutput]
+    input_model: type[BaseModel]
+    needs_approval: bool
+    timeout: float
+    description: str
+
+    @property
+    def function_name(self) -> str:
+        return self.name.replace(".", "_")
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI ``tools`` entry for this tool."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.function_name,
+                "description": self.description,
+                "parameters": self.input_model.model_json_schema(),
+            },
+        }
+
+    def validate(self, arguments: Mapping[str, Any]) -> BaseModel:
+        try:
+            return self.input_model.model_validate(dict(arguments))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "arguments"
+            raise InvalidJob(f"tool {self.name}: {where}: {err['msg']}") from None
+
+
+_TOOLS: dict[str, Tool] = {}
+
+
+def tool(
+    name: str, *, needs_approval: bool = False, timeout: float = 30.0, description: str | None = None
+) -> Callable[[Callable[[Any, ToolContext], ToolOutput]], Callable[[Any, ToolContext], ToolOutput]]:
+    """Register a tool. Its first parameter's annotation is the pydantic model of its input."""
+
+    def register(fn: Callable[[Any, ToolContext], ToolOutput]) -> Callable[[Any, ToolContext], ToolOutput]:
+        params = list(inspect.signature(fn).parameters)
+        model = get_type_hints(fn).get(params[0]) if params else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise TypeError(f"tool {name}: the first parameter must be annotated with a pydantic model")
+        if name in _TOOLS and _TOOLS[name].fn is not fn:
+            raise ValueError(f"a tool named {name!r} is registered already")
+        _TOOLS[name] = Tool(name, fn, model, needs_approval, timeout, description or (fn.__doc__ or name).strip())
+        return fn
+
+    return register
+
+
+def registered() -> dict[str, Tool]:
+    return dict(_TOOLS)
+
+
+def by_function_name(function_name: str) -> Tool | None:
+    return next((t for t in _TOOLS.values() if t.function_name == function_name), None)
+
+
+def load_entry_points() -> None:
+    for point in entry_points(group="keel.tools"):
+        point.load()
+
+
+# --- built-ins ----------------------------------------------------------------------------------------------------
+
+
+class SlackPost(BaseModel):
+    channel: str = Field(description="Slack conversation id, e.g. C0123ABCD")
+    text: str = Field(min_length=1, max_length=40_000)
+
+
+@tool("slack.post", description="Post a message to a Slack channel (sent once, through Keel's outbox).")
+def slack_post(args: SlackPost, ctx: ToolContext) -> ToolOutput:
+    message = MessageSpec("slack", args.channel, ctx.call_id, {"text": args.text})
+    return ToolOutput(f"queued for {args.channel}", messages=(message,))
+
+
+class GitHubComment(BaseModel):
+    repository: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9\-]*/[A-Za-z0-9._\-]+$", description="owner/repo")
+    issue: int = Field(ge=1)
+    body: str = Field(min_length=1, max_length=65_000)
+
+
+@tool(
+    "github.comment",
+    needs_approval=True,
+    description="Comment on a GitHub issue or pull request (a person approves it first; sent once).",
+)
+def github_comment(args: GitHubComment, ctx: ToolContext) -> ToolOutput:
+    message = MessageSpec("github", f"{args.repository}#{args.issue}", ctx.call_id, {"body": args.body})
+    return ToolOutput(f"comment queued on {args.repository}#{args.issue}", messages=(message,))

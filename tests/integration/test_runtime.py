@@ -1,0 +1,240 @@
+"""The agent loop (plan → tools → plan … → done), approvals, budgets, with the scripted provider; and the
+OpenAI-compatible client against a local fake chat-completions server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from pydantic import BaseModel
+
+import agents.runtime  # noqa: F401 - registers plan, tool and gate
+from agents.client import Client
+from agents.commands import Usage
+from agents.errors import HardDeadlinePassed, InvalidJob, RateLimited, StaleRevision, TransientError
+from agents.handlers import registry
+from agents.inference import OpenAICompatible
+from agents.policies import DEFAULT_RULES, ErrorClass, RetryRule
+from agents.runner import Runner
+from agents.tools import ToolContext, ToolOutput, tool
+from models.db import Database
+from models.jobs_sql import job_row
+from tests.support.fakes import FakeLLM
+
+pytestmark = pytest.mark.integration
+LOOKUPS: list[str] = []
+
+
+class Lookup(BaseModel):
+    q: str
+
+
+@tool("kb.lookup", description="Look something up in the knowledge base.")
+def lookup(args: Lookup, ctx: ToolContext) -> ToolOutput:
+    LOOKUPS.append(ctx.call_id)
+    return ToolOutput(f"3 incidents match {args.q!r}", usage=Usage(5, Decimal("0.0005")))
+
+
+FAST_RULES = {**DEFAULT_RULES, ErrorClass.TRANSIENT: RetryRule(3, 0.0, 0.0, 0.0)}
+
+
+def run_all(db: Database, limit: int = 50) -> list[str]:
+    """Run due jobs in creation order until none is left (a worker, in-process)."""
+    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
+    ran = []
+    for _ in range(limit):
+        with psycopg.connect(db.libpq_url) as conn:
+            row = conn.execute(
+                "SELECT key FROM jobs WHERE status IN ('pending', 'enqueued') AND run_at <= now() + interval '1 second'"
+                " ORDER BY created_at, key LIMIT 1"
+            ).fetchone()
+        if row is None:
+            return ran
+        runner.run(row[0])
+        ran.append(row[0])
+    raise AssertionError(f"still running after {limit} jobs: {ran[-5:]}")
+
+
+def script(*entries: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt": "Summarise open incidents", "script": list(entries)}
+
+
+def test_a_scripted_conversation_runs_to_done_and_its_usage_adds_up(client: Client, db: Database) -> None:
+    agent = client.create_agent("analyst", budget_tokens=10_000)
+    LOOKUPS.clear()
+    client.submit(
+        agent.id,
+        "req-1",
+        script(
+            {
+                "tool_calls": [
+                    {"name": "kb_lookup", "arguments": {"q": "db"}},
+                    {"name": "slack_post", "arguments": {"channel": "C1", "text": "looking"}},
+                ],
+                "tokens": 120,
+                "cost": "0.002",
+            },
+            {"content": "Three incidents, all about the database.", "tokens": 80, "cost": "0.001"},
+        ),
+    )
+    ran = run_all(db)
+    assert ran == ["req-1:plan:1", "req-1:tool:kb.lookup:call_0_0", "req-1:tool:slack.post:call_0_1", "req-1:plan:2"]
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens, state.spent_cost) == ("done", 205, Decimal("0.0035"))
+    assert job_row(db, "req-1:plan:2")["result"]["answer"] == "Three incidents, all about the database."  # type: ignore[index]
+    from models.outbox_sql import message_row
+
+    assert message_row(db, "req-1:slack:call_0_1")["payload"] == {"text": "looking"}  # type: ignore[index]
+    moves = [(e.event, e.to_phase) for e in client.journal(agent_id=agent.id) if e.kind == "transition"]
+    assert moves == [
+        ("submit", "planning"),
+        ("plan", "executing"),
+        ("progress", "executing"),
+        ("observe", "planning"),
+        ("finish", "done"),
+    ]
+    assert LOOKUPS == ["call_0_0"]
+
+
+def _to_approval(client: Client, db: Database, **submit: Any) -> Any:
+    agent = client.create_agent("commenter")
+    client.submit(
+        agent.id,
+        "req-1",
+        script(
+            {
+                "tool_calls": [
+                    {"name": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "Fixed"}}
+                ]
+            },
+            {"content": "Commented."},
+            {"content": "Understood, no comment."},
+        ),
+        **submit,
+    )
+    run_all(db)
+    return client.get_state(agent.id)
+
+
+def test_approval_continues_the_loop_and_a_stale_approval_is_rejected(client: Client, db: Database) -> None:
+    waiting = _to_approval(client, db)
+    assert waiting.phase == "waiting_approval"
+    assert waiting.pending_approval == {
+        "tool": "github.comment",
+        "call_id": "call_0_0",
+        "round": 1,
+        "arguments": {"repository": "acme/api", "issue": 7, "body": "Fixed"},
+    }
+    with pytest.raises(StaleRevision):
+        client.approve(waiting.id, expected_revision=waiting.revision - 1, actor="bob")
+    client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
+    run_all(db)
+    state = client.get_state(waiting.id)
+    assert state.phase == "done"
+    from models.outbox_sql import message_row
+
+    assert message_row(db, "req-1:github:call_0_0")["destination"] == "acme/api#7"  # type: ignore[index]
+
+
+def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
+    waiting = _to_approval(client, db)
+    client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="not on a Friday")
+    run_all(db)
+    state = client.get_state(waiting.id)
+    assert state.phase == "done"
+    from agents.runtime import conversation
+
+    _, messages = conversation(db, "req-1", 2)
+    assert messages[-1] == {
+        "role": "tool",
+        "tool_call_id": "call_0_0",
+        "content": "A person rejected this call: not on a Friday",
+    }
+    assert job_row(db, "req-1:tool:github.comment:call_0_0") is None, "the rejected call never ran"
+
+
+def test_an_approval_after_the_hard_deadline_is_refused(client: Client, db: Database) -> None:
+    waiting = _to_approval(client, db, hard_deadline=timedelta(seconds=2))
+    time.sleep(2.1)
+    with pytest.raises(HardDeadlinePassed):
+        client.approve(waiting.id, expected_revision=waiting.revision, actor="late")
+    assert client.get_state(waiting.id).phase == "waiting_approval"
+
+
+def test_an_exhausted_budget_stops_the_loop_before_the_next_model_call(client: Client, db: Database) -> None:
+    agent = client.create_agent("spender", budget_tokens=150)
+    step = {"tool_calls": [{"name": "kb_lookup", "arguments": {"q": "x"}}], "tokens": 100}
+    client.submit(agent.id, "req-1", script(step, step, step, {"content": "never"}))
+    run_all(db)
+    state = client.get_state(agent.id)
+    # plan 1 (100) + a lookup (5) + plan 2 (100) = 205 >= 150: the next step is not started.
+    assert state.phase == "failed" and state.spent_tokens == 205
+    assert client.journal(agent_id=agent.id)[-1].decision == "budget_exhausted"
+    assert job_row(db, "req-1:tool:kb.lookup:call_1_0")["status"] == "failed"  # type: ignore[index]
+    assert job_row(db, "req-1:plan:3") is None, "no further model call was made"
+
+
+def test_a_transient_model_error_is_retried_and_its_spend_is_retry_cost(client: Client, db: Database) -> None:
+    agent = client.create_agent("flaky")
+    client.submit(agent.id, "req-1", script({"error": "transient", "tokens": 30, "content": "fine"}))
+    run_all(db)
+    row = job_row(db, "req-1:plan:1")
+    assert row is not None and (row["status"], row["attempts"], row["failed_tokens"], row["tokens"]) == (
+        "succeeded",
+        2,
+        30,
+        30,
+    )
+    assert client.get_state(agent.id).spent_tokens == 60
+
+
+# --- the OpenAI-compatible client -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def llm() -> Iterator[FakeLLM]:
+    fake = FakeLLM(token="sk-test-secret-key-123", timeout_delay=1.5)
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+def test_openai_client_reads_tool_calls_usage_and_cost(llm: FakeLLM) -> None:
+    llm.replies = [
+        {"tool_calls": [{"id": "call_9", "name": "kb_lookup", "arguments": '{"q": "db"}'}], "usage": (1000, 200)},
+    ]
+    client = OpenAICompatible(
+        f"{llm.url}/v1", "m-1", "sk-test-secret-key-123", timeout=1.0, prices={"m-1": {"input": 1.0, "output": 2.0}}
+    )
+    reply = client.complete([{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "x"}}])
+    client.close()
+    assert [(c.id, c.name, dict(c.arguments)) for c in reply.tool_calls] == [("call_9", "kb_lookup", {"q": "db"})]
+    assert reply.usage == Usage(1200, Decimal("0.0014"))
+    request = llm.requests_seen[-1]
+    assert request["model"] == "m-1" and request["tools"][0]["function"]["name"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "text"),
+    [
+        ("429", RateLimited, "rate limited"),
+        ("500", TransientError, "error 500"),
+        ("timeout", TransientError, "timed out"),
+        ("context", InvalidJob, "no longer fits"),
+        ("401", InvalidJob, r"refused the request \(401\)"),
+    ],
+)
+def test_openai_client_maps_errors_to_classes(llm: FakeLLM, fault: str, error: type[Exception], text: str) -> None:
+    llm.fault = fault
+    client = OpenAICompatible(f"{llm.url}/v1", "m-1", "sk-test-secret-key-123", timeout=1.0)
+    with pytest.raises(error, match=text) as info:
+        client.complete([{"role": "user", "content": "hi"}], [])
+    client.close()
+    assert "sk-test-secret-key-123" not in str(info.value)
+    if fault == "429":
+        assert info.value.retry_after == 3.0  # type: ignore[attr-defined]
