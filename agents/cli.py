@@ -152,6 +152,14 @@ def _state_text(state: Any) -> str:
             f"cost       {state.spent_cost} spent of {budget_cost}",
             f"priority   {state.priority}",
             f"updated    {state.updated_at}",
+            *(
+                [
+                    f"approval   {state.pending_approval['tool']} {json.dumps(state.pending_approval['arguments'])}"
+                    f" (approve with --revision {state.revision})"
+                ]
+                if state.pending_approval
+                else []
+            ),
             f"jobs       {len(state.pending_jobs) or 'none'} pending",
             *(
                 f"  {j.key:<48} {j.status:<9} {j.queue:<14} attempts {j.attempts}"
@@ -225,6 +233,47 @@ def submit(agent_ref: str, request_id: str, input_text: str, revision: int | Non
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
     with _client() as client:
         state = client.submit(agent_ref, request_id, value, expected_revision=revision, actor=actor)
+    _emit(state, as_json, _state_text(state))
+
+
+@cli.command("run")
+@click.argument("agent_ref", metavar="AGENT")
+@click.argument("prompt")
+@click.option("--request-id", help="Request id (default: a new one). Submitting the same id twice is a no-op.")
+@click.option(
+    "--script",
+    "script_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSON list of scripted model replies (KEEL_LLM_PROVIDER=scripted).",
+)
+@actor_option
+@json_option
+@_friendly
+def run(
+    agent_ref: str, prompt: str, request_id: str | None, script_path: Path | None, actor: str, as_json: bool
+) -> None:
+    """Ask AGENT to work on PROMPT; workers and beat take it from there (see `keel state`)."""
+    import uuid
+
+    value: dict[str, Any] = {"prompt": prompt}
+    if script_path is not None:
+        try:
+            value["script"] = json.loads(script_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--script") from None
+    with _client() as client:
+        state = client.submit(agent_ref, request_id or f"run-{uuid.uuid4().hex[:12]}", value, actor=actor)
+    _emit(state, as_json, _state_text(state))
+
+
+@cli.command("state")
+@click.argument("agent_ref", metavar="AGENT")
+@json_option
+@_friendly
+def state_cmd(agent_ref: str, as_json: bool) -> None:
+    """Show AGENT's state: phase, revision, pending jobs and any call waiting for approval."""
+    with _client() as client:
+        state = client.get_state(agent_ref)
     _emit(state, as_json, _state_text(state))
 
 

@@ -1,0 +1,339 @@
+"""Local Slack, GitHub and chat-completions sinks in the real wire formats, with fault injection (tests, demo).
+
+They record every message they accept (and the key it carries) in arrival order, so tests can count deliveries
+per key and check the order per destination. Faults are chosen per request by a ``faults`` function:
+
+- ``apply_then_timeout``: accept the message, then answer only after the client has given up;
+- ``apply_then_drop``: accept the message, then close the connection without an answer;
+- ``429``: refuse with 429 and a Retry-After; ``403_secondary`` (GitHub): a secondary rate limit;
+- ``500``: refuse with a server error; ``slow``: answer correctly, slowly;
+- ``echo_token_500``: a 500 whose body echoes the Authorization header (a leaky proxy), for redaction tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+Faults = Callable[[str, str, int], str | None]  # (destination, key, attempt at this server) -> fault or None
+
+MARKER = re.compile(r"<!-- keel:(?P<key>[^ ]+) -->")
+
+
+@dataclass
+class Accepted:
+    destination: str
+    key: str | None
+    external_id: str
+
+
+@dataclass
+class FakeBase:
+    token: str
+    faults: Faults = field(default=lambda destination, key, attempt: None)
+    timeout_delay: float = 2.0
+    retry_after: float = 1.0
+    accepted: list[Accepted] = field(default_factory=list)
+    attempts: Counter[str] = field(default_factory=Counter)
+    requests: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def start(self) -> FakeBase:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                fake._handle(self, "GET")
+
+            def do_POST(self) -> None:
+                fake._handle(self, "POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def delivered_keys(self) -> Counter[str]:
+        with self.lock:
+            return Counter(a.key for a in self.accepted if a.key)
+
+    def order(self, destination: str) -> list[str]:
+        with self.lock:
+            return [a.key for a in self.accepted if a.destination == destination and a.key]
+
+    # --- plumbing ---
+
+    def _handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        with self.lock:
+            self.requests += 1
+        try:
+            length = int(request.headers.get("Content-Length") or 0)
+            raw = request.rfile.read(length) if length else b""
+            self.route(request, method, raw)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (a timeout fault): nothing to answer
+
+    def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def reply(request: BaseHTTPRequestHandler, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json; charset=utf-8")
+        request.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            request.send_header(name, value)
+        request.end_headers()
+        request.wfile.write(data)
+
+    def fault_for(self, destination: str, key: str | None) -> str | None:
+        if key is None:
+            return None
+        with self.lock:
+            self.attempts[key] += 1
+            attempt = self.attempts[key]
+        return self.faults(destination, key, attempt)
+
+    def finish_after_apply(
+        self, request: BaseHTTPRequestHandler, fault: str | None, respond: Callable[[], None]
+    ) -> None:
+        if fault == "apply_then_drop":
+            request.close_connection = True
+            request.connection.shutdown(2)
+            return
+        if fault == "apply_then_timeout":
+            time.sleep(self.timeout_delay)
+        if fault == "slow":
+            time.sleep(self.timeout_delay / 4)
+        respond()
+
+
+@dataclass
+class FakeSlack(FakeBase):
+    """``POST /api/chat.postMessage`` and ``GET /api/conversations.history`` (with metadata and cursors)."""
+
+    channels: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    ts_counter: int = 0
+
+    def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
+        url = urlparse(request.path)
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return self.reply(request, 200, {"ok": False, "error": "invalid_auth"})
+        if url.path == "/api/chat.postMessage" and method == "POST":
+            return self.post_message(request, json.loads(raw or b"{}"))
+        if url.path == "/api/conversations.history":
+            # Slack takes arguments in the query string or as a form body (slack_sdk sends the latter).
+            args = {k: v[0] for k, v in parse_qs(url.query).items()}
+            args.update({k: v[0] for k, v in parse_qs(raw.decode()).items()})
+            return self.history(request, args)
+        return self.reply(request, 404, {"ok": False, "error": "unknown_method"})
+
+    def post_message(self, request: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        channel = body.get("channel", "")
+        metadata = body.get("metadata") or {}
+        key = (metadata.get("event_payload") or {}).get("key")
+        if channel.startswith("CMISSING"):
+            return self.reply(request, 200, {"ok": False, "error": "channel_not_found"})
+        if channel.startswith("COUTSIDE"):
+            return self.reply(request, 200, {"ok": False, "error": "not_in_channel"})
+        fault = self.fault_for(channel, key)
+        if fault == "429":
+            return self.reply(
+                request, 429, {"ok": False, "error": "ratelimited"}, {"Retry-After": f"{self.retry_after:g}"}
+            )
+        if fault == "500":
+            return self.reply(request, 500, {"ok": False, "error": "internal_error"})
+        if fault == "echo_token_500":
+            return self.reply(request, 500, {"ok": False, "error": f"upstream {request.headers.get('Authorization')}"})
+        with self.lock:
+            self.ts_counter += 1
+            ts = f"{int(time.time())}.{self.ts_counter:06d}"
+            message = {"type": "message", "ts": ts, "text": body.get("text"), "metadata": metadata}
+            self.channels.setdefault(channel, []).append(message)
+            self.accepted.append(Accepted(channel, key, ts))
+        if fault == "apply_then_internal_error":  # Slack: "some aspect of the operation may have succeeded"
+            return self.reply(request, 200, {"ok": False, "error": "internal_error"})
+        self.finish_after_apply(
+            request,
+            fault,
+            lambda: self.reply(request, 200, {"ok": True, "channel": channel, "ts": ts, "message": message}),
+        )
+
+    def history(self, request: BaseHTTPRequestHandler, query: dict[str, str]) -> None:
+        channel = query.get("channel", "")
+        oldest = float(query.get("oldest", "0"))
+        limit = min(int(query.get("limit", "100")), 200)
+        offset = int(query.get("cursor") or 0)
+        with_metadata = query.get("include_all_metadata") in ("1", "true", "True")
+        with self.lock:
+            newest_first = [m for m in reversed(self.channels.get(channel, [])) if float(m["ts"]) >= oldest]
+        page = newest_first[offset : offset + limit]
+        messages = [m if with_metadata else {k: v for k, v in m.items() if k != "metadata"} for m in page]
+        more = offset + limit < len(newest_first)
+        self.reply(
+            request,
+            200,
+            {
+                "ok": True,
+                "messages": messages,
+                "has_more": more,
+                "response_metadata": {"next_cursor": str(offset + limit) if more else ""},
+            },
+        )
+
+
+@dataclass
+class FakeGitHub(FakeBase):
+    """``POST``/``GET /repos/{owner}/{repo}/issues/{number}/comments`` with ``since``, ``per_page``, ``page``."""
+
+    comments: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    next_id: int = 1000
+
+    PATH = re.compile(r"^/repos/(?P<owner>[^/]+)/(?P<repo>[^/]+)/issues/(?P<number>\d+)/comments$")
+
+    def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
+        url = urlparse(request.path)
+        if request.headers.get("Authorization") not in (f"Bearer {self.token}", f"token {self.token}"):
+            return self.reply(request, 401, {"message": "Bad credentials", "documentation_url": "https://docs"})
+        match = self.PATH.match(url.path)
+        if match is None or match["repo"].startswith("missing"):
+            return self.reply(request, 404, {"message": "Not Found"})
+        destination = f"{match['owner']}/{match['repo']}#{match['number']}"
+        if method == "POST":
+            return self.create(request, destination, json.loads(raw or b"{}"))
+        return self.list(request, destination, {k: v[0] for k, v in parse_qs(url.query).items()})
+
+    def create(self, request: BaseHTTPRequestHandler, destination: str, body: dict[str, Any]) -> None:
+        text = body.get("body") or ""
+        if not text.strip() or "[reject-422]" in text:
+            return self.reply(request, 422, {"message": "Validation Failed", "errors": [{"field": "body"}]})
+        found = MARKER.search(text)
+        key = found["key"] if found else None
+        fault = self.fault_for(destination, key)
+        if fault == "429":
+            return self.reply(request, 429, {"message": "Too Many Requests"}, {"Retry-After": f"{self.retry_after:g}"})
+        if fault == "403_secondary":
+            return self.reply(
+                request,
+                403,
+                {"message": "You have exceeded a secondary rate limit. Please wait a few minutes."},
+                {"Retry-After": f"{self.retry_after:g}"},
+            )
+        if fault == "500":
+            return self.reply(request, 500, {"message": "Server Error"})
+        with self.lock:
+            self.next_id += 1
+            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            comment = {
+                "id": self.next_id,
+                "body": text,
+                "html_url": f"{self.url}/{destination.replace('#', '/issues/')}#issuecomment-{self.next_id}",
+                "created_at": now,
+                "updated_at": now,
+            }
+            self.comments.setdefault(destination, []).append(comment)
+            self.accepted.append(Accepted(destination, key, str(self.next_id)))
+        self.finish_after_apply(request, fault, lambda: self.reply(request, 201, comment))
+
+    def list(self, request: BaseHTTPRequestHandler, destination: str, query: dict[str, str]) -> None:
+        since = query.get("since", "")
+        per_page = min(int(query.get("per_page", "30")), 100)
+        page = int(query.get("page", "1"))
+        with self.lock:
+            selected = [c for c in self.comments.get(destination, []) if c["updated_at"] >= since]
+        chunk = selected[(page - 1) * per_page : page * per_page]
+        headers = {}
+        if page * per_page < len(selected):
+            path = urlparse(request.path).path
+            headers["Link"] = f'<{self.url}{path}?since={since}&per_page={per_page}&page={page + 1}>; rel="next"'
+        self.reply(request, 200, chunk, headers)
+
+
+@dataclass
+class FakeLLM(FakeBase):
+    """``POST /v1/chat/completions`` in OpenAI's wire format. ``replies`` are played in order (then a plain answer);
+    ``fault`` injects ``429`` (Retry-After: 3), ``500``, ``timeout``, ``context`` (400 context_length_exceeded),
+    ``401``. ``completed`` counts answers actually delivered (a call the client gave up on does not count)."""
+
+    replies: list[dict[str, Any]] = field(default_factory=list)
+    fault: str | None = None
+    requests_seen: list[dict[str, Any]] = field(default_factory=list)
+    completed: int = 0
+
+    def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
+        if urlparse(request.path).path != "/v1/chat/completions" or method != "POST":
+            return self.reply(request, 404, {"error": {"message": "not found"}})
+        if self.fault == "401" or request.headers.get("Authorization") != f"Bearer {self.token}":
+            return self.reply(
+                request, 401, {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}}
+            )
+        body = json.loads(raw or b"{}")
+        with self.lock:
+            self.requests_seen.append(body)
+        if self.fault == "429":
+            return self.reply(request, 429, {"error": {"message": "Rate limit reached"}}, {"retry-after": "3"})
+        if self.fault == "500":
+            return self.reply(request, 500, {"error": {"message": "The server had an error"}})
+        if self.fault == "context":
+            error = {"message": "This model's maximum context length is 8192 tokens", "code": "context_length_exceeded"}
+            return self.reply(request, 400, {"error": error})
+        if self.fault == "timeout":
+            time.sleep(self.timeout_delay)
+        with self.lock:
+            planned: dict[str, Any] = self.replies.pop(0) if self.replies else {"content": "done"}
+        prompt, completion = planned.get("usage", (10, 5))
+        message: dict[str, Any] = {"role": "assistant", "content": planned.get("content")}
+        if planned.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in planned["tool_calls"]
+            ]
+        self.reply(
+            request,
+            200,
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "finish_reason": "tool_calls" if planned.get("tool_calls") else "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                },
+            },
+        )
+        with self.lock:
+            self.completed += 1
