@@ -1,30 +1,38 @@
-"""``keel demo``: agents moving through their phases, with the journal that explains every step.
+"""``keel demo``: Keel's main job. Scripted agents plan, call tools, wait for approval, post to Slack and GitHub —
+while the worker is SIGKILLed midway — and the run ends with the numbers that say whether anything ran twice.
 
-It exits 0 only if every invariant it checks held: revisions 1..N without gaps, stale and illegal commands
-rejected and journaled, duplicate submits suppressed, racing writers serialized, and every hash chain intact.
+It starts (on the embedded default unless configured) a worker, a beat and local Slack/GitHub sinks, runs the
+agents, approves the waiting ones through the client, and exits 0 only if every invariant it checks held.
 """
 
 from __future__ import annotations
 
-import threading
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from agents import journal
-from agents.cli import journal_table
 from agents.client import Client
-from agents.commands import Command
-from agents.core import transition
-from agents.errors import IllegalTransition, KeelError, StaleRevision
-from agents.phases import Event
+from agents.errors import KeelError
+from agents.sinks import FakeGitHub, FakeSlack
 from models import migrations
 from models.db import Database
 from models.embedded import broker_url_for
+from models.kpi_sql import kpis, request_outcomes
 from models.settings import Settings
 
 Echo = Callable[[str], None]
+SLACK_TOKEN = "xoxb-keel-demo-sink-token"
+GITHUB_TOKEN = "ghp_keelDemoSinkToken"
 
 
 @dataclass
@@ -39,119 +47,236 @@ class Checks:
         return all(ok for _, ok in self.results)
 
 
+def _search(query: str, tokens: int = 150) -> dict[str, Any]:
+    return {"tool_calls": [{"name": "kb_search", "arguments": {"query": query}}], "tokens": tokens, "cost": "0.002"}
+
+
+def scenarios() -> list[tuple[str, dict[str, Any], dict[str, Any], str]]:
+    """(agent, budget, request input, how it should end)."""
+    post = {"name": "slack_post", "arguments": {"channel": "C0DEMO", "text": "Incident summary posted by Keel"}}
+    comment = {
+        "name": "github_comment",
+        "arguments": {"repository": "acme/api", "issue": 42, "body": "Root cause: failover"},
+    }
+    final = {"content": "Two incidents; the database failover is the root cause.", "tokens": 90, "cost": "0.001"}
+    out: list[tuple[str, dict[str, Any], dict[str, Any], str]] = []
+    for n in range(1, 4):
+        script = [_search(f"outage {n}"), {"tool_calls": [post], "tokens": 120}, final]
+        out.append((f"triage-{n}", {}, {"prompt": f"Triage outage {n}", "script": script}, "done"))
+    for n in range(1, 3):
+        script = [_search("failover"), {"tool_calls": [comment], "tokens": 110}, final]
+        out.append((f"reviewer-{n}", {}, {"prompt": "Explain the failover on the issue", "script": script}, "done"))
+    flaky = [{**_search("cache"), "error": "transient", "tokens": 40}, final]
+    out.append(("flaky-model", {}, {"prompt": "What broke the cache?", "script": flaky}, "done"))
+    spender = [_search("a"), _search("b"), _search("c"), _search("d"), final]
+    out.append(("spender", {"budget_tokens": 400}, {"prompt": "Search everything", "script": spender}, "failed"))
+    return out
+
+
+class Stack:
+    """The worker and beat processes the demo starts, each in its own process group, killed by group."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env, self.logs = env, logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, *args: str) -> None:
+        with open(self.logs / f"{name}.log", "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "agents", *args],
+                env=self.env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                cwd=self.logs,
+            )
+
+    def wait_ready(self, name: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while b"ready." not in (self.logs / f"{name}.log").read_bytes():
+            if time.monotonic() > deadline or self.procs[name].poll() is not None:
+                raise KeelError(f"{name} did not start; see {self.logs / (name + '.log')}")
+            time.sleep(0.1)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.kill(name, signal.SIGTERM)
+
+
 def run_demo(settings: Settings, echo: Echo) -> int:
-    """Run the demo; return the process exit status."""
-    started = time.perf_counter()
+    started = time.monotonic()
     db = Database.from_settings(settings)
+    migrations.upgrade(db.url)  # first: an unreachable database stops the demo before anything is started
     broker = broker_url_for(settings)
-    home = settings.home
-    database_where = "configured" if settings.database_url else f"embedded under {home}"
-    broker_where = "configured" if settings.broker_url else f"embedded under {home}"
-    echo(f"Keel demo: PostgreSQL {database_where}; Redis {broker_where} ({broker})")
-    migrations.upgrade(db.url)
+    where = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
+    echo(f"Keel demo on {where}")
+    logs = (settings.home / "demo" / uuid.uuid4().hex[:8]).resolve()
+    logs.mkdir(parents=True, exist_ok=True)
+    slack = FakeSlack(token=SLACK_TOKEN).start()
+    github = FakeGitHub(token=GITHUB_TOKEN).start()
+    assert isinstance(slack, FakeSlack) and isinstance(github, FakeGitHub)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env.update(
+        {
+            "KEEL_DATABASE_URL": db.url,
+            "KEEL_BROKER_URL": broker,
+            "KEEL_HOME": str(settings.home.resolve()),
+            "KEEL_IMPORTS": json.dumps(["agents.demo_tools"]),
+            "KEEL_LLM_PROVIDER": "scripted",
+            "KEEL_SLACK_TOKEN": SLACK_TOKEN,
+            "KEEL_SLACK_API_URL": f"{slack.url}/api/",
+            "KEEL_GITHUB_TOKEN": GITHUB_TOKEN,
+            "KEEL_GITHUB_API_URL": github.url,
+            "KEEL_HTTP_TIMEOUT_SECONDS": "2",
+            "KEEL_OUTBOX_LEASE_SECONDS": "6",
+            "KEEL_OUTBOX_INTERVAL_SECONDS": "0.3",
+            "KEEL_JOB_LEASE_SECONDS": "3",
+            "KEEL_ENQUEUE_TIMEOUT_SECONDS": "5",
+            "KEEL_DISPATCH_INTERVAL_SECONDS": "0.2",
+            "KEEL_DEADLINE_CHECK_SECONDS": "1",
+            "KEEL_VISIBILITY_TIMEOUT_SECONDS": "30",
+            "KEEL_RETRY_POLICY": json.dumps({"transient": {"base_seconds": 0.3, "max_seconds": 2}}),
+        }
+    )
+    stack = Stack(env, logs)
     client = Client(db, settings)
-    check = Checks()
+    checks = Checks()
+    run = uuid.uuid4().hex[:6]
     try:
-        _approval_story(client, echo, check)
-        _race(client, echo, check)
-        report = journal.verify(db)
-        check("every journal hash chain verifies", report.ok)
-        echo(f"\naudit verify: {report.events} events in {report.agents} chains, {len(report.breaks)} broken")
+        stack.start("worker-1", "worker", "-c", "2", "-n", f"demo1-{run}@%h")
+        stack.start("beat", "beat")
+        stack.wait_ready("worker-1")
+        echo("worker, beat and the Slack/GitHub sinks are up; submitting 7 scripted requests")
+        expected: dict[str, str] = {}
+        ids = {}
+        for name, budget, request, ending in scenarios():
+            agent = client.create_agent(f"{name}-{run}", **budget)
+            client.submit(agent.id, f"{name}-{run}", request, actor="demo")
+            expected[agent.name] = ending
+            ids[agent.name] = agent.id
+        _drive(client, ids, stack, run, echo, checks)
+        _report(client, db, ids, expected, slack, github, logs, echo, checks)
     finally:
+        stack.stop()
+        slack.stop()
+        github.stop()
         client.close()
+    elapsed = time.monotonic() - started
+    checks("finished in under two minutes", elapsed < 120)
     echo("\nInvariants:")
-    for name, ok in check.results:
+    for name, ok in checks.results:
         echo(f"  [{'ok' if ok else 'FAILED'}] {name}")
-    echo(f"\n{'all invariants held' if check.ok else 'SOME INVARIANTS FAILED'} ({time.perf_counter() - started:.1f}s)")
-    return 0 if check.ok else 1
+    echo(f"\n{'all invariants held' if checks.ok else 'SOME INVARIANTS FAILED'} ({elapsed:.0f}s; logs in {logs})")
+    return 0 if checks.ok else 1
 
 
-def _approval_story(client: Client, echo: Echo, check: Checks) -> None:
-    run = uuid.uuid4().hex[:8]
-    agent = client.create_agent(f"demo-{run}", budget_tokens=10_000, budget_cost="2.50", actor="demo")
-    echo(f"\nCreated agent {agent.name} ({agent.id}), phase {agent.phase}, revision {agent.revision}")
-    request = f"req-{run}"
+def _drive(client: Client, ids: dict[str, Any], stack: Stack, run: str, echo: Echo, checks: Checks) -> None:
+    """Run until every request rests: kill the worker once a tool is mid-call, approve what waits."""
+    killed = False
+    approved: set[str] = set()
+    deadline = time.monotonic() + 90
+    last = ""
+    while time.monotonic() < deadline:
+        states = {name: client.get_state(agent_id) for name, agent_id in ids.items()}
+        phases = Counter(s.phase for s in states.values())
+        running = sum(
+            1 for s in states.values() for j in s.pending_jobs if j.status == "running" and j.operation == "tool"
+        )
+        if not killed and running:
+            stack.kill("worker-1")
+            echo(f"  SIGKILL the worker while {running} tool call(s) run; starting a new one")
+            stack.start("worker-2", "worker", "-c", "2", "-n", f"demo2-{run}@%h")
+            stack.wait_ready("worker-2")
+            killed = True
+            continue
+        for name, state in states.items():
+            if state.phase == "waiting_approval" and name not in approved and state.pending_approval:
+                client.approve(state.id, expected_revision=state.revision, actor="demo-operator")
+                approved.add(name)
+                echo(f"  approved {state.pending_approval['tool']} for {name} at revision {state.revision}")
+        line = ", ".join(f"{phase} {n}" for phase, n in sorted(phases.items()))
+        if line != last:
+            echo(f"  {line}")
+            last = line
+        if all(s.phase in ("done", "failed") and not s.pending_jobs for s in states.values()):
+            break
+        time.sleep(0.3)
+    checks("the worker was killed mid-run and a new one took over", killed)
+    checks("every request came to rest", all(client.get_state(a).phase in ("done", "failed") for a in ids.values()))
 
-    def step(label: str, event: Event, **kw: object) -> None:
-        state = client.get_state(agent.id)
-        result = transition(client.db, Command(agent_id=agent.id, event=event, actor="demo-worker", **kw))  # type: ignore[arg-type]
-        echo(f"  {label:<44} {state.phase} -> {result.agent.phase} (revision {result.agent.revision})")
 
-    state = client.submit(agent.id, request, {"prompt": "Summarise open incidents"}, expected_revision=0, actor="alice")
-    echo(f"  {'alice submits ' + request:<44} idle -> {state.phase} (revision {state.revision})")
-    again = client.submit(agent.id, request, {"prompt": "Summarise open incidents"}, expected_revision=0, actor="alice")
-    echo(f"  {'alice retries the same submit':<44} suppressed, still revision {again.revision}")
-    check("a repeated submit is suppressed and changes nothing", again.revision == state.revision)
-    step("the model plans a tool call", Event.PLAN)
-    step("the tool needs a person", Event.REQUEST_APPROVAL)
-    waiting = client.get_state(agent.id)
-    try:
-        client.approve(agent.id, expected_revision=waiting.revision - 1, actor="bob")
-        check("a stale approval is rejected", False)
-    except StaleRevision as exc:
-        echo(f"  {'bob approves from an old page':<44} rejected: {exc}")
-        check("a stale approval is rejected", exc.current_revision == waiting.revision)
-    approved = client.approve(agent.id, expected_revision=waiting.revision, actor="carol")
-    echo(f"  {'carol approves revision ' + str(waiting.revision):<44} waiting_approval -> {approved.phase}")
-    step("tool results go back to the model", Event.OBSERVE)
-    step("the model answers", Event.FINISH)
-    try:
-        client.cancel(agent.id, actor="dave")
-        check("cancelling a finished request is refused", False)
-    except IllegalTransition as exc:
-        echo(f"  {'dave cancels the finished request':<44} rejected: {exc}")
-        check("cancelling a finished request is refused", "submit" in exc.allowed)
-    after = client.get_state(agent.id)
-    check(
-        "rejections left the agent as it was",
-        (after.phase, after.revision) == ("done", approved.revision + 2),
+def _report(
+    client: Client,
+    db: Database,
+    ids: dict[str, Any],
+    expected: dict[str, str],
+    slack: FakeSlack,
+    github: FakeGitHub,
+    logs: Path,
+    echo: Echo,
+    checks: Checks,
+) -> None:
+    deadline = time.monotonic() + 30
+    with db.connection() as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT count(*) FROM outbox WHERE status IN ('pending', 'sending')").fetchone()
+            conn.rollback()
+            if row == (0,):
+                break
+            time.sleep(0.3)
+    echo("\nRequests:")
+    echo(f"  {'agent':<22} {'outcome':<8} {'why':<22} {'tokens':>7}")
+    outcomes = {r["name"]: r for r in request_outcomes(db) if r["name"] in ids}
+    for name in sorted(ids):
+        r = outcomes[name]
+        echo(f"  {name:<22} {r['phase']:<8} {r['why']:<22} {r['spent_tokens']:>7}")
+    checks(
+        "each request ended as scripted (the spender on its budget)",
+        all(outcomes[n]["phase"] == expected[n] for n in ids)
+        and all(outcomes[n]["why"] == "budget_exhausted" for n in ids if expected[n] == "failed"),
     )
-
-    events = client.journal(agent_id=agent.id)
-    echo(f"\nJournal of {agent.name}:")
-    echo(journal_table(events))
-    revisions = [e.revision for e in events if e.kind == "transition"]
-    check("journal revisions are 1..N with no gap", revisions == list(range(1, after.revision + 1)))
-    kinds = [e.kind for e in events]
-    check(
-        "rejected and suppressed commands are journaled",
-        kinds.count("rejected") == 2 and "suppressed" in kinds,
+    k = kpis(db)
+    at_receivers = slack.delivered_keys() + github.delivered_keys()
+    duplicates = sum(n - 1 for n in at_receivers.values() if n > 1)
+    searches_file = logs / "demo-searches.log"
+    searches = Counter(searches_file.read_text().split()) if searches_file.exists() else Counter()
+    echo("\nKPIs:")
+    rows = [
+        ("model calls (attempts)", k["model_calls"]),
+        ("tool calls (attempts)", k["tool_calls"]),
+        (
+            "messages at Slack / GitHub",
+            f"{sum(slack.delivered_keys().values())} / {sum(github.delivered_keys().values())}",
+        ),
+        ("suppressed duplicates", k["suppressed_duplicates"]),
+        ("duplicate side effects", duplicates),
+        ("p95 step latency (due -> outcome)", f"{(k['p95_step_seconds'] or 0) * 1000:.0f} ms"),
+        (
+            "recovery rate after first failure",
+            f"{(k['recovery_rate'] or 0) * 100:.0f}% of {k['jobs_that_failed_once']} jobs",
+        ),
+        ("retry-caused cost", f"{k['retry_tokens']} tokens, ${k['retry_cost']}"),
+        ("failure rate", f"{(k['failure_rate'] or 0) * 100:.0f}%"),
+    ]
+    for label, value in rows:
+        echo(f"  {label:<36} {value}")
+    checks(
+        "no side effect happened twice (counted at the receivers)", duplicates == 0 and k["keys_confirmed_twice"] == 0
     )
-
-
-def _race(client: Client, echo: Echo, check: Checks) -> None:
-    """Four writers hammer one agent; the row lock serializes them and no update is lost."""
-    agent = client.create_agent(f"race-{uuid.uuid4().hex[:8]}", actor="demo")
-    cycle = {"idle": Event.SUBMIT, "planning": Event.PLAN, "executing": Event.FINISH, "done": Event.SUBMIT}
-    wins: list[int] = []
-    stale = 0
-    lock = threading.Lock()
-
-    def writer(n: int) -> None:
-        nonlocal stale
-        for i in range(25):
-            state = client.get_state(agent.id)
-            event = cycle[state.phase]
-            request = f"race-{agent.id.hex[:8]}-{n}-{i}" if event is Event.SUBMIT else None
-            try:
-                result = transition(
-                    client.db,
-                    Command(agent.id, event, f"writer-{n}", expected_revision=state.revision, request_id=request),
-                )
-                with lock:
-                    wins.append(result.agent.revision)
-            except (StaleRevision, IllegalTransition):
-                with lock:
-                    stale += 1
-            except KeelError:
-                raise
-
-    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    final = client.get_state(agent.id).revision
-    echo(f"\nRace: 4 writers x 25 commands on {agent.name}: {len(wins)} applied, {stale} rejected as stale")
-    check("racing writers: final revision == applied commands", final == len(wins))
-    check("racing writers: each applied command got its own revision", sorted(wins) == list(range(1, final + 1)))
+    checks("every Slack and GitHub message was delivered", len(at_receivers) == 5 and k["deliveries"] == 5)
+    checks("no finished tool call ran again after the crash", all(n == 1 for n in searches.values()))
+    checks("the killed step and the flaky model recovered", (k["recovery_rate"] or 0) == 1.0)
+    report = journal.verify(db)
+    checks("every journal hash chain verifies", report.ok)

@@ -24,7 +24,7 @@ def keel(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env["KEEL_HOME"] = str(home)
     return subprocess.run(
-        [KEEL, *args], env=env, capture_output=True, text=True, timeout=120, check=True, cwd=home.parent
+        [KEEL, *args], env=env, capture_output=True, text=True, timeout=180, check=True, cwd=home.parent
     )
 
 
@@ -32,13 +32,13 @@ def test_the_demo_alone_starts_both_embedded_servers_and_dev_stop_stops_them(tmp
     home = tmp_path / "keel"
     try:
         demo = keel(home, "demo")
-        assert f"PostgreSQL embedded under {home}; Redis embedded under {home}" in demo.stdout
+        assert f"Keel demo on embedded servers under {home}" in demo.stdout
         assert "all invariants held" in demo.stdout
         status = json.loads(keel(home, "dev", "status", "--json").stdout)
         assert status["postgres"]["running"] and status["redis"]["running"]
         assert embedded.start_redis(home) == status["redis"]["url"], "a second start reuses the running server"
         with psycopg.connect(libpq_url(embedded.start_postgres(home))) as conn:
-            assert conn.execute("SELECT count(*) FROM agents").fetchone() == (2,)
+            assert conn.execute("SELECT count(*) FROM agents").fetchone() == (7,)
         import redis
 
         client = redis.Redis.from_url(status["redis"]["url"])

@@ -1,0 +1,53 @@
+"""The KPIs, computed from the tables (for `keel demo` and `keel kpi`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg.rows import dict_row
+
+from models.db import Database
+
+_KPIS = """
+SELECT
+  (SELECT count(*) FROM audit.journal WHERE kind = 'suppressed')
+  + (SELECT coalesce(sum(json_array_length(details->'jobs_suppressed')), 0) FROM audit.journal
+     WHERE details->'jobs_suppressed' IS NOT NULL)
+  + (SELECT coalesce(sum(json_array_length(details->'messages_suppressed')), 0) FROM audit.journal
+     WHERE details->'messages_suppressed' IS NOT NULL)                                   AS suppressed_duplicates,
+  (SELECT count(*) FROM (SELECT key FROM delivery_log GROUP BY key HAVING count(*) > 1) d) AS keys_confirmed_twice,
+  (SELECT count(*) FROM delivery_log)                                                     AS deliveries,
+  (SELECT coalesce(sum(attempts), 0) FROM jobs WHERE operation = 'plan')                AS model_calls,
+  (SELECT coalesce(sum(attempts), 0) FROM jobs WHERE operation = 'tool')                AS tool_calls,
+  (SELECT percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - run_at))
+     FROM jobs WHERE status = 'succeeded')                                               AS p95_step_seconds,
+  (SELECT count(*) FILTER (WHERE status = 'succeeded')::float / nullif(count(*), 0) FROM jobs
+     WHERE error_attempts <> '{}'::jsonb)                                                AS recovery_rate,
+  (SELECT count(*) FROM jobs WHERE error_attempts <> '{}'::jsonb)                        AS jobs_that_failed_once,
+  (SELECT coalesce(sum(failed_tokens), 0) FROM jobs)                                     AS retry_tokens,
+  (SELECT coalesce(sum(failed_cost), 0) FROM jobs)                                       AS retry_cost,
+  (SELECT count(*) FILTER (WHERE phase = 'failed')::float / nullif(count(*), 0) FROM agents
+     WHERE request_id IS NOT NULL)                                                       AS failure_rate
+"""
+
+
+def kpis(db: Database) -> dict[str, Any]:
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_KPIS)
+        row = cur.fetchone() or {}
+        conn.rollback()
+    return dict(row)
+
+
+def request_outcomes(db: Database) -> list[dict[str, Any]]:
+    """Each agent's current request: how it ended and why (the last transition's policy decision)."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            "SELECT a.name, a.request_id, a.phase, a.spent_tokens, a.spent_cost,"
+            " (SELECT j.decision FROM audit.journal j WHERE j.agent_id = a.id AND j.kind = 'transition'"
+            "  ORDER BY j.seq DESC LIMIT 1) AS why"
+            " FROM agents a WHERE a.request_id IS NOT NULL ORDER BY a.name"
+        )
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
