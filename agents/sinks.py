@@ -277,14 +277,17 @@ class FakeGitHub(FakeBase):
 
 @dataclass
 class FakeLLM(FakeBase):
-    """``POST /v1/chat/completions`` in OpenAI's wire format. ``replies`` are played in order (then a plain answer);
+    """``POST /v1/chat/completions`` in OpenAI's wire format. The reply is chosen by the conversation's turn (the
+    number of assistant messages in it), so a retried call gets the same reply; past the list, a plain answer.
     ``fault`` injects ``429`` (Retry-After: 3), ``500``, ``timeout``, ``context`` (400 context_length_exceeded),
-    ``401``. ``completed`` counts answers actually delivered (a call the client gave up on does not count)."""
+    ``401``; ``slow_turns`` delays the answer to those turns. ``completed`` counts answers actually delivered per
+    turn (a call whose caller died or gave up does not count)."""
 
     replies: list[dict[str, Any]] = field(default_factory=list)
     fault: str | None = None
+    slow_turns: set[int] = field(default_factory=set)
     requests_seen: list[dict[str, Any]] = field(default_factory=list)
-    completed: int = 0
+    completed: Counter[int] = field(default_factory=Counter)
 
     def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
         if urlparse(request.path).path != "/v1/chat/completions" or method != "POST":
@@ -303,10 +306,10 @@ class FakeLLM(FakeBase):
         if self.fault == "context":
             error = {"message": "This model's maximum context length is 8192 tokens", "code": "context_length_exceeded"}
             return self.reply(request, 400, {"error": error})
-        if self.fault == "timeout":
+        turn = sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
+        if self.fault == "timeout" or turn in self.slow_turns:
             time.sleep(self.timeout_delay)
-        with self.lock:
-            planned: dict[str, Any] = self.replies.pop(0) if self.replies else {"content": "done"}
+        planned: dict[str, Any] = self.replies[turn] if turn < len(self.replies) else {"content": "done"}
         prompt, completion = planned.get("usage", (10, 5))
         message: dict[str, Any] = {"role": "assistant", "content": planned.get("content")}
         if planned.get("tool_calls"):
@@ -336,4 +339,4 @@ class FakeLLM(FakeBase):
             },
         )
         with self.lock:
-            self.completed += 1
+            self.completed[turn] += 1
