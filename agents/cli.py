@@ -473,6 +473,19 @@ def audit_verify(as_json: bool) -> None:
         sys.exit(1)
 
 
+@cli.command("kpi")
+@json_option
+@_friendly
+def kpi(as_json: bool) -> None:
+    """The KPIs, computed from the tables: suppressed duplicates, side effects confirmed twice, p95 step latency,
+    recovery rate after a first failure, retry-caused cost, failure rate."""
+    from models.kpi_sql import kpis
+
+    with _client() as client:
+        data = {k: (float(v) if hasattr(v, "as_tuple") else v) for k, v in kpis(client.db).items()}
+    _emit(data, as_json, "\n".join(f"{k:<28} {v}" for k, v in data.items()))
+
+
 # --- docs ------------------------------------------------------------------------------------------------------
 
 

@@ -262,7 +262,7 @@ def _report(
         ),
         ("suppressed duplicates", k["suppressed_duplicates"]),
         ("duplicate side effects", duplicates),
-        ("p95 step latency (due -> outcome)", f"{(k['p95_step_seconds'] or 0) * 1000:.0f} ms"),
+        ("p95 phase-transition latency", f"{(k['p95_step_seconds'] or 0) * 1000:.0f} ms (step due -> its transition)"),
         (
             "recovery rate after first failure",
             f"{(k['recovery_rate'] or 0) * 100:.0f}% of {k['jobs_that_failed_once']} jobs",

@@ -128,3 +128,26 @@ def test_docs_phases_check_fails_when_the_diagram_is_stale(tmp_path: Path) -> No
     )
     keel("postgresql://unused@x/y", "docs", "phases", "--output", str(stale))
     assert keel("postgresql://unused@x/y", "docs", "phases", "--output", str(stale), "--check").returncode == 0
+
+
+def test_run_state_and_kpi_from_the_command_line(db_url: str, tmp_path: Path) -> None:
+    script = tmp_path / "replies.json"
+    script.write_text(json.dumps([{"content": "hello"}]))
+    keel(db_url, "agent", "create", "helper")
+    ran = json.loads(
+        keel(db_url, "run", "helper", "Say hello", "--script", str(script), "--request-id", "r-1", "--json").stdout
+    )
+    assert (ran["phase"], ran["request_id"], [j["key"] for j in ran["pending_jobs"]]) == (
+        "planning",
+        "r-1",
+        ["r-1:plan:1"],
+    )
+    state = json.loads(keel(db_url, "state", "helper", "--json").stdout)
+    assert state["revision"] == 1 and state["pending_approval"] is None
+    assert "jobs       1 pending" in keel(db_url, "state", "helper").stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    refused = keel(db_url, "run", "helper", "x", "--script", str(bad), check=False)
+    assert refused.returncode == 2 and "not JSON" in refused.stderr
+    kpis = json.loads(keel(db_url, "kpi", "--json").stdout)
+    assert kpis["suppressed_duplicates"] == 0 and kpis["keys_confirmed_twice"] == 0
