@@ -256,6 +256,8 @@ def run(
     import uuid
 
     value: dict[str, Any] = {"prompt": prompt}
+    if script_path is None and _settings().llm_provider == "scripted":
+        raise click.UsageError("KEEL_LLM_PROVIDER is scripted: give the replies with --script, or use openai")
     if script_path is not None:
         try:
             value["script"] = json.loads(script_path.read_text())

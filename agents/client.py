@@ -186,13 +186,22 @@ class Client:
         self, agent_id: AgentRef, *, expected_revision: int, actor: str, reason: str | None = None
     ) -> AgentState:
         """Decline the pending tool call; the model is told why and revises its plan."""
-        from agents.runtime import pending_approval, rejection_jobs
+        from agents.runtime import cancel_round_txn, pending_approval, rejection_jobs
 
         row = self._row(agent_id)
         pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
         jobs = rejection_jobs(pending, reason or f"rejected by {actor}") if pending else ()
         details = {"call": pending.as_dict()} if pending else {}
-        return self._command(row.id, Event.REJECT, expected_revision, actor, reason, jobs=jobs, extra=details)
+        return self._command(
+            row.id,
+            Event.REJECT,
+            expected_revision,
+            actor,
+            reason,
+            jobs=jobs,
+            extra=details,
+            effects=cancel_round_txn if pending else None,
+        )
 
     def cancel(
         self,
@@ -215,6 +224,7 @@ class Client:
         *,
         jobs: tuple[JobSpec, ...] = (),
         extra: dict[str, Any] | None = None,
+        effects: core.EffectsTxn | None = None,
     ) -> AgentState:
         if expected_revision is not None and (
             isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
@@ -232,7 +242,7 @@ class Client:
             details=details,
             jobs=jobs,
         )
-        return self._state(core.transition(self.db, command).agent)
+        return self._state(core.transition(self.db, command, effects=effects).agent)
 
     def _input_json(self, value: Any) -> str:
         try:

@@ -22,7 +22,7 @@ from typing import Any
 
 from agents import journal
 from agents.client import Client
-from agents.errors import KeelError
+from agents.errors import KeelError, StaleRevision
 from agents.sinks import FakeGitHub, FakeSlack
 from models import migrations
 from models.db import Database
@@ -203,7 +203,10 @@ def _drive(client: Client, ids: dict[str, Any], stack: Stack, run: str, echo: Ec
             continue
         for name, state in states.items():
             if state.phase == "waiting_approval" and name not in approved and state.pending_approval:
-                client.approve(state.id, expected_revision=state.revision, actor="demo-operator")
+                try:
+                    client.approve(state.id, expected_revision=state.revision, actor="demo-operator")
+                except StaleRevision:  # another step moved the agent since we looked: look again
+                    continue
                 approved.add(name)
                 echo(f"  approved {state.pending_approval['tool']} for {name} at revision {state.revision}")
         line = ", ".join(f"{phase} {n}" for phase, n in sorted(phases.items()))
@@ -247,7 +250,7 @@ def _report(
         all(outcomes[n]["phase"] == expected[n] for n in ids)
         and all(outcomes[n]["why"] == "budget_exhausted" for n in ids if expected[n] == "failed"),
     )
-    k = kpis(db)
+    k = kpis(db, list(ids.values()))
     at_receivers = slack.delivered_keys() + github.delivered_keys()
     duplicates = sum(n - 1 for n in at_receivers.values() if n > 1)
     searches_file = logs / "demo-searches.log"

@@ -33,6 +33,14 @@ class JobContext:
     db: Database
     #: Set when this worker lost the job (lease taken over, agent stopped): stop early, the outcome is discarded.
     lost: threading.Event = field(default_factory=threading.Event)
+    #: What an earlier attempt of this step checkpointed (e.g. a model reply it paid for), or None.
+    checkpointed: Mapping[str, Any] | None = None
+
+    def checkpoint(self, data: Mapping[str, Any]) -> None:
+        """Store ``data`` as this step's result now, so a retry after a crash reuses it instead of redoing it."""
+        from models.jobs_sql import checkpoint
+
+        checkpoint(self.db, self.key, self.fencing_token, dict(data))
 
 
 @dataclass(frozen=True, slots=True)

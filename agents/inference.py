@@ -9,9 +9,12 @@ raised as :class:`~agents.errors.JobError` subclasses, so the job runner retries
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
+from email.utils import parsedate_to_datetime
 from typing import Any, Protocol
 
 import httpx
@@ -34,6 +37,18 @@ class Reply:
     content: str | None
     tool_calls: tuple[ToolCall, ...] = ()
     usage: Usage = field(default_factory=Usage)
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {"reply": self.as_message(), "tokens": self.usage.tokens, "cost": str(self.usage.cost)}
+
+    @classmethod
+    def from_checkpoint(cls, data: Mapping[str, Any]) -> Reply:
+        message = data["reply"]
+        calls = tuple(
+            ToolCall(c["id"], c["function"]["name"], json.loads(c["function"].get("arguments") or "{}"))
+            for c in message.get("tool_calls") or []
+        )
+        return cls(message.get("content"), calls, Usage(int(data.get("tokens", 0)), Decimal(str(data.get("cost", 0)))))
 
     def as_message(self) -> dict[str, Any]:
         """The assistant message to put back into the conversation."""
@@ -126,21 +141,40 @@ class OpenAICompatible:
     def _error(self, response: httpx.Response) -> Exception:
         status = response.status_code
         try:
-            error = response.json().get("error") or {}
+            body = response.json()
         except ValueError:
-            error = {}
+            body = None
+        raw_error = body.get("error") if isinstance(body, dict) else None
+        error = raw_error if isinstance(raw_error, dict) else {"message": str(raw_error or "")}
         message = str(error.get("message") or response.reason_phrase)[:300]
         if self.api_key:
             message = message.replace(self.api_key, "***")
         code = str(error.get("code") or "")
+        if status == 429 and code == "insufficient_quota":
+            return InvalidJob(f"the model account has no quota left: {message}")
         if status == 429:
-            retry_after = float(response.headers.get("retry-after", "5"))
-            return RateLimited(f"model rate limited: {message}", retry_after=retry_after)
+            return RateLimited(f"model rate limited: {message}", retry_after=_retry_after(response))
         if status >= 500:
             return TransientError(f"model endpoint error {status}: {message}")
         if code == "context_length_exceeded" or "context length" in message.lower():
             return InvalidJob(f"the conversation no longer fits the model's context: {message}")
         return InvalidJob(f"model refused the request ({status}): {message}")
+
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CALL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,100}$")
+
+
+def _retry_after(response: httpx.Response) -> float:
+    value = response.headers.get("retry-after", "")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+    except (TypeError, ValueError):
+        return 5.0
 
 
 @dataclass

@@ -226,6 +226,7 @@ class Runner:
             fencing_token=job.fencing_token,
             db=self.db,
             lost=lost,
+            checkpointed=job.checkpoint,
         )
         try:
             result = handler(context)

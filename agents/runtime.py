@@ -1,7 +1,7 @@
 """The agent loop as job handlers: plan (a model call), tool (one tool call), gate (wait for a person).
 
 planning: job ``{request_id}:plan:{n}`` asks the model. A final answer finishes the request; tool calls move the
-agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{call_id}``. The last tool result of
+agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{n}.{call_id}``. The last tool result of
 a round sends the conversation back to the model (``plan:{n+1}``). A call to a tool that needs approval is a
 ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool, ``reject`` asks the model to
 revise. Every step's result is stored on its job, in the transition that schedules the next step, and the
@@ -20,9 +20,9 @@ from functools import cache
 from typing import Any
 
 from agents.commands import JobSpec, Join
-from agents.errors import InvalidJob, KeelError, TransientError
+from agents.errors import InvalidInput, InvalidJob
 from agents.handlers import JobContext, JobResult, handler
-from agents.inference import OpenAICompatible, Provider, ScriptedProvider
+from agents.inference import OpenAICompatible, Provider, Reply, ScriptedProvider
 from agents.phases import Event
 from agents.tools import ToolContext, by_function_name, registered
 from models.db import Database
@@ -60,6 +60,11 @@ def prompt_of(request_input: Any) -> str:
     return str(request_input)
 
 
+def step_target(tool_name: str, round_: int, call_id: str) -> str:
+    """The target of a tool (or gate) step: qualified by the round, since providers may reuse call ids."""
+    return f"{tool_name}:{round_}.{call_id}"
+
+
 def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
     """The messages of rounds 1..upto_round-1, rebuilt from the stored step results."""
     request_input, steps = request_steps(db, request_id)
@@ -68,28 +73,26 @@ def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, l
         {"role": "user", "content": prompt_of(request_input)},
     ]
     by_key = {s["key"]: s for s in steps}
-    rejected: dict[str, str] = {}
+    rejected: dict[tuple[int, str], str] = {}
     for step in steps:
         if step["operation"] == "plan":
             for entry in (step["payload"] or {}).get("rejected", []):
-                rejected[entry["tool_call_id"]] = entry["reason"]
+                rejected[(int(step["target"]) - 1, entry["tool_call_id"])] = entry["reason"]
     for n in range(1, upto_round):
-        plan = by_key.get(f"{request_id}:plan:{n}")
-        if plan is None or plan["result"] is None:
+        plan_step = by_key.get(f"{request_id}:plan:{n}")
+        if plan_step is None or plan_step["result"] is None:
             break
-        reply = plan["result"]["reply"]
+        reply = plan_step["result"]["reply"]
         messages.append(reply)
-        for call in reply.get("tool_calls", []):
-            name = call["function"]["name"]
-            tool = by_function_name(name)
-            target = f"{tool.name if tool else name}:{call['id']}"
-            done = by_key.get(f"{request_id}:tool:{target}")
-            if done is not None and done["result"] is not None:
+        for call in reply.get("tool_calls") or []:
+            tool = by_function_name(call["function"]["name"])
+            done = by_key.get(f"{request_id}:tool:{step_target(tool.name if tool else 'unknown', n, call['id'])}")
+            if done is not None and done["status"] == "succeeded" and done["result"] is not None:
                 content = done["result"]["content"]
-            elif call["id"] in rejected:
-                content = f"A person rejected this call: {rejected[call['id']]}"
+            elif (n, call["id"]) in rejected:
+                content = f"A person rejected this call: {rejected[(n, call['id'])]}"
             else:
-                content = "This call did not run."
+                content = "This call was not run."
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
     return request_input, messages
 
@@ -99,22 +102,37 @@ def plan(ctx: JobContext) -> JobResult:
     round_ = int(ctx.target)
     request_input, messages = conversation(ctx.db, ctx.request_id, round_)
     tools = registered()
-    reply = provider_for(request_input).complete(messages, [t.schema() for t in tools.values()], attempt=ctx.attempt)
+    if ctx.checkpointed and "reply" in ctx.checkpointed:  # an earlier attempt got (and paid for) the reply
+        reply = Reply.from_checkpoint(ctx.checkpointed)
+    else:
+        reply = provider_for(request_input).complete(
+            messages, [t.schema() for t in tools.values()], attempt=ctx.attempt
+        )
+        ctx.checkpoint(reply.checkpoint())
     message = reply.as_message()
     if not reply.tool_calls:
         return JobResult(output={"reply": message, "answer": reply.content}, usage=reply.usage, event=Event.FINISH)
+    ids = [call.id for call in reply.tool_calls]
+    if len(set(ids)) != len(ids):
+        raise InvalidJob(f"the model used a tool call id twice in one reply: {ids}", usage=reply.usage)
     jobs: list[JobSpec] = []
     gated = False
     for call in reply.tool_calls:
-        tool = by_function_name(call.name)
-        name = tool.name if tool else call.name
-        payload = {"arguments": dict(call.arguments), "round": round_, "call_id": call.id, "function": call.name}
+        tool = by_function_name(call.name)  # the model names tools by function name only: no other spelling runs
+        name = tool.name if tool else "unknown"
+        payload = {
+            "arguments": dict(call.arguments),
+            "round": round_,
+            "call_id": call.id,
+            "function": call.name,
+            "tool": tool.name if tool else None,
+        }
         if tool is not None and tool.needs_approval and not gated:
             gated = True
-            jobs.append(JobSpec("gate", f"{name}:{call.id}", payload=payload))
+            jobs.append(JobSpec("gate", step_target(name, round_, call.id), payload=payload))
         else:
             deferred = tool is not None and tool.needs_approval  # one approval at a time
-            jobs.append(JobSpec("tool", f"{name}:{call.id}", payload={**payload, "deferred": deferred}))
+            jobs.append(JobSpec("tool", step_target(name, round_, call.id), payload={**payload, "deferred": deferred}))
     return JobResult(output={"reply": message}, usage=reply.usage, event=Event.PLAN, jobs=tuple(jobs))
 
 
@@ -124,35 +142,39 @@ def _next_round(payload: Mapping[str, Any]) -> Join:
 
 @handler("tool")
 def run_tool(ctx: JobContext) -> JobResult:
-    name, call_id = ctx.target.rsplit(":", 1)
     payload = ctx.payload
+    call_id = str(payload["call_id"])
     join = _next_round(payload)
-    tool = registered().get(name)
+
+    def said(content: str, **extra: Any) -> JobResult:
+        return JobResult(output={"tool_call_id": call_id, "content": content}, join=join, **extra)
+
+    if ctx.checkpointed and "content" in ctx.checkpointed:  # it ran already; only its outcome was not recorded
+        return said(str(ctx.checkpointed["content"]))
+    tool = registered().get(payload.get("tool") or "")
     if tool is None:
-        content = f"error: there is no tool named {payload.get('function', name)!r}"
-        return JobResult(output={"tool_call_id": call_id, "content": content}, join=join)
+        return said(f"error: there is no tool named {payload.get('function')!r}")
     if payload.get("deferred"):
-        content = "not run: another call is waiting for approval; ask again after it"
-        return JobResult(output={"tool_call_id": call_id, "content": content}, join=join)
+        return said("not run: another call is waiting for approval; ask again after it")
+    if tool.needs_approval and not payload.get("approved"):
+        return said("not run: this tool needs a person's approval")
     try:
         args = tool.validate(payload.get("arguments", {}))
     except InvalidJob as exc:  # the model can fix its own arguments: tell it, do not fail the request
-        return JobResult(output={"tool_call_id": call_id, "content": f"error: {exc}"}, join=join)
-    context = ToolContext(ctx.key, ctx.request_id, call_id)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        future = pool.submit(tool.fn, args, context)
-        try:
-            output = future.result(timeout=tool.timeout)
-        except FutureTimeout:
-            raise TransientError(f"tool {name} did not finish within {tool.timeout:g}s") from None
-        except KeelError:
-            raise
-    return JobResult(
-        output={"tool_call_id": call_id, "content": output.content},
-        usage=output.usage,
-        messages=output.messages,
-        join=join,
-    )
+        return said(f"error: {exc}")
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tool-{tool.name}")
+    future = pool.submit(tool.fn, args, ToolContext(ctx.key, ctx.request_id, call_id))
+    try:
+        output = future.result(timeout=tool.timeout)
+    except FutureTimeout:
+        # It may still have had its effect: never run it again; tell the model.
+        return said(f"error: {tool.name} did not finish within {tool.timeout:g}s; its outcome is unknown")
+    except InvalidInput as exc:
+        return said(f"error: {exc}")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    ctx.checkpoint({"tool_call_id": call_id, "content": output.content})
+    return said(output.content, usage=output.usage, messages=output.messages)
 
 
 @handler("gate")
@@ -179,29 +201,47 @@ def pending_approval(db: Database, request_id: str | None) -> PendingApproval | 
     _, steps = request_steps(db, request_id)
     keys = {s["key"] for s in steps}
     rejected = {
-        e["tool_call_id"] for s in steps if s["operation"] == "plan" for e in (s["payload"] or {}).get("rejected", [])
+        (int(s["target"]) - 1, e["tool_call_id"])
+        for s in steps
+        if s["operation"] == "plan"
+        for e in (s["payload"] or {}).get("rejected", [])
     }
     for step in reversed(steps):
         if step["operation"] != "gate" or step["status"] != "succeeded":
             continue
-        name, call_id = step["target"].rsplit(":", 1)
-        if f"{request_id}:tool:{step['target']}" in keys or call_id in rejected:
-            continue
         payload = step["payload"]
-        return PendingApproval(name, call_id, payload.get("arguments", {}), int(payload["round"]))
+        round_, call_id = int(payload["round"]), str(payload["call_id"])
+        if f"{request_id}:tool:{step['target']}" in keys or (round_, call_id) in rejected:
+            continue
+        return PendingApproval(str(payload["tool"]), call_id, payload.get("arguments", {}), round_)
     return None
 
 
 def approval_jobs(pending: PendingApproval) -> tuple[JobSpec, ...]:
-    """What an approval schedules: the held call itself."""
-    payload = {"arguments": dict(pending.arguments), "round": pending.round, "call_id": pending.call_id}
-    return (JobSpec("tool", f"{pending.tool}:{pending.call_id}", payload=payload),)
+    """What an approval schedules: the held call itself, marked approved."""
+    payload = {
+        "arguments": dict(pending.arguments),
+        "round": pending.round,
+        "call_id": pending.call_id,
+        "tool": pending.tool,
+        "approved": True,
+    }
+    return (JobSpec("tool", step_target(pending.tool, pending.round, pending.call_id), payload=payload),)
 
 
 def rejection_jobs(pending: PendingApproval, reason: str) -> tuple[JobSpec, ...]:
     """What a rejection schedules: the model's next round, told why."""
     rejected = [{"tool_call_id": pending.call_id, "reason": reason}]
     return (JobSpec("plan", str(pending.round + 1), payload={"rejected": rejected}),)
+
+
+def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:
+    """A rejection's effect: the rest of the round is superseded (running calls are fenced off, never recorded)."""
+    from agents.core import now
+    from models.jobs_sql import cancel_request_steps_txn
+
+    cancelled = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), now())
+    return {"superseded": cancelled} if cancelled else {}
 
 
 def transcript(messages: Sequence[Mapping[str, Any]]) -> str:

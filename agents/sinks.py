@@ -288,6 +288,7 @@ class FakeLLM(FakeBase):
     slow_turns: set[int] = field(default_factory=set)
     requests_seen: list[dict[str, Any]] = field(default_factory=list)
     completed: Counter[int] = field(default_factory=Counter)
+    custom: tuple[int, Any, dict[str, str]] | None = None  # answer every call with (status, body, headers)
 
     def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
         if urlparse(request.path).path != "/v1/chat/completions" or method != "POST":
@@ -299,6 +300,9 @@ class FakeLLM(FakeBase):
         body = json.loads(raw or b"{}")
         with self.lock:
             self.requests_seen.append(body)
+        if self.custom is not None:
+            status, payload, headers = self.custom
+            return self.reply(request, status, payload, headers)
         if self.fault == "429":
             return self.reply(request, 429, {"error": {"message": "Rate limit reached"}}, {"retry-after": "3"})
         if self.fault == "500":

@@ -105,7 +105,7 @@ def load_entry_points() -> None:
 
 
 class SlackPost(BaseModel):
-    channel: str = Field(description="Slack conversation id, e.g. C0123ABCD")
+    channel: str = Field(pattern=r"^[CGD][A-Z0-9]{1,20}$", description="Slack conversation id, e.g. C0123ABCD")
     text: str = Field(min_length=1, max_length=40_000)
 
 
@@ -116,8 +116,10 @@ def slack_post(args: SlackPost, ctx: ToolContext) -> ToolOutput:
 
 
 class GitHubComment(BaseModel):
-    repository: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9\-]*/[A-Za-z0-9._\-]+$", description="owner/repo")
-    issue: int = Field(ge=1)
+    repository: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9\-]{0,38}/[A-Za-z0-9._\-]{1,100}$", description="owner/repo"
+    )
+    issue: int = Field(ge=1, le=9_999_999_999)
     body: str = Field(min_length=1, max_length=65_000)
 
 

@@ -57,6 +57,8 @@ class ClaimedJob:
     spent_cost: Decimal
     budget_tokens: int | None
     budget_cost: Decimal | None
+    # What an earlier attempt checkpointed before it could record its outcome (a reply it already paid for).
+    checkpoint: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,7 @@ def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) 
             " AND (j.status IN ('pending', 'enqueued') OR (j.status = 'running' AND j.lease_until < clock_timestamp()))"
             " RETURNING j.key, j.agent_id, j.request_id, j.operation, j.target, j.payload, j.attempts,"
             " j.error_attempts, j.fencing_token, j.lease_until, j.queue, a.phase, a.hard_deadline, a.spent_tokens,"
-            " a.spent_cost, a.budget_tokens, a.budget_cost",
+            " a.spent_cost, a.budget_tokens, a.budget_cost, j.result",
             {"key": key, "lease": lease, "worker": worker, "now": now, "due": now + timedelta(seconds=1)},
         )
         row = cur.fetchone()
@@ -254,6 +256,31 @@ def retry_txn(
     )
     if cur.rowcount != 1:
         raise FencedOff(key)
+
+
+def checkpoint(db: Database, key: str, token: int, data: dict[str, Any]) -> bool:
+    """Store a step's result the moment it exists (before its outcome transition), under the claim's token. A later
+    attempt finds it and does not pay for the same call again."""
+    with db.autocommit() as cur:
+        cur.execute(
+            "UPDATE jobs SET result = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
+            (json.dumps(data), key, token),
+        )
+        return cur.rowcount == 1
+
+
+def cancel_request_steps_txn(
+    cur: psycopg.Cursor[Any], request_id: str, operations: Sequence[str], now: datetime
+) -> list[str]:
+    """Cancel a request's live steps of the given operations; running ones are fenced off."""
+    cur.execute(
+        "UPDATE jobs SET status = 'cancelled', last_error = 'superseded', lease_until = NULL, finished_at = %s,"
+        " updated_at = %s,"
+        " fencing_token = CASE WHEN status = 'running' THEN nextval('job_fencing_token_seq') ELSE fencing_token END"
+        " WHERE request_id = %s AND operation = ANY(%s) AND status IN ('pending', 'enqueued', 'running') RETURNING key",
+        (now, now, request_id, list(operations)),
+    )
+    return [r[0] for r in cur.fetchall()]
 
 
 def holds(cur: psycopg.Cursor[Any], key: str, token: int) -> bool:

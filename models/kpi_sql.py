@@ -2,38 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+from uuid import UUID
 
 from psycopg.rows import dict_row
 
 from models.db import Database
 
+# Every figure can be narrowed to some agents (%(ids)s; NULL: all of them).
 _KPIS = """
+WITH mine_agents AS (SELECT id FROM agents WHERE %(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[])),
+     mine_jobs AS (SELECT * FROM jobs WHERE agent_id IN (SELECT id FROM mine_agents)),
+     mine_events AS (SELECT * FROM audit.journal WHERE agent_id IN (SELECT id FROM mine_agents)),
+     mine_log AS (SELECT d.* FROM delivery_log d JOIN outbox o ON o.key = d.key
+                  WHERE o.agent_id IN (SELECT id FROM mine_agents))
 SELECT
-  (SELECT count(*) FROM audit.journal WHERE kind = 'suppressed')
-  + (SELECT coalesce(sum(json_array_length(details->'jobs_suppressed')), 0) FROM audit.journal
+  (SELECT count(*) FROM mine_events WHERE kind = 'suppressed')
+  + (SELECT coalesce(sum(json_array_length(details->'jobs_suppressed')), 0) FROM mine_events
      WHERE details->'jobs_suppressed' IS NOT NULL)
-  + (SELECT coalesce(sum(json_array_length(details->'messages_suppressed')), 0) FROM audit.journal
+  + (SELECT coalesce(sum(json_array_length(details->'messages_suppressed')), 0) FROM mine_events
      WHERE details->'messages_suppressed' IS NOT NULL)                                   AS suppressed_duplicates,
-  (SELECT count(*) FROM (SELECT key FROM delivery_log GROUP BY key HAVING count(*) > 1) d) AS keys_confirmed_twice,
-  (SELECT count(*) FROM delivery_log)                                                     AS deliveries,
-  (SELECT coalesce(sum(attempts), 0) FROM jobs WHERE operation = 'plan')                AS model_calls,
-  (SELECT coalesce(sum(attempts), 0) FROM jobs WHERE operation = 'tool')                AS tool_calls,
+  (SELECT count(*) FROM (SELECT key FROM mine_log GROUP BY key HAVING count(*) > 1) d)   AS keys_confirmed_twice,
+  (SELECT count(*) FROM mine_log)                                                        AS deliveries,
+  (SELECT coalesce(sum(attempts), 0) FROM mine_jobs WHERE operation = 'plan')           AS model_calls,
+  (SELECT coalesce(sum(attempts), 0) FROM mine_jobs WHERE operation = 'tool')           AS tool_calls,
   (SELECT percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - run_at))
-     FROM jobs WHERE status = 'succeeded')                                               AS p95_step_seconds,
-  (SELECT count(*) FILTER (WHERE status = 'succeeded')::float / nullif(count(*), 0) FROM jobs
-     WHERE error_attempts <> '{}'::jsonb)                                                AS recovery_rate,
-  (SELECT count(*) FROM jobs WHERE error_attempts <> '{}'::jsonb)                        AS jobs_that_failed_once,
-  (SELECT coalesce(sum(failed_tokens), 0) FROM jobs)                                     AS retry_tokens,
-  (SELECT coalesce(sum(failed_cost), 0) FROM jobs)                                       AS retry_cost,
+     FROM mine_jobs WHERE status = 'succeeded')                                         AS p95_step_seconds,
+  (SELECT count(*) FILTER (WHERE status = 'succeeded')::float / nullif(count(*), 0) FROM mine_jobs
+     WHERE error_attempts <> '{}'::jsonb)                                               AS recovery_rate,
+  (SELECT count(*) FROM mine_jobs WHERE error_attempts <> '{}'::jsonb)                  AS jobs_that_failed_once,
+  (SELECT coalesce(sum(failed_tokens), 0) FROM mine_jobs)                               AS retry_tokens,
+  (SELECT coalesce(sum(failed_cost), 0) FROM mine_jobs)                                 AS retry_cost,
   (SELECT count(*) FILTER (WHERE phase = 'failed')::float / nullif(count(*), 0) FROM agents
-     WHERE request_id IS NOT NULL)                                                       AS failure_rate
+     WHERE request_id IS NOT NULL AND id IN (SELECT id FROM mine_agents))               AS failure_rate
 """
 
 
-def kpis(db: Database) -> dict[str, Any]:
+def kpis(db: Database, agent_ids: Sequence[UUID] | None = None) -> dict[str, Any]:
+    """The KPIs over all agents, or over ``agent_ids`` only."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(_KPIS)
+        cur.execute(_KPIS, {"ids": None if agent_ids is None else list(agent_ids)})
         row = cur.fetchone() or {}
         conn.rollback()
     return dict(row)

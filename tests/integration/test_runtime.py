@@ -83,7 +83,12 @@ def test_a_scripted_conversation_runs_to_done_and_its_usage_adds_up(client: Clie
         ),
     )
     ran = run_all(db)
-    assert ran == ["req-1:plan:1", "req-1:tool:kb.lookup:call_0_0", "req-1:tool:slack.post:call_0_1", "req-1:plan:2"]
+    assert ran == [
+        "req-1:plan:1",
+        "req-1:tool:kb.lookup:1.call_0_0",
+        "req-1:tool:slack.post:1.call_0_1",
+        "req-1:plan:2",
+    ]
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens, state.spent_cost) == ("done", 205, Decimal("0.0035"))
     assert job_row(db, "req-1:plan:2")["result"]["answer"] == "Three incidents, all about the database."  # type: ignore[index]
@@ -155,7 +160,7 @@ def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
         "tool_call_id": "call_0_0",
         "content": "A person rejected this call: not on a Friday",
     }
-    assert job_row(db, "req-1:tool:github.comment:call_0_0") is None, "the rejected call never ran"
+    assert job_row(db, "req-1:tool:github.comment:1.call_0_0") is None, "the rejected call never ran"
 
 
 def test_an_approval_after_the_hard_deadline_is_refused(client: Client, db: Database) -> None:
@@ -175,7 +180,7 @@ def test_an_exhausted_budget_stops_the_loop_before_the_next_model_call(client: C
     # plan 1 (100) + a lookup (5) + plan 2 (100) = 205 >= 150: the next step is not started.
     assert state.phase == "failed" and state.spent_tokens == 205
     assert client.journal(agent_id=agent.id)[-1].decision == "budget_exhausted"
-    assert job_row(db, "req-1:tool:kb.lookup:call_1_0")["status"] == "failed"  # type: ignore[index]
+    assert job_row(db, "req-1:tool:kb.lookup:2.call_1_0")["status"] == "failed"  # type: ignore[index]
     assert job_row(db, "req-1:plan:3") is None, "no further model call was made"
 
 
@@ -238,3 +243,144 @@ def test_openai_client_maps_errors_to_classes(llm: FakeLLM, fault: str, error: t
     assert "sk-test-secret-key-123" not in str(info.value)
     if fault == "429":
         assert info.value.retry_after == 3.0  # type: ignore[attr-defined]
+
+
+def test_a_tool_that_needs_approval_cannot_be_called_by_another_spelling(client: Client, db: Database) -> None:
+    agent = client.create_agent("sneaky")
+    client.submit(
+        agent.id,
+        "req-1",
+        script(
+            {
+                "tool_calls": [
+                    {"name": "github.comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "x"}}
+                ]
+            },
+            {"content": "ok"},
+        ),
+    )
+    run_all(db)
+    from models.outbox_sql import message_row
+
+    assert message_row(db, "req-1:github:call_0_0") is None, "an unapproved comment was emitted"
+    from agents.runtime import conversation
+
+    _, messages = conversation(db, "req-1", 2)
+    assert messages[-1]["content"] == "error: there is no tool named 'github.comment'"
+    assert client.get_state(agent.id).phase == "done"
+
+
+def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Database) -> None:
+    agent = client.create_agent("mixed")
+    client.submit(
+        agent.id,
+        "req-1",
+        script(
+            {
+                "tool_calls": [
+                    {"name": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "x"}},
+                    {"name": "kb_lookup", "arguments": {"q": "later"}},
+                ]
+            },
+            {"content": "Revised without commenting."},
+        ),
+    )
+    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
+    runner.run("req-1:plan:1")
+    runner.run("req-1:gate:github.comment:1.call_0_0")  # the lookup is still pending when the person says no
+    waiting = client.get_state(agent.id)
+    client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
+    assert job_row(db, "req-1:tool:kb.lookup:1.call_0_1")["status"] == "cancelled"  # type: ignore[index]
+    run_all(db)
+    assert client.get_state(agent.id).phase == "done"
+
+
+def test_reused_call_ids_across_rounds_do_not_collide(client: Client, db: Database) -> None:
+    agent = client.create_agent("reuser")
+    same = {"tool_calls": [{"name": "kb_lookup", "arguments": {"q": "x"}}]}
+    client.submit(agent.id, "req-1", script(same, same, {"content": "done"}))
+    run_all(db)
+    assert client.get_state(agent.id).phase == "done"
+    assert job_row(db, "req-1:tool:kb.lookup:2.call_1_0")["status"] == "succeeded"  # type: ignore[index]
+
+
+def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: Database, llm: FakeLLM) -> None:
+    """The model answered, the worker died before recording it: the retry uses the stored reply."""
+    import os
+
+    from agents import runtime
+    from agents.handlers import JobContext
+    from models.jobs_sql import claim
+
+    llm.replies = [{"content": "stored answer", "usage": (50, 10)}]
+    agent = client.create_agent("checkpointed")
+    client.submit(agent.id, "req-1", {"prompt": "hi"})
+    env = {
+        "KEEL_LLM_PROVIDER": "openai",
+        "KEEL_LLM_BASE_URL": f"{llm.url}/v1",
+        "KEEL_LLM_API_KEY": "sk-test-secret-key-123",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    runtime._settings.cache_clear()
+    runtime._openai.cache_clear()
+    try:
+        first = claim(db, "req-1:plan:1", "w1", timedelta(seconds=30), client_now())
+        assert first is not None and not isinstance(first, type(None))
+        ctx = JobContext("req-1:plan:1", agent.id, "req-1", "plan", "1", {}, 1, first.fencing_token, db)  # type: ignore[union-attr]
+        runtime.plan(ctx)  # called the model and checkpointed; "dies" before the outcome
+        expire_lease(db, "req-1:plan:1")
+        from models.jobs_sql import take_due
+
+        with db.transaction() as cur:  # the dispatcher recovers it
+            assert [d.key for d in take_due(cur, client_now(), enqueue_timeout=timedelta(minutes=5), limit=5)] == [
+                "req-1:plan:1"
+            ]
+        run_all(db)
+    finally:
+        if runtime._openai.cache_info().currsize:
+            runtime._openai().close()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        runtime._settings.cache_clear()
+        runtime._openai.cache_clear()
+    assert sum(llm.completed.values()) == 1, "the model was called again"
+    assert job_row(db, "req-1:plan:1")["result"]["answer"] == "stored answer"  # type: ignore[index]
+    assert client.get_state(agent.id).spent_tokens == 60
+
+
+def client_now() -> Any:
+    from agents.core import now
+
+    return now()
+
+
+def expire_lease(db: Database, key: str) -> None:
+    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
+        conn.execute("UPDATE jobs SET lease_until = clock_timestamp() - interval '1 second' WHERE key = %s", (key,))
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "error", "text"),
+    [
+        ({"error": "model not found"}, {}, InvalidJob, "model not found"),
+        ({"error": {"message": "quota", "code": "insufficient_quota"}}, {}, InvalidJob, "no quota left"),
+        (
+            {"error": {"message": "slow down"}},
+            {"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"},
+            RateLimited,
+            "slow down",
+        ),
+    ],
+)
+def test_odd_error_bodies_are_classified(
+    llm: FakeLLM, body: Any, headers: dict[str, str], error: type[Exception], text: str
+) -> None:
+    llm.custom = (429 if error is RateLimited or "quota" in text else 404, body, headers)
+    client = OpenAICompatible(f"{llm.url}/v1", "m-1", "sk-test-secret-key-123", timeout=1.0)
+    with pytest.raises(error, match=text):
+        client.complete([{"role": "user", "content": "hi"}], [])
+    client.close()
