@@ -135,11 +135,12 @@ class Relay:
     def _drain(self, destination: str, deadline: float, report: RelayReport) -> None:
         """Work down one destination's line, a run of messages at a time, while they go through and time lasts."""
         while time.monotonic() < deadline:
+            claimed_at = time.monotonic()  # before the claim: the lease surely lasts until claimed_at + lease
             run = claim_run(self.db, destination, core.now(), self.lease, RUN_LENGTH)
-            if not run or not self._send_run(run, report):
+            if not run or not self._send_run(run, report, claimed_at):
                 return
 
-    def _send_run(self, run: list[ClaimedMessage], report: RelayReport) -> bool:
+    def _send_run(self, run: list[ClaimedMessage], report: RelayReport, claimed_at: float) -> bool:
         """Send a claimed run in order. Confirmations are written once for the run: should the relay die first, the
         messages are still ``sending`` and get reconciled, not re-sent. Stops at the first failure, which is
         recorded, and gives the rest of the run back untouched. True if the whole run went through."""
@@ -147,6 +148,13 @@ class Relay:
         try:
             for index, message in enumerate(run):
                 try:
+                    if time.monotonic() - claimed_at > self.lease.total_seconds() / 2:
+                        # Half the lease is gone: renew it before sending more. A relay that stalled past its lease
+                        # learns here that the line may be someone else's, and stops.
+                        renewed_at = time.monotonic()
+                        if not all(renew(self.db, m, self.lease) for m in run[index:]):
+                            raise LostClaim(message.key)
+                        claimed_at = renewed_at
                     delivered = self._attempt(message)
                 except LostClaim:
                     self._flush(done, report)  # what did go out is confirmed; the rest is another relay's now
@@ -177,8 +185,6 @@ class Relay:
             return SendFailed(
                 "permanent", f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
             )
-        if not renew(self.db, message, self.lease):  # the run outlived its lease: another relay may have it now
-            raise LostClaim(message.key)
         try:
             if message.needs_reconcile:
                 found = receiver.find(message.key, message.destination, since=message.created_at - CLOCK_SLACK)
