@@ -40,7 +40,7 @@ def test_keel_up_runs_the_stack_until_ctrl_c(db_url: str, broker_url: str, tmp_p
         assert len(children) == 3, "worker, beat and Flower"
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
-        gone, alive = psutil.wait_procs(children, timeout=30)
+        _gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, f"left running: {alive}"
     finally:
         if up.poll() is None:
