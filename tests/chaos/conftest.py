@@ -39,6 +39,16 @@ FAST = {
 }
 
 
+def free_port() -> int:
+    """A port nobody listens on right now (asked of the kernel, not guessed)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     while True:

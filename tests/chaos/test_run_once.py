@@ -5,14 +5,13 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import uuid
 from typing import Any
 
 import pytest
 import redis
 
 from agents.client import Client
-from tests.chaos.conftest import ROOT, Stack, wait_until
+from tests.chaos.conftest import ROOT, Stack, free_port, wait_until
 
 pytestmark = pytest.mark.chaos
 
@@ -250,7 +249,7 @@ def test_flower_lists_the_worker(stack: Stack) -> None:
     import httpx
 
     stack.worker("w1")
-    port = 20000 + uuid.uuid4().int % 20000
+    port = free_port()
     stack.start("flower", "flower", "--port", str(port), "--address=127.0.0.1")
 
     def workers() -> Any:

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,14 @@ import httpx
 import psutil
 import pytest
 
-from tests.chaos.conftest import wait_until
+from tests.chaos.conftest import free_port, wait_until
 
 pytestmark = pytest.mark.chaos
 KEEL = str(Path(sys.executable).parent / "keel")
 
 
 def test_keel_up_runs_the_stack_until_ctrl_c(db_url: str, broker_url: str, tmp_path: Path) -> None:
-    port = 20000 + uuid.uuid4().int % 20000
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env.update({"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": broker_url, "FLOWER_UNAUTHENTICATED_API": "true"})
     with open(tmp_path / "up.log", "wb") as log:
