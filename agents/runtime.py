@@ -11,8 +11,7 @@ finished model call or tool call is never made again.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -242,7 +241,3 @@ def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:
 
     cancelled = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), now())
     return {"superseded": cancelled} if cancelled else {}
-
-
-def transcript(messages: Sequence[Mapping[str, Any]]) -> str:
-    return "\n".join(json.dumps(m, sort_keys=True) for m in messages)

@@ -97,15 +97,6 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> tuple[AgentRow, 
     return None if row is None else (AgentRow(*row[:-1]), int(row[-1]))
 
 
-def read_agent(db: Any, agent_id: UUID) -> AgentRow | None:
-    """The agent row as it is now, without locking it (for checks that a transition repeats under the lock)."""
-    with db.connection() as conn, conn.cursor() as cur:
-        cur.execute(f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s", (agent_id,))
-        row = cur.fetchone()
-        conn.rollback()
-    return None if row is None else AgentRow(*row)
-
-
 def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> None:
     """Write ``after`` over ``before`` together with the event that explains it; raises :class:`LostUpdate` if the
     row moved on behind the lock."""

@@ -24,6 +24,7 @@ from agents.policies import DEFAULT_RULES, ErrorClass
 from agents.runner import Runner
 from models.db import Database
 from models.jobs_sql import claim, job_row, take_due
+from tests.support.db import expire_lease
 
 pytestmark = pytest.mark.integration
 
@@ -40,11 +41,6 @@ def runner(db: Database, handlers: dict[str, Callable[[JobContext], JobResult]],
         rules=DEFAULT_RULES,
         **kw,
     )
-
-
-def expire_lease(db: Database, key: str) -> None:
-    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
-        conn.execute("UPDATE jobs SET lease_until = clock_timestamp() - interval '1 second' WHERE key = %s", (key,))
 
 
 def finish(ctx: JobContext) -> JobResult:

@@ -24,6 +24,7 @@ from agents.runner import Runner
 from agents.tools import ToolContext, ToolOutput, tool
 from models.db import Database
 from models.jobs_sql import job_row
+from tests.support.db import expire_lease
 from tests.support.fakes import FakeLLM
 
 pytestmark = pytest.mark.integration
@@ -356,11 +357,6 @@ def client_now() -> Any:
     from agents.core import now
 
     return now()
-
-
-def expire_lease(db: Database, key: str) -> None:
-    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
-        conn.execute("UPDATE jobs SET lease_until = clock_timestamp() - interval '1 second' WHERE key = %s", (key,))
 
 
 @pytest.mark.parametrize(
