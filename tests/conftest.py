@@ -7,7 +7,6 @@ Tests never skip for a missing service.
 
 from __future__ import annotations
 
-import itertools
 import os
 import uuid
 from collections.abc import Iterator
@@ -119,7 +118,7 @@ def raw(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 # --- Redis ------------------------------------------------------------------------------------------------------
 
 LOCAL_REDIS = "redis://127.0.0.1:6379"
-_redis_dbs = itertools.count()
+_REDIS_LOCKS = Path(os.environ.get("TMPDIR", "/tmp")) / "keel-test-redis-dbs"
 
 
 def _redis_problem(url: str) -> str | None:
@@ -150,15 +149,40 @@ def redis_server_url() -> str:
     return start_redis(ROOT / ".keel" / "test").rsplit("/", 1)[0]
 
 
-@pytest.fixture
-def broker_url(redis_server_url: str) -> Iterator[str]:
-    """A Redis database of this test's own, empty before and after."""
+@contextmanager
+def _own_redis_db(server_url: str) -> Iterator[str]:
+    """A Redis database number nobody else uses: held by an exclusive lock file (so parallel test runs on one machine
+    never share one) and empty when taken (a database with keys in it is someone else's and is left alone)."""
+    import fcntl
+
     import redis
 
-    number = next(_redis_dbs) % 15 + 1  # db 0 is left to whoever else uses this server
-    url = f"{redis_server_url}/{number}"
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
+    _REDIS_LOCKS.mkdir(parents=True, exist_ok=True)
+    for number in range(1, 16):  # db 0 is left to whoever else uses this server
+        handle = open(_REDIS_LOCKS / f"{number}.lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        url = f"{server_url}/{number}"
+        client = redis.Redis.from_url(url)
+        try:
+            if client.dbsize() != 0:
+                continue
+            try:
+                yield url
+            finally:
+                client.flushdb()  # only keys this test created: the database was empty and locked for it
+            return
+        finally:
+            client.close()
+            handle.close()
+    raise RuntimeError(f"no free, empty Redis database on {server_url} (all of 1-15 are in use or hold data)")
+
+
+@pytest.fixture
+def broker_url(redis_server_url: str) -> Iterator[str]:
+    """A Redis database of this test's own: empty when taken, emptied afterwards, never shared."""
+    with _own_redis_db(redis_server_url) as url:
+        yield url
