@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -53,13 +53,16 @@ class JobSpec:
     operation: str
     target: str
     payload: Mapping[str, Any] = field(default_factory=dict)
-    run_at: datetime | None = None  # None: now
+    #: Due this long after the transition that schedules it, on the database's clock (None: at once).
+    delay: timedelta | None = None
     priority: int = 5
 
     def __post_init__(self) -> None:
         make_key("r", self.operation, self.target)  # validates both segments
         if not 0 <= self.priority <= 9:
             raise InvalidInput(f"job priority must be 0-9, got {self.priority}")
+        if self.delay is not None and self.delay < timedelta(0):
+            raise InvalidInput(f"job delay must not be negative, got {self.delay}")
 
 
 # A conversation id (C…, G…, D…): reconciliation reads the channel's history, which takes ids, not names.
@@ -108,13 +111,14 @@ class JobOutcome:
     error: str | None = None
     error_class: str | None = None
     error_attempts: Mapping[str, int] | None = None
-    run_at: datetime | None = None
+    #: A retry is due this long after the transition that records it (on the database's clock, not a host's).
+    retry_delay: timedelta | None = None
 
     def __post_init__(self) -> None:
         if self.status not in ("succeeded", "pending", "failed", "dead", "cancelled"):
             raise InvalidInput(f"job outcome status {self.status!r} is unknown")
-        if self.status == "pending" and self.run_at is None:
-            raise InvalidInput("a retry (status pending) needs run_at")
+        if self.status == "pending" and self.retry_delay is None:
+            raise InvalidInput("a retry (status pending) needs retry_delay")
 
     @property
     def leaves_job_live(self) -> bool:

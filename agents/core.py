@@ -20,14 +20,13 @@ import sqlalchemy.exc
 
 from agents import journal
 from agents.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
-from agents.errors import AgentExists, AgentNotFound, InvalidInput, StoreError
+from agents.errors import AgentExists, AgentNotFound, FencedOff, InvalidInput, LostUpdate, StoreError
 from agents.jobs import LOW_QUEUE, new_jobs
 from agents.keys import make_key
 from agents.phases import RESTING, Event, Phase
 from models.db import Database
 from models.jobs_sql import (
     Due,
-    FencedOff,
     cancel_agent_jobs_txn,
     demote_agent_jobs_txn,
     finish_txn,
@@ -37,7 +36,7 @@ from models.jobs_sql import (
 )
 from models.outbox_sql import NewMessage, insert_messages_txn
 from models.schemas import AgentRow
-from models.sql import LostUpdate, claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
+from models.sql import claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
 
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
 #: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled.
@@ -56,6 +55,8 @@ class Transitioned:
 
 
 def now() -> datetime:
+    """This host's clock: for what a person reads (log lines, relative deadlines a caller gives). Nothing that
+    decides or orders anything compares it with a stored time: that is the database's clock (invariant 10)."""
     return datetime.now(UTC)
 
 
@@ -64,8 +65,6 @@ def store_errors() -> Iterator[None]:
     """The one boundary where driver errors become :class:`StoreError`."""
     try:
         yield
-    except LostUpdate as exc:
-        raise StoreError(str(exc)) from exc
     except psycopg.Error as exc:
         raise StoreError(f"database error: {_message(exc)}") from exc
     except sqlalchemy.exc.DBAPIError as exc:
@@ -80,11 +79,11 @@ def _message(exc: BaseException | None) -> str:
 
 def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str) -> AgentRow:
     """Insert a new idle agent at revision 0 and start its journal chain with a ``created`` event."""
-    at = now()
     with store_errors(), db.transaction() as cur:
-        row = insert_agent_txn(cur, name=name, budget_tokens=budget_tokens, budget_cost=budget_cost, at=at)
+        row = insert_agent_txn(cur, name=name, budget_tokens=budget_tokens, budget_cost=budget_cost)
         if row is None:
             raise AgentExists(name)
+        at = row.created_at
         details = {
             "budget_tokens": budget_tokens,
             "budget_cost": None if budget_cost is None else str(budget_cost),
@@ -119,8 +118,8 @@ def transition(
             locked = lock_agent_txn(cur, command.agent_id)
             if locked is None:
                 raise AgentNotFound(command.agent_id)
-            row, live_jobs = locked
-            at = now()  # after the lock: along a chain, time never goes back
+            # The database's clock, read after the lock: along a chain time never goes back, and every host agrees.
+            row, live_jobs, at = locked.row, locked.live_jobs, locked.at
             command = _joined(command, row, live_jobs)
             owner = None
             if command.event is Event.SUBMIT and not is_repeat_submit(row, command):
@@ -228,7 +227,8 @@ def _apply_txn(
         at=at,
     )
     after = replace(after, journal_seq=event.seq, journal_head=event.hash)
-    update_agent_txn(cur, before, after, event)
+    if not update_agent_txn(cur, before, after, event):
+        raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
     return after, to_publish
 
 
@@ -264,15 +264,15 @@ def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Comma
 
 
 def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime, queue: str | None) -> None:
-    """Write a job's outcome under its fencing token; raises :class:`~models.jobs_sql.FencedOff` if the claim
-    is no longer the writer's."""
+    """Write a job's outcome under its fencing token; raises :class:`~agents.errors.FencedOff` if the claim
+    is no longer the writer's. A retry is due ``retry_delay`` after ``at``, the database's clock."""
     if outcome.status == "pending":
-        assert outcome.run_at is not None
-        retry_txn(
+        assert outcome.retry_delay is not None
+        written = retry_txn(
             cur,
             outcome.key,
             outcome.fencing_token,
-            run_at=outcome.run_at,
+            run_at=at + outcome.retry_delay,
             now=at,
             error=outcome.error or "",
             error_class=outcome.error_class or "unknown",
@@ -281,22 +281,24 @@ def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: dateti
             failed_cost=outcome.failed_usage.cost,
             queue=queue,  # a retry of an agent past its soft deadline goes to the low-priority queue
         )
-        return
-    finish_txn(
-        cur,
-        outcome.key,
-        outcome.fencing_token,
-        status=outcome.status,
-        now=at,
-        result=None if outcome.result is None else dict(outcome.result),
-        tokens=outcome.usage.tokens,
-        cost=outcome.usage.cost,
-        error=outcome.error,
-        error_class=outcome.error_class,
-        failed_tokens=outcome.failed_usage.tokens,
-        failed_cost=outcome.failed_usage.cost,
-        error_attempts=None if outcome.error_attempts is None else dict(outcome.error_attempts),
-    )
+    else:
+        written = finish_txn(
+            cur,
+            outcome.key,
+            outcome.fencing_token,
+            status=outcome.status,
+            now=at,
+            result=None if outcome.result is None else dict(outcome.result),
+            tokens=outcome.usage.tokens,
+            cost=outcome.usage.cost,
+            error=outcome.error,
+            error_class=outcome.error_class,
+            failed_tokens=outcome.failed_usage.tokens,
+            failed_cost=outcome.failed_usage.cost,
+            error_attempts=None if outcome.error_attempts is None else dict(outcome.error_attempts),
+        )
+    if not written:
+        raise FencedOff(outcome.key)
 
 
 def record_side_event(
@@ -316,11 +318,10 @@ def record_side_event(
         locked = lock_agent_txn(cur, agent_id)
         if locked is None:
             raise AgentNotFound(agent_id)
-        row = locked[0]
         if effects is not None:
             effects(cur)
         journal.append_side_event_txn(
-            cur, row, kind=kind, event=event, actor=actor, decision=decision, details=details, at=now()
+            cur, locked.row, kind=kind, event=event, actor=actor, decision=decision, details=details, at=locked.at
         )
 
 
@@ -339,15 +340,14 @@ def _journal_rejection(db: Database, command: Command, decision: Reject, judged:
         locked = lock_agent_txn(cur, command.agent_id)
         if locked is None:  # pragma: no cover - agents are never deleted
             return
-        row = locked[0]
         journal.append_side_event_txn(
             cur,
-            row,
+            locked.row,
             kind="rejected",
             event=command.event.value,
             actor=command.actor,
             request_id=command.request_id,
             decision=decision.decision,
             details=details,
-            at=now(),
+            at=locked.at,
         )

@@ -117,12 +117,20 @@ class BudgetExceeded(JobError):
     error_class = "budget"
 
 
-class Fenced(KeelError):
-    """The job's lease was taken over: this worker may no longer write its outcome."""
+class FencedOff(KeelError):
+    """The job's claim was taken over (its lease expired) or cancelled: this worker may no longer write its outcome."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"job {key}: this worker's claim was taken over or cancelled; its outcome is not recorded")
 
 
 class StoreError(KeelError):
     """The database failed."""
+
+
+class LostUpdate(StoreError):
+    """A guarded write matched no row although the row was locked: another writer bypassed the lock."""
 
 
 class EmbeddedError(KeelError):

@@ -26,7 +26,7 @@ def new_jobs(agent: AgentRow, specs: Sequence[JobSpec], now: datetime, *, publis
         raise ValueError("jobs need a request in flight")
     rows = []
     for spec in specs:
-        run_at = spec.run_at or now
+        run_at = now + spec.delay if spec.delay else now
         due = run_at <= now
         rows.append(
             NewJob(

@@ -17,6 +17,7 @@ from uuid import UUID
 import psycopg
 from sqlalchemy import select
 
+from agents.errors import LostUpdate
 from models.db import Database
 from models.schemas import AgentRow, JournalEvent
 from models.sql import NewEvent, advance_chain_txn
@@ -121,7 +122,8 @@ def append_side_event_txn(
         details=details,
         at=at,
     )
-    advance_chain_txn(cur, appended)
+    if not advance_chain_txn(cur, appended):
+        raise LostUpdate(f"agent {row.id}'s journal chain is no longer at event {row.journal_seq}")
     return appended
 
 

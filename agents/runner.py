@@ -11,23 +11,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from decimal import Decimal
+from typing import Any
 
 import psycopg
 
 from agents import core
 from agents.commands import Command, JobOutcome, Usage
-from agents.errors import HardDeadlinePassed, IllegalTransition, InvalidJob, JobError, KeelError, StoreError
+from agents.errors import (
+    FencedOff,
+    HardDeadlinePassed,
+    IllegalTransition,
+    InvalidJob,
+    JobError,
+    KeelError,
+    StoreError,
+)
 from agents.handlers import JobContext, JobResult, Registry
 from agents.phases import RESTING, Event, Phase
 from agents.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
 from models.db import Database
-from models.jobs_sql import ClaimedJob, Due, FencedOff, claim, count_suppressed_txn, extend_lease, finish_txn
+from models.jobs_sql import ClaimedJob, Due, checkpoint, claim, count_suppressed_txn, extend_lease
 
 log = logging.getLogger("keel.runner")
+
+
+#: The key under which a step's whole outcome is checkpointed (in ``jobs.result``) before it is recorded.
+STAGED = "staged"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +52,8 @@ class RunOutcome:
     status: str  # succeeded, retrying, dead, failed, cancelled, suppressed, fenced, missing
     detail: str = ""
     to_publish: tuple[Due, ...] = ()
+    #: The handler left work running that it could not stop: the caller must end this process now.
+    end_process: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +62,24 @@ class _Failure:
     message: str
     usage: Usage
     retry_after: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "error_class": self.error_class.value,
+            "message": self.message,
+            "usage": {"tokens": self.usage.tokens, "cost": str(self.usage.cost)},
+            "retry_after": self.retry_after,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> _Failure:
+        usage = data.get("usage") or {}
+        return cls(
+            ErrorClass(data["error_class"]),
+            str(data["message"]),
+            Usage(int(usage.get("tokens", 0)), Decimal(str(usage.get("cost", "0")))),
+            data.get("retry_after"),
+        )
 
 
 class LeaseKeeper:
@@ -99,6 +133,8 @@ class Runner:
         lease: timedelta,
         rules: dict[ErrorClass, RetryRule],
         publish_due: bool = False,
+        run_limits: Mapping[str, float] | None = None,
+        default_run_limit: float = 900.0,
     ) -> None:
         self.db = db
         self.registry = registry
@@ -107,13 +143,19 @@ class Runner:
         self.rules = rules
         self.publish_due = publish_due  # the caller publishes next jobs right after commit
         self.leases = LeaseKeeper(db, lease)
+        self.run_limits = dict(run_limits or {})
+        self.default_run_limit = default_run_limit
 
     @property
     def actor(self) -> str:
         return f"worker:{self.worker}"
 
+    def run_limit(self, operation: str) -> float:
+        """How long one attempt of ``operation`` may run before it is ended (``KEEL_RUN_LIMITS``)."""
+        return self.run_limits.get(operation, self.default_run_limit)
+
     def run(self, key: str) -> RunOutcome:
-        claimed = claim(self.db, key, self.worker, self.lease, core.now())
+        claimed = claim(self.db, key, self.worker, self.lease)
         if claimed is None:
             log.warning("job %s: no such job; message dropped", key)
             return RunOutcome(key, "missing")
@@ -132,38 +174,69 @@ class Runner:
             return RunOutcome(key, "suppressed", f"{reason}: job is {claimed.status}")
         job = claimed
         lost = threading.Event()
+        abandoned = threading.Event()
         # The lease is renewed until the outcome is written, not just while the handler runs.
         with self.leases.hold(job.key, job.fencing_token, lost):
             try:
-                return self._run_claimed(job, lost)
+                outcome = self._run_claimed(job, lost, abandoned)
             except StoreError:
                 raise  # the database is away: the lease will expire and the job be recovered (and counted)
             except Exception as exc:  # a bug in a handler's result must not leave the job running forever
                 log.exception("job %s: its outcome could not be recorded", job.key)
                 failure = _Failure(ErrorClass.INVALID, f"outcome could not be recorded: {exc!r}", Usage(), None)
-                return self._fail(job, failure)
+                outcome = self._fail(job, failure)
+        if abandoned.is_set():
+            # Work the handler could not stop still runs on a thread of this process: the process must end.
+            return replace(outcome, end_process=True)
+        return outcome
 
-    def _run_claimed(self, job: ClaimedJob, lost: threading.Event) -> RunOutcome:
+    def _run_claimed(self, job: ClaimedJob, lost: threading.Event, abandoned: threading.Event) -> RunOutcome:
+        staged = (job.checkpoint or {}).get(STAGED)
+        if staged is not None:
+            # An earlier attempt finished this step and staged its whole outcome, but died before recording it:
+            # record exactly that (same keys, same messages, same usage), without running the step again.
+            log.info("job %s: replaying the outcome an earlier attempt staged", job.key)
+            return self._replay(job, staged)
         stop = self._preflight(job)
         if stop is not None:
             return stop
-        failure, result = self._execute(job, lost)
+        failure, result = self._execute(job, lost, abandoned)
         if failure is None:
             assert result is not None
+            if not self._stage(job, {"result": result.to_json()}):
+                return self._fenced(job, "the job's claim was lost before its outcome was staged", result.usage)
             return self._succeed(job, result)
+        if not self._stage(job, {"failure": failure.to_json()}):
+            return self._fenced(job, "the job's claim was lost before its outcome was staged", failure.usage)
         return self._fail(job, failure)
+
+    def _stage(self, job: ClaimedJob, outcome: dict[str, Any]) -> bool:
+        """Checkpoint the whole outcome under the claim's token before the transition that records it."""
+        return checkpoint(self.db, job.key, job.fencing_token, {STAGED: outcome})
+
+    def _replay(self, job: ClaimedJob, staged: Mapping[str, Any]) -> RunOutcome:
+        if "result" in staged:
+            return self._succeed(job, JobResult.from_json(staged["result"]))
+        return self._fail(job, _Failure.from_json(staged["failure"]))
 
     # --- before the handler -----------------------------------------------------------------------------------
 
     def _preflight(self, job: ClaimedJob) -> RunOutcome | None:
-        now = core.now()
+        at = job.claimed_at  # the database's clock at the claim
         if Phase(job.agent_phase) in RESTING:
-            with self.db.transaction() as cur:
-                finish_txn(
-                    cur, job.key, job.fencing_token, status="cancelled", now=now, error=f"agent is {job.agent_phase}"
-                )
-            return RunOutcome(job.key, "cancelled", f"agent is {job.agent_phase}")
-        if past(job.hard_deadline, now):
+            # Unreachable by design (coming to rest cancels every live job in the same transaction); if it happens
+            # anyway, the job is settled by the single writer, and journaled, like everything else.
+            outcome = JobOutcome(job.key, job.fencing_token, "cancelled", error=f"agent is {job.agent_phase}")
+            command = Command(
+                job.agent_id,
+                Event.CHARGE,
+                self.actor,
+                reason="agent_at_rest",
+                details={"job": job.key},
+                outcome=outcome,
+            )
+            return self._record(job, command, "cancelled", f"agent is {job.agent_phase}")
+        if past(job.hard_deadline, at):
             return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
         lost_runs = job.error_attempts.get(ErrorClass.UNKNOWN.value, 0)
         if lost_runs >= self.rules[ErrorClass.UNKNOWN].max_attempts:  # its workers kept dying under it
@@ -209,7 +282,9 @@ class Runner:
 
     # --- the handler ------------------------------------------------------------------------------------------
 
-    def _execute(self, job: ClaimedJob, lost: threading.Event) -> tuple[_Failure | None, JobResult | None]:
+    def _execute(
+        self, job: ClaimedJob, lost: threading.Event, abandoned: threading.Event
+    ) -> tuple[_Failure | None, JobResult | None]:
         handler = self.registry.get(job.operation)
         if handler is None:
             known = ", ".join(self.registry.operations()) or "none"
@@ -227,15 +302,38 @@ class Runner:
             db=self.db,
             lost=lost,
             checkpointed=job.checkpoint,
+            abandoned=abandoned,
         )
-        try:
-            result = handler(context)
-        except Exception as exc:  # every failure is classified, none crashes the worker
-            log.info("job %s failed: %r", job.key, exc)
-            return self._classify(exc), None
-        if not isinstance(result, JobResult):
-            return self._classify(InvalidJob(f"handler returned {type(result).__name__}, not JobResult")), None
-        return None, result
+        # The handler runs on a thread of its own so that its run limit holds even when it never returns.
+        box: list[tuple[_Failure | None, JobResult | None]] = []
+
+        def call() -> None:
+            try:
+                result = handler(context)
+            except Exception as exc:  # every failure is classified, none crashes the worker
+                log.info("job %s failed: %r", job.key, exc)
+                box.append((self._classify(exc), None))
+                return
+            if not isinstance(result, JobResult):
+                failure = self._classify(InvalidJob(f"handler returned {type(result).__name__}, not JobResult"))
+                box.append((failure, None))
+                return
+            box.append((None, result))
+
+        limit = self.run_limit(job.operation)
+        thread = threading.Thread(target=call, name=f"keel-job-{job.operation}", daemon=True)
+        thread.start()
+        thread.join(limit)
+        if thread.is_alive() or not box:
+            lost.set()  # a cooperative handler stops; one that does not is ended with this process
+            abandoned.set()
+            message = (
+                f"ran past its run limit of {limit:g}s (KEEL_RUN_LIMITS); the attempt was ended with its process,"
+                " its outcome is unknown"
+            )
+            log.warning("job %s: %s", job.key, message)
+            return _Failure(ErrorClass.UNKNOWN, message, Usage(), None), None
+        return box[0]
 
     @staticmethod
     def _classify(exc: BaseException) -> _Failure:
@@ -303,8 +401,13 @@ class Runner:
                 outcome=outcome,
             )
             return self._record(job, command, status, decision.reason)
-        run_at = core.now() + decision.delay
-        outcome = JobOutcome(job.key, job.fencing_token, "pending", run_at=run_at, **common)  # type: ignore[arg-type]
+        outcome = JobOutcome(
+            job.key,
+            job.fencing_token,
+            "pending",
+            retry_delay=decision.delay,
+            **common,  # type: ignore[arg-type]
+        )
         retry_in = round(decision.delay.total_seconds(), 3)
         command = Command(
             job.agent_id,
@@ -315,7 +418,7 @@ class Runner:
             details={**details, "retry_in_seconds": retry_in},
             outcome=outcome,
         )
-        return self._record(job, command, "retrying", f"retry at {run_at.isoformat()}")
+        return self._record(job, command, "retrying", f"retry in {retry_in:g}s")
 
     def _record(self, job: ClaimedJob, command: Command, status: str, detail: str) -> RunOutcome:
         """Write a failure or a stop through transition(); a lost race means this worker's outcome is void."""

@@ -148,8 +148,6 @@ def run_tool(ctx: JobContext) -> JobResult:
     def said(content: str, **extra: Any) -> JobResult:
         return JobResult(output={"tool_call_id": call_id, "content": content}, join=join, **extra)
 
-    if ctx.checkpointed and "content" in ctx.checkpointed:  # it ran already; only its outcome was not recorded
-        return said(str(ctx.checkpointed["content"]))
     tool = registered().get(payload.get("tool") or "")
     if tool is None:
         return said(f"error: there is no tool named {payload.get('function')!r}")
@@ -166,13 +164,16 @@ def run_tool(ctx: JobContext) -> JobResult:
     try:
         output = future.result(timeout=tool.timeout)
     except FutureTimeout:
-        # It may still have had its effect: never run it again; tell the model.
+        # It may still have had its effect: never run it again; tell the model. Its thread cannot be stopped, so
+        # the worker ends this process once the outcome is recorded: nothing it returns or does later can land.
+        ctx.abandoned.set()
         return said(f"error: {tool.name} did not finish within {tool.timeout:g}s; its outcome is unknown")
     except InvalidInput as exc:
         return said(f"error: {exc}")
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    ctx.checkpoint({"tool_call_id": call_id, "content": output.content})
+    # The runner checkpoints this whole result (content, messages, usage) before recording it: a replay after a
+    # crash emits the same messages under the same keys and charges the same usage, without running the tool again.
     return said(output.content, usage=output.usage, messages=output.messages)
 
 
@@ -236,8 +237,7 @@ def rejection_jobs(pending: PendingApproval, reason: str) -> tuple[JobSpec, ...]
 
 def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:
     """A rejection's effect: the rest of the round is superseded (running calls are fenced off, never recorded)."""
-    from agents.core import now
     from models.jobs_sql import cancel_request_steps_txn
 
-    cancelled = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), now())
+    cancelled = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), after.updated_at)
     return {"superseded": cancelled} if cancelled else {}

@@ -24,6 +24,9 @@ class Database:
             pool_size=pool_size,
             max_overflow=pool_size,
             pool_recycle=1800,
+            # A pooled connection that a database restart or failover killed is found and replaced when it is
+            # checked out, instead of failing the next claim or outcome write.
+            pool_pre_ping=True,
             connect_args={"options": f"-c statement_timeout={statement_timeout_ms}"},
         )
 

@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg.rows import dict_row
 
 from models.db import Database
 
@@ -57,6 +58,8 @@ class ClaimedJob:
     spent_cost: Decimal
     budget_tokens: int | None
     budget_cost: Decimal | None
+    #: The database's clock at the claim: what the checks before the handler compare deadlines with.
+    claimed_at: datetime
     # What an earlier attempt checkpointed before it could record its outcome (a reply it already paid for).
     checkpoint: dict[str, Any] | None = None
 
@@ -83,10 +86,6 @@ class Due:
 _COUNT_LOST_RUN = (
     "jsonb_set(j.error_attempts, '{unknown}', to_jsonb(COALESCE((j.error_attempts->>'unknown')::int, 0) + 1))"
 )
-
-
-class FencedOff(RuntimeError):
-    """The job's fencing token changed: another claim took it over, or the agent's stop cancelled it."""
 
 
 _INSERT = (
@@ -146,7 +145,7 @@ def demote_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, queue: str, 
     return [r[0] for r in cur.fetchall()]
 
 
-def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) -> ClaimedJob | JobStatus | None:
+def claim(db: Database, key: str, worker: str, lease: timedelta) -> ClaimedJob | JobStatus | None:
     """Claim ``key`` (pending/enqueued, or running with an expired lease → running, new fencing token).
 
     Returns the claimed job; or, when it cannot be claimed, its current status (a duplicate delivery);
@@ -157,27 +156,28 @@ def claim(db: Database, key: str, worker: str, lease: timedelta, now: datetime) 
     # a transition stops the agent waits for it and then sees the agent at rest. Lease times come from the
     # database's clock, the one clock every worker and beat agrees on. Taking over an expired lease counts as an
     # ``unknown`` failure of the previous run (its worker died): a job that kills its worker every time hits a cap.
-    with db.autocommit() as cur:
+    with db.autocommit() as plain, plain.connection.cursor(row_factory=dict_row) as cur:
         cur.execute(
             "WITH a AS (SELECT id, phase, hard_deadline, spent_tokens, spent_cost, budget_tokens, budget_cost"
             "  FROM agents WHERE id = (SELECT agent_id FROM jobs WHERE key = %(key)s) FOR SHARE)"
             " UPDATE jobs j SET status = 'running', fencing_token = nextval('job_fencing_token_seq'),"
             " lease_until = clock_timestamp() + %(lease)s, attempts = j.attempts + 1, worker = %(worker)s,"
-            " started_at = %(now)s, updated_at = %(now)s,"
+            " started_at = clock_timestamp(), updated_at = clock_timestamp(),"
             " error_attempts = CASE WHEN j.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
-            " FROM a WHERE j.key = %(key)s AND j.agent_id = a.id AND j.run_at <= %(due)s"
+            " FROM a WHERE j.key = %(key)s AND j.agent_id = a.id AND j.run_at <= clock_timestamp()"
             " AND (j.status IN ('pending', 'enqueued') OR (j.status = 'running' AND j.lease_until < clock_timestamp()))"
             " RETURNING j.key, j.agent_id, j.request_id, j.operation, j.target, j.payload, j.attempts,"
-            " j.error_attempts, j.fencing_token, j.lease_until, j.queue, a.phase, a.hard_deadline, a.spent_tokens,"
-            " a.spent_cost, a.budget_tokens, a.budget_cost, j.result",
-            {"key": key, "lease": lease, "worker": worker, "now": now, "due": now + timedelta(seconds=1)},
+            " j.error_attempts, j.fencing_token, j.lease_until, j.queue, a.phase AS agent_phase, a.hard_deadline,"
+            " a.spent_tokens,"
+            " a.spent_cost, a.budget_tokens, a.budget_cost, j.result AS checkpoint, clock_timestamp() AS claimed_at",
+            {"key": key, "lease": lease, "worker": worker},
         )
         row = cur.fetchone()
         if row is not None:
-            return ClaimedJob(*row)
+            return ClaimedJob(**row)
         cur.execute("SELECT key, agent_id, status, run_at, lease_until FROM jobs WHERE key = %s", (key,))
         found = cur.fetchone()
-        return None if found is None else JobStatus(*found)
+        return None if found is None else JobStatus(**found)
 
 
 def extend_lease(db: Database, key: str, token: int, lease: timedelta) -> bool:
@@ -206,8 +206,8 @@ def finish_txn(
     failed_tokens: int = 0,
     failed_cost: Decimal = Decimal(0),
     error_attempts: dict[str, int] | None = None,
-) -> None:
-    """Write the final outcome of a claimed job; raises :class:`FencedOff` if the claim is no longer ours."""
+) -> bool:
+    """Write the final outcome of a claimed job; False if the claim is no longer ours (nothing written)."""
     cur.execute(
         "UPDATE jobs SET status = %s, result = %s, tokens = tokens + %s, cost = cost + %s, last_error = %s,"
         " error_class = %s, failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s,"
@@ -229,8 +229,7 @@ def finish_txn(
             token,
         ),
     )
-    if cur.rowcount != 1:
-        raise FencedOff(key)
+    return cur.rowcount == 1
 
 
 def retry_txn(
@@ -246,24 +245,26 @@ def retry_txn(
     failed_tokens: int,
     failed_cost: Decimal,
     queue: str | None = None,
-) -> None:
-    """Put a failed attempt back to pending, due at ``run_at``, under the same key (on ``queue`` if given)."""
+) -> bool:
+    """Put a failed attempt back to pending, due at ``run_at``, under the same key (on ``queue`` if given); its
+    staged outcome is dropped (the next attempt runs afresh). False if the claim is no longer ours."""
     cur.execute(
         "UPDATE jobs SET status = 'pending', run_at = %s, last_error = %s, error_class = %s, error_attempts = %s,"
         " failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s, lease_until = NULL, enqueued_at = NULL,"
+        " result = NULLIF(result - 'staged', '{}'::jsonb),"
         " queue = COALESCE(%s, queue), updated_at = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
         (run_at, error, error_class, json.dumps(error_attempts), failed_tokens, failed_cost, queue, now, key, token),
     )
-    if cur.rowcount != 1:
-        raise FencedOff(key)
+    return cur.rowcount == 1
 
 
 def checkpoint(db: Database, key: str, token: int, data: dict[str, Any]) -> bool:
     """Store a step's result the moment it exists (before its outcome transition), under the claim's token. A later
-    attempt finds it and does not pay for the same call again."""
+    attempt finds it and does not pay for the same call again. ``data``'s keys are merged into what is stored."""
     with db.autocommit() as cur:
         cur.execute(
-            "UPDATE jobs SET result = %s WHERE key = %s AND fencing_token = %s AND status = 'running'",
+            "UPDATE jobs SET result = COALESCE(result, '{}'::jsonb) || %s::jsonb"
+            " WHERE key = %s AND fencing_token = %s AND status = 'running'",
             (json.dumps(data), key, token),
         )
         return cur.rowcount == 1
@@ -293,36 +294,44 @@ def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
     cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
 
 
-def take_due(
-    cur: psycopg.Cursor[Any],
-    now: datetime,
-    *,
-    enqueue_timeout: timedelta,
-    limit: int,
-    recover_queues: Sequence[str] | None = None,
-) -> list[Due]:
+def take_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int) -> list[Due]:
     """Mark due jobs enqueued (skipping rows another dispatcher holds) and return them for publishing.
 
-    Due: pending and run_at has come; running with an expired lease (the worker died: counted as an ``unknown``
-    failure); enqueued too long ago and never claimed (the broker lost it) — only for queues in
-    ``recover_queues`` (None: all), so a long but healthy backlog is not published twice. All keep their key.
+    Due, on the database's clock: pending and run_at has come; running with an expired lease (the worker died:
+    counted as an ``unknown`` failure); enqueued longer than ``enqueue_timeout`` ago and still not claimed — the
+    broker lost the message, a publish failed after commit, or it waits behind a backlog. Published again either
+    way: under load too, so a lost message is never stranded behind a queue that is never empty (a copy that was
+    only waiting its turn is suppressed by the claim). All keep their key.
     """
-    recover = list(recover_queues) if recover_queues is not None else None
     cur.execute(
         "WITH due AS ("
         "  SELECT key, status FROM jobs j"
-        "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= %(now)s"
+        "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= clock_timestamp()"
         "    AND (status = 'pending'"
         "         OR (status = 'running' AND lease_until < clock_timestamp())"
-        "         OR (status = 'enqueued' AND enqueued_at < %(stale)s"
-        "             AND (%(recover)s::text[] IS NULL OR queue = ANY(%(recover)s::text[]))))"
+        "         OR (status = 'enqueued' AND enqueued_at < clock_timestamp() - %(stale)s))"
         "  ORDER BY priority DESC, run_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
-        " UPDATE jobs j SET status = 'enqueued', enqueued_at = %(now)s, lease_until = NULL, updated_at = %(now)s,"
+        " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
+        " updated_at = clock_timestamp(),"
         " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
         " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status",
-        {"now": now, "stale": now - enqueue_timeout, "recover": recover, "limit": limit},
+        {"stale": enqueue_timeout, "limit": limit},
     )
     return [Due(key, queue, previous != "pending") for key, queue, previous in cur.fetchall()]
+
+
+def unpublish(db: Database, keys: Sequence[str]) -> list[str]:
+    """Jobs whose publish failed after their transition committed go back to pending, so the next dispatcher pass
+    publishes them (instead of waiting out the enqueue timeout). A job a worker already claimed is left alone."""
+    if not keys:
+        return []
+    with db.autocommit() as cur:
+        cur.execute(
+            "UPDATE jobs SET status = 'pending', enqueued_at = NULL, updated_at = clock_timestamp()"
+            " WHERE key = ANY(%s) AND status = 'enqueued' RETURNING key",
+            (list(keys),),
+        )
+        return [r[0] for r in cur.fetchall()]
 
 
 def pending_jobs(db: Database, agent_id: UUID) -> list[tuple[Any, ...]]:

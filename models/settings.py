@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     visibility_timeout_seconds: int = Field(default=3600, ge=10)
     # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.
     retry_policy: dict[str, dict[str, float]] = Field(default_factory=dict)
+    # How long one attempt of an operation may run before it is ended for real (its worker process is replaced)
+    # and counted as an ``unknown`` failure: per operation, e.g. {"plan": 120, "tool": 300}; others get the default.
+    run_limit_seconds: float = Field(default=900.0, gt=0)
+    run_limits: dict[str, float] = Field(default_factory=dict)
 
     # Inference: "scripted" replays the conversation each request carries in its input (tests, the demo, offline
     # use); "openai" calls an OpenAI-compatible chat-completions endpoint.

@@ -20,10 +20,12 @@ AGENT_COLUMNS = (
     " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority"
 )
 
-# With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep.
+# With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep, and the
+# database's clock read after the lock: the one time every event, due check and deadline is measured against.
 _LOCK_AGENT = (
     f"SELECT {AGENT_COLUMNS}, (SELECT count(*) FROM jobs j WHERE j.agent_id = agents.id"
-    " AND j.status IN ('pending', 'enqueued', 'running')) FROM agents WHERE id = %s FOR UPDATE OF agents"
+    " AND j.status IN ('pending', 'enqueued', 'running')), clock_timestamp()"
+    " FROM agents WHERE id = %s FOR UPDATE OF agents"
 )
 
 _EVENT_COLUMNS = (
@@ -74,7 +76,8 @@ class NewEvent:
 
 
 _INSERT_AGENT = (
-    "INSERT INTO agents (name, budget_tokens, budget_cost, created_at, updated_at) VALUES (%s, %s, %s, %s, %s)"
+    "INSERT INTO agents (name, budget_tokens, budget_cost, created_at, updated_at)"
+    " VALUES (%s, %s, %s, clock_timestamp(), clock_timestamp())"
     f" ON CONFLICT (name) DO NOTHING RETURNING {AGENT_COLUMNS}"
 )
 
@@ -85,21 +88,35 @@ _CLAIM_REQUEST = (
 _REQUEST_OWNER = "SELECT agent_id FROM requests WHERE request_id = %s"
 
 
-class LostUpdate(RuntimeError):
-    """A guarded UPDATE matched no row although the row was locked: a writer bypassed the lock."""
+@dataclass(frozen=True, slots=True)
+class Locked:
+    """An agent row under its lock, the number of its live jobs, and the database's clock at the lock."""
+
+    row: AgentRow
+    live_jobs: int
+    at: datetime
 
 
-def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> tuple[AgentRow, int] | None:
-    """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs;
-    None if there is no such agent."""
+def db_now_txn(cur: psycopg.Cursor[Any]) -> datetime:
+    """The database's clock: every time that decides or orders something is read here, never on a host."""
+    cur.execute("SELECT clock_timestamp()")
+    found = cur.fetchone()
+    assert found is not None
+    at: datetime = found[0]
+    return at
+
+
+def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
+    """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
+    database's clock; None if there is no such agent."""
     cur.execute(_LOCK_AGENT, (agent_id,))
     row = cur.fetchone()
-    return None if row is None else (AgentRow(*row[:-1]), int(row[-1]))
+    return None if row is None else Locked(AgentRow(*row[:-2]), int(row[-2]), row[-1])
 
 
-def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> None:
-    """Write ``after`` over ``before`` together with the event that explains it; raises :class:`LostUpdate` if the
-    row moved on behind the lock."""
+def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> bool:
+    """Write ``after`` over ``before`` together with the event that explains it; False if the row moved on behind
+    the lock (a writer bypassed it): the caller must not commit."""
     cur.execute(
         _UPDATE_AGENT,
         (
@@ -119,22 +136,21 @@ def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow
             before.revision,
         ),
     )
-    if cur.rowcount != 1:
-        raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
+    return cur.rowcount == 1
 
 
-def advance_chain_txn(cur: psycopg.Cursor[Any], event: NewEvent) -> None:
-    """Append ``event`` (a rejection, a suppression) and move the agent's chain head to it, state untouched."""
+def advance_chain_txn(cur: psycopg.Cursor[Any], event: NewEvent) -> bool:
+    """Append ``event`` (a rejection, a suppression) and move the agent's chain head to it, state untouched;
+    False if the chain moved on behind the lock."""
     cur.execute(_ADVANCE_CHAIN, (*event.params(), event.seq, event.hash, event.agent_id, event.seq - 1))
-    if cur.rowcount != 1:
-        raise LostUpdate(f"agent {event.agent_id}'s journal chain is no longer at event {event.seq - 1}")
+    return cur.rowcount == 1
 
 
 def insert_agent_txn(
-    cur: psycopg.Cursor[Any], *, name: str, budget_tokens: int | None, budget_cost: Any, at: datetime
+    cur: psycopg.Cursor[Any], *, name: str, budget_tokens: int | None, budget_cost: Any
 ) -> AgentRow | None:
-    """Insert a new idle agent; None if the name is taken."""
-    cur.execute(_INSERT_AGENT, (name, budget_tokens, budget_cost, at, at))
+    """Insert a new idle agent, created at the database's clock; None if the name is taken."""
+    cur.execute(_INSERT_AGENT, (name, budget_tokens, budget_cost))
     row = cur.fetchone()
     return None if row is None else AgentRow(*row)
 

@@ -24,7 +24,6 @@ from celery.beat import Scheduler
 
 from agents import deadlines, schedules
 from agents.core import now, store_errors
-from agents.jobs import JOBS_QUEUE, LOW_QUEUE
 from models.db import Database
 from models.jobs_sql import take_due
 from models.settings import Settings
@@ -53,10 +52,9 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings, at: datetime
         fired = []
     published = recovered = 0
     timeout = timedelta(seconds=settings.enqueue_timeout_seconds)
-    idle = idle_queues(celery)
     while True:
         with store_errors(), db.transaction() as cur:
-            due = take_due(cur, at, enqueue_timeout=timeout, limit=settings.dispatch_batch, recover_queues=idle)
+            due = take_due(cur, enqueue_timeout=timeout, limit=settings.dispatch_batch)
             # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
             # commit fails after publishing, the next pass publishes again and the claim suppresses the duplicate.
             publish(due, celery)
@@ -67,22 +65,6 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings, at: datetime
     if recovered:
         log.warning("recovered %d jobs whose worker died or whose message was lost", recovered)
     return DispatchReport(published, recovered, len(fired))
-
-
-def idle_queues(celery: Celery) -> list[str]:
-    """The job queues the broker holds no message in. Only their long-unclaimed jobs can have lost their message;
-    in a queue with a backlog, an old message is most likely just waiting its turn."""
-    idle = []
-    with celery.connection_for_write() as connection:
-        channel = connection.default_channel
-        for name in (JOBS_QUEUE, LOW_QUEUE):
-            try:
-                waiting = channel.queue_declare(queue=name, passive=True).message_count
-            except connection.channel_errors:  # the broker does not even know the queue (flushed): nothing waits
-                waiting = 0
-            if waiting == 0:
-                idle.append(name)
-    return idle
 
 
 class Leadership:

@@ -1,16 +1,34 @@
-"""The job task. Its Celery task id is the job key; it only hands the key to the runner."""
+"""The job task. Its Celery task id is the job key; it only hands the key to the runner.
+
+No message is acknowledged unless its job reached a claim, a retry or a journaled decision (invariant 12): when the
+database cannot be reached the message is handed back to the broker, and a revoke (Flower, ``celery control``)
+becomes a journaled cancel of the request the job belongs to.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import random
+import time
 from typing import Any
 
 from celery import shared_task
+from celery.exceptions import Reject
+from celery.signals import task_revoked
 
+from agents import core
+from agents.commands import Command
+from agents.errors import KeelError, Rejected, StoreError
+from agents.phases import Event
+from models.jobs_sql import job_row, unpublish
 from tasks.app import RUN_JOB, publish
 from tasks.runtime import runtime
 
 log = logging.getLogger("keel.tasks")
+
+#: How long a worker waits before handing a message back while the database is away (so it does not spin).
+STORE_BACKOFF_SECONDS = (1.0, 5.0)
 
 
 @shared_task(name=RUN_JOB, bind=True)  # type: ignore[untyped-decorator]
@@ -18,8 +36,64 @@ def run_job(self: Any, key: str) -> str:
     """Run job ``key`` once. Duplicate deliveries are suppressed by the claim, not by Celery."""
     if self.request.id != key:
         log.warning("run_job for %s arrived with task id %s; the key is what counts", key, self.request.id)
-    outcome = runtime().runner.run(key)
+    rt = runtime()
+    try:
+        outcome = rt.runner.run(key)
+    except StoreError as exc:
+        # The claim or the outcome could not be written (the database restarted, a failover, a stale connection):
+        # the message goes back to the broker instead of being acked and dropped. If the job did get claimed,
+        # its lease expires and the dispatcher recovers it; a copy that arrives meanwhile is suppressed.
+        log.warning("job %s: database unavailable (%s); message handed back to the broker", key, exc)
+        time.sleep(random.uniform(*STORE_BACKOFF_SECONDS))
+        raise Reject(str(exc), requeue=True) from None
     if outcome.to_publish:
-        publish(outcome.to_publish, self.app)
+        try:
+            publish(outcome.to_publish, self.app)
+        except Exception:
+            # Committed but not published: back to pending, so the next dispatcher pass publishes them.
+            log.exception("job %s: publishing its next jobs failed; the dispatcher will publish them", key)
+            try:
+                unpublish(rt.db, [d.key for d in outcome.to_publish])
+            except Exception:  # they stay enqueued: re-published after KEEL_ENQUEUE_TIMEOUT_SECONDS
+                log.exception("job %s: could not hand its next jobs to the dispatcher", key)
     log.info("job %s: %s %s", key, outcome.status, outcome.detail)
+    if outcome.end_process:
+        # The handler left a thread running that nothing can stop (a tool past its timeout): its outcome is
+        # recorded, so end this process before that thread can do anything more. The worker replaces it; the
+        # message, handed back as a lost worker's, is suppressed as a duplicate when it comes again.
+        log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
+        logging.shutdown()
+        os._exit(70)
     return outcome.status
+
+
+@task_revoked.connect  # type: ignore[untyped-decorator]
+def _revoked(sender: Any = None, request: Any = None, terminated: bool = False, **info: Any) -> None:
+    """A revoke of a job's task id (Flower, ``celery control revoke``) cancels the request the job belongs to,
+    journaled with who did it — Celery would otherwise drop this and every later delivery of the key in silence."""
+    if getattr(sender, "name", None) != RUN_JOB or request is None or info.get("expired"):
+        return
+    key = str(request.id)
+    hostname = getattr(request, "hostname", None) or "worker"
+    rt = runtime()
+    try:
+        job = job_row(rt.db, key)
+        if job is None or job["status"] not in ("pending", "enqueued", "running"):
+            log.info("job %s: revoked, but it is %s: nothing to cancel", key, job and job["status"])
+            return
+        details = {"job": key, "terminated": terminated, "signum": str(info.get("signum") or "")}
+        state = core.transition(
+            rt.db,
+            Command(
+                job["agent_id"],
+                Event.CANCEL,
+                f"celery-revoke@{hostname}",
+                reason="revoked",
+                details=details,
+            ),
+        )
+        log.warning("job %s: revoked through Celery; its request was cancelled (agent %s)", key, state.agent.id)
+    except Rejected as exc:
+        log.warning("job %s: revoked, but its request could not be cancelled: %s", key, exc)
+    except KeelError:
+        log.exception("job %s: revoked; recording the cancel failed (the dispatcher will deliver it again)", key)

@@ -38,6 +38,8 @@ def _runtime(pid: int) -> Runtime:
         lease=timedelta(seconds=settings.job_lease_seconds),
         rules=rules_with(settings.retry_policy),
         publish_due=True,
+        run_limits=settings.run_limits,
+        default_run_limit=settings.run_limit_seconds,
     )
     return Runtime(settings, db, runner)
 

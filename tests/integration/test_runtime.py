@@ -326,7 +326,7 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
     runtime._settings.cache_clear()
     runtime._openai.cache_clear()
     try:
-        first = claim(db, "req-1:plan:1", "w1", timedelta(seconds=30), client_now())
+        first = claim(db, "req-1:plan:1", "w1", timedelta(seconds=30))
         assert first is not None and not isinstance(first, type(None))
         ctx = JobContext("req-1:plan:1", agent.id, "req-1", "plan", "1", {}, 1, first.fencing_token, db)  # type: ignore[union-attr]
         runtime.plan(ctx)  # called the model and checkpointed; "dies" before the outcome
@@ -334,9 +334,7 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
         from models.jobs_sql import take_due
 
         with db.transaction() as cur:  # the dispatcher recovers it
-            assert [d.key for d in take_due(cur, client_now(), enqueue_timeout=timedelta(minutes=5), limit=5)] == [
-                "req-1:plan:1"
-            ]
+            assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == ["req-1:plan:1"]
         run_all(db)
     finally:
         if runtime._openai.cache_info().currsize:

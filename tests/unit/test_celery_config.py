@@ -16,7 +16,7 @@ def test_reliable_defaults() -> None:
     assert config["task_acks_late"] and config["task_reject_on_worker_lost"]
     assert config["worker_prefetch_multiplier"] == 1
     assert config["worker_soft_shutdown_timeout"] > 0
-    assert config["worker_cancel_long_running_tasks_on_connection_loss"]
+    assert config["worker_cancel_long_running_tasks_on_connection_loss"] is False, "a broker blip must not kill steps"
     assert config["task_ignore_result"] and config["result_backend"] is None
     assert {q.name for q in config["task_queues"]} == {"keel.jobs", "keel.jobs.low", "keel.outbox"}
     assert config["task_routes"]["keel.relay_outbox"] == {"queue": "keel.outbox"}
