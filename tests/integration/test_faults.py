@@ -1,0 +1,315 @@
+"""Issue 8's fault paths that need no Celery process: whole-outcome checkpoints, run limits, one clock, recovery of
+unclaimed jobs under load, honest errors. (The ones that need real processes are in tests/chaos/test_faults.py.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from pydantic import BaseModel
+
+from agents import core, errors
+from agents.client import Client
+from agents.commands import MessageSpec, Usage
+from agents.errors import FencedOff, KeelError, StoreError
+from agents.handlers import JobContext, JobResult, Registry
+from agents.phases import Event
+from agents.policies import DEFAULT_RULES
+from agents.runner import Runner
+from agents.tools import ToolContext, ToolOutput, tool
+from models.db import Database
+from models.jobs_sql import job_row, take_due
+from tests.support.db import expire_lease
+
+pytestmark = pytest.mark.integration
+
+POSTS: list[str] = []
+
+
+class Announce(BaseModel):
+    text: str
+
+
+@tool("test.announce", description="Post an announcement to #ops and pay for it.")
+def announce(args: Announce, ctx: ToolContext) -> ToolOutput:
+    POSTS.append(ctx.call_id)
+    message = MessageSpec("slack", "C0PS", ctx.call_id, {"text": args.text})
+    return ToolOutput("posted to #ops", messages=(message,), usage=Usage(40, Decimal("0.04")))
+
+
+SLOW_FINISHED = threading.Event()
+
+
+@tool("test.slowpost", timeout=0.3, description="Post slowly.")
+def slowpost(args: Announce, ctx: ToolContext) -> ToolOutput:
+    time.sleep(1.0)
+    SLOW_FINISHED.set()
+    return ToolOutput("posted", messages=(MessageSpec("slack", "C0PS", ctx.call_id, {"text": args.text}),))
+
+
+def make_runner(
+    db: Database, handlers: dict[str, Callable[[JobContext], JobResult]] | None = None, **kw: Any
+) -> Runner:
+    import agents.runtime  # noqa: F401 - registers plan, tool and gate in the global registry
+    from agents.handlers import registry as global_registry
+
+    registry: Registry = global_registry
+    if handlers:
+        registry = Registry()
+        for name, fn in handlers.items():
+            registry.register(name, fn)
+    return Runner(db, registry, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES, **kw)
+
+
+def outbox_keys(db: Database) -> list[str]:
+    with psycopg.connect(db.libpq_url) as conn:
+        return [r[0] for r in conn.execute("SELECT key FROM outbox ORDER BY seq").fetchall()]
+
+
+def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usage_once(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tool ran and its outcome was staged; the outcome transition failed (the database went away, the worker
+    died). The retry must emit the tool's message and charge its usage — once, under the same keys — without
+    running the tool again."""
+    POSTS.clear()
+    agent = client.create_agent("poster")
+    script = [
+        {"tool_calls": [{"name": "test_announce", "arguments": {"text": "deploy at 5"}}], "tokens": 100, "cost": "0"},
+        {"content": "Announced.", "tokens": 50, "cost": "0"},
+    ]
+    client.submit(agent.id, "req-1", {"prompt": "announce the deploy", "script": script})
+    runner = make_runner(db)
+    assert runner.run("req-1:plan:1").status == "succeeded"
+    tool_key = "req-1:tool:test.announce:1.call_0_0"
+
+    real = core.transition
+    failures = []
+
+    def failing(db_: Database, command: Any, **kw: Any) -> Any:
+        if command.outcome is not None and command.outcome.key == tool_key and not failures:
+            failures.append(command)
+            raise StoreError("database error: terminating connection due to administrator command")
+        return real(db_, command, **kw)
+
+    monkeypatch.setattr(core, "transition", failing)
+    with pytest.raises(StoreError):
+        runner.run(tool_key)
+    assert POSTS == ["call_0_0"] and outbox_keys(db) == [], "ran; nothing recorded yet"
+    staged = job_row(db, tool_key)["result"]["staged"]  # type: ignore[index]
+    assert staged["result"]["messages"][0]["destination"] == "C0PS", "the checkpoint holds the whole outcome"
+
+    expire_lease(db, tool_key)  # the lease runs out; the dispatcher recovers the job under the same key
+    with db.transaction() as cur:
+        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [tool_key]
+    assert runner.run(tool_key).status == "succeeded"
+    assert POSTS == ["call_0_0"], "the tool did not run again"
+    assert outbox_keys(db) == ["req-1:slack:call_0_0"], "its message was emitted, once, under its key"
+    assert runner.run("req-1:plan:2").status == "succeeded"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens) == ("done", 100 + 40 + 50), "the tool's usage was charged once"
+    assert job_row(db, tool_key)["result"] == {"tool_call_id": "call_0_0", "content": "posted to #ops"}  # type: ignore[index]
+
+
+def test_a_staged_failure_is_recorded_on_replay_and_its_spend_charged(client: Client, db: Database) -> None:
+    from agents.errors import TransientError
+
+    agent = client.create_agent("flaky")
+    client.submit(agent.id, "req-1", None, operation="flaky")
+    calls: list[int] = []
+
+    def flaky(ctx: JobContext) -> JobResult:
+        calls.append(ctx.attempt)
+        raise TransientError("upstream 503", usage=Usage(10, Decimal("0.01")))
+
+    runner = make_runner(db, {"flaky": flaky})
+    claimed = runner.run  # first attempt: fail, but "die" before the failure is recorded
+    original = core.transition
+
+    def dying(db_: Database, command: Any, **kw: Any) -> Any:
+        raise StoreError("database error: server closed the connection unexpectedly")
+
+    core.transition = dying  # type: ignore[assignment]
+    try:
+        with pytest.raises(StoreError):
+            claimed("req-1:flaky:1")
+    finally:
+        core.transition = original  # type: ignore[assignment]
+    expire_lease(db, "req-1:flaky:1")
+    with db.transaction() as cur:
+        take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)
+    assert runner.run("req-1:flaky:1").status == "retrying"
+    assert calls == [1], "the replay recorded the staged failure instead of calling the upstream again"
+    row = job_row(db, "req-1:flaky:1")
+    assert row is not None and row["failed_tokens"] == 10 and "staged" not in (row["result"] or {})
+    assert client.get_state(agent.id).spent_tokens == 10
+
+
+def test_a_handler_past_its_run_limit_is_ended_and_counted_as_unknown(client: Client, db: Database) -> None:
+    agent = client.create_agent("hung")
+    client.submit(agent.id, "req-1", None, operation="hang")
+    release = threading.Event()
+    late: list[str] = []
+
+    def hang(ctx: JobContext) -> JobResult:
+        release.wait(10)
+        late.append("returned")
+        return JobResult(output={"late": True}, usage=Usage(99), event=Event.FINISH)
+
+    runner = make_runner(db, {"hang": hang}, run_limits={"hang": 0.5})
+    started = time.monotonic()
+    outcome = runner.run("req-1:hang:1")
+    release.set()
+    assert time.monotonic() - started < 5
+    assert outcome.status == "retrying" and outcome.end_process, "the caller is told to end the process"
+    row = job_row(db, "req-1:hang:1")
+    assert row is not None and row["error_class"] == "unknown" and "run limit of 0.5s" in row["last_error"]
+    assert row["status"] == "pending" and row["tokens"] == 0, "nothing of the overrun attempt was recorded"
+
+
+def test_a_tool_past_its_timeout_asks_for_its_process_to_end_and_emits_nothing(client: Client, db: Database) -> None:
+    finished = SLOW_FINISHED
+    finished.clear()
+    agent = client.create_agent("slowposter")
+    script = [
+        {"tool_calls": [{"name": "test_slowpost", "arguments": {"text": "hi"}}]},
+        {"content": "Done."},
+    ]
+    client.submit(agent.id, "req-1", {"prompt": "post", "script": script})
+    runner = make_runner(db)
+    runner.run("req-1:plan:1")
+    outcome = runner.run("req-1:tool:test.slowpost:1.call_0_0")
+    assert outcome.status == "succeeded" and outcome.end_process
+    assert finished.wait(3), "the abandoned thread did finish (in production its process is ended first)"
+    row = job_row(db, "req-1:tool:test.slowpost:1.call_0_0")
+    assert row is not None and "did not finish within 0.3s" in row["result"]["content"]
+    assert outbox_keys(db) == [], "a tool past its timeout emits nothing"
+
+
+def test_every_comparison_uses_the_database_clock_not_the_hosts(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process whose clock runs five minutes behind (or ahead) claims a due job, schedules retries and writes
+    journal times on the database's clock."""
+    skew = timedelta(minutes=5)
+    for sign in (-1, 1):
+        monkeypatch.setattr(core, "now", lambda sign=sign: datetime.now(UTC) + sign * skew)
+        agent = client.create_agent(f"skew{sign}")
+        client.submit(agent.id, f"req{sign}", None, operation="retry")
+        attempts: list[int] = []
+
+        def retry(ctx: JobContext) -> JobResult:
+            from agents.errors import TransientError
+
+            attempts.append(ctx.attempt)
+            if ctx.attempt == 1:
+                raise TransientError("503")
+            return JobResult(event=Event.FINISH)
+
+        runner = make_runner(db, {"retry": retry})
+        key = f"req{sign}:retry:1"
+        assert runner.run(key).status == "retrying", "a due job is claimed whatever this host's clock says"
+        with psycopg.connect(db.libpq_url) as conn:
+            delay = conn.execute("SELECT run_at - clock_timestamp() FROM jobs WHERE key = %s", (key,)).fetchone()
+        assert delay is not None and timedelta(0) < delay[0] < timedelta(seconds=5), "backoff measured on the DB"
+        deadline = time.monotonic() + 10
+        while runner.run(key).status != "succeeded":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        times = [e.at for e in client.journal(agent_id=agent.id)]
+        assert times == sorted(times) and abs(times[-1] - datetime.now(UTC)) < timedelta(seconds=30)
+
+
+def test_unclaimed_jobs_are_republished_under_load(client: Client, db: Database, broker_url: str) -> None:
+    """A message lost while its queue has a backlog (the queue is never idle) is published again after the enqueue
+    timeout; before, only idle queues were recovered, so under steady load it was stranded for good."""
+    import os
+
+    import redis as redis_lib
+
+    from models.settings import Settings
+    from tasks.app import make_app
+    from tasks.dispatcher import dispatch_once
+
+    names = [client.create_agent(f"a{i}").id for i in range(3)]
+    for i, agent_id in enumerate(names):
+        client.submit(agent_id, f"req-{i}", None, operation="count")
+    settings = Settings(database_url=db.url, broker_url=broker_url, enqueue_timeout_seconds=1)
+    os.environ["KEEL_BROKER_URL"] = broker_url
+    broker = redis_lib.Redis.from_url(broker_url)
+    try:
+        celery = make_app(settings)
+        assert dispatch_once(db, celery, settings).published == 3
+        broker.lpop("keel.jobs")  # one message is lost; two still wait: the queue has a backlog
+        assert broker.llen("keel.jobs") == 2
+        time.sleep(1.2)
+        report = dispatch_once(db, celery, settings)
+        celery.close()
+    finally:
+        del os.environ["KEEL_BROKER_URL"]
+    assert report.recovered == 3, "every job unclaimed past the timeout was published again, backlog or not"
+    assert broker.llen("keel.jobs") == 5
+
+
+def test_publishing_that_fails_after_commit_hands_the_jobs_to_the_dispatcher(client: Client, db: Database) -> None:
+    from models.jobs_sql import unpublish
+
+    agent = client.create_agent("a")
+
+    def broken(due: Any) -> None:
+        raise ConnectionError("broker down")
+
+    publishing = Client(db, publisher=broken)
+    with pytest.raises(ConnectionError):
+        publishing.submit(agent.id, "req-1", None, operation="count")
+    assert job_row(db, "req-1:count:1")["status"] == "enqueued"  # type: ignore[index]
+    assert unpublish(db, ["req-1:count:1"]) == ["req-1:count:1"]
+    with db.transaction() as cur:
+        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == ["req-1:count:1"]
+
+
+def test_a_stale_pooled_connection_is_replaced_not_failed(client: Client, db: Database, db_url: str) -> None:
+    """After a database restart every pooled connection is dead; the next claim must still work."""
+    from models.urls import libpq_url
+
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="finish")
+    with db.connection() as conn:  # warm the pool
+        conn.execute("SELECT 1")
+        conn.rollback()
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    outcome = make_runner(db, {"finish": lambda ctx: JobResult(event=Event.FINISH)}).run("req-1:finish:1")
+    assert outcome.status == "succeeded"
+
+
+def test_every_public_error_is_a_keel_error() -> None:
+    """Every exception class Keel's packages define (and a caller could meet) derives from KeelError."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import agents
+    import models
+
+    found = []
+    for package in (agents, models):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            found += [
+                obj
+                for _, obj in inspect.getmembers(module, inspect.isclass)
+                if issubclass(obj, Exception) and obj.__module__ == module.__name__ and not obj.__name__.startswith("_")
+            ]
+    assert FencedOff in found and errors.LostUpdate in found
+    outsiders = [f"{cls.__module__}.{cls.__name__}" for cls in found if not issubclass(cls, KeelError)]
+    assert outsiders == []
