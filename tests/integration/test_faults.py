@@ -204,7 +204,7 @@ def test_every_comparison_uses_the_database_clock_not_the_hosts(
         client.submit(agent.id, f"req{sign}", None, operation="retry")
         attempts: list[int] = []
 
-        def retry(ctx: JobContext) -> JobResult:
+        def retry(ctx: JobContext, attempts: list[int] = attempts) -> JobResult:
             from agents.errors import TransientError
 
             attempts.append(ctx.attempt)
@@ -304,6 +304,8 @@ def test_every_public_error_is_a_keel_error() -> None:
     found = []
     for package in (agents, models):
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            if info.name.endswith("__main__"):
+                continue
             module = importlib.import_module(info.name)
             found += [
                 obj
