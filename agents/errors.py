@@ -7,12 +7,8 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-
-class KeelError(Exception):
-    """Keel could not do what was asked."""
-
-    def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or (self.__doc__ or "").strip())
+# The root is defined in models/ so that errors raised there share it too.
+from models.errors import KeelError as KeelError
 
 
 class InvalidInput(KeelError):

@@ -20,11 +20,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from models.errors import KeelError
 from models.settings import Settings
 from models.urls import sqlalchemy_url
 
 
-class EmbeddedServerError(RuntimeError):
+class EmbeddedServerError(KeelError):
     """An embedded server could not be started or stopped."""
 
 
