@@ -41,18 +41,38 @@ def noop(ctx: JobContext) -> JobResult:
     return JobResult(event=Event.FINISH)
 
 
+def released(key: str) -> bool:
+    """Whether the test set ``release:{key}`` on the broker's Redis (which may be restarting: then not yet)."""
+    client = redis.Redis.from_url(os.environ["KEEL_BROKER_URL"], socket_connect_timeout=1, socket_timeout=1)
+    try:
+        return bool(client.exists(f"release:{key}"))
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def wait_for_release(key: str) -> None:
+    while not released(key):
+        time.sleep(0.05)
+
+
 @handler("block")
 def block(ctx: JobContext) -> JobResult:
     """Runs until the test sets the Redis key ``release:{job key}`` (on the broker's Redis db)."""
     record(ctx, "start")
-    client = redis.Redis.from_url(os.environ["KEEL_BROKER_URL"])
-    try:
-        while not client.exists(f"release:{ctx.key}"):
-            time.sleep(0.05)
-    finally:
-        client.close()
+    wait_for_release(ctx.key)
     record(ctx, "finish")
     return JobResult(output={"released": True}, event=Event.FINISH)
+
+
+@handler("hang")
+def hang(ctx: JobContext) -> JobResult:
+    """Ignores everything for 20 s, then records ``late``: past its run limit, that must never happen."""
+    record(ctx, "start")
+    time.sleep(20)
+    record(ctx, "late")
+    return JobResult(event=Event.FINISH)
 
 
 @handler("slow")
