@@ -123,7 +123,7 @@ def fire_due(db: Database, at: datetime | None = None, *, actor: str = "schedule
                 outcome = f"failed ({exc})"
             if outcome == "submitted":
                 fired.append(request_id)
-            following = next_fire(every_seconds=schedule.every_seconds, cron=schedule.cron, after=now)
+            following = _following(schedule, now)
             record_fire_txn(
                 cur,
                 schedule.name,
@@ -132,6 +132,15 @@ def fire_due(db: Database, at: datetime | None = None, *, actor: str = "schedule
                 outcome=f"{request_id}: {outcome}",
             )
     return fired
+
+
+def _following(schedule: Schedule, now: datetime) -> datetime:
+    """The schedule's first fire after ``now``, on its own grid: an interval schedule stays anchored to its fire
+    times (a late pass does not shift every later fire, and so every later fire's name)."""
+    if schedule.every_seconds is None:
+        return next_fire(every_seconds=None, cron=schedule.cron, after=now)
+    missed = (now - schedule.next_fire_at) // timedelta(seconds=schedule.every_seconds)
+    return schedule.next_fire_at + (missed + 1) * timedelta(seconds=schedule.every_seconds)
 
 
 def _submit(db: Database, schedule: Schedule, request_id: str, actor: str) -> str:
