@@ -129,6 +129,13 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name!r} is not a module name (dotted Python identifiers, e.g. myapp.handlers)")
         return value
 
+    @field_validator("notify_slack_channel", "slack_token", "github_token", "llm_api_key", mode="before")
+    @classmethod
+    def _empty_means_unset(cls, value: object) -> object:
+        # compose passes an unset variable on as "" (`${KEEL_SLACK_TOKEN:-}`): that is "none", not an empty token
+        # every send would fail with.
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("notify_slack_channel")
     @classmethod
     def _notify_channel_is_a_conversation_id(cls, value: str | None) -> str | None:

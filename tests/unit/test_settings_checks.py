@@ -96,6 +96,18 @@ def test_good_values_pass_and_the_slack_url_gets_its_slash() -> None:
     check_imports(settings)
 
 
+def test_variables_compose_passes_on_empty_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("KEEL_NOTIFY_SLACK_CHANNEL", "KEEL_SLACK_TOKEN", "KEEL_GITHUB_TOKEN", "KEEL_LLM_API_KEY"):
+        monkeypatch.setenv(name, "")
+    settings = load_settings()
+    assert (settings.notify_slack_channel, settings.slack_token, settings.github_token, settings.llm_api_key) == (
+        None,
+        None,
+        None,
+        None,
+    )
+
+
 def test_a_module_that_cannot_be_imported_is_named() -> None:
     with pytest.raises(BadConfiguration, match=r"KEEL_IMPORTS: module 'no_such_keel_module' cannot be imported"):
         check_imports(Settings(imports=["no_such_keel_module"]))
