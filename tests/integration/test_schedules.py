@@ -98,3 +98,32 @@ def test_schedules_are_due_on_the_database_clock_not_the_hosts(
     updated_at, next_fire_at, database_now = stored
     assert abs(database_now - updated_at) < timedelta(seconds=2), "stored times are the database's"
     assert next_fire_at > updated_at and (next_fire_at - schedule.next_fire_at) % timedelta(seconds=2) == timedelta(0)
+
+
+def test_two_beats_in_different_zones_name_one_fire_once(
+    db_url: str, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = client.create_agent("zoned")
+    fire_at = datetime(2026, 10, 25, 1, 30, tzinfo=UTC)
+    schedules.ensure_schedule(
+        client.db, "zoned", agent.id, every=timedelta(hours=1), operation="count", now=fire_at - timedelta(hours=1)
+    )
+    beats = []
+    for zone in ("America/New_York", "Asia/Kolkata"):  # libpq sets each session's TimeZone from PGTZ
+        monkeypatch.setenv("PGTZ", zone)
+        beat = Database(db_url, pool_size=1)
+        with beat.connection() as conn:
+            assert conn.execute("SHOW timezone").fetchone() == (zone,)
+            conn.rollback()
+        beats.append(beat)
+    try:
+        assert schedules.fire_due(beats[0], fire_at) == ["zoned.20261025T013000Z"]
+        # The second beat attempts the same fire (the first one's bookkeeping was lost): the same name, suppressed.
+        with psycopg.connect(client.db.libpq_url, autocommit=True) as conn:
+            conn.execute("UPDATE schedules SET next_fire_at = %s", (fire_at,))
+        assert schedules.fire_due(beats[1], fire_at) == []
+        last = client.journal(agent_id=agent.id)[-1]
+        assert (last.kind, last.request_id) == ("suppressed", "zoned.20261025T013000Z")
+    finally:
+        for beat in beats:
+            beat.dispose()
