@@ -188,6 +188,13 @@ class Settings(BaseSettings):
             raise ValueError("KEEL_OUTBOX_BACKOFF_MAX_SECONDS: must not be below KEEL_OUTBOX_BACKOFF_SECONDS")
         return self
 
+    @model_validator(mode="after")
+    def _openai_needs_a_key(self) -> Settings:
+        # Other OpenAI-compatible endpoints (a local server) may need none; OpenAI's own always does.
+        if self.llm_provider == "openai" and self.llm_api_key is None and "api.openai.com" in self.llm_base_url:
+            raise ValueError("KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai calls api.openai.com")
+        return self
+
     @field_validator("database_url")
     @classmethod
     def _database_url_is_postgres(cls, value: str | None) -> str | None:

@@ -48,6 +48,7 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ),
         ({"KEEL_OUTBOX_BACKOFF_MAX_SECONDS": "0.5"}, "KEEL_OUTBOX_BACKOFF_MAX_SECONDS: must not be below"),
         ({"KEEL_OUTBOX_LEASE_SECONDS": "10"}, "KEEL_OUTBOX_LEASE_SECONDS: must be at least 3 x"),
+        ({"KEEL_LLM_PROVIDER": "openai"}, "KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai"),
         ({"KEEL_DB_POOL_SIZE": "0"}, "KEEL_DB_POOL_SIZE: Input should be greater than or equal to 1"),
         ({"KEEL_ENVIRONMENT": "prod"}, "KEEL_ENVIRONMENT: Input should be 'development', 'test' or 'production'"),
     ],
