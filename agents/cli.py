@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import click
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from agents.errors import KeelError
 
@@ -21,15 +21,18 @@ R = TypeVar("R")
 DOCS_PHASES = Path("docs/phases.md")
 
 
-def _settings() -> Any:
-    from models.settings import Settings
+def _settings(*, imports: bool = False) -> Any:
+    """The settings, or one line ``bad configuration: KEEL_X: rule`` and exit 1. ``imports``: also import
+    ``KEEL_IMPORTS`` now (commands that start a worker)."""
+    from models.settings import BadConfiguration, check_imports, load_settings
 
     try:
-        return Settings()
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "settings"
-        raise click.ClickException(f"bad configuration: {field}: {err['msg']}") from None
+        settings = load_settings()
+        if imports:
+            check_imports(settings)
+    except BadConfiguration as exc:
+        raise click.ClickException(str(exc)) from None
+    return settings
 
 
 def _client() -> Any:
@@ -540,7 +543,7 @@ def up(flower_port: int, concurrency: int) -> None:
     from models import migrations
     from models.embedded import broker_url_for, database_url_for
 
-    settings = _settings()
+    settings = _settings(imports=True)
     env = dict(os.environ)
     env["KEEL_DATABASE_URL"] = database_url_for(settings)
     env["KEEL_BROKER_URL"] = broker_url_for(settings)

@@ -1,5 +1,9 @@
 """Deadline enforcement: past the soft deadline an agent's jobs drop to the low-priority queue; past the hard one
-the request is stopped (phase failed, live jobs cancelled, running ones fenced off). Journaled like any transition."""
+the request is stopped (phase failed, live jobs cancelled, running ones fenced off). Journaled like any transition.
+
+Deadlines are judged on the database's clock, never the enforcing host's. Each agent is enforced on its own: one
+agent whose move fails (any error) is logged and journaled, and the pass goes on with the others.
+"""
 
 from __future__ import annotations
 
@@ -10,47 +14,102 @@ from uuid import UUID
 
 from agents import core
 from agents.commands import LOW, Command, MessageSpec
-from agents.errors import Rejected
+from agents.errors import InvalidInput, Rejected
 from agents.phases import ACTIVE, Event
 from models.db import Database
-from models.jobs_sql import agents_past_deadlines
+from models.deadlines_sql import agents_past_deadlines, last_event
 
 log = logging.getLogger("keel.deadlines")
+
+#: The journal decision of a deadline move that failed (kind "rejected": the agent's state did not change).
+ENFORCEMENT_FAILED = "deadline_enforcement_failed"
+#: Longest error text journaled for a failed move: the journal is append-only and kept forever.
+ERROR_TEXT_LIMIT = 500
 
 
 @dataclass
 class EnforceReport:
     demoted: list[UUID] = field(default_factory=list)
     stopped: list[UUID] = field(default_factory=list)
+    failed: list[UUID] = field(default_factory=list)  # the move raised; logged and journaled on the agent
 
 
 def enforce(
-    db: Database, now: datetime, *, actor: str = "deadline-enforcer", notify_slack_channel: str | None = None
+    db: Database,
+    at: datetime | None = None,
+    *,
+    actor: str = "deadline-enforcer",
+    notify_slack_channel: str | None = None,
 ) -> EnforceReport:
-    """Apply both deadlines to every active agent that has passed one. Safe to run from several places at once:
-    each move is a transition under the agent's lock, and one that lost a race is simply rejected. A stop is
-    announced on ``notify_slack_channel`` through the outbox, in the same transaction."""
+    """Apply both deadlines to every active agent that has passed one, as of the database's clock (``at``
+    overrides it, for tests). Safe to run from several places at once: each move is a transition under the agent's
+    lock, and one that lost a race is simply rejected. A stop is announced on ``notify_slack_channel`` through the
+    outbox, in the same transaction; a channel that cannot be used never prevents the stop."""
     report = EnforceReport()
-    soft, hard = agents_past_deadlines(db, now, [p.value for p in ACTIVE])
-    for agent_id in hard:
-        notice: tuple[MessageSpec, ...] = ()
-        if notify_slack_channel:
-            text = f"Keel stopped agent {agent_id}: its request passed its hard deadline. Pending work was cancelled."
-            notice = (MessageSpec("slack", notify_slack_channel, "hard-deadline", {"text": text}),)
-        command = Command(agent_id, Event.FAIL, actor, reason="hard_deadline_passed", messages=notice)
-        if _apply(db, command):
-            report.stopped.append(agent_id)
-    for agent_id in soft:
-        command = Command(agent_id, Event.PROGRESS, actor, reason="soft_deadline_passed", priority=LOW)
-        if _apply(db, command):
-            report.demoted.append(agent_id)
+    notice, notice_problem = _notice_template(notify_slack_channel)
+    for past in agents_past_deadlines(db, [p.value for p in ACTIVE], at):
+        if past.hard:
+            command = _stop(past.id, actor, notice, notice_problem)
+            done = report.stopped
+        else:
+            command = Command(past.id, Event.PROGRESS, actor, reason="soft_deadline_passed", priority=LOW)
+            done = report.demoted
+        try:
+            core.transition(db, command)
+        except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
+            log.info("deadline move on %s not applied: %s", past.id, exc)
+        except Exception as exc:  # one agent's failure must not leave the others past their deadlines
+            log.exception("deadline move on %s failed; the pass goes on", past.id)
+            report.failed.append(past.id)
+            _journal_failure(db, command, exc)
+        else:
+            done.append(past.id)
     return report
 
 
-def _apply(db: Database, command: Command) -> bool:
+def _notice_template(channel: str | None) -> tuple[str | None, str | None]:
+    """The channel to announce stops on, or why it cannot be used (validated settings refuse such a channel at
+    start-up; this guards callers that pass one of their own)."""
+    if not channel:
+        return None, None
     try:
-        core.transition(db, command)
-    except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
-        log.info("deadline move on %s not applied: %s", command.agent_id, exc)
-        return False
-    return True
+        MessageSpec("slack", channel, "hard-deadline", {"text": "check"})
+    except InvalidInput as exc:
+        log.error("deadline notices are not sent: %s", exc)
+        return None, str(exc)
+    return channel, None
+
+
+def _stop(agent_id: UUID, actor: str, channel: str | None, notice_problem: str | None) -> Command:
+    notice: tuple[MessageSpec, ...] = ()
+    if channel:
+        text = f"Keel stopped agent {agent_id}: its request passed its hard deadline. Pending work was cancelled."
+        notice = (MessageSpec("slack", channel, "hard-deadline", {"text": text}),)
+    details = {"notice_not_sent": notice_problem} if notice_problem else {}
+    return Command(agent_id, Event.FAIL, actor, reason="hard_deadline_passed", messages=notice, details=details)
+
+
+def _journal_failure(db: Database, command: Command, exc: Exception) -> None:
+    """Put the failed move on the agent's record, once per distinct error: a failure that repeats every pass
+    is logged every pass but journaled only when it first appears (the journal is append-only)."""
+    error = " ".join(f"{type(exc).__name__}: {exc}".split())[:ERROR_TEXT_LIMIT]
+    details = {"error": error, "move": command.reason}
+    try:
+        last = last_event(db, command.agent_id)
+        if last is not None and (last["kind"], last["decision"], last["details"]) == (
+            "rejected",
+            ENFORCEMENT_FAILED,
+            details,
+        ):
+            return
+        core.record_side_event(
+            db,
+            command.agent_id,
+            kind="rejected",
+            event=command.event.value,
+            actor=command.actor,
+            decision=ENFORCEMENT_FAILED,
+            details=details,
+        )
+    except Exception:  # the database itself may be what failed; the log has it, the next pass tries again
+        log.exception("could not journal the failed deadline move on %s", command.agent_id)

@@ -3,6 +3,11 @@
 ``ensure_schedule`` is idempotent: registering the same schedule on every restart changes nothing. Each fire is a
 submit whose request id is made from the schedule name and the fire time, so a fire that is attempted twice
 (two dispatchers, a crash between submit and bookkeeping) is a suppressed duplicate, not a second run.
+
+Time is the database's and it is UTC: what is due is judged on the database's clock, cron expressions name UTC
+times, and fire ids are written in UTC, whatever the server's, the session's or the host's time zone (psycopg
+reads timestamps back in the session's zone; on a zone with daylight saving two fires an hour apart would
+otherwise share a name on the fall-back day).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -21,7 +26,9 @@ from agents.commands import Command, JobSpec
 from agents.errors import InvalidInput, KeelError, Rejected
 from agents.keys import check_request_id
 from agents.phases import Event
+from models.clock import database_now, utc
 from models.db import Database
+from models.schedules_sql import ScheduleRow, lock_due_schedules_txn, record_fire_txn, upsert_schedule_txn
 
 log = logging.getLogger("keel.schedules")
 
@@ -34,21 +41,27 @@ class Schedule:
     cron: str | None
     operation: str
     input: Any
-    next_fire_at: datetime
+    next_fire_at: datetime  # UTC
+
+    @classmethod
+    def from_row(cls, row: ScheduleRow) -> Schedule:
+        return cls(row.name, row.agent_id, row.every_seconds, row.cron, row.operation, row.input, utc(row.next_fire_at))
 
 
 def next_fire(*, every_seconds: int | None, cron: str | None, after: datetime) -> datetime:
-    """The first fire time strictly after ``after``."""
+    """The first fire time strictly after ``after``, in UTC. Intervals are exact elapsed seconds; cron fields
+    name UTC times."""
+    after = utc(after)  # aware arithmetic in a zone with DST is wall-clock arithmetic: never do it there
     if every_seconds is not None:
         return after + timedelta(seconds=every_seconds)
     assert cron is not None
     fire: datetime = croniter(cron, after).get_next(datetime)
-    return fire
+    return fire.astimezone(UTC)
 
 
 def fire_request_id(name: str, fire_at: datetime) -> str:
-    """The request id of one fire: deterministic from the schedule's name and the fire time."""
-    return check_request_id(f"{name}.{fire_at:%Y%m%dT%H%M%SZ}")
+    """The request id of one fire: deterministic from the schedule's name and the fire time, named in UTC."""
+    return check_request_id(f"{name}.{utc(fire_at):%Y%m%dT%H%M%SZ}")
 
 
 def ensure_schedule(
@@ -63,7 +76,8 @@ def ensure_schedule(
     now: datetime | None = None,
 ) -> tuple[Schedule, bool]:
     """Register schedule ``name``; returns it and whether anything changed. Same definition → no change at all;
-    a changed definition is updated in place (never a second schedule) and its next fire recomputed."""
+    a changed definition is updated in place (never a second schedule) and its next fire recomputed from the
+    database's clock (``now`` overrides it, for tests)."""
     check_request_id(name)
     if len(name) > 100:
         raise InvalidInput(f"schedule name is {len(name)} characters; at most 100 (fire request ids add 17)")
@@ -75,45 +89,32 @@ def ensure_schedule(
     if cron is not None and not croniter.is_valid(cron):
         raise InvalidInput(f"cron expression {cron!r} is not valid")
     JobSpec(operation, "1")  # validates the operation name
-    at = now or core.now()
-    first = next_fire(every_seconds=every_seconds, cron=cron, after=at)
+    if now is not None and now.tzinfo is None:
+        raise InvalidInput("now= must be timezone-aware")
     input_json = json.dumps(input, sort_keys=True)
     with core.store_errors(), db.transaction() as cur:
-        cur.execute(
-            "INSERT INTO schedules (name, agent_id, every_seconds, cron, operation, input, next_fire_at)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s)"
-            " ON CONFLICT (name) DO UPDATE SET agent_id = EXCLUDED.agent_id, every_seconds = EXCLUDED.every_seconds,"
-            " cron = EXCLUDED.cron, operation = EXCLUDED.operation, input = EXCLUDED.input,"
-            " next_fire_at = EXCLUDED.next_fire_at, updated_at = now()"
-            " WHERE (schedules.agent_id, schedules.every_seconds, schedules.cron, schedules.operation, schedules.input)"
-            " IS DISTINCT FROM (EXCLUDED.agent_id, EXCLUDED.every_seconds, EXCLUDED.cron, EXCLUDED.operation,"
-            " EXCLUDED.input)"
-            " RETURNING xmax = 0",
-            (name, agent_id, every_seconds, cron, operation, input_json, first),
+        at = database_now(cur) if now is None else utc(now)
+        row, changed = upsert_schedule_txn(
+            cur,
+            name=name,
+            agent_id=agent_id,
+            every_seconds=every_seconds,
+            cron=cron,
+            operation=operation,
+            input_json=input_json,
+            first_fire_at=next_fire(every_seconds=every_seconds, cron=cron, after=at),
         )
-        changed = cur.fetchone() is not None
-        cur.execute(
-            "SELECT name, agent_id, every_seconds, cron, operation, input, next_fire_at FROM schedules WHERE name = %s",
-            (name,),
-        )
-        row = cur.fetchone()
-    assert row is not None
-    return Schedule(*row), changed
+    return Schedule.from_row(row), changed
 
 
-def fire_due(db: Database, now: datetime, *, actor: str = "scheduler") -> list[str]:
-    """Fire every schedule whose time has come (once, even if several fires were missed) and move it on.
-    Returns the request ids submitted. Rows another dispatcher holds are skipped. The fires' jobs are left
-    pending for the dispatcher's next pass."""
+def fire_due(db: Database, at: datetime | None = None, *, actor: str = "scheduler") -> list[str]:
+    """Fire every schedule whose time has come on the database's clock (``at`` overrides it, for tests) — once,
+    even if several fires were missed — and move it on. Returns the request ids submitted. Rows another dispatcher
+    holds are skipped. The fires' jobs are left pending for the dispatcher's next pass."""
     fired: list[str] = []
     with core.store_errors(), db.transaction() as cur:
-        cur.execute(
-            "SELECT name, agent_id, every_seconds, cron, operation, input, next_fire_at FROM schedules"
-            " WHERE enabled AND next_fire_at <= %s ORDER BY next_fire_at FOR UPDATE SKIP LOCKED",
-            (now,),
-        )
-        due = [Schedule(*row) for row in cur.fetchall()]
-        for schedule in due:
+        now = database_now(cur) if at is None else utc(at)
+        for schedule in map(Schedule.from_row, lock_due_schedules_txn(cur, now)):
             request_id = fire_request_id(schedule.name, schedule.next_fire_at)
             try:
                 outcome = _submit(db, schedule, request_id, actor)
@@ -122,13 +123,24 @@ def fire_due(db: Database, now: datetime, *, actor: str = "scheduler") -> list[s
                 outcome = f"failed ({exc})"
             if outcome == "submitted":
                 fired.append(request_id)
-            following = next_fire(every_seconds=schedule.every_seconds, cron=schedule.cron, after=now)
-            cur.execute(
-                "UPDATE schedules SET next_fire_at = %s, last_fire_at = %s, last_outcome = %s, updated_at = %s"
-                " WHERE name = %s",
-                (following, schedule.next_fire_at, f"{request_id}: {outcome}", now, schedule.name),
+            following = _following(schedule, now)
+            record_fire_txn(
+                cur,
+                schedule.name,
+                fired_at=schedule.next_fire_at,
+                next_fire_at=following,
+                outcome=f"{request_id}: {outcome}",
             )
     return fired
+
+
+def _following(schedule: Schedule, now: datetime) -> datetime:
+    """The schedule's first fire after ``now``, on its own grid: an interval schedule stays anchored to its fire
+    times (a late pass does not shift every later fire, and so every later fire's name)."""
+    if schedule.every_seconds is None:
+        return next_fire(every_seconds=None, cron=schedule.cron, after=now)
+    missed = (now - schedule.next_fire_at) // timedelta(seconds=schedule.every_seconds)
+    return schedule.next_fire_at + (missed + 1) * timedelta(seconds=schedule.every_seconds)
 
 
 def _submit(db: Database, schedule: Schedule, request_id: str, actor: str) -> str:

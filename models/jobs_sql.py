@@ -7,7 +7,7 @@ writes, the fencing token it claimed with), so a write that lost a race matches 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -352,22 +352,6 @@ def job_row(db: Database, key: str) -> dict[str, Any] | None:
         row = cur.fetchone()
         conn.rollback()
     return row
-
-
-def agents_past_deadlines(db: Database, now: datetime, active: Iterable[str]) -> tuple[list[UUID], list[UUID]]:
-    """Active agents whose soft deadline passed while still at normal priority, and those past the hard one."""
-    phases = list(active)
-    with db.connection() as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT id FROM agents WHERE phase = ANY(%s) AND priority = 'normal' AND soft_deadline <= %s"
-            " AND (hard_deadline IS NULL OR hard_deadline > %s)",
-            (phases, now, now),
-        )
-        soft = [r[0] for r in cur.fetchall()]
-        cur.execute("SELECT id FROM agents WHERE phase = ANY(%s) AND hard_deadline <= %s", (phases, now))
-        hard = [r[0] for r in cur.fetchall()]
-        conn.rollback()
-    return soft, hard
 
 
 def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, Any]]]:

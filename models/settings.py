@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from models.urls import sqlalchemy_url
+
+#: A Slack conversation id (C…, G…, D…). Names like "#ops" are refused: the relay reconciles by reading the
+#: channel's history, which takes ids only (agents.commands.MessageSpec applies the same rule to every message).
+SLACK_CONVERSATION_ID = re.compile(r"^[CGD][A-Z0-9]{1,20}$")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
+
+
+class BadConfiguration(ValueError):
+    """A ``KEEL_*`` setting is missing, malformed or unsafe. The message is one line naming the variable and the
+    rule: ``bad configuration: KEEL_X: …``."""
 
 
 class Settings(BaseSettings):
@@ -71,33 +85,118 @@ class Settings(BaseSettings):
     outbox_backoff_max_seconds: float = Field(default=300.0, gt=0)
     outbox_pass_seconds: float = Field(default=10.0, gt=0)  # one relay pass sends for at most this long
 
+    # Field validators say the rule only: the variable's name is added from the error's location. Model
+    # validators compare settings and start their message with the variable to change ("KEEL_X: …"). Values that
+    # may hold a password (URLs, tokens) are never echoed.
+
     @field_validator("retry_policy")
     @classmethod
-    def _retry_policy_names_known_classes(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    def _retry_policy_is_complete_and_sane(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         known = {"transient", "rate_limited", "invalid", "budget", "unknown"}
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"unknown error classes {sorted(unknown)}; known: {sorted(known)}")
+        for name, fields in value.items():
+            odd = set(fields) - _RETRY_FIELDS
+            if odd:
+                raise ValueError(f"{name}: unknown fields {sorted(odd)}; known: {sorted(_RETRY_FIELDS)}")
+            attempts = fields.get("max_attempts", 1)
+            if attempts != int(attempts) or attempts < 1:
+                raise ValueError(f"{name}.max_attempts must be a whole number of at least 1, got {attempts}")
+            for seconds in ("base_seconds", "max_seconds"):
+                if seconds in fields and not fields[seconds] > 0:
+                    raise ValueError(f"{name}.{seconds} must be greater than 0, got {fields[seconds]}")
+            if fields.get("max_seconds", float("inf")) < fields.get("base_seconds", 0):
+                raise ValueError(f"{name}.max_seconds must not be below {name}.base_seconds")
+            if not 0 <= fields.get("jitter", 0) <= 1:
+                raise ValueError(f"{name}.jitter must be between 0 and 1, got {fields['jitter']}")
         for never in ("invalid", "budget"):
             if value.get(never, {}).get("max_attempts", 1) != 1:
                 raise ValueError(f"{never} failures are never retried: its max_attempts must stay 1")
         return value
+
+    @field_validator("llm_prices")
+    @classmethod
+    def _prices_are_per_direction(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for model, price in value.items():
+            if not price or set(price) - {"input", "output"}:
+                raise ValueError(f"{model}: give prices as {{'input': …, 'output': …}} (USD per million tokens)")
+            if any(p < 0 for p in price.values()):
+                raise ValueError(f"{model}: prices must not be negative")
+        return value
+
+    @field_validator("imports")
+    @classmethod
+    def _imports_are_module_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _MODULE_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a module name (dotted Python identifiers, e.g. myapp.handlers)")
+        return value
+
+    @field_validator("notify_slack_channel", "slack_token", "github_token", "llm_api_key", mode="before")
+    @classmethod
+    def _empty_means_unset(cls, value: object) -> object:
+        # compose passes an unset variable on as "" (`${KEEL_SLACK_TOKEN:-}`): that is "none", not an empty token
+        # every send would fail with.
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("notify_slack_channel")
+    @classmethod
+    def _notify_channel_is_a_conversation_id(cls, value: str | None) -> str | None:
+        if value is not None and not SLACK_CONVERSATION_ID.fullmatch(value):
+            raise ValueError(
+                f"must be a Slack conversation id like C0123ABCD (C…, G… or D…), not {value[:40]!r}:"
+                " channel names cannot be read back to reconcile a send"
+            )
+        return value
+
+    @field_validator("llm_base_url", "slack_api_url", "github_api_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return value
+
+    @field_validator("slack_api_url")
+    @classmethod
+    def _slack_api_url_ends_with_slash(cls, value: str) -> str:
+        # The Slack SDK appends method names to it as they are ("…/api/" + "chat.postMessage").
+        return value if value.endswith("/") else value + "/"
 
     @model_validator(mode="after")
     def _outbox_lease_outlives_a_send(self) -> Settings:
         # A send (and the reconciliation before it) must end well inside the lease, or a second relay could
         # take the message over while the first is still talking to the receiver.
         if self.outbox_lease_seconds < 3 * self.http_timeout_seconds:
-            raise ValueError("KEEL_OUTBOX_LEASE_SECONDS must be at least 3 x KEEL_HTTP_TIMEOUT_SECONDS")
+            raise ValueError("KEEL_OUTBOX_LEASE_SECONDS: must be at least 3 x KEEL_HTTP_TIMEOUT_SECONDS")
         return self
 
     @model_validator(mode="after")
     def _lease_fits_visibility(self) -> Settings:
         if self.job_lease_seconds >= self.visibility_timeout_seconds:
             raise ValueError(
-                "KEEL_JOB_LEASE_SECONDS must be shorter than KEEL_VISIBILITY_TIMEOUT_SECONDS, so a dead worker's job"
-                " is recovered from Postgres before Redis redelivers its message"
+                "KEEL_JOB_LEASE_SECONDS: must be shorter than KEEL_VISIBILITY_TIMEOUT_SECONDS, so a dead worker's"
+                " job is recovered from Postgres before Redis redelivers its message"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _intervals_fit_together(self) -> Settings:
+        if self.enqueue_timeout_seconds <= self.dispatch_interval_seconds:
+            raise ValueError(
+                "KEEL_ENQUEUE_TIMEOUT_SECONDS: must be longer than KEEL_DISPATCH_INTERVAL_SECONDS, or every"
+                " dispatcher pass re-publishes every job still waiting in the queue"
+            )
+        if self.outbox_backoff_max_seconds < self.outbox_backoff_seconds:
+            raise ValueError("KEEL_OUTBOX_BACKOFF_MAX_SECONDS: must not be below KEEL_OUTBOX_BACKOFF_SECONDS")
+        return self
+
+    @model_validator(mode="after")
+    def _openai_needs_a_key(self) -> Settings:
+        # Other OpenAI-compatible endpoints (a local server) may need none; OpenAI's own always does.
+        if self.llm_provider == "openai" and self.llm_api_key is None and "api.openai.com" in self.llm_base_url:
+            raise ValueError("KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai calls api.openai.com")
         return self
 
     @field_validator("database_url")
@@ -105,20 +204,25 @@ class Settings(BaseSettings):
     def _database_url_is_postgres(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        return sqlalchemy_url(value)
+        try:
+            return sqlalchemy_url(value)
+        except ValueError as exc:
+            if "Keel needs PostgreSQL" in str(exc):
+                raise
+            raise ValueError("not a database URL (expected postgresql://user@host:port/database)") from None
 
     @field_validator("broker_url")
     @classmethod
     def _broker_url_is_redis(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("redis://", "rediss://", "redis+socket://")):
-            raise ValueError(f"KEEL_BROKER_URL must be a redis:// URL, got scheme of {value.split(':', 1)[0]!r}")
+            raise ValueError(f"must be a redis:// URL, got scheme {value.split(':', 1)[0][:20]!r}")
         return value
 
     @model_validator(mode="after")
     def _production_needs_real_servers(self) -> Settings:
         if self.environment == "production" and (self.database_url is None or self.broker_url is None):
             raise ValueError(
-                "KEEL_ENVIRONMENT=production needs KEEL_DATABASE_URL and KEEL_BROKER_URL: "
+                "KEEL_ENVIRONMENT: production needs KEEL_DATABASE_URL and KEEL_BROKER_URL: "
                 "the embedded development servers are not for production"
             )
         return self
@@ -126,3 +230,44 @@ class Settings(BaseSettings):
     @property
     def uses_embedded(self) -> bool:
         return self.database_url is None or self.broker_url is None
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the settings, or raise :class:`BadConfiguration` with one line naming the variable and the rule.
+    Every process and ``keel`` command starts here, so a bad value stops it at once instead of breaking later."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise BadConfiguration(describe(exc)) from None
+    except SettingsError as exc:  # a complex value (list, dict) that is not JSON
+        found = re.search(r'field "(\w+)"', str(exc))
+        variable = f"KEEL_{found.group(1).upper()}" if found else "KEEL_*"
+        raise BadConfiguration(f"bad configuration: {variable}: must be JSON (a list or an object)") from None
+
+
+def describe(exc: ValidationError) -> str:
+    """``bad configuration: KEEL_X: rule`` for every error in ``exc``, on one line."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False):
+        message = " ".join(str(error["msg"]).removeprefix("Value error, ").split())
+        location = [str(part) for part in error["loc"]]
+        if not location:  # a model validator: its message names the variable
+            problems.append(message)
+            continue
+        variable = f"KEEL_{location[0].upper()}"
+        inner = ".".join(location[1:])
+        problems.append(f"{variable}: {inner + ': ' if inner else ''}{message}")
+    return "bad configuration: " + "; ".join(problems)
+
+
+def check_imports(settings: Settings) -> None:
+    """Import every ``KEEL_IMPORTS`` module now (a worker's start), so a missing or broken one stops the worker
+    with :class:`BadConfiguration` instead of failing each job that needs its handlers."""
+    for module in settings.imports:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # whatever the module raises, the worker would die on it later
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            raise BadConfiguration(
+                f"bad configuration: KEEL_IMPORTS: module {module!r} cannot be imported ({reason})"
+            ) from None

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from agents.jobs import JOBS_QUEUE, LOW_QUEUE
 
 ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
+
+
+def _settings(*, imports: bool = False) -> Any:
+    """The settings, checked before any process starts: a bad value is one line (``bad configuration: KEEL_X: …``)
+    and a non-zero exit, not a traceback later. ``imports``: a worker also imports ``KEEL_IMPORTS`` now."""
+    from models.settings import BadConfiguration, check_imports, load_settings
+
+    try:
+        settings = load_settings()
+        if imports:
+            check_imports(settings)
+    except BadConfiguration as exc:
+        raise click.ClickException(str(exc)) from None
+    return settings
 
 
 @click.command()
@@ -19,10 +35,10 @@ ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
 @click.option("--pool", default="prefork", show_default=True, help="prefork, threads or solo.")
 def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str) -> None:
     """Run a Celery worker that executes Keel jobs."""
-    from models.settings import Settings
+    settings = _settings(imports=True)
     from tasks.app import app
 
-    processes = concurrency or Settings().worker_concurrency
+    processes = concurrency or settings.worker_concurrency
     app.worker_main(
         ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, "-E", "--without-mingle"]
     )
@@ -33,6 +49,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
 def beat(loglevel: str) -> None:
     """Run beat: the dispatcher (due jobs, expired leases, schedules) and the periodic tasks. Run one or more;
     a Postgres advisory lock makes one of them the leader."""
+    _settings()
     from tasks.app import app
 
     app.start(["beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])
@@ -43,6 +60,7 @@ def beat(loglevel: str) -> None:
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int, flower_args: tuple[str, ...]) -> None:
     """Run Flower on the Keel broker (extra arguments go to Flower, e.g. --basic-auth=user:pass)."""
+    _settings()
     from tasks.app import app
 
     app.start(["flower", f"--port={port}", *flower_args])

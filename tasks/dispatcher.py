@@ -142,10 +142,17 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         if started >= self._next_deadline_check:
             self._next_deadline_check = started + self.settings.deadline_check_seconds
             try:
-                enforced = deadlines.enforce(self.db, now(), notify_slack_channel=self.settings.notify_slack_channel)
-                if enforced.demoted or enforced.stopped:
-                    log.info("deadlines: %d agents demoted, %d stopped", len(enforced.demoted), len(enforced.stopped))
-            except Exception:
+                # On the database's clock, not this host's; each agent on its own (one failure is journaled on
+                # that agent and the others go on).
+                enforced = deadlines.enforce(self.db, notify_slack_channel=self.settings.notify_slack_channel)
+                if enforced.demoted or enforced.stopped or enforced.failed:
+                    log.info(
+                        "deadlines: %d agents demoted, %d stopped, %d failed",
+                        len(enforced.demoted),
+                        len(enforced.stopped),
+                        len(enforced.failed),
+                    )
+            except Exception:  # the scan itself failed (database away): nobody was skipped for another's sake
                 log.exception("deadline pass failed; retrying next tick")
         spent = time.monotonic() - started
         next_periodic: float = super().tick(*args, **kwargs)

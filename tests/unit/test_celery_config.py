@@ -33,7 +33,7 @@ def test_one_visibility_timeout_everywhere() -> None:
 
 
 def test_a_lease_longer_than_the_visibility_timeout_is_refused() -> None:
-    with pytest.raises(ValidationError, match="KEEL_JOB_LEASE_SECONDS must be shorter"):
+    with pytest.raises(ValidationError, match="KEEL_JOB_LEASE_SECONDS: must be shorter"):
         Settings(job_lease_seconds=600, visibility_timeout_seconds=300)
 
 
