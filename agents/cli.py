@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal
@@ -14,6 +15,7 @@ import click
 from pydantic import BaseModel, ValidationError
 
 from agents.errors import KeelError
+from agents.redaction import install_log_redaction, register_settings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -25,11 +27,13 @@ def _settings() -> Any:
     from models.settings import Settings
 
     try:
-        return Settings()
+        settings = Settings()
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "settings"
         raise click.ClickException(f"bad configuration: {field}: {err['msg']}") from None
+    register_settings(settings)
+    return settings
 
 
 def _client() -> Any:
@@ -609,6 +613,9 @@ def dev_stop() -> None:
 
 def main() -> None:
     """Entry point: every error is one line on stderr (no usage dump, no traceback) and a non-zero status."""
+    # Python's own fallback prints warnings unfiltered: give the root logger a handler that masks secrets.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    install_log_redaction()
     try:
         status = cli.main(prog_name="keel", standalone_mode=False)
     except click.exceptions.Abort:

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing.util
+from typing import Any
+
 import click
 
 from agents.jobs import JOBS_QUEUE, LOW_QUEUE
+from agents.redaction import install_log_redaction, register_settings
+from models.settings import Settings
 
 ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
+
+
+def _redact_logs(settings: Settings) -> None:
+    """Mask the configured secrets and credential shapes in every line this process logs (Celery sets up its
+    handlers later, in the worker or beat; each one gets the filter as it is made)."""
+    from celery.signals import after_setup_logger, after_setup_task_logger
+
+    register_settings(settings)
+    after_setup_logger.connect(_filter_handlers, weak=False)
+    after_setup_task_logger.connect(_filter_handlers, weak=False)
+
+
+def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
+    install_log_redaction([logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])])
 
 
 @click.command()
@@ -19,10 +39,11 @@ ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
 @click.option("--pool", default="prefork", show_default=True, help="prefork, threads or solo.")
 def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str) -> None:
     """Run a Celery worker that executes Keel jobs."""
-    from models.settings import Settings
     from tasks.app import app
 
-    processes = concurrency or Settings().worker_concurrency
+    settings = Settings()
+    _redact_logs(settings)
+    processes = concurrency or settings.worker_concurrency
     app.worker_main(
         ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, "-E", "--without-mingle"]
     )
@@ -35,6 +56,7 @@ def beat(loglevel: str) -> None:
     a Postgres advisory lock makes one of them the leader."""
     from tasks.app import app
 
+    _redact_logs(Settings())
     app.start(["beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])
 
 
