@@ -17,6 +17,7 @@ from agents import journal as journal_mod
 from agents.commands import MAX_ACTOR_CHARS, MAX_REASON_CHARS, Command, JobSpec, check_json_text, check_text
 from agents.errors import AgentNotFound, InvalidInput
 from agents.phases import Event
+from agents.redaction import register_settings
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs
 from models.schemas import AgentRow, AgentState, JobView, JournalEvent, NewAgent
@@ -43,6 +44,7 @@ class Client:
         self.db = db
         self.settings = settings or Settings()
         self.publisher = publisher
+        register_settings(self.settings)  # its secrets are masked in anything this process journals or logs
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> Client:

@@ -30,7 +30,7 @@ from agents.errors import InvalidInput, StaleRevision
 from agents.handlers import registry
 from agents.phases import Event
 from agents.policies import DEFAULT_RULES
-from agents.redaction import clear_secrets, install_log_redaction, register_secrets
+from agents.redaction import RedactingFilter, clear_secrets, register_secrets
 from agents.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
@@ -161,10 +161,10 @@ def test_a_handler_exception_is_journaled_and_logged_redacted(
     root = logging.getLogger()
     stream = io.StringIO()
     stream_handler = logging.StreamHandler(stream)
+    stream_handler.addFilter(RedactingFilter())  # what install_log_redaction() puts on a keel process's handlers
     root.addHandler(stream_handler)
     old_level = root.level
     root.setLevel(logging.INFO)
-    install_log_redaction()
     try:
         Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=DEFAULT_RULES).run("r1:leaky:1")
     finally:
