@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal
@@ -14,6 +15,7 @@ import click
 from pydantic import BaseModel
 
 from agents.errors import KeelError
+from agents.redaction import install_log_redaction, register_settings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -32,6 +34,7 @@ def _settings(*, imports: bool = False) -> Any:
             check_imports(settings)
     except BadConfiguration as exc:
         raise click.ClickException(str(exc)) from None
+    register_settings(settings)
     return settings
 
 
@@ -612,6 +615,9 @@ def dev_stop() -> None:
 
 def main() -> None:
     """Entry point: every error is one line on stderr (no usage dump, no traceback) and a non-zero status."""
+    # Python's own fallback prints warnings unfiltered: give the root logger a handler that masks secrets.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    install_log_redaction()
     try:
         status = cli.main(prog_name="keel", standalone_mode=False)
     except click.exceptions.Abort:

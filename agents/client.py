@@ -14,9 +14,10 @@ from sqlalchemy import select
 
 from agents import core
 from agents import journal as journal_mod
-from agents.commands import Command, JobSpec
+from agents.commands import MAX_ACTOR_CHARS, MAX_REASON_CHARS, Command, JobSpec, check_json_text, check_text
 from agents.errors import AgentNotFound, InvalidInput
 from agents.phases import Event
+from agents.redaction import register_settings
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs
 from models.schemas import AgentRow, AgentState, JobView, JournalEvent, NewAgent
@@ -43,6 +44,7 @@ class Client:
         self.db = db
         self.settings = settings or Settings()
         self.publisher = publisher
+        register_settings(self.settings)  # its secrets are masked in anything this process journals or logs
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> Client:
@@ -63,6 +65,8 @@ class Client:
     def _row(self, agent: AgentRef) -> AgentRow:
         query = select(agents)
         agent_id = _as_uuid(agent)
+        if agent_id is None:
+            check_text("agent", agent, limit=200)
         query = query.where(agents.c.id == agent_id) if agent_id is not None else query.where(agents.c.name == agent)
         with core.store_errors(), self.db.engine.connect() as conn:
             found = conn.execute(query).first()
@@ -122,6 +126,8 @@ class Client:
         actor: str = "client",
     ) -> AgentState:
         """Create an idle agent at revision 0. Budgets of None mean unlimited."""
+        check_text("name", name)
+        _check_actor(actor)
         try:
             spec = NewAgent.model_validate({"name": name, "budget_tokens": budget_tokens, "budget_cost": budget_cost})
         except ValidationError as exc:
@@ -149,6 +155,7 @@ class Client:
         Idempotent: submitting a request id the agent already had returns the current state and changes nothing.
         Deadlines are absolute (timezone-aware) or relative to now.
         """
+        _check_actor(actor)
         at = core.now()
         soft, hard = (
             _deadline("soft_deadline", soft_deadline, at),
@@ -176,6 +183,7 @@ class Client:
         """Approve the pending tool call of an agent waiting for approval: the call runs next."""
         from agents.runtime import approval_jobs, pending_approval
 
+        _check_actor(actor)
         row = self._row(agent_id)
         pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
         jobs = approval_jobs(pending) if pending else ()
@@ -188,6 +196,8 @@ class Client:
         """Decline the pending tool call; the model is told why and revises its plan."""
         from agents.runtime import cancel_round_txn, pending_approval, rejection_jobs
 
+        _check_actor(actor)
+        _check_reason(reason)
         row = self._row(agent_id)
         pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
         jobs = rejection_jobs(pending, reason or f"rejected by {actor}") if pending else ()
@@ -212,6 +222,8 @@ class Client:
         reason: str | None = None,
     ) -> AgentState:
         """Stop the request in flight: any active phase moves to failed."""
+        _check_actor(actor)
+        _check_reason(reason)
         return self._command(agent_id, Event.CANCEL, expected_revision, actor, reason)
 
     def _command(
@@ -230,8 +242,7 @@ class Client:
             isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
         ):
             raise InvalidInput(f"expected_revision must be an integer, got {expected_revision!r}")
-        if reason is not None and "\x00" in reason:
-            raise InvalidInput("reason must not contain NUL characters")
+        _check_reason(reason)
         details: dict[str, Any] = {} if reason is None else {"reason": reason}
         details.update(extra or {})
         command = Command(
@@ -245,6 +256,7 @@ class Client:
         return self._state(core.transition(self.db, command, effects=effects).agent)
 
     def _input_json(self, value: Any) -> str:
+        check_json_text("input", value)  # before json.dumps, which would escape a lone surrogate PostgreSQL refuses
         try:
             text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -255,6 +267,17 @@ class Client:
         if size > self.settings.max_input_bytes:
             raise InvalidInput(f"input is {size} bytes as JSON; the limit is {self.settings.max_input_bytes}")
         return text
+
+
+def _check_actor(actor: str) -> None:
+    if isinstance(actor, str) and not actor:
+        raise InvalidInput(f"actor must be 1-{MAX_ACTOR_CHARS} characters: every change names who made it")
+    check_text("actor", actor, limit=MAX_ACTOR_CHARS)
+
+
+def _check_reason(reason: str | None) -> None:
+    if reason is not None:
+        check_text("reason", reason, limit=MAX_REASON_CHARS)
 
 
 def _as_uuid(agent: AgentRef) -> UUID | None:

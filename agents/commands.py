@@ -69,6 +69,42 @@ class JobSpec:
 _SLACK_DESTINATION = re.compile(r"^[CGD][A-Z0-9]{1,20}$")
 _GITHUB_DESTINATION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9\-]{0,38}/[A-Za-z0-9._\-]{1,100}#[1-9][0-9]{0,9}$")
 MESSAGE_LIMITS = {"slack": ("text", 40_000), "github": ("body", 65_000)}
+#: Free text people write into the append-only journal is bounded: what is journaled stays there forever.
+MAX_REASON_CHARS = 2000
+MAX_ACTOR_CHARS = 200
+
+
+def check_text(field: str, value: object, *, limit: int | None = None) -> str:
+    """Return ``value`` if PostgreSQL can store it as text (a str, valid Unicode, no NUL) and it has at most
+    ``limit`` characters; else raise :class:`InvalidInput` naming ``field`` and the rule (never echoing the text)."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{field} must be text, got {type(value).__name__}")
+    if limit is not None and len(value) > limit:
+        raise InvalidInput(f"{field} must be at most {limit} characters, got {len(value)}")
+    if "\x00" in value:
+        raise InvalidInput(f"{field} must not contain NUL characters (found at position {value.index(chr(0))})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(
+            f"{field} is not valid Unicode: it has a lone surrogate U+{ord(value[exc.start]):04X} at position"
+            f" {exc.start}"
+        ) from None
+    return value
+
+
+def check_json_text(field: str, value: Any) -> None:
+    """Check every string in a JSON-like ``value`` (keys too) with :func:`check_text`; the error names its path."""
+    if isinstance(value, str):
+        check_text(field, value)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_text(f"a key of {field}", key)
+            check_json_text(f"{field}.{key}", item)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            check_json_text(f"{field}[{index}]", item)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +197,15 @@ class Command:
     def __post_init__(self) -> None:
         if not isinstance(self.event, Event):
             raise InvalidInput(f"event {self.event!r} is unknown: expected one of {', '.join(Event)}")
-        if not isinstance(self.actor, str) or not self.actor or len(self.actor) > 200:
-            raise InvalidInput("actor must be 1-200 characters: every change names who made it")
-        if "\x00" in self.actor or "\x00" in self.reason:
-            raise InvalidInput("actor and reason must not contain NUL characters")
+        if not isinstance(self.actor, str) or not self.actor or len(self.actor) > MAX_ACTOR_CHARS:
+            raise InvalidInput(f"actor must be 1-{MAX_ACTOR_CHARS} characters: every change names who made it")
+        check_text("actor", self.actor)
+        check_text("reason", self.reason, limit=MAX_REASON_CHARS)
+        if not isinstance(self.details, Mapping):
+            raise InvalidInput(f"details must be a mapping, got {type(self.details).__name__}")
+        if isinstance(self.details.get("reason"), str):  # a person's reason, journaled as written
+            check_text("reason", self.details["reason"], limit=MAX_REASON_CHARS)
+        check_json_text("details", self.details)
         if self.expected_revision is not None:
             if isinstance(self.expected_revision, bool) or not isinstance(self.expected_revision, int):
                 raise InvalidInput(f"expected_revision must be an integer, got {self.expected_revision!r}")

@@ -4,10 +4,15 @@ A provider turns a conversation (OpenAI-style messages) and the tools on offer i
 final answer or tool calls, with the usage the provider reported and its cost from the price table. Failures are
 raised as :class:`~agents.errors.JobError` subclasses, so the job runner retries them by class: 429 →
 ``rate_limited`` (with Retry-After), 5xx and timeouts → ``transient``, 400 and context overflow → ``invalid``.
+A 200 whose body is malformed (not JSON, no choices, a tool call without an id or a name, arguments that are not a
+JSON object, text PostgreSQL cannot store) is ``invalid`` too, carrying the usage the provider reported, so it is
+charged and never asked for again. Tool call ids are the model's to choose: :func:`tool_call_key` makes any of them
+safe for a job key, while the model always gets its own id back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -119,24 +124,26 @@ class OpenAICompatible:
             raise TransientError(f"model endpoint unreachable ({type(exc).__name__})") from None
         if response.status_code != 200:
             raise self._error(response)
-        data = response.json()
-        usage_data = data.get("usage") or {}
-        prompt, completion = int(usage_data.get("prompt_tokens", 0)), int(usage_data.get("completion_tokens", 0))
-        usage = Usage(
-            int(usage_data.get("total_tokens", prompt + completion)),
-            cost_of(self.prices, self.model, prompt, completion),
-        )
-        message = data["choices"][0]["message"]
-        calls = []
-        for call in message.get("tool_calls") or []:
-            try:
-                arguments = json.loads(call["function"].get("arguments") or "{}")
-            except json.JSONDecodeError:
-                raise InvalidJob(
-                    f"the model sent malformed arguments for {call['function']['name']}", usage=usage
-                ) from None
-            calls.append(ToolCall(call["id"], call["function"]["name"], arguments))
-        return Reply(message.get("content"), tuple(calls), usage)
+        try:
+            data = response.json()
+        except ValueError:
+            kind = response.headers.get("content-type", "no content type")
+            raise InvalidJob(
+                f"the model endpoint answered 200 with a body that is not JSON ({kind}, {len(response.content)} bytes)",
+                usage=Usage(),  # nothing readable was reported: nothing to charge
+            ) from None
+        if not isinstance(data, dict):
+            kind = _JSON_KINDS.get(type(data), type(data).__name__)
+            raise InvalidJob(f"the model endpoint's reply is a JSON {kind}, not an object", usage=Usage())
+        return parse_reply(data, self._usage(data.get("usage")))
+
+    def _usage(self, reported: Any) -> Usage:
+        """What the provider says the call cost; missing or nonsensical counts are taken as 0."""
+        if not isinstance(reported, dict):
+            return Usage()
+        prompt, completion = _count(reported.get("prompt_tokens")), _count(reported.get("completion_tokens"))
+        total = _count(reported.get("total_tokens")) or prompt + completion
+        return Usage(total, cost_of(self.prices, self.model, prompt, completion))
 
     def _error(self, response: httpx.Response) -> Exception:
         status = response.status_code
@@ -162,7 +169,81 @@ class OpenAICompatible:
 
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_CALL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,100}$")
+# A tool call id that can be a key segment as it is; anything else is mapped by tool_call_key.
+_KEY_SAFE_CALL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
+
+
+def tool_call_key(call_id: str) -> str:
+    """The model's tool call id as it appears in keys (``{request_id}:tool:{name}:{round}.{key}``).
+
+    An id of up to 64 letters, digits, '_' and '-' is kept as it is; any other (spaces, slashes, colons, non-ASCII,
+    empty, long) becomes a readable prefix plus a hash of the whole id: the same id always gives the same key,
+    different ids different keys, and a key maps to itself. Only keys use it: the model is answered with its own id.
+    """
+    if _KEY_SAFE_CALL_ID.fullmatch(call_id):
+        return call_id
+    digest = hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    prefix = re.sub(r"^[^A-Za-z0-9]+", "", re.sub(r"[^A-Za-z0-9_\-]+", "_", call_id))[:40]
+    return f"{prefix or 'call'}-{digest}"
+
+
+def parse_reply(data: Mapping[str, Any], usage: Usage) -> Reply:
+    """A chat-completions body as a :class:`Reply`; a malformed one raises :class:`InvalidJob` carrying ``usage``."""
+
+    def malformed(problem: str) -> InvalidJob:
+        return InvalidJob(f"the model's reply is malformed: {problem}", usage=usage)
+
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise malformed("it has no choices")
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    if not isinstance(message, dict):
+        raise malformed("its first choice has no message")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise malformed(f"message.content is a {type(content).__name__}, not text")
+    raw_calls = message.get("tool_calls") or []
+    if not isinstance(raw_calls, list):
+        raise malformed(f"message.tool_calls is a {type(raw_calls).__name__}, not a list")
+    calls = []
+    for n, call in enumerate(raw_calls, 1):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise malformed(f"tool call {n} has no function.name")
+        assert isinstance(call, dict) and isinstance(function, dict)
+        call_id = call.get("id")
+        if not isinstance(call_id, str):
+            raise malformed(f"tool call {n} ({name[:64]!a}) has no id")
+        raw_arguments = function.get("arguments")
+        if raw_arguments is None or raw_arguments == "":
+            arguments: Any = {}
+        elif isinstance(raw_arguments, str):
+            try:
+                arguments = json.loads(raw_arguments)
+            except json.JSONDecodeError:
+                raise InvalidJob(f"the model sent malformed arguments for {name[:64]!a}", usage=usage) from None
+        else:
+            arguments = raw_arguments
+        if not isinstance(arguments, dict):
+            kind = _JSON_KINDS.get(type(arguments), type(arguments).__name__)
+            raise malformed(f"the arguments of tool call {n} ({name[:64]!a}) are a JSON {kind}, not an object")
+        calls.append(ToolCall(call_id, name, arguments))
+    reply = Reply(content, tuple(calls), usage)
+    try:  # the reply is stored (checkpoint, result, journal): PostgreSQL refuses a lone surrogate
+        json.dumps(reply.as_message(), ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise malformed(f"it is not valid Unicode text (a lone surrogate at position {exc.start})") from None
+    return reply
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
+        return 0
+    return int(value)
 
 
 def _retry_after(response: httpx.Response) -> float:

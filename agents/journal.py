@@ -18,6 +18,7 @@ import psycopg
 from sqlalchemy import select
 
 from agents.errors import LostUpdate
+from agents.redaction import redact_value
 from models.db import Database
 from models.schemas import AgentRow, JournalEvent
 from models.sql import NewEvent, advance_chain_txn
@@ -90,7 +91,8 @@ def new_event(
         "to_phase": to_phase,
         "revision": revision,
         "decision": decision,
-        "details_json": canonical_json(details),
+        # The one place every journaled detail passes through: secrets are masked before they are hashed and kept.
+        "details_json": canonical_json(redact_value(details)),
         "at": at,
     }
     return NewEvent(**fields, prev_hash=row.journal_head, hash=event_hash(prev_hash=row.journal_head, **fields))

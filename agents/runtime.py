@@ -1,12 +1,14 @@
 """The agent loop as job handlers: plan (a model call), tool (one tool call), gate (wait for a person).
 
 planning: job ``{request_id}:plan:{n}`` asks the model. A final answer finishes the request; tool calls move the
-agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{n}.{call_id}``. The last tool result of
-a round sends the conversation back to the model (``plan:{n+1}``). A call to a tool that needs approval is a
-``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool, ``reject`` asks the model to
-revise. Every step's result is stored on its job, in the transition that schedules the next step, and the
-conversation is rebuilt from those results: after a crash the request resumes at the first unfinished step, and a
-finished model call or tool call is never made again.
+agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{n}.{call_key}``, where ``call_key`` is
+the model's call id made safe for a key (:func:`~agents.inference.tool_call_key`); the model always gets its own id
+back, and a step's payload carries both (``call_id``: the key-safe one tools see; ``tool_call_id``: the model's).
+The last tool result of a round sends the conversation back to the model (``plan:{n+1}``). A call to a tool that
+needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
+``reject`` asks the model to revise. Every step's result is stored on its job, in the transition that schedules the
+next step, and the conversation is rebuilt from those results: after a crash the request resumes at the first
+unfinished step, and a finished model call or tool call is never made again.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from agents.commands import JobSpec, Join
 from agents.errors import InvalidInput, InvalidJob
 from agents.handlers import JobContext, JobResult, handler
-from agents.inference import OpenAICompatible, Provider, Reply, ScriptedProvider
+from agents.inference import OpenAICompatible, Provider, Reply, ScriptedProvider, tool_call_key
 from agents.phases import Event
 from agents.tools import ToolContext, by_function_name, registered
 from models.db import Database
@@ -60,8 +62,9 @@ def prompt_of(request_input: Any) -> str:
 
 
 def step_target(tool_name: str, round_: int, call_id: str) -> str:
-    """The target of a tool (or gate) step: qualified by the round, since providers may reuse call ids."""
-    return f"{tool_name}:{round_}.{call_id}"
+    """The target of a tool (or gate) step: qualified by the round, since providers may reuse call ids; the id is
+    mapped to a key-safe one (the model's own, or the mapped one: both give the same target)."""
+    return f"{tool_name}:{round_}.{tool_call_key(call_id)}"
 
 
 def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
@@ -76,7 +79,7 @@ def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, l
     for step in steps:
         if step["operation"] == "plan":
             for entry in (step["payload"] or {}).get("rejected", []):
-                rejected[(int(step["target"]) - 1, entry["tool_call_id"])] = entry["reason"]
+                rejected[(int(step["target"]) - 1, tool_call_key(entry["tool_call_id"]))] = entry["reason"]
     for n in range(1, upto_round):
         plan_step = by_key.get(f"{request_id}:plan:{n}")
         if plan_step is None or plan_step["result"] is None:
@@ -86,12 +89,14 @@ def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, l
         for call in reply.get("tool_calls") or []:
             tool = by_function_name(call["function"]["name"])
             done = by_key.get(f"{request_id}:tool:{step_target(tool.name if tool else 'unknown', n, call['id'])}")
+            key = (n, tool_call_key(call["id"]))
             if done is not None and done["status"] == "succeeded" and done["result"] is not None:
                 content = done["result"]["content"]
-            elif (n, call["id"]) in rejected:
-                content = f"A person rejected this call: {rejected[(n, call['id'])]}"
+            elif key in rejected:
+                content = f"A person rejected this call: {rejected[key]}"
             else:
                 content = "This call was not run."
+            # The model's own id, whatever its key is: that is how it pairs the result with its call.
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
     return request_input, messages
 
@@ -112,8 +117,9 @@ def plan(ctx: JobContext) -> JobResult:
     if not reply.tool_calls:
         return JobResult(output={"reply": message, "answer": reply.content}, usage=reply.usage, event=Event.FINISH)
     ids = [call.id for call in reply.tool_calls]
-    if len(set(ids)) != len(ids):
-        raise InvalidJob(f"the model used a tool call id twice in one reply: {ids}", usage=reply.usage)
+    keys = [tool_call_key(call_id) for call_id in ids]
+    if len(set(ids)) != len(ids) or len(set(keys)) != len(keys):
+        raise InvalidJob(f"the model used a tool call id twice in one reply: {ascii(ids)[:500]}", usage=reply.usage)
     jobs: list[JobSpec] = []
     gated = False
     for call in reply.tool_calls:
@@ -122,7 +128,8 @@ def plan(ctx: JobContext) -> JobResult:
         payload = {
             "arguments": dict(call.arguments),
             "round": round_,
-            "call_id": call.id,
+            "call_id": tool_call_key(call.id),
+            "tool_call_id": call.id,
             "function": call.name,
             "tool": tool.name if tool else None,
         }
@@ -201,7 +208,7 @@ def pending_approval(db: Database, request_id: str | None) -> PendingApproval | 
     _, steps = request_steps(db, request_id)
     keys = {s["key"] for s in steps}
     rejected = {
-        (int(s["target"]) - 1, e["tool_call_id"])
+        (int(s["target"]) - 1, tool_call_key(e["tool_call_id"]))
         for s in steps
         if s["operation"] == "plan"
         for e in (s["payload"] or {}).get("rejected", [])
@@ -210,8 +217,8 @@ def pending_approval(db: Database, request_id: str | None) -> PendingApproval | 
         if step["operation"] != "gate" or step["status"] != "succeeded":
             continue
         payload = step["payload"]
-        round_, call_id = int(payload["round"]), str(payload["call_id"])
-        if f"{request_id}:tool:{step['target']}" in keys or (round_, call_id) in rejected:
+        round_, call_id = int(payload["round"]), str(payload.get("tool_call_id", payload["call_id"]))
+        if f"{request_id}:tool:{step['target']}" in keys or (round_, tool_call_key(call_id)) in rejected:
             continue
         return PendingApproval(str(payload["tool"]), call_id, payload.get("arguments", {}), round_)
     return None
@@ -222,7 +229,8 @@ def approval_jobs(pending: PendingApproval) -> tuple[JobSpec, ...]:
     payload = {
         "arguments": dict(pending.arguments),
         "round": pending.round,
-        "call_id": pending.call_id,
+        "call_id": tool_call_key(pending.call_id),
+        "tool_call_id": pending.call_id,
         "tool": pending.tool,
         "approved": True,
     }

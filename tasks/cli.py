@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing.util
 from typing import Any
 
 import click
 
 from agents.jobs import JOBS_QUEUE, LOW_QUEUE
+from agents.redaction import install_log_redaction, register_settings
+from models.settings import Settings
 
 ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
 
@@ -25,6 +29,20 @@ def _settings(*, imports: bool = False) -> Any:
     return settings
 
 
+def _redact_logs(settings: Settings) -> None:
+    """Mask the configured secrets and credential shapes in every line this process logs (Celery sets up its
+    handlers later, in the worker or beat; each one gets the filter as it is made)."""
+    from celery.signals import after_setup_logger, after_setup_task_logger
+
+    register_settings(settings)
+    after_setup_logger.connect(_filter_handlers, weak=False)
+    after_setup_task_logger.connect(_filter_handlers, weak=False)
+
+
+def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
+    install_log_redaction([logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])])
+
+
 @click.command()
 @click.option(
     "-c", "--concurrency", type=click.IntRange(min=1), help="Worker processes (default KEEL_WORKER_CONCURRENCY)."
@@ -36,6 +54,7 @@ def _settings(*, imports: bool = False) -> Any:
 def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str) -> None:
     """Run a Celery worker that executes Keel jobs."""
     settings = _settings(imports=True)
+    _redact_logs(settings)
     from tasks.app import app
 
     processes = concurrency or settings.worker_concurrency
@@ -49,7 +68,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
 def beat(loglevel: str) -> None:
     """Run beat: the dispatcher (due jobs, expired leases, schedules) and the periodic tasks. Run one or more;
     a Postgres advisory lock makes one of them the leader."""
-    _settings()
+    _redact_logs(_settings())
     from tasks.app import app
 
     app.start(["beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])
@@ -60,7 +79,7 @@ def beat(loglevel: str) -> None:
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int, flower_args: tuple[str, ...]) -> None:
     """Run Flower on the Keel broker (extra arguments go to Flower, e.g. --basic-auth=user:pass)."""
-    _settings()
+    _redact_logs(_settings())
     from tasks.app import app
 
     app.start(["flower", f"--port={port}", *flower_args])

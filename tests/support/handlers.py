@@ -116,3 +116,11 @@ def spend(ctx: JobContext) -> JobResult:
     record(ctx, "start")
     step = int(ctx.target)
     return JobResult(usage=Usage(100, Decimal("0.10")), jobs=(JobSpec("spend", str(step + 1)),))
+
+
+@handler("leaky")
+def leaky(ctx: JobContext) -> JobResult:
+    """Fails with an exception whose text carries credentials, as a careless client library's error would:
+    the configured GitHub token (``KEEL_GITHUB_TOKEN``, whatever its shape) and a Slack-shaped token."""
+    configured = os.environ.get("KEEL_GITHUB_TOKEN", "")
+    raise RuntimeError(f"POST failed; sent token={configured} and Authorization: Bearer xoxb-12345-67890-leakedleaked")

@@ -1,0 +1,145 @@
+"""Secrets out of everything Keel writes down: the journal, ``last_error``, and every log line.
+
+One function, :func:`redact`, replaces with ``***`` the secrets Keel was configured with (registered with
+:func:`register_secrets` or :func:`register_settings`) and anything shaped like a credential: Slack, GitHub,
+OpenAI-style and AWS keys, ``Bearer …`` and ``Authorization: …`` values, and the password in a URL's userinfo.
+:class:`RedactingFilter` applies it to log records; :func:`install_log_redaction` puts that filter on the root
+logger's handlers. Pure: no database, no network.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from models.settings import Settings
+
+MASK = "***"
+#: Known secrets shorter than this are not replaced by value (they would mask ordinary words); their shapes
+#: (a URL's password, a bearer token) still are.
+MIN_SECRET_LENGTH = 8
+
+_SHAPES: tuple[tuple[re.Pattern[str], str], ...] = (
+    # A URL's userinfo password: scheme://user:PASSWORD@host (user may be empty, as in redis://:pw@host).
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s:/@]*:)[^\s@/]+(@)"), rf"\g<1>{MASK}\g<2>"),
+    # Authorization headers, in text, JSON or a dict's repr; the scheme word (Bearer, Basic, …) goes too.
+    (
+        re.compile(r"(?i)\b((?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?)(?:[A-Za-z]+\s+)?[^\s\"',;]+"),
+        rf"\g<1>{MASK}",
+    ),
+    (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9\-._~+/]+=*"), rf"\g<1>{MASK}"),
+    (re.compile(r"\bxox[a-z]-[A-Za-z0-9\-]+"), MASK),  # Slack bot/user/app/refresh tokens
+    (re.compile(r"\bxapp-[A-Za-z0-9\-]+"), MASK),  # Slack app-level tokens
+    (re.compile(r"\bgithub_pat_[A-Za-z0-9_]+"), MASK),  # GitHub fine-grained tokens
+    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]+"), MASK),  # GitHub classic, OAuth, user-to-server, server, refresh
+    (re.compile(r"(?<![A-Za-z0-9\-])sk-[A-Za-z0-9_\-]{16,}"), MASK),  # OpenAI-style API keys
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), MASK),  # AWS access key ids
+)
+
+_lock = threading.Lock()
+_known: tuple[str, ...] = ()  # longest first, so a secret containing another is masked whole
+
+
+def register_secrets(*secrets: str | None) -> None:
+    """Add values that must never be written anywhere (a token, a password). Empty or short values are ignored."""
+    global _known
+    fresh = {s for s in secrets if s and len(s) >= MIN_SECRET_LENGTH}
+    if not fresh:
+        return
+    with _lock:
+        _known = tuple(sorted(set(_known) | fresh, key=len, reverse=True))
+
+
+def clear_secrets() -> None:
+    """Forget the registered secrets (tests)."""
+    global _known
+    with _lock:
+        _known = ()
+
+
+def secrets_of(settings: Settings) -> list[str]:
+    """The secrets in ``settings``: its tokens and API key, and the passwords of its database and broker URLs."""
+    found = [
+        value.get_secret_value()
+        for value in (settings.slack_token, settings.github_token, settings.llm_api_key)
+        if value is not None
+    ]
+    for url in (settings.database_url, settings.broker_url):
+        password = _url_password(url)
+        if password:
+            found.extend({password, unquote(password)})
+    return found
+
+
+def register_settings(settings: Settings) -> None:
+    """Register every secret ``settings`` holds (see :func:`secrets_of`). Call it where a process reads them."""
+    register_secrets(*secrets_of(settings))
+
+
+def redact(text: str) -> str:
+    """``text`` with known secrets and credential-shaped substrings replaced by ``***``."""
+    if not text:
+        return text
+    for secret in _known:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    for pattern, replacement in _SHAPES:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def redact_value(value: Any) -> Any:
+    """``value`` with :func:`redact` applied to every string in it (mapping keys too); other values are kept."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        return {redact(k) if isinstance(k, str) else k: redact_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_value(v) for v in value]
+    return value
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts a record's message, its exception text and its stack before any handler formats it."""
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: let the handler report it as it always does
+            return True
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+def install_log_redaction(loggers: Iterable[logging.Logger] | None = None) -> None:
+    """Put a :class:`RedactingFilter` on every handler of ``loggers`` (default: the root logger); idempotent.
+
+    A filter on a handler sees every record the handler writes, including those propagated from child loggers.
+    """
+    for logger in loggers if loggers is not None else (logging.getLogger(),):
+        for handler in logger.handlers:
+            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+                handler.addFilter(RedactingFilter())
+
+
+def _url_password(url: str | None) -> str | None:
+    if not url:
+        return None
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None

@@ -1,0 +1,124 @@
+"""One redaction for everything Keel writes down: known secrets and credential shapes become ``***``."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator
+
+import pytest
+from pydantic import SecretStr
+
+from agents.redaction import (
+    RedactingFilter,
+    clear_secrets,
+    install_log_redaction,
+    redact,
+    redact_value,
+    register_secrets,
+    register_settings,
+    secrets_of,
+)
+from models.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def _no_registered_secrets() -> Iterator[None]:
+    clear_secrets()
+    yield
+    clear_secrets()
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("slack said invalid_auth for xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOp", "xoxb-1234567890"),
+        ("user token xoxp-11111-22222-33333-abcdef", "xoxp-11111"),
+        ("app token xoxa-2-abcdef123456", "xoxa-2"),
+        ("refresh xoxr-abcdef-123456", "xoxr-"),
+        ("config token xoxe-1-abcdefghijkl", "xoxe-1"),
+        ("gh token ghp_0123456789abcdefghijABCDEFGHIJ012345", "ghp_0123456789"),
+        ("oauth gho_0123456789abcdefghijABCDEFGHIJ012345", "gho_0123456789"),
+        ("fine-grained github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz", "github_pat_11ABC"),
+        ("openai key sk-proj-AbCdEfGhIjKlMnOpQrStUvWx0123", "sk-proj-AbCd"),
+        ("openai key sk-AbCdEfGhIjKlMnOpQrStUvWx0123", "sk-AbCdEf"),
+        ("header Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.abc-_=", "eyJhbGci"),
+        ("Authorization: Basic dXNlcjpwYXNzd29yZA==", "dXNlcjpw"),
+        ("headers={'Authorization': 'token abcdef123456'}", "abcdef123456"),
+        ('{"authorization": "opaque-credential-value"}', "opaque-credential"),
+        ("could not connect to postgresql://keel:s3cr3t-pw@db:5432/keel", "s3cr3t-pw"),
+        ("broker redis://:hunter2hunter2@redis:6379/0 is down", "hunter2hunter2"),
+        ("aws AKIAIOSFODNN7EXAMPLE leaked", "AKIAIOSFODNN7EXAMPLE"),
+    ],
+)
+def test_each_token_shape_is_masked(text: str, secret: str) -> None:
+    cleaned = redact(text)
+    assert secret not in cleaned and "***" in cleaned, cleaned
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "agent ops-bot is planning (revision 3)",
+        "job req-1:tool:kb.lookup:1.call_0_0 failed: TimeoutError",
+        "task-manager and risk-assessment are words, not keys",
+        "postgresql://postgres@127.0.0.1:5432/keel has no password",
+        "http://127.0.0.1:8080/v1/chat/completions",
+        "Authorization failed for alice",
+    ],
+)
+def test_ordinary_text_is_left_alone(text: str) -> None:
+    assert redact(text) == text
+
+
+def test_registered_secrets_are_masked_whatever_their_shape() -> None:
+    register_secrets("plain-looking-token-value", None, "", "short")  # too short to mask by value
+    assert redact("got plain-looking-token-value back; short stays") == "got *** back; short stays"
+
+
+def test_settings_register_their_tokens_and_url_passwords() -> None:
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        slack_token=SecretStr("opaque-slack-value-1"),
+        github_token=SecretStr("opaque-github-value-2"),
+        llm_api_key=SecretStr("opaque-llm-value-3"),
+        database_url="postgresql://keel:db%2Fpass%40word@db:5432/keel",
+        broker_url="redis://:broker-pass-4@redis:6379/0",
+    )
+    assert set(secrets_of(settings)) >= {
+        "opaque-slack-value-1",
+        "opaque-github-value-2",
+        "opaque-llm-value-3",
+        "db/pass@word",
+        "broker-pass-4",
+    }
+    register_settings(settings)
+    text = "a b opaque-slack-value-1 opaque-github-value-2 opaque-llm-value-3 'db/pass@word' broker-pass-4"
+    assert redact(text) == "a b *** *** *** '***' ***"
+
+
+def test_nested_values_are_redacted_and_other_types_kept() -> None:
+    value = {"error": "Bearer abcdef123", "n": 3, "calls": [{"ghp_key0123456789abcdef": ("xoxb-1-2-3",)}]}
+    assert redact_value(value) == {"error": "Bearer ***", "n": 3, "calls": [{"***": ["***"]}]}
+
+
+def test_the_log_filter_redacts_messages_arguments_and_tracebacks() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("keel.test.redaction")
+    logger.propagate = False
+    logger.addHandler(handler)
+    install_log_redaction([logger])
+    install_log_redaction([logger])  # idempotent
+    assert sum(isinstance(f, RedactingFilter) for f in handler.filters) == 1
+    try:
+        logger.warning("call failed with %s", "Bearer abcdef123456")
+        try:
+            raise RuntimeError("upstream echoed xoxb-123-456-abcdefabcdef")
+        except RuntimeError:
+            logger.exception("job %s failed", "req-1:plan:1")
+    finally:
+        logger.removeHandler(handler)
+    out = stream.getvalue()
+    assert "abcdef123456" not in out and "xoxb-123" not in out, out
+    assert "Bearer ***" in out and "RuntimeError: upstream echoed ***" in out and "req-1:plan:1" in out
