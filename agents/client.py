@@ -156,13 +156,8 @@ class Client:
         Deadlines are absolute (timezone-aware) or relative to now.
         """
         _check_actor(actor)
-        at = core.now()
-        soft, hard = (
-            _deadline("soft_deadline", soft_deadline, at),
-            _deadline("hard_deadline", hard_deadline, at),
-        )
-        if hard is not None and hard <= at:
-            raise InvalidInput(f"hard_deadline {hard.isoformat()} has passed already")
+        # Relative deadlines count from the transition's time on the database's clock, not this host's.
+        soft, hard = _deadline("soft_deadline", soft_deadline), _deadline("hard_deadline", hard_deadline)
         input_json = self._input_json(input)
         command = Command(
             agent_id=self._row(agent_id).id,
@@ -289,11 +284,13 @@ def _as_uuid(agent: AgentRef) -> UUID | None:
         return None
 
 
-def _deadline(name: str, value: Deadline, at: datetime) -> datetime | None:
+def _deadline(name: str, value: Deadline) -> datetime | timedelta | None:
     if value is None:
         return None
     if isinstance(value, timedelta):
-        return at + value
+        if value <= timedelta(0):
+            raise InvalidInput(f"{name} {value} is not in the future: it has passed already")
+        return value
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidInput(f"{name} must be timezone-aware (got a naive datetime)")

@@ -16,6 +16,7 @@ from uuid import UUID
 from agents.errors import (
     HardDeadlinePassed,
     IllegalTransition,
+    InvalidDeadlines,
     InvalidInput,
     Rejected,
     RequestConflict,
@@ -183,8 +184,9 @@ class Command:
     actor: str
     expected_revision: int | None = None
     request_id: str | None = None
-    soft_deadline: datetime | None = None
-    hard_deadline: datetime | None = None
+    #: Absolute (timezone-aware), or relative to the transition's time on the database's clock.
+    soft_deadline: datetime | timedelta | None = None
+    hard_deadline: datetime | timedelta | None = None
     reason: str = ACCEPTED
     details: Mapping[str, Any] = field(default_factory=dict)
     spend: Usage = field(default_factory=Usage)
@@ -219,9 +221,14 @@ class Command:
             raise InvalidInput("request_id and deadlines are set only by submit")
         for name in ("soft_deadline", "hard_deadline"):
             value = getattr(self, name)
-            if value is not None and value.tzinfo is None:
+            if isinstance(value, datetime) and value.tzinfo is None:
                 raise InvalidInput(f"{name} must be timezone-aware")
-        if self.soft_deadline and self.hard_deadline and self.soft_deadline > self.hard_deadline:
+            if isinstance(value, timedelta) and value <= timedelta(0):
+                raise InvalidInput(f"{name} must be in the future, got {value}")
+            if value is not None and not isinstance(value, datetime | timedelta):
+                raise InvalidInput(f"{name} must be a datetime or a timedelta, got {type(value).__name__}")
+        soft, hard = self.soft_deadline, self.hard_deadline
+        if soft and hard and type(soft) is type(hard) and soft > hard:  # type: ignore[operator]
             raise InvalidInput("soft_deadline must not be after hard_deadline")
         if self.priority not in (None, NORMAL, LOW):
             raise InvalidInput(f"priority must be 'normal' or 'low', got {self.priority!r}")
@@ -284,11 +291,21 @@ def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUI
         priority=command.priority or row.priority,
     )
     if command.event is Event.SUBMIT:
+        soft, hard = resolve_deadline(command.soft_deadline, now), resolve_deadline(command.hard_deadline, now)
+        if soft is not None and hard is not None and soft > hard:
+            return Reject(InvalidDeadlines("soft_deadline must not be after hard_deadline"), "invalid_deadlines")
+        if hard is not None and hard <= now:
+            return Reject(InvalidDeadlines(f"hard_deadline {hard.isoformat()} has passed already"), "invalid_deadlines")
         after = replace(
             after,
             request_id=command.request_id,
-            soft_deadline=command.soft_deadline,
-            hard_deadline=command.hard_deadline,
+            soft_deadline=soft,
+            hard_deadline=hard,
             priority=command.priority or NORMAL,
         )
     return Accept(after)
+
+
+def resolve_deadline(value: datetime | timedelta | None, now: datetime) -> datetime | None:
+    """An absolute deadline; a relative one counts from ``now``, the transition's time on the database's clock."""
+    return now + value if isinstance(value, timedelta) else value

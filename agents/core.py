@@ -24,6 +24,7 @@ from agents.errors import AgentExists, AgentNotFound, FencedOff, InvalidInput, L
 from agents.jobs import LOW_QUEUE, new_jobs
 from agents.keys import make_key
 from agents.phases import RESTING, Event, Phase
+from agents.redaction import redact
 from models.db import Database
 from models.jobs_sql import (
     Due,
@@ -274,7 +275,7 @@ def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: dateti
             outcome.fencing_token,
             run_at=at + outcome.retry_delay,
             now=at,
-            error=outcome.error or "",
+            error=redact(outcome.error or ""),
             error_class=outcome.error_class or "unknown",
             error_attempts=dict(outcome.error_attempts or {}),
             failed_tokens=outcome.failed_usage.tokens,
@@ -291,7 +292,7 @@ def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: dateti
             result=None if outcome.result is None else dict(outcome.result),
             tokens=outcome.usage.tokens,
             cost=outcome.usage.cost,
-            error=outcome.error,
+            error=None if outcome.error is None else redact(outcome.error),
             error_class=outcome.error_class,
             failed_tokens=outcome.failed_usage.tokens,
             failed_cost=outcome.failed_usage.cost,

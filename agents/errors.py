@@ -69,6 +69,10 @@ class RequestConflict(Rejected):
         super().__init__(f"request id {request_id!r} already belongs to agent {owner}")
 
 
+class InvalidDeadlines(Rejected):
+    """The request's deadlines are impossible (a hard deadline that has passed, a soft one after the hard one)."""
+
+
 class HardDeadlinePassed(Rejected):
     """The request's hard deadline has passed: only cancel or fail may move the agent now."""
 

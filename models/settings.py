@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from models.errors import KeelError
 from models.urls import sqlalchemy_url
 
 #: A Slack conversation id (C…, G…, D…). Names like "#ops" are refused: the relay reconciles by reading the
@@ -20,7 +21,7 @@ _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
 
 
-class BadConfiguration(ValueError):
+class BadConfiguration(KeelError, ValueError):
     """A ``KEEL_*`` setting is missing, malformed or unsafe. The message is one line naming the variable and the
     rule: ``bad configuration: KEEL_X: …``."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -23,7 +23,7 @@ from celery import Celery
 from celery.beat import Scheduler
 
 from agents import deadlines, schedules
-from agents.core import now, store_errors
+from agents.core import store_errors
 from models.db import Database
 from models.jobs_sql import take_due
 from models.settings import Settings
@@ -42,11 +42,11 @@ class DispatchReport:
     fired: int
 
 
-def dispatch_once(db: Database, celery: Celery, settings: Settings, at: datetime | None = None) -> DispatchReport:
-    """One pass: fire due schedules, then publish due jobs in batches until none are left."""
-    at = at or now()
+def dispatch_once(db: Database, celery: Celery, settings: Settings) -> DispatchReport:
+    """One pass: fire due schedules, then publish due jobs in batches until none are left (on the database's
+    clock, whatever this host's says)."""
     try:
-        fired = schedules.fire_due(db, at)
+        fired = schedules.fire_due(db)
     except Exception:  # schedules must never stop the jobs from moving
         log.exception("firing schedules failed; jobs are dispatched anyway")
         fired = []
