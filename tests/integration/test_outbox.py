@@ -448,7 +448,7 @@ def test_a_relay_whose_claim_was_taken_over_mid_run_neither_sends_nor_confirms(
     assert slack.attempts == {"req-bot:slack:m0": 1}, "sent after its claim was lost"
     assert sql(db, "SELECT count(*) FROM delivery_log") == [(0,)], "confirmed after its claim was lost"
     assert sql(db, "SELECT DISTINCT status FROM outbox") == [("sending",)]
-    assert report.lost == 1 and report.sent == 0
+    assert report.lost >= 1 and report.sent == 0
 
 
 def _chatter(github: FakeGitHub, issue: str, n: int) -> None:
