@@ -257,7 +257,7 @@ def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Comma
         )
         for m in command.messages
     ]
-    inserted, suppressed = insert_messages_txn(cur, rows, at)
+    inserted, suppressed = insert_messages_txn(cur, rows)
     summary: dict[str, Any] = {"messages": inserted}
     if suppressed:
         summary["messages_suppressed"] = suppressed

@@ -135,3 +135,11 @@ class LostUpdate(StoreError):
 
 class EmbeddedError(KeelError):
     """The embedded development servers could not be started or stopped."""
+
+
+class LostClaim(KeelError):
+    """Another relay took the outbox message over: this relay may neither send it nor record its outcome."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"outbox message {key!r} was taken over by another relay")

@@ -19,13 +19,21 @@ from datetime import timedelta
 from typing import Any
 
 from agents import core
-from agents.errors import InvalidInput
-from agents.receivers import Delivered, FailureKind, GitHubReceiver, Receiver, SendFailed, SlackReceiver, redact
+from agents.errors import InvalidInput, LostClaim
+from agents.receivers import (
+    Delivered,
+    FailureKind,
+    GitHubReceiver,
+    Receiver,
+    ScanLimit,
+    SendFailed,
+    SlackReceiver,
+    redact,
+)
 from models.db import Database
 from models.outbox_sql import (
     ClaimedMessage,
     Delivery,
-    LostClaim,
     claim_run,
     due_destinations,
     message_row,
@@ -56,20 +64,50 @@ class RelayReport:
     lost: int = 0  # another relay took the message over: this one's outcome was dropped
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, outcome: str) -> None:
+    def add(self, outcome: str, n: int = 1) -> None:
         with self._lock:
-            setattr(self, outcome, getattr(self, outcome) + 1)
+            setattr(self, outcome, getattr(self, outcome) + n)
 
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
     base_seconds: float
     max_seconds: float
-    max_attempts: int
+    max_attempts: int  # attempts that were not rate limited
+    max_rate_limited: int = 200  # rate-limited attempts: a safety cap of their own
 
     def delay(self, attempts: int) -> float:
         delay: float = min(self.max_seconds, self.base_seconds * 2 ** max(0, attempts - 1))
         return delay * random.uniform(1.0, 1.25)
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    delay: float
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    error: str
+
+
+def next_step(message: ClaimedMessage, failure: SendFailed, error: str, backoff: Backoff) -> Retry | GiveUp:
+    """What a failed attempt leads to. Rate limits wait as long as asked and count only toward their own cap;
+    other failures back off and count toward ``max_attempts``; permanent ones give up at once."""
+    if failure.kind == "permanent":
+        return GiveUp(error)
+    if failure.kind == "rate_limited":
+        if message.rate_limited_attempts + 1 >= backoff.max_rate_limited:
+            return GiveUp(
+                f"rate limited {message.rate_limited_attempts + 1} times (KEEL_OUTBOX_MAX_RATE_LIMITED): {error}"
+            )
+        if failure.retry_after is not None:
+            return Retry(failure.retry_after + random.uniform(0, 0.1), error)  # this destination waits, no other
+        return Retry(backoff.delay(message.rate_limited_attempts + 1), error)
+    if message.attempts >= backoff.max_attempts:
+        return GiveUp(f"gave up after {message.attempts} attempts: {error}")
+    return Retry(backoff.delay(message.attempts), error)
 
 
 class Relay:
@@ -82,6 +120,8 @@ class Relay:
         concurrency: int,
         backoff: Backoff,
         pass_seconds: float,
+        reconcile_pages: int = 10,
+        reconcile_seconds: float | None = None,
         secrets: tuple[str, ...] = (),
     ) -> None:
         self.db = db
@@ -90,6 +130,10 @@ class Relay:
         self.concurrency = concurrency
         self.backoff = backoff
         self.pass_seconds = pass_seconds
+        self.reconcile_pages = reconcile_pages
+        # A reconciliation starts its last page before this budget runs out; that page and the send after it
+        # must still fit in the lease renewed just before (the settings check the configured values).
+        self.reconcile_seconds = reconcile_seconds if reconcile_seconds is not None else lease.total_seconds() / 3
         self.secrets = secrets
 
     @classmethod
@@ -110,9 +154,14 @@ class Relay:
             lease=timedelta(seconds=settings.outbox_lease_seconds),
             concurrency=settings.outbox_concurrency,
             backoff=Backoff(
-                settings.outbox_backoff_seconds, settings.outbox_backoff_max_seconds, settings.outbox_max_attempts
+                settings.outbox_backoff_seconds,
+                settings.outbox_backoff_max_seconds,
+                settings.outbox_max_attempts,
+                settings.outbox_max_rate_limited,
             ),
             pass_seconds=settings.outbox_pass_seconds,
+            reconcile_pages=settings.outbox_reconcile_max_pages,
+            reconcile_seconds=settings.outbox_reconcile_seconds,
             secrets=tuple(secrets),
         )
 
@@ -124,7 +173,7 @@ class Relay:
         """Relay what is due now: up to ``concurrency`` destinations at once, each line in order."""
         report = RelayReport()
         deadline = time.monotonic() + self.pass_seconds
-        destinations = due_destinations(self.db, core.now(), self.concurrency)
+        destinations = due_destinations(self.db, self.concurrency)
         if not destinations:
             return report
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="keel-relay") as pool:
@@ -135,102 +184,106 @@ class Relay:
     def _drain(self, destination: str, deadline: float, report: RelayReport) -> None:
         """Work down one destination's line, a run of messages at a time, while they go through and time lasts."""
         while time.monotonic() < deadline:
-            claimed_at = time.monotonic()  # before the claim: the lease surely lasts until claimed_at + lease
-            run = claim_run(self.db, destination, core.now(), self.lease, RUN_LENGTH)
-            if not run or not self._send_run(run, report, claimed_at):
+            run = claim_run(self.db, destination, self.lease, RUN_LENGTH)
+            if not run or not self._send_run(run, report):
                 return
 
-    def _send_run(self, run: list[ClaimedMessage], report: RelayReport, claimed_at: float) -> bool:
+    def _send_run(self, run: list[ClaimedMessage], report: RelayReport) -> bool:
         """Send a claimed run in order. Confirmations are written once for the run: should the relay die first, the
         messages are still ``sending`` and get reconciled, not re-sent. Stops at the first failure, which is
         recorded, and gives the rest of the run back untouched. True if the whole run went through."""
         done: list[Delivery] = []
         try:
             for index, message in enumerate(run):
-                try:
-                    if time.monotonic() - claimed_at > self.lease.total_seconds() / 2:
-                        # Half the lease is gone: renew it before sending more. A relay that stalled past its lease
-                        # learns here that the line may be someone else's, and stops.
-                        renewed_at = time.monotonic()
-                        if not all(renew(self.db, m, self.lease) for m in run[index:]):
-                            raise LostClaim(message.key)
-                        claimed_at = renewed_at
-                    delivered = self._attempt(message)
-                except LostClaim:
-                    self._flush(done, report)  # what did go out is confirmed; the rest is another relay's now
-                    raise
-                if isinstance(delivered, Delivery):
-                    done.append(delivered)
+                outcome = self._attempt(run, message)
+                if isinstance(outcome, Delivery):
+                    done.append(outcome)
                     continue
-                self._flush(done, report)
-                report.add(self._settle(message, delivered))
-                release(self.db, run[index + 1 :], core.now())
+                self._confirm(done, report)
+                report.add(self._settle(message, outcome))
+                release(self.db, run[index + 1 :])
                 return False
-            self._flush(done, report)
+            self._confirm(done, report)
             return True
         except LostClaim as exc:
-            log.warning("outbox %s: another relay took it over; this relay's outcome is dropped", exc)
+            # Nothing more is sent. What did go out is confirmed only where this relay still holds the claim it
+            # sent under; the rest is the other relay's to reconcile.
+            log.warning("outbox %s: %s; this relay stops on that line", exc.key, exc)
+            self._confirm(done, report)
             report.add("lost")
             return False
 
-    def _flush(self, done: list[Delivery], report: RelayReport) -> None:
-        record_delivered(self.db, done, now=core.now())
+    def _confirm(self, done: list[Delivery], report: RelayReport) -> None:
+        lost = record_delivered(self.db, done)
         for delivery in done:
-            report.add("sent" if delivery.how == "sent" else "reconciled")
+            if delivery not in lost:
+                report.add("sent" if delivery.how == "sent" else "reconciled")
+        for delivery in lost:
+            log.warning("outbox %s: taken over by another relay; its confirmation is dropped", delivery.message.key)
+        report.add("lost", len(lost))
         done.clear()
 
-    def _attempt(self, message: ClaimedMessage) -> Delivery | SendFailed:
+    def _hold(self, run: list[ClaimedMessage], message: ClaimedMessage) -> None:
+        """Renew the lease on the whole run, on the database's clock, or raise :class:`LostClaim`: called right
+        before every reconciliation and every send, so neither can start on a claim this relay no longer holds."""
+        if not renew(self.db, run, self.lease):
+            raise LostClaim(message.key)
+
+    def _attempt(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
         receiver = self.receivers.get(message.channel)
         if receiver is None:
             return SendFailed(
                 "permanent", f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
             )
+        if message.needs_reconcile:
+            self._hold(run, message)
+            limit = ScanLimit(self.reconcile_pages, time.monotonic() + self.reconcile_seconds)
+            try:
+                found = receiver.find(message.key, message.destination, message.created_at - CLOCK_SLACK, limit)
+            except Exception as exc:  # a receiver bug: keep the message, never lose the line
+                return self._unexpected(message, exc, "transient")
+            if isinstance(found, Delivered):
+                return Delivery(message, found.external_id, found.url, "reconciled")
+            if isinstance(found, SendFailed):  # cannot tell whether it arrived: do not send blind, wait
+                kind: FailureKind = "rate_limited" if found.kind == "rate_limited" else "transient"
+                return SendFailed(kind, f"cannot tell yet whether it arrived: {found.error}", found.retry_after)
+        self._hold(run, message)
         try:
-            if message.needs_reconcile:
-                found = receiver.find(message.key, message.destination, since=message.created_at - CLOCK_SLACK)
-                if isinstance(found, Delivered):
-                    return Delivery(message, found.external_id, found.url, "reconciled")
-                if isinstance(found, SendFailed):  # cannot tell yet whether it arrived: do not send blind, wait
-                    kind: FailureKind = "rate_limited" if found.kind == "rate_limited" else "transient"
-                    return SendFailed(kind, f"cannot check the receiver yet: {found.error}", found.retry_after)
             result = receiver.send(message.key, message.destination, message.payload)
         except Exception as exc:  # a receiver bug: keep the message, never lose the line
-            log.error("outbox %s: unexpected failure: %s", message.key, redact(repr(exc), *self.secrets))
-            return SendFailed("ambiguous", f"{type(exc).__name__}: {exc}")
+            return self._unexpected(message, exc, "ambiguous")
         if isinstance(result, Delivered):
             return Delivery(message, result.external_id, result.url, "sent")
         return result
 
+    def _unexpected(self, message: ClaimedMessage, exc: Exception, kind: FailureKind) -> SendFailed:
+        log.error("outbox %s: unexpected failure: %s", message.key, redact(repr(exc), *self.secrets))
+        return SendFailed(kind, f"{type(exc).__name__}: {exc}")
+
     def _settle(self, message: ClaimedMessage, failure: SendFailed) -> str:
         error = redact(failure.error, *self.secrets)[:2000]
-        now = core.now()
-        if failure.kind == "permanent":
-            record_dead(self.db, message, error=error, now=now)
-            log.warning("outbox %s: dead: %s", message.key, error)
-            return "dead"
-        if failure.kind != "rate_limited" and message.attempts >= self.backoff.max_attempts:
-            record_dead(
+        ambiguous = failure.kind == "ambiguous"
+        rate_limited = failure.kind == "rate_limited"
+        step = next_step(message, failure, error, self.backoff)
+        if isinstance(step, GiveUp):
+            held = record_dead(self.db, message, error=step.error, ambiguous=ambiguous, rate_limited=rate_limited)
+            if held:
+                log.warning("outbox %s: dead: %s", message.key, step.error)
+        else:
+            held = record_retry(
                 self.db,
                 message,
-                error=f"gave up after {message.attempts} attempts: {error}",
-                now=now,
-                ambiguous=failure.kind == "ambiguous",
+                error=error,
+                delay=timedelta(seconds=step.delay),
+                ambiguous=ambiguous,
+                rate_limited=rate_limited,
             )
-            return "dead"
-        if failure.kind == "rate_limited" and failure.retry_after is not None:
-            delay = failure.retry_after + random.uniform(0, 0.1)  # this destination waits; the others do not
-        else:
-            delay = self.backoff.delay(message.attempts)
-        record_retry(
-            self.db,
-            message,
-            error=error,
-            delay=timedelta(seconds=delay),
-            ambiguous=failure.kind == "ambiguous",
-            now=now,
-        )
-        log.info("outbox %s: %s, retry in %.1fs: %s", message.key, failure.kind, delay, error)
-        return "retried"
+            if held:
+                log.info("outbox %s: %s, retry in %.1fs: %s", message.key, failure.kind, step.delay, error)
+        if not held:
+            log.warning("outbox %s: taken over by another relay; this attempt's outcome is dropped", message.key)
+            return "lost"
+        return "dead" if isinstance(step, GiveUp) else "retried"
 
 
 def retry_dead(db: Database, key: str, *, actor: str) -> None:
@@ -244,7 +297,7 @@ def retry_dead(db: Database, key: str, *, actor: str) -> None:
     revived: list[bool] = []
 
     def revive(cur: Any) -> None:
-        revived.append(revive_txn(cur, key, core.now()))
+        revived.append(revive_txn(cur, key))
 
     core.record_side_event(
         db,

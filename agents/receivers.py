@@ -12,6 +12,7 @@ import http.client
 import logging
 import re
 import socket
+import time
 import urllib.error
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,10 +42,30 @@ class SendFailed:
     retry_after: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ScanLimit:
+    """How much of a receiver's history one reconciliation may read: ``max_pages`` pages, and no page started
+    after ``deadline`` (``time.monotonic()``)."""
+
+    max_pages: int
+    deadline: float
+
+    def reached(self, pages: int) -> SendFailed | None:
+        """None while another page may be read; else why not (the key was not found in what was read)."""
+        if pages >= self.max_pages:
+            return SendFailed("transient", f"the key was not in the first {pages} pages (the page cap)")
+        if time.monotonic() >= self.deadline:
+            return SendFailed("transient", f"the key was not in the {pages} pages read in the time allowed")
+        return None
+
+
 class Receiver(Protocol):
     def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed: ...
 
-    def find(self, key: str, destination: str, since: datetime) -> Delivered | SendFailed | None: ...
+    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Delivered | SendFailed | None:
+        """The message carrying ``key`` if the receiver has it (looking only at what is newer than ``since``);
+        None if it surely does not; a failure if that cannot be told within ``limit``."""
+        ...
 
     def close(self) -> None: ...
 
@@ -113,10 +134,14 @@ class SlackReceiver:
             return self._scrub(_network_failure(exc))
         return Delivered(str(response["ts"]), None)
 
-    def find(self, key: str, destination: str, since: datetime) -> Delivered | SendFailed | None:
+    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Delivered | SendFailed | None:
         cursor: str | None = None
+        pages = 0
         try:
             while True:
+                if pages and (stop := limit.reached(pages)):
+                    return stop
+                pages += 1
                 page = self.client.conversations_history(
                     channel=destination,
                     oldest=f"{since.timestamp():.6f}",
@@ -206,12 +231,16 @@ class GitHubReceiver:
             return Delivered(str(data["id"]), data.get("html_url"))
         return self._http_failure(response, sent=True)
 
-    def find(self, key: str, destination: str, since: datetime) -> Delivered | SendFailed | None:
+    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Delivered | SendFailed | None:
         wanted = marker(key)
         url: str | None = self._path(destination)
         params: dict[str, Any] | None = {"since": since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "per_page": 100}
+        pages = 0
         try:
             while url:
+                if pages and (stop := limit.reached(pages)):
+                    return stop
+                pages += 1
                 response = self.client.get(url, params=params)
                 if response.status_code != 200:
                     failure = self._http_failure(response, sent=False)

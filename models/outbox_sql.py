@@ -33,7 +33,8 @@ class ClaimedMessage:
     channel: str
     destination: str
     payload: dict[str, Any]
-    attempts: int
+    attempts: int  # this one included; rate-limited attempts are not counted here
+    rate_limited_attempts: int
     claim_token: int
     needs_reconcile: bool
     created_at: datetime
@@ -48,14 +49,13 @@ class Delivery:
     how: str  # sent | reconciled
 
 
-class LostClaim(RuntimeError):
-    """Another relay took the message over (this relay's lease expired): it may not record an outcome."""
+# Every time below is the database's (``now()``, ``clock_timestamp()``): relay and emitter hosts' clocks may be off
+# by minutes, and a lease or backoff decided on a host's clock would let a fast relay take over a live lease.
 
 
-def insert_messages_txn(
-    cur: psycopg.Cursor[Any], messages: Sequence[NewMessage], now: datetime
-) -> tuple[list[str], list[str]]:
-    """Insert ``messages`` in order; an existing key is left alone. Returns (inserted, suppressed duplicate) keys."""
+def insert_messages_txn(cur: psycopg.Cursor[Any], messages: Sequence[NewMessage]) -> tuple[list[str], list[str]]:
+    """Insert ``messages`` in order, due at once; an existing key is left alone. Returns (inserted, suppressed
+    duplicate) keys."""
     inserted: list[str] = []
     suppressed: list[str] = []
     # seq is taken at insert, but a line is read in commit order only if no two transactions insert into one line
@@ -65,22 +65,21 @@ def insert_messages_txn(
     for m in messages:
         cur.execute(
             "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, next_attempt_at,"
-            " created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (key) DO NOTHING",
-            (m.key, m.agent_id, m.request_id, m.channel, m.destination, json.dumps(m.payload), now, now, now),
+            " created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, now(), now(), now())"
+            " ON CONFLICT (key) DO NOTHING",
+            (m.key, m.agent_id, m.request_id, m.channel, m.destination, json.dumps(m.payload)),
         )
         (inserted if cur.rowcount == 1 else suppressed).append(m.key)
     return inserted, suppressed
 
 
-_CLAIM_COLUMNS = (
-    "o.key, o.channel, o.destination, o.payload, o.attempts, o.claim_token, o.needs_reconcile, o.created_at, o.agent_id"
+_DUE = (
+    "((o.status = 'pending' AND o.next_attempt_at <= clock_timestamp())"
+    " OR (o.status = 'sending' AND o.lease_until < clock_timestamp()))"
 )
 
 
-_DUE = "((o.status = 'pending' AND o.next_attempt_at <= %(now)s) OR (o.status = 'sending' AND o.lease_until < %(now)s))"
-
-
-def due_destinations(db: Database, now: datetime, limit: int) -> list[str]:
+def due_destinations(db: Database, limit: int) -> list[str]:
     """Destinations whose line's head is due (pending and its time come, or sending with an expired lease: a relay
     died mid-send), oldest head first. Heads another relay is claiming right now are skipped (``SKIP LOCKED``)."""
     with db.transaction() as cur:
@@ -89,12 +88,12 @@ def due_destinations(db: Database, now: datetime, limit: int) -> list[str]:
             " WHERE status IN ('pending', 'sending') ORDER BY destination, seq)"
             " SELECT o.destination FROM outbox o JOIN heads h ON h.key = o.key"
             f" WHERE {_DUE} ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED",
-            {"now": now, "limit": limit},
+            {"limit": limit},
         )
         return [row[0] for row in cur.fetchall()]
 
 
-def claim_run(db: Database, destination: str, now: datetime, lease: timedelta, limit: int) -> list[ClaimedMessage]:
+def claim_run(db: Database, destination: str, lease: timedelta, limit: int) -> list[ClaimedMessage]:
     """Claim the due messages at the front of ``destination``'s line, in order, up to ``limit``.
 
     Only a prefix of the line is ever claimed: the run stops at the first message that is not due (waiting out a
@@ -104,9 +103,9 @@ def claim_run(db: Database, destination: str, now: datetime, lease: timedelta, l
     """
     with db.transaction() as cur:
         cur.execute(
-            f"SELECT o.key, {_DUE} FROM outbox o WHERE o.destination = %(destination)s"
+            f"SELECT o.key, {_DUE} AS due FROM outbox o WHERE o.destination = %(destination)s"
             " AND o.status IN ('pending', 'sending') ORDER BY o.seq LIMIT %(limit)s FOR UPDATE",
-            {"now": now, "destination": destination, "limit": limit},
+            {"destination": destination, "limit": limit},
         )
         keys = []
         for key, due in cur.fetchall():
@@ -115,117 +114,132 @@ def claim_run(db: Database, destination: str, now: datetime, lease: timedelta, l
             keys.append(key)
         if not keys:
             return []
+        cur.row_factory = dict_row
         cur.execute(
             "UPDATE outbox o SET needs_reconcile = o.needs_reconcile OR o.status = 'sending', status = 'sending',"
             " lease_until = clock_timestamp() + %(lease)s, attempts = o.attempts + 1, claim_token = o.claim_token + 1,"
-            f" updated_at = %(now)s WHERE o.key = ANY(%(keys)s) RETURNING {_CLAIM_COLUMNS}, o.seq",
-            {"now": now, "lease": lease, "keys": keys},
+            " updated_at = clock_timestamp() WHERE o.key = ANY(%(keys)s)"
+            " RETURNING o.seq, o.key, o.channel, o.destination, o.payload, o.attempts, o.rate_limited_attempts,"
+            " o.claim_token, o.needs_reconcile, o.created_at, o.agent_id",
+            {"lease": lease, "keys": keys},
         )
-        rows = cur.fetchall()
-    return [ClaimedMessage(*row[:-1]) for row in sorted(rows, key=lambda r: r[-1])]
+        rows: list[dict[str, Any]] = cur.fetchall()
+    return [ClaimedMessage(**{k: v for k, v in row.items() if k != "seq"}) for row in sorted(rows, key=_by_seq)]
 
 
-def renew(db: Database, message: ClaimedMessage, lease: timedelta) -> bool:
-    """Right before a send: extend this relay's lease on ``message``. False if the claim was lost (the lease expired
-    and another relay took it): then this relay must not send."""
+def _by_seq(row: dict[str, Any]) -> int:
+    seq: int = row["seq"]
+    return seq
+
+
+def renew(db: Database, messages: Sequence[ClaimedMessage], lease: timedelta) -> bool:
+    """Right before a reconciliation or a send: extend this relay's lease on ``messages`` (its claimed run) to a
+    full lease from now. False if any of them was lost (its lease ran out, or another relay took it over): then
+    this relay must not send."""
     with db.autocommit() as cur:
         cur.execute(
-            "UPDATE outbox SET lease_until = clock_timestamp() + %s"
-            " WHERE key = %s AND claim_token = %s AND status = 'sending' AND lease_until > clock_timestamp()",
-            (lease, message.key, message.claim_token),
+            "UPDATE outbox o SET lease_until = clock_timestamp() + %s"
+            " FROM unnest(%s::text[], %s::bigint[]) AS m(key, claim_token)"
+            " WHERE o.key = m.key AND o.claim_token = m.claim_token AND o.status = 'sending'"
+            " AND o.lease_until > clock_timestamp()",
+            (lease, [m.key for m in messages], [m.claim_token for m in messages]),
         )
-        return cur.rowcount == 1
+        return cur.rowcount == len(messages)
 
 
-def release(db: Database, messages: Sequence[ClaimedMessage], now: datetime) -> None:
+def release(db: Database, messages: Sequence[ClaimedMessage]) -> None:
     """Give claimed messages that were never attempted back to the line, as they were."""
     if not messages:
         return
     with db.transaction() as cur:
         cur.executemany(
-            "UPDATE outbox SET status = 'pending', lease_until = NULL, attempts = attempts - 1, updated_at = %s"
-            " WHERE key = %s AND claim_token = %s AND status = 'sending'",
-            [(now, m.key, m.claim_token) for m in messages],
+            "UPDATE outbox SET status = 'pending', lease_until = NULL, attempts = attempts - 1,"
+            " updated_at = clock_timestamp() WHERE key = %s AND claim_token = %s AND status = 'sending'",
+            [(m.key, m.claim_token) for m in messages],
         )
 
 
-def _fenced_update(db: Database, message: ClaimedMessage, sql: str, params: tuple[Any, ...]) -> None:
+def record_delivered(db: Database, deliveries: Sequence[Delivery]) -> list[Delivery]:
+    """Mark messages sent and append their confirmations to the delivery log, in one transaction; only those still
+    held under the claim they were sent with (the fence). Returns the deliveries that were not: another relay took
+    them over, and their outcome is its to record."""
+    if not deliveries:
+        return []
+    with db.transaction() as cur:
+        cur.execute(
+            "WITH confirmed AS (UPDATE outbox o SET status = 'sent', external_id = d.external_id,"
+            "  external_url = d.external_url, sent_at = clock_timestamp(), lease_until = NULL, needs_reconcile = false,"
+            "  last_error = NULL, updated_at = clock_timestamp()"
+            "  FROM unnest(%(keys)s::text[], %(tokens)s::bigint[], %(ids)s::text[], %(urls)s::text[],"
+            "   %(attempts)s::int[], %(hows)s::text[]) AS d(key, claim_token, external_id, external_url, attempt, how)"
+            "  WHERE o.key = d.key AND o.claim_token = d.claim_token AND o.status = 'sending'"
+            "  RETURNING o.key, d.external_id, d.attempt, d.how)"
+            " INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at)"
+            " SELECT key, external_id, attempt, how, clock_timestamp() FROM confirmed RETURNING key",
+            {
+                "keys": [d.message.key for d in deliveries],
+                "tokens": [d.message.claim_token for d in deliveries],
+                "ids": [d.external_id for d in deliveries],
+                "urls": [d.external_url for d in deliveries],
+                "attempts": [d.message.attempts for d in deliveries],
+                "hows": [d.how for d in deliveries],
+            },
+        )
+        recorded = {row[0] for row in cur.fetchall()}
+    return [d for d in deliveries if d.message.key not in recorded]
+
+
+def _fenced_update(db: Database, message: ClaimedMessage, sql: str, params: tuple[Any, ...]) -> bool:
+    """``sql`` on ``message`` if this relay still holds it; False if another relay took it over."""
     with db.transaction() as cur:
         cur.execute(
             sql + " WHERE key = %s AND claim_token = %s AND status = 'sending'",
             (*params, message.key, message.claim_token),
         )
-        if cur.rowcount != 1:
-            raise LostClaim(message.key)
+        return cur.rowcount == 1
 
 
-def record_delivered(db: Database, deliveries: Sequence[Delivery], *, now: datetime) -> None:
-    """Mark messages sent and append their confirmations to the delivery log, all in one transaction."""
-    if not deliveries:
-        return
-    with db.transaction() as cur:
-        cur.execute(
-            "UPDATE outbox o SET status = 'sent', external_id = d.external_id, external_url = d.external_url,"
-            " sent_at = %(now)s, lease_until = NULL, needs_reconcile = false, last_error = NULL, updated_at = %(now)s"
-            " FROM unnest(%(keys)s::text[], %(tokens)s::bigint[], %(ids)s::text[], %(urls)s::text[])"
-            "  AS d(key, claim_token, external_id, external_url)"
-            " WHERE o.key = d.key AND o.claim_token = d.claim_token AND o.status = 'sending' RETURNING o.key",
-            {
-                "now": now,
-                "keys": [d.message.key for d in deliveries],
-                "tokens": [d.message.claim_token for d in deliveries],
-                "ids": [d.external_id for d in deliveries],
-                "urls": [d.external_url for d in deliveries],
-            },
-        )
-        recorded = {row[0] for row in cur.fetchall()}
-        for d in deliveries:
-            if d.message.key not in recorded:
-                raise LostClaim(d.message.key)
-        cur.execute(
-            "INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at)"
-            " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[], %s::timestamptz[])",
-            (
-                [d.message.key for d in deliveries],
-                [d.external_id for d in deliveries],
-                [d.message.attempts for d in deliveries],
-                [d.how for d in deliveries],
-                [now] * len(deliveries),
-            ),
-        )
+# A rate-limited attempt moves from ``attempts`` to ``rate_limited_attempts``: it has a cap of its own.
+_COUNT_AS_RATE_LIMITED = (
+    "attempts = attempts - CASE WHEN %s THEN 1 ELSE 0 END,"
+    " rate_limited_attempts = rate_limited_attempts + CASE WHEN %s THEN 1 ELSE 0 END"
+)
 
 
 def record_retry(
-    db: Database, message: ClaimedMessage, *, error: str, delay: timedelta, ambiguous: bool, now: datetime
-) -> None:
-    """Back to pending for ``delay``; ``ambiguous`` means the receiver may have it: reconcile before resending."""
-    _fenced_update(
+    db: Database, message: ClaimedMessage, *, error: str, delay: timedelta, ambiguous: bool, rate_limited: bool
+) -> bool:
+    """Back to pending for ``delay``; ``ambiguous`` means the receiver may have it: reconcile before resending.
+    False if another relay took the message over."""
+    return _fenced_update(
         db,
         message,
         "UPDATE outbox SET status = 'pending', next_attempt_at = clock_timestamp() + %s, last_error = %s,"
-        " lease_until = NULL, needs_reconcile = needs_reconcile OR %s, updated_at = %s",
-        (delay, error, ambiguous, now),
+        f" lease_until = NULL, needs_reconcile = needs_reconcile OR %s, {_COUNT_AS_RATE_LIMITED},"
+        " updated_at = clock_timestamp()",
+        (delay, error, ambiguous, rate_limited, rate_limited),
     )
 
 
-def record_dead(db: Database, message: ClaimedMessage, *, error: str, now: datetime, ambiguous: bool = False) -> None:
-    """Give up; an ``ambiguous`` last attempt is remembered, so an operator's retry reconciles first."""
-    _fenced_update(
+def record_dead(db: Database, message: ClaimedMessage, *, error: str, ambiguous: bool, rate_limited: bool) -> bool:
+    """Give up; an ``ambiguous`` last attempt is remembered (``needs_reconcile``), so an operator's retry
+    reconciles first. False if another relay took the message over."""
+    return _fenced_update(
         db,
         message,
         "UPDATE outbox SET status = 'dead', last_error = %s, lease_until = NULL,"
-        " needs_reconcile = needs_reconcile OR %s, updated_at = %s",
-        (error, ambiguous, now),
+        f" needs_reconcile = needs_reconcile OR %s, {_COUNT_AS_RATE_LIMITED}, updated_at = clock_timestamp()",
+        (error, ambiguous, rate_limited, rate_limited),
     )
 
 
-def revive_txn(cur: psycopg.Cursor[Any], key: str, now: datetime) -> bool:
-    """dead → pending (an operator's retry); False if the message is not dead. It will reconcile first if it
-    ever might have reached the receiver."""
+def revive_txn(cur: psycopg.Cursor[Any], key: str) -> bool:
+    """dead → pending (an operator's retry), due at once with fresh attempt counts; False if the message is not
+    dead. It will reconcile first if it ever might have reached the receiver (``needs_reconcile`` is kept)."""
     cur.execute(
-        "UPDATE outbox SET status = 'pending', next_attempt_at = %s, attempts = 0, updated_at = %s"
-        " WHERE key = %s AND status = 'dead'",
-        (now, now, key),
+        "UPDATE outbox SET status = 'pending', next_attempt_at = clock_timestamp(), attempts = 0,"
+        " rate_limited_attempts = 0, updated_at = clock_timestamp() WHERE key = %s AND status = 'dead'",
+        (key,),
     )
     return cur.rowcount == 1
 
@@ -241,7 +255,8 @@ def message_row(db: Database, key: str) -> dict[str, Any] | None:
 def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str, Any]]:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(
-            "SELECT key, channel, destination, status, attempts, next_attempt_at, last_error, external_id, created_at"
+            "SELECT key, channel, destination, status, attempts, rate_limited_attempts, next_attempt_at, last_error,"
+            " external_id, created_at"
             " FROM outbox WHERE (%s::text IS NULL OR status = %s) ORDER BY seq DESC LIMIT %s",
             (status, status, limit),
         )

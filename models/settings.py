@@ -85,6 +85,20 @@ class Settings(BaseSettings):
     outbox_backoff_seconds: float = Field(default=1.0, gt=0)
     outbox_backoff_max_seconds: float = Field(default=300.0, gt=0)
     outbox_pass_seconds: float = Field(default=10.0, gt=0)  # one relay pass sends for at most this long
+    outbox_max_rate_limited: int = Field(default=200, ge=1)  # rate-limited attempts before a message is dead
+    outbox_reconcile_max_pages: int = Field(default=10, ge=1)  # history/comment pages one reconciliation reads
+    outbox_reconcile_seconds: float | None = Field(default=None, gt=0)  # its time budget; None: a third of the lease
+
+    @model_validator(mode="after")
+    def _outbox_reconcile_fits_the_lease(self) -> Settings:
+        # The lease is renewed right before a reconciliation and must still be live when it ends (its last page
+        # may start just before the budget runs out), or the relay backs off instead of sending.
+        budget = self.outbox_reconcile_seconds
+        if budget is not None and budget + self.http_timeout_seconds >= self.outbox_lease_seconds:
+            raise ValueError(
+                "KEEL_OUTBOX_RECONCILE_SECONDS + KEEL_HTTP_TIMEOUT_SECONDS must be less than KEEL_OUTBOX_LEASE_SECONDS"
+            )
+        return self
 
     # Field validators say the rule only: the variable's name is added from the error's location. Model
     # validators compare settings and start their message with the variable to change ("KEEL_X: …"). Values that

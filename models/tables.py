@@ -206,7 +206,8 @@ outbox = Table(
     Column("destination", Text, nullable=False),  # Slack channel; GitHub owner/repo#number
     Column("payload", JSONB, nullable=False),
     Column("status", Text, nullable=False, server_default="pending"),
-    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("attempts", Integer, nullable=False, server_default="0"),  # rate-limited attempts aside
+    Column("rate_limited_attempts", Integer, nullable=False, server_default="0"),  # KEEL_OUTBOX_MAX_RATE_LIMITED
     Column("next_attempt_at", DateTime(timezone=True), nullable=False),
     Column("lease_until", DateTime(timezone=True)),
     Column("claim_token", BigInteger, nullable=False, server_default="0"),

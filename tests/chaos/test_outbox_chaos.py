@@ -1,10 +1,13 @@
 """500 messages to 20 destinations through ambiguous failures, rate limits and a relay SIGKILLed twice:
-every key arrives exactly once, in order per destination, with one confirmation each."""
+every key arrives exactly once, in order per destination, with one confirmation each. And two relays whose clocks
+are five minutes apart either side of the database's: the same, on the database's clock."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +121,88 @@ def test_five_hundred_messages_survive_faults_and_two_relay_kills(
     reconciled = stack.query("SELECT count(*) FROM delivery_log WHERE how = 'reconciled'")[0][0]
     assert reconciled > 0, "the ambiguous failures were settled by asking the receivers"
     assert stack.query("SELECT count(*) FROM outbox WHERE status = 'dead'") == [(0,)]
+
+
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+SHIM = Path(__file__).parent / "faketime_shim"
+
+
+def clock(stack: Stack, offset: str) -> dict[str, str]:
+    """Environment that runs a process with its wall clock shifted by ``offset`` (libfaketime, e.g. ``+5m``)."""
+    assert Path(LIBFAKETIME).exists(), "libfaketime is needed: apt-get install faketime"
+    return {
+        "LD_PRELOAD": LIBFAKETIME,
+        "FAKETIME": offset,
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "PYTHONPATH": f"{SHIM}:{stack.env['PYTHONPATH']}",
+    }
+
+
+def test_two_relays_with_clocks_five_minutes_off_either_way_deliver_once_in_order(
+    stack: Stack, client: Client, fakes: tuple[FakeSlack, FakeGitHub]
+) -> None:
+    slack, github = fakes
+    stack.env.update(
+        {
+            "KEEL_SLACK_TOKEN": SLACK_TOKEN,
+            "KEEL_SLACK_API_URL": f"{slack.url}/api/",
+            "KEEL_GITHUB_TOKEN": GITHUB_TOKEN,
+            "KEEL_GITHUB_API_URL": github.url,
+            "KEEL_HTTP_TIMEOUT_SECONDS": "1",
+            "KEEL_OUTBOX_LEASE_SECONDS": "3",
+            "KEEL_OUTBOX_INTERVAL_SECONDS": "0.2",
+            "KEEL_OUTBOX_CONCURRENCY": "20",
+            "KEEL_OUTBOX_BACKOFF_SECONDS": "0.2",
+            "KEEL_OUTBOX_BACKOFF_MAX_SECONDS": "1",
+            "KEEL_OUTBOX_PASS_SECONDS": "3",
+        }
+    )
+    destinations = [f"C{n:02d}" for n in range(10)] + [f"acme/repo{n}#{n + 1}" for n in range(10)]
+    expected: dict[str, list[str]] = {d: [] for d in destinations}
+    agents = []
+    for n, destination in enumerate(destinations):
+        agent = client.create_agent(f"notifier-{n}")
+        client.submit(agent.id, f"req-{n}", None, operation="noop")
+        agents.append((agent.id, destination, f"req-{n}"))
+
+    def emit(batch: int) -> None:
+        for agent_id, destination, request_id in agents:
+            channel = "github" if "/" in destination else "slack"
+            field = "body" if channel == "github" else "text"
+            specs = tuple(
+                MessageSpec(channel, destination, f"m{batch * 5 + i:02d}", {field: f"update {batch * 5 + i}"})
+                for i in range(5)
+            )
+            transition(client.db, Command(agent_id, Event.PROGRESS, "notifier", messages=specs))
+            expected[destination] += [f"{request_id}:{channel}:{s.target}" for s in specs]
+
+    # The beat shares the fast relay's clock: Celery expires the relay task on the worker's clock, which would
+    # make a relay whose clock runs ahead of beat's drop every pass (that is the tasks' side, not the outbox's).
+    stack.beat(**clock(stack, "+5m"))
+    stack.worker("relay-fast", concurrency=2, queues="keel.outbox", **clock(stack, "+5m"))
+    stack.worker("relay-slow", concurrency=2, queues="keel.outbox", **clock(stack, "-5m"))
+    for batch in range(4):
+        emit(batch)
+    wait_until(
+        "every message to be sent",
+        lambda: stack.query("SELECT count(*) FROM outbox WHERE status = 'sent'") == [(400,)],
+        180,
+    )
+
+    counts = slack.delivered_keys() + github.delivered_keys()
+    assert len(counts) == 400 and set(counts.values()) == {1}, [k for k, n in counts.items() if n > 1][:5]
+    for destination in destinations:
+        fake = github if "/" in destination else slack
+        assert fake.order(destination) == expected[destination], f"out of order at {destination}"
+    assert stack.query("SELECT count(*), count(DISTINCT key) FROM delivery_log") == [(400, 400)]
+    assert stack.query("SELECT count(*) FROM outbox WHERE status = 'dead'") == [(0,)]
+    # Both relays did send: neither sat idle because of its clock.
+    for name in ("relay-fast", "relay-slow"):
+        assert re.search(r"'sent': [1-9]", stack.log(name)), f"{name} sent nothing"
+    late = stack.query(
+        "SELECT count(*) FROM outbox WHERE sent_at > now() + interval '1 minute' OR sent_at < created_at"
+        " OR updated_at > now() + interval '1 minute'"
+    )
+    assert late == [(0,)], "stored times are not the database's"

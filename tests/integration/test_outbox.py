@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 
+from agents import core
 from agents.client import Client
 from agents.commands import Command, MessageSpec
 from agents.core import transition
@@ -61,11 +62,12 @@ def relay(db: Database, slack: FakeSlack, github: FakeGitHub, **kw: Any) -> Rela
             "slack": SlackReceiver(SLACK_TOKEN, f"{slack.url}/api/", timeout=1.0),
             "github": GitHubReceiver(GITHUB_TOKEN, github.url, timeout=1.0),
         },
-        lease=timedelta(seconds=10),
+        lease=kw.pop("lease", timedelta(seconds=10)),
         concurrency=kw.pop("concurrency", 8),
-        backoff=Backoff(0.05, 0.2, kw.pop("max_attempts", 6)),
+        backoff=Backoff(0.05, 0.2, kw.pop("max_attempts", 6), kw.pop("max_rate_limited", 200)),
         pass_seconds=10,
         secrets=(SLACK_TOKEN, GITHUB_TOKEN),
+        **kw,
     )
     OPEN.append(made)
     return made
@@ -327,6 +329,7 @@ def test_outbox_commands_and_kpis(
     assert [m["key"] for m in listed["messages"]] == ["req-bot:slack:bad"]
     shown = json.loads(run("outbox", "show", "req-bot:slack:ok", "--json").stdout)
     assert (shown["status"], shown["destination"]) == ("sent", "C1") and shown["external_id"]
+    assert (shown["attempts"], shown["rate_limited_attempts"]) == (2, 0)
     kpis = json.loads(run("outbox", "stats", "--json").stdout)
     assert (kpis["max_deliveries_per_key"], kpis["reconciled"], kpis["dead"]) == (1, 1, 1)
     assert kpis["duplicate_rate"] == 0.0
@@ -383,3 +386,157 @@ def test_emitters_to_one_destination_take_turns(client: Client, db: Database) ->
         holder.rollback()
     assert done.wait(10)
     thread.join(10)
+
+
+# --- one clock, fencing, bounded reconciliation, rate limits ------------------------------------------------------
+
+
+def sql(db: Database, statement: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.mark.parametrize("offset", [timedelta(minutes=5), timedelta(minutes=-5)], ids=["fast", "slow"])
+def test_a_relay_whose_clock_is_off_sends_on_time_and_never_takes_over_a_live_lease(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub, monkeypatch: pytest.MonkeyPatch, offset: Any
+) -> None:
+    """Due, backoff and lease are decided on the database's clock: the relay host's clock does not matter."""
+    client.create_agent("bot")
+    emit(client, "bot", slack_msg("C1", "early"), slack_msg("C2", "due"), slack_msg("C3", "held"))
+    sql(db, "UPDATE outbox SET next_attempt_at = now() + interval '2 minutes' WHERE key = 'req-bot:slack:early'")
+    sql(db, "UPDATE outbox SET next_attempt_at = now() - interval '1 second' WHERE key = 'req-bot:slack:due'")
+    # Another relay is sending this one right now: its lease runs for another minute.
+    sql(
+        db,
+        "UPDATE outbox SET status = 'sending', attempts = 1, claim_token = 7, lease_until = now() + interval '1 minute'"
+        " WHERE key = 'req-bot:slack:held'",
+    )
+    monkeypatch.setattr(core, "now", lambda: datetime.now(UTC) + offset)
+    emit(client, "bot", slack_msg("C4", "fresh"))  # emitted by a host whose clock is off too
+    relay(db, slack, github).run_pass()
+    assert slack.order("C1") == [], "sent before its backoff ended"
+    assert slack.order("C2") == ["req-bot:slack:due"], "a due message was held back"
+    assert slack.order("C3") == [], "took over a live lease"
+    assert slack.order("C4") == ["req-bot:slack:fresh"], "a fresh message was held back"
+    assert sql(db, "SELECT status, claim_token FROM outbox WHERE key = 'req-bot:slack:held'") == [("sending", 7)]
+    (times,) = sql(
+        db,
+        "SELECT bool_and(updated_at BETWEEN now() - interval '1 minute' AND now() + interval '1 second')"
+        " AND bool_and(sent_at BETWEEN now() - interval '1 minute' AND now() + interval '1 second') FROM outbox"
+        " WHERE status = 'sent'",
+    )
+    assert times == (True,), "stored times are not the database's"
+    (logged,) = sql(db, "SELECT bool_and(confirmed_at BETWEEN now() - interval '1 minute' AND now()) FROM delivery_log")
+    assert logged == (True,)
+
+
+def test_a_relay_whose_claim_was_taken_over_mid_run_neither_sends_nor_confirms(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    client.create_agent("bot")
+    emit(client, "bot", *[slack_msg("C1", f"m{n}") for n in range(3)])
+
+    def take_over(dest: str, key: str, attempt: int) -> None:
+        # While the first message is on its way, another relay takes the line over (this one stalled).
+        if key.endswith(":m0"):
+            sql(db, "UPDATE outbox SET claim_token = claim_token + 100, lease_until = now() + interval '1 minute'")
+        return None
+
+    slack.faults = take_over
+    report = relay(db, slack, github).run_pass()
+    assert slack.attempts == {"req-bot:slack:m0": 1}, "sent after its claim was lost"
+    assert sql(db, "SELECT count(*) FROM delivery_log") == [(0,)], "confirmed after its claim was lost"
+    assert sql(db, "SELECT DISTINCT status FROM outbox") == [("sending",)]
+    assert report.lost >= 1 and report.sent == 0
+
+
+def _chatter(github: FakeGitHub, issue: str, n: int) -> None:
+    for i in range(n):  # people talk on the issue after the message was created
+        github.comments.setdefault(issue, []).append(
+            {
+                "id": i,
+                "body": f"chatter {i}",
+                "html_url": "x",
+                "created_at": "2099-01-01T00:00:00Z",
+                "updated_at": "2099-01-01T00:00:00Z",
+            }
+        )
+
+
+def test_reconciliation_reads_at_most_its_page_cap_then_backs_off_and_dies_ambiguous(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    _chatter(github, "acme/api#7", 450)  # five pages of 100, the key is on none of them
+    github.faults = lambda dest, key, attempt: "500" if attempt == 1 else None
+    client.create_agent("bot")
+    emit(client, "bot", gh_msg("acme/api#7", "g"))
+    drain(relay(db, slack, github, max_attempts=3, reconcile_pages=2), pause=0.2)
+    key = "req-bot:github:g"
+    assert github.attempts[key] == 1, "sent blind although reconciliation gave no answer"
+    assert github.pages_read == 4, "two reconciliations of at most two pages each"
+    row = message_row(db, key)
+    assert row is not None and (row["status"], row["needs_reconcile"]) == ("dead", True)
+    assert "gave up after 3 attempts" in row["last_error"] and "2 pages" in row["last_error"]
+    retry_dead(db, key, actor="ops")  # the operator's retry reconciles first, this time with room to look
+    assert message_row(db, key)["needs_reconcile"] is True  # type: ignore[index]
+    drain(relay(db, slack, github, reconcile_pages=10), pause=0.2)
+    assert github.delivered_keys()[key] == 1 and github.attempts[key] == 2
+
+
+def test_a_reconciliation_slower_than_the_lease_never_ends_in_a_send(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    _chatter(github, "acme/api#7", 950)  # ten pages
+    key = "req-bot:github:g"
+    unfenced: list[str] = []
+
+    def check_fence(dest: str, k: str, attempt: int) -> str | None:
+        # Every send must reach the receiver while its sender holds a live lease on the message.
+        if attempt > 1 and sql(db, "SELECT lease_until > clock_timestamp() FROM outbox WHERE key = %s", k) != [(True,)]:
+            unfenced.append(k)
+        return "500" if attempt == 1 else None
+
+    github.faults = check_fence
+    client.create_agent("bot")
+    emit(client, "bot", gh_msg("acme/api#7", "g"))
+    github.page_delay = 0.3  # ten pages take 3 s: longer than the lease
+    slow = relay(db, slack, github, lease=timedelta(seconds=2), max_attempts=2)
+    drain(slow, pause=0.2)
+    assert unfenced == [] and github.attempts[key] == 1
+    row = message_row(db, key)
+    assert row is not None and (row["status"], row["needs_reconcile"]) == ("dead", True)
+    assert github.pages_read <= 2 * 3, "each reconciliation stopped within its time budget"
+    retry_dead(db, key, actor="ops")
+    github.page_delay = 0.0
+    drain(slow, pause=0.2)
+    assert unfenced == [] and github.delivered_keys()[key] == 1
+
+
+def test_rate_limits_do_not_use_up_the_attempts(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    """Eleven 429s, then a 5xx: the message is still retried (12 attempts allowed), and delivered once."""
+    slack.retry_after = 0.05
+    slack.faults = lambda dest, key, attempt: "429" if attempt <= 11 else "500" if attempt == 12 else None
+    client.create_agent("bot")
+    emit(client, "bot", slack_msg("C1", "s"))
+    drain(relay(db, slack, github, max_attempts=12), rounds=80, pause=0.05)
+    row = message_row(db, "req-bot:slack:s")
+    assert row is not None and row["status"] == "sent", row["last_error"]
+    assert (row["attempts"], row["rate_limited_attempts"]) == (2, 11)
+    assert slack.delivered_keys() == {"req-bot:slack:s": 1}
+
+
+def test_endless_rate_limits_end_at_their_own_cap(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    slack.retry_after = 0.05
+    slack.faults = lambda dest, key, attempt: "429"
+    client.create_agent("bot")
+    emit(client, "bot", slack_msg("C1", "s"))
+    drain(relay(db, slack, github, max_attempts=2, max_rate_limited=5), rounds=80, pause=0.05)
+    row = message_row(db, "req-bot:slack:s")
+    assert row is not None and (row["status"], row["attempts"], row["rate_limited_attempts"]) == ("dead", 0, 5)
+    assert row["last_error"].startswith("rate limited 5 times (KEEL_OUTBOX_MAX_RATE_LIMITED):"), row["last_error"]
+    assert row["needs_reconcile"] is False
