@@ -130,6 +130,22 @@ class Stack:
             return conn.execute(sql, params).fetchall()
 
 
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # Debian's faketime (.ci/run installs it)
+FAKETIME_SHIM = Path(__file__).parent / "faketime_shim"
+
+
+def skewed(stack: Stack, offset: str) -> dict[str, str]:
+    """Environment that runs a process (and its children) with its wall clock ``offset`` off, e.g. "+5m" or "-5m"
+    (libfaketime; the monotonic clock is left alone, and a shim makes ``time.sleep`` work under it)."""
+    assert Path(LIBFAKETIME).exists(), "libfaketime is missing: apt-get install faketime (.ci/run does)"
+    return {
+        "LD_PRELOAD": LIBFAKETIME,
+        "FAKETIME": offset,
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "PYTHONPATH": f"{FAKETIME_SHIM}:{stack.env['PYTHONPATH']}",
+    }
+
+
 @pytest.fixture
 def stack(db_url: str, broker_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
     stack = Stack(db_url, broker_url, tmp_path)

@@ -19,17 +19,9 @@ import redis
 
 from agents.client import Client
 from models.urls import libpq_url
-from tests.chaos.conftest import Stack, free_port, wait_until
+from tests.chaos.conftest import Stack, free_port, skewed, wait_until
 
 pytestmark = pytest.mark.chaos
-
-FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
-
-
-def skewed(offset: str) -> dict[str, str]:
-    """Environment that runs a process (and its children) with its clock ``offset`` off, e.g. "+5m" or "-5m"."""
-    assert Path(FAKETIME_LIB).exists(), "libfaketime is missing: .ci/run installs the Debian package faketime"
-    return {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": offset}
 
 
 def executions(stack: Stack, phase: str = "start") -> dict[str, int]:
@@ -217,9 +209,9 @@ def test_a_revoke_in_flower_is_a_journaled_cancel_not_a_strand(stack: Stack, cli
 
 def test_worker_and_beat_clocks_minutes_apart_run_everything_once_on_time(stack: Stack, client: Client) -> None:
     tools_env(stack)
-    stack.worker("fast", concurrency=1, **skewed("+5m"))
-    stack.worker("slow", concurrency=1, **skewed("-5m"))
-    stack.beat(**skewed("-5m"))
+    stack.worker("fast", concurrency=1, **skewed(stack, "+5m"))
+    stack.worker("slow", concurrency=1, **skewed(stack, "-5m"))
+    stack.beat(**skewed(stack, "-5m"))
     agents = [client.create_agent(f"a{i}").id for i in range(12)]
     started = time.monotonic()
     for i, agent_id in enumerate(agents[:8]):
