@@ -130,20 +130,37 @@ class Stack:
             return conn.execute(sql, params).fetchall()
 
 
-LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # Debian's faketime (.ci/run installs it)
 FAKETIME_SHIM = Path(__file__).parent / "faketime_shim"
+
+
+def libfaketime_path() -> Path:
+    """libfaketime as the ``libfaketime`` wheel (a dev dependency) ships it: no system package needed."""
+    import libfaketime
+
+    found = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    assert found.exists(), f"libfaketime's shared library is missing at {found}"
+    return found
 
 
 def skewed(stack: Stack, offset: str) -> dict[str, str]:
     """Environment that runs a process (and its children) with its wall clock ``offset`` off, e.g. "+5m" or "-5m"
     (libfaketime; the monotonic clock is left alone, and a shim makes ``time.sleep`` work under it)."""
-    assert Path(LIBFAKETIME).exists(), "libfaketime is missing: apt-get install faketime (.ci/run does)"
     return {
-        "LD_PRELOAD": LIBFAKETIME,
+        "LD_PRELOAD": str(libfaketime_path()),
         "FAKETIME": offset,
         "FAKETIME_DONT_FAKE_MONOTONIC": "1",
         "PYTHONPATH": f"{FAKETIME_SHIM}:{stack.env['PYTHONPATH']}",
     }
+
+
+def clock_offset_in_log(stack: Stack, name: str) -> float:
+    """Seconds between the clock of process ``name`` (its newest log line's timestamp) and this one's."""
+    import re
+    from datetime import datetime
+
+    stamps = re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+", stack.log(name), re.M)
+    assert stamps, f"{name} logged no timestamped line"
+    return (datetime.strptime(stamps[-1], "%Y-%m-%d %H:%M:%S") - datetime.now()).total_seconds()
 
 
 @pytest.fixture

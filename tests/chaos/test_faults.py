@@ -19,7 +19,7 @@ import redis
 
 from agents.client import Client
 from models.urls import libpq_url
-from tests.chaos.conftest import Stack, free_port, skewed, wait_until
+from tests.chaos.conftest import Stack, clock_offset_in_log, free_port, skewed, wait_until
 
 pytestmark = pytest.mark.chaos
 
@@ -222,6 +222,7 @@ def test_worker_and_beat_clocks_minutes_apart_run_everything_once_on_time(stack:
     client.submit(agents[10], "req-talk", script({"tool_calls": [call]}, {"content": "Done."}))
     redis.Redis.from_url(stack.broker_url).set("release:req-talk:tool:test.post:1.call_0_0", 1)
     wait_until("every request to finish", lambda: all(client.get_state(a).phase == "done" for a in agents[:11]), 60)
+    assert 240 < clock_offset_in_log(stack, "fast") < 330 and -330 < clock_offset_in_log(stack, "slow") < -240
     assert time.monotonic() - started < 45, "nothing waited out a clock difference"
     runs = executions(stack)
     assert (runs.pop("req-flaky:flaky:1"), runs.pop("req-limited:ratelimited:1")) == (3, 2), "retried to success"
