@@ -133,10 +133,6 @@ class LostUpdate(StoreError):
     """A guarded write matched no row although the row was locked: another writer bypassed the lock."""
 
 
-class EmbeddedError(KeelError):
-    """The embedded development servers could not be started or stopped."""
-
-
 class LostClaim(KeelError):
     """Another relay took the outbox message over: this relay may neither send it nor record its outcome."""
 

@@ -19,8 +19,6 @@ from psycopg.rows import dict_row
 
 from models.db import Database
 
-LIVE = ("pending", "enqueued", "running")
-
 
 @dataclass(frozen=True, slots=True)
 class NewJob:

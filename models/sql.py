@@ -97,15 +97,6 @@ class Locked:
     at: datetime
 
 
-def db_now_txn(cur: psycopg.Cursor[Any]) -> datetime:
-    """The database's clock: every time that decides or orders something is read here, never on a host."""
-    cur.execute("SELECT clock_timestamp()")
-    found = cur.fetchone()
-    assert found is not None
-    at: datetime = found[0]
-    return at
-
-
 def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
     database's clock; None if there is no such agent."""

@@ -315,3 +315,28 @@ def test_every_public_error_is_a_keel_error() -> None:
     assert FencedOff in found and errors.LostUpdate in found
     outsiders = [f"{cls.__module__}.{cls.__name__}" for cls in found if not issubclass(cls, KeelError)]
     assert outsiders == []
+
+
+def test_a_job_found_under_a_resting_agent_is_settled_by_the_single_writer(
+    client: Client, db: Database, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """Unreachable through the API (coming to rest cancels every live job in the same transaction); if a job is
+    live under a resting agent anyway, the runner settles it through transition(), journaled — not behind it."""
+    agent = client.create_agent("resting")
+    client.submit(agent.id, "req-1", None, operation="finish")
+    client.cancel(agent.id, actor="alice", reason="stop")
+    raw.execute("SET session_replication_role = replica")  # a superuser bypassing the database's own guards
+    raw.execute("UPDATE jobs SET status = 'pending', last_error = NULL WHERE key = 'req-1:finish:1'")
+    raw.execute("SET session_replication_role = DEFAULT")
+    before = client.get_state(agent.id).revision
+    outcome = make_runner(db, {"finish": lambda ctx: JobResult(event=Event.FINISH)}).run("req-1:finish:1")
+    assert outcome.status == "cancelled"
+    assert job_row(db, "req-1:finish:1")["status"] == "cancelled"  # type: ignore[index]
+    last = client.journal(agent_id=agent.id)[-1]
+    assert (last.kind, last.event, last.decision, last.revision) == (
+        "transition",
+        "charge",
+        "agent_at_rest",
+        before + 1,
+    )
+    assert last.details["job"] == "req-1:finish:1" and last.details["job_status"] == "cancelled"
