@@ -19,6 +19,7 @@ from decimal import Decimal
 from typing import Any
 
 import psycopg
+import sqlalchemy.exc
 
 from agents import core
 from agents.commands import Command, JobOutcome, Usage
@@ -179,7 +180,7 @@ class Runner:
         with self.leases.hold(job.key, job.fencing_token, lost):
             try:
                 outcome = self._run_claimed(job, lost, abandoned)
-            except StoreError:
+            except (StoreError, psycopg.Error, sqlalchemy.exc.DBAPIError):
                 raise  # the database is away: the lease will expire and the job be recovered (and counted)
             except Exception as exc:  # a bug in a handler's result must not leave the job running forever
                 log.exception("job %s: its outcome could not be recorded", job.key)

@@ -38,7 +38,8 @@ def run_job(self: Any, key: str) -> str:
         log.warning("run_job for %s arrived with task id %s; the key is what counts", key, self.request.id)
     rt = runtime()
     try:
-        outcome = rt.runner.run(key)
+        with core.store_errors():  # every driver error, wherever it is raised, is a StoreError here
+            outcome = rt.runner.run(key)
     except StoreError as exc:
         # The claim or the outcome could not be written (the database restarted, a failover, a stale connection):
         # the message goes back to the broker instead of being acked and dropped. If the job did get claimed,

@@ -340,3 +340,30 @@ def test_a_job_found_under_a_resting_agent_is_settled_by_the_single_writer(
         before + 1,
     )
     assert last.details["job"] == "req-1:finish:1" and last.details["job_status"] == "cancelled"
+
+
+def test_a_message_whose_claim_cannot_reach_the_database_goes_back_to_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The database is down (a restart, a failover): the task must not fail and be acked — it hands the message back
+    (Reject with requeue), so the job is claimed when the database answers again."""
+    import socket
+    from types import SimpleNamespace
+
+    from celery.exceptions import Reject
+
+    import tasks.jobs
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    down = Database(f"postgresql://postgres@127.0.0.1:{port}/keel")
+    runner = make_runner(down, {"finish": lambda ctx: JobResult(event=Event.FINISH)})
+    monkeypatch.setattr(tasks.jobs, "runtime", lambda: SimpleNamespace(runner=runner, db=down))
+    monkeypatch.setattr(tasks.jobs, "STORE_BACKOFF_SECONDS", (0.0, 0.0))
+    try:
+        with pytest.raises(Reject) as raised:
+            tasks.jobs.run_job.run("req-1:finish:1")
+    finally:
+        down.dispose()
+    assert raised.value.requeue is True
