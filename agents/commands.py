@@ -32,6 +32,11 @@ NORMAL, LOW = "normal", "low"
 AFTER_HARD_DEADLINE = frozenset({Event.CANCEL, Event.FAIL, Event.SUBMIT, Event.CHARGE})
 
 
+#: The largest spend one step can record (the columns are bigint and numeric(18, 6)).
+MAX_TOKENS = 2**62
+MAX_COST = Decimal(10) ** 11
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """What one step spent: model tokens and money."""
@@ -42,6 +47,8 @@ class Usage:
     def __post_init__(self) -> None:
         if self.tokens < 0 or self.cost < 0:
             raise InvalidInput(f"usage cannot be negative (tokens={self.tokens}, cost={self.cost})")
+        if self.tokens > MAX_TOKENS or self.cost >= MAX_COST:
+            raise InvalidInput(f"usage is beyond what can be recorded (tokens={self.tokens}, cost={self.cost})")
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.cost)

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from agents.commands import Usage
-from agents.errors import InvalidJob, RateLimited, TransientError
+from agents.commands import MAX_COST, MAX_TOKENS, Usage, check_json_text
+from agents.errors import InvalidInput, InvalidJob, RateLimited, TransientError
 
 Message = Mapping[str, Any]
 
@@ -84,9 +84,10 @@ def cost_of(
     if price is None:
         return Decimal(0)
     per_million = Decimal(1_000_000)
-    return (
+    cost = (
         Decimal(str(price.get("input", 0))) * prompt_tokens + Decimal(str(price.get("output", 0))) * completion_tokens
     ) / per_million
+    return min(cost, MAX_COST - Decimal("0.000001"))  # an absurd reported count is capped where it can be recorded
 
 
 class OpenAICompatible:
@@ -230,10 +231,11 @@ def parse_reply(data: Mapping[str, Any], usage: Usage) -> Reply:
             raise malformed(f"the arguments of tool call {n} ({name[:64]!a}) are a JSON {kind}, not an object")
         calls.append(ToolCall(call_id, name, arguments))
     reply = Reply(content, tuple(calls), usage)
-    try:  # the reply is stored (checkpoint, result, journal): PostgreSQL refuses a lone surrogate
-        json.dumps(reply.as_message(), ensure_ascii=False).encode()
-    except UnicodeEncodeError as exc:
-        raise malformed(f"it is not valid Unicode text (a lone surrogate at position {exc.start})") from None
+    # The reply is stored (checkpoint, result, journal): PostgreSQL refuses a lone surrogate and a NUL anywhere.
+    try:
+        check_json_text("the reply", {"content": content, "tool_calls": [[c.id, c.name, c.arguments] for c in calls]})
+    except InvalidInput as exc:
+        raise malformed(str(exc)) from None
     return reply
 
 
@@ -243,7 +245,7 @@ _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", boo
 def _count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
         return 0
-    return int(value)
+    return min(int(value), MAX_TOKENS)  # an absurd count is capped where it can still be recorded
 
 
 def _retry_after(response: httpx.Response) -> float:
@@ -253,7 +255,12 @@ def _retry_after(response: httpx.Response) -> float:
     except ValueError:
         pass
     try:
-        return max(0.0, (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+        # An HTTP date is measured against the endpoint's own clock (its Date header), not this host's.
+        try:
+            server_now = parsedate_to_datetime(response.headers["date"])
+        except (KeyError, TypeError, ValueError):
+            server_now = datetime.now(UTC)
+        return max(0.0, (parsedate_to_datetime(value) - server_now).total_seconds())
     except (TypeError, ValueError):
         return 5.0
 

@@ -17,6 +17,7 @@ import urllib.error
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -281,9 +282,18 @@ class GitHubReceiver:
         self.client.close()
 
 
+def _server_now(response: httpx.Response) -> datetime:
+    """The receiver's clock at the response (its ``Date`` header), or this host's if it sent none."""
+    try:
+        return parsedate_to_datetime(response.headers["date"])
+    except (KeyError, TypeError, ValueError):
+        return datetime.now(UTC)
+
+
 def _github_retry_after(response: httpx.Response) -> float:
     if "retry-after" in response.headers:
         return max(0.0, float(response.headers["retry-after"]))
     if "x-ratelimit-reset" in response.headers:
-        return max(1.0, float(response.headers["x-ratelimit-reset"]) - datetime.now(UTC).timestamp())
+        # Measured against the receiver's own clock (its Date header), not this host's.
+        return max(1.0, float(response.headers["x-ratelimit-reset"]) - _server_now(response).timestamp())
     return 60.0  # GitHub's advice for a secondary limit without headers: wait at least a minute

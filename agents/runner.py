@@ -22,11 +22,12 @@ import psycopg
 import sqlalchemy.exc
 
 from agents import core
-from agents.commands import Command, JobOutcome, Usage
+from agents.commands import Command, JobOutcome, Usage, check_json_text
 from agents.errors import (
     FencedOff,
     HardDeadlinePassed,
     IllegalTransition,
+    InvalidInput,
     InvalidJob,
     JobError,
     KeelError,
@@ -36,7 +37,15 @@ from agents.handlers import JobContext, JobResult, Registry
 from agents.phases import RESTING, Event, Phase
 from agents.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
 from models.db import Database
-from models.jobs_sql import ClaimedJob, Due, checkpoint, claim, count_suppressed_txn, extend_lease
+from models.jobs_sql import (
+    ClaimedJob,
+    Due,
+    checkpoint,
+    claim,
+    count_suppressed_txn,
+    extend_lease,
+    release_staged_txn,
+)
 
 log = logging.getLogger("keel.runner")
 
@@ -83,6 +92,21 @@ class _Failure:
         )
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database could not be reached (restart, failover, dropped connection, timeout) —
+    worth trying again later — rather than that it refused what was asked."""
+    while exc is not None:
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            return True
+        if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
+            return True
+        if isinstance(exc, sqlalchemy.exc.DBAPIError | StoreError):
+            exc = exc.__cause__ or getattr(exc, "orig", None)  # type: ignore[assignment]
+            continue
+        return False
+    return False
+
+
 class LeaseKeeper:
     """One thread per process renews the leases of the jobs running in it, every third of the lease; a job whose
     lease was taken over (or cancelled) gets its ``lost`` flag set and is dropped."""
@@ -110,18 +134,24 @@ class LeaseKeeper:
 
     def _renew_forever(self) -> None:
         interval = self.lease.total_seconds() / 3
+        # After a failed renewal (the database restarting) try again every second, not a third of a lease later:
+        # the lease must be renewed before it runs out, or a live step is recovered and runs twice.
+        retry = min(1.0, interval)
+        wait = interval
         while True:
-            time.sleep(interval)
+            time.sleep(wait)
             with self._lock:
                 held = list(self._held.items())
+            wait = interval
             for (key, token), lost in held:
                 try:
                     if not extend_lease(self.db, key, token, self.lease):
                         lost.set()
                         with self._lock:
                             self._held.pop((key, token), None)
-                except psycopg.Error:
-                    log.warning("job %s: lease renewal failed; will retry", key, exc_info=True)
+                except (psycopg.Error, sqlalchemy.exc.SQLAlchemyError):
+                    log.warning("job %s: lease renewal failed; retrying in %.1fs", key, retry, exc_info=True)
+                    wait = retry
 
 
 class Runner:
@@ -180,9 +210,11 @@ class Runner:
         with self.leases.hold(job.key, job.fencing_token, lost):
             try:
                 outcome = self._run_claimed(job, lost, abandoned)
-            except (StoreError, psycopg.Error, sqlalchemy.exc.DBAPIError):
-                raise  # the database is away: the lease will expire and the job be recovered (and counted)
             except Exception as exc:  # a bug in a handler's result must not leave the job running forever
+                if is_outage(exc):
+                    raise  # the database is away: the lease will expire and the job be recovered (and counted)
+                # The database refused the outcome itself (a value it cannot store, a constraint): retrying or
+                # replaying it cannot help, so the job fails as invalid, with nothing of the refused outcome.
                 log.exception("job %s: its outcome could not be recorded", job.key)
                 failure = _Failure(ErrorClass.INVALID, f"outcome could not be recorded: {exc!r}", Usage(), None)
                 outcome = self._fail(job, failure)
@@ -193,6 +225,13 @@ class Runner:
 
     def _run_claimed(self, job: ClaimedJob, lost: threading.Event, abandoned: threading.Event) -> RunOutcome:
         staged = (job.checkpoint or {}).get(STAGED)
+        lost_runs = job.error_attempts.get(ErrorClass.UNKNOWN.value, 0)
+        if lost_runs >= self.rules[ErrorClass.UNKNOWN].max_attempts:  # its workers kept dying under it
+            # A staged outcome that could not be recorded that many times is given up too; what it spent is charged.
+            spend = _staged_usage(staged)
+            return self._stop_agent(
+                job, "unknown_cap_reached", "dead", ErrorClass.UNKNOWN, spend=spend, staged=staged is not None
+            )
         if staged is not None:
             # An earlier attempt finished this step and staged its whole outcome, but died before recording it:
             # record exactly that (same keys, same messages, same usage), without running the step again.
@@ -204,12 +243,18 @@ class Runner:
         failure, result = self._execute(job, lost, abandoned)
         if failure is None:
             assert result is not None
+            try:  # what the database cannot store (NUL, a lone surrogate) fails the step now, charged, not later
+                check_json_text("the step's result", result.to_json())
+            except InvalidInput as exc:
+                failure = _Failure(ErrorClass.INVALID, str(exc), result.usage, None)
+        if failure is None:
+            assert result is not None
             if not self._stage(job, {"result": result.to_json()}):
                 return self._fenced(job, "the job's claim was lost before its outcome was staged", result.usage)
-            return self._succeed(job, result)
+            return self._succeed(job, result, staged=True)
         if not self._stage(job, {"failure": failure.to_json()}):
             return self._fenced(job, "the job's claim was lost before its outcome was staged", failure.usage)
-        return self._fail(job, failure)
+        return self._fail(job, failure, staged=True)
 
     def _stage(self, job: ClaimedJob, outcome: dict[str, Any]) -> bool:
         """Checkpoint the whole outcome under the claim's token before the transition that records it."""
@@ -217,8 +262,8 @@ class Runner:
 
     def _replay(self, job: ClaimedJob, staged: Mapping[str, Any]) -> RunOutcome:
         if "result" in staged:
-            return self._succeed(job, JobResult.from_json(staged["result"]))
-        return self._fail(job, _Failure.from_json(staged["failure"]))
+            return self._succeed(job, JobResult.from_json(staged["result"]), staged=True)
+        return self._fail(job, _Failure.from_json(staged["failure"]), staged=True)
 
     # --- before the handler -----------------------------------------------------------------------------------
 
@@ -239,9 +284,6 @@ class Runner:
             return self._record(job, command, "cancelled", f"agent is {job.agent_phase}")
         if past(job.hard_deadline, at):
             return self._stop_agent(job, "hard_deadline_passed", "cancelled", None)
-        lost_runs = job.error_attempts.get(ErrorClass.UNKNOWN.value, 0)
-        if lost_runs >= self.rules[ErrorClass.UNKNOWN].max_attempts:  # its workers kept dying under it
-            return self._stop_agent(job, "unknown_cap_reached", "dead", ErrorClass.UNKNOWN)
         if over_budget(
             spent_tokens=job.spent_tokens,
             spent_cost=job.spent_cost,
@@ -260,6 +302,7 @@ class Runner:
         *,
         spend: Usage | None = None,
         error: str | None = None,
+        staged: bool = False,
     ) -> RunOutcome:
         spend = spend or Usage()
         outcome = JobOutcome(
@@ -279,7 +322,7 @@ class Runner:
             details={"job": job.key},
             outcome=outcome,
         )
-        return self._record(job, command, status, reason)
+        return self._record(job, command, status, reason, staged=staged)
 
     # --- the handler ------------------------------------------------------------------------------------------
 
@@ -340,12 +383,12 @@ class Runner:
     def _classify(exc: BaseException) -> _Failure:
         if isinstance(exc, JobError):
             usage = exc.usage if isinstance(exc.usage, Usage) else Usage()
-            return _Failure(ErrorClass(exc.error_class), str(exc), usage, exc.retry_after)
-        return _Failure(ErrorClass.UNKNOWN, f"{type(exc).__name__}: {exc}", Usage(), None)
+            return _Failure(ErrorClass(exc.error_class), _storable(str(exc)), usage, exc.retry_after)
+        return _Failure(ErrorClass.UNKNOWN, _storable(f"{type(exc).__name__}: {exc}"), Usage(), None)
 
     # --- outcomes ---------------------------------------------------------------------------------------------
 
-    def _succeed(self, job: ClaimedJob, result: JobResult) -> RunOutcome:
+    def _succeed(self, job: ClaimedJob, result: JobResult, *, staged: bool = False) -> RunOutcome:
         outcome = JobOutcome(job.key, job.fencing_token, "succeeded", result=dict(result.output), usage=result.usage)
         command = Command(
             job.agent_id,
@@ -362,11 +405,15 @@ class Runner:
             done = core.transition(self.db, command, publish_due=self.publish_due)
         except IllegalTransition as exc:
             if Phase(exc.phase) in RESTING:
-                return self._fenced(job, f"agent is {exc.phase}; the outcome came too late", result.usage)
+                return self._fenced(
+                    job, f"agent is {exc.phase}; the outcome came too late", result.usage, staged=staged
+                )
             failure = _Failure(ErrorClass.INVALID, f"handler asked for an illegal move: {exc}", result.usage, None)
-            return self._fail(job, failure)
+            return self._fail(job, failure, staged=staged)
         except FencedOff:
-            return self._fenced(job, "the job's lease was taken over before its outcome was written", result.usage)
+            return self._fenced(
+                job, "the job's lease was taken over before its outcome was written", result.usage, staged=staged
+            )
         except HardDeadlinePassed:
             return self._stop_agent(
                 job,
@@ -375,10 +422,11 @@ class Runner:
                 None,
                 spend=result.usage,
                 error="finished after the hard deadline: its result was discarded",
+                staged=staged,
             )
         return RunOutcome(job.key, "succeeded", to_publish=done.to_publish)
 
-    def _fail(self, job: ClaimedJob, failure: _Failure) -> RunOutcome:
+    def _fail(self, job: ClaimedJob, failure: _Failure, *, staged: bool = False) -> RunOutcome:
         failures = job.error_attempts.get(failure.error_class.value, 0) + 1
         decision = decide_retry(failure.error_class, failures, retry_after=failure.retry_after, rules=self.rules)
         message = failure.message[:2000]
@@ -401,7 +449,7 @@ class Runner:
                 details=details,
                 outcome=outcome,
             )
-            return self._record(job, command, status, decision.reason)
+            return self._record(job, command, status, decision.reason, staged=staged)
         outcome = JobOutcome(
             job.key,
             job.fencing_token,
@@ -419,40 +467,78 @@ class Runner:
             details={**details, "retry_in_seconds": retry_in},
             outcome=outcome,
         )
-        return self._record(job, command, "retrying", f"retry in {retry_in:g}s")
+        return self._record(job, command, "retrying", f"retry in {retry_in:g}s", staged=staged)
 
-    def _record(self, job: ClaimedJob, command: Command, status: str, detail: str) -> RunOutcome:
+    def _record(
+        self, job: ClaimedJob, command: Command, status: str, detail: str, *, staged: bool = False
+    ) -> RunOutcome:
         """Write a failure or a stop through transition(); a lost race means this worker's outcome is void."""
         try:
             core.transition(self.db, command)
         except FencedOff:
-            return self._fenced(job, "the job's lease was taken over before its outcome was written", command.spend)
+            why = "the job's lease was taken over before its outcome was written"
+            return self._fenced(job, why, command.spend, staged=staged)
         except HardDeadlinePassed:
-            return self._stop_agent(job, "hard_deadline_passed", "cancelled", None, spend=command.spend)
+            return self._stop_agent(job, "hard_deadline_passed", "cancelled", None, spend=command.spend, staged=staged)
         except IllegalTransition as exc:
-            return self._fenced(job, f"agent moved on: {exc}", command.spend)
+            return self._fenced(job, f"agent moved on: {exc}", command.spend, staged=staged)
         return RunOutcome(job.key, status, detail)
 
-    def _fenced(self, job: ClaimedJob, why: str, spend: Usage) -> RunOutcome:
-        """This worker's outcome is void. What it spent was still spent: that is charged, and journaled."""
+    def _fenced(self, job: ClaimedJob, why: str, spend: Usage, *, staged: bool = False) -> RunOutcome:
+        """This worker's outcome is void. What it spent was still spent: that is charged, and journaled — once.
+
+        A ``staged`` outcome carries its spend with it: if the job is live again (another claim took it over), the
+        attempt that records the staged outcome charges it; only if the job ended without it (cancelled, say) is
+        it charged here, taken out of the job in the same transaction so that nobody charges it again.
+        """
         log.warning("job %s: outcome discarded: %s", job.key, why)
         details = {"job": job.key, "fencing_token": job.fencing_token, "why": why}
+
+        def take_staged(cur: Any, before: Any, after: Any) -> dict[str, Any]:
+            if not release_staged_txn(cur, job.key):
+                raise _ChargedElsewhere
+            return {"staged_outcome_charged": True}
+
         try:
             if spend:
-                core.transition(
-                    self.db,
-                    Command(job.agent_id, Event.CHARGE, self.actor, reason="fenced_off", spend=spend, details=details),
-                )
-            else:
-                core.record_side_event(
-                    self.db,
-                    job.agent_id,
-                    kind="suppressed",
-                    event="job_outcome",
-                    actor=self.actor,
-                    decision="fenced_off",
-                    details=details,
-                )
+                try:
+                    core.transition(
+                        self.db,
+                        Command(
+                            job.agent_id, Event.CHARGE, self.actor, reason="fenced_off", spend=spend, details=details
+                        ),
+                        effects=take_staged if staged else None,
+                    )
+                    return RunOutcome(job.key, "fenced", why)
+                except _ChargedElsewhere:
+                    details["spend"] = "charged by the attempt that records the staged outcome"
+            core.record_side_event(
+                self.db,
+                job.agent_id,
+                kind="suppressed",
+                event="job_outcome",
+                actor=self.actor,
+                decision="fenced_off",
+                details=details,
+            )
         except KeelError:
             log.exception("job %s: could not journal the fenced-off outcome", job.key)
         return RunOutcome(job.key, "fenced", why)
+
+
+def _storable(text: str) -> str:
+    """An error text PostgreSQL can store and the journal can hold: no NUL, no lone surrogate, bounded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")[:2000]
+
+
+class _ChargedElsewhere(Exception):
+    """The staged outcome's spend will be (or was) charged by the attempt that records it."""
+
+
+def _staged_usage(staged: Mapping[str, Any] | None) -> Usage:
+    """The spend a staged outcome carries (of its result, or of its failure)."""
+    if not staged:
+        return Usage()
+    if "result" in staged:
+        return JobResult.from_json(staged["result"]).usage
+    return _Failure.from_json(staged["failure"]).usage

@@ -268,6 +268,18 @@ def checkpoint(db: Database, key: str, token: int, data: dict[str, Any]) -> bool
         return cur.rowcount == 1
 
 
+def release_staged_txn(cur: psycopg.Cursor[Any], key: str) -> bool:
+    """Take a staged outcome out of a job that ended without it being recorded (cancelled, say), so that its spend
+    is charged once, by the caller. False if the job is live again (the attempt that records the staged outcome
+    will charge it) or holds no staged outcome any more (one that recorded it did)."""
+    cur.execute(
+        "UPDATE jobs SET result = NULLIF(result - 'staged' - 'reply', '{}'::jsonb)"
+        " WHERE key = %s AND status NOT IN ('pending', 'enqueued', 'running') AND result ? 'staged' RETURNING 1",
+        (key,),
+    )
+    return cur.fetchone() is not None
+
+
 def cancel_request_steps_txn(
     cur: psycopg.Cursor[Any], request_id: str, operations: Sequence[str], now: datetime
 ) -> list[str]:

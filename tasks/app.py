@@ -13,7 +13,6 @@ from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
 from agents.jobs import JOBS_QUEUE, LOW_QUEUE
-from agents.keys import split_key
 from models.embedded import broker_url_for
 from models.jobs_sql import Due
 from models.settings import Settings
@@ -76,23 +75,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             },
         },
         "imports": ["tasks.jobs", "tasks.outbox"],
-        # Read by publish(): each job message carries its operation's hard time limit (see run_limit()).
-        "keel_run_limits": dict(settings.run_limits),
-        "keel_run_limit_seconds": settings.run_limit_seconds,
     }
-
-
-#: How long after its run limit a job's worker process is killed by the Celery parent, if the runner (which ends
-#: the attempt at the limit itself) could not: a backstop for a process stuck where no thread can act.
-HARD_KILL_GRACE_SECONDS = 60.0
-
-
-def hard_time_limit(celery: Celery, key: str) -> float:
-    """The Celery hard time limit of job ``key``: its operation's run limit plus a grace period."""
-    operation = split_key(key)[1]
-    limits: dict[str, float] = celery.conf.get("keel_run_limits") or {}
-    default = float(celery.conf.get("keel_run_limit_seconds") or 900.0)
-    return float(limits.get(operation, default)) + HARD_KILL_GRACE_SECONDS
 
 
 def make_app(settings: Settings | None = None) -> Celery:
@@ -115,14 +98,7 @@ def publish(due: Sequence[Due], celery: Celery | None = None) -> None:
         for name in {job.queue for job in due}:
             celery.amqp.queues[name](producer.channel).declare()
         for job in due:
-            celery.send_task(
-                RUN_JOB,
-                args=(job.key,),
-                task_id=job.key,
-                queue=job.queue,
-                producer=producer,
-                time_limit=hard_time_limit(celery, job.key),
-            )
+            celery.send_task(RUN_JOB, args=(job.key,), task_id=job.key, queue=job.queue, producer=producer)
 
 
 def publisher(celery: Celery | None = None) -> Any:

@@ -87,6 +87,10 @@ class Leadership:
                     keepalives_interval=5,
                     keepalives_count=3,
                     tcp_user_timeout=30_000,
+                    # The same on the server's side: only then does PostgreSQL itself end a vanished leader's
+                    # session (and free the lock) in seconds instead of after the kernel's two-hour default.
+                    options="-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
+                    " -c tcp_user_timeout=30000",
                 )
                 row = self.conn.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)).fetchone()
                 if not (row and row[0]):

@@ -16,11 +16,14 @@ from typing import Any
 from celery import shared_task
 from celery.exceptions import Reject
 from celery.signals import task_revoked
+from celery.utils.functional import maybe_list
+from celery.worker import control as celery_control
 
 from agents import core
 from agents.commands import Command
 from agents.errors import KeelError, Rejected, StoreError
 from agents.phases import Event
+from agents.runner import is_outage
 from models.jobs_sql import job_row, unpublish
 from tasks.app import RUN_JOB, publish
 from tasks.runtime import runtime
@@ -41,6 +44,8 @@ def run_job(self: Any, key: str) -> str:
         with core.store_errors():  # every driver error, wherever it is raised, is a StoreError here
             outcome = rt.runner.run(key)
     except StoreError as exc:
+        if not is_outage(exc):
+            raise  # the database refused something: not a reason to deliver the message again
         # The claim or the outcome could not be written (the database restarted, a failover, a stale connection):
         # the message goes back to the broker instead of being acked and dropped. If the job did get claimed,
         # its lease expires and the dispatcher recovers it; a copy that arrives meanwhile is suppressed.
@@ -70,31 +75,40 @@ def run_job(self: Any, key: str) -> str:
 
 @task_revoked.connect  # type: ignore[untyped-decorator]
 def _revoked(sender: Any = None, request: Any = None, terminated: bool = False, **info: Any) -> None:
-    """A revoke of a job's task id (Flower, ``celery control revoke``) cancels the request the job belongs to,
-    journaled with who did it — Celery would otherwise drop this and every later delivery of the key in silence."""
+    """A delivery Celery discarded (or a process it terminated) because its task id was revoked."""
     if getattr(sender, "name", None) != RUN_JOB or request is None or info.get("expired"):
         return
-    key = str(request.id)
     hostname = getattr(request, "hostname", None) or "worker"
+    cancel_for_revoke(str(request.id), hostname=hostname, terminated=terminated, signum=info.get("signum"))
+
+
+_celery_revoke = celery_control.Panel.data["revoke"]
+
+
+@celery_control.control_command(name="revoke", variadic="task_id", signature="[id1 [id2 [... [idN]]]]")  # type: ignore[untyped-decorator]
+def _revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> Any:
+    """Celery's ``revoke`` (Flower's button, ``celery control revoke``), which first cancels the request of every
+    job key it names, journaled — at once, whether the job waits, runs or is not delivered yet, by the first worker
+    that hears it (the others find nothing left to cancel). Then Celery's own revoke (and terminate) follows."""
+    for key in maybe_list(task_id) or []:
+        cancel_for_revoke(str(key), hostname=str(state.hostname), terminated=bool(terminate), signum=signal)
+    return _celery_revoke(state, task_id, terminate=terminate, signal=signal, **kwargs)
+
+
+def cancel_for_revoke(key: str, *, hostname: str, terminated: bool, signum: Any = None) -> None:
+    """A revoke of job ``key`` becomes a journaled cancel of its request (actor ``celery-revoke@WORKER``), never a
+    silent strand: Celery would otherwise drop this and every later delivery of the key."""
     rt = runtime()
     try:
         job = job_row(rt.db, key)
         if job is None or job["status"] not in ("pending", "enqueued", "running"):
             log.info("job %s: revoked, but it is %s: nothing to cancel", key, job and job["status"])
             return
-        details = {"job": key, "terminated": terminated, "signum": str(info.get("signum") or "")}
-        state = core.transition(
-            rt.db,
-            Command(
-                job["agent_id"],
-                Event.CANCEL,
-                f"celery-revoke@{hostname}",
-                reason="revoked",
-                details=details,
-            ),
-        )
+        details = {"job": key, "terminated": terminated, "signum": str(signum or "")}
+        command = Command(job["agent_id"], Event.CANCEL, f"celery-revoke@{hostname}", reason="revoked", details=details)
+        state = core.transition(rt.db, command)
         log.warning("job %s: revoked through Celery; its request was cancelled (agent %s)", key, state.agent.id)
     except Rejected as exc:
-        log.warning("job %s: revoked, but its request could not be cancelled: %s", key, exc)
+        log.info("job %s: revoked; its request was not cancelled: %s", key, exc)
     except KeelError:
-        log.exception("job %s: revoked; recording the cancel failed (the dispatcher will deliver it again)", key)
+        log.exception("job %s: revoked; recording the cancel failed (the next delivery tries again)", key)

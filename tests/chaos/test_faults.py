@@ -193,6 +193,21 @@ def test_a_revoke_in_flower_is_a_journaled_cancel_not_a_strand(stack: Stack, cli
         assert event.actor.startswith("celery-revoke@w1@") and event.details["job"] == "req-q:count:1"
         assert job(stack, "req-q:count:1")["status"] == "cancelled" and "req-q:count:1" not in executions(stack)
 
+        # A revoke of a running job (no terminate): Celery alone would let it run and drop nothing until a retry;
+        # Keel cancels the request at once, so the step's late outcome is fenced off.
+        quiet = client.create_agent("quiet")
+        client.submit(quiet.id, "req-s", None, operation="block")
+        wait_until("the job to run", lambda: executions(stack).get("req-s:block:1") == 1, 30)
+        celery.control.revoke("req-s:block:1")
+        wait_until("the revoke to cancel the running request", lambda: client.get_state(quiet.id).phase == "failed", 30)
+        assert client.journal(agent_id=quiet.id)[-1].decision == "revoked"
+        redis.Redis.from_url(stack.broker_url).set("release:req-s:block:1", 1)
+        wait_until(
+            "its late outcome to be fenced off",
+            lambda: any(e.decision == "fenced_off" for e in client.journal(agent_id=quiet.id)),
+            30,
+        )
+
         # A revoke with terminate=True of a running job: its process is killed, the request cancelled, journaled.
         client.submit(running.id, "req-r", None, operation="block")
         wait_until("the job to run", lambda: executions(stack).get("req-r:block:1") == 1, 30)

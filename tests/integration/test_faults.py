@@ -20,7 +20,7 @@ from agents.commands import MessageSpec, Usage
 from agents.errors import FencedOff, KeelError, StoreError
 from agents.handlers import JobContext, JobResult, Registry
 from agents.phases import Event
-from agents.policies import DEFAULT_RULES
+from agents.policies import DEFAULT_RULES, ErrorClass
 from agents.runner import Runner
 from agents.tools import ToolContext, ToolOutput, tool
 from models.db import Database
@@ -95,7 +95,8 @@ def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usag
     def failing(db_: Database, command: Any, **kw: Any) -> Any:
         if command.outcome is not None and command.outcome.key == tool_key and not failures:
             failures.append(command)
-            raise StoreError("database error: terminating connection due to administrator command")
+            outage = psycopg.OperationalError("terminating connection due to administrator command")
+            raise StoreError("database error: terminating connection due to administrator command") from outage
         return real(db_, command, **kw)
 
     monkeypatch.setattr(core, "transition", failing)
@@ -133,7 +134,8 @@ def test_a_staged_failure_is_recorded_on_replay_and_its_spend_charged(client: Cl
     original = core.transition
 
     def dying(db_: Database, command: Any, **kw: Any) -> Any:
-        raise StoreError("database error: server closed the connection unexpectedly")
+        outage = psycopg.OperationalError("server closed the connection unexpectedly")
+        raise StoreError("database error: server closed the connection unexpectedly") from outage
 
     core.transition = dying  # type: ignore[assignment]
     try:
@@ -367,3 +369,145 @@ def test_a_message_whose_claim_cannot_reach_the_database_goes_back_to_the_broker
     finally:
         down.dispose()
     assert raised.value.requeue is True
+
+
+# --- found by review: refused outcomes, caps before replays, spend charged once, lease renewal after an outage ------
+
+
+def _spend(ctx: JobContext) -> JobResult:
+    return JobResult(output={"ok": True}, usage=Usage(100, Decimal("1.00")), event=Event.FINISH)
+
+
+def test_an_outcome_the_database_refuses_fails_the_job_instead_of_looping(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = client.create_agent("refused")
+    client.submit(agent.id, "req-1", None, operation="spend")
+    real = core.transition
+
+    def refusing(db_: Database, command: Any, **kw: Any) -> Any:
+        if command.outcome is not None and command.outcome.status == "succeeded":
+            refused = psycopg.errors.NumericValueOutOfRange("bigint out of range")
+            raise StoreError("database error: bigint out of range") from refused
+        return real(db_, command, **kw)
+
+    monkeypatch.setattr(core, "transition", refusing)
+    outcome = make_runner(db, {"spend": _spend}).run("req-1:spend:1")
+    assert outcome.status == "failed", "a refusal is not an outage: no redelivery, no replay loop"
+    row = job_row(db, "req-1:spend:1")
+    assert row is not None and row["error_class"] == "invalid" and "could not be recorded" in row["last_error"]
+    assert client.get_state(agent.id).phase == "failed"
+
+
+def test_a_staged_outcome_whose_workers_keep_dying_stops_at_the_unknown_cap_and_is_charged(
+    client: Client, db: Database, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    agent = client.create_agent("doomed")
+    client.submit(agent.id, "req-1", None, operation="spend")
+    runner = make_runner(db, {"spend": _spend})
+    real = core.transition
+
+    def lost(*args: Any, **kw: Any) -> Any:
+        raise StoreError("database error: connection lost") from psycopg.OperationalError("connection lost")
+
+    core.transition = lost  # type: ignore[assignment]
+    try:
+        with pytest.raises(StoreError):
+            runner.run("req-1:spend:1")
+    finally:
+        core.transition = real  # type: ignore[assignment]
+    cap = DEFAULT_RULES[ErrorClass.UNKNOWN].max_attempts
+    raw.execute(
+        "UPDATE jobs SET status = 'enqueued', error_attempts = %s WHERE key = 'req-1:spend:1'",
+        (psycopg.types.json.Jsonb({"unknown": cap}),),
+    )
+    outcome = runner.run("req-1:spend:1")
+    assert outcome.status == "dead"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens) == ("failed", 100), "given up, and what it spent is charged once"
+    assert client.journal(agent_id=agent.id)[-1].decision == "unknown_cap_reached"
+
+
+def test_a_result_with_a_nul_fails_the_step_at_once_and_is_charged(client: Client, db: Database) -> None:
+    agent = client.create_agent("nul")
+    client.submit(agent.id, "req-1", None, operation="nul")
+    calls: list[int] = []
+
+    def nul(ctx: JobContext) -> JobResult:
+        calls.append(ctx.attempt)
+        return JobResult(output={"text": "a\x00b"}, usage=Usage(7), event=Event.FINISH)
+
+    outcome = make_runner(db, {"nul": nul}).run("req-1:nul:1")
+    assert outcome.status == "failed" and calls == [1]
+    row = job_row(db, "req-1:nul:1")
+    assert row is not None and row["error_class"] == "invalid" and "NUL" in row["last_error"]
+    assert client.get_state(agent.id).spent_tokens == 7
+
+
+def test_a_staged_outcome_fenced_off_by_a_takeover_is_charged_once_by_its_replay(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = client.create_agent("slow")
+    client.submit(agent.id, "req-1", None, operation="spend")
+    key = "req-1:spend:1"
+    real = core.transition
+    taken: list[int] = []
+
+    def stalled(db_: Database, command: Any, **kw: Any) -> Any:
+        if command.outcome is not None and not taken:  # the worker stalls past its lease; the job is recovered
+            taken.append(1)
+            expire_lease(db, key)
+            with db.transaction() as cur:
+                take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)
+        return real(db_, command, **kw)
+
+    monkeypatch.setattr(core, "transition", stalled)
+    runner = make_runner(db, {"spend": _spend})
+    assert runner.run(key).status == "fenced"
+    assert client.get_state(agent.id).spent_tokens == 0, "the staged outcome's spend waits for its replay"
+    assert runner.run(key).status == "succeeded"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens, state.spent_cost) == ("done", 100, Decimal("1.00")), "charged once"
+
+
+def test_a_staged_outcome_fenced_off_by_a_cancel_is_charged_once_by_its_worker(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = client.create_agent("cancelled")
+    client.submit(agent.id, "req-1", None, operation="spend")
+    real = core.transition
+    cancelled: list[int] = []
+
+    def raced(db_: Database, command: Any, **kw: Any) -> Any:
+        if command.outcome is not None and not cancelled:
+            cancelled.append(1)
+            client.cancel(agent.id, actor="alice", reason="wrong prompt")
+        return real(db_, command, **kw)
+
+    monkeypatch.setattr(core, "transition", raced)
+    assert make_runner(db, {"spend": _spend}).run("req-1:spend:1").status == "fenced"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens) == ("failed", 100)
+    row = job_row(db, "req-1:spend:1")
+    assert row is not None and row["status"] == "cancelled" and "staged" not in (row["result"] or {})
+
+
+def test_a_failed_lease_renewal_is_retried_within_a_second(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agents import runner as runner_module
+    from agents.runner import LeaseKeeper
+
+    calls: list[float] = []
+
+    def flaky_extend(*args: Any) -> bool:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise psycopg.OperationalError("the database is restarting")
+        return True
+
+    monkeypatch.setattr(runner_module, "extend_lease", flaky_extend)
+    keeper = LeaseKeeper(db, timedelta(seconds=9))  # renewed every 3 s while all is well
+    with keeper.hold("k", 1, threading.Event()):
+        deadline = time.monotonic() + 8
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(calls) >= 2 and calls[1] - calls[0] < 1.5, "retried after a second, not a third of a lease"
