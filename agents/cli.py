@@ -23,7 +23,7 @@ R = TypeVar("R")
 DOCS_PHASES = Path("docs/phases.md")
 
 
-def _settings(*, imports: bool = False) -> Any:
+def settings_or_exit(*, imports: bool = False) -> Any:
     """The settings, or one line ``bad configuration: KEEL_X: rule`` and exit 1. ``imports``: also import
     ``KEEL_IMPORTS`` now (commands that start a worker)."""
     from models.settings import BadConfiguration, check_imports, load_settings
@@ -41,7 +41,7 @@ def _settings(*, imports: bool = False) -> Any:
 def _client() -> Any:
     from agents.client import Client
 
-    return Client.from_settings(_settings())
+    return Client.from_settings(settings_or_exit())
 
 
 def _friendly(fn: Callable[P, R]) -> Callable[P, R]:
@@ -124,7 +124,7 @@ def db_upgrade(revision: str) -> None:
     from models import migrations
     from models.embedded import database_url_for
 
-    url = database_url_for(_settings())
+    url = database_url_for(settings_or_exit())
     migrations.upgrade(url, revision)
     click.echo(f"database at {revision}")
 
@@ -137,7 +137,7 @@ def db_downgrade(revision: str) -> None:
     from models import migrations
     from models.embedded import database_url_for
 
-    migrations.downgrade(database_url_for(_settings()), revision)
+    migrations.downgrade(database_url_for(settings_or_exit()), revision)
     click.echo(f"database at {revision}")
 
 
@@ -262,7 +262,7 @@ def run(
     import uuid
 
     value: dict[str, Any] = {"prompt": prompt}
-    if script_path is None and _settings().llm_provider == "scripted":
+    if script_path is None and settings_or_exit().llm_provider == "scripted":
         raise click.UsageError("KEEL_LLM_PROVIDER is scripted: give the replies with --script, or use openai")
     if script_path is not None:
         try:
@@ -530,7 +530,7 @@ def demo() -> None:
     """The main job: scripted agents with a worker killed midway; exits 0 only if nothing ran twice."""
     from agents.demo import run_demo
 
-    sys.exit(run_demo(_settings(), click.echo))
+    sys.exit(run_demo(settings_or_exit(), click.echo))
 
 
 @cli.command("up")
@@ -546,7 +546,7 @@ def up(flower_port: int, concurrency: int) -> None:
     from models import migrations
     from models.embedded import broker_url_for, database_url_for
 
-    settings = _settings(imports=True)
+    settings = settings_or_exit(imports=True)
     env = dict(os.environ)
     env["KEEL_DATABASE_URL"] = database_url_for(settings)
     env["KEEL_BROKER_URL"] = broker_url_for(settings)
@@ -590,7 +590,7 @@ def dev_status(as_json: bool) -> None:
     """Show whether the embedded PostgreSQL and Redis are running."""
     from models import embedded
 
-    home = _settings().home
+    home = settings_or_exit().home
     statuses = [embedded.postgres_status(home), embedded.redis_status(home)]
     if as_json:
         data = {
@@ -608,7 +608,7 @@ def dev_stop() -> None:
     """Stop the embedded PostgreSQL and Redis (their data stays in ./.keel/)."""
     from models import embedded
 
-    home = _settings().home
+    home = settings_or_exit().home
     for name, stop in (("postgres", embedded.stop_postgres), ("redis", embedded.stop_redis)):
         click.echo(f"{name:<9} {'stopped' if stop(home) else 'was not running'}")
 

@@ -8,25 +8,12 @@ from typing import Any
 
 import click
 
+from agents.cli import settings_or_exit as _settings
 from agents.jobs import JOBS_QUEUE, LOW_QUEUE
 from agents.redaction import install_log_redaction, register_settings
 from models.settings import Settings
 
 ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
-
-
-def _settings(*, imports: bool = False) -> Any:
-    """The settings, checked before any process starts: a bad value is one line (``bad configuration: KEEL_X: …``)
-    and a non-zero exit, not a traceback later. ``imports``: a worker also imports ``KEEL_IMPORTS`` now."""
-    from models.settings import BadConfiguration, check_imports, load_settings
-
-    try:
-        settings = load_settings()
-        if imports:
-            check_imports(settings)
-    except BadConfiguration as exc:
-        raise click.ClickException(str(exc)) from None
-    return settings
 
 
 def _redact_logs(settings: Settings) -> None:
