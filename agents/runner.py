@@ -44,6 +44,7 @@ from models.jobs_sql import (
     claim,
     count_suppressed_txn,
     extend_lease,
+    job_row,
     release_staged_txn,
 )
 
@@ -214,9 +215,11 @@ class Runner:
                 if is_outage(exc):
                     raise  # the database is away: the lease will expire and the job be recovered (and counted)
                 # The database refused the outcome itself (a value it cannot store, a constraint): retrying or
-                # replaying it cannot help, so the job fails as invalid, with nothing of the refused outcome.
+                # replaying it cannot help, so the job fails as invalid, with nothing of the refused outcome but
+                # its spend (if it was staged: what was spent was spent).
                 log.exception("job %s: its outcome could not be recorded", job.key)
-                failure = _Failure(ErrorClass.INVALID, f"outcome could not be recorded: {exc!r}", Usage(), None)
+                message = _storable(f"outcome could not be recorded: {exc!r}")
+                failure = _Failure(ErrorClass.INVALID, message, self._staged_spend(job.key), None)
                 outcome = self._fail(job, failure)
         if abandoned.is_set():
             # Work the handler could not stop still runs on a thread of this process: the process must end.
@@ -255,6 +258,13 @@ class Runner:
         if not self._stage(job, {"failure": failure.to_json()}):
             return self._fenced(job, "the job's claim was lost before its outcome was staged", failure.usage)
         return self._fail(job, failure, staged=True)
+
+    def _staged_spend(self, key: str) -> Usage:
+        row = job_row(self.db, key)
+        try:
+            return _staged_usage(((row or {}).get("result") or {}).get(STAGED))
+        except (KeyError, TypeError, ValueError, KeelError):
+            return Usage()
 
     def _stage(self, job: ClaimedJob, outcome: dict[str, Any]) -> bool:
         """Checkpoint the whole outcome under the claim's token before the transition that records it."""

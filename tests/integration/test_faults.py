@@ -396,7 +396,8 @@ def test_an_outcome_the_database_refuses_fails_the_job_instead_of_looping(
     assert outcome.status == "failed", "a refusal is not an outage: no redelivery, no replay loop"
     row = job_row(db, "req-1:spend:1")
     assert row is not None and row["error_class"] == "invalid" and "could not be recorded" in row["last_error"]
-    assert client.get_state(agent.id).phase == "failed"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens) == ("failed", 100), "what the step spent is still charged"
 
 
 def test_a_staged_outcome_whose_workers_keep_dying_stops_at_the_unknown_cap_and_is_charged(
