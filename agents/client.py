@@ -12,12 +12,13 @@ from uuid import UUID
 from pydantic import ValidationError
 from sqlalchemy import select
 
-from agents import core
-from agents import journal as journal_mod
-from agents.commands import MAX_ACTOR_CHARS, MAX_REASON_CHARS, Command, JobSpec, check_json_text, check_text
-from agents.errors import AgentNotFound, InvalidInput
-from agents.phases import Event
-from agents.redaction import register_settings
+from agents.core import journal as journal_mod
+from agents.core.commands import MAX_ACTOR_CHARS, MAX_REASON_CHARS, Command, JobSpec, check_json_text, check_text
+from agents.core.errors import AgentNotFound, InvalidInput
+from agents.core.phases import Event
+from agents.core.redaction import register_settings
+from agents.core.transition import EffectsTxn, create_agent, store_errors, transition
+from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs
 from models.schemas import AgentRow, AgentState, JobView, JournalEvent, NewAgent
@@ -36,7 +37,7 @@ def _first_error(exc: ValidationError) -> str:
 
 
 class Client:
-    """Talks to Keel's database directly; every change goes through :func:`agents.core.transition`."""
+    """Talks to Keel's database directly; every change goes through :func:`agents.core.transition.transition`."""
 
     def __init__(self, db: Database, settings: Settings | None = None, *, publisher: Publisher | None = None) -> None:
         """``publisher`` (e.g. ``tasks.app.publisher()``) sends a submit's first job to the broker at once;
@@ -68,7 +69,7 @@ class Client:
         if agent_id is None:
             check_text("agent", agent, limit=200)
         query = query.where(agents.c.id == agent_id) if agent_id is not None else query.where(agents.c.name == agent)
-        with core.store_errors(), self.db.engine.connect() as conn:
+        with store_errors(), self.db.engine.connect() as conn:
             found = conn.execute(query).first()
         if found is None:
             raise AgentNotFound(agent)
@@ -79,7 +80,7 @@ class Client:
         return self._state(self._row(agent))
 
     def _state(self, row: AgentRow) -> AgentState:
-        with core.store_errors():
+        with store_errors():
             jobs = tuple(
                 JobView(
                     key=r[0],
@@ -96,14 +97,12 @@ class Client:
             )
         approval = None
         if row.phase == "waiting_approval":
-            from agents.runtime import pending_approval
-
             pending = pending_approval(self.db, row.request_id)
             approval = None if pending is None else pending.as_dict()
         return AgentState.of(row, jobs, approval)
 
     def list_agents(self) -> list[AgentState]:
-        with core.store_errors(), self.db.engine.connect() as conn:
+        with store_errors(), self.db.engine.connect() as conn:
             rows = conn.execute(select(agents).order_by(agents.c.created_at, agents.c.name)).all()
         return [AgentState.of(AgentRow(**r._mapping)) for r in rows]
 
@@ -112,7 +111,7 @@ class Client:
     ) -> list[JournalEvent]:
         """Journal events, oldest first, for an agent and/or a request."""
         resolved = None if agent_id is None else self._row(agent_id).id
-        with core.store_errors():
+        with store_errors():
             return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
 
     # --- commands ---------------------------------------------------------------------------------------------
@@ -132,7 +131,7 @@ class Client:
             spec = NewAgent.model_validate({"name": name, "budget_tokens": budget_tokens, "budget_cost": budget_cost})
         except ValidationError as exc:
             raise InvalidInput(f"cannot create agent: {_first_error(exc)}") from None
-        row = core.create_agent(
+        row = create_agent(
             self.db, spec.name, budget_tokens=spec.budget_tokens, budget_cost=spec.budget_cost, actor=actor
         )
         return AgentState.of(row)
@@ -169,15 +168,13 @@ class Client:
             hard_deadline=hard,
             jobs=(JobSpec(operation, "1", payload={"input": json.loads(input_json)}),),
         )
-        done = core.transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
+        done = transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
         if self.publisher is not None and done.to_publish:
             self.publisher(done.to_publish)
         return self._state(done.agent)
 
     def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str) -> AgentState:
         """Approve the pending tool call of an agent waiting for approval: the call runs next."""
-        from agents.runtime import approval_jobs, pending_approval
-
         _check_actor(actor)
         row = self._row(agent_id)
         pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
@@ -189,8 +186,6 @@ class Client:
         self, agent_id: AgentRef, *, expected_revision: int, actor: str, reason: str | None = None
     ) -> AgentState:
         """Decline the pending tool call; the model is told why and revises its plan."""
-        from agents.runtime import cancel_round_txn, pending_approval, rejection_jobs
-
         _check_actor(actor)
         _check_reason(reason)
         row = self._row(agent_id)
@@ -231,7 +226,7 @@ class Client:
         *,
         jobs: tuple[JobSpec, ...] = (),
         extra: dict[str, Any] | None = None,
-        effects: core.EffectsTxn | None = None,
+        effects: EffectsTxn | None = None,
     ) -> AgentState:
         if expected_revision is not None and (
             isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
@@ -248,7 +243,7 @@ class Client:
             details=details,
             jobs=jobs,
         )
-        return self._state(core.transition(self.db, command, effects=effects).agent)
+        return self._state(transition(self.db, command, effects=effects).agent)
 
     def _input_json(self, value: Any) -> str:
         check_json_text("input", value)  # before json.dumps, which would escape a lone surrogate PostgreSQL refuses

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agents.handlers import JobContext, JobResult, handler
-from agents.phases import Event
+from agents.core.phases import Event
+from agents.jobs.handlers import JobContext, JobResult, handler
 
 
 @handler("bench_noop")

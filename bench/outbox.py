@@ -18,11 +18,11 @@ import psycopg
 from slack_sdk import WebClient
 
 from agents.client import Client
-from agents.commands import Command, MessageSpec
-from agents.core import transition
-from agents.outbox import Backoff, Relay
-from agents.phases import Event
-from agents.receivers import SlackReceiver
+from agents.core.commands import Command, MessageSpec
+from agents.core.phases import Event
+from agents.core.transition import transition
+from agents.outbox.relay import Backoff, Relay
+from agents.outbox.senders import SlackReceiver
 from models import migrations
 from models.db import Database
 from models.embedded import database_url_for

@@ -30,9 +30,9 @@ from uuid import UUID
 
 import psycopg
 
-from agents.commands import Command
-from agents.core import create_agent, transition
-from agents.phases import Event, Phase
+from agents.core.commands import Command
+from agents.core.phases import Event, Phase
+from agents.core.transition import create_agent, transition
 from models import migrations
 from models.db import Database
 from models.embedded import database_url_for

@@ -1,5 +1,5 @@
 """The root of Keel's errors. It lives here, below everything, so that errors raised in ``models/`` (which imports
-nothing of ``agents/``) share it; ``agents.errors`` re-exports it with the rest of the hierarchy."""
+nothing of ``agents/``) share it; ``agents.core.errors`` re-exports it with the rest of the hierarchy."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from models.errors import KeelError
 from models.urls import sqlalchemy_url
 
 #: A Slack conversation id (C…, G…, D…). Names like "#ops" are refused: the relay reconciles by reading the
-#: channel's history, which takes ids only (agents.commands.MessageSpec applies the same rule to every message).
+#: channel's history, which takes ids only (agents.core.commands.MessageSpec applies the same rule to every message).
 SLACK_CONVERSATION_ID = re.compile(r"^[CGD][A-Z0-9]{1,20}$")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}

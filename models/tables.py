@@ -27,7 +27,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 AUDIT_SCHEMA = "audit"
 
-# Kept literally here because models/ may not import agents/; a unit test holds it equal to agents.phases.Phase.
+# Kept literally here because models/ may not import agents/; a unit test holds it equal to agents.core.phases.Phase.
 PHASES: tuple[str, ...] = ("idle", "planning", "executing", "waiting_approval", "done", "failed")
 JOURNAL_KINDS: tuple[str, ...] = ("created", "transition", "rejected", "suppressed", "operator")
 JOB_STATUSES: tuple[str, ...] = ("pending", "enqueued", "running", "succeeded", "failed", "cancelled", "dead")

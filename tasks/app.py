@@ -12,7 +12,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
-from agents.jobs import JOBS_QUEUE, LOW_QUEUE
+from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from models.embedded import broker_url_for
 from models.jobs_sql import Due
 from models.settings import Settings

@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from agents.cli import settings_or_exit as _settings
-from agents.jobs import JOBS_QUEUE, LOW_QUEUE
-from agents.redaction import install_log_redaction, register_settings
+from agents.cli.group import settings_or_exit as _settings
+from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
+from agents.core.redaction import install_log_redaction, register_settings
 from models.settings import Settings
 
 ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])

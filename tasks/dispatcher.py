@@ -22,8 +22,8 @@ import psycopg
 from celery import Celery
 from celery.beat import Scheduler
 
-from agents import deadlines, schedules
-from agents.core import store_errors
+from agents.core.transition import store_errors
+from agents.jobs import deadlines, schedules
 from models.db import Database
 from models.jobs_sql import take_due
 from models.settings import Settings

@@ -8,7 +8,7 @@ from functools import cache
 
 from celery import shared_task
 
-from agents.outbox import Relay
+from agents.outbox.relay import Relay
 from tasks.app import RELAY_OUTBOX
 from tasks.runtime import runtime
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
 
-from agents.handlers import Registry, load
-from agents.policies import rules_with
-from agents.runner import Runner
-from agents.tools import load_entry_points
+from agents.core.policies import rules_with
+from agents.jobs.handlers import Registry, load
+from agents.jobs.runner import Runner
+from agents.runtime.tools import load_entry_points
 from models.db import Database
 from models.settings import Settings
 
@@ -29,7 +29,7 @@ def _runtime(pid: int) -> Runtime:
     settings = Settings()
     db = Database.from_settings(settings)
     # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
-    registry: Registry = load(["agents.runtime", *settings.imports])
+    registry: Registry = load(["agents.runtime.loop", *settings.imports])
     load_entry_points()
     runner = Runner(
         db,

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from agents.client import Client
-from agents.commands import Command, MessageSpec
-from agents.core import transition
-from agents.phases import Event
+from agents.core.commands import Command, MessageSpec
+from agents.core.phases import Event
+from agents.core.transition import transition
 from tests.chaos.conftest import Stack, skewed, wait_until
 from tests.support.fakes import FakeGitHub, FakeSlack
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from agents.client import Client
-from agents.sinks import FakeLLM
+from agents.demo.fake_servers import FakeLLM
 from tests.chaos.conftest import Stack, wait_until
 
 pytestmark = pytest.mark.chaos

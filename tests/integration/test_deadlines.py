@@ -9,10 +9,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from agents import core, deadlines
 from agents.client import Client
-from agents.commands import Command
-from agents.core import now
+from agents.core import transition as core
+from agents.core.commands import Command
+from agents.core.transition import now
+from agents.jobs import deadlines
 from models.db import Database
 from models.outbox_sql import message_row
 

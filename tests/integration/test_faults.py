@@ -14,15 +14,16 @@ import psycopg
 import pytest
 from pydantic import BaseModel
 
-from agents import core, errors
 from agents.client import Client
-from agents.commands import MessageSpec, Usage
-from agents.errors import FencedOff, KeelError, StoreError
-from agents.handlers import JobContext, JobResult, Registry
-from agents.phases import Event
-from agents.policies import DEFAULT_RULES, ErrorClass
-from agents.runner import Runner
-from agents.tools import ToolContext, ToolOutput, tool
+from agents.core import errors
+from agents.core import transition as core
+from agents.core.commands import MessageSpec, Usage
+from agents.core.errors import FencedOff, KeelError, StoreError
+from agents.core.phases import Event
+from agents.core.policies import DEFAULT_RULES, ErrorClass
+from agents.jobs.handlers import JobContext, JobResult, Registry
+from agents.jobs.runner import Runner
+from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.db import Database
 from models.jobs_sql import job_row, take_due
 from tests.support.db import expire_lease
@@ -56,8 +57,8 @@ def slowpost(args: Announce, ctx: ToolContext) -> ToolOutput:
 def make_runner(
     db: Database, handlers: dict[str, Callable[[JobContext], JobResult]] | None = None, **kw: Any
 ) -> Runner:
-    import agents.runtime  # noqa: F401 - registers plan, tool and gate in the global registry
-    from agents.handlers import registry as global_registry
+    import agents.runtime.loop  # noqa: F401 - registers plan, tool and gate in the global registry
+    from agents.jobs.handlers import registry as global_registry
 
     registry: Registry = global_registry
     if handlers:
@@ -119,7 +120,7 @@ def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usag
 
 
 def test_a_staged_failure_is_recorded_on_replay_and_its_spend_charged(client: Client, db: Database) -> None:
-    from agents.errors import TransientError
+    from agents.core.errors import TransientError
 
     agent = client.create_agent("flaky")
     client.submit(agent.id, "req-1", None, operation="flaky")
@@ -207,7 +208,7 @@ def test_every_comparison_uses_the_database_clock_not_the_hosts(
         attempts: list[int] = []
 
         def retry(ctx: JobContext, attempts: list[int] = attempts) -> JobResult:
-            from agents.errors import TransientError
+            from agents.core.errors import TransientError
 
             attempts.append(ctx.attempt)
             if ctx.attempt == 1:
@@ -305,7 +306,7 @@ def test_every_public_error_is_a_keel_error() -> None:
 
     found = []
     for package in (agents, models):
-        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             if info.name.endswith("__main__"):
                 continue
             module = importlib.import_module(info.name)
@@ -494,8 +495,8 @@ def test_a_staged_outcome_fenced_off_by_a_cancel_is_charged_once_by_its_worker(
 
 
 def test_a_failed_lease_renewal_is_retried_within_a_second(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agents import runner as runner_module
-    from agents.runner import LeaseKeeper
+    from agents.jobs import runner as runner_module
+    from agents.jobs.runner import LeaseKeeper
 
     calls: list[float] = []
 

@@ -23,15 +23,15 @@ import psycopg
 import pytest
 
 import tests.support.handlers  # noqa: F401 - registers the leaky handler
-from agents import journal
 from agents.client import Client
-from agents.commands import Command
-from agents.errors import InvalidInput, StaleRevision
-from agents.handlers import registry
-from agents.phases import Event
-from agents.policies import DEFAULT_RULES
-from agents.redaction import RedactingFilter, clear_secrets, register_secrets
-from agents.runner import Runner
+from agents.core import journal
+from agents.core.commands import Command
+from agents.core.errors import InvalidInput, StaleRevision
+from agents.core.phases import Event
+from agents.core.policies import DEFAULT_RULES
+from agents.core.redaction import RedactingFilter, clear_secrets, register_secrets
+from agents.jobs.handlers import registry
+from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
 

@@ -12,16 +12,16 @@ from typing import Any
 import psycopg
 import pytest
 
-from agents import deadlines, schedules
 from agents.client import Client
-from agents.commands import Command, JobSpec, Usage
-from agents.core import now, transition
-from agents.errors import InvalidInput
-from agents.handlers import JobContext, JobResult, Registry
-from agents.jobs import LOW_QUEUE
-from agents.phases import Event
-from agents.policies import DEFAULT_RULES, ErrorClass
-from agents.runner import Runner
+from agents.core.commands import Command, JobSpec, Usage
+from agents.core.errors import InvalidInput
+from agents.core.phases import Event
+from agents.core.policies import DEFAULT_RULES, ErrorClass
+from agents.core.queues import LOW_QUEUE
+from agents.core.transition import now, transition
+from agents.jobs import deadlines, schedules
+from agents.jobs.handlers import JobContext, JobResult, Registry
+from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import claim, job_row, take_due
 from tests.support.db import expire_lease

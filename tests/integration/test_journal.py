@@ -7,12 +7,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from agents import journal
 from agents.client import Client
-from agents.commands import Command
-from agents.core import transition
-from agents.errors import StaleRevision
-from agents.phases import Event
+from agents.core import journal
+from agents.core.commands import Command
+from agents.core.errors import StaleRevision
+from agents.core.phases import Event
+from agents.core.transition import transition
 from models.db import Database
 
 pytestmark = pytest.mark.integration

@@ -18,19 +18,19 @@ import psycopg
 import pytest
 from pydantic import BaseModel
 
-from agents import runtime
 from agents.client import Client
-from agents.commands import Usage
-from agents.errors import InvalidJob
-from agents.handlers import registry
-from agents.inference import (
+from agents.core.commands import Usage
+from agents.core.errors import InvalidJob
+from agents.core.keys import make_key
+from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
+from agents.jobs.handlers import registry
+from agents.jobs.runner import Runner
+from agents.runtime import loop as runtime
+from agents.runtime.inference import (
     OpenAICompatible,
     tool_call_key,  # type: ignore[attr-defined]
 )
-from agents.keys import make_key
-from agents.policies import DEFAULT_RULES, ErrorClass, RetryRule
-from agents.runner import Runner
-from agents.tools import ToolContext, ToolOutput, tool
+from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.db import Database
 from models.jobs_sql import job_row
 from models.outbox_sql import message_row

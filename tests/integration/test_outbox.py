@@ -11,14 +11,14 @@ from typing import Any
 import psycopg
 import pytest
 
-from agents import core
 from agents.client import Client
-from agents.commands import Command, MessageSpec
-from agents.core import transition
-from agents.errors import InvalidInput
-from agents.outbox import Backoff, Relay, retry_dead
-from agents.phases import Event
-from agents.receivers import GitHubReceiver, SlackReceiver
+from agents.core import transition as core
+from agents.core.commands import Command, MessageSpec
+from agents.core.errors import InvalidInput
+from agents.core.phases import Event
+from agents.core.transition import transition
+from agents.outbox.relay import Backoff, Relay, retry_dead
+from agents.outbox.senders import GitHubReceiver, SlackReceiver
 from models.db import Database
 from models.outbox_sql import message_row, stats
 from tests.support.fakes import FakeGitHub, FakeSlack

@@ -10,10 +10,10 @@ from uuid import UUID
 import pytest
 
 from agents.client import Client
-from agents.commands import Command
-from agents.core import transition
-from agents.errors import StaleRevision
-from agents.phases import Event, Phase
+from agents.core.commands import Command
+from agents.core.errors import StaleRevision
+from agents.core.phases import Event, Phase
+from agents.core.transition import transition
 
 pytestmark = pytest.mark.integration
 

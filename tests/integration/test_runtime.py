@@ -13,15 +13,15 @@ import psycopg
 import pytest
 from pydantic import BaseModel
 
-import agents.runtime  # noqa: F401 - registers plan, tool and gate
+import agents.runtime.loop  # noqa: F401 - registers plan, tool and gate
 from agents.client import Client
-from agents.commands import Usage
-from agents.errors import HardDeadlinePassed, InvalidJob, RateLimited, StaleRevision, TransientError
-from agents.handlers import registry
-from agents.inference import OpenAICompatible
-from agents.policies import DEFAULT_RULES, ErrorClass, RetryRule
-from agents.runner import Runner
-from agents.tools import ToolContext, ToolOutput, tool
+from agents.core.commands import Usage
+from agents.core.errors import HardDeadlinePassed, InvalidJob, RateLimited, StaleRevision, TransientError
+from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
+from agents.jobs.handlers import registry
+from agents.jobs.runner import Runner
+from agents.runtime.inference import OpenAICompatible
+from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.db import Database
 from models.jobs_sql import job_row
 from tests.support.db import expire_lease
@@ -153,7 +153,7 @@ def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
     run_all(db)
     state = client.get_state(waiting.id)
     assert state.phase == "done"
-    from agents.runtime import conversation
+    from agents.runtime.loop import conversation
 
     _, messages = conversation(db, "req-1", 2)
     assert messages[-1] == {
@@ -264,7 +264,7 @@ def test_a_tool_that_needs_approval_cannot_be_called_by_another_spelling(client:
     from models.outbox_sql import message_row
 
     assert message_row(db, "req-1:github:call_0_0") is None, "an unapproved comment was emitted"
-    from agents.runtime import conversation
+    from agents.runtime.loop import conversation
 
     _, messages = conversation(db, "req-1", 2)
     assert messages[-1]["content"] == "error: there is no tool named 'github.comment'"
@@ -309,8 +309,8 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
     """The model answered, the worker died before recording it: the retry uses the stored reply."""
     import os
 
-    from agents import runtime
-    from agents.handlers import JobContext
+    from agents.jobs.handlers import JobContext
+    from agents.runtime import loop as runtime
     from models.jobs_sql import claim
 
     llm.replies = [{"content": "stored answer", "usage": (50, 10)}]
@@ -352,7 +352,7 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
 
 
 def client_now() -> Any:
-    from agents.core import now
+    from agents.core.transition import now
 
     return now()
 

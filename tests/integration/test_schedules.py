@@ -10,10 +10,11 @@ from uuid import UUID
 import psycopg
 import pytest
 
-from agents import core, schedules
 from agents.client import Client
-from agents.commands import Command
-from agents.phases import Event
+from agents.core import transition as core
+from agents.core.commands import Command
+from agents.core.phases import Event
+from agents.jobs import schedules
 from models.db import Database
 
 pytestmark = pytest.mark.integration

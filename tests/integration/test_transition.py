@@ -9,9 +9,8 @@ import psycopg
 import pytest
 
 from agents.client import Client
-from agents.commands import Command
-from agents.core import transition
-from agents.errors import (
+from agents.core.commands import Command
+from agents.core.errors import (
     AgentExists,
     AgentNotFound,
     IllegalTransition,
@@ -19,7 +18,8 @@ from agents.errors import (
     RequestConflict,
     StaleRevision,
 )
-from agents.phases import Event
+from agents.core.phases import Event
+from agents.core.transition import transition
 from models.schemas import AgentRow, AgentState
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The fake receivers live in agents/sinks.py (the demo uses them too); tests import them from here.
+"""The fake receivers live in agents/demo/fake_servers.py (the demo uses them too); tests import them from here.
 
 The test versions also count the pages of history (Slack) or comments (GitHub) read, and can answer those reads
 slowly (``page_delay``), to test how the relay bounds its reconciliation.
@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 
-from agents import sinks
-from agents.sinks import FakeLLM
+from agents.demo import fake_servers as sinks
+from agents.demo.fake_servers import FakeLLM
 
 __all__ = ["FakeGitHub", "FakeLLM", "FakeSlack"]
 

@@ -11,10 +11,10 @@ from decimal import Decimal
 
 import redis
 
-from agents.commands import JobSpec, Usage
-from agents.errors import InvalidJob, RateLimited, TransientError
-from agents.handlers import JobContext, JobResult, handler
-from agents.phases import Event
+from agents.core.commands import JobSpec, Usage
+from agents.core.errors import InvalidJob, RateLimited, TransientError
+from agents.core.phases import Event
+from agents.jobs.handlers import JobContext, JobResult, handler
 
 EXECUTIONS_DDL = (
     "CREATE TABLE IF NOT EXISTS executions (id bigserial PRIMARY KEY, key text NOT NULL, attempt int NOT NULL,"

@@ -10,8 +10,8 @@ from decimal import Decimal
 import psycopg
 from pydantic import BaseModel
 
-from agents.commands import MessageSpec, Usage
-from agents.tools import ToolContext, ToolOutput, tool
+from agents.core.commands import MessageSpec, Usage
+from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.urls import libpq_url
 from tests.support.handlers import wait_for_release
 

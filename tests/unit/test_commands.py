@@ -6,9 +6,9 @@ from decimal import Decimal
 
 import pytest
 
-from agents.commands import Accept, Command, Reject, Suppress, decide
-from agents.errors import IllegalTransition, InvalidInput, RequestConflict, StaleRevision
-from agents.phases import Event
+from agents.core.commands import Accept, Command, Reject, Suppress, decide
+from agents.core.errors import IllegalTransition, InvalidInput, RequestConflict, StaleRevision
+from agents.core.phases import Event
 from models.schemas import AgentRow
 from models.tables import GENESIS_HASH
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
-from agents.journal import canonical_json, event_hash
+from agents.core.journal import canonical_json, event_hash
 
 AGENT = uuid.UUID(int=5)
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents.errors import InvalidInput
-from agents.keys import make_key, split_key
+from agents.core.errors import InvalidInput
+from agents.core.keys import make_key, split_key
 
 
 def test_key_scheme_is_request_operation_target() -> None:

@@ -9,8 +9,8 @@ from uuid import uuid4
 import pytest
 from pydantic import ValidationError
 
-from agents.outbox import Backoff, GiveUp, Retry, next_step
-from agents.receivers import SendFailed
+from agents.outbox.relay import Backoff, GiveUp, Retry, next_step
+from agents.outbox.senders import SendFailed
 from models.outbox_sql import ClaimedMessage
 from models.settings import Settings
 

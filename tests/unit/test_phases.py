@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agents.phases import ACTIVE, MOVES, RESTING, Event, Phase, allowed_events, phases_markdown, target_of
+from agents.core.phases import ACTIVE, MOVES, RESTING, Event, Phase, allowed_events, phases_markdown, target_of
 from models.tables import PHASES
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from datetime import timedelta
 
 import pytest
 
-from agents.policies import DEFAULT_RULES, ErrorClass, GiveUp, Retry, decide_retry, over_budget, rules_with
+from agents.core.policies import DEFAULT_RULES, ErrorClass, GiveUp, Retry, decide_retry, over_budget, rules_with
 
 
 def test_each_class_has_its_own_cap() -> None:

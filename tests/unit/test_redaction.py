@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from pydantic import SecretStr
 
-from agents.redaction import (
+from agents.core.redaction import (
     RedactingFilter,
     clear_secrets,
     install_log_redaction,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.commands import MessageSpec
-from agents.errors import InvalidInput
+from agents.core.commands import MessageSpec
+from agents.core.errors import InvalidInput
 from models.settings import SLACK_CONVERSATION_ID, BadConfiguration, Settings, check_imports, load_settings
 
 KEEL = str(Path(sys.executable).parent / "keel")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agents.inference import tool_call_key
-from agents.keys import make_key
-from agents.runtime import step_target
+from agents.core.keys import make_key
+from agents.runtime.inference import tool_call_key
+from agents.runtime.loop import step_target
 
 
 @pytest.mark.parametrize("call_id", ["call_0_0", "call_abc123XYZ", "toolu_01A-b", "x" * 64])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from agents.errors import InvalidInput
+from agents.core.errors import InvalidInput
 
 # Request ids and operations are single key segments; a target may itself contain ':' (e.g. ``tool:search:c1``).
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")

@@ -1,8 +1,8 @@
 """Job handlers, registered by operation name.
 
 A handler takes a :class:`JobContext` and returns a :class:`JobResult` (or raises a
-:class:`~agents.errors.JobError` subclass to say how it failed). Modules listed in ``KEEL_IMPORTS`` and entry points
-in the ``keel.handlers`` group are imported at worker start so their ``@handler`` decorators run.
+:class:`~agents.core.errors.JobError` subclass to say how it failed). Modules listed in ``KEEL_IMPORTS`` and entry
+points in the ``keel.handlers`` group are imported at worker start so their ``@handler`` decorators run.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from importlib.metadata import entry_points
 from typing import Any
 from uuid import UUID
 
-from agents.commands import JobSpec, Join, MessageSpec, Usage
-from agents.phases import Event
+from agents.core.commands import JobSpec, Join, MessageSpec, Usage
+from agents.core.phases import Event
 from models.db import Database
 from models.jobs_sql import checkpoint
 

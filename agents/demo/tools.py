@@ -6,8 +6,8 @@ import time
 
 from pydantic import BaseModel, Field
 
-from agents.commands import Usage
-from agents.tools import ToolContext, ToolOutput, tool
+from agents.core.commands import Usage
+from agents.runtime.tools import ToolContext, ToolOutput, tool
 
 SEARCHES_LOG = "demo-searches.log"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from agents.commands import LOW, JobSpec
-from agents.keys import make_key
+from agents.core.commands import LOW, JobSpec
+from agents.core.keys import make_key
 from models.jobs_sql import NewJob
 from models.schemas import AgentRow
 

@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
-from agents.errors import (
+from agents.core.errors import (
     HardDeadlinePassed,
     IllegalTransition,
     InvalidDeadlines,
@@ -22,8 +22,8 @@ from agents.errors import (
     RequestConflict,
     StaleRevision,
 )
-from agents.keys import check_request_id, make_key
-from agents.phases import Event, Phase, allowed_events, target_of
+from agents.core.keys import check_request_id, make_key
+from agents.core.phases import Event, Phase, allowed_events, target_of
 from models.schemas import AgentRow
 
 ACCEPTED = "accepted"

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from agents import core
-from agents.errors import InvalidInput, LostClaim
-from agents.receivers import (
+from agents.core.errors import InvalidInput, LostClaim
+from agents.core.transition import record_side_event
+from agents.outbox.senders import (
     Delivered,
     FailureKind,
     GitHubReceiver,
@@ -299,7 +299,7 @@ def retry_dead(db: Database, key: str, *, actor: str) -> None:
     def revive(cur: Any) -> None:
         revived.append(revive_txn(cur, key))
 
-    core.record_side_event(
+    record_side_event(
         db,
         row["agent_id"],
         kind="operator",

@@ -2,7 +2,7 @@
 
 A provider turns a conversation (OpenAI-style messages) and the tools on offer into a :class:`Reply`: either a
 final answer or tool calls, with the usage the provider reported and its cost from the price table. Failures are
-raised as :class:`~agents.errors.JobError` subclasses, so the job runner retries them by class: 429 →
+raised as :class:`~agents.core.errors.JobError` subclasses, so the job runner retries them by class: 429 →
 ``rate_limited`` (with Retry-After), 5xx and timeouts → ``transient``, 400 and context overflow → ``invalid``.
 A 200 whose body is malformed (not JSON, no choices, a tool call without an id or a name, arguments that are not a
 JSON object, text PostgreSQL cannot store) is ``invalid`` too, carrying the usage the provider reported, so it is
@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from agents.commands import MAX_COST, MAX_TOKENS, Usage, check_json_text
-from agents.errors import InvalidInput, InvalidJob, RateLimited, TransientError
+from agents.core.commands import MAX_COST, MAX_TOKENS, Usage, check_json_text
+from agents.core.errors import InvalidInput, InvalidJob, RateLimited, TransientError
 
 Message = Mapping[str, Any]
 

@@ -17,8 +17,8 @@ from uuid import UUID
 import psycopg
 from sqlalchemy import select
 
-from agents.errors import LostUpdate
-from agents.redaction import redact_value
+from agents.core.errors import LostUpdate
+from agents.core.redaction import redact_value
 from models.db import Database
 from models.schemas import AgentRow, JournalEvent
 from models.sql import NewEvent, advance_chain_txn

@@ -16,8 +16,8 @@ from typing import Any, get_type_hints
 
 from pydantic import BaseModel, Field, ValidationError
 
-from agents.commands import MessageSpec, Usage
-from agents.errors import InvalidJob
+from agents.core.commands import MessageSpec, Usage
+from agents.core.errors import InvalidJob
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,7 +88,7 @@ class JobError(KeelError):
     error_class = "unknown"
 
     def __init__(self, message: str | None = None, *, usage: Any = None, retry_after: float | None = None) -> None:
-        self.usage = usage  # agents.commands.Usage spent before the failure, charged as retry-caused cost
+        self.usage = usage  # agents.core.commands.Usage spent before the failure, charged as retry-caused cost
         self.retry_after = retry_after
         super().__init__(message)
 

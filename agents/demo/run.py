@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents import journal
 from agents.client import Client
-from agents.errors import KeelError, StaleRevision
-from agents.sinks import FakeGitHub, FakeSlack
+from agents.core import journal
+from agents.core.errors import KeelError, StaleRevision
+from agents.demo.fake_servers import FakeGitHub, FakeSlack
 from models import migrations
 from models.db import Database
 from models.embedded import broker_url_for
@@ -133,7 +133,7 @@ def run_demo(settings: Settings, echo: Echo) -> int:
             "KEEL_DATABASE_URL": db.url,
             "KEEL_BROKER_URL": broker,
             "KEEL_HOME": str(settings.home.resolve()),
-            "KEEL_IMPORTS": json.dumps(["agents.demo_tools"]),
+            "KEEL_IMPORTS": json.dumps(["agents.demo.tools"]),
             "KEEL_LLM_PROVIDER": "scripted",
             "KEEL_SLACK_TOKEN": SLACK_TOKEN,
             "KEEL_SLACK_API_URL": f"{slack.url}/api/",

@@ -14,8 +14,8 @@ from typing import Any, ParamSpec, TypeVar
 import click
 from pydantic import BaseModel
 
-from agents.errors import KeelError
-from agents.redaction import install_log_redaction, register_settings
+from agents.core.errors import KeelError
+from agents.core.redaction import install_log_redaction, register_settings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -49,7 +49,7 @@ def _friendly(fn: Callable[P, R]) -> Callable[P, R]:
 
     @wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from agents.core import store_errors
+        from agents.core.transition import store_errors
 
         try:
             with store_errors():
@@ -388,7 +388,7 @@ def outbox_show(key: str, as_json: bool) -> None:
 @_friendly
 def outbox_retry(key: str, actor: str) -> None:
     """Send a dead message again (journaled with --actor); it reconciles first if it may have arrived."""
-    from agents.outbox import retry_dead
+    from agents.outbox.relay import retry_dead
 
     with _client() as client:
         retry_dead(client.db, key, actor=actor)
@@ -447,7 +447,7 @@ def audit() -> None:
 @_friendly
 def audit_verify(as_json: bool) -> None:
     """Walk every agent's hash chain; exit 1 at the first broken link of any chain."""
-    from agents import journal
+    from agents.core import journal
 
     with _client() as client:
         report = journal.verify(client.db)
@@ -506,8 +506,8 @@ def docs() -> None:
 @click.option("--output", type=click.Path(path_type=Path), default=DOCS_PHASES, show_default=True)
 @click.option("--check", is_flag=True, help="Exit 1 if the file differs from the phase table instead of writing.")
 def docs_phases(output: Path, check: bool) -> None:
-    """Write the phase diagram (Mermaid) generated from agents/phases.py."""
-    from agents.phases import phases_markdown
+    """Write the phase diagram (Mermaid) generated from agents/core/phases.py."""
+    from agents.core.phases import phases_markdown
 
     text = phases_markdown()
     if check:
@@ -528,7 +528,7 @@ def docs_phases(output: Path, check: bool) -> None:
 @_friendly
 def demo() -> None:
     """The main job: scripted agents with a worker killed midway; exits 0 only if nothing ran twice."""
-    from agents.demo import run_demo
+    from agents.demo.run import run_demo
 
     sys.exit(run_demo(settings_or_exit(), click.echo))
 

@@ -2,8 +2,8 @@
 
 planning: job ``{request_id}:plan:{n}`` asks the model. A final answer finishes the request; tool calls move the
 agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{n}.{call_key}``, where ``call_key`` is
-the model's call id made safe for a key (:func:`~agents.inference.tool_call_key`); the model always gets its own id
-back, and a step's payload carries both (``call_id``: the key-safe one tools see; ``tool_call_id``: the model's).
+the model's call id made safe for a key (:func:`~agents.runtime.inference.tool_call_key`); the model always gets its
+own id back, and a step's payload carries both (``call_id``: the key-safe one tools see; ``tool_call_id``: the model's).
 The last tool result of a round sends the conversation back to the model (``plan:{n+1}``). A call to a tool that
 needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
 ``reject`` asks the model to revise. Every step's result is stored on its job, in the transition that schedules the
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from agents.commands import JobSpec, Join
-from agents.errors import InvalidInput, InvalidJob
-from agents.handlers import JobContext, JobResult, handler
-from agents.inference import OpenAICompatible, Provider, Reply, ScriptedProvider, tool_call_key
-from agents.phases import Event
-from agents.tools import ToolContext, by_function_name, registered
+from agents.core.commands import JobSpec, Join
+from agents.core.errors import InvalidInput, InvalidJob
+from agents.core.phases import Event
+from agents.jobs.handlers import JobContext, JobResult, handler
+from agents.runtime.inference import OpenAICompatible, Provider, Reply, ScriptedProvider, tool_call_key
+from agents.runtime.tools import ToolContext, by_function_name, registered
 from models.db import Database
-from models.jobs_sql import request_steps
+from models.jobs_sql import cancel_request_steps_txn, request_steps
 from models.settings import Settings
 
 
@@ -245,7 +245,5 @@ def rejection_jobs(pending: PendingApproval, reason: str) -> tuple[JobSpec, ...]
 
 def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:
     """A rejection's effect: the rest of the round is superseded (running calls are fenced off, never recorded)."""
-    from models.jobs_sql import cancel_request_steps_txn
-
     cancelled = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), after.updated_at)
     return {"superseded": cancelled} if cancelled else {}

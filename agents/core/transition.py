@@ -1,7 +1,7 @@
 """The single writer of agent state.
 
 ``transition()`` is the only code that changes an agent row. It runs one transaction that locks the row
-(``SELECT … FOR UPDATE``), decides the command (:func:`agents.commands.decide`), writes the new row, the command's
+(``SELECT … FOR UPDATE``), decides the command (:func:`agents.core.commands.decide`), writes the new row, the command's
 effects and exactly one journal event, and commits — all or nothing. A rejected command rolls back and is then
 journaled in a transaction of its own, so the rejection is on record while the agent stays as it was.
 """
@@ -18,13 +18,13 @@ from uuid import UUID
 import psycopg
 import sqlalchemy.exc
 
-from agents import journal
-from agents.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
-from agents.errors import AgentExists, AgentNotFound, FencedOff, InvalidInput, LostUpdate, StoreError
-from agents.jobs import LOW_QUEUE, new_jobs
-from agents.keys import make_key
-from agents.phases import RESTING, Event, Phase
-from agents.redaction import redact
+from agents.core import journal
+from agents.core.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
+from agents.core.errors import AgentExists, AgentNotFound, FencedOff, InvalidInput, LostUpdate, StoreError
+from agents.core.keys import make_key
+from agents.core.phases import RESTING, Event, Phase
+from agents.core.queues import LOW_QUEUE, new_jobs
+from agents.core.redaction import redact
 from models.db import Database
 from models.jobs_sql import (
     Due,
@@ -105,9 +105,9 @@ def transition(
 ) -> Transitioned:
     """Apply ``command`` to its agent: the only way an agent's state changes.
 
-    Raises :class:`~agents.errors.StaleRevision`, :class:`~agents.errors.IllegalTransition` or
-    :class:`~agents.errors.RequestConflict` (each journaled as ``rejected``), or
-    :class:`~agents.errors.AgentNotFound`. A submit of a request id the agent already had returns the current
+    Raises :class:`~agents.core.errors.StaleRevision`, :class:`~agents.core.errors.IllegalTransition` or
+    :class:`~agents.core.errors.RequestConflict` (each journaled as ``rejected``), or
+    :class:`~agents.core.errors.AgentNotFound`. A submit of a request id the agent already had returns the current
     state unchanged, journaled as ``suppressed``. ``input_json`` is a submit's request input.
 
     In the same transaction it inserts ``command.jobs`` (an existing key is a suppressed duplicate, journaled in the
@@ -265,7 +265,7 @@ def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Comma
 
 
 def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime, queue: str | None) -> None:
-    """Write a job's outcome under its fencing token; raises :class:`~agents.errors.FencedOff` if the claim
+    """Write a job's outcome under its fencing token; raises :class:`~agents.core.errors.FencedOff` if the claim
     is no longer the writer's. A retry is due ``retry_delay`` after ``at``, the database's clock."""
     if outcome.status == "pending":
         assert outcome.retry_delay is not None
