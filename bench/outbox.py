@@ -22,7 +22,7 @@ from agents.core.commands import Command, MessageSpec
 from agents.core.phases import Event
 from agents.core.transition import transition
 from agents.outbox.relay import Backoff, Relay
-from agents.outbox.senders import SlackReceiver
+from agents.outbox.senders import SlackSender
 from models import migrations
 from models.db import Database
 from models.embedded import database_url_for
@@ -50,7 +50,7 @@ def relay_rate(db: Database, client: Client, fake: FakeSlack, n: int, concurrenc
     emit(client, n, destinations)
     relay = Relay(
         db,
-        {"slack": SlackReceiver(TOKEN, f"{fake.url}/api/", 10.0)},
+        {"slack": SlackSender(TOKEN, f"{fake.url}/api/", 10.0)},
         lease=timedelta(seconds=60),
         concurrency=concurrency,
         backoff=Backoff(0.1, 1.0, 5),

@@ -23,11 +23,11 @@ from agents.core.transition import record_side_event
 from agents.outbox.senders import (
     Delivered,
     FailureKind,
-    GitHubReceiver,
-    Receiver,
+    GitHubSender,
     ScanLimit,
+    Sender,
     SendFailed,
-    SlackReceiver,
+    SlackSender,
     redact,
 )
 from models.db import Database
@@ -114,7 +114,7 @@ class Relay:
     def __init__(
         self,
         db: Database,
-        receivers: Mapping[str, Receiver],
+        senders: Mapping[str, Sender],
         *,
         lease: timedelta,
         concurrency: int,
@@ -125,7 +125,7 @@ class Relay:
         secrets: tuple[str, ...] = (),
     ) -> None:
         self.db = db
-        self.receivers = receivers
+        self.senders = senders
         self.lease = lease
         self.concurrency = concurrency
         self.backoff = backoff
@@ -138,19 +138,19 @@ class Relay:
 
     @classmethod
     def from_settings(cls, db: Database, settings: Settings) -> Relay:
-        receivers: dict[str, Receiver] = {}
+        senders: dict[str, Sender] = {}
         secrets = []
         if settings.slack_token is not None:
             token = settings.slack_token.get_secret_value()
-            receivers["slack"] = SlackReceiver(token, settings.slack_api_url, settings.http_timeout_seconds)
+            senders["slack"] = SlackSender(token, settings.slack_api_url, settings.http_timeout_seconds)
             secrets.append(token)
         if settings.github_token is not None:
             token = settings.github_token.get_secret_value()
-            receivers["github"] = GitHubReceiver(token, settings.github_api_url, settings.http_timeout_seconds)
+            senders["github"] = GitHubSender(token, settings.github_api_url, settings.http_timeout_seconds)
             secrets.append(token)
         return cls(
             db,
-            receivers,
+            senders,
             lease=timedelta(seconds=settings.outbox_lease_seconds),
             concurrency=settings.outbox_concurrency,
             backoff=Backoff(
@@ -166,8 +166,8 @@ class Relay:
         )
 
     def close(self) -> None:
-        for receiver in self.receivers.values():
-            receiver.close()
+        for sender in self.senders.values():
+            sender.close()
 
     def run_pass(self) -> RelayReport:
         """Relay what is due now: up to ``concurrency`` destinations at once, each line in order."""
@@ -230,8 +230,8 @@ class Relay:
             raise LostClaim(message.key)
 
     def _attempt(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
-        receiver = self.receivers.get(message.channel)
-        if receiver is None:
+        sender = self.senders.get(message.channel)
+        if sender is None:
             return SendFailed(
                 "permanent", f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
             )
@@ -239,8 +239,8 @@ class Relay:
             self._hold(run, message)
             limit = ScanLimit(self.reconcile_pages, time.monotonic() + self.reconcile_seconds)
             try:
-                found = receiver.find(message.key, message.destination, message.created_at - CLOCK_SLACK, limit)
-            except Exception as exc:  # a receiver bug: keep the message, never lose the line
+                found = sender.find(message.key, message.destination, message.created_at - CLOCK_SLACK, limit)
+            except Exception as exc:  # a sender bug: keep the message, never lose the line
                 return self._unexpected(message, exc, "transient")
             if isinstance(found, Delivered):
                 return Delivery(message, found.external_id, found.url, "reconciled")
@@ -249,8 +249,8 @@ class Relay:
                 return SendFailed(kind, f"cannot tell yet whether it arrived: {found.error}", found.retry_after)
         self._hold(run, message)
         try:
-            result = receiver.send(message.key, message.destination, message.payload)
-        except Exception as exc:  # a receiver bug: keep the message, never lose the line
+            result = sender.send(message.key, message.destination, message.payload)
+        except Exception as exc:  # a sender bug: keep the message, never lose the line
             return self._unexpected(message, exc, "ambiguous")
         if isinstance(result, Delivered):
             return Delivery(message, result.external_id, result.url, "sent")

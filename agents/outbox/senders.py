@@ -1,4 +1,4 @@
-"""The receivers of outbox messages: Slack (slack_sdk) and GitHub (REST over httpx).
+"""The outbox's senders: Slack (slack_sdk) and GitHub (REST over httpx).
 
 Each can ``send`` a message carrying its key (Slack: message metadata; GitHub: a hidden ``<!-- keel:KEY -->``
 marker) and ``find`` it again among what the receiver already holds, which is how the relay settles an attempt
@@ -60,7 +60,9 @@ class ScanLimit:
         return None
 
 
-class Receiver(Protocol):
+class Sender(Protocol):
+    """Sends messages to one receiver (Slack, GitHub) and finds them there again by key."""
+
     def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed: ...
 
     def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Delivered | SendFailed | None:
@@ -111,7 +113,7 @@ class _Redacting(logging.Filter):
         return True
 
 
-class SlackReceiver:
+class SlackSender:
     def __init__(self, token: str, base_url: str, timeout: float) -> None:
         self.token = token
         sdk_log = logging.getLogger(f"keel.slack_sdk.{id(self)}")
@@ -198,7 +200,7 @@ def marker(key: str) -> str:
     return f"<!-- keel:{key} -->"
 
 
-class GitHubReceiver:
+class GitHubSender:
     def __init__(self, token: str, base_url: str, timeout: float, transport: httpx.BaseTransport | None = None) -> None:
         self.token = token
         # httpx never retries on its own (no transport retries configured): the outbox owns retries.

@@ -18,7 +18,7 @@ from agents.core.errors import InvalidInput
 from agents.core.phases import Event
 from agents.core.transition import transition
 from agents.outbox.relay import Backoff, Relay, retry_dead
-from agents.outbox.senders import GitHubReceiver, SlackReceiver
+from agents.outbox.senders import GitHubSender, SlackSender
 from models.db import Database
 from models.outbox_sql import message_row, stats
 from tests.support.fakes import FakeGitHub, FakeSlack
@@ -59,8 +59,8 @@ def relay(db: Database, slack: FakeSlack, github: FakeGitHub, **kw: Any) -> Rela
     made = Relay(
         db,
         {
-            "slack": SlackReceiver(SLACK_TOKEN, f"{slack.url}/api/", timeout=1.0),
-            "github": GitHubReceiver(GITHUB_TOKEN, github.url, timeout=1.0),
+            "slack": SlackSender(SLACK_TOKEN, f"{slack.url}/api/", timeout=1.0),
+            "github": GitHubSender(GITHUB_TOKEN, github.url, timeout=1.0),
         },
         lease=kw.pop("lease", timedelta(seconds=10)),
         concurrency=kw.pop("concurrency", 8),
@@ -208,8 +208,8 @@ def test_bad_credentials_are_permanent_too(client: Client, db: Database, slack: 
     wrong = Relay(
         db,
         {
-            "slack": SlackReceiver("xoxb-wrong", f"{slack.url}/api/", 1.0),
-            "github": GitHubReceiver("nope", github.url, 1.0),
+            "slack": SlackSender("xoxb-wrong", f"{slack.url}/api/", 1.0),
+            "github": GitHubSender("nope", github.url, 1.0),
         },
         lease=timedelta(seconds=10),
         concurrency=2,
