@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from agents.cli.group import settings_or_exit as _settings
+from agents.cli.common import settings_or_exit as _settings
 from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from agents.core.redaction import install_log_redaction, register_settings
 from models.settings import Settings

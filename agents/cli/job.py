@@ -1,0 +1,27 @@
+"""``keel job``: one job by its key."""
+
+from __future__ import annotations
+
+import click
+
+from agents.cli.common import emit, friendly, json_option, open_client, plain
+
+
+@click.command("job")
+@click.argument("key")
+@json_option
+@friendly
+def job_show(key: str, as_json: bool) -> None:
+    """Show one job by its key ({request_id}:{operation}:{target})."""
+    from models.jobs_sql import job_row
+
+    with open_client() as client:
+        row = job_row(client.db, key)
+    if row is None:
+        raise click.ClickException(f"no job has the key {key!r}")
+    data = plain(row)
+    text = "\n".join(f"{k:<15} {v}" for k, v in data.items() if k != "payload")
+    emit(data, as_json, text)
+
+
+COMMANDS = (job_show,)

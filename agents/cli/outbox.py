@@ -1,0 +1,76 @@
+"""``keel outbox``: list, show, retry and count the Slack and GitHub messages."""
+
+from __future__ import annotations
+
+import click
+
+from agents.cli.common import actor_option, emit, friendly, json_option, open_client, plain
+
+
+@click.group()
+def outbox() -> None:
+    """Slack and GitHub messages waiting for, or done with, the relay."""
+
+
+@outbox.command("list")
+@click.option("--status", type=click.Choice(["pending", "sending", "sent", "dead"]), help="Only this status.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@json_option
+@friendly
+def outbox_list(status: str | None, limit: int, as_json: bool) -> None:
+    """Newest messages first."""
+    from models.outbox_sql import list_messages
+
+    with open_client() as client:
+        rows = [plain(r) for r in list_messages(client.db, status, limit)]
+    lines = [
+        f"{r['key']:<44} {r['channel']:<7} {r['destination']:<24} {r['status']:<8} attempts {r['attempts']}"
+        + (f"  {r['last_error'][:60]}" if r["last_error"] else "")
+        for r in rows
+    ]
+    emit({"messages": rows}, as_json, "\n".join(lines) or "no messages")
+
+
+@outbox.command("show")
+@click.argument("key")
+@json_option
+@friendly
+def outbox_show(key: str, as_json: bool) -> None:
+    """One message: status, attempts, last error, the receiver's id."""
+    from models.outbox_sql import message_row
+
+    with open_client() as client:
+        row = message_row(client.db, key)
+    if row is None:
+        raise click.ClickException(f"no outbox message has the key {key!r}")
+    data = plain(row)
+    emit(data, as_json, "\n".join(f"{k:<16} {v}" for k, v in data.items()))
+
+
+@outbox.command("retry")
+@click.argument("key")
+@actor_option
+@friendly
+def outbox_retry(key: str, actor: str) -> None:
+    """Send a dead message again (journaled with --actor); it reconciles first if it may have arrived."""
+    from agents.outbox.relay import retry_dead
+
+    with open_client() as client:
+        retry_dead(client.db, key, actor=actor)
+    click.echo(f"{key}: dead -> pending")
+
+
+@outbox.command("stats")
+@json_option
+@friendly
+def outbox_stats(as_json: bool) -> None:
+    """KPIs: deliveries per key (must be 1), duplicate rate, reconciled and dead counts."""
+    from models.outbox_sql import stats
+
+    with open_client() as client:
+        data = stats(client.db)
+    text = "\n".join(f"{k:<30} {v}" for k, v in data.items())
+    emit(data, as_json, text)
+
+
+COMMANDS = (outbox,)
