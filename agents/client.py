@@ -81,20 +81,7 @@ class Client:
 
     def _state(self, row: AgentRow) -> AgentState:
         with store_errors():
-            jobs = tuple(
-                JobView(
-                    key=r[0],
-                    operation=r[1],
-                    target=r[2],
-                    status=r[3],
-                    queue=r[4],
-                    run_at=r[5],
-                    attempts=r[6],
-                    error_attempts=r[7],
-                    last_error=r[8],
-                )
-                for r in pending_jobs(self.db, row.id)
-            )
+            jobs = tuple(JobView(**r) for r in pending_jobs(self.db, row.id))
         approval = None
         if row.phase == "waiting_approval":
             pending = pending_approval(self.db, row.request_id)

@@ -313,21 +313,23 @@ def take_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int
     way: under load too, so a lost message is never stranded behind a queue that is never empty (a copy that was
     only waiting its turn is suppressed by the claim). All keep their key.
     """
-    cur.execute(
-        "WITH due AS ("
-        "  SELECT key, status FROM jobs j"
-        "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= clock_timestamp()"
-        "    AND (status = 'pending'"
-        "         OR (status = 'running' AND lease_until < clock_timestamp())"
-        "         OR (status = 'enqueued' AND enqueued_at < clock_timestamp() - %(stale)s))"
-        "  ORDER BY priority DESC, run_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
-        " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
-        " updated_at = clock_timestamp(),"
-        " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
-        " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status",
-        {"stale": enqueue_timeout, "limit": limit},
-    )
-    return [Due(key, queue, previous != "pending") for key, queue, previous in cur.fetchall()]
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        named.execute(
+            "WITH due AS ("
+            "  SELECT key, status FROM jobs j"
+            "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= clock_timestamp()"
+            "    AND (status = 'pending'"
+            "         OR (status = 'running' AND lease_until < clock_timestamp())"
+            "         OR (status = 'enqueued' AND enqueued_at < clock_timestamp() - %(stale)s))"
+            "  ORDER BY priority DESC, run_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
+            " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
+            " updated_at = clock_timestamp(),"
+            " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
+            " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous",
+            {"stale": enqueue_timeout, "limit": limit},
+        )
+        rows = named.fetchall()
+    return [Due(key=r["key"], queue=r["queue"], recovered=r["previous"] != "pending") for r in rows]
 
 
 def unpublish(db: Database, keys: Sequence[str]) -> list[str]:
@@ -344,8 +346,9 @@ def unpublish(db: Database, keys: Sequence[str]) -> list[str]:
         return [r[0] for r in cur.fetchall()]
 
 
-def pending_jobs(db: Database, agent_id: UUID) -> list[tuple[Any, ...]]:
-    with db.connection() as conn, conn.cursor() as cur:
+def pending_jobs(db: Database, agent_id: UUID) -> list[dict[str, Any]]:
+    """The agent's jobs that are not final, by column name (the fields of ``JobView``)."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(
             "SELECT key, operation, target, status, queue, run_at, attempts, error_attempts, last_error FROM jobs"
             " WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running') ORDER BY run_at, key",

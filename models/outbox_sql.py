@@ -102,19 +102,19 @@ def claim_run(db: Database, destination: str, lease: timedelta, limit: int) -> l
     A message that was ``sending`` with an expired lease is claimed to be reconciled before anything is re-sent.
     """
     with db.transaction() as cur:
+        cur.row_factory = dict_row
         cur.execute(
             f"SELECT o.key, {_DUE} AS due FROM outbox o WHERE o.destination = %(destination)s"
             " AND o.status IN ('pending', 'sending') ORDER BY o.seq LIMIT %(limit)s FOR UPDATE",
             {"destination": destination, "limit": limit},
         )
         keys = []
-        for key, due in cur.fetchall():
-            if not due:
+        for head in cur.fetchall():
+            if not head["due"]:
                 break
-            keys.append(key)
+            keys.append(head["key"])
         if not keys:
             return []
-        cur.row_factory = dict_row
         cur.execute(
             "UPDATE outbox o SET needs_reconcile = o.needs_reconcile OR o.status = 'sending', status = 'sending',"
             " lease_until = clock_timestamp() + %(lease)s, attempts = o.attempts + 1, claim_token = o.claim_token + 1,"
@@ -267,21 +267,23 @@ def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str
 
 def stats(db: Database) -> dict[str, Any]:
     """The outbox KPIs: deliveries per key (must be 1), reconciled and dead counts, messages by status."""
-    with db.connection() as conn, conn.cursor() as cur:
-        cur.execute("SELECT status, count(*) FROM outbox GROUP BY status")
-        by_status = {status: n for status, n in cur.fetchall()}
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute("SELECT status, count(*) AS n FROM outbox GROUP BY status")
+        by_status = {r["status"]: r["n"] for r in cur.fetchall()}
         cur.execute(
-            "SELECT count(*), coalesce(max(n), 0), count(*) FILTER (WHERE n > 1)"
+            "SELECT count(*) AS delivered, coalesce(max(n), 0) AS max_per_key,"
+            " count(*) FILTER (WHERE n > 1) AS duplicated"
             " FROM (SELECT key, count(*) AS n FROM delivery_log GROUP BY key) per_key"
         )
-        delivered, max_per_key, duplicated = cur.fetchone() or (0, 0, 0)
-        cur.execute("SELECT count(*) FROM delivery_log WHERE how = 'reconciled'")
-        reconciled = (cur.fetchone() or (0,))[0]
+        keys = cur.fetchone() or {"delivered": 0, "max_per_key": 0, "duplicated": 0}
+        cur.execute("SELECT count(*) AS reconciled FROM delivery_log WHERE how = 'reconciled'")
+        reconciled = (cur.fetchone() or {"reconciled": 0})["reconciled"]
         conn.rollback()
+    delivered, duplicated = keys["delivered"], keys["duplicated"]
     return {
         "by_status": by_status,
         "delivered_keys": delivered,
-        "max_deliveries_per_key": max_per_key,
+        "max_deliveries_per_key": keys["max_per_key"],
         "keys_delivered_more_than_once": duplicated,
         "duplicate_rate": (duplicated / delivered) if delivered else 0.0,
         "reconciled": reconciled,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 @dataclass(frozen=True, slots=True)
 class AgentRow:
-    """One ``agents`` row as read under its lock. Column order is :data:`models.sql.AGENT_COLUMNS`."""
+    """One ``agents`` row as read under its lock, mapped by column name (:data:`models.sql.AGENT_COLUMNS`)."""
 
     id: UUID
     name: str

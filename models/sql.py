@@ -12,6 +12,7 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg.rows import class_row, dict_row
 
 from models.schemas import AgentRow
 
@@ -24,7 +25,7 @@ AGENT_COLUMNS = (
 # database's clock read after the lock: the one time every event, due check and deadline is measured against.
 _LOCK_AGENT = (
     f"SELECT {AGENT_COLUMNS}, (SELECT count(*) FROM jobs j WHERE j.agent_id = agents.id"
-    " AND j.status IN ('pending', 'enqueued', 'running')), clock_timestamp()"
+    " AND j.status IN ('pending', 'enqueued', 'running')) AS live_jobs, clock_timestamp() AS at"
     " FROM agents WHERE id = %s FOR UPDATE OF agents"
 )
 
@@ -100,9 +101,14 @@ class Locked:
 def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
     database's clock; None if there is no such agent."""
-    cur.execute(_LOCK_AGENT, (agent_id,))
-    row = cur.fetchone()
-    return None if row is None else Locked(AgentRow(*row[:-2]), int(row[-2]), row[-1])
+    # Rows by name, on a cursor of the caller's connection (same transaction; the caller's cursor keeps its rows).
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        named.execute(_LOCK_AGENT, (agent_id,))
+        row = named.fetchone()
+    if row is None:
+        return None
+    live_jobs, at = row.pop("live_jobs"), row.pop("at")
+    return Locked(AgentRow(**row), int(live_jobs), at)
 
 
 def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> bool:
@@ -141,9 +147,9 @@ def insert_agent_txn(
     cur: psycopg.Cursor[Any], *, name: str, budget_tokens: int | None, budget_cost: Any
 ) -> AgentRow | None:
     """Insert a new idle agent, created at the database's clock; None if the name is taken."""
-    cur.execute(_INSERT_AGENT, (name, budget_tokens, budget_cost))
-    row = cur.fetchone()
-    return None if row is None else AgentRow(*row)
+    with cur.connection.cursor(row_factory=class_row(AgentRow)) as rows:
+        rows.execute(_INSERT_AGENT, (name, budget_tokens, budget_cost))
+        return rows.fetchone()
 
 
 def claim_request_txn(

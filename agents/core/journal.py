@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg.rows import class_row, dict_row
 from sqlalchemy import select
 
 from agents.core.errors import LostUpdate
@@ -172,7 +173,7 @@ _HASHED = (
 )  # fmt: skip
 _CHAIN_QUERY = (
     "SELECT id, hash, prev_hash, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision,"
-    " details::text, at FROM audit.journal WHERE agent_id = %s ORDER BY seq"
+    " details::text AS details_json, at FROM audit.journal WHERE agent_id = %s ORDER BY seq"
 )
 
 
@@ -186,13 +187,14 @@ class _Head:
     request_id: str | None
 
 
-def _first_break(rows: Iterator[tuple[Any, ...]], head: _Head) -> tuple[int, ChainBreak | None]:
+def _first_break(rows: Iterator[dict[str, Any]], head: _Head) -> tuple[int, ChainBreak | None]:
     agent_id = head.agent_id
     expected_prev, expected_seq, count = GENESIS_HASH, 1, 0
     state: tuple[int, str | None, str | None] = (0, "idle", None)  # revision, phase, request as the journal tells
-    for jid, digest, *values in rows:
+    for row in rows:
         count += 1
-        fields = dict(zip(_HASHED, values, strict=True))
+        jid, digest = row["id"], row["hash"]
+        fields = {name: row[name] for name in _HASHED}
         seq = fields["seq"]
         if seq != expected_seq:
             return count, ChainBreak(agent_id, expected_seq, jid, f"event {expected_seq} is missing (found {seq})")
@@ -232,11 +234,14 @@ def verify(db: Database) -> VerifyReport:
         raw.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         raw.read_only = True
         try:
-            with raw.cursor() as cur:
-                cur.execute("SELECT id, journal_seq, journal_head, revision, phase, request_id FROM agents ORDER BY id")
-                heads = [_Head(*row) for row in cur.fetchall()]
+            with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
+                heads_cur.execute(
+                    "SELECT id AS agent_id, journal_seq AS seq, journal_head AS hash, revision, phase, request_id"
+                    " FROM agents ORDER BY id"
+                )
+                heads = heads_cur.fetchall()
             for head in heads:
-                with raw.cursor() as cur:
+                with raw.cursor(row_factory=dict_row) as cur:
                     cur.execute(_CHAIN_QUERY, (head.agent_id,))
                     count, broken = _first_break(iter(cur), head)
                 total += count

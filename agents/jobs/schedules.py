@@ -45,7 +45,15 @@ class Schedule:
 
     @classmethod
     def from_row(cls, row: ScheduleRow) -> Schedule:
-        return cls(row.name, row.agent_id, row.every_seconds, row.cron, row.operation, row.input, utc(row.next_fire_at))
+        return cls(
+            name=row.name,
+            agent_id=row.agent_id,
+            every_seconds=row.every_seconds,
+            cron=row.cron,
+            operation=row.operation,
+            input=row.input,
+            next_fire_at=utc(row.next_fire_at),
+        )
 
 
 def next_fire(*, every_seconds: int | None, cron: str | None, after: datetime) -> datetime:
