@@ -13,11 +13,11 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from agents.core import journal as journal_mod
+from agents.core import transition as core
 from agents.core.commands import MAX_ACTOR_CHARS, MAX_REASON_CHARS, Command, JobSpec, check_json_text, check_text
 from agents.core.errors import AgentNotFound, InvalidInput
 from agents.core.phases import Event
 from agents.core.redaction import register_settings
-from agents.core.transition import EffectsTxn, create_agent, store_errors, transition
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs
@@ -69,7 +69,7 @@ class Client:
         if agent_id is None:
             check_text("agent", agent, limit=200)
         query = query.where(agents.c.id == agent_id) if agent_id is not None else query.where(agents.c.name == agent)
-        with store_errors(), self.db.engine.connect() as conn:
+        with core.store_errors(), self.db.engine.connect() as conn:
             found = conn.execute(query).first()
         if found is None:
             raise AgentNotFound(agent)
@@ -80,7 +80,7 @@ class Client:
         return self._state(self._row(agent))
 
     def _state(self, row: AgentRow) -> AgentState:
-        with store_errors():
+        with core.store_errors():
             jobs = tuple(JobView(**r) for r in pending_jobs(self.db, row.id))
         approval = None
         if row.phase == "waiting_approval":
@@ -89,7 +89,7 @@ class Client:
         return AgentState.of(row, jobs, approval)
 
     def list_agents(self) -> list[AgentState]:
-        with store_errors(), self.db.engine.connect() as conn:
+        with core.store_errors(), self.db.engine.connect() as conn:
             rows = conn.execute(select(agents).order_by(agents.c.created_at, agents.c.name)).all()
         return [AgentState.of(AgentRow(**r._mapping)) for r in rows]
 
@@ -98,7 +98,7 @@ class Client:
     ) -> list[JournalEvent]:
         """Journal events, oldest first, for an agent and/or a request."""
         resolved = None if agent_id is None else self._row(agent_id).id
-        with store_errors():
+        with core.store_errors():
             return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
 
     # --- commands ---------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class Client:
             spec = NewAgent.model_validate({"name": name, "budget_tokens": budget_tokens, "budget_cost": budget_cost})
         except ValidationError as exc:
             raise InvalidInput(f"cannot create agent: {_first_error(exc)}") from None
-        row = create_agent(
+        row = core.create_agent(
             self.db, spec.name, budget_tokens=spec.budget_tokens, budget_cost=spec.budget_cost, actor=actor
         )
         return AgentState.of(row)
@@ -155,7 +155,7 @@ class Client:
             hard_deadline=hard,
             jobs=(JobSpec(operation, "1", payload={"input": json.loads(input_json)}),),
         )
-        done = transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
+        done = core.transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
         if self.publisher is not None and done.to_publish:
             self.publisher(done.to_publish)
         return self._state(done.agent)
@@ -213,7 +213,7 @@ class Client:
         *,
         jobs: tuple[JobSpec, ...] = (),
         extra: dict[str, Any] | None = None,
-        effects: EffectsTxn | None = None,
+        effects: core.EffectsTxn | None = None,
     ) -> AgentState:
         if expected_revision is not None and (
             isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
@@ -230,7 +230,7 @@ class Client:
             details=details,
             jobs=jobs,
         )
-        return self._state(transition(self.db, command, effects=effects).agent)
+        return self._state(core.transition(self.db, command, effects=effects).agent)
 
     def _input_json(self, value: Any) -> str:
         check_json_text("input", value)  # before json.dumps, which would escape a lone surrogate PostgreSQL refuses

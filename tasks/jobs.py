@@ -19,10 +19,10 @@ from celery.signals import task_revoked
 from celery.utils.functional import maybe_list
 from celery.worker import control as celery_control
 
+from agents.core import transition as core
 from agents.core.commands import Command
 from agents.core.errors import KeelError, Rejected, StoreError
 from agents.core.phases import Event
-from agents.core.transition import store_errors, transition
 from agents.jobs.runner import is_outage
 from models.jobs_sql import job_row, unpublish
 from tasks.app import RUN_JOB, publish
@@ -41,7 +41,7 @@ def run_job(self: Any, key: str) -> str:
         log.warning("run_job for %s arrived with task id %s; the key is what counts", key, self.request.id)
     rt = runtime()
     try:
-        with store_errors():  # every driver error, wherever it is raised, is a StoreError here
+        with core.store_errors():  # every driver error, wherever it is raised, is a StoreError here
             outcome = rt.runner.run(key)
     except StoreError as exc:
         if not is_outage(exc):
@@ -106,7 +106,7 @@ def cancel_for_revoke(key: str, *, hostname: str, terminated: bool, signum: Any 
             return
         details = {"job": key, "terminated": terminated, "signum": str(signum or "")}
         command = Command(job["agent_id"], Event.CANCEL, f"celery-revoke@{hostname}", reason="revoked", details=details)
-        state = transition(rt.db, command)
+        state = core.transition(rt.db, command)
         log.warning("job %s: revoked through Celery; its request was cancelled (agent %s)", key, state.agent.id)
     except Rejected as exc:
         log.info("job %s: revoked; its request was not cancelled: %s", key, exc)

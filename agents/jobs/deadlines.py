@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from uuid import UUID
 
+from agents.core import transition as core
 from agents.core.commands import LOW, Command, MessageSpec
 from agents.core.errors import InvalidInput, Rejected
 from agents.core.phases import ACTIVE, Event
-from agents.core.transition import record_side_event, transition
 from models.db import Database
 from models.deadlines_sql import agents_past_deadlines, last_event
 
@@ -55,7 +55,7 @@ def enforce(
             command = Command(past.id, Event.PROGRESS, actor, reason="soft_deadline_passed", priority=LOW)
             done = report.demoted
         try:
-            transition(db, command)
+            core.transition(db, command)
         except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
             log.info("deadline move on %s not applied: %s", past.id, exc)
         except Exception as exc:  # one agent's failure must not leave the others past their deadlines
@@ -102,7 +102,7 @@ def _journal_failure(db: Database, command: Command, exc: Exception) -> None:
             details,
         ):
             return
-        record_side_event(
+        core.record_side_event(
             db,
             command.agent_id,
             kind="rejected",

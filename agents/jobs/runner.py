@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 import sqlalchemy.exc
 
+from agents.core import transition as core
 from agents.core.commands import Command, JobOutcome, Usage, check_json_text
 from agents.core.errors import (
     FencedOff,
@@ -34,7 +35,6 @@ from agents.core.errors import (
 )
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
-from agents.core.transition import record_side_event, transition
 from agents.jobs.handlers import JobContext, JobResult, Registry
 from models.db import Database
 from models.jobs_sql import (
@@ -193,7 +193,7 @@ class Runner:
             return RunOutcome(key, "missing")
         if not isinstance(claimed, ClaimedJob):
             reason = "duplicate_delivery" if claimed.status != "pending" else "not_due_yet"
-            record_side_event(
+            core.record_side_event(
                 self.db,
                 claimed.agent_id,
                 kind="suppressed",
@@ -412,7 +412,7 @@ class Runner:
             outcome=outcome,
         )
         try:
-            done = transition(self.db, command, publish_due=self.publish_due)
+            done = core.transition(self.db, command, publish_due=self.publish_due)
         except IllegalTransition as exc:
             if Phase(exc.phase) in RESTING:
                 return self._fenced(
@@ -484,7 +484,7 @@ class Runner:
     ) -> RunOutcome:
         """Write a failure or a stop through transition(); a lost race means this worker's outcome is void."""
         try:
-            transition(self.db, command)
+            core.transition(self.db, command)
         except FencedOff:
             why = "the job's lease was taken over before its outcome was written"
             return self._fenced(job, why, command.spend, staged=staged)
@@ -512,7 +512,7 @@ class Runner:
         try:
             if spend:
                 try:
-                    transition(
+                    core.transition(
                         self.db,
                         Command(
                             job.agent_id, Event.CHARGE, self.actor, reason="fenced_off", spend=spend, details=details
@@ -522,7 +522,7 @@ class Runner:
                     return RunOutcome(job.key, "fenced", why)
                 except _ChargedElsewhere:
                     details["spend"] = "charged by the attempt that records the staged outcome"
-            record_side_event(
+            core.record_side_event(
                 self.db,
                 job.agent_id,
                 kind="suppressed",

@@ -21,11 +21,11 @@ from uuid import UUID
 
 from croniter import croniter
 
+from agents.core import transition as core
 from agents.core.commands import Command, JobSpec
 from agents.core.errors import InvalidInput, KeelError, Rejected
 from agents.core.keys import check_request_id
 from agents.core.phases import Event
-from agents.core.transition import store_errors, transition
 from models.clock import database_now, utc
 from models.db import Database
 from models.schedules_sql import ScheduleRow, lock_due_schedules_txn, record_fire_txn, upsert_schedule_txn
@@ -100,7 +100,7 @@ def ensure_schedule(
     if now is not None and now.tzinfo is None:
         raise InvalidInput("now= must be timezone-aware")
     input_json = json.dumps(input, sort_keys=True)
-    with store_errors(), db.transaction() as cur:
+    with core.store_errors(), db.transaction() as cur:
         at = database_now(cur) if now is None else utc(now)
         row, changed = upsert_schedule_txn(
             cur,
@@ -120,7 +120,7 @@ def fire_due(db: Database, at: datetime | None = None, *, actor: str = "schedule
     even if several fires were missed — and move it on. Returns the request ids submitted. Rows another dispatcher
     holds are skipped. The fires' jobs are left pending for the dispatcher's next pass."""
     fired: list[str] = []
-    with store_errors(), db.transaction() as cur:
+    with core.store_errors(), db.transaction() as cur:
         now = database_now(cur) if at is None else utc(at)
         for schedule in map(Schedule.from_row, lock_due_schedules_txn(cur, now)):
             request_id = fire_request_id(schedule.name, schedule.next_fire_at)
@@ -161,7 +161,7 @@ def _submit(db: Database, schedule: Schedule, request_id: str, actor: str) -> st
         details={"schedule": schedule.name},
     )
     try:
-        result = transition(db, command, input_json=json.dumps(schedule.input))
+        result = core.transition(db, command, input_json=json.dumps(schedule.input))
     except Rejected as exc:
         log.info("schedule %s: fire %s skipped: %s", schedule.name, request_id, exc)
         return f"skipped ({exc})"

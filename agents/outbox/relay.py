@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from agents.core import transition as core
 from agents.core.errors import InvalidInput, LostClaim
-from agents.core.transition import record_side_event
 from agents.outbox.senders import (
     Delivered,
     FailureKind,
@@ -299,7 +299,7 @@ def retry_dead(db: Database, key: str, *, actor: str) -> None:
     def revive(cur: Any) -> None:
         revived.append(revive_txn(cur, key))
 
-    record_side_event(
+    core.record_side_event(
         db,
         row["agent_id"],
         kind="operator",
