@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -49,9 +49,14 @@ def fakes() -> Iterator[tuple[FakeSlack, FakeGitHub]]:
     github.stop()
 
 
-def test_five_hundred_messages_survive_faults_and_two_relay_kills(
+Emit = Callable[[int], None]
+
+
+def twenty_lines(
     stack: Stack, client: Client, fakes: tuple[FakeSlack, FakeGitHub]
-) -> None:
+) -> tuple[dict[str, list[str]], Emit]:
+    """Relays pointed at the fakes, 20 destinations (10 Slack channels, 10 GitHub issues) each with an agent in
+    flight, and ``emit(batch)``, which emits 5 messages to every destination; the expected keys per destination."""
     slack, github = fakes
     stack.env.update(
         {
@@ -86,6 +91,16 @@ def test_five_hundred_messages_survive_faults_and_two_relay_kills(
             )
             transition(client.db, Command(agent_id, Event.PROGRESS, "notifier", messages=specs))
             expected[destination] += [f"{request_id}:{channel}:{s.target}" for s in specs]
+
+    return expected, emit
+
+
+def test_five_hundred_messages_survive_faults_and_two_relay_kills(
+    stack: Stack, client: Client, fakes: tuple[FakeSlack, FakeGitHub]
+) -> None:
+    slack, github = fakes
+    expected, emit = twenty_lines(stack, client, fakes)
+    destinations = list(expected)
 
     stack.worker("relay-1", concurrency=2, queues="keel.outbox")
     stack.beat()
@@ -122,52 +137,17 @@ def test_five_hundred_messages_survive_faults_and_two_relay_kills(
     assert stack.query("SELECT count(*) FROM outbox WHERE status = 'dead'") == [(0,)]
 
 
-def clock(stack: Stack, offset: str) -> dict[str, str]:
-    return skewed(stack, offset)
-
-
 def test_two_relays_with_clocks_five_minutes_off_either_way_deliver_once_in_order(
     stack: Stack, client: Client, fakes: tuple[FakeSlack, FakeGitHub]
 ) -> None:
     slack, github = fakes
-    stack.env.update(
-        {
-            "KEEL_SLACK_TOKEN": SLACK_TOKEN,
-            "KEEL_SLACK_API_URL": f"{slack.url}/api/",
-            "KEEL_GITHUB_TOKEN": GITHUB_TOKEN,
-            "KEEL_GITHUB_API_URL": github.url,
-            "KEEL_HTTP_TIMEOUT_SECONDS": "1",
-            "KEEL_OUTBOX_LEASE_SECONDS": "3",
-            "KEEL_OUTBOX_INTERVAL_SECONDS": "0.2",
-            "KEEL_OUTBOX_CONCURRENCY": "20",
-            "KEEL_OUTBOX_BACKOFF_SECONDS": "0.2",
-            "KEEL_OUTBOX_BACKOFF_MAX_SECONDS": "1",
-            "KEEL_OUTBOX_PASS_SECONDS": "3",
-        }
-    )
-    destinations = [f"C{n:02d}" for n in range(10)] + [f"acme/repo{n}#{n + 1}" for n in range(10)]
-    expected: dict[str, list[str]] = {d: [] for d in destinations}
-    agents = []
-    for n, destination in enumerate(destinations):
-        agent = client.create_agent(f"notifier-{n}")
-        client.submit(agent.id, f"req-{n}", None, operation="noop")
-        agents.append((agent.id, destination, f"req-{n}"))
-
-    def emit(batch: int) -> None:
-        for agent_id, destination, request_id in agents:
-            channel = "github" if "/" in destination else "slack"
-            field = "body" if channel == "github" else "text"
-            specs = tuple(
-                MessageSpec(channel, destination, f"m{batch * 5 + i:02d}", {field: f"update {batch * 5 + i}"})
-                for i in range(5)
-            )
-            transition(client.db, Command(agent_id, Event.PROGRESS, "notifier", messages=specs))
-            expected[destination] += [f"{request_id}:{channel}:{s.target}" for s in specs]
+    expected, emit = twenty_lines(stack, client, fakes)
+    destinations = list(expected)
 
     # Beat runs on a third clock: relay passes carry no expiry stamped on beat's clock, so neither relay drops them.
     stack.beat()
-    stack.worker("relay-fast", concurrency=2, queues="keel.outbox", **clock(stack, "+5m"))
-    stack.worker("relay-slow", concurrency=2, queues="keel.outbox", **clock(stack, "-5m"))
+    stack.worker("relay-fast", concurrency=2, queues="keel.outbox", **skewed(stack, "+5m"))
+    stack.worker("relay-slow", concurrency=2, queues="keel.outbox", **skewed(stack, "-5m"))
     for batch in range(4):
         emit(batch)
     wait_until(
