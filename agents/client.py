@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
+import base64
 import json
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 
 from agents.core import journal as journal_mod
 from agents.core import transition as core
 from agents.core.commands import MAX_ACTOR_CHARS, MAX_REASON_CHARS, Command, JobSpec, check_json_text, check_text
 from agents.core.errors import AgentNotFound, InvalidInput
-from agents.core.phases import Event
+from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.db import Database
-from models.jobs_sql import Due, pending_jobs
-from models.schemas import AgentRow, AgentState, JobView, JournalEvent, NewAgent
+from models.jobs_sql import Due, pending_jobs, request_jobs
+from models.schemas import AgentPage, AgentRow, AgentState, JobView, JournalEvent, NewAgent
 from models.settings import Settings
 from models.tables import agents
 
@@ -88,10 +90,44 @@ class Client:
             approval = None if pending is None else pending.as_dict()
         return AgentState.of(row, jobs, approval)
 
-    def list_agents(self) -> list[AgentState]:
+    def list_agents(
+        self,
+        *,
+        phases: Sequence[str] = (),
+        archived: bool = False,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> AgentPage:
+        """Agents newest first: in use, or with ``archived`` the archived ones; only those in ``phases`` if given.
+        At most ``limit`` (None: all); ``after`` is the ``next`` cursor of the previous page."""
+        unknown = sorted(set(phases) - {p.value for p in Phase})
+        if unknown:
+            raise InvalidInput(f"phase {unknown[0]!r} is not one of {', '.join(p.value for p in Phase)}")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise InvalidInput(f"limit must be a positive integer, got {limit!r}")
+        query = select(agents).order_by(agents.c.created_at.desc(), agents.c.id.desc())
+        query = query.where(agents.c.archived_at.is_not(None) if archived else agents.c.archived_at.is_(None))
+        if phases:
+            query = query.where(agents.c.phase.in_(list(phases)))
+        if after is not None:
+            created_at, agent_id = _decode_cursor(after)
+            query = query.where(tuple_(agents.c.created_at, agents.c.id) < tuple_(created_at, agent_id))
+        if limit is not None:
+            query = query.limit(limit + 1)  # one more tells whether there is a next page
         with core.store_errors(), self.db.engine.connect() as conn:
-            rows = conn.execute(select(agents).order_by(agents.c.created_at, agents.c.name)).all()
-        return [AgentState.of(AgentRow(**r._mapping)) for r in rows]
+            rows = [AgentRow(**r._mapping) for r in conn.execute(query)]
+        more = limit is not None and len(rows) > limit
+        rows = rows[:limit] if limit is not None else rows
+        return AgentPage(
+            agents=tuple(AgentState.of(r) for r in rows),
+            next=_encode_cursor(rows[-1].created_at, rows[-1].id) if more else None,
+        )
+
+    def request_jobs(self, request_id: str) -> list[JobView]:
+        """Every job (step) of a request, finished ones included, oldest first."""
+        check_text("request_id", request_id, limit=200)
+        with core.store_errors():
+            return [JobView(**r) for r in request_jobs(self.db, request_id)]
 
     def journal(
         self, *, agent_id: AgentRef | None = None, request_id: str | None = None, limit: int | None = None
@@ -100,6 +136,51 @@ class Client:
         resolved = None if agent_id is None else self._row(agent_id).id
         with core.store_errors():
             return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
+
+    def follow_journal(
+        self, *, agent_id: AgentRef | None = None, request_id: str | None = None, poll_seconds: float = 0.5
+    ) -> Iterator[JournalEvent]:
+        """Every journal event (of an agent and/or a request), oldest first, then each new one as it commits:
+        read by each agent's chain position, so none is skipped or repeated. Runs until the caller stops."""
+        resolved = None if agent_id is None else self._row(agent_id).id
+        seen: dict[UUID, int] = {}
+        while True:
+            batch = self.journal_after(seen, agent_id=resolved, request_id=request_id)
+            for event in batch:
+                seen[event.agent_id] = event.seq
+                if request_id is None or event.request_id == request_id:
+                    yield event
+            if len(batch) < journal_mod.FOLLOW_BATCH:
+                time.sleep(poll_seconds)
+
+    def journal_after(
+        self, seen: Mapping[UUID, int], *, agent_id: AgentRef | None = None, request_id: str | None = None
+    ) -> list[JournalEvent]:
+        """One read of :meth:`follow_journal`: the events committed past ``seen`` (agent id -> last seq read)."""
+        resolved = None if agent_id is None else self._row(agent_id).id
+        with core.store_errors():
+            return journal_mod.events_after(self.db, seen, agent_id=resolved, request_id=request_id)
+
+    def agent_names(self, ids: Iterable[UUID]) -> dict[UUID, str]:
+        """The names of these agents (archived ones included)."""
+        wanted = list(set(ids))
+        if not wanted:
+            return {}
+        with core.store_errors(), self.db.engine.connect() as conn:
+            rows = conn.execute(select(agents.c.id, agents.c.name).where(agents.c.id.in_(wanted)))
+            return {r.id: r.name for r in rows}
+
+    def archive(self, agent_id: AgentRef, *, actor: str) -> AgentState:
+        """Archive a resting agent: it refuses new requests and ``list_agents`` leaves it out; its row and journal
+        stay (``get_state``, ``journal`` and ``keel audit verify`` still see them). Raises ``AgentBusy`` while a
+        request is in flight. Archiving an archived agent changes nothing."""
+        _check_actor(actor)
+        return self._state(core.set_archived(self.db, self._row(agent_id).id, archived=True, actor=actor))
+
+    def unarchive(self, agent_id: AgentRef, *, actor: str) -> AgentState:
+        """Put an archived agent back in use."""
+        _check_actor(actor)
+        return self._state(core.set_archived(self.db, self._row(agent_id).id, archived=False, actor=actor))
 
     # --- commands ---------------------------------------------------------------------------------------------
 
@@ -255,6 +336,22 @@ def _check_actor(actor: str) -> None:
 def _check_reason(reason: str | None) -> None:
     if reason is not None:
         check_text("reason", reason, limit=MAX_REASON_CHARS)
+
+
+def _encode_cursor(created_at: datetime, agent_id: UUID) -> str:
+    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{agent_id}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, UUID]:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        created_at, agent_id = text.split("|")
+        at = datetime.fromisoformat(created_at)
+        if at.tzinfo is None:
+            raise ValueError("naive time")
+        return at, UUID(agent_id)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidInput(f"cursor {cursor!r} is not one `keel agent list` printed (use its 'next' value)") from None
 
 
 def _as_uuid(agent: AgentRef) -> UUID | None:

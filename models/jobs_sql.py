@@ -380,3 +380,16 @@ def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, An
         jobs = cur.fetchall()
         conn.rollback()
     return (None if found is None else found["input"]), jobs
+
+
+def request_jobs(db: Database, request_id: str) -> list[dict[str, Any]]:
+    """Every job of a request, final ones included, oldest first (the fields of ``JobView``)."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            "SELECT key, operation, target, status, queue, run_at, attempts, error_attempts, last_error FROM jobs"
+            " WHERE request_id = %s ORDER BY created_at, key",
+            (request_id,),
+        )
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows

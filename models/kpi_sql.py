@@ -10,9 +10,14 @@ from psycopg.rows import dict_row
 
 from models.db import Database
 
-# Every figure can be narrowed to some agents (%(ids)s; NULL: all of them).
+#: The demo's agents are named with this prefix, so that `keel kpi` can leave them out of a user's figures.
+DEMO_PREFIX = "demo-"
+
+# Every figure can be narrowed to some agents (%(ids)s; NULL: all of them), leaving out those whose name starts
+# with %(skip)s (NULL: none).
 _KPIS = """
-WITH mine_agents AS (SELECT id FROM agents WHERE %(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[])),
+WITH mine_agents AS (SELECT id FROM agents WHERE (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
+                     AND (%(skip)s::text IS NULL OR NOT starts_with(name, %(skip)s::text))),
      mine_jobs AS (SELECT * FROM jobs WHERE agent_id IN (SELECT id FROM mine_agents)),
      mine_events AS (SELECT * FROM audit.journal WHERE agent_id IN (SELECT id FROM mine_agents)),
      mine_log AS (SELECT d.* FROM delivery_log d JOIN outbox o ON o.key = d.key
@@ -39,10 +44,10 @@ SELECT
 """
 
 
-def kpis(db: Database, agent_ids: Sequence[UUID] | None = None) -> dict[str, Any]:
-    """The KPIs over all agents, or over ``agent_ids`` only."""
+def kpis(db: Database, agent_ids: Sequence[UUID] | None = None, *, skip_prefix: str | None = None) -> dict[str, Any]:
+    """The KPIs over all agents, or over ``agent_ids`` only; without agents named ``skip_prefix``…"""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(_KPIS, {"ids": None if agent_ids is None else list(agent_ids)})
+        cur.execute(_KPIS, {"ids": None if agent_ids is None else list(agent_ids), "skip": skip_prefix})
         row = cur.fetchone() or {}
         conn.rollback()
     return dict(row)

@@ -31,6 +31,7 @@ class AgentRow:
     journal_seq: int
     journal_head: str
     priority: str = "normal"
+    archived_at: datetime | None = None
 
 
 class JobView(BaseModel):
@@ -68,6 +69,8 @@ class AgentState(BaseModel):
     created_at: datetime
     updated_at: datetime
     priority: str = "normal"
+    #: When the agent was archived (it refuses new requests); None while it is in use.
+    archived_at: datetime | None = None
     pending_jobs: tuple[JobView, ...] = ()
     #: While waiting_approval: the tool call a person must approve or reject (tool, call_id, arguments, round).
     pending_approval: dict[str, Any] | None = None
@@ -91,9 +94,19 @@ class AgentState(BaseModel):
             created_at=row.created_at,
             updated_at=row.updated_at,
             priority=row.priority,
+            archived_at=row.archived_at,
             pending_jobs=pending_jobs,
             pending_approval=pending_approval,
         )
+
+
+class AgentPage(BaseModel):
+    """One page of ``list_agents``, newest first; ``next`` is the cursor of the following page (None: the last)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    agents: tuple[AgentState, ...]
+    next: str | None = None
 
 
 class JournalEvent(BaseModel):

@@ -18,7 +18,7 @@ from models.schemas import AgentRow
 
 AGENT_COLUMNS = (
     "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
-    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority"
+    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority, archived_at"
 )
 
 # With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep, and the
@@ -46,6 +46,12 @@ _UPDATE_AGENT = (
 # Rejections and suppressions leave the agent's state alone; only its journal chain advances.
 _ADVANCE_CHAIN = (
     _EVENT_CTE + "UPDATE agents SET journal_seq = %s, journal_head = %s"
+    " WHERE id = %s AND journal_seq = %s AND EXISTS (SELECT 1 FROM ev)"
+)
+
+# Archiving leaves the agent's state alone too: it sets or clears archived_at and advances the chain.
+_SET_ARCHIVED = (
+    _EVENT_CTE + "UPDATE agents SET archived_at = %s, journal_seq = %s, journal_head = %s"
     " WHERE id = %s AND journal_seq = %s AND EXISTS (SELECT 1 FROM ev)"
 )
 
@@ -164,3 +170,10 @@ def claim_request_txn(
     assert owner is not None, "ON CONFLICT without a conflicting row"
     owner_id: UUID = owner[0]
     return owner_id
+
+
+def set_archived_txn(cur: psycopg.Cursor[Any], event: NewEvent, archived_at: datetime | None) -> bool:
+    """Append ``event`` and set (or, with None, clear) the agent's ``archived_at`` with it; False if the chain
+    moved on behind the lock."""
+    cur.execute(_SET_ARCHIVED, (*event.params(), archived_at, event.seq, event.hash, event.agent_id, event.seq - 1))
+    return cur.rowcount == 1

@@ -79,6 +79,8 @@ agents = Table(
     Column("journal_head", Text, nullable=False, server_default=GENESIS_HASH),
     # "low" once the soft deadline has passed: the agent's jobs go to the low-priority queue.
     Column("priority", Text, nullable=False, server_default="normal"),
+    # Set while the agent is archived: hidden from `keel agent list`, refusing new requests; row and journal kept.
+    Column("archived_at", DateTime(timezone=True)),
     CheckConstraint(_in("phase", PHASES), name="phase"),
     CheckConstraint(_in("priority", AGENT_PRIORITIES), name="priority"),
     CheckConstraint("revision >= 0", name="revision_non_negative"),
@@ -91,6 +93,7 @@ agents = Table(
         "soft_deadline IS NULL OR hard_deadline IS NULL OR soft_deadline <= hard_deadline",
         name="soft_before_hard",
     ),
+    Index("ix_agents_listing", "created_at", "id"),  # newest first, keyset-paginated (scanned backwards)
 )
 
 # One row per request ever submitted: a request id belongs to one agent, forever.

@@ -3,33 +3,49 @@
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import click
 
-from agents.cli.common import actor_option, emit, friendly, json_option, open_client, settings_or_exit
+from agents.cli.common import (
+    actor_option,
+    decimal_text,
+    emit,
+    friendly,
+    json_option,
+    open_client,
+    settings_or_exit,
+    text_value,
+    timestamp,
+)
+from agents.cli.watch import wait_for_rest
+from agents.core.phases import Phase
 
 
 def state_text(state: Any) -> str:
     """An agent's state as the text ``keel agent show`` and ``keel state`` print."""
-    budget_tokens = "unlimited" if state.budget_tokens is None else state.budget_tokens
-    budget_cost = "unlimited" if state.budget_cost is None else state.budget_cost
+    budget_tokens = "unlimited" if state.budget_tokens is None else f"{state.budget_tokens:,}"
+    budget_cost = "unlimited" if state.budget_cost is None else decimal_text(state.budget_cost)
     return "\n".join(
         [
-            f"agent      {state.name} ({state.id})",
+            f"agent      {state.name} ({state.id})" + ("  ARCHIVED" if state.archived_at else ""),
             f"phase      {state.phase}",
             f"revision   {state.revision}",
             f"request    {state.request_id or '-'}",
-            f"deadlines  soft {state.soft_deadline or '-'}  hard {state.hard_deadline or '-'}",
-            f"tokens     {state.spent_tokens} spent of {budget_tokens}",
-            f"cost       {state.spent_cost} spent of {budget_cost}",
+            f"deadlines  soft {text_value(state.soft_deadline)}  hard {text_value(state.hard_deadline)}",
+            f"tokens     {state.spent_tokens:,} spent of {budget_tokens}",
+            f"cost       {decimal_text(state.spent_cost)} spent of {budget_cost}",
             f"priority   {state.priority}",
-            f"updated    {state.updated_at}",
+            f"created    {timestamp(state.created_at)}",
+            f"updated    {timestamp(state.updated_at)}",
+            *([f"archived   {timestamp(state.archived_at)}"] if state.archived_at else []),
             *(
                 [
-                    f"approval   {state.pending_approval['tool']} {json.dumps(state.pending_approval['arguments'])}"
+                    f"approval   {state.pending_approval['tool']} {text_value(state.pending_approval['arguments'])}"
                     f" (approve with --revision {state.revision})"
                 ]
                 if state.pending_approval
@@ -82,14 +98,93 @@ def agent_show(agent_ref: str, as_json: bool) -> None:
 
 
 @agent.command("list")
+@click.option(
+    "--phase",
+    "phases",
+    multiple=True,
+    type=click.Choice([p.value for p in Phase]),
+    help="Only agents in this phase (repeat for several).",
+)
+@click.option("--archived", is_flag=True, help="List the archived agents instead of those in use.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many.")
+@click.option("--after", "cursor", metavar="CURSOR", help="The page after this cursor (printed as 'next').")
 @json_option
 @friendly
-def agent_list(as_json: bool) -> None:
-    """List all agents."""
+def agent_list(phases: tuple[str, ...], archived: bool, limit: int, cursor: str | None, as_json: bool) -> None:
+    """List agents, newest first, a page at a time."""
     with open_client() as client:
-        states = client.list_agents()
-    lines = [f"{s.name:<24} {s.phase:<17} rev {s.revision:<6} {s.request_id or '-'}" for s in states]
-    emit(states, as_json, "\n".join(lines) or "no agents")
+        page = client.list_agents(phases=phases, archived=archived, limit=limit, after=cursor)
+    if not page.agents:
+        emit(page, as_json, "no agents")
+        return
+    names = max(len("NAME"), *(len(s.name) for s in page.agents))
+    lines = [f"{'NAME':<{names}}  {'PHASE':<16}  {'REV':>5}  {'REQUEST':<24}  {'CREATED':<27}  UPDATED"]
+    lines += [
+        f"{s.name:<{names}}  {s.phase:<16}  {s.revision:>5}  {s.request_id or '-':<24}  {timestamp(s.created_at):<27}"
+        f"  {timestamp(s.updated_at)}"
+        for s in page.agents
+    ]
+    if page.next is not None:
+        lines.append(f"next: keel agent list --after {page.next}")
+    emit(page, as_json, "\n".join(lines))
+
+
+@agent.command("archive")
+@click.argument("agent_ref", metavar="AGENT")
+@actor_option
+@json_option
+@friendly
+def agent_archive(agent_ref: str, actor: str, as_json: bool) -> None:
+    """Archive AGENT: it refuses new requests and `keel agent list` leaves it out; its journal stays, verifiable.
+
+    Only while it rests (idle, done or failed). Keel never deletes an agent: its row carries the head of its
+    journal chain, which is what makes the journal verifiable. `keel agent unarchive` puts it back in use."""
+    with open_client() as client:
+        state = client.archive(agent_ref, actor=actor)
+    emit(state, as_json, state_text(state))
+
+
+@agent.command("unarchive")
+@click.argument("agent_ref", metavar="AGENT")
+@actor_option
+@json_option
+@friendly
+def agent_unarchive(agent_ref: str, actor: str, as_json: bool) -> None:
+    """Put an archived AGENT back in use."""
+    with open_client() as client:
+        state = client.unarchive(agent_ref, actor=actor)
+    emit(state, as_json, state_text(state))
+
+
+def _wait_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option(
+        "--timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        help="With --wait/--follow: stop waiting after this many seconds (exit 5; the request goes on).",
+    )(fn)
+    fn = click.option(
+        "--follow",
+        is_flag=True,
+        help="Show the request's progress (phase, revision, steps) until it rests; implies --wait.",
+    )(fn)
+    return click.option(
+        "--wait",
+        is_flag=True,
+        help="Wait until the request rests; exit 0 done, 3 failed, 4 waiting for approval, 5 timed out.",
+    )(fn)
+
+
+def _finish(client: Any, state: Any, *, wait: bool, follow: bool, timeout: float | None, as_json: bool) -> None:
+    """Print the state now, or wait (and follow) until the request rests and exit with its outcome."""
+    if timeout is not None and not (wait or follow):
+        raise click.UsageError("--timeout needs --wait or --follow")
+    if not (wait or follow):
+        emit(state, as_json, state_text(state))
+        return
+    status, state = wait_for_rest(client, state, follow=follow, as_json=as_json, timeout=timeout, details=False)
+    if not (follow and as_json):
+        emit(state, as_json, state_text(state))
+    sys.exit(status)
 
 
 @click.command("submit")
@@ -98,9 +193,20 @@ def agent_list(as_json: bool) -> None:
 @click.option("--input", "input_text", default="null", help="The request's input as JSON.")
 @click.option("--revision", type=click.IntRange(min=0), help="Expected revision (rejected if stale).")
 @actor_option
+@_wait_options
 @json_option
 @friendly
-def submit(agent_ref: str, request_id: str, input_text: str, revision: int | None, actor: str, as_json: bool) -> None:
+def submit(
+    agent_ref: str,
+    request_id: str,
+    input_text: str,
+    revision: int | None,
+    actor: str,
+    wait: bool,
+    follow: bool,
+    timeout: float | None,
+    as_json: bool,
+) -> None:
     """Start request REQUEST_ID on AGENT (idempotent on REQUEST_ID)."""
     try:
         value = json.loads(input_text)
@@ -108,7 +214,7 @@ def submit(agent_ref: str, request_id: str, input_text: str, revision: int | Non
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
     with open_client() as client:
         state = client.submit(agent_ref, request_id, value, expected_revision=revision, actor=actor)
-    emit(state, as_json, state_text(state))
+        _finish(client, state, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
 
 
 @click.command("run")
@@ -122,12 +228,21 @@ def submit(agent_ref: str, request_id: str, input_text: str, revision: int | Non
     help="JSON list of scripted model replies (KEEL_LLM_PROVIDER=scripted).",
 )
 @actor_option
+@_wait_options
 @json_option
 @friendly
 def run(
-    agent_ref: str, prompt: str, request_id: str | None, script_path: Path | None, actor: str, as_json: bool
+    agent_ref: str,
+    prompt: str,
+    request_id: str | None,
+    script_path: Path | None,
+    actor: str,
+    wait: bool,
+    follow: bool,
+    timeout: float | None,
+    as_json: bool,
 ) -> None:
-    """Ask AGENT to work on PROMPT; workers and beat take it from there (see `keel state`)."""
+    """Ask AGENT to work on PROMPT; workers and beat take it from there (see `keel state`, or add --follow)."""
     import uuid
 
     value: dict[str, Any] = {"prompt": prompt}
@@ -140,7 +255,7 @@ def run(
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--script") from None
     with open_client() as client:
         state = client.submit(agent_ref, request_id or f"run-{uuid.uuid4().hex[:12]}", value, actor=actor)
-    emit(state, as_json, state_text(state))
+        _finish(client, state, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
 
 
 @click.command("state")

@@ -2,40 +2,61 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
 
 import click
 
-from agents.cli.common import emit, friendly, json_option, open_client
-
-
-def journal_table(events: Sequence[Any]) -> str:
-    """The journal as a fixed-width text table."""
-    header = f"{'seq':>4}  {'at':<15} {'kind':<10} {'event':<16} {'from -> to':<30} {'rev':>4}  {'actor':<12} decision"
-    lines = [header]
-    for e in events:
-        move = f"{e.from_phase} -> {e.to_phase}" if e.from_phase != e.to_phase else str(e.to_phase)
-        lines.append(
-            f"{e.seq:>4}  {e.at:%H:%M:%S.%f} {e.kind:<10} {e.event:<16} {move:<30} {e.revision:>4}  "
-            f"{e.actor[:12]:<12} {e.decision}"
-        )
-    return "\n".join(lines)
+from agents.cli.common import emit, friendly, json_option, open_client, percent, seconds, text_value, to_json
+from agents.cli.watch import journal_header, journal_text, print_events
 
 
 @click.command("journal")
 @click.option("--agent", "agent_ref", help="Only this agent (id or name).")
 @click.option("--request-id", help="Only this request.")
-@click.option("--limit", type=click.IntRange(min=1), help="At most this many events.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many events (not with --follow).")
+@click.option("--details", is_flag=True, help="Show every event's details (rejections always show theirs).")
+@click.option(
+    "--follow",
+    "-f",
+    is_flag=True,
+    help="Keep printing new events as they commit, until Ctrl-C (with --json: one JSON object per line).",
+)
 @json_option
 @friendly
-def journal_cmd(agent_ref: str | None, request_id: str | None, limit: int | None, as_json: bool) -> None:
-    """Show journal events, oldest first."""
+def journal_cmd(
+    agent_ref: str | None, request_id: str | None, limit: int | None, details: bool, follow: bool, as_json: bool
+) -> None:
+    """Show journal events, oldest first: who did what to which agent, and what was decided."""
+    if follow and limit is not None:
+        raise click.UsageError("--limit and --follow do not go together")
     with open_client() as client:
+        if follow:
+            names: dict[Any, str] = {}
+
+            def name_of(agent_id: Any) -> str:
+                if agent_id not in names:
+                    names.update(client.agent_names([agent_id]))
+                return names.get(agent_id, str(agent_id))
+
+            if not as_json:
+                click.echo(journal_header("seq" if agent_ref else "agent#seq"))
+            try:
+                print_events(
+                    client.follow_journal(agent_id=agent_ref, request_id=request_id),
+                    as_json=as_json,
+                    details=details,
+                    name_of=None if agent_ref else name_of,
+                )
+            except KeyboardInterrupt:
+                pass  # Ctrl-C ends a follow: that is how it is meant to stop
+            return
         events = client.journal(agent_id=agent_ref, request_id=request_id, limit=limit)
-    emit(events, as_json, journal_table(events) if events else "no events")
+        several = agent_ref is None and len({e.agent_id for e in events}) > 1
+        agent_names = client.agent_names(e.agent_id for e in events) if several else None
+    text = journal_text(events, names=agent_names, details=details) if events else "no events"
+    emit({"events": events}, as_json, text)
 
 
 @click.group()
@@ -54,7 +75,7 @@ def audit_verify(as_json: bool) -> None:
         report = journal.verify(client.db)
     if as_json:
         click.echo(
-            json.dumps(
+            to_json(
                 {
                     "ok": report.ok,
                     "agents": report.agents,
@@ -68,8 +89,7 @@ def audit_verify(as_json: bool) -> None:
                         }
                         for b in report.breaks
                     ],
-                },
-                indent=2,
+                }
             )
         )
     elif report.ok:
@@ -83,16 +103,34 @@ def audit_verify(as_json: bool) -> None:
 
 
 @click.command("kpi")
+@click.option("--include-demo", is_flag=True, help="Count the demo's agents (named demo-...) too.")
 @json_option
 @friendly
-def kpi(as_json: bool) -> None:
+def kpi(include_demo: bool, as_json: bool) -> None:
     """The KPIs, computed from the tables: suppressed duplicates, side effects confirmed twice, p95 step latency,
     recovery rate after a first failure, retry-caused cost, failure rate."""
-    from models.kpi_sql import kpis
+    from models.kpi_sql import DEMO_PREFIX, kpis
 
     with open_client() as client:
-        data = {k: (float(v) if hasattr(v, "as_tuple") else v) for k, v in kpis(client.db).items()}
-    emit(data, as_json, "\n".join(f"{k:<28} {v}" for k, v in data.items()))
+        data = kpis(client.db, skip_prefix=None if include_demo else DEMO_PREFIX)
+    width = max(len(k) for k in data) + 1
+    emit(data, as_json, "\n".join(f"{k:<{width}} {_kpi_text(k, v)}" for k, v in data.items()))
+
+
+def _kpi_text(name: str, value: Any) -> str:
+    """A KPI for people: counts with separators, rates as percentages, times in ms or s, costs to the cent's
+    hundredth; "-" when there is nothing to measure yet."""
+    if value is None:
+        return "-"
+    if name.endswith("_rate"):
+        return percent(float(value))
+    if name.endswith("_seconds"):
+        return seconds(float(value))
+    if isinstance(value, Decimal):
+        return f"{value:,.4f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return text_value(value)
 
 
 COMMANDS = (journal_cmd, audit, kpi)

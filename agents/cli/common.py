@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from enum import Enum
 from functools import wraps
 from typing import Any, ParamSpec, TypeVar
+from uuid import UUID
 
 import click
 from pydantic import BaseModel
@@ -60,25 +64,88 @@ def friendly(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-def emit(value: BaseModel | Sequence[BaseModel] | dict[str, Any], as_json: bool, text: str) -> None:
-    """Print ``value`` as JSON with ``--json``, else ``text``."""
+# One output format for every command (README, "Output"):
+# - times: RFC 3339 in UTC with microseconds, e.g. 2026-11-30T18:22:01.123456Z, in text and JSON alike;
+# - --json: one JSON object per command; a list is a field of it named after its items ({"agents": [...]}, with
+#   "next" where it pages); money and other exact decimals are strings ("0.0025"), ids are strings;
+# - text: payloads as compact JSON (never Python's repr), numbers rounded for people.
+
+
+def timestamp(at: datetime) -> str:
+    """``at`` in the one format every ``keel`` output uses: RFC 3339, UTC, microseconds, ``Z``."""
+    if at.tzinfo is None:  # every stored time is timestamptz; a naive one would be a bug upstream
+        raise ValueError(f"naive datetime {at!r} has no time zone")
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def decimal_text(value: Decimal) -> str:
+    """An exact decimal without trailing zeros or exponent: ``Decimal("0.002000")`` -> ``0.002``."""
+    text = format(value.normalize(), "f")
+    return "0" if text in ("-0", "") else text
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON data in Keel's output format (see above)."""
+    if isinstance(value, BaseModel):
+        return jsonable(value.model_dump())
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return timestamp(value)
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return decimal_text(value)
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, Enum):
+        return jsonable(value.value)
+    if isinstance(value, UUID):
+        return str(value)
+    return value
+
+
+def to_json(value: Any, *, indent: int | None = 2) -> str:
+    return json.dumps(jsonable(value), indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+def text_value(value: Any) -> str:
+    """One value as text mode prints it: payloads as compact JSON, times and decimals in the one format."""
+    if value is None:
+        return "-"
+    if isinstance(value, dict | list | tuple):
+        return json.dumps(jsonable(value), ensure_ascii=False, separators=(", ", ": "))
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    result = jsonable(value)
+    return result if isinstance(result, str) else str(result)
+
+
+def percent(rate: float) -> str:
+    """A rate in [0, 1] as a percentage with one decimal: ``0.6667`` -> ``66.7%``."""
+    return f"{rate * 100:.1f}%"
+
+
+def seconds(value: float) -> str:
+    """A duration for people: ``0.0421`` -> ``42 ms``, ``2.7197275`` -> ``2.72 s``."""
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:,.2f} s"
+
+
+def emit(value: Any, as_json: bool, text: str) -> None:
+    """Print ``value`` as one JSON object with ``--json``, else ``text``."""
     if as_json:
-        if isinstance(value, BaseModel):
-            data: Any = value.model_dump(mode="json")
-        elif isinstance(value, dict):
-            data = value
-        else:
-            data = [v.model_dump(mode="json") for v in value]
-        click.echo(json.dumps(data, indent=2, default=str))
+        assert not isinstance(value, list | tuple), "--json prints one object: wrap a list in a named field"
+        click.echo(to_json(value))
     else:
         click.echo(text)
 
 
-def plain(row: dict[str, Any]) -> dict[str, Any]:
-    """A row with every value JSON can not hold as it is (times, decimals, ids) as text."""
-    return {
-        k: (v if isinstance(v, int | float | str | bool | dict | list | type(None)) else str(v)) for k, v in row.items()
-    }
+def fields_text(row: dict[str, Any], skip: Sequence[str] = ()) -> str:
+    """A row as ``name  value`` lines, values as :func:`text_value` prints them."""
+    width = max((len(k) for k in row), default=0) + 1
+    return "\n".join(f"{k:<{width}} {text_value(v)}" for k, v in row.items() if k not in skip)
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")

@@ -34,11 +34,15 @@ class _Keel(click.Group):
 
 
 @click.group(cls=_Keel, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="keel", prog_name="keel", message="%(prog)s %(version)s")
 def cli() -> None:
     """Keel: a control plane for long-running AI agents.
 
     Configuration comes from KEEL_* environment variables (KEEL_DATABASE_URL, KEEL_BROKER_URL, ...). With none
     set, Keel starts an embedded PostgreSQL and Redis under ./.keel/ (see `keel dev status`).
+
+    Shell completion: eval "$(_KEEL_COMPLETE=bash_source keel)" in ~/.bashrc (zsh_source for zsh; for fish,
+    _KEEL_COMPLETE=fish_source keel | source).
     """
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from agents.cli.common import emit, friendly, json_option, open_client, plain
+from agents.cli.common import emit, fields_text, friendly, json_option, open_client
 
 
 @click.command("job")
@@ -19,9 +19,7 @@ def job_show(key: str, as_json: bool) -> None:
         row = job_row(client.db, key)
     if row is None:
         raise click.ClickException(f"no job has the key {key!r}")
-    data = plain(row)
-    text = "\n".join(f"{k:<15} {v}" for k, v in data.items() if k != "payload")
-    emit(data, as_json, text)
+    emit(row, as_json, fields_text(row))
 
 
 COMMANDS = (job_show,)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from agents.cli.common import actor_option, emit, friendly, json_option, open_client, plain
+from agents.cli.common import actor_option, emit, fields_text, friendly, json_option, open_client
 
 
 @click.group()
@@ -22,7 +22,7 @@ def outbox_list(status: str | None, limit: int, as_json: bool) -> None:
     from models.outbox_sql import list_messages
 
     with open_client() as client:
-        rows = [plain(r) for r in list_messages(client.db, status, limit)]
+        rows = list_messages(client.db, status, limit)
     lines = [
         f"{r['key']:<44} {r['channel']:<7} {r['destination']:<24} {r['status']:<8} attempts {r['attempts']}"
         + (f"  {r['last_error'][:60]}" if r["last_error"] else "")
@@ -43,8 +43,7 @@ def outbox_show(key: str, as_json: bool) -> None:
         row = message_row(client.db, key)
     if row is None:
         raise click.ClickException(f"no outbox message has the key {key!r}")
-    data = plain(row)
-    emit(data, as_json, "\n".join(f"{k:<16} {v}" for k, v in data.items()))
+    emit(row, as_json, fields_text(row))
 
 
 @outbox.command("retry")
@@ -69,8 +68,7 @@ def outbox_stats(as_json: bool) -> None:
 
     with open_client() as client:
         data = stats(client.db)
-    text = "\n".join(f"{k:<30} {v}" for k, v in data.items())
-    emit(data, as_json, text)
+    emit(data, as_json, fields_text(data))
 
 
 COMMANDS = (outbox,)

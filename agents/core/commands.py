@@ -14,6 +14,7 @@ from typing import Any
 from uuid import UUID
 
 from agents.core.errors import (
+    AgentArchived,
     HardDeadlinePassed,
     IllegalTransition,
     InvalidDeadlines,
@@ -277,6 +278,8 @@ def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUI
         if request_owner is not None:
             assert command.request_id is not None
             return Reject(RequestConflict(request_id=command.request_id, owner=request_owner), "request_conflict")
+        if row.archived_at is not None:
+            return Reject(AgentArchived(agent_id=row.id, name=row.name), "agent_archived")
     if command.expected_revision is not None and command.expected_revision != row.revision:
         error = StaleRevision(agent_id=row.id, expected=command.expected_revision, current=row.revision)
         return Reject(error, "stale_revision")

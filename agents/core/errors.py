@@ -69,6 +69,27 @@ class RequestConflict(Rejected):
         super().__init__(f"request id {request_id!r} already belongs to agent {owner}")
 
 
+class AgentArchived(Rejected):
+    """The agent is archived: it takes no new requests until it is unarchived."""
+
+    def __init__(self, *, agent_id: UUID, name: str) -> None:
+        self.agent_id = agent_id
+        self.name = name
+        super().__init__(f"agent {name!r} is archived: it takes no new requests (unarchive it first)")
+
+
+class AgentBusy(Rejected):
+    """The agent has a request in flight: it can be archived only while it rests (idle, done or failed)."""
+
+    def __init__(self, *, agent_id: UUID, name: str, phase: str) -> None:
+        self.agent_id = agent_id
+        self.name = name
+        self.phase = phase
+        super().__init__(
+            f"agent {name!r} is {phase}: archive it when it rests (idle, done or failed), or cancel its request first"
+        )
+
+
 class InvalidDeadlines(Rejected):
     """The request's deadlines are impossible (a hard deadline that has passed, a soft one after the hard one)."""
 

@@ -145,6 +145,49 @@ def events(
         return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
 
 
+# Per agent, the events past the position a follower has seen. An agent's chain is appended under its row's lock
+# and its head moves in the same transaction, so within one statement's snapshot "head > seen" finds exactly the
+# committed events a follower lacks: none skipped (a global id can commit out of order, a chain cannot), none twice.
+#: Events read per pass of a follower.
+FOLLOW_BATCH = 500
+_FOLLOW = """
+WITH seen AS (SELECT * FROM unnest(%(ids)s::uuid[], %(seqs)s::bigint[]) AS s(agent_id, seq))
+SELECT j.* FROM agents a
+LEFT JOIN seen s ON s.agent_id = a.id
+JOIN audit.journal j ON j.agent_id = a.id AND j.seq > coalesce(s.seq, 0)
+WHERE a.journal_seq > coalesce(s.seq, 0) AND (%(agent)s::uuid IS NULL OR a.id = %(agent)s::uuid)
+  AND (%(request)s::text IS NULL OR a.id IN (SELECT agent_id FROM requests WHERE request_id = %(request)s::text))
+ORDER BY j.id
+LIMIT %(limit)s
+"""
+
+
+def events_after(
+    db: Database,
+    seen: Mapping[UUID, int],
+    *,
+    agent_id: UUID | None = None,
+    request_id: str | None = None,
+    limit: int = FOLLOW_BATCH,
+) -> list[JournalEvent]:
+    """The events committed past ``seen`` (agent id -> last seq read; absent: none read), in time order, at most
+    ``limit``; each agent's events come as a prefix of its chain, so a caller that advances ``seen`` by what it got
+    and asks again reads every event once. With ``request_id`` only that request's agent is read (the caller
+    filters its other requests' events out, after advancing ``seen`` past them)."""
+    params = {
+        "ids": list(seen),
+        "seqs": list(seen.values()),
+        "agent": agent_id,
+        "request": request_id,
+        "limit": limit,
+    }
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_FOLLOW, params)
+        rows = cur.fetchall()
+        conn.rollback()
+    return [JournalEvent.model_validate(r) for r in rows]
+
+
 @dataclass(frozen=True, slots=True)
 class ChainBreak:
     """The first broken link of one agent's chain."""

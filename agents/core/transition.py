@@ -20,7 +20,15 @@ import sqlalchemy.exc
 
 from agents.core import journal
 from agents.core.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
-from agents.core.errors import AgentExists, AgentNotFound, FencedOff, InvalidInput, LostUpdate, StoreError
+from agents.core.errors import (
+    AgentBusy,
+    AgentExists,
+    AgentNotFound,
+    FencedOff,
+    InvalidInput,
+    LostUpdate,
+    StoreError,
+)
 from agents.core.keys import make_key
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
@@ -37,7 +45,7 @@ from models.jobs_sql import (
 )
 from models.outbox_sql import NewMessage, insert_messages_txn
 from models.schemas import AgentRow
-from models.sql import claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
+from models.sql import claim_request_txn, insert_agent_txn, lock_agent_txn, set_archived_txn, update_agent_txn
 
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
 #: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled.
@@ -93,6 +101,50 @@ def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_c
             cur, row, kind="created", event="create", actor=actor, decision="accepted", details=details, at=at
         )
     return replace(row, journal_seq=link.seq, journal_head=link.hash)
+
+
+def set_archived(db: Database, agent_id: UUID, *, archived: bool, actor: str) -> AgentRow:
+    """Archive (or unarchive) a resting agent: an archived agent refuses new requests and is left out of lists;
+    its row, phase, revision and journal stay as they are. Journaled as an ``operator`` event (``archive`` /
+    ``unarchive``); archiving an agent with a request in flight is refused with :class:`AgentBusy` and journaled
+    as ``rejected``. Archiving an archived agent (or unarchiving one in use) changes nothing and journals nothing."""
+    event = "archive" if archived else "unarchive"
+    with store_errors(), db.transaction() as cur:
+        locked = lock_agent_txn(cur, agent_id)
+        if locked is None:
+            raise AgentNotFound(agent_id)
+        row, at = locked.row, locked.at
+        if (row.archived_at is not None) == archived:
+            return row
+        if archived and Phase(row.phase) not in RESTING:
+            busy = AgentBusy(agent_id=row.id, name=row.name, phase=row.phase)
+            journal.append_side_event_txn(
+                cur, row, kind="rejected", event=event, actor=actor, decision="agent_busy",
+                details={"error": str(busy)}, at=at,
+            )  # fmt: skip
+            refused: AgentBusy | None = busy
+        else:
+            refused = None
+            appended = journal.new_event(
+                row,
+                kind="operator",
+                event=event,
+                actor=actor,
+                request_id=row.request_id,
+                from_phase=row.phase,
+                to_phase=row.phase,
+                revision=row.revision,
+                decision="archived" if archived else "unarchived",
+                details={},
+                at=at,
+            )
+            archived_at = at if archived else None
+            if not set_archived_txn(cur, appended, archived_at):
+                raise LostUpdate(f"agent {row.id}'s journal chain is no longer at event {row.journal_seq}")
+            row = replace(row, archived_at=archived_at, journal_seq=appended.seq, journal_head=appended.hash)
+    if refused is not None:
+        raise refused  # after the commit: the refusal is on record
+    return row
 
 
 def transition(

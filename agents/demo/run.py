@@ -162,7 +162,7 @@ def run_demo(settings: Settings, echo: Echo) -> int:
         expected: dict[str, str] = {}
         ids = {}
         for name, budget, request, ending in scenarios():
-            agent = client.create_agent(f"{name}-{run}", **budget)
+            agent = client.create_agent(f"demo-{name}-{run}", **budget)  # DEMO_PREFIX: `keel kpi` leaves them out
             client.submit(agent.id, f"{name}-{run}", request, actor="demo")
             expected[agent.name] = ending
             ids[agent.name] = agent.id

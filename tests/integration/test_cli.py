@@ -49,14 +49,14 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
     missing = keel(db_url, "job", "nope:plan:1", check=False)
     assert missing.returncode == 1 and "no job has the key 'nope:plan:1'" in missing.stderr
     keel(db_url, "cancel", "ops-bot", "--revision", "1", "--reason", "wrong prompt", "--actor", "bob")
-    events = json.loads(keel(db_url, "journal", "--agent", "ops-bot", "--json").stdout)
+    events = json.loads(keel(db_url, "journal", "--agent", "ops-bot", "--json").stdout)["events"]
     assert [(e["kind"], e["event"], e["actor"]) for e in events] == [
         ("created", "create", "cli"),
         ("transition", "submit", "alice"),
         ("transition", "cancel", "bob"),
     ]
     assert events[2]["details"] == {"reason": "wrong prompt", "jobs_cancelled": ["req-7:plan:1"]}
-    by_request = json.loads(keel(db_url, "journal", "--request-id", "req-7", "--json").stdout)
+    by_request = json.loads(keel(db_url, "journal", "--request-id", "req-7", "--json").stdout)["events"]
     assert [e["event"] for e in by_request] == ["submit", "cancel"]
     assert "planning -> failed" in keel(db_url, "journal", "--agent", "ops-bot").stdout
     verified = json.loads(keel(db_url, "audit", "verify", "--json").stdout)
