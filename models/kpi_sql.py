@@ -37,7 +37,7 @@ SELECT
   (SELECT count(*) FILTER (WHERE status = 'succeeded')::float / nullif(count(*), 0) FROM mine_jobs
      WHERE error_attempts <> '{}'::jsonb)                                               AS recovery_rate,
   (SELECT count(*) FROM mine_jobs WHERE error_attempts <> '{}'::jsonb)                  AS jobs_that_failed_once,
-  (SELECT coalesce(sum(failed_tokens), 0) FROM mine_jobs)                               AS retry_tokens,
+  (SELECT coalesce(sum(failed_tokens), 0)::bigint FROM mine_jobs)                       AS retry_tokens,
   (SELECT coalesce(sum(failed_cost), 0) FROM mine_jobs)                                 AS retry_cost,
   (SELECT count(*) FILTER (WHERE phase = 'failed')::float / nullif(count(*), 0) FROM agents
      WHERE request_id IS NOT NULL AND id IN (SELECT id FROM mine_agents))               AS failure_rate

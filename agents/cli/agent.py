@@ -22,7 +22,7 @@ from agents.cli.common import (
     text_value,
     timestamp,
 )
-from agents.cli.watch import wait_for_rest
+from agents.cli.watch import EXIT_TIMEOUT, wait_for_rest
 from agents.core.phases import Phase
 
 
@@ -174,14 +174,24 @@ def _wait_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
-def _finish(client: Any, state: Any, *, wait: bool, follow: bool, timeout: float | None, as_json: bool) -> None:
-    """Print the state now, or wait (and follow) until the request rests and exit with its outcome."""
+def _check_wait(wait: bool, follow: bool, timeout: float | None) -> None:
+    """Refuse a meaningless combination before anything is submitted."""
     if timeout is not None and not (wait or follow):
         raise click.UsageError("--timeout needs --wait or --follow")
+
+
+def _finish(client: Any, state: Any, *, wait: bool, follow: bool, timeout: float | None, as_json: bool) -> None:
+    """Print the state now, or wait (and follow) until the request rests and exit with its outcome."""
     if not (wait or follow):
         emit(state, as_json, state_text(state))
         return
     status, state = wait_for_rest(client, state, follow=follow, as_json=as_json, timeout=timeout, details=False)
+    if status == EXIT_TIMEOUT:
+        click.echo(
+            f"keel: timed out after {timeout:g}s: agent {state.name!r} is {state.phase} at revision {state.revision};"
+            " the request goes on (wait again with `keel submit AGENT REQUEST_ID --wait`, or see `keel state`)",
+            err=True,
+        )
     if not (follow and as_json):
         emit(state, as_json, state_text(state))
     sys.exit(status)
@@ -208,6 +218,7 @@ def submit(
     as_json: bool,
 ) -> None:
     """Start request REQUEST_ID on AGENT (idempotent on REQUEST_ID)."""
+    _check_wait(wait, follow, timeout)
     try:
         value = json.loads(input_text)
     except json.JSONDecodeError as exc:
@@ -245,6 +256,7 @@ def run(
     """Ask AGENT to work on PROMPT; workers and beat take it from there (see `keel state`, or add --follow)."""
     import uuid
 
+    _check_wait(wait, follow, timeout)
     value: dict[str, Any] = {"prompt": prompt}
     if script_path is None and settings_or_exit().llm_provider == "scripted":
         raise click.UsageError("KEEL_LLM_PROVIDER is scripted: give the replies with --script, or use openai")

@@ -8,7 +8,17 @@ from typing import Any
 
 import click
 
-from agents.cli.common import emit, friendly, json_option, open_client, percent, seconds, text_value, to_json
+from agents.cli.common import (
+    decimal_text,
+    emit,
+    friendly,
+    json_option,
+    open_client,
+    percent,
+    seconds,
+    text_value,
+    to_json,
+)
 from agents.cli.watch import journal_header, journal_text, print_events
 
 
@@ -127,7 +137,7 @@ def _kpi_text(name: str, value: Any) -> str:
     if name.endswith("_seconds"):
         return seconds(float(value))
     if isinstance(value, Decimal):
-        return f"{value:,.4f}"
+        return decimal_text(value.quantize(Decimal("0.0001")))
     if isinstance(value, int):
         return f"{value:,}"
     return text_value(value)

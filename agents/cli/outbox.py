@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from agents.cli.common import actor_option, emit, fields_text, friendly, json_option, open_client
+from agents.cli.common import actor_option, emit, fields_text, friendly, json_option, open_client, percent
 
 
 @click.group()
@@ -68,7 +68,7 @@ def outbox_stats(as_json: bool) -> None:
 
     with open_client() as client:
         data = stats(client.db)
-    emit(data, as_json, fields_text(data))
+    emit(data, as_json, fields_text({**data, "duplicate_rate": percent(data["duplicate_rate"])}))
 
 
 COMMANDS = (outbox,)

@@ -109,11 +109,6 @@ def wait_for_rest(
             if state.phase in OUTCOMES:
                 return OUTCOMES[state.phase], state
             if deadline is not None and time.monotonic() >= deadline:
-                click.echo(
-                    f"keel: timed out after {timeout:g}s: agent {state.name!r} is {state.phase} at revision"
-                    f" {state.revision}; the request goes on (`keel run/submit --wait` again, or `keel state`)",
-                    err=True,
-                )
                 return EXIT_TIMEOUT, state
             time.sleep(POLL_SECONDS)
             new = client.journal_after(seen, agent_id=state.id)

@@ -58,7 +58,7 @@ def test_four_producers_submitting_the_same_hundred_keys_run_each_once(stack: St
     assert len(counts) == 100 and set(counts.values()) == {1}, "a key ran more than once"
     suppressed = stack.query("SELECT count(*) FROM audit.journal WHERE kind = 'suppressed' AND event = 'submit'")
     assert suppressed == [(300,)], "every repeated submit is journaled as a suppressed duplicate"
-    assert {s.phase for s in client.list_agents()} == {"done"}
+    assert {s.phase for s in client.list_agents().agents} == {"done"}
 
 
 def test_four_processes_publishing_the_same_hundred_messages_run_each_key_once(stack: Stack, client: Client) -> None:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+
+from agents.client import Client
 
 pytestmark = pytest.mark.integration
 
@@ -151,3 +156,251 @@ def test_run_state_and_kpi_from_the_command_line(db_url: str, tmp_path: Path) ->
     assert refused.returncode == 2 and "not JSON" in refused.stderr
     kpis = json.loads(keel(db_url, "kpi", "--json").stdout)
     assert kpis["suppressed_duplicates"] == 0 and kpis["keys_confirmed_twice"] == 0
+
+
+# --- the command's own user experience (issue 10) -------------------------------------------------------------
+
+RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
+TIME_KEYS = {"at", "created_at", "updated_at", "run_at", "archived_at", "next_attempt_at", "enqueued_at"}
+
+
+def _times(value: Any) -> list[str]:
+    """Every value of a time field anywhere in a JSON document."""
+    if isinstance(value, dict):
+        found = [v for k, v in value.items() if k in TIME_KEYS and v is not None]
+        return found + [t for v in value.values() for t in _times(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in _times(v)]
+    return []
+
+
+def test_version_comes_from_the_installed_package() -> None:
+    result = keel("postgresql://unused@x/y", "--version")
+    assert result.stdout.strip() == f"keel {importlib.metadata.version('keel')}"
+
+
+def test_version_in_a_non_editable_install(tmp_path: Path) -> None:
+    """A wheel installed as files (no source tree behind it) still knows its version."""
+    root = Path(__file__).resolve().parents[2]
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+         str(root)],
+        check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    probe = (
+        "import sys, agents; from agents.cli import main;"
+        f" assert agents.__file__.startswith({str(target)!r}), agents.__file__;"
+        " sys.argv = ['keel', '--version']; main()"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env={**env, "PYTHONPATH": str(target)}, capture_output=True, text=True,
+        cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"keel {importlib.metadata.version('keel')}"
+
+
+@pytest.mark.parametrize(
+    ("shell", "marker"),
+    [("bash", "complete -o nosort -F _keel_completion keel"), ("zsh", "#compdef keel"), ("fish", "complete")],
+)
+def test_shell_completion_scripts_are_produced(shell: str, marker: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    script = subprocess.run(
+        [KEEL], env={**env, "_KEEL_COMPLETE": f"{shell}_source"}, capture_output=True, text=True, timeout=60
+    )
+    assert script.returncode == 0 and marker in script.stdout, script.stdout + script.stderr
+    # ... and the completion it drives knows the commands.
+    words = subprocess.run(
+        [KEEL],
+        env={**env, "_KEEL_COMPLETE": "bash_complete", "COMP_WORDS": "keel ag", "COMP_CWORD": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "plain,agent" in words.stdout.splitlines()
+
+
+def test_agent_list_has_a_header_a_phase_filter_newest_first_and_pages(db_url: str) -> None:
+    for name in ("a1", "a2", "a3", "a4", "a5"):
+        keel(db_url, "agent", "create", name)
+    keel(db_url, "submit", "a2", "r-a2")
+    keel(db_url, "submit", "a4", "r-a4")
+    listed = keel(db_url, "agent", "list").stdout.splitlines()
+    assert listed[0].split() == ["NAME", "PHASE", "REV", "REQUEST", "CREATED", "UPDATED"]
+    assert [line.split()[0] for line in listed[1:]] == ["a5", "a4", "a3", "a2", "a1"]
+    planning = json.loads(keel(db_url, "agent", "list", "--phase", "planning", "--json").stdout)
+    assert [a["name"] for a in planning["agents"]] == ["a4", "a2"] and planning["next"] is None
+    both = json.loads(keel(db_url, "agent", "list", "--phase", "planning", "--phase", "idle", "--json").stdout)
+    assert len(both["agents"]) == 5
+
+    seen: list[str] = []
+    cursor: str | None = None
+    while True:
+        args = ["agent", "list", "--limit", "2", "--json"] + (["--after", cursor] if cursor else [])
+        page = json.loads(keel(db_url, *args).stdout)
+        seen += [a["name"] for a in page["agents"]]
+        cursor = page["next"]
+        if cursor is None:
+            break
+    assert seen == ["a5", "a4", "a3", "a2", "a1"]
+    first_text = keel(db_url, "agent", "list", "--limit", "2").stdout
+    assert first_text.strip().splitlines()[-1].startswith("next: keel agent list --after ")
+
+    bad = keel(db_url, "agent", "list", "--after", "nonsense", check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert "cursor 'nonsense' is not one `keel agent list` printed" in bad.stderr
+    wrong_phase = keel(db_url, "agent", "list", "--phase", "sleeping", check=False)
+    assert wrong_phase.returncode == 2 and "'sleeping' is not one of" in wrong_phase.stderr
+
+
+def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: str) -> None:
+    keel(db_url, "agent", "create", "old-bot")
+    keel(db_url, "agent", "create", "busy-bot")
+    keel(db_url, "submit", "busy-bot", "r-busy")
+    refused = keel(db_url, "agent", "archive", "busy-bot", "--actor", "carol", check=False)
+    assert refused.returncode == 1
+    assert "agent 'busy-bot' is planning: archive it when it rests" in refused.stderr
+    assert json.loads(keel(db_url, "agent", "show", "busy-bot", "--json").stdout)["archived_at"] is None
+
+    archived = json.loads(keel(db_url, "agent", "archive", "old-bot", "--actor", "carol", "--json").stdout)
+    assert RFC3339.match(archived["archived_at"]) and archived["phase"] == "idle" and archived["revision"] == 0
+    names = [a["name"] for a in json.loads(keel(db_url, "agent", "list", "--json").stdout)["agents"]]
+    assert names == ["busy-bot"]
+    assert [a["name"] for a in json.loads(keel(db_url, "agent", "list", "--archived", "--json").stdout)["agents"]] == [
+        "old-bot"
+    ]
+    submit = keel(db_url, "submit", "old-bot", "r-old", check=False)
+    assert submit.returncode == 1 and "agent 'old-bot' is archived" in submit.stderr
+    assert "ARCHIVED" in keel(db_url, "agent", "show", "old-bot").stdout
+
+    events = json.loads(keel(db_url, "journal", "--agent", "old-bot", "--json").stdout)["events"]
+    assert [(e["kind"], e["event"], e["decision"], e["actor"]) for e in events] == [
+        ("created", "create", "accepted", "cli"),
+        ("operator", "archive", "archived", "carol"),
+        ("rejected", "submit", "agent_archived", "cli"),
+    ]
+    busy = json.loads(keel(db_url, "journal", "--agent", "busy-bot", "--json").stdout)["events"]
+    assert (busy[-1]["kind"], busy[-1]["event"], busy[-1]["decision"]) == ("rejected", "archive", "agent_busy")
+    assert json.loads(keel(db_url, "audit", "verify", "--json").stdout)["ok"] is True
+
+    keel(db_url, "agent", "unarchive", "old-bot")
+    assert json.loads(keel(db_url, "submit", "old-bot", "r-old", "--json").stdout)["phase"] == "planning"
+    assert json.loads(keel(db_url, "audit", "verify", "--json").stdout) == {
+        "ok": True,
+        "agents": 2,
+        "events": 8,
+        "breaks": [],
+    }
+
+
+def test_kpi_is_formatted_for_people_and_leaves_the_demo_out(db_url: str) -> None:
+    keel(db_url, "agent", "create", "mine")
+    keel(db_url, "submit", "mine", "r-mine")
+    keel(db_url, "agent", "create", "demo-triage-1")
+    keel(db_url, "submit", "demo-triage-1", "r-demo")
+    keel(db_url, "cancel", "demo-triage-1")
+    with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
+        # A step that failed once, then succeeded, with an awkward latency and cost.
+        conn.execute(
+            "UPDATE jobs SET status = 'succeeded', error_attempts = '{\"transient\": 1}', failed_cost = 0.0025,"
+            " failed_tokens = 12345, finished_at = run_at + interval '2.7197275 seconds' WHERE key = 'r-mine:plan:1'"
+        )
+    mine = json.loads(keel(db_url, "kpi", "--json").stdout)
+    assert mine["failure_rate"] == 0.0 and mine["retry_cost"] == "0.0025" and mine["retry_tokens"] == 12345
+    assert json.loads(keel(db_url, "kpi", "--include-demo", "--json").stdout)["failure_rate"] == 0.5
+    text = dict(line.split(None, 1) for line in keel(db_url, "kpi").stdout.splitlines())
+    assert text["p95_step_seconds"] == "2.72 s"
+    assert text["recovery_rate"] == "100.0%" and text["failure_rate"] == "0.0%"
+    assert text["retry_tokens"] == "12,345" and text["retry_cost"] == "0.0025"
+    assert keel(db_url, "kpi", "--include-demo").stdout.count("50.0%") == 1
+
+
+def test_one_timestamp_format_and_one_json_shape(db_url: str) -> None:
+    keel(db_url, "agent", "create", "clock")
+    keel(db_url, "submit", "clock", "r-clock", "--input", '{"prompt": "what time is it"}')
+    outputs = {
+        args: json.loads(keel(db_url, *args, "--json").stdout)
+        for args in [
+            ("agent", "show", "clock"),
+            ("state", "clock"),
+            ("agent", "list"),
+            ("journal",),
+            ("job", "r-clock:plan:1"),
+            ("outbox", "list"),
+            ("outbox", "stats"),
+            ("kpi",),
+            ("audit", "verify"),
+        ]
+    }
+    for args, data in outputs.items():
+        assert isinstance(data, dict), args  # one shape: an object; lists are named fields of it
+    assert set(outputs[("agent", "list")]) == {"agents", "next"}
+    assert set(outputs[("journal",)]) == {"events"}
+    assert set(outputs[("outbox", "list")]) == {"messages"}
+    times = [t for data in outputs.values() for t in _times(data)]
+    assert len(times) >= 8 and all(RFC3339.match(t) for t in times), times
+
+    texts = [
+        keel(db_url, *args).stdout
+        for args in [("agent", "show", "clock"), ("agent", "list"), ("journal",), ("job", "r-clock:plan:1")]
+    ]
+    text_times = re.findall(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S*", "\n".join(texts))
+    assert text_times and all(RFC3339.match(t) for t in text_times), text_times
+    job_text = texts[3]
+    # Payloads are JSON, not Python's repr.
+    assert '"prompt": "what time is it"' in job_text and "'prompt'" not in job_text
+
+
+def test_journal_shows_the_whole_actor_and_why_a_command_was_rejected(db_url: str) -> None:
+    actor = "deploy-pipeline@build-host-0042.example.internal"
+    keel(db_url, "agent", "create", "ops", "--actor", actor)
+    stale = keel(db_url, "cancel", "ops", "--revision", "3", "--actor", actor, check=False)
+    assert stale.returncode == 1
+    text = keel(db_url, "journal", "--agent", "ops").stdout
+    assert actor in text
+    assert "error: stale revision for agent" in text and "the agent is at revision 0" in text
+    assert '"expected_revision": 3' in text and '"judged_phase": "idle"' in text
+    assert "details:" not in keel(db_url, "journal", "--agent", "ops", "--limit", "1").stdout
+    assert "details: {" in keel(db_url, "journal", "--agent", "ops", "--details").stdout
+
+
+def test_wait_times_out_with_its_own_status_and_the_request_goes_on(db_url: str) -> None:
+    keel(db_url, "agent", "create", "slow")
+    # No worker is running: the request cannot move on.
+    waited = keel(db_url, "submit", "slow", "r-slow", "--wait", "--timeout", "0.5", check=False)
+    assert waited.returncode == 5, waited.stderr
+    assert "timed out after 0.5s: agent 'slow' is planning at revision 1" in waited.stderr
+    assert json.loads(keel(db_url, "state", "slow", "--json").stdout)["phase"] == "planning"
+    lonely = keel(db_url, "submit", "slow", "r-2", "--timeout", "1", check=False)
+    assert lonely.returncode == 2 and "--timeout needs --wait or --follow" in lonely.stderr
+
+
+def test_follow_reads_every_event_once_while_agents_move(client: Client) -> None:
+    """Events committed by many writers at once reach a follower exactly once, each agent's chain without gaps."""
+    agents = [client.create_agent(f"f{i}") for i in range(4)]
+    seen: dict[Any, int] = {}
+    got: list[tuple[Any, int]] = []
+
+    def drain() -> None:
+        for event in client.journal_after(seen):
+            assert event.seq == seen.get(event.agent_id, 0) + 1, "a gap or a repeat"
+            seen[event.agent_id] = event.seq
+            got.append((event.agent_id, event.seq))
+
+    def churn(agent_id: Any) -> None:
+        for n in range(15):
+            client.submit(agent_id, f"{agent_id}-{n}", {"n": n})
+            client.cancel(agent_id, actor="churn")
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(churn, a.id) for a in agents]
+        while not all(f.done() for f in futures):
+            drain()
+        for f in futures:
+            f.result()
+    drain()
+    assert sorted(got) == sorted((e.agent_id, e.seq) for e in client.journal())
+    assert len(got) == 4 * (1 + 30)

@@ -187,7 +187,7 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(client: Client, call: 
         call(client, agent.id)
     assert client.get_state(agent.id) == agent
     assert client.journal() == events
-    assert [s.name for s in client.list_agents()] == ["a"]
+    assert [s.name for s in client.list_agents().agents] == ["a"]
 
 
 def test_unknown_agents_and_taken_names(client: Client) -> None:

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
 
 from agents.core.commands import Accept, Command, Reject, Suppress, decide
-from agents.core.errors import IllegalTransition, InvalidInput, RequestConflict, StaleRevision
+from agents.core.errors import AgentArchived, IllegalTransition, InvalidInput, RequestConflict, StaleRevision
 from agents.core.phases import Event
 from models.schemas import AgentRow
 from models.tables import GENESIS_HASH
@@ -120,3 +121,12 @@ def test_malformed_commands_are_refused_with_the_rule(kwargs: dict[str, object],
     kwargs = {"agent_id": uuid.UUID(int=1), "actor": "t", **kwargs}
     with pytest.raises(InvalidInput, match=message):
         Command(**kwargs)  # type: ignore[arg-type]
+
+
+def test_an_archived_agent_refuses_a_new_request_but_not_a_repeat() -> None:
+    archived = replace(row("done", 4, "r1"), archived_at=NOW)
+    refused = decide(archived, cmd(Event.SUBMIT, request_id="r2"), NOW)
+    assert isinstance(refused, Reject) and refused.decision == "agent_archived"
+    assert isinstance(refused.error, AgentArchived) and "agent 'a' is archived" in str(refused.error)
+    assert isinstance(decide(archived, cmd(Event.SUBMIT, request_id="r1"), NOW), Suppress)
+    assert isinstance(decide(replace(archived, archived_at=None), cmd(Event.SUBMIT, request_id="r2"), NOW), Accept)
