@@ -16,7 +16,7 @@ branch_labels = None
 depends_on = None
 
 
-# 0001's guard, plus: archiving or unarchiving is journaled (the chain moves with it).
+# 0002's guard (kept verbatim for the downgrade), plus: archiving or unarchiving is journaled (the chain moves with it).
 _GUARD = """
 CREATE OR REPLACE FUNCTION keel_agents_revision_guard() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -24,8 +24,8 @@ BEGIN
         RAISE EXCEPTION 'agents: id, name and created_at never change';
     END IF;
     IF NEW.revision = OLD.revision THEN
-        IF (NEW.phase, NEW.request_id, NEW.soft_deadline, NEW.hard_deadline)
-           IS DISTINCT FROM (OLD.phase, OLD.request_id, OLD.soft_deadline, OLD.hard_deadline) THEN
+        IF (NEW.phase, NEW.request_id, NEW.soft_deadline, NEW.hard_deadline, NEW.priority, NEW.spent_tokens, NEW.spent_cost, NEW.budget_tokens, NEW.budget_cost)
+           IS DISTINCT FROM (OLD.phase, OLD.request_id, OLD.soft_deadline, OLD.hard_deadline, OLD.priority, OLD.spent_tokens, OLD.spent_cost, OLD.budget_tokens, OLD.budget_cost) THEN
             RAISE EXCEPTION 'agents: a change of state must bump the revision (agent %, revision %)',
                 OLD.id, OLD.revision;
         END IF;
@@ -35,6 +35,12 @@ BEGIN
     END IF;
     IF NEW.journal_seq < OLD.journal_seq THEN
         RAISE EXCEPTION 'agents: the journal chain never moves back (% to %)', OLD.journal_seq, NEW.journal_seq;
+    END IF;
+    IF NEW.journal_seq <> OLD.journal_seq AND NEW.journal_seq <> OLD.journal_seq + 1 THEN
+        RAISE EXCEPTION 'agents: the journal head of agent % must move to its next event', NEW.id;
+    END IF;
+    IF NEW.revision <> OLD.revision AND NEW.journal_seq = OLD.journal_seq THEN
+        RAISE EXCEPTION 'agents: revision % of agent % has no transition event in audit.journal', NEW.revision, NEW.id;
     END IF;
     {archived}
     RETURN NEW;
@@ -54,6 +60,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute(_GUARD.replace("{archived}", ""))
+    op.execute(_GUARD.replace("    {archived}\n", ""))
     op.drop_index("ix_agents_listing", table_name="agents")
     op.drop_column("agents", "archived_at")

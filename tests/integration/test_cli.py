@@ -409,6 +409,6 @@ def test_follow_reads_every_event_once_while_agents_move(client: Client) -> None
 def test_the_database_refuses_an_archive_that_is_not_journaled(db_url: str) -> None:
     keel(db_url, "agent", "create", "sneaky")
     with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
-        with pytest.raises(psycopg.errors.RaiseException, match="archiving agent .* must be journaled"):
+        with pytest.raises(psycopg.errors.RaiseException, match=r"archiving agent .* must be journaled"):
             conn.execute("UPDATE agents SET archived_at = now() WHERE name = 'sneaky'")
     assert json.loads(keel(db_url, "agent", "show", "sneaky", "--json").stdout)["archived_at"] is None

@@ -71,3 +71,17 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
     assert _guards(empty_db_url) == (set(), set())
     migrations.upgrade(empty_db_url)
     assert _guards(empty_db_url) == first
+
+
+def test_0005_downgrade_restores_the_agents_guard_it_replaced(empty_db_url: str) -> None:
+    def guard() -> str:
+        with psycopg.connect(libpq_url(empty_db_url)) as conn:
+            row: Any = conn.execute("SELECT pg_get_functiondef('keel_agents_revision_guard'::regproc)").fetchone()
+        return str(row[0])
+
+    migrations.upgrade(empty_db_url, "0004")
+    before = guard()
+    migrations.upgrade(empty_db_url)
+    assert "must be journaled" in guard() and "NEW.priority" in guard()
+    migrations.downgrade(empty_db_url, "0004")
+    assert guard() == before
