@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -181,11 +182,17 @@ def test_version_comes_from_the_installed_package() -> None:
 
 def test_version_in_a_non_editable_install(tmp_path: Path) -> None:
     """A wheel installed as files (no source tree behind it) still knows its version."""
-    root = Path(__file__).resolve().parents[2]
+    # Built from a copy: pip builds in the tree it is given, and this one must stay as it is.
+    source = tmp_path / "src"
+    shutil.copytree(
+        Path(__file__).resolve().parents[2],
+        source,
+        ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "tests", "bench"),
+    )
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-         str(root)],
+         str(source)],
         check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     probe = (
