@@ -7,6 +7,7 @@ agents, approves the waiting ones through the client, and exits 0 only if every 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -15,7 +16,8 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,7 +117,39 @@ class Stack:
             self.kill(name, signal.SIGTERM)
 
 
+class DemoRunning(KeelError):
+    """Another ``keel demo`` is running in this directory."""
+
+
+@contextmanager
+def only_demo_here(home: Path) -> Iterator[None]:
+    """Hold ``home/demo.lock`` for the block, or raise :class:`DemoRunning` naming the pid that holds it. Two demos
+    on the same servers would each relay the other's messages to their own sinks, and both fail. The lock is the
+    kernel's (flock): it goes with the process, however it ends, SIGKILL included."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "demo.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise DemoRunning(
+                f"another keel demo (pid {holder}) is running in {home.resolve()}: wait until it ends, "
+                "or run this one with another KEEL_HOME"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+
+
 def run_demo(settings: Settings, echo: Echo) -> int:
+    with only_demo_here(settings.home):
+        return _run_demo(settings, echo)
+
+
+def _run_demo(settings: Settings, echo: Echo) -> int:
     started = time.monotonic()
     db = Database.from_settings(settings)
     migrations.upgrade(db.url)  # first: an unreachable database stops the demo before anything is started
