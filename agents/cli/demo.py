@@ -15,7 +15,7 @@ def demo() -> None:
     """The main job: scripted agents with a worker killed midway; exits 0 only if nothing ran twice."""
     from agents.demo.run import run_demo
 
-    sys.exit(run_demo(settings_or_exit(), click.echo))
+    sys.exit(run_demo(settings_or_exit()))
 
 
 @click.command("up")
