@@ -46,7 +46,7 @@ def keel_up(db_url: str, broker_url: str, log: Path, *args: str) -> Iterator[sub
 def running(up: subprocess.Popen[bytes], log: Path) -> None:
     wait_until(
         "keel up to say it is running",
-        lambda: "running; Ctrl-C stops them" in log.read_text() or up.poll() is not None,
+        lambda: "; Ctrl-C stops them" in log.read_text() or up.poll() is not None,
         120,
         every=0.2,
     )
