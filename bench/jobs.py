@@ -29,12 +29,16 @@ from typing import Any
 import psycopg
 import redis
 
+from agents.cli.progress import Progress
+from agents.cli.progress import Step as ProgressStep
 from agents.client import Client
 from models import migrations
 from models.db import Database
 from models.embedded import broker_url_for, database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, with_database
+
+OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -117,17 +121,26 @@ class Bench:
 
     def new_agents(self, n: int) -> list[Any]:
         ids = []
-        for _ in range(n):
-            self.agent_seq += 1
-            ids.append(self.client.create_agent(f"bench-{self.agent_seq}").id)
+        with OUT.task(f"seeding {n} agents", total=n) as step:
+            for _ in range(n):
+                self.agent_seq += 1
+                ids.append(self.client.create_agent(f"bench-{self.agent_seq}").id)
+                step.advance()
         return ids
 
     def submit_all(self, ids: list[Any], client: Client | None = None, spacing: float = 0.0) -> None:
         client = client or self.client
-        for agent_id in ids:
-            client.submit(agent_id, f"r{uuid.uuid4().hex[:12]}", None, operation="bench_noop")
-            if spacing:
-                time.sleep(spacing)
+        with OUT.task(f"submitting {len(ids)} requests", total=len(ids)) as step:
+            for agent_id in ids:
+                client.submit(agent_id, f"r{uuid.uuid4().hex[:12]}", None, operation="bench_noop")
+                step.advance()
+                if spacing:
+                    time.sleep(spacing)
+
+    def done(self, step: ProgressStep, before: int, n: int) -> bool:
+        finished = self.succeeded() - before
+        step.update(completed=finished)
+        return finished >= n
 
     def succeeded(self) -> int:
         # One long-lived connection, polled gently: the measurement must not load the 2 cores it measures.
@@ -158,7 +171,8 @@ class Bench:
             process(worker, self.keel_env, log, node),
             process([str(BIN / "keel"), "beat", "-l", "warning"], self.keel_env, self.logs / "keel-beat.log"),
         ):
-            wait_for("the Keel backlog", lambda: self.succeeded() - before >= self.n)
+            with OUT.task(f"keel, {processes} worker process(es): the backlog", total=self.n) as step:
+                wait_for("the Keel backlog", lambda: self.done(step, before, self.n))
         count, span = self.finished_span(since)
         return (count - 1) / span
 
@@ -188,9 +202,16 @@ class Bench:
             with app.producer_or_acquire() as producer:
                 for i in range(self.n):
                     noop.apply_async((i,), producer=producer)
-            wait_for("the bare backlog", lambda: time.sleep(0.2) or self.redis.llen("bench:done") >= self.n)
+            with OUT.task(f"bare Celery, {processes} worker process(es): the backlog", total=self.n) as step:
+                wait_for("the bare backlog", lambda: self.bare_done(step))
         times = sorted(float(t) for t in self.redis.lrange("bench:done", 0, -1))
         return (len(times) - 1) / (times[-1] - times[0])
+
+    def bare_done(self, step: ProgressStep) -> bool:
+        time.sleep(0.2)
+        finished = int(self.redis.llen("bench:done"))
+        step.update(completed=finished)
+        return finished >= self.n
 
     def due_to_start(self, publish_at_once: bool) -> list[float]:
         """Jobs submitted one every 50 ms to an idle worker: seconds from due (run_at) to start."""
@@ -230,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bench = Bench(args)
     try:
-        print(f"job benchmark: {args.jobs} jobs per run, database {bench.db_name}, broker {bench.broker_url}")
+        OUT.line(f"job benchmark: {args.jobs} jobs per run, database {bench.db_name}, broker {bench.broker_url}")
         ratios = []
         for processes in (1, 2):
             bares, keels = [], []
@@ -240,19 +261,21 @@ def main(argv: list[str] | None = None) -> int:
             bare, keel = statistics.median(bares), statistics.median(keels)
             ratios.append(keel / bare)
             runs = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
-            print(f"\n{processes} worker process{'es' if processes > 1 else ''} (median of {args.rounds} runs each)")
-            print(f"  bare Celery no-op      {bare:8.0f} tasks/s   runs: {runs(bares)}")
-            print(f"  keel end-to-end        {keel:8.0f} jobs/s    runs: {runs(keels)}")
-            print("                         (dispatch, claim, no-op handler, outcome transition, journal)")
-            print(f"  ratio keel/bare        {keel / bare:8.2f}x")
+            OUT.line(f"\n{processes} worker process{'es' if processes > 1 else ''} (median of {args.rounds} runs each)")
+            OUT.line(f"  bare Celery no-op      {bare:8.0f} tasks/s   runs: {runs(bares)}")
+            OUT.line(f"  keel end-to-end        {keel:8.0f} jobs/s    runs: {runs(keels)}")
+            OUT.line("                         (dispatch, claim, no-op handler, outcome transition, journal)")
+            OUT.line(f"  ratio keel/bare        {keel / bare:8.2f}x")
         for label, at_once in (("through the dispatcher", False), ("published at submit", True)):
             delays = bench.due_to_start(at_once)
-            print(
+            OUT.line(
                 f"\ndue -> start, {label} (200 jobs, one per 50 ms): p50 {pct(delays, 50) * 1000:.0f} ms,"
                 f" p95 {pct(delays, 95) * 1000:.0f} ms, max {max(delays) * 1000:.0f} ms"
             )
         worst = min(ratios)
-        print(f"\ntarget: at least 0.50x bare Celery throughput -> {worst:.2f}x {'met' if worst >= 0.5 else 'NOT MET'}")
+        OUT.line(
+            f"\ntarget: at least 0.50x bare Celery throughput -> {worst:.2f}x {'met' if worst >= 0.5 else 'NOT MET'}"
+        )
     finally:
         bench.close()
     return 0

@@ -17,6 +17,7 @@ from datetime import timedelta
 import psycopg
 from slack_sdk import WebClient
 
+from agents.cli.progress import Progress
 from agents.client import Client
 from agents.core.commands import Command, MessageSpec
 from agents.core.phases import Event
@@ -29,6 +30,8 @@ from models.embedded import database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, with_database
 from tests.support.fakes import FakeSlack
+
+OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
 TOKEN = "xoxb-bench-token-0000"
 
@@ -47,7 +50,8 @@ def emit(client: Client, n: int, destinations: int) -> None:
 
 
 def relay_rate(db: Database, client: Client, fake: FakeSlack, n: int, concurrency: int, destinations: int) -> float:
-    emit(client, n, destinations)
+    with OUT.task(f"seeding {n} outbox messages"):
+        emit(client, n, destinations)
     relay = Relay(
         db,
         {"slack": SlackSender(TOKEN, f"{fake.url}/api/", 10.0)},
@@ -95,20 +99,27 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(db)
         raw_rate(fake, 100)  # warm-up
         raws, relays, wide = [], [], []
-        for _ in range(args.rounds):
-            raws.append(raw_rate(fake, args.messages))
-            relays.append(relay_rate(db, client, fake, args.messages, 1, 1))
-        for _ in range(args.rounds):
-            wide.append(relay_rate(db, client, fake, args.messages, 8, 8))
+        with OUT.task("raw loop and relay, one line at a time", total=2 * args.rounds) as step:
+            for _ in range(args.rounds):
+                raws.append(raw_rate(fake, args.messages))
+                step.advance()
+                relays.append(relay_rate(db, client, fake, args.messages, 1, 1))
+                step.advance()
+        with OUT.task("relay, 8 destinations, concurrency 8", total=args.rounds) as step:
+            for _ in range(args.rounds):
+                wide.append(relay_rate(db, client, fake, args.messages, 8, 8))
+                step.advance()
         raw, like, many = statistics.median(raws), statistics.median(relays), statistics.median(wide)
-        print(f"outbox benchmark: {args.messages} messages a run, median of {args.rounds}, fake Slack on {fake.url}")
-        print(f"  raw WebClient loop, 1 in flight      {raw:8.0f} msg/s   runs: {', '.join(f'{x:.0f}' for x in raws)}")
-        print(
+        OUT.line(f"outbox benchmark: {args.messages} messages a run, median of {args.rounds}, fake Slack on {fake.url}")
+        OUT.line(
+            f"  raw WebClient loop, 1 in flight      {raw:8.0f} msg/s   runs: {', '.join(f'{x:.0f}' for x in raws)}"
+        )
+        OUT.line(
             f"  relay, 1 line at a time              {like:8.0f} msg/s   runs: {', '.join(f'{x:.0f}' for x in relays)}"
         )
-        print(f"  ratio relay/raw                      {like / raw:8.2f}x")
-        print(f"  relay, 8 destinations, concurrency 8 {many:8.0f} msg/s   ({many / raw:.2f}x the raw loop)")
-        print(f"\ntarget: at least 0.70x -> {like / raw:.2f}x {'met' if like / raw >= 0.7 else 'NOT MET'}")
+        OUT.line(f"  ratio relay/raw                      {like / raw:8.2f}x")
+        OUT.line(f"  relay, 8 destinations, concurrency 8 {many:8.0f} msg/s   ({many / raw:.2f}x the raw loop)")
+        OUT.line(f"\ntarget: at least 0.70x -> {like / raw:.2f}x {'met' if like / raw >= 0.7 else 'NOT MET'}")
         db.dispose()
     finally:
         fake.stop()

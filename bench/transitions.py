@@ -30,6 +30,8 @@ from uuid import UUID
 
 import psycopg
 
+from agents.cli.progress import Progress
+from agents.cli.progress import Step as ProgressStep
 from agents.core.commands import Command
 from agents.core.phases import Event, Phase
 from agents.core.transition import create_agent, transition
@@ -40,6 +42,9 @@ from models.settings import Settings
 from models.urls import libpq_url, with_database
 
 Step = Callable[[int], None]  # does one transition; the argument is the iteration number
+
+
+OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
 
 @dataclass
@@ -136,12 +141,14 @@ def keel_step(db: Database, agents: list[UUID], phases: dict[UUID, Phase], *, fl
     return step
 
 
-def make_agents(db: Database, prefix: str, n: int) -> list[UUID]:
+def make_agents(db: Database, prefix: str, n: int, step: ProgressStep | None = None) -> list[UUID]:
     ids = []
     for k in range(n):
         row = create_agent(db, f"{prefix}-{k}", budget_tokens=None, budget_cost=None, actor="bench")
         transition(db, Command(row.id, Event.SUBMIT, "bench", request_id=f"{prefix}-{k}-r"))
         ids.append(row.id)
+        if step is not None:
+            step.advance()
     return ids
 
 
@@ -149,15 +156,15 @@ def report(name: str, raw: list[Result], keel: list[Result]) -> float:
     raw_rate = statistics.mean(r.rate for r in raw)
     keel_rate = statistics.mean(r.rate for r in keel)
     ratio = keel_rate / raw_rate
-    print(f"\n{name}")
+    OUT.line(f"\n{name}")
     for label, runs in (("raw psycopg", raw), ("keel transition()", keel)):
         lat = [x for r in runs for x in r.latencies]
         merged = Result(label, sum(r.count for r in runs), sum(r.seconds for r in runs), lat)
-        print(
+        OUT.line(
             f"  {label:<18} {merged.rate:>8.0f} transitions/s   p50 {merged.pct(50):6.2f} ms   "
             f"p95 {merged.pct(95):6.2f} ms   p99 {merged.pct(99):6.2f} ms   ({merged.count} in {merged.seconds:.1f}s)"
         )
-    print(f"  ratio keel/raw     {ratio:.2f}x")
+    OUT.line(f"  ratio keel/raw     {ratio:.2f}x")
     return ratio
 
 
@@ -177,11 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         migrations.upgrade(url)
         db = Database(url, pool_size=args.threads + 2)
-        print(f"transition benchmark on {name}: {args.duration}s runs, {args.rounds} rounds, threads={args.threads}")
-        print("setting up agents ...", flush=True)
-        keel_many, raw_many = make_agents(db, "k", args.agents), make_agents(db, "r", args.agents)
-        keel_one, raw_one = make_agents(db, "k1", 1), make_agents(db, "r1", 1)
-        keel_hot, raw_hot = make_agents(db, "kh", 1), make_agents(db, "rh", 1)
+        OUT.line(f"transition benchmark on {name}: {args.duration}s runs, {args.rounds} rounds, threads={args.threads}")
+        with OUT.task(f"seeding {2 * args.agents + 4} agents", total=2 * args.agents + 4) as seeding:
+            keel_many, raw_many = make_agents(db, "k", args.agents, seeding), make_agents(db, "r", args.agents, seeding)
+            keel_one, raw_one = make_agents(db, "k1", 1, seeding), make_agents(db, "r1", 1, seeding)
+            keel_hot, raw_hot = make_agents(db, "kh", 1, seeding), make_agents(db, "rh", 1, seeding)
         phases = dict.fromkeys(keel_many + keel_one + keel_hot, Phase.PLANNING)
         raw_conns = [psycopg.connect(libpq_url(url)) for _ in range(args.threads)]
 
@@ -211,15 +218,22 @@ def main(argv: list[str] | None = None) -> int:
             run_threads("warm-up", raw_steps, 0.5)
             run_threads("warm-up", keel_steps, 0.5)
             raw_runs, keel_runs = [], []
-            for _ in range(args.rounds):
-                raw_runs.append(run_threads("raw", raw_steps, args.duration))
-                keel_runs.append(run_threads("keel", keel_steps, args.duration))
+            with OUT.task(
+                f"{label}: {args.rounds} rounds of {args.duration}s each side", total=2 * args.rounds
+            ) as step:
+                for _ in range(args.rounds):
+                    raw_runs.append(run_threads("raw", raw_steps, args.duration))
+                    step.advance()
+                    keel_runs.append(run_threads("keel", keel_steps, args.duration))
+                    step.advance()
             ratios[label] = report(label, raw_runs, keel_runs)
         for conn in raw_conns:
             conn.close()
         db.dispose()
         target = ratios[scenarios[1][0]]
-        print(f"\ntarget: (b) at least 0.70x the raw baseline -> {target:.2f}x {'met' if target >= 0.7 else 'NOT MET'}")
+        OUT.line(
+            f"\ntarget: (b) at least 0.70x the raw baseline -> {target:.2f}x {'met' if target >= 0.7 else 'NOT MET'}"
+        )
     finally:
         with psycopg.connect(libpq_url(with_database(server, "postgres")), autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

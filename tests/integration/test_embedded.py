@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -49,4 +50,93 @@ def test_the_demo_alone_starts_both_embedded_servers_and_dev_stop_stops_them(tmp
         assert not status["postgres"]["running"] and not status["redis"]["running"]
     finally:
         embedded.stop_postgres(home)
+        embedded.stop_redis(home)
+
+
+def _urls(home: Path) -> dict[str, str]:
+    started = json.loads(keel(home, "dev", "start", "--json").stdout)
+    return {name: server["url"] for name, server in started.items()}
+
+
+def test_dev_start_prints_the_urls_is_idempotent_and_a_restart_keeps_them(tmp_path: Path) -> None:
+    home = tmp_path / "keel"
+    try:
+        first = keel(home, "dev", "start").stdout
+        assert "postgres  started" in first and "redis     started" in first
+        urls = _urls(home)
+        assert urls["redis"] in first and urls["postgres"] in first
+        again = keel(home, "dev", "start").stdout
+        assert "postgres  already running" in again and "redis     already running" in again
+        keel(home, "dev", "stop")
+        assert _urls(home) == urls, "a restarted server keeps its URL, so running workers reconnect"
+        with psycopg.connect(libpq_url(urls["postgres"])) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        embedded.stop_postgres(home)
+        embedded.stop_redis(home)
+
+
+def test_a_restarted_redis_moves_only_when_someone_else_took_its_port(tmp_path: Path) -> None:
+    import socket
+
+    home = tmp_path / "keel"
+    try:
+        url = embedded.start_redis(home)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        embedded.stop_redis(home)
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+            env["KEEL_HOME"] = str(home)
+            # Only Redis: `keel dev start` would start PostgreSQL too; the library call is what it runs.
+            moved = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "from pathlib import Path; import logging; logging.basicConfig();"
+                    f"from models.embedded import start_redis; print(start_redis(Path({str(home)!r})))",
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+        assert moved.stdout.strip() != url
+        assert f"its port {port} is taken by another process" in moved.stderr
+    finally:
+        embedded.stop_redis(home)
+
+
+def test_dev_status_and_stop_cover_the_test_suites_servers(tmp_path: Path) -> None:
+    home = tmp_path / "keel"
+    suite = home / "test"
+    try:
+        url = embedded.start_redis(suite)
+        status = " ".join(keel(home, "dev", "status").stdout.split())
+        assert f"redis (tests) running (pid {embedded.redis_status(suite).pid}) {url}" in status
+        assert json.loads(keel(home, "dev", "status", "--json").stdout)["tests"]["redis"]["running"]
+        stopped = " ".join(keel(home, "dev", "stop").stdout.split())
+        assert "redis (tests) stopped" in stopped
+        assert not embedded.redis_status(suite).running
+    finally:
+        embedded.stop_redis(suite)
+
+
+def test_the_suites_servers_are_stopped_by_the_last_session_using_them(tmp_path: Path) -> None:
+    from tests.support.suite_servers import start_for_session
+
+    home = tmp_path / "test"
+    first: list[Any] = []
+    second: list[Any] = []
+    try:
+        url = start_for_session(home, "redis", first.append)
+        pid = embedded.redis_status(home).pid
+        assert start_for_session(home, "redis", second.append) == url, "a second session shares the server"
+        first.pop()()
+        assert embedded.redis_status(home).pid == pid, "the other session still uses it"
+        second.pop()()
+        assert not embedded.redis_status(home).running
+    finally:
         embedded.stop_redis(home)

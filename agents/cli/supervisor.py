@@ -1,0 +1,265 @@
+"""What ``keel up`` runs on: child processes started in process groups of their own, their output relayed line by
+line, a start that counts only once each child shows it is ready, a stop on any termination signal (forwarded, waited
+for within a bound, then SIGKILL), and a watch on the servers that gives up after a bounded outage.
+
+Signals: SIGINT (Ctrl-C), SIGTERM (a process manager, ``docker stop``) and SIGHUP (the terminal closed) stop the
+children warmly (SIGTERM to each group: Celery finishes or hands back what it runs); SIGQUIT stops them at once
+(SIGQUIT: Celery's cold shutdown). A second signal while stopping kills every group with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO
+from urllib.parse import parse_qs, urlsplit
+
+#: The signals that stop ``keel up``, and what each child's process group is sent for it. SIGHUP is not passed on:
+#: to a Celery worker it means "restart", not "stop".
+STOP_SIGNALS: dict[signal.Signals, signal.Signals] = {
+    signal.SIGINT: signal.SIGTERM,
+    signal.SIGTERM: signal.SIGTERM,
+    signal.SIGHUP: signal.SIGTERM,
+    signal.SIGQUIT: signal.SIGQUIT,
+}
+
+
+class StartFailed(Exception):
+    """A child exited, or did not show it was ready in time, while the stack started."""
+
+
+def say(line: str, stream: IO[str] | None = None) -> None:
+    """Print one line; a closed terminal (SIGHUP) or a reader gone away must not stop the shutdown."""
+    try:
+        print(line, file=stream or sys.stdout, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def where(url: str) -> str:
+    """``host:port/db`` of a server URL, never its user or password (the Unix socket's directory for a socket)."""
+    parts = urlsplit(url)
+    socket_dir = parse_qs(parts.query).get("host", [""])[0]
+    if parts.hostname is None and socket_dir.startswith("/"):
+        return f"{parts.path.lstrip('/')} on the socket in {socket_dir}"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.hostname or 'localhost'}{port}{parts.path}"
+
+
+@dataclass
+class Child:
+    """One supervised process. It is ready once a line of its output passes ``ready_line`` and ``probe`` answers
+    True (each only if given)."""
+
+    name: str
+    argv: list[str]
+    ready_line: Callable[[str], bool] | None
+    probe: Callable[[], bool] | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    saw_ready_line: threading.Event = field(default_factory=threading.Event)
+    last_lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=5))
+
+    @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def ready(self) -> bool:
+        seen = self.ready_line is None or self.saw_ready_line.is_set()
+        return seen and (self.probe is None or self.probe())
+
+    def why_exited(self) -> str:
+        assert self.proc is not None
+        last = next((line for line in reversed(self.last_lines) if line.strip()), "")
+        return f"{self.name} exited with status {self.proc.returncode}" + (f": {last.strip()}" if last else "")
+
+
+class Supervisor:
+    """Starts ``children`` with ``env`` and stops them on any of :data:`STOP_SIGNALS` or on :meth:`stop`."""
+
+    def __init__(self, children: list[Child], env: dict[str, str], stop_timeout: float) -> None:
+        self.children = children
+        self.env = env
+        self.stop_timeout = stop_timeout
+        self.received: signal.Signals | None = None
+        self.wake = threading.Event()
+        self._stopping = False
+
+    # --- signals ----------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def signals_handled(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is not None and self._stopping:
+            for child in self.children:  # asked twice: no more waiting (stop() reaps them)
+                if child.proc is not None:
+                    _signal_group(child.proc.pid, signal.SIGKILL)
+        self.received = signal.Signals(signum)
+        self.wake.set()
+
+    # --- start ------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for child in self.children:
+            child.proc = subprocess.Popen(
+                child.argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: the terminal's signals reach only us
+            )
+            threading.Thread(target=self._relay, args=(child,), daemon=True, name=f"relay-{child.name}").start()
+
+    def _relay(self, child: Child) -> None:
+        """Copy the child's output to ours, prefixed with its name, and watch it for the ready line. Keeps reading
+        after our stdout is gone (a closed terminal), so the child never blocks on a full pipe."""
+        assert child.proc is not None and child.proc.stdout is not None
+        for raw in child.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            child.last_lines.append(line)
+            if child.ready_line is not None and not child.saw_ready_line.is_set() and child.ready_line(line):
+                child.saw_ready_line.set()
+            say(f"{child.name:<6} | {line}")
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every child is ready; False if a stop signal came first. Raises :class:`StartFailed`."""
+        deadline = time.monotonic() + timeout
+        waiting = list(self.children)
+        while waiting:
+            if self.received is not None:
+                return False
+            for child in waiting:
+                if child.exited:
+                    raise StartFailed(child.why_exited())
+            waiting = [child for child in waiting if not child.ready()]
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(child.name for child in waiting)
+                raise StartFailed(f"{names} did not show it was ready within {timeout:.0f}s")
+            self.wake.wait(0.2)
+        return True
+
+    # --- run and stop -----------------------------------------------------------------------------------------
+
+    def first_exited(self) -> Child | None:
+        return next((child for child in self.children if child.exited), None)
+
+    def stop(self) -> None:
+        """Send each child's group its stop signal, wait up to ``stop_timeout`` for all, then SIGKILL the groups
+        (whatever is left in a group too: a worker's pool processes that outlived it)."""
+        self._stopping = True
+        forward = STOP_SIGNALS.get(self.received, signal.SIGTERM) if self.received else signal.SIGTERM
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                _signal_group(child.proc.pid, forward)
+        deadline = time.monotonic() + self.stop_timeout
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"keel up: {child.name} did not stop within {self.stop_timeout:.0f}s; killing it", sys.stderr)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        for child in self.children:
+            if child.proc is not None:
+                _signal_group(child.proc.pid, signal.SIGKILL)
+                try:
+                    child.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # (a process stuck in the kernel: nothing more we can do)
+                    pass
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is empty: everyone in it has exited
+        pass
+
+
+# --- the servers ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerHealth:
+    """Whether one server answers, as ``keel up`` sees it: one line when it stops answering, one when it is back,
+    and :meth:`gave_up` once it has not answered for ``give_up_after`` seconds in a row."""
+
+    name: str
+    url: str
+    give_up_after: float
+    down_since: float | None = None
+
+    def observe(self, now: float, problem: str | None) -> str | None:
+        """Record a probe's outcome (``problem`` is None when it answered); return the line to print, if any."""
+        if problem is None:
+            if self.down_since is None:
+                return None
+            down = now - self.down_since
+            self.down_since = None
+            return f"keel up: {self.name} at {where(self.url)} answers again (after {down:.0f}s)"
+        if self.down_since is not None:
+            return None
+        self.down_since = now
+        return (
+            f"keel up: {self.name} at {where(self.url)} is unreachable ({problem}); the worker and beat keep "
+            f"retrying; giving up in {self.give_up_after:.0f}s unless it answers"
+        )
+
+    @property
+    def where(self) -> str:
+        return where(self.url)
+
+    def gave_up(self, now: float) -> bool:
+        return self.down_since is not None and now - self.down_since >= self.give_up_after
+
+
+class ServerWatch:
+    """Probes each server every ``every`` seconds in a thread of its own; :attr:`given_up` names the first one that
+    stayed unreachable past its limit."""
+
+    def __init__(
+        self, probes: list[tuple[ServerHealth, Callable[[], str | None]]], every: float, wake: threading.Event
+    ) -> None:
+        self.probes = probes
+        self.every = every
+        self.wake = wake
+        self.given_up: ServerHealth | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="server-watch")
+
+    def __enter__(self) -> ServerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every):
+            for health, probe in self.probes:
+                problem = probe()
+                now = time.monotonic()
+                line = health.observe(now, problem)
+                if line:
+                    say(line, sys.stderr)
+                if health.gave_up(now) and self.given_up is None:
+                    self.given_up = health
+                    self.wake.set()
