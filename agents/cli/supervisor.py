@@ -33,6 +33,31 @@ STOP_SIGNALS: dict[signal.Signals, signal.Signals] = {
 }
 
 
+#: Set in a supervised child's environment to the supervisor's pid: the child asks Linux to SIGTERM it when the
+#: supervisor dies, however it dies (SIGKILL and OOM kills included), so nothing is left orphaned.
+PARENT_ENV = "_KEEL_SUPERVISOR_PID"
+
+
+def supervised_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a child that must not outlive this process (see :func:`die_with_parent`)."""
+    return {**env, PARENT_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a child started with :func:`supervised_env`: have the kernel send SIGTERM (a Celery warm shutdown) when
+    the supervisor exits. Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere the supervisor's own signal handling
+    is all there is. Called first thing in ``python -m agents``."""
+    parent = os.environ.pop(PARENT_ENV, None)  # not for the grandchildren this child starts
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):  # the supervisor died before the request above was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class StartFailed(Exception):
     """A child exited, or did not show it was ready in time, while the stack started."""
 
@@ -118,7 +143,7 @@ class Supervisor:
         for child in self.children:
             child.proc = subprocess.Popen(
                 child.argv,
-                env=self.env,
+                env=supervised_env(self.env),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

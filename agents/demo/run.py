@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.cli.progress import Progress, Step
+from agents.cli.supervisor import supervised_env
 from agents.client import Client
 from agents.core import journal
 from agents.core.errors import KeelError, StaleRevision
@@ -86,7 +87,7 @@ class Stack:
         with open(self.logs / f"{name}.log", "ab") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "agents", *args],
-                env=self.env,
+                env=supervised_env(self.env),  # SIGTERMed by the kernel if the demo dies, however it dies
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
@@ -144,11 +145,43 @@ def only_demo_here(home: Path) -> Iterator[None]:
         yield
 
 
+class Stopped(Exception):
+    """A termination signal reached the demo: unwind, stopping what it started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """Turn SIGTERM (a process manager), SIGHUP (the terminal closed) and SIGQUIT into :class:`Stopped`, once, so
+    the demo's ``finally`` stops its worker and beat (Ctrl-C is Python's KeyboardInterrupt already)."""
+    signals = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+    def stop(signum: int, _frame: object) -> None:
+        for sig in signals:  # a second signal must not interrupt the clean-up the first one started
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_demo(settings: Settings, out: Progress | None = None) -> int:
     """Run the demo, showing its progress on ``out`` (live on a terminal, plain lines elsewhere); 0 if every
-    invariant held."""
-    with only_demo_here(settings.home):
-        return _run_demo(settings, out or Progress())
+    invariant held, 128 + the signal's number if a termination signal stopped it (after stopping what it started)."""
+    progress = out or Progress()
+    try:
+        with stopped_by_signals(), only_demo_here(settings.home):
+            return _run_demo(settings, progress)
+    except Stopped as exc:
+        progress.line(f"keel demo: stopped by {exc}; its worker and beat were stopped")
+        return 128 + exc.signum
 
 
 def _run_demo(settings: Settings, out: Progress) -> int:

@@ -1,0 +1,106 @@
+"""Nothing `keel up` or `keel demo` starts outlives it: not when it is SIGKILLed (the kernel's parent-death signal
+ends its children), and not when the demo gets SIGTERM or SIGHUP (it stops its worker and beat, then exits)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.chaos.conftest import wait_until
+
+pytestmark = pytest.mark.chaos
+KEEL = str(Path(sys.executable).parent / "keel")
+
+
+def _start(db_url: str, broker_url: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env.update({"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": broker_url, "KEEL_HOME": str(log.parent / ".keel")})
+    with open(log, "wb") as out:
+        return subprocess.Popen([KEEL, *args], env=env, stdout=out, stderr=out, cwd=log.parent)
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _cleanup(proc: subprocess.Popen[bytes], family: list[psutil.Process]) -> None:
+    """Only if the test failed: leave nothing behind."""
+    if proc.poll() is None:
+        family += _family(proc.pid)
+        proc.kill()
+        proc.wait()
+    for orphan in family:
+        try:
+            orphan.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_sigkilled_keel_up_leaves_no_orphans(db_url: str, broker_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "up.log"
+    up = _start(db_url, broker_url, log, "up", "--no-flower")
+    family: list[psutil.Process] = []
+    try:
+        wait_until("keel up to run", lambda: "running" in log.read_text() or up.poll() is not None, 120, every=0.2)
+        assert up.poll() is None, log.read_text()
+        family = _family(up.pid)
+        assert len(family) >= 2, [p.cmdline() for p in family]  # worker (and its pool) and beat
+        up.kill()  # no handler runs: only the kernel can tell the children
+        up.wait()
+        _gone, alive = psutil.wait_procs(family, timeout=60)
+        assert alive == [], f"outlived a SIGKILLed keel up: {[p.pid for p in alive]}"
+    finally:
+        _cleanup(up, family)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stopped_demo_stops_its_worker_and_beat(
+    db_url: str, broker_url: str, tmp_path: Path, sig: signal.Signals
+) -> None:
+    log = tmp_path / "demo.log"
+    demo = _start(db_url, broker_url, log, "demo")
+    family: list[psutil.Process] = []
+    try:
+        wait_until(
+            "the demo to submit its requests",
+            lambda: "submitting 7 scripted requests" in log.read_text() or demo.poll() is not None,
+            120,
+            every=0.1,
+        )
+        assert demo.poll() is None, log.read_text()
+        family = _family(demo.pid)
+        names = [" ".join(p.cmdline()) for p in family]
+        assert any(" worker" in n for n in names) and any(" beat" in n for n in names), names
+        demo.send_signal(sig)
+        assert demo.wait(timeout=90) == 128 + sig, log.read_text()
+        assert f"stopped by {sig.name}" in log.read_text()
+        _gone, alive = psutil.wait_procs(family, timeout=30)
+        assert alive == [], f"outlived the demo: {[p.pid for p in alive]}"
+    finally:
+        _cleanup(demo, family)
+
+
+def test_a_sigkilled_demo_leaves_no_orphans(db_url: str, broker_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
+    demo = _start(db_url, broker_url, log, "demo")
+    family: list[psutil.Process] = []
+    try:
+        wait_until(
+            "the demo to submit its requests",
+            lambda: "submitting 7 scripted requests" in log.read_text() or demo.poll() is not None,
+            120,
+            every=0.1,
+        )
+        family = _family(demo.pid)
+        demo.kill()
+        demo.wait()
+        _gone, alive = psutil.wait_procs(family, timeout=60)
+        assert alive == [], f"outlived a SIGKILLed demo: {[p.pid for p in alive]}"
+    finally:
+        _cleanup(demo, family)
