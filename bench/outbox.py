@@ -21,6 +21,7 @@ from agents.client import Client
 from agents.core.commands import Command, MessageSpec
 from agents.core.phases import Event
 from agents.core.transition import transition
+from agents.jobs.handlers import registry
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
 from models import migrations
@@ -31,6 +32,7 @@ from models.urls import libpq_url, with_database
 from tests.support.fakes import FakeSlack
 
 TOKEN = "xoxb-bench-token-0000"
+registry.declare("noop")  # the request that emits the messages runs no job here: the client only needs to know it
 
 
 def emit(client: Client, n: int, destinations: int) -> None:

@@ -95,7 +95,12 @@ def agent_list(as_json: bool) -> None:
 @click.command("submit")
 @click.argument("agent_ref", metavar="AGENT")
 @click.argument("request_id")
-@click.option("--input", "input_text", default="null", help="The request's input as JSON.")
+@click.option(
+    "--input",
+    "input_text",
+    default="null",
+    help='The request\'s input as JSON (plan: {"prompt": "...", "script": [...]}).',
+)
 @click.option("--revision", type=click.IntRange(min=0), help="Expected revision (rejected if stale).")
 @actor_option
 @json_option
@@ -119,7 +124,7 @@ def submit(agent_ref: str, request_id: str, input_text: str, revision: int | Non
     "--script",
     "script_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON list of scripted model replies (KEEL_LLM_PROVIDER=scripted).",
+    help="JSON array of scripted model replies (KEEL_LLM_PROVIDER=scripted; README: Scripted replies).",
 )
 @actor_option
 @json_option

@@ -23,7 +23,7 @@ from agents.core.errors import (
     StaleRevision,
 )
 from agents.core.keys import check_request_id, make_key
-from agents.core.phases import Event, Phase, allowed_events, target_of
+from agents.core.phases import COMMAND_EVENTS, Event, Phase, allowed_events, target_of
 from models.schemas import AgentRow
 
 ACCEPTED = "accepted"
@@ -32,8 +32,12 @@ NORMAL, LOW = "normal", "low"
 AFTER_HARD_DEADLINE = frozenset({Event.CANCEL, Event.FAIL, Event.SUBMIT, Event.CHARGE})
 
 
+#: The largest number a bigint column (revisions, token counts and budgets) holds.
+MAX_BIGINT = 2**63 - 1
 #: The largest spend one step can record (the columns are bigint and numeric(18, 6)).
 MAX_TOKENS = 2**62
+#: The furthest a relative deadline may reach (a century: beyond it the arithmetic overflows, and it means "never").
+MAX_DEADLINE_AHEAD = timedelta(days=36500)
 MAX_COST = Decimal(10) ** 11
 
 
@@ -98,6 +102,16 @@ def check_text(field: str, value: object, *, limit: int | None = None) -> str:
             f"{field} is not valid Unicode: it has a lone surrogate U+{ord(value[exc.start]):04X} at position"
             f" {exc.start}"
         ) from None
+    return value
+
+
+def check_count(field: str, value: object, *, low: int = 0, high: int = MAX_BIGINT) -> int:
+    """Return ``value`` if it is an integer from ``low`` to ``high`` (by default what a bigint column holds), else
+    raise :class:`InvalidInput` naming ``field`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"{field} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidInput(f"{field} must be from {low} to {high}, got {value}")
     return value
 
 
@@ -216,10 +230,7 @@ class Command:
             check_text("reason", self.details["reason"], limit=MAX_REASON_CHARS)
         check_json_text("details", self.details)
         if self.expected_revision is not None:
-            if isinstance(self.expected_revision, bool) or not isinstance(self.expected_revision, int):
-                raise InvalidInput(f"expected_revision must be an integer, got {self.expected_revision!r}")
-            if self.expected_revision < 0:
-                raise InvalidInput(f"expected_revision must be >= 0, got {self.expected_revision}")
+            check_count("expected_revision", self.expected_revision)
         if self.event is Event.SUBMIT:
             if self.request_id is None:
                 raise InvalidInput("submit needs a request_id")
@@ -232,6 +243,8 @@ class Command:
                 raise InvalidInput(f"{name} must be timezone-aware")
             if isinstance(value, timedelta) and value <= timedelta(0):
                 raise InvalidInput(f"{name} must be in the future, got {value}")
+            if isinstance(value, timedelta) and value > MAX_DEADLINE_AHEAD:
+                raise InvalidInput(f"{name} must be at most {MAX_DEADLINE_AHEAD.days} days ahead, got {value}")
             if value is not None and not isinstance(value, datetime | timedelta):
                 raise InvalidInput(f"{name} must be a datetime or a timedelta, got {type(value).__name__}")
         soft, hard = self.soft_deadline, self.hard_deadline
@@ -265,10 +278,18 @@ def is_repeat_submit(row: AgentRow, command: Command) -> bool:
     return command.event is Event.SUBMIT and command.request_id == row.request_id
 
 
-def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUID | None = None) -> Decision:
+def decide(
+    row: AgentRow,
+    command: Command,
+    now: datetime,
+    *,
+    request_owner: UUID | None = None,
+    owner_name: str | None = None,
+) -> Decision:
     """Decide ``command`` against the locked ``row``.
 
-    ``request_owner`` is, for a submit, the agent that already owns the request id (None if it is new).
+    ``request_owner`` is, for a submit, the agent that already owns the request id (None if it is new), and
+    ``owner_name`` its name.
     Order matters: a duplicate submit is suppressed before its (necessarily old) revision is checked.
     """
     if command.event is Event.SUBMIT:
@@ -276,17 +297,22 @@ def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUI
             return Suppress("duplicate_request")
         if request_owner is not None:
             assert command.request_id is not None
-            return Reject(RequestConflict(request_id=command.request_id, owner=request_owner), "request_conflict")
+            conflict = RequestConflict(request_id=command.request_id, owner=request_owner, owner_name=owner_name)
+            return Reject(conflict, "request_conflict")
     if command.expected_revision is not None and command.expected_revision != row.revision:
-        error = StaleRevision(agent_id=row.id, expected=command.expected_revision, current=row.revision)
+        error = StaleRevision(agent_id=row.id, name=row.name, expected=command.expected_revision, current=row.revision)
         return Reject(error, "stale_revision")
     if command.event not in AFTER_HARD_DEADLINE and row.hard_deadline is not None and row.hard_deadline <= now:
-        return Reject(HardDeadlinePassed(agent_id=row.id, hard_deadline=row.hard_deadline), "hard_deadline_passed")
+        passed = HardDeadlinePassed(agent_id=row.id, name=row.name, hard_deadline=row.hard_deadline)
+        return Reject(passed, "hard_deadline_passed")
     phase = Phase(row.phase)
     target = target_of(phase, command.event)
     if target is None:
-        allowed = [e.value for e in allowed_events(phase)]
-        illegal = IllegalTransition(agent_id=row.id, phase=phase.value, event=command.event.value, allowed=allowed)
+        # A person is told what they may send; the system's own events (charge, finish, …) are no concern of theirs.
+        allowed = [e.value for e in allowed_events(phase) if command.event not in COMMAND_EVENTS or e in COMMAND_EVENTS]
+        illegal = IllegalTransition(
+            agent_id=row.id, name=row.name, phase=phase.value, event=command.event.value, allowed=allowed
+        )
         return Reject(illegal, "illegal_transition")
     after = replace(
         row,

@@ -8,10 +8,11 @@ journaled in a transaction of its own, so the rejection is on record while the a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -20,8 +21,16 @@ import sqlalchemy.exc
 
 from agents.core import journal
 from agents.core.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
-from agents.core.errors import AgentExists, AgentNotFound, FencedOff, InvalidInput, LostUpdate, StoreError
-from agents.core.keys import make_key
+from agents.core.errors import (
+    AgentExists,
+    AgentNotFound,
+    FencedOff,
+    InvalidInput,
+    LostUpdate,
+    RequestConflict,
+    StoreError,
+)
+from agents.core.keys import make_key, split_key
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
@@ -37,7 +46,14 @@ from models.jobs_sql import (
 )
 from models.outbox_sql import NewMessage, insert_messages_txn
 from models.schemas import AgentRow
-from models.sql import claim_request_txn, insert_agent_txn, lock_agent_txn, update_agent_txn
+from models.sql import (
+    Submitted,
+    claim_request_txn,
+    insert_agent_txn,
+    lock_agent_txn,
+    request_as_submitted_txn,
+    update_agent_txn,
+)
 
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
 #: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled.
@@ -72,10 +88,17 @@ def store_errors() -> Iterator[None]:
         raise StoreError(f"database error: {_message(exc.orig)}") from exc
 
 
+#: A table, column or function the code needs is not in the database: its schema is missing or not this code's.
+_SCHEMA_STATES = {"42P01", "42703", "42883"}
+
+
 def _message(exc: BaseException | None) -> str:
     diag = getattr(exc, "diag", None)
     primary = getattr(diag, "message_primary", None)
-    return str(primary or exc).strip()
+    message = str(primary or exc).strip()
+    if getattr(exc, "sqlstate", None) in _SCHEMA_STATES:
+        message += " (the database schema is missing or not this version's: run 'keel db upgrade')"
+    return message
 
 
 def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str) -> AgentRow:
@@ -133,7 +156,23 @@ def transition(
                     actor=command.actor,
                     at=at,
                 )
-            decision = decide(row, command, at, request_owner=owner)
+            decision = decide(
+                row,
+                command,
+                at,
+                request_owner=None if owner is None else owner.id,
+                owner_name=None if owner is None else owner.name,
+            )
+            if isinstance(decision, Suppress) and command.event is Event.SUBMIT:
+                # A retry repeats the request as it was; one that asks for something else is not a retry.
+                assert command.request_id is not None
+                submitted = request_as_submitted_txn(cur, command.request_id)
+                differs = [] if submitted is None else differences(submitted, command, input_json)
+                if differs:
+                    conflict = RequestConflict(
+                        request_id=command.request_id, owner=row.id, owner_name=row.name, differs=differs
+                    )
+                    decision = Reject(conflict, "request_conflict")
             if isinstance(decision, Suppress):
                 link = journal.append_side_event_txn(
                     cur,
@@ -179,6 +218,8 @@ def _apply_txn(
     if command.event is Event.SUBMIT:
         details["soft_deadline"] = after.soft_deadline
         details["hard_deadline"] = after.hard_deadline
+        # As the producer gave them (a relative deadline as such): a retry of the request must give the same.
+        details["as_given"] = {name: as_given(getattr(command, name)) for name in ("soft_deadline", "hard_deadline")}
     if command.spend:
         details["spend"] = {"tokens": command.spend.tokens, "cost": str(command.spend.cost)}
     if command.outcome is not None:
@@ -231,6 +272,30 @@ def _apply_txn(
     if not update_agent_txn(cur, before, after, event):
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
     return after, to_publish
+
+
+def as_given(deadline: datetime | timedelta | None) -> str | None:
+    """A submit's deadline as the producer gave it, as text: an instant in UTC, or ``+N us`` from the submit."""
+    if isinstance(deadline, timedelta):
+        return f"+{deadline // timedelta(microseconds=1)}us"
+    return None if deadline is None else deadline.astimezone(UTC).isoformat()
+
+
+def differences(submitted: Submitted, command: Command, input_json: str) -> list[str]:
+    """What a submit of an existing request id asks for that the request's first submit did not: ``input``,
+    ``operation``, ``soft_deadline``, ``hard_deadline``. Requests journaled before deadlines were recorded as given
+    are compared on input and operation only."""
+    differs = []
+    if json.loads(input_json) != submitted.input:
+        differs.append("input")
+    first = submitted.submit_details or {}
+    keys = first.get("jobs") or []
+    if keys and command.jobs and split_key(keys[0])[1] != command.jobs[0].operation:
+        differs.append("operation")
+    given = first.get("as_given")
+    if isinstance(given, dict):
+        differs += [n for n in ("soft_deadline", "hard_deadline") if given.get(n) != as_given(getattr(command, n))]
+    return differs
 
 
 def _joined(command: Command, row: AgentRow, live_jobs: int) -> Command:
@@ -337,6 +402,8 @@ def _journal_rejection(db: Database, command: Command, decision: Reject, judged:
     }
     if command.expected_revision is not None:
         details["expected_revision"] = command.expected_revision
+    if isinstance(decision.error, RequestConflict) and decision.error.differs:
+        details["differs"] = list(decision.error.differs)
     with db.transaction() as cur:
         locked = lock_agent_txn(cur, command.agent_id)
         if locked is None:  # pragma: no cover - agents are never deleted

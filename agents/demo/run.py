@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import agents.demo.tools  # noqa: F401 - registers kb_search here too: submits are checked against the tools
 from agents.client import Client
 from agents.core import journal
 from agents.core.errors import KeelError, StaleRevision
