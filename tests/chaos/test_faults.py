@@ -17,6 +17,7 @@ import psycopg
 import pytest
 import redis
 
+import tests.support.tools  # noqa: F401 - the workers' tools: this process's submits are checked against them
 from agents.client import Client
 from models.urls import libpq_url
 from tests.chaos.conftest import Stack, clock_offset_in_log, free_port, skewed, wait_until
