@@ -33,6 +33,15 @@ class AgentRow:
     priority: str = "normal"
 
 
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A request as it was first submitted: its input, and the details journaled with the submit (None if the
+    journal has no submit event for it)."""
+
+    input: Any
+    submit_details: dict[str, Any] | None
+
+
 class JobView(BaseModel):
     """A job as the state view lists it."""
 

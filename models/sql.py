@@ -14,7 +14,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from models.schemas import AgentRow
+from models.schemas import AgentRow, Submitted
 
 AGENT_COLUMNS = (
     "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
@@ -102,15 +102,6 @@ class RequestOwner:
 
     id: UUID
     name: str
-
-
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    """A request as it was first submitted: its input, and the details journaled with the submit (None if the
-    journal has no submit event for it)."""
-
-    input: Any
-    submit_details: dict[str, Any] | None
 
 
 @dataclass(frozen=True, slots=True)

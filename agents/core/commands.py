@@ -5,10 +5,11 @@ Nothing here touches the database: :func:`decide` sees the locked row and return
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -22,9 +23,9 @@ from agents.core.errors import (
     RequestConflict,
     StaleRevision,
 )
-from agents.core.keys import check_request_id, make_key
+from agents.core.keys import check_request_id, make_key, split_key
 from agents.core.phases import COMMAND_EVENTS, Event, Phase, allowed_events, target_of
-from models.schemas import AgentRow
+from models.schemas import AgentRow, Submitted
 
 ACCEPTED = "accepted"
 NORMAL, LOW = "normal", "low"
@@ -337,6 +338,30 @@ def decide(
             priority=command.priority or NORMAL,
         )
     return Accept(after)
+
+
+def as_given(deadline: datetime | timedelta | None) -> str | None:
+    """A submit's deadline as the producer gave it, as text: an instant in UTC, or ``+N us`` from the submit."""
+    if isinstance(deadline, timedelta):
+        return f"+{deadline // timedelta(microseconds=1)}us"
+    return None if deadline is None else deadline.astimezone(UTC).isoformat()
+
+
+def differences(submitted: Submitted, command: Command, input_json: str) -> list[str]:
+    """What a submit of an existing request id asks for that the request's first submit did not: ``input``,
+    ``operation``, ``soft_deadline``, ``hard_deadline``. Requests journaled before deadlines were recorded as given
+    are compared on input and operation only."""
+    differs = []
+    if json.loads(input_json) != submitted.input:
+        differs.append("input")
+    first = submitted.submit_details or {}
+    keys = first.get("jobs") or []
+    if keys and command.jobs and split_key(keys[0])[1] != command.jobs[0].operation:
+        differs.append("operation")
+    given = first.get("as_given")
+    if isinstance(given, dict):
+        differs += [n for n in ("soft_deadline", "hard_deadline") if given.get(n) != as_given(getattr(command, n))]
+    return differs
 
 
 def resolve_deadline(value: datetime | timedelta | None, now: datetime) -> datetime | None:

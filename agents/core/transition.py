@@ -8,11 +8,10 @@ journaled in a transaction of its own, so the rejection is on record while the a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -20,7 +19,18 @@ import psycopg
 import sqlalchemy.exc
 
 from agents.core import journal
-from agents.core.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
+from agents.core.commands import (
+    LOW,
+    Accept,
+    Command,
+    JobOutcome,
+    Reject,
+    Suppress,
+    as_given,
+    decide,
+    differences,
+    is_repeat_submit,
+)
 from agents.core.errors import (
     AgentExists,
     AgentNotFound,
@@ -30,7 +40,7 @@ from agents.core.errors import (
     RequestConflict,
     StoreError,
 )
-from agents.core.keys import make_key, split_key
+from agents.core.keys import make_key
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
@@ -47,7 +57,6 @@ from models.jobs_sql import (
 from models.outbox_sql import NewMessage, insert_messages_txn
 from models.schemas import AgentRow
 from models.sql import (
-    Submitted,
     claim_request_txn,
     insert_agent_txn,
     lock_agent_txn,
@@ -272,30 +281,6 @@ def _apply_txn(
     if not update_agent_txn(cur, before, after, event):
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
     return after, to_publish
-
-
-def as_given(deadline: datetime | timedelta | None) -> str | None:
-    """A submit's deadline as the producer gave it, as text: an instant in UTC, or ``+N us`` from the submit."""
-    if isinstance(deadline, timedelta):
-        return f"+{deadline // timedelta(microseconds=1)}us"
-    return None if deadline is None else deadline.astimezone(UTC).isoformat()
-
-
-def differences(submitted: Submitted, command: Command, input_json: str) -> list[str]:
-    """What a submit of an existing request id asks for that the request's first submit did not: ``input``,
-    ``operation``, ``soft_deadline``, ``hard_deadline``. Requests journaled before deadlines were recorded as given
-    are compared on input and operation only."""
-    differs = []
-    if json.loads(input_json) != submitted.input:
-        differs.append("input")
-    first = submitted.submit_details or {}
-    keys = first.get("jobs") or []
-    if keys and command.jobs and split_key(keys[0])[1] != command.jobs[0].operation:
-        differs.append("operation")
-    given = first.get("as_given")
-    if isinstance(given, dict):
-        differs += [n for n in ("soft_deadline", "hard_deadline") if given.get(n) != as_given(getattr(command, n))]
-    return differs
 
 
 def _joined(command: Command, row: AgentRow, live_jobs: int) -> Command:

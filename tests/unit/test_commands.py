@@ -135,3 +135,28 @@ def test_malformed_commands_are_refused_with_the_rule(kwargs: dict[str, object],
     kwargs = {"agent_id": uuid.UUID(int=1), "actor": "t", **kwargs}
     with pytest.raises(InvalidInput, match=message):
         Command(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_resubmit_is_compared_with_the_request_as_it_was_first_given() -> None:
+    from agents.core.commands import JobSpec, as_given, differences
+    from models.schemas import Submitted
+
+    first = Submitted(
+        {"prompt": "hi"},
+        {"jobs": ["r:plan:1"], "as_given": {"soft_deadline": None, "hard_deadline": as_given(timedelta(minutes=5))}},
+    )
+
+    def retry(input_json: str = '{"prompt": "hi"}', operation: str = "plan", **kw: object) -> list[str]:
+        command = cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec(operation, "1"),), **kw)
+        return differences(first, command, input_json)
+
+    assert retry(hard_deadline=timedelta(minutes=5)) == []
+    assert retry('{"prompt": "ho"}', hard_deadline=timedelta(minutes=5)) == ["input"]
+    assert retry(operation="summarise", hard_deadline=timedelta(minutes=5)) == ["operation"]
+    assert retry(hard_deadline=timedelta(minutes=6), soft_deadline=timedelta(minutes=1)) == [
+        "soft_deadline",
+        "hard_deadline",
+    ]
+    assert retry(hard_deadline=NOW + timedelta(minutes=5)) == ["hard_deadline"], "an instant is not a duration"
+    legacy = Submitted({"prompt": "hi"}, {"jobs": ["r:plan:1"]})  # journaled before deadlines were kept as given
+    assert differences(legacy, cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec("plan", "1"),)), '{"prompt":"hi"}') == []
