@@ -16,15 +16,25 @@ from sqlalchemy import select, tuple_
 
 from agents.core import journal as journal_mod
 from agents.core import transition as core
-from agents.core.commands import MAX_ACTOR_CHARS, MAX_REASON_CHARS, Command, JobSpec, check_json_text, check_text
+from agents.core.commands import (
+    MAX_ACTOR_CHARS,
+    MAX_REASON_CHARS,
+    Command,
+    JobSpec,
+    check_count,
+    check_json_text,
+    check_text,
+)
 from agents.core.errors import AgentNotFound, InvalidInput
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
+from agents.jobs import handlers
+from agents.runtime import tools
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs, request_jobs
 from models.schemas import AgentPage, AgentRow, AgentState, JobView, JournalEvent, NewAgent
-from models.settings import Settings
+from models.settings import Settings, check_imports
 from models.tables import agents
 
 AgentRef = UUID | str
@@ -47,6 +57,7 @@ class Client:
         self.db = db
         self.settings = settings or Settings()
         self.publisher = publisher
+        self._imported = False
         register_settings(self.settings)  # its secrets are masked in anything this process journals or logs
 
     @classmethod
@@ -133,6 +144,8 @@ class Client:
         self, *, agent_id: AgentRef | None = None, request_id: str | None = None, limit: int | None = None
     ) -> list[JournalEvent]:
         """Journal events, oldest first, for an agent and/or a request."""
+        if limit is not None:
+            check_count("limit", limit, low=1)
         resolved = None if agent_id is None else self._row(agent_id).id
         with core.store_errors():
             return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
@@ -219,13 +232,21 @@ class Client:
         """Start request ``request_id`` on an idle, done or failed agent; its first job is ``operation``
         (key ``{request_id}:{operation}:1``), which gets the input as ``payload["input"]``.
 
-        Idempotent: submitting a request id the agent already had returns the current state and changes nothing.
-        Deadlines are absolute (timezone-aware) or relative to now.
+        The input is checked against the operation's input model first (``plan``: ``{"prompt": …, "script": […]}``);
+        input that does not fit raises :class:`InvalidInput` naming the field and the rule, an operation no handler
+        is registered for raises :class:`~agents.core.errors.UnknownOperation`, and nothing is written.
+
+        Idempotent: submitting a request id the agent already had, as it was, returns the current state and changes
+        nothing; with a different input, operation or deadlines it raises
+        :class:`~agents.core.errors.RequestConflict`. Deadlines are absolute (timezone-aware) or relative to now.
         """
         _check_actor(actor)
         # Relative deadlines count from the transition's time on the database's clock, not this host's.
         soft, hard = _deadline("soft_deadline", soft_deadline), _deadline("hard_deadline", hard_deadline)
         input_json = self._input_json(input)
+        check_text("operation", operation, limit=128)
+        self._import_handlers()
+        handlers.registry.check_input(operation, json.loads(input_json))
         command = Command(
             agent_id=self._row(agent_id).id,
             event=Event.SUBMIT,
@@ -296,10 +317,8 @@ class Client:
         extra: dict[str, Any] | None = None,
         effects: core.EffectsTxn | None = None,
     ) -> AgentState:
-        if expected_revision is not None and (
-            isinstance(expected_revision, bool) or not isinstance(expected_revision, int)
-        ):
-            raise InvalidInput(f"expected_revision must be an integer, got {expected_revision!r}")
+        if expected_revision is not None:
+            check_count("expected_revision", expected_revision)
         _check_reason(reason)
         details: dict[str, Any] = {} if reason is None else {"reason": reason}
         details.update(extra or {})
@@ -312,6 +331,16 @@ class Client:
             jobs=jobs,
         )
         return self._state(core.transition(self.db, command, effects=effects).agent)
+
+    def _import_handlers(self) -> None:
+        """Import what the workers import (``KEEL_IMPORTS``, the ``keel.handlers`` and ``keel.tools`` entry points),
+        once: a submit is checked against the same operations, input models and tools the workers run."""
+        if self._imported:
+            return
+        check_imports(self.settings)
+        handlers.load(())
+        tools.load_entry_points()
+        self._imported = True
 
     def _input_json(self, value: Any) -> str:
         check_json_text("input", value)  # before json.dumps, which would escape a lone surrogate PostgreSQL refuses

@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 import redis
 
+import bench.handlers  # noqa: F401 - registers bench_noop here too: submits are checked against it
 from agents.cli.progress import Progress
 from agents.cli.progress import Step as ProgressStep
 from agents.client import Client

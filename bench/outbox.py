@@ -22,6 +22,7 @@ from agents.client import Client
 from agents.core.commands import Command, MessageSpec
 from agents.core.phases import Event
 from agents.core.transition import transition
+from agents.jobs.handlers import registry
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
 from models import migrations
@@ -34,6 +35,7 @@ from tests.support.fakes import FakeSlack
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
 TOKEN = "xoxb-bench-token-0000"
+registry.declare("noop")  # the request that emits the messages runs no job here: the client only needs to know it
 
 
 def emit(client: Client, n: int, destinations: int) -> None:

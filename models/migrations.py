@@ -1,15 +1,28 @@
-"""Running the Alembic migrations from code (``keel db upgrade``, tests, the demo)."""
+"""Running the Alembic migrations from code (``keel db upgrade``, tests, the demo), and telling whether a database's
+schema is the one this code was written for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import sqlalchemy
 from alembic.config import Config
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 
 from alembic import command
+from models.errors import KeelError
 
 ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = ROOT / "alembic.ini"
+
+
+class UnknownRevision(KeelError):
+    """No migration has this revision."""
+
+
+class SchemaMismatch(KeelError):
+    """The database's schema is missing, or is not the one this code was written for."""
 
 
 def alembic_config(url: str) -> Config:
@@ -23,14 +36,75 @@ def alembic_config(url: str) -> Config:
     return config
 
 
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config(""))
+
+
+def revisions() -> list[str]:
+    """This code's migrations, oldest first."""
+    return [script.revision for script in reversed(list(_scripts().walk_revisions()))]
+
+
+def head() -> str:
+    """The revision this code's schema is at."""
+    found = _scripts().get_current_head()
+    assert found is not None, "no migrations"
+    return found
+
+
+def _run(action: str, url: str, revision: str) -> None:
+    try:
+        getattr(command, action)(alembic_config(url), revision)
+    except CommandError as exc:  # Alembic resolves the target before it changes anything
+        known = ", ".join(["base", *revisions(), "head"])
+        reason = " ".join(str(exc).split())
+        if reason.startswith("Can't locate revision"):
+            reason = "no migration has this revision"
+        raise UnknownRevision(f"cannot {action} to {revision!r}: {reason} (known revisions: {known})") from None
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(url), revision)
+    _run("upgrade", url, revision)
 
 
 def downgrade(url: str, revision: str) -> None:
-    command.downgrade(alembic_config(url), revision)
+    _run("downgrade", url, revision)
 
 
 def check(url: str) -> None:
     """Raise if the database schema and models/tables.py differ (``alembic check``)."""
     command.check(alembic_config(url))
+
+
+def database_revision(conn: sqlalchemy.Connection) -> str | None:
+    """The migration the database is at (None: never migrated, or downgraded to base)."""
+    if conn.execute(sqlalchemy.text("SELECT to_regclass('alembic_version') IS NOT NULL")).scalar_one() is not True:
+        return None
+    rows = conn.execute(sqlalchemy.text("SELECT version_num FROM alembic_version")).scalars().all()
+    return ", ".join(sorted(rows)) or None
+
+
+def schema_problem(engine: sqlalchemy.Engine) -> str | None:
+    """What is wrong with the database's schema for this code, as one line saying what to do; None if it is this
+    code's. Two small queries: run it when a command starts, not per transition."""
+    with engine.connect() as conn:
+        at = database_revision(conn)
+    code = head()
+    if at == code:
+        return None
+    if at is None:
+        return f"the database has no Keel schema (code at {code}): run 'keel db upgrade'"
+    if at in revisions():
+        return f"database at {at}, code at {code}: run 'keel db upgrade'"
+    return (
+        f"database at {at}, which this code does not know (code at {code}): it was migrated by a newer Keel;"
+        " run that version, or downgrade the database with it"
+    )
+
+
+def check_schema(engine: sqlalchemy.Engine) -> None:
+    """Raise :class:`SchemaMismatch` (one line: where the database is, where the code is, what to run) unless the
+    database's schema is this code's."""
+    problem = schema_problem(engine)
+    if problem is not None:
+        raise SchemaMismatch(problem)

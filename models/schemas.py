@@ -34,6 +34,15 @@ class AgentRow:
     archived_at: datetime | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A request as it was first submitted: its input, and the details journaled with the submit (None if the
+    journal has no submit event for it)."""
+
+    input: Any
+    submit_details: dict[str, Any] | None
+
+
 class JobView(BaseModel):
     """A job as the state view lists it."""
 
@@ -137,7 +146,7 @@ class NewAgent(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
-    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_tokens: int | None = Field(default=None, ge=0, le=2**63 - 1)  # a bigint column
     budget_cost: Decimal | None = Field(default=None, ge=0, max_digits=18, decimal_places=6)
 
     @field_validator("name")

@@ -14,7 +14,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from models.schemas import AgentRow
+from models.schemas import AgentRow, Submitted
 
 AGENT_COLUMNS = (
     "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
@@ -92,7 +92,22 @@ _CLAIM_REQUEST = (
     "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at) VALUES (%s, %s, %s, %s, %s)"
     " ON CONFLICT (request_id) DO NOTHING RETURNING agent_id"
 )
-_REQUEST_OWNER = "SELECT agent_id FROM requests WHERE request_id = %s"
+_REQUEST_OWNER = "SELECT r.agent_id, a.name FROM requests r JOIN agents a ON a.id = r.agent_id WHERE r.request_id = %s"
+# A request as it was first submitted: its input and the details of the submit's journal event (the job it scheduled,
+# the deadlines as given). Read only when a request id is submitted again.
+_REQUEST_AS_SUBMITTED = (
+    "SELECT r.input, (SELECT j.details FROM audit.journal j WHERE j.request_id = r.request_id"
+    " AND j.agent_id = r.agent_id AND j.kind = 'transition' AND j.event = 'submit' ORDER BY j.id LIMIT 1) AS submit"
+    " FROM requests r WHERE r.request_id = %s"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOwner:
+    """The agent a request id belongs to."""
+
+    id: UUID
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,16 +175,24 @@ def insert_agent_txn(
 
 def claim_request_txn(
     cur: psycopg.Cursor[Any], *, request_id: str, agent_id: UUID, input_json: str, actor: str, at: datetime
-) -> UUID | None:
+) -> RequestOwner | None:
     """Record a new request for ``agent_id``. Returns None if it is new, else the agent that already owns it."""
     cur.execute(_CLAIM_REQUEST, (request_id, agent_id, input_json, actor, at))
     if cur.fetchone() is not None:
         return None
-    cur.execute(_REQUEST_OWNER, (request_id,))
-    owner = cur.fetchone()
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        named.execute(_REQUEST_OWNER, (request_id,))
+        owner = named.fetchone()
     assert owner is not None, "ON CONFLICT without a conflicting row"
-    owner_id: UUID = owner[0]
-    return owner_id
+    return RequestOwner(owner["agent_id"], owner["name"])
+
+
+def request_as_submitted_txn(cur: psycopg.Cursor[Any], request_id: str) -> Submitted | None:
+    """The request ``request_id`` as first submitted, or None if there is no such request."""
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        named.execute(_REQUEST_AS_SUBMITTED, (request_id,))
+        row = named.fetchone()
+    return None if row is None else Submitted(row["input"], row["submit"])
 
 
 def set_archived_txn(cur: psycopg.Cursor[Any], event: NewEvent, archived_at: datetime | None) -> bool:

@@ -200,7 +200,12 @@ def _finish(client: Any, state: Any, *, wait: bool, follow: bool, timeout: float
 @click.command("submit")
 @click.argument("agent_ref", metavar="AGENT")
 @click.argument("request_id")
-@click.option("--input", "input_text", default="null", help="The request's input as JSON.")
+@click.option(
+    "--input",
+    "input_text",
+    default="null",
+    help='The request\'s input as JSON (plan: {"prompt": "...", "script": [...]}).',
+)
 @click.option("--revision", type=click.IntRange(min=0), help="Expected revision (rejected if stale).")
 @actor_option
 @_wait_options
@@ -236,7 +241,7 @@ def submit(
     "--script",
     "script_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON list of scripted model replies (KEEL_LLM_PROVIDER=scripted).",
+    help="JSON array of scripted model replies (KEEL_LLM_PROVIDER=scripted; README: Scripted replies).",
 )
 @actor_option
 @_wait_options

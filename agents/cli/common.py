@@ -40,10 +40,18 @@ def settings_or_exit(*, imports: bool = False) -> Any:
 
 
 def open_client() -> Any:
-    """A :class:`~agents.client.Client` on the checked settings (use it as a context manager)."""
+    """A :class:`~agents.client.Client` on the checked settings (use it as a context manager), once the database's
+    schema is known to be this code's (else one line: where the database is, where the code is, what to run)."""
     from agents.client import Client
+    from models.migrations import check_schema
 
-    return Client.from_settings(settings_or_exit())
+    client = Client.from_settings(settings_or_exit())
+    try:
+        check_schema(client.db.engine)
+    except BaseException:
+        client.close()
+        raise
+    return client
 
 
 def friendly(fn: Callable[P, R]) -> Callable[P, R]:

@@ -14,7 +14,7 @@ def outbox() -> None:
 
 @outbox.command("list")
 @click.option("--status", type=click.Choice(["pending", "sending", "sent", "dead"]), help="Only this status.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=2**63 - 1), default=50, show_default=True)
 @json_option
 @friendly
 def outbox_list(status: str | None, limit: int, as_json: bool) -> None:

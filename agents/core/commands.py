@@ -5,10 +5,11 @@ Nothing here touches the database: :func:`decide` sees the locked row and return
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -23,9 +24,9 @@ from agents.core.errors import (
     RequestConflict,
     StaleRevision,
 )
-from agents.core.keys import check_request_id, make_key
-from agents.core.phases import Event, Phase, allowed_events, target_of
-from models.schemas import AgentRow
+from agents.core.keys import check_request_id, make_key, split_key
+from agents.core.phases import COMMAND_EVENTS, Event, Phase, allowed_events, target_of
+from models.schemas import AgentRow, Submitted
 
 ACCEPTED = "accepted"
 NORMAL, LOW = "normal", "low"
@@ -33,8 +34,12 @@ NORMAL, LOW = "normal", "low"
 AFTER_HARD_DEADLINE = frozenset({Event.CANCEL, Event.FAIL, Event.SUBMIT, Event.CHARGE})
 
 
+#: The largest number a bigint column (revisions, token counts and budgets) holds.
+MAX_BIGINT = 2**63 - 1
 #: The largest spend one step can record (the columns are bigint and numeric(18, 6)).
 MAX_TOKENS = 2**62
+#: The furthest a relative deadline may reach (a century: beyond it the arithmetic overflows, and it means "never").
+MAX_DEADLINE_AHEAD = timedelta(days=36500)
 MAX_COST = Decimal(10) ** 11
 
 
@@ -99,6 +104,16 @@ def check_text(field: str, value: object, *, limit: int | None = None) -> str:
             f"{field} is not valid Unicode: it has a lone surrogate U+{ord(value[exc.start]):04X} at position"
             f" {exc.start}"
         ) from None
+    return value
+
+
+def check_count(field: str, value: object, *, low: int = 0, high: int = MAX_BIGINT) -> int:
+    """Return ``value`` if it is an integer from ``low`` to ``high`` (by default what a bigint column holds), else
+    raise :class:`InvalidInput` naming ``field`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"{field} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidInput(f"{field} must be from {low} to {high}, got {value}")
     return value
 
 
@@ -217,10 +232,7 @@ class Command:
             check_text("reason", self.details["reason"], limit=MAX_REASON_CHARS)
         check_json_text("details", self.details)
         if self.expected_revision is not None:
-            if isinstance(self.expected_revision, bool) or not isinstance(self.expected_revision, int):
-                raise InvalidInput(f"expected_revision must be an integer, got {self.expected_revision!r}")
-            if self.expected_revision < 0:
-                raise InvalidInput(f"expected_revision must be >= 0, got {self.expected_revision}")
+            check_count("expected_revision", self.expected_revision)
         if self.event is Event.SUBMIT:
             if self.request_id is None:
                 raise InvalidInput("submit needs a request_id")
@@ -233,6 +245,8 @@ class Command:
                 raise InvalidInput(f"{name} must be timezone-aware")
             if isinstance(value, timedelta) and value <= timedelta(0):
                 raise InvalidInput(f"{name} must be in the future, got {value}")
+            if isinstance(value, timedelta) and value > MAX_DEADLINE_AHEAD:
+                raise InvalidInput(f"{name} must be at most {MAX_DEADLINE_AHEAD.days} days ahead, got {value}")
             if value is not None and not isinstance(value, datetime | timedelta):
                 raise InvalidInput(f"{name} must be a datetime or a timedelta, got {type(value).__name__}")
         soft, hard = self.soft_deadline, self.hard_deadline
@@ -266,10 +280,18 @@ def is_repeat_submit(row: AgentRow, command: Command) -> bool:
     return command.event is Event.SUBMIT and command.request_id == row.request_id
 
 
-def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUID | None = None) -> Decision:
+def decide(
+    row: AgentRow,
+    command: Command,
+    now: datetime,
+    *,
+    request_owner: UUID | None = None,
+    owner_name: str | None = None,
+) -> Decision:
     """Decide ``command`` against the locked ``row``.
 
-    ``request_owner`` is, for a submit, the agent that already owns the request id (None if it is new).
+    ``request_owner`` is, for a submit, the agent that already owns the request id (None if it is new), and
+    ``owner_name`` its name.
     Order matters: a duplicate submit is suppressed before its (necessarily old) revision is checked.
     """
     if command.event is Event.SUBMIT:
@@ -277,19 +299,24 @@ def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUI
             return Suppress("duplicate_request")
         if request_owner is not None:
             assert command.request_id is not None
-            return Reject(RequestConflict(request_id=command.request_id, owner=request_owner), "request_conflict")
+            conflict = RequestConflict(request_id=command.request_id, owner=request_owner, owner_name=owner_name)
+            return Reject(conflict, "request_conflict")
         if row.archived_at is not None:
             return Reject(AgentArchived(agent_id=row.id, name=row.name), "agent_archived")
     if command.expected_revision is not None and command.expected_revision != row.revision:
-        error = StaleRevision(agent_id=row.id, expected=command.expected_revision, current=row.revision)
+        error = StaleRevision(agent_id=row.id, name=row.name, expected=command.expected_revision, current=row.revision)
         return Reject(error, "stale_revision")
     if command.event not in AFTER_HARD_DEADLINE and row.hard_deadline is not None and row.hard_deadline <= now:
-        return Reject(HardDeadlinePassed(agent_id=row.id, hard_deadline=row.hard_deadline), "hard_deadline_passed")
+        passed = HardDeadlinePassed(agent_id=row.id, name=row.name, hard_deadline=row.hard_deadline)
+        return Reject(passed, "hard_deadline_passed")
     phase = Phase(row.phase)
     target = target_of(phase, command.event)
     if target is None:
-        allowed = [e.value for e in allowed_events(phase)]
-        illegal = IllegalTransition(agent_id=row.id, phase=phase.value, event=command.event.value, allowed=allowed)
+        # A person is told what they may send; the system's own events (charge, finish, …) are no concern of theirs.
+        allowed = [e.value for e in allowed_events(phase) if command.event not in COMMAND_EVENTS or e in COMMAND_EVENTS]
+        illegal = IllegalTransition(
+            agent_id=row.id, name=row.name, phase=phase.value, event=command.event.value, allowed=allowed
+        )
         return Reject(illegal, "illegal_transition")
     after = replace(
         row,
@@ -314,6 +341,30 @@ def decide(row: AgentRow, command: Command, now: datetime, *, request_owner: UUI
             priority=command.priority or NORMAL,
         )
     return Accept(after)
+
+
+def as_given(deadline: datetime | timedelta | None) -> str | None:
+    """A submit's deadline as the producer gave it, as text: an instant in UTC, or ``+N us`` from the submit."""
+    if isinstance(deadline, timedelta):
+        return f"+{deadline // timedelta(microseconds=1)}us"
+    return None if deadline is None else deadline.astimezone(UTC).isoformat()
+
+
+def differences(submitted: Submitted, command: Command, input_json: str) -> list[str]:
+    """What a submit of an existing request id asks for that the request's first submit did not: ``input``,
+    ``operation``, ``soft_deadline``, ``hard_deadline``. Requests journaled before deadlines were recorded as given
+    are compared on input and operation only."""
+    differs = []
+    if json.loads(input_json) != submitted.input:
+        differs.append("input")
+    first = submitted.submit_details or {}
+    keys = first.get("jobs") or []
+    if keys and command.jobs and split_key(keys[0])[1] != command.jobs[0].operation:
+        differs.append("operation")
+    given = first.get("as_given")
+    if isinstance(given, dict):
+        differs += [n for n in ("soft_deadline", "hard_deadline") if given.get(n) != as_given(getattr(command, n))]
+    return differs
 
 
 def resolve_deadline(value: datetime | timedelta | None, now: datetime) -> datetime | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -13,6 +13,18 @@ from models.errors import KeelError as KeelError
 
 class InvalidInput(KeelError):
     """The input is not valid."""
+
+
+class UnknownOperation(InvalidInput):
+    """No handler is registered (or declared) for this operation."""
+
+    def __init__(self, operation: str, known: Sequence[str]) -> None:
+        self.operation = operation
+        self.known = tuple(known)
+        super().__init__(
+            f"operation {operation!r} is unknown: no handler is registered for it (known: {', '.join(known) or 'none'};"
+            " handler modules are imported from KEEL_IMPORTS and the keel.handlers entry points)"
+        )
 
 
 class AgentNotFound(KeelError):
@@ -35,38 +47,66 @@ class Rejected(KeelError):
     """The command was rejected and journaled; the agent did not change."""
 
 
+def _agent(agent_id: UUID, name: str | None) -> str:
+    """An agent as a person named it: its name (what they typed, or what the id stands for)."""
+    return repr(name) if name else str(agent_id)
+
+
 class StaleRevision(Rejected):
     """The command was based on an old revision of the agent."""
 
-    def __init__(self, *, agent_id: UUID, expected: int, current: int) -> None:
+    def __init__(self, *, agent_id: UUID, expected: int, current: int, name: str | None = None) -> None:
         self.agent_id = agent_id
+        self.name = name
         self.expected_revision = expected
         self.current_revision = current
         super().__init__(
-            f"stale revision for agent {agent_id}: the command expected revision {expected}, "
+            f"stale revision for agent {_agent(agent_id, name)}: the command expected revision {expected}, "
             f"the agent is at revision {current}"
         )
 
 
 class IllegalTransition(Rejected):
-    """The phase table has no such move from the agent's current phase."""
+    """The phase table has no such move from the agent's current phase. ``allowed`` lists the events a person or
+    producer may send in that phase (for a command of the system's own, every event the table allows there)."""
 
-    def __init__(self, *, agent_id: UUID, phase: str, event: str, allowed: Sequence[str]) -> None:
+    def __init__(
+        self, *, agent_id: UUID, phase: str, event: str, allowed: Sequence[str], name: str | None = None
+    ) -> None:
         self.agent_id = agent_id
+        self.name = name
         self.phase = phase
         self.event = event
         self.allowed = tuple(allowed)
         moves = ", ".join(self.allowed) or "none"
-        super().__init__(f"agent {agent_id} is {phase}: {event!r} is not allowed (allowed: {moves})")
+        super().__init__(f"agent {_agent(agent_id, name)} is {phase}: {event!r} is not allowed (allowed: {moves})")
 
 
 class RequestConflict(Rejected):
-    """This request id belongs to another agent."""
+    """This request id belongs to another agent, or was submitted before with a different request: a retry must
+    repeat the request as it was (``differs`` names what is not the same), or use a new request id."""
 
-    def __init__(self, *, request_id: str, owner: UUID) -> None:
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        owner: UUID,
+        owner_name: str | None = None,
+        differs: Sequence[str] = (),
+    ) -> None:
         self.request_id = request_id
         self.owner = owner
-        super().__init__(f"request id {request_id!r} already belongs to agent {owner}")
+        self.owner_name = owner_name
+        self.differs = tuple(differs)
+        if self.differs:
+            what = " and ".join(self.differs)
+            message = (
+                f"request id {request_id!r} was submitted to agent {_agent(owner, owner_name)} before with a different"
+                f" {what}: a retry must repeat the request as it was; use a new request id for a new request"
+            )
+        else:
+            message = f"request id {request_id!r} already belongs to agent {_agent(owner, owner_name)}"
+        super().__init__(message)
 
 
 class AgentArchived(Rejected):
@@ -97,20 +137,32 @@ class InvalidDeadlines(Rejected):
 class HardDeadlinePassed(Rejected):
     """The request's hard deadline has passed: only cancel or fail may move the agent now."""
 
-    def __init__(self, *, agent_id: UUID, hard_deadline: datetime) -> None:
+    def __init__(self, *, agent_id: UUID, hard_deadline: datetime, name: str | None = None) -> None:
         self.agent_id = agent_id
+        self.name = name
         self.hard_deadline = hard_deadline
-        super().__init__(f"agent {agent_id}'s hard deadline {hard_deadline.isoformat()} has passed")
+        super().__init__(f"agent {_agent(agent_id, name)}'s hard deadline {hard_deadline.isoformat()} has passed")
 
 
 class JobError(KeelError):
     """A job's step failed. Raised by handlers; the class decides whether and when it is retried."""
 
     error_class = "unknown"
+    #: The policy decision journaled when this failure ends the request (None: the retry policy's, e.g.
+    #: ``invalid_not_retried``).
+    decision: str | None = None
 
-    def __init__(self, message: str | None = None, *, usage: Any = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        usage: Any = None,
+        retry_after: float | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
         self.usage = usage  # agents.core.commands.Usage spent before the failure, charged as retry-caused cost
         self.retry_after = retry_after
+        self.details = dict(details or {})  # JSON facts journaled with the failure
         super().__init__(message)
 
 
@@ -130,6 +182,21 @@ class InvalidJob(JobError):
     """The job cannot succeed as asked (bad input, 4xx, unknown operation); it is not retried."""
 
     error_class = "invalid"
+
+
+class UnknownTool(InvalidJob):
+    """The model called a tool Keel does not have: the request fails, naming the tool and the tools there are."""
+
+    decision = "unknown_tool"
+
+    def __init__(self, name: str, known: Sequence[str], *, usage: Any = None) -> None:
+        self.name = name
+        self.known = tuple(known)
+        super().__init__(
+            f"the model called a tool that does not exist: {name[:64]!a} (tools: {', '.join(known) or 'none'})",
+            usage=usage,
+            details={"tool": name[:64], "known_tools": list(known)},
+        )
 
 
 class BudgetExceeded(JobError):

@@ -33,6 +33,10 @@ class Event(StrEnum):
     CHARGE = "charge"  # spend that arrived after the fact (a late or fenced-off step) is still charged
 
 
+#: The events a person or a producer sends (through the client, the CLI, the HTTP API); every other event is the
+#: system's own (workers, beat). Errors shown to people list only these.
+COMMAND_EVENTS: frozenset[Event] = frozenset({Event.SUBMIT, Event.APPROVE, Event.REJECT, Event.CANCEL})
+
 #: Phases in which no request is in flight; ``submit`` starts a new one from here.
 RESTING: frozenset[Phase] = frozenset({Phase.IDLE, Phase.DONE, Phase.FAILED})
 #: Phases in which a request is in flight.

@@ -19,7 +19,18 @@ import psycopg
 import sqlalchemy.exc
 
 from agents.core import journal
-from agents.core.commands import LOW, Accept, Command, JobOutcome, Reject, Suppress, decide, is_repeat_submit
+from agents.core.commands import (
+    LOW,
+    Accept,
+    Command,
+    JobOutcome,
+    Reject,
+    Suppress,
+    as_given,
+    decide,
+    differences,
+    is_repeat_submit,
+)
 from agents.core.errors import (
     AgentBusy,
     AgentExists,
@@ -27,6 +38,7 @@ from agents.core.errors import (
     FencedOff,
     InvalidInput,
     LostUpdate,
+    RequestConflict,
     StoreError,
 )
 from agents.core.keys import make_key
@@ -45,7 +57,14 @@ from models.jobs_sql import (
 )
 from models.outbox_sql import NewMessage, insert_messages_txn
 from models.schemas import AgentRow
-from models.sql import claim_request_txn, insert_agent_txn, lock_agent_txn, set_archived_txn, update_agent_txn
+from models.sql import (
+    claim_request_txn,
+    insert_agent_txn,
+    lock_agent_txn,
+    request_as_submitted_txn,
+    set_archived_txn,
+    update_agent_txn,
+)
 
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
 #: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled.
@@ -80,10 +99,17 @@ def store_errors() -> Iterator[None]:
         raise StoreError(f"database error: {_message(exc.orig)}") from exc
 
 
+#: A table, column or function the code needs is not in the database: its schema is missing or not this code's.
+_SCHEMA_STATES = {"42P01", "42703", "42883"}
+
+
 def _message(exc: BaseException | None) -> str:
     diag = getattr(exc, "diag", None)
     primary = getattr(diag, "message_primary", None)
-    return str(primary or exc).strip()
+    message = str(primary or exc).strip()
+    if getattr(exc, "sqlstate", None) in _SCHEMA_STATES:
+        message += " (the database schema is missing or not this version's: run 'keel db upgrade')"
+    return message
 
 
 def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str) -> AgentRow:
@@ -185,7 +211,23 @@ def transition(
                     actor=command.actor,
                     at=at,
                 )
-            decision = decide(row, command, at, request_owner=owner)
+            decision = decide(
+                row,
+                command,
+                at,
+                request_owner=None if owner is None else owner.id,
+                owner_name=None if owner is None else owner.name,
+            )
+            if isinstance(decision, Suppress) and command.event is Event.SUBMIT:
+                # A retry repeats the request as it was; one that asks for something else is not a retry.
+                assert command.request_id is not None
+                submitted = request_as_submitted_txn(cur, command.request_id)
+                differs = [] if submitted is None else differences(submitted, command, input_json)
+                if differs:
+                    conflict = RequestConflict(
+                        request_id=command.request_id, owner=row.id, owner_name=row.name, differs=differs
+                    )
+                    decision = Reject(conflict, "request_conflict")
             if isinstance(decision, Suppress):
                 link = journal.append_side_event_txn(
                     cur,
@@ -231,6 +273,8 @@ def _apply_txn(
     if command.event is Event.SUBMIT:
         details["soft_deadline"] = after.soft_deadline
         details["hard_deadline"] = after.hard_deadline
+        # As the producer gave them (a relative deadline as such): a retry of the request must give the same.
+        details["as_given"] = {name: as_given(getattr(command, name)) for name in ("soft_deadline", "hard_deadline")}
     if command.spend:
         details["spend"] = {"tokens": command.spend.tokens, "cost": str(command.spend.cost)}
     if command.outcome is not None:
@@ -389,6 +433,8 @@ def _journal_rejection(db: Database, command: Command, decision: Reject, judged:
     }
     if command.expected_revision is not None:
         details["expected_revision"] = command.expected_revision
+    if isinstance(decision.error, RequestConflict) and decision.error.differs:
+        details["differs"] = list(decision.error.differs)
     with db.transaction() as cur:
         locked = lock_agent_txn(cur, command.agent_id)
         if locked is None:  # pragma: no cover - agents are never deleted

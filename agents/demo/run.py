@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import agents.demo.tools  # noqa: F401 - registers kb_search here too: submits are checked against the tools
 from agents.cli.progress import Progress, Step
 from agents.cli.supervisor import supervised_env
 from agents.client import Client

@@ -16,7 +16,7 @@ class Search(BaseModel):
     query: str = Field(min_length=1, max_length=200)
 
 
-@tool("kb.search", description="Search the incident knowledge base.")
+@tool("kb_search", description="Search the incident knowledge base.")
 def kb_search(args: Search, ctx: ToolContext) -> ToolOutput:
     time.sleep(0.6)
     with open(SEARCHES_LOG, "a") as log:  # one line per finished call: the demo checks none is repeated

@@ -1,8 +1,9 @@
-"""Job handlers, registered by operation name.
+"""Job handlers, registered by operation name, each with the pydantic model of the input it reads (if declared).
 
 A handler takes a :class:`JobContext` and returns a :class:`JobResult` (or raises a
 :class:`~agents.core.errors.JobError` subclass to say how it failed). Modules listed in ``KEEL_IMPORTS`` and entry
-points in the ``keel.handlers`` group are imported at worker start so their ``@handler`` decorators run.
+points in the ``keel.handlers`` group are imported at worker start so their ``@handler`` decorators run; the client
+imports them too, so that a submit is checked against the operation's input model before anything is written.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from importlib.metadata import entry_points
 from typing import Any
 from uuid import UUID
 
+from pydantic import BaseModel, ValidationError
+
 from agents.core.commands import JobSpec, Join, MessageSpec, Usage
+from agents.core.errors import InvalidInput, UnknownOperation
 from agents.core.phases import Event
 from models.db import Database
 from models.jobs_sql import checkpoint
@@ -123,28 +127,61 @@ Handler = Callable[[JobContext], JobResult]
 class Registry:
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
+        self._inputs: dict[str, type[BaseModel] | None] = {}
 
-    def register(self, operation: str, fn: Handler, *, replace: bool = False) -> None:
+    def register(
+        self, operation: str, fn: Handler, *, input: type[BaseModel] | None = None, replace: bool = False
+    ) -> None:
         if operation in self._handlers and self._handlers[operation] is not fn and not replace:
             raise ValueError(f"operation {operation!r} has a handler already")
         self._handlers[operation] = fn
+        self._inputs[operation] = input
+
+    def declare(self, operation: str, *, input: type[BaseModel] | None = None) -> None:
+        """Make ``operation`` known to producers without its handler (which runs in the workers' processes only):
+        a submit to it is accepted, its input checked against ``input`` if given."""
+        JobSpec(operation, "1")  # the name must be able to be part of a key
+        if operation not in self._handlers:
+            self._inputs[operation] = input
 
     def get(self, operation: str) -> Handler | None:
         return self._handlers.get(operation)
 
+    def knows(self, operation: str) -> bool:
+        return operation in self._inputs
+
     def operations(self) -> list[str]:
         return sorted(self._handlers)
+
+    def input_model(self, operation: str) -> type[BaseModel] | None:
+        """The pydantic model ``operation`` reads its input with; None: any JSON is accepted."""
+        return self._inputs.get(operation)
+
+    def check_input(self, operation: str, value: Any) -> None:
+        """Raise :class:`UnknownOperation` if nobody registered or declared ``operation``, and
+        :class:`InvalidInput` naming the field path and the rule if ``value`` does not fit its input model."""
+        if operation not in self._inputs:
+            raise UnknownOperation(operation, sorted(self._inputs))
+        model = self._inputs[operation]
+        if model is None:
+            return
+        try:
+            model.model_validate(value)
+        except ValidationError as exc:
+            raise InvalidInput(f"input of operation {operation!r}: {describe(exc, 'input')}") from None
 
 
 #: The process-wide registry that ``@handler`` fills.
 registry = Registry()
 
 
-def handler(operation: str) -> Callable[[Handler], Handler]:
-    """Register the decorated function as the handler of ``operation``."""
+def handler(operation: str, *, input: type[BaseModel] | None = None) -> Callable[[Handler], Handler]:
+    """Register the decorated function as the handler of ``operation``. ``input`` is the pydantic model of the
+    request input it reads (``payload["input"]`` of the request's first job): a submit that does not fit it is
+    refused before anything is written. Without it, any JSON is accepted."""
 
     def register(fn: Handler) -> Handler:
-        registry.register(operation, fn)
+        registry.register(operation, fn, input=input)
         return fn
 
     return register
@@ -157,3 +194,40 @@ def load(modules: Iterable[str]) -> Registry:
     for point in entry_points(group="keel.handlers"):
         point.load()
     return registry
+
+
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, as a person says it: ``an object``, ``null``, ``a number`` …"""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def describe(exc: ValidationError, root: str) -> str:
+    """The first problem pydantic found, as one line: the path from ``root`` (``input.script[0].tool_calls[1]
+    .name``) and the rule, in JSON's words; ``(and N more)`` when there are more."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    path = root
+    for part in err["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    kind = err["type"]
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        rule = f"must be a JSON object, got {json_kind(err['input'])}"
+    elif kind == "list_type":
+        rule = f"must be a JSON array, got {json_kind(err['input'])}"
+    elif kind == "string_type":
+        rule = f"must be a string, got {json_kind(err['input'])}"
+    elif kind == "missing":
+        rule = "is required"
+    elif kind == "extra_forbidden":
+        rule = "is not a field here (a typo?)"
+    elif kind == "value_error" and "error" in (err.get("ctx") or {}):
+        rule = str(err["ctx"]["error"])
+    else:
+        rule = err["msg"][0].lower() + err["msg"][1:]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{path}: {rule}{more}"

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -73,6 +73,9 @@ class _Failure:
     message: str
     usage: Usage
     retry_after: float | None
+    #: The journaled decision if this failure ends the request (None: the retry policy's), and facts to journal.
+    decision: str | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +83,8 @@ class _Failure:
             "message": self.message,
             "usage": {"tokens": self.usage.tokens, "cost": str(self.usage.cost)},
             "retry_after": self.retry_after,
+            "decision": self.decision,
+            "details": dict(self.details),
         }
 
     @classmethod
@@ -90,6 +95,8 @@ class _Failure:
             str(data["message"]),
             Usage(int(usage.get("tokens", 0)), Decimal(str(usage.get("cost", "0")))),
             data.get("retry_after"),
+            data.get("decision"),
+            dict(data.get("details") or {}),
         )
 
 
@@ -393,7 +400,9 @@ class Runner:
     def _classify(exc: BaseException) -> _Failure:
         if isinstance(exc, JobError):
             usage = exc.usage if isinstance(exc.usage, Usage) else Usage()
-            return _Failure(ErrorClass(exc.error_class), _storable(str(exc)), usage, exc.retry_after)
+            return _Failure(
+                ErrorClass(exc.error_class), _storable(str(exc)), usage, exc.retry_after, exc.decision, exc.details
+            )
         return _Failure(ErrorClass.UNKNOWN, _storable(f"{type(exc).__name__}: {exc}"), Usage(), None)
 
     # --- outcomes ---------------------------------------------------------------------------------------------
@@ -440,7 +449,13 @@ class Runner:
         failures = job.error_attempts.get(failure.error_class.value, 0) + 1
         decision = decide_retry(failure.error_class, failures, retry_after=failure.retry_after, rules=self.rules)
         message = failure.message[:2000]
-        details = {"job": job.key, "attempt": job.attempts, "error_class": failure.error_class.value, "error": message}
+        details = {
+            "job": job.key,
+            "attempt": job.attempts,
+            "error_class": failure.error_class.value,
+            "error": message,
+            **failure.details,
+        }
         common = {
             "failed_usage": failure.usage,
             "error": message,
@@ -454,12 +469,12 @@ class Runner:
                 job.agent_id,
                 Event.FAIL,
                 self.actor,
-                reason=decision.reason,
+                reason=failure.decision or decision.reason,
                 spend=failure.usage,
                 details=details,
                 outcome=outcome,
             )
-            return self._record(job, command, status, decision.reason, staged=staged)
+            return self._record(job, command, status, failure.decision or decision.reason, staged=staged)
         outcome = JobOutcome(
             job.key,
             job.fencing_token,

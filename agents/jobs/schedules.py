@@ -32,6 +32,9 @@ from models.schedules_sql import ScheduleRow, lock_due_schedules_txn, record_fir
 
 log = logging.getLogger("keel.schedules")
 
+#: The longest interval (``schedules.every_seconds`` is an integer column).
+MAX_EVERY_SECONDS = 2**31 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
@@ -92,8 +95,8 @@ def ensure_schedule(
     if (every is None) == (cron is None):
         raise InvalidInput("a schedule needs exactly one of every= or cron=")
     every_seconds = None if every is None else int(every.total_seconds())
-    if every_seconds is not None and every_seconds < 1:
-        raise InvalidInput("every= must be at least one second")
+    if every_seconds is not None and not 1 <= every_seconds <= MAX_EVERY_SECONDS:
+        raise InvalidInput(f"every= must be from one second to {MAX_EVERY_SECONDS} seconds (68 years), got {every}")
     if cron is not None and not croniter.is_valid(cron):
         raise InvalidInput(f"cron expression {cron!r} is not valid")
     JobSpec(operation, "1")  # validates the operation name

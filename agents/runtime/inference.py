@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from email.utils import parsedate_to_datetime
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from agents.core.commands import MAX_COST, MAX_TOKENS, Usage, check_json_text
 from agents.core.errors import InvalidInput, InvalidJob, RateLimited, TransientError
+from agents.jobs.handlers import describe
 
 Message = Mapping[str, Any]
 
@@ -265,34 +267,73 @@ def _retry_after(response: httpx.Response) -> float:
         return 5.0
 
 
+class ScriptedCall(BaseModel):
+    """One tool call of a scripted reply: the tool's name (as the model sees it) and its arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScriptEntry(BaseModel):
+    """One scripted model reply: a final answer (``content``) or tool calls, with what it costs (``tokens``,
+    ``cost`` in USD); with ``error``, the step's first ``times`` attempts fail that way before it is replied."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    content: str | None = None
+    tool_calls: list[ScriptedCall] = Field(default_factory=list)
+    error: Literal["transient", "rate_limited", "invalid"] | None = None
+    times: int = Field(default=1, ge=1, le=1000)
+    retry_after: float = Field(default=0.1, ge=0, le=3600)
+    tokens: int = Field(default=100, ge=0, le=MAX_TOKENS)
+    cost: Decimal = Field(default=Decimal("0.001"), ge=0, lt=MAX_COST)
+
+    @model_validator(mode="after")
+    def _says_something(self) -> ScriptEntry:
+        if self.content is None and not self.tool_calls:
+            # An error entry too: it is what the model replies once the entry's errors are spent.
+            raise ValueError("a reply needs content or tool_calls (an error entry too: its reply after the errors)")
+        return self
+
+
+_SCRIPT = TypeAdapter(list[ScriptEntry])
+
+
+def parse_script(script: Any) -> tuple[ScriptEntry, ...]:
+    """A request's ``script`` as entries; one that is not in the format fails the step as ``invalid`` (the client
+    refuses it at submit already: this guards requests that reached the database some other way)."""
+    try:
+        return tuple(_SCRIPT.validate_python(script))
+    except ValidationError as exc:
+        raise InvalidJob(f"the scripted provider cannot play this script: {describe(exc, 'input.script')}") from None
+
+
 @dataclass
 class ScriptedProvider:
     """Replays a scripted conversation: the n-th call gets the n-th reply. Deterministic, offline (tests, demo).
 
-    ``script`` entries are either a final answer ``{"content": "…"}``, tool calls
-    ``{"tool_calls": [{"name": "…", "arguments": {…}}]}``, or ``{"error": "transient" | "rate_limited" | …}``;
-    each may carry ``"tokens"`` (default 100) and ``"cost"``; an error entry fails the step's first ``"times"``
-    attempts (default 1), then plays on. Which entry to play is decided by the number of assistant messages already
-    in the conversation, so a replay after a crash gives the same reply.
+    Each entry (:class:`ScriptEntry`) is a final answer ``{"content": "…"}`` or tool calls
+    ``{"tool_calls": [{"name": "…", "arguments": {…}}]}``; each may carry ``"tokens"`` (default 100) and ``"cost"``
+    (default 0.001), and ``"error": "transient" | "rate_limited" | "invalid"``, which fails the step's first
+    ``"times"`` attempts (default 1) before the entry is replied. Which entry to play is decided by the number of
+    assistant messages already in the conversation, so a replay after a crash gives the same reply.
     """
 
-    script: Sequence[Mapping[str, Any]]
+    script: Sequence[ScriptEntry]
 
     def complete(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], *, attempt: int = 1) -> Reply:
         turn = sum(1 for m in messages if m.get("role") == "assistant")
         if turn >= len(self.script):
             return Reply("(the script has ended)", (), Usage(1))
         entry = self.script[turn]
-        usage = Usage(int(entry.get("tokens", 100)), Decimal(str(entry.get("cost", "0.001"))))
-        if "error" in entry and attempt <= int(entry.get("times", 1)):
-            kind = entry["error"]
-            if kind == "rate_limited":
-                raise RateLimited("scripted 429", retry_after=float(entry.get("retry_after", 0.1)), usage=usage)
-            if kind == "invalid":
+        usage = Usage(entry.tokens, entry.cost)
+        if entry.error is not None and attempt <= entry.times:
+            if entry.error == "rate_limited":
+                raise RateLimited("scripted 429", retry_after=entry.retry_after, usage=usage)
+            if entry.error == "invalid":
                 raise InvalidJob("scripted 400", usage=usage)
             raise TransientError("scripted 503", usage=usage)
-        calls = tuple(
-            ToolCall(f"call_{turn}_{i}", c["name"], c.get("arguments", {}))
-            for i, c in enumerate(entry.get("tool_calls", []))
-        )
-        return Reply(entry.get("content"), calls, usage)
+        calls = tuple(ToolCall(f"call_{turn}_{i}", c.name, c.arguments) for i, c in enumerate(entry.tool_calls))
+        return Reply(entry.content, calls, usage)

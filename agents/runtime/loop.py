@@ -4,8 +4,9 @@ planning: job ``{request_id}:plan:{n}`` asks the model. A final answer finishes 
 agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{n}.{call_key}``, where ``call_key`` is
 the model's call id made safe for a key (:func:`~agents.runtime.inference.tool_call_key`); the model always gets its
 own id back, and a step's payload carries both (``call_id``: the key-safe one tools see; ``tool_call_id``: the model's).
-The last tool result of a round sends the conversation back to the model (``plan:{n+1}``). A call to a tool that
-needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
+The last tool result of a round sends the conversation back to the model (``plan:{n+1}``). A reply that calls a
+tool Keel does not have fails the request (``unknown_tool``), naming the tool and the tools there are. A call to a
+tool that needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
 ``reject`` asks the model to revise. Every step's result is stored on its job, in the transition that schedules the
 next step, and the conversation is rebuilt from those results: after a crash the request resumes at the first
 unfinished step, and a finished model call or tool call is never made again.
@@ -20,12 +21,23 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from agents.core.commands import JobSpec, Join
-from agents.core.errors import InvalidInput, InvalidJob
+from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
 from agents.core.phases import Event
 from agents.jobs.handlers import JobContext, JobResult, handler
-from agents.runtime.inference import OpenAICompatible, Provider, Reply, ScriptedProvider, tool_call_key
-from agents.runtime.tools import ToolContext, by_function_name, registered
+from agents.runtime.inference import (
+    OpenAICompatible,
+    Provider,
+    Reply,
+    ScriptedCall,
+    ScriptedProvider,
+    ScriptEntry,
+    parse_script,
+    tool_call_key,
+)
+from agents.runtime.tools import ToolContext, by_name, registered, stored_tool
 from models.db import Database
 from models.jobs_sql import cancel_request_steps_txn, request_steps
 from models.settings import Settings
@@ -50,9 +62,34 @@ def provider_for(request_input: Any) -> Provider:
     if _settings().llm_provider == "openai":
         return _openai()
     script = request_input.get("script") if isinstance(request_input, Mapping) else None
-    if not isinstance(script, list):
+    if script is None:
         raise InvalidJob("KEEL_LLM_PROVIDER=scripted needs the request input to carry a 'script' list")
-    return ScriptedProvider(script)
+    return ScriptedProvider(parse_script(script))
+
+
+class PlannedCall(ScriptedCall):
+    @field_validator("name")
+    @classmethod
+    def _is_a_tool(cls, name: str) -> str:
+        if by_name(name) is None:
+            known = ", ".join(sorted(registered())) or "none"
+            raise ValueError(f"there is no tool named {name!r} (tools: {known})")
+        return name
+
+
+class PlannedReply(ScriptEntry):
+    tool_calls: list[PlannedCall] = Field(default_factory=list)  # type: ignore[assignment]
+
+
+class PlanInput(BaseModel):
+    """The input of the ``plan`` operation (a request to the agent loop): the prompt, and for
+    ``KEEL_LLM_PROVIDER=scripted`` the model's replies (see :class:`~agents.runtime.inference.ScriptEntry`), whose
+    tool calls must name tools that exist."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    script: list[PlannedReply] | None = None
 
 
 def prompt_of(request_input: Any) -> str:
@@ -87,7 +124,7 @@ def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, l
         reply = plan_step["result"]["reply"]
         messages.append(reply)
         for call in reply.get("tool_calls") or []:
-            tool = by_function_name(call["function"]["name"])
+            tool = by_name(call["function"]["name"])
             done = by_key.get(f"{request_id}:tool:{step_target(tool.name if tool else 'unknown', n, call['id'])}")
             key = (n, tool_call_key(call["id"]))
             if done is not None and done["status"] == "succeeded" and done["result"] is not None:
@@ -101,7 +138,7 @@ def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, l
     return request_input, messages
 
 
-@handler("plan")
+@handler("plan", input=PlanInput)
 def plan(ctx: JobContext) -> JobResult:
     round_ = int(ctx.target)
     request_input, messages = conversation(ctx.db, ctx.request_id, round_)
@@ -120,25 +157,28 @@ def plan(ctx: JobContext) -> JobResult:
     keys = [tool_call_key(call_id) for call_id in ids]
     if len(set(ids)) != len(ids) or len(set(keys)) != len(keys):
         raise InvalidJob(f"the model used a tool call id twice in one reply: {ascii(ids)[:500]}", usage=reply.usage)
+    for call in reply.tool_calls:
+        if call.name not in tools:  # the model names tools by their one name only: no other spelling runs
+            raise UnknownTool(call.name, sorted(tools), usage=reply.usage)
     jobs: list[JobSpec] = []
     gated = False
     for call in reply.tool_calls:
-        tool = by_function_name(call.name)  # the model names tools by function name only: no other spelling runs
-        name = tool.name if tool else "unknown"
+        tool = tools[call.name]
         payload = {
             "arguments": dict(call.arguments),
             "round": round_,
             "call_id": tool_call_key(call.id),
             "tool_call_id": call.id,
             "function": call.name,
-            "tool": tool.name if tool else None,
+            "tool": tool.name,
         }
-        if tool is not None and tool.needs_approval and not gated:
+        if tool.needs_approval and not gated:
             gated = True
-            jobs.append(JobSpec("gate", step_target(name, round_, call.id), payload=payload))
+            jobs.append(JobSpec("gate", step_target(tool.name, round_, call.id), payload=payload))
         else:
-            deferred = tool is not None and tool.needs_approval  # one approval at a time
-            jobs.append(JobSpec("tool", step_target(name, round_, call.id), payload={**payload, "deferred": deferred}))
+            deferred = tool.needs_approval  # one approval at a time
+            target = step_target(tool.name, round_, call.id)
+            jobs.append(JobSpec("tool", target, payload={**payload, "deferred": deferred}))
     return JobResult(output={"reply": message}, usage=reply.usage, event=Event.PLAN, jobs=tuple(jobs))
 
 
@@ -155,8 +195,8 @@ def run_tool(ctx: JobContext) -> JobResult:
     def said(content: str, **extra: Any) -> JobResult:
         return JobResult(output={"tool_call_id": call_id, "content": content}, join=join, **extra)
 
-    tool = registered().get(payload.get("tool") or "")
-    if tool is None:
+    tool = stored_tool(payload.get("tool") or "")
+    if tool is None:  # a step recorded before its tool was removed (or, from older versions, an unknown name)
         return said(f"error: there is no tool named {payload.get('function')!r}")
     if payload.get("deferred"):
         return said("not run: another call is waiting for approval; ask again after it")

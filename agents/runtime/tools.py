@@ -1,5 +1,9 @@
 """Tools the model may call: registered with ``@tool``, their input validated by pydantic.
 
+A tool has one name, the one the model calls it by (an OpenAI function name: letters, digits, ``_`` and ``-``, at
+most 64), which is also the name in its steps' keys, in the state and in the journal: ``slack_post``,
+``github_comment``.
+
 A tool gets its validated arguments and a :class:`ToolContext`, and returns a :class:`ToolOutput`: the content the
 model sees next, and any Slack/GitHub messages to send — through the outbox, in the transition that records the
 result, never from inside the tool. Tools with ``needs_approval`` wait for a person before they run.
@@ -9,6 +13,7 @@ Modules in ``KEEL_IMPORTS`` and ``keel.tools`` entry points are imported at work
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -34,25 +39,25 @@ class ToolOutput:
     usage: Usage = field(default_factory=Usage)
 
 
+#: What OpenAI-compatible endpoints accept as a function name, and so what a tool may be called.
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
 @dataclass(frozen=True, slots=True)
 class Tool:
-    name: str  # e.g. "slack.post"; the model sees it as "slack_post"
+    name: str  # e.g. "slack_post": what the model calls, and what keys, state and journal say
     fn: Callable[[Any, ToolContext], ToolOutput]
     input_model: type[BaseModel]
     needs_approval: bool
     timeout: float
     description: str
 
-    @property
-    def function_name(self) -> str:
-        return self.name.replace(".", "_")
-
     def schema(self) -> dict[str, Any]:
         """The OpenAI ``tools`` entry for this tool."""
         return {
             "type": "function",
             "function": {
-                "name": self.function_name,
+                "name": self.name,
                 "description": self.description,
                 "parameters": self.input_model.model_json_schema(),
             },
@@ -73,7 +78,13 @@ _TOOLS: dict[str, Tool] = {}
 def tool(
     name: str, *, needs_approval: bool = False, timeout: float = 30.0, description: str | None = None
 ) -> Callable[[Callable[[Any, ToolContext], ToolOutput]], Callable[[Any, ToolContext], ToolOutput]]:
-    """Register a tool. Its first parameter's annotation is the pydantic model of its input."""
+    """Register a tool called ``name`` (letters, digits, ``_``, ``-``; at most 64: the model calls it by this
+    name). Its first parameter's annotation is the pydantic model of its input."""
+    if not TOOL_NAME.fullmatch(name):
+        raise ValueError(
+            f"tool name {name!r} is invalid: 1-64 letters, digits, '_' or '-' (the model calls a tool by its name,"
+            " and function names cannot contain dots)"
+        )
 
     def register(fn: Callable[[Any, ToolContext], ToolOutput]) -> Callable[[Any, ToolContext], ToolOutput]:
         params = list(inspect.signature(fn).parameters)
@@ -92,8 +103,15 @@ def registered() -> dict[str, Tool]:
     return dict(_TOOLS)
 
 
-def by_function_name(function_name: str) -> Tool | None:
-    return next((t for t in _TOOLS.values() if t.function_name == function_name), None)
+def by_name(name: str) -> Tool | None:
+    """The tool the model called ``name``: exactly that name, no other spelling."""
+    return _TOOLS.get(name)
+
+
+def stored_tool(name: str) -> Tool | None:
+    """The tool a stored step names. Steps recorded before tools had one name each carry the dotted name
+    (``slack.post``): they still find their tool."""
+    return _TOOLS.get(name) or _TOOLS.get(name.replace(".", "_"))
 
 
 def load_entry_points() -> None:
@@ -109,7 +127,7 @@ class SlackPost(BaseModel):
     text: str = Field(min_length=1, max_length=40_000)
 
 
-@tool("slack.post", description="Post a message to a Slack channel (sent once, through Keel's outbox).")
+@tool("slack_post", description="Post a message to a Slack channel (sent once, through Keel's outbox).")
 def slack_post(args: SlackPost, ctx: ToolContext) -> ToolOutput:
     message = MessageSpec("slack", args.channel, ctx.call_id, {"text": args.text})
     return ToolOutput(f"queued for {args.channel}", messages=(message,))
@@ -124,7 +142,7 @@ class GitHubComment(BaseModel):
 
 
 @tool(
-    "github.comment",
+    "github_comment",
     needs_approval=True,
     description="Comment on a GitHub issue or pull request (a person approves it first; sent once).",
 )

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 import redis
 
+import tests.support.tools  # noqa: F401 - the workers' tools: this process's submits are checked against them
 from agents.client import Client
 from models.urls import libpq_url
 from tests.chaos.conftest import Stack, clock_offset_in_log, free_port, skewed, wait_until
@@ -53,7 +54,7 @@ def test_sigkill_between_the_staged_outcome_and_its_transition_replays_it_once(s
     stack.beat()
     call = {"name": "test_post", "arguments": {"channel": "C0PS", "text": "deploy at 5"}}
     client.submit(agent.id, "req-1", script({"tool_calls": [call], "tokens": 100}, {"content": "Done.", "tokens": 50}))
-    key = "req-1:tool:test.post:1.call_0_0"
+    key = "req-1:tool:test_post:1.call_0_0"
     wait_until("the tool to run", lambda: executions(stack, "tool").get(key) == 1, 60)
     # Hold the agent's lock: the tool finishes and its outcome is staged, but the transition cannot commit.
     with psycopg.connect(libpq_url(stack.db_url)) as blocker:
@@ -235,7 +236,7 @@ def test_worker_and_beat_clocks_minutes_apart_run_everything_once_on_time(stack:
     client.submit(agents[9], "req-limited", {"retry_after": 2}, operation="ratelimited")
     call = {"name": "test_post", "arguments": {"channel": "C0PS", "text": "hello"}}
     client.submit(agents[10], "req-talk", script({"tool_calls": [call]}, {"content": "Done."}))
-    redis.Redis.from_url(stack.broker_url).set("release:req-talk:tool:test.post:1.call_0_0", 1)
+    redis.Redis.from_url(stack.broker_url).set("release:req-talk:tool:test_post:1.call_0_0", 1)
     wait_until("every request to finish", lambda: all(client.get_state(a).phase == "done" for a in agents[:11]), 60)
     assert 240 < clock_offset_in_log(stack, "fast") < 330 and -330 < clock_offset_in_log(stack, "slow") < -240
     assert time.monotonic() - started < 45, "nothing waited out a clock difference"
@@ -269,7 +270,7 @@ def test_a_hung_handler_and_a_tool_past_its_timeout_end_with_their_process(stack
     call = {"name": "test_stall", "arguments": {"channel": "C0PS", "text": "late news"}}
     client.submit(talker.id, "req-stall", script({"tool_calls": [call]}, {"content": "Told."}))
     wait_until("the request to finish", lambda: client.get_state(talker.id).phase == "done", 60)
-    key = "req-stall:tool:test.stall:1.call_0_0"
+    key = "req-stall:tool:test_stall:1.call_0_0"
     assert "did not finish within 1s" in job(stack, key)["result"]["content"]
     time.sleep(5)  # longer than the stalled tool and the hung handler would have needed to finish
     assert executions(stack, "late") == {}, "work past its limit ran on"

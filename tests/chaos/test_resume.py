@@ -64,10 +64,10 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
     client.submit(calm.id, "req-calm", {"prompt": "Why did we page?"})
     wait_until(
         "the calm run's tool call",
-        lambda: stack.query("SELECT 1 FROM jobs WHERE key = 'req-calm:tool:test.wait:1.call_a' AND status = 'running'"),
+        lambda: stack.query("SELECT 1 FROM jobs WHERE key = 'req-calm:tool:test_wait:1.call_a' AND status = 'running'"),
         60,
     )
-    broker.set("release:req-calm:tool:test.wait:1.call_a", 1)
+    broker.set("release:req-calm:tool:test_wait:1.call_a", 1)
     wait_until("the calm run to finish", lambda: client.get_state(calm.id).phase == "done", 60)
     reference = _answer(stack, "req-calm")
     assert reference == "The failover caused both incidents."
@@ -84,7 +84,7 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
     stack.worker("w2", concurrency=1)
 
     # Killed again during the tool call.
-    key = "req-hurt:tool:test.wait:1.call_a"
+    key = "req-hurt:tool:test_wait:1.call_a"
     wait_until(
         "the tool call to be running",
         lambda: stack.query("SELECT 1 FROM jobs WHERE key = %s AND status = 'running'", key),
@@ -98,6 +98,6 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
     assert _answer(stack, "req-hurt") == reference, "the interrupted run's answer differs"
     delivered = {turn: n - calls_before.get(turn, 0) for turn, n in llm.completed.items()}
     assert delivered == {0: 1, 1: 1}, f"a finished model call was repeated: {delivered}"
-    assert _tool_runs(stack) == {"req-calm:tool:test.wait:1.call_a": 1, key: 1}, "a finished tool call was repeated"
+    assert _tool_runs(stack) == {"req-calm:tool:test_wait:1.call_a": 1, key: 1}, "a finished tool call was repeated"
     state = client.get_state(hurt.id)
     assert state.spent_tokens == 340 + 445, "usage adds up to what the provider reported"

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 from agents.client import Client
+from models import migrations
 
 pytestmark = pytest.mark.integration
 
@@ -76,8 +77,21 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         (("agent", "create", "bad name"), "name: String should match pattern"),
         (("agent", "create", "x", "--budget-cost", "lots"), "'lots' is not a number"),
         (("submit", "ops", "r1", "--input", "{oops"), "not JSON"),
-        (("approve", "ops", "--revision", "0"), "'approve' is not allowed (allowed: submit, charge)"),
-        (("cancel", "ops", "--revision", "5"), "expected revision 5, the agent is at revision 0"),
+        (("approve", "ops", "--revision", "0"), "agent 'ops' is idle: 'approve' is not allowed (allowed: submit)"),
+        (("cancel", "ops", "--revision", "5"), "stale revision for agent 'ops': the command expected revision 5,"),
+        (("submit", "ops", "r1"), "input of operation 'plan': input: must be a JSON object, got null"),
+        (("submit", "ops", "r1", "--input", '"hello"'), "input: must be a JSON object, got a string"),
+        (("submit", "ops", "r1", "--input", "[1, 2]"), "input: must be a JSON object, got an array"),
+        (("submit", "ops", "r1", "--input", '{"prompt": "hi", "script": [1, 2]}'), "input.script[0]: must be a JSON"),
+        (("agent", "create", "x", "--budget-tokens", str(2**63)), "budget_tokens: Input should be less than or equal"),
+        (("cancel", "ops", "--revision", str(2**64)), "expected_revision must be from 0 to 9223372036854775807"),
+        (("journal", "--limit", str(2**63)), "limit must be from 1 to 9223372036854775807"),
+        (("outbox", "list", "--limit", str(2**63)), "is not in the range 1<=x<=9223372036854775807"),
+        (("db", "downgrade", "nosuchrev"), "cannot downgrade to 'nosuchrev': no migration has this revision (known"),
+        (
+            ("db", "upgrade", "--revision", "nosuch"),
+            "cannot upgrade to 'nosuch': no migration has this revision (known",
+        ),
     ],
 )
 def test_bad_input_exits_non_zero_with_one_line(db_url: str, args: tuple[str, ...], message: str) -> None:
@@ -107,6 +121,47 @@ def test_audit_verify_exits_1_on_tampering(db_url: str) -> None:
     result = keel(db_url, "audit", "verify", check=False)
     assert result.returncode == 1
     assert "BROKEN agent" in result.stderr and "at event 1" in result.stderr
+
+
+def test_a_database_without_this_codes_schema_says_so_and_what_to_run(empty_db_url: str) -> None:
+    """Before: every command said `relation "agents" does not exist`."""
+    head, previous = migrations.revisions()[-1], migrations.revisions()[-2]
+
+    def says(*args: str) -> str:
+        result = keel(empty_db_url, *args, check=False)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        return lines[0]
+
+    missing = f"keel: error: the database has no Keel schema (code at {head}): run 'keel db upgrade'"
+    assert says("agent", "list") == missing
+    assert says("journal") == missing
+    keel(empty_db_url, "db", "upgrade", "--revision", previous)
+    assert (
+        says("agent", "create", "ops") == f"keel: error: database at {previous}, code at {head}: run 'keel db upgrade'"
+    )
+    keel(empty_db_url, "db", "upgrade")
+    keel(empty_db_url, "agent", "create", "ops")
+    with psycopg.connect(empty_db_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999'")
+    assert says("agent", "show", "ops").startswith(
+        f"keel: error: database at 9999, which this code does not know (code at {head}): it was migrated by a newer"
+    )
+
+
+def test_the_client_names_a_missing_schema_too(empty_db_url: str) -> None:
+    from agents.client import Client
+    from agents.core.errors import StoreError
+    from models.db import Database
+
+    database = Database(empty_db_url)
+    try:
+        with pytest.raises(
+            StoreError, match=r"relation \"agents\" does not exist \(the database schema is missing or not"
+        ):
+            Client(database).list_agents()
+    finally:
+        database.dispose()
 
 
 def test_db_upgrade_and_downgrade(empty_db_url: str) -> None:
@@ -419,3 +474,67 @@ def test_the_database_refuses_an_archive_that_is_not_journaled(db_url: str) -> N
         with pytest.raises(psycopg.errors.RaiseException, match=r"archiving agent .* must be journaled"):
             conn.execute("UPDATE agents SET archived_at = now() WHERE name = 'sneaky'")
     assert json.loads(keel(db_url, "agent", "show", "sneaky", "--json").stdout)["archived_at"] is None
+
+
+def test_a_run_script_that_does_not_fit_is_refused_in_one_line(db_url: str, tmp_path: Path) -> None:
+    keel(db_url, "agent", "create", "helper")
+    for script, message in [
+        ([1, 2], "input of operation 'plan': input.script[0]: must be a JSON object, got a number (and 1 more)"),
+        (
+            [{"tool_calls": [{"name": "slack.post", "arguments": {"channel": "C1", "text": "hi"}}]}],
+            "input.script[0].tool_calls[0].name: there is no tool named 'slack.post'"
+            " (tools: github_comment, slack_post)",
+        ),
+    ]:
+        path = tmp_path / "replies.json"
+        path.write_text(json.dumps(script))
+        result = keel(db_url, "run", "helper", "Say hello", "--script", str(path), check=False)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    state = json.loads(keel(db_url, "state", "helper", "--json").stdout)
+    assert (state["phase"], state["revision"]) == ("idle", 0)
+
+
+def test_resubmitting_a_request_id_with_other_input_is_refused(db_url: str) -> None:
+    keel(db_url, "agent", "create", "ops")
+    keel(db_url, "submit", "ops", "r1", "--input", '{"prompt": "a"}')
+    assert keel(db_url, "submit", "ops", "r1", "--input", '{"prompt": "a"}', "--json").returncode == 0
+    result = keel(db_url, "submit", "ops", "r1", "--input", '{"prompt": "b"}', check=False)
+    assert result.returncode == 1
+    assert result.stderr == (
+        "keel: error: request id 'r1' was submitted to agent 'ops' before with a different input: a retry must"
+        " repeat the request as it was; use a new request id for a new request\n"
+    )
+
+
+def test_the_readmes_scripted_replies_run_as_written(db_url: str, db: Any, tmp_path: Path) -> None:
+    """The README's example script, taken from the README itself, submitted with `keel run` and run to the end."""
+    from datetime import timedelta
+
+    import agents.runtime.loop  # noqa: F401 - registers plan and tool
+    from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
+    from agents.jobs.handlers import registry
+    from agents.jobs.runner import Runner
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- scripted-replies-example", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "replies.json"
+    script.write_text(block)
+    keel(db_url, "agent", "create", "ops-bot")
+    keel(db_url, "run", "ops-bot", "Summarise open incidents", "--script", str(script), "--request-id", "r-readme")
+    rules = {**DEFAULT_RULES, ErrorClass.TRANSIENT: RetryRule(3, 0.0, 0.0, 0.0)}
+    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=rules)
+    for _ in range(10):
+        with psycopg.connect(db.libpq_url) as conn:
+            due = conn.execute(
+                "SELECT key FROM jobs WHERE status IN ('pending', 'enqueued') ORDER BY created_at, key LIMIT 1"
+            ).fetchone()
+        if due is None:
+            break
+        runner.run(due[0])
+    state = json.loads(keel(db_url, "state", "ops-bot", "--json").stdout)
+    assert (state["phase"], state["spent_tokens"]) == ("done", 120 + 80 + 80)
+    job = json.loads(keel(db_url, "job", "r-readme:tool:slack_post:1.call_0_0", "--json").stdout)
+    assert job["status"] == "succeeded"
+    answer = json.loads(keel(db_url, "job", "r-readme:plan:2", "--json").stdout)
+    assert answer["result"]["answer"] == "Two incidents are open; both are about the database."
+    assert "transient" in answer["error_attempts"]

@@ -14,10 +14,15 @@ from agents.core import transition as core
 from agents.core.commands import Command
 from agents.core.transition import now
 from agents.jobs import deadlines
+from agents.jobs.handlers import registry
 from models.db import Database
 from models.outbox_sql import message_row
 
 pytestmark = pytest.mark.integration
+
+# The jobs here are never run: the client only needs to know the operation.
+for _operation in ("count",):
+    registry.declare(_operation)
 
 
 def _database_now(db: Database) -> datetime:

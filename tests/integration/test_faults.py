@@ -21,7 +21,7 @@ from agents.core.commands import MessageSpec, Usage
 from agents.core.errors import FencedOff, KeelError, StoreError
 from agents.core.phases import Event
 from agents.core.policies import DEFAULT_RULES, ErrorClass
-from agents.jobs.handlers import JobContext, JobResult, Registry
+from agents.jobs.handlers import JobContext, JobResult, Registry, registry
 from agents.jobs.runner import Runner
 from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.db import Database
@@ -30,6 +30,10 @@ from tests.support.db import expire_lease
 
 pytestmark = pytest.mark.integration
 
+# These tests run each operation with a registry of their own (runner() below); the client only needs to know them.
+for _operation in ("count", "finish", "flaky", "hang", "nul", "retry", "spend"):
+    registry.declare(_operation)
+
 POSTS: list[str] = []
 
 
@@ -37,7 +41,7 @@ class Announce(BaseModel):
     text: str
 
 
-@tool("test.announce", description="Post an announcement to #ops and pay for it.")
+@tool("test_announce", description="Post an announcement to #ops and pay for it.")
 def announce(args: Announce, ctx: ToolContext) -> ToolOutput:
     POSTS.append(ctx.call_id)
     message = MessageSpec("slack", "C0PS", ctx.call_id, {"text": args.text})
@@ -47,7 +51,7 @@ def announce(args: Announce, ctx: ToolContext) -> ToolOutput:
 SLOW_FINISHED = threading.Event()
 
 
-@tool("test.slowpost", timeout=0.3, description="Post slowly.")
+@tool("test_slowpost", timeout=0.3, description="Post slowly.")
 def slowpost(args: Announce, ctx: ToolContext) -> ToolOutput:
     time.sleep(1.0)
     SLOW_FINISHED.set()
@@ -88,7 +92,7 @@ def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usag
     client.submit(agent.id, "req-1", {"prompt": "announce the deploy", "script": script})
     runner = make_runner(db)
     assert runner.run("req-1:plan:1").status == "succeeded"
-    tool_key = "req-1:tool:test.announce:1.call_0_0"
+    tool_key = "req-1:tool:test_announce:1.call_0_0"
 
     real = core.transition
     failures = []
@@ -187,10 +191,10 @@ def test_a_tool_past_its_timeout_asks_for_its_process_to_end_and_emits_nothing(c
     client.submit(agent.id, "req-1", {"prompt": "post", "script": script})
     runner = make_runner(db)
     runner.run("req-1:plan:1")
-    outcome = runner.run("req-1:tool:test.slowpost:1.call_0_0")
+    outcome = runner.run("req-1:tool:test_slowpost:1.call_0_0")
     assert outcome.status == "succeeded" and outcome.end_process
     assert finished.wait(3), "the abandoned thread did finish (in production its process is ended first)"
-    row = job_row(db, "req-1:tool:test.slowpost:1.call_0_0")
+    row = job_row(db, "req-1:tool:test_slowpost:1.call_0_0")
     assert row is not None and "did not finish within 0.3s" in row["result"]["content"]
     assert outbox_keys(db) == [], "a tool past its timeout emits nothing"
 

@@ -20,13 +20,17 @@ from agents.core.policies import DEFAULT_RULES, ErrorClass
 from agents.core.queues import LOW_QUEUE
 from agents.core.transition import now, transition
 from agents.jobs import deadlines, schedules
-from agents.jobs.handlers import JobContext, JobResult, Registry
+from agents.jobs.handlers import JobContext, JobResult, Registry, registry
 from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import claim, job_row, take_due
 from tests.support.db import expire_lease
 
 pytestmark = pytest.mark.integration
+
+# These tests run each operation with a registry of their own (runner() below); the client only needs to know them.
+for _operation in ("answer", "bad", "count", "crash", "nope", "slow", "step", "work"):
+    registry.declare(_operation)
 
 
 def runner(db: Database, handlers: dict[str, Callable[[JobContext], JobResult]], **kw: Any) -> Runner:
@@ -297,7 +301,8 @@ def test_ensure_schedule_is_idempotent_and_fires_under_deterministic_keys(client
         ({}, "exactly one of every= or cron="),
         ({"every": timedelta(seconds=1), "cron": "* * * * *"}, "exactly one of"),
         ({"cron": "every tuesday"}, "cron expression 'every tuesday' is not valid"),
-        ({"every": timedelta(0)}, "at least one second"),
+        ({"every": timedelta(0)}, "every= must be from one second"),
+        ({"every": timedelta(days=30_000)}, r"to 2147483647 seconds \(68 years\), got 30000 days"),
         ({"every": timedelta(seconds=5), "operation": "bad op"}, "operation 'bad op' is invalid"),
     ],
 )

@@ -16,15 +16,16 @@ from agents.core.transition import transition
 from models.db import Database
 
 pytestmark = pytest.mark.integration
+ASK = {"prompt": "What changed?", "script": [{"content": "Nothing.", "cost": "0.5"}]}
 
 
 def _history(client: Client) -> Any:
     agent = client.create_agent("audited")
-    client.submit(agent.id, "r1", {"q": 1.5, "nested": {"b": [1, 2], "a": None}})
+    client.submit(agent.id, "r1", ASK)
     transition(client.db, Command(agent.id, Event.PLAN, "worker", details={"model": "m", "ratio": 0.1}))
     with pytest.raises(StaleRevision):
         client.cancel(agent.id, expected_revision=0, actor="late")
-    client.submit(agent.id, "r1", None)  # suppressed
+    client.submit(agent.id, "r1", ASK)  # suppressed
     transition(client.db, Command(agent.id, Event.FINISH, "worker"))
     client.create_agent("bystander")
     return agent
@@ -126,7 +127,7 @@ def test_verify_catches_a_rewritten_event_with_a_recomputed_hash(
 
 def test_the_database_refuses_a_revision_that_skips_or_repeats(client: Client, raw: psycopg.Connection[Any]) -> None:
     agent = client.create_agent("guarded")
-    client.submit(agent.id, "r1", None)
+    client.submit(agent.id, "r1", ASK)
     with pytest.raises(psycopg.errors.RaiseException, match="revision must go from 1 to 2, not to 3"):
         raw.execute("UPDATE agents SET revision = 3, phase = 'done' WHERE id = %s", (agent.id,))
     with pytest.raises(psycopg.errors.RaiseException, match="must bump the revision"):
@@ -164,7 +165,7 @@ def test_verify_sees_no_tampering_while_agents_are_busy(client: Client, db: Data
 
     ids = [client.create_agent(f"busy-{n}").id for n in range(4)]
     for agent_id in ids:
-        client.submit(agent_id, f"r-{agent_id.hex[:8]}", None)
+        client.submit(agent_id, f"r-{agent_id.hex[:8]}", ASK)
     stop = threading.Event()
 
     def churn(agent_id: Any) -> None:

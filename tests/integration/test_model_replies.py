@@ -47,7 +47,7 @@ class Probe(BaseModel):
     q: str
 
 
-@tool("probe.echo", description="Echo the query.")
+@tool("probe_echo", description="Echo the query.")
 def probe(args: Probe, ctx: ToolContext) -> ToolOutput:
     SEEN.append(ctx.call_id)
     return ToolOutput(f"echo {args.q}")
@@ -213,6 +213,32 @@ def test_through_the_runner_a_malformed_reply_fails_at_once_and_is_charged(
     assert (last.event, last.details["error_class"]) == ("fail", "invalid")
 
 
+def test_a_reply_calling_a_tool_that_does_not_exist_fails_the_request_naming_it(
+    client: Client, db: Database, openai: RawLLM
+) -> None:
+    """A model that calls a tool Keel does not have (here by its old dotted name) fails the request, visibly: in
+    the state and the journal, with the tool and the tools there are, charged for the reply. Nothing is run."""
+    comment = '{"repository": "acme/api", "issue": 7, "body": "Fixed"}'
+    openai.replies = [
+        {"tool_calls": [{"id": "c1", "name": "github.comment", "arguments": comment}]},
+        {"content": "ok"},
+    ]
+    agent = client.create_agent("confused")
+    client.submit(agent.id, "r1", {"prompt": "hi"})
+    assert run_all(db) == ["r1:plan:1"], "no tool step was scheduled"
+    assert len(openai.requests_seen) == 1
+    state = client.get_state(agent.id)
+    assert state.phase == "failed" and state.spent_tokens > 0
+    last = client.journal(agent_id=agent.id)[-1]
+    assert (last.kind, last.event, last.to_phase, last.decision) == ("transition", "fail", "failed", "unknown_tool")
+    assert last.details["tool"] == "github.comment"
+    assert {"github_comment", "slack_post", "probe_echo"} <= set(last.details["known_tools"])
+    job = job_row(db, "r1:plan:1")
+    assert job is not None and (job["status"], job["error_class"]) == ("failed", "invalid")
+    assert job["last_error"].startswith("the model called a tool that does not exist: 'github.comment' (tools: ")
+    assert message_row(db, "r1:github:c1") is None
+
+
 ODD_IDS = ["call 1", "a/b:c", "ünï-côdé", "x" * 500, "", " ", "call_0_0:..#@"]
 
 
@@ -234,7 +260,7 @@ def test_odd_call_ids_are_mapped_for_keys_and_given_back_to_the_model_as_sent(
     assert tool_call_key("call_0_0") == "call_0_0", "ordinary ids are kept as they are"
     assert [tool_call_key(k) for k in keys] == keys, "a mapped id maps to itself"
     for n, key in enumerate(keys[:-1]):
-        row = job_row(db, make_key("r1", "tool", f"probe.echo:1.{key}"))
+        row = job_row(db, make_key("r1", "tool", f"probe_echo:1.{key}"))
         assert row is not None and row["status"] == "succeeded", (ODD_IDS[n], row)
     assert sorted(SEEN) == sorted(keys[:-1]), "tools see the key-safe id"
     assert message_row(db, f"r1:slack:{keys[-1]}") is not None

@@ -17,6 +17,7 @@ from agents.core.commands import Command, MessageSpec
 from agents.core.errors import InvalidInput
 from agents.core.phases import Event
 from agents.core.transition import transition
+from agents.jobs.handlers import registry
 from agents.outbox.relay import Backoff, Relay, retry_dead
 from agents.outbox.senders import GitHubSender, SlackSender
 from models.db import Database
@@ -24,6 +25,10 @@ from models.outbox_sql import message_row, stats
 from tests.support.fakes import FakeGitHub, FakeSlack
 
 pytestmark = pytest.mark.integration
+
+# The jobs here are never run: the client only needs to know the operation.
+for _operation in ("noop",):
+    registry.declare(_operation)
 
 SLACK_TOKEN = "xoxb-test-5ecret-slack-token"
 GITHUB_TOKEN = "ghp_test5ecretGithubToken"

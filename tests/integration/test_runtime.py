@@ -16,7 +16,7 @@ from pydantic import BaseModel
 import agents.runtime.loop  # noqa: F401 - registers plan, tool and gate
 from agents.client import Client
 from agents.core.commands import Usage
-from agents.core.errors import HardDeadlinePassed, InvalidJob, RateLimited, StaleRevision, TransientError
+from agents.core.errors import HardDeadlinePassed, InvalidInput, InvalidJob, RateLimited, StaleRevision, TransientError
 from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
 from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
@@ -35,7 +35,7 @@ class Lookup(BaseModel):
     q: str
 
 
-@tool("kb.lookup", description="Look something up in the knowledge base.")
+@tool("kb_lookup", description="Look something up in the knowledge base.")
 def lookup(args: Lookup, ctx: ToolContext) -> ToolOutput:
     LOOKUPS.append(ctx.call_id)
     return ToolOutput(f"3 incidents match {args.q!r}", usage=Usage(5, Decimal("0.0005")))
@@ -86,8 +86,8 @@ def test_a_scripted_conversation_runs_to_done_and_its_usage_adds_up(client: Clie
     ran = run_all(db)
     assert ran == [
         "req-1:plan:1",
-        "req-1:tool:kb.lookup:1.call_0_0",
-        "req-1:tool:slack.post:1.call_0_1",
+        "req-1:tool:kb_lookup:1.call_0_0",
+        "req-1:tool:slack_post:1.call_0_1",
         "req-1:plan:2",
     ]
     state = client.get_state(agent.id)
@@ -131,7 +131,7 @@ def test_approval_continues_the_loop_and_a_stale_approval_is_rejected(client: Cl
     waiting = _to_approval(client, db)
     assert waiting.phase == "waiting_approval"
     assert waiting.pending_approval == {
-        "tool": "github.comment",
+        "tool": "github_comment",
         "call_id": "call_0_0",
         "round": 1,
         "arguments": {"repository": "acme/api", "issue": 7, "body": "Fixed"},
@@ -161,7 +161,7 @@ def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
         "tool_call_id": "call_0_0",
         "content": "A person rejected this call: not on a Friday",
     }
-    assert job_row(db, "req-1:tool:github.comment:1.call_0_0") is None, "the rejected call never ran"
+    assert job_row(db, "req-1:tool:github_comment:1.call_0_0") is None, "the rejected call never ran"
 
 
 def test_an_approval_after_the_hard_deadline_is_refused(client: Client, db: Database) -> None:
@@ -181,7 +181,7 @@ def test_an_exhausted_budget_stops_the_loop_before_the_next_model_call(client: C
     # plan 1 (100) + a lookup (5) + plan 2 (100) = 205 >= 150: the next step is not started.
     assert state.phase == "failed" and state.spent_tokens == 205
     assert client.journal(agent_id=agent.id)[-1].decision == "budget_exhausted"
-    assert job_row(db, "req-1:tool:kb.lookup:2.call_1_0")["status"] == "failed"  # type: ignore[index]
+    assert job_row(db, "req-1:tool:kb_lookup:2.call_1_0")["status"] == "failed"  # type: ignore[index]
     assert job_row(db, "req-1:plan:3") is None, "no further model call was made"
 
 
@@ -246,29 +246,23 @@ def test_openai_client_maps_errors_to_classes(llm: FakeLLM, fault: str, error: t
         assert info.value.retry_after == 3.0  # type: ignore[attr-defined]
 
 
-def test_a_tool_that_needs_approval_cannot_be_called_by_another_spelling(client: Client, db: Database) -> None:
+def test_a_script_calling_a_tool_that_does_not_exist_is_refused_at_submit(client: Client, db: Database) -> None:
+    """The README once called the tools slack.post and github.comment: such a script is refused before anything
+    is written, naming the call and the tools there are (it used to end done, the failure hidden in one job)."""
     agent = client.create_agent("sneaky")
-    client.submit(
-        agent.id,
-        "req-1",
-        script(
-            {
-                "tool_calls": [
-                    {"name": "github.comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "x"}}
-                ]
-            },
-            {"content": "ok"},
-        ),
-    )
-    run_all(db)
-    from models.outbox_sql import message_row
-
-    assert message_row(db, "req-1:github:call_0_0") is None, "an unapproved comment was emitted"
-    from agents.runtime.loop import conversation
-
-    _, messages = conversation(db, "req-1", 2)
-    assert messages[-1]["content"] == "error: there is no tool named 'github.comment'"
-    assert client.get_state(agent.id).phase == "done"
+    events = client.journal()
+    comment = {"name": "github.comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "x"}}
+    with pytest.raises(InvalidInput) as info:
+        client.submit(agent.id, "req-1", script({"tool_calls": [comment]}, {"content": "ok"}))
+    message = str(info.value)
+    assert message.startswith(
+        "input of operation 'plan': input.script[0].tool_calls[0].name: there is no tool named 'github.comment'"
+        " (tools: "
+    ), message
+    assert "github_comment" in message and "slack_post" in message and "kb_lookup" in message
+    assert client.get_state(agent.id) == agent and client.journal() == events
+    with psycopg.connect(db.libpq_url) as conn:
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (0,)
 
 
 def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Database) -> None:
@@ -288,10 +282,10 @@ def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Databa
     )
     runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
     runner.run("req-1:plan:1")
-    runner.run("req-1:gate:github.comment:1.call_0_0")  # the lookup is still pending when the person says no
+    runner.run("req-1:gate:github_comment:1.call_0_0")  # the lookup is still pending when the person says no
     waiting = client.get_state(agent.id)
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
-    assert job_row(db, "req-1:tool:kb.lookup:1.call_0_1")["status"] == "cancelled"  # type: ignore[index]
+    assert job_row(db, "req-1:tool:kb_lookup:1.call_0_1")["status"] == "cancelled"  # type: ignore[index]
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
 
@@ -302,7 +296,7 @@ def test_reused_call_ids_across_rounds_do_not_collide(client: Client, db: Databa
     client.submit(agent.id, "req-1", script(same, same, {"content": "done"}))
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
-    assert job_row(db, "req-1:tool:kb.lookup:2.call_1_0")["status"] == "succeeded"  # type: ignore[index]
+    assert job_row(db, "req-1:tool:kb_lookup:2.call_1_0")["status"] == "succeeded"  # type: ignore[index]
 
 
 def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: Database, llm: FakeLLM) -> None:

@@ -23,6 +23,7 @@ from agents.core.transition import transition
 from models.schemas import AgentRow, AgentState
 
 pytestmark = pytest.mark.integration
+ASK = {"prompt": "hi"}
 
 
 def _state_columns(client: Client, agent: Any) -> AgentState:
@@ -68,7 +69,7 @@ def test_create_submit_and_move_through_the_phases(client: Client) -> None:
 
 def test_stale_command_is_rejected_journaled_and_changes_nothing(client: Client) -> None:
     agent = client.create_agent("a")
-    client.submit(agent.id, "r1", None)
+    client.submit(agent.id, "r1", ASK)
     transition(client.db, Command(agent.id, Event.PLAN, "w"))
     transition(client.db, Command(agent.id, Event.REQUEST_APPROVAL, "w"))
     before = client.get_state(agent.id)
@@ -92,7 +93,10 @@ def test_illegal_move_names_the_allowed_ones_and_changes_nothing(client: Client)
     before = client.get_state(agent.id)
     with pytest.raises(IllegalTransition) as info:
         client.cancel(agent.id, actor="bob")
-    assert info.value.allowed == ("submit", "charge") and "allowed: submit" in str(info.value)
+    assert (
+        info.value.allowed == ("submit",)
+        and str(info.value) == "agent 'a' is idle: 'cancel' is not allowed (allowed: submit)"
+    )
     assert client.get_state(agent.id) == before
     last = client.journal(agent_id=agent.id)[-1]
     assert (last.kind, last.decision, last.from_phase, last.to_phase) == (
@@ -105,14 +109,14 @@ def test_illegal_move_names_the_allowed_ones_and_changes_nothing(client: Client)
 
 def test_duplicate_submit_returns_current_state_and_is_suppressed(client: Client) -> None:
     agent = client.create_agent("a")
-    first = client.submit(agent.id, "r1", {"n": 1}, expected_revision=0)
-    again = client.submit(agent.id, "r1", {"n": 1}, expected_revision=0)
+    first = client.submit(agent.id, "r1", {"prompt": "one"}, expected_revision=0)
+    again = client.submit(agent.id, "r1", {"prompt": "one"}, expected_revision=0)
     assert again == first
     transition(client.db, Command(agent.id, Event.FINISH, "w"))
-    client.submit(agent.id, "r2", {"n": 2})
+    client.submit(agent.id, "r2", {"prompt": "two"})
     done = transition(client.db, Command(agent.id, Event.FINISH, "w")).agent
     # A late retry of an older request must not restart it.
-    late = client.submit(agent.id, "r1", {"n": 1}, expected_revision=0)
+    late = client.submit(agent.id, "r1", {"prompt": "one"}, expected_revision=0)
     assert (late.phase, late.revision, late.request_id) == ("done", done.revision, "r2")
     kinds = [(e.kind, e.decision, e.request_id) for e in client.journal(agent_id=agent.id) if e.kind == "suppressed"]
     assert kinds == [("suppressed", "duplicate_request", "r1"), ("suppressed", "duplicate_request", "r1")]
@@ -120,9 +124,9 @@ def test_duplicate_submit_returns_current_state_and_is_suppressed(client: Client
 
 def test_a_request_id_belongs_to_one_agent(client: Client) -> None:
     a, b = client.create_agent("a"), client.create_agent("b")
-    client.submit(a.id, "shared", None)
+    client.submit(a.id, "shared", ASK)
     with pytest.raises(RequestConflict) as info:
-        client.submit(b.id, "shared", None)
+        client.submit(b.id, "shared", ASK)
     assert info.value.owner == a.id
     assert client.get_state(b.id).phase == "idle"
     assert client.journal(agent_id=b.id)[-1].decision == "request_conflict"
@@ -131,7 +135,7 @@ def test_a_request_id_belongs_to_one_agent(client: Client) -> None:
 def test_effects_commit_with_the_transition_and_roll_back_with_it(client: Client, raw: psycopg.Connection[Any]) -> None:
     raw.execute("CREATE TABLE side (agent_id uuid, revision bigint)")
     agent = client.create_agent("a")
-    client.submit(agent.id, "r1", None)
+    client.submit(agent.id, "r1", ASK)
 
     def write(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow) -> dict[str, Any]:
         cur.execute("INSERT INTO side VALUES (%s, %s)", (after.id, after.revision))
@@ -155,22 +159,22 @@ def test_effects_commit_with_the_transition_and_roll_back_with_it(client: Client
 
 def test_rejected_submit_does_not_keep_its_request_claim(client: Client) -> None:
     agent = client.create_agent("a")
-    client.submit(agent.id, "r1", None)
+    client.submit(agent.id, "r1", ASK)
     with pytest.raises(StaleRevision):
-        client.submit(agent.id, "r2", None, expected_revision=0)
+        client.submit(agent.id, "r2", ASK, expected_revision=0)
     transition(client.db, Command(agent.id, Event.FINISH, "w"))
     # r2 was never accepted, so it is still free to start.
-    assert client.submit(agent.id, "r2", None).request_id == "r2"
+    assert client.submit(agent.id, "r2", ASK).request_id == "r2"
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda c, a: c.submit(a, "bad id!", None), "request_id 'bad id!' is invalid"),
+        (lambda c, a: c.submit(a, "bad id!", ASK), "request_id 'bad id!' is invalid"),
         (lambda c, a: c.submit(a, "r", {"x": "y" * 70_000}), "the limit is 65536"),
         (lambda c, a: c.submit(a, "r", {1, 2}), "input must be JSON-serialisable"),
-        (lambda c, a: c.submit(a, "r", None, hard_deadline=datetime(2030, 1, 1)), "timezone-aware"),
-        (lambda c, a: c.submit(a, "r", None, hard_deadline=timedelta(seconds=-1)), "has passed already"),
+        (lambda c, a: c.submit(a, "r", ASK, hard_deadline=datetime(2030, 1, 1)), "timezone-aware"),
+        (lambda c, a: c.submit(a, "r", ASK, hard_deadline=timedelta(seconds=-1)), "has passed already"),
         (lambda c, a: c.approve(a, expected_revision="3", actor="x"), "expected_revision must be an integer"),
         (lambda c, a: c.cancel(a, actor=""), "actor must be"),
         (lambda c, a: c.create_agent("bad name"), "name: String should match pattern"),
@@ -197,4 +201,4 @@ def test_unknown_agents_and_taken_names(client: Client) -> None:
     with pytest.raises(AgentNotFound):
         client.get_state("nobody")
     with pytest.raises(AgentNotFound):
-        client.submit("00000000-0000-0000-0000-000000000000", "r", None)
+        client.submit("00000000-0000-0000-0000-000000000000", "r", ASK)

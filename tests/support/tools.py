@@ -28,7 +28,7 @@ def _record(key: str, phase: str) -> None:
         )
 
 
-@tool("test.wait", description="Look something up, slowly.", timeout=120)
+@tool("test_wait", description="Look something up, slowly.", timeout=120)
 def wait(args: Wait, ctx: ToolContext) -> ToolOutput:
     wait_for_release(ctx.key)
     _record(ctx.key, "tool")
@@ -40,7 +40,7 @@ class Post(BaseModel):
     text: str
 
 
-@tool("test.post", description="Post to Slack once released, and pay for it.", timeout=120)
+@tool("test_post", description="Post to Slack once released, and pay for it.", timeout=120)
 def post(args: Post, ctx: ToolContext) -> ToolOutput:
     _record(ctx.key, "tool")
     wait_for_release(ctx.key)
@@ -48,7 +48,7 @@ def post(args: Post, ctx: ToolContext) -> ToolOutput:
     return ToolOutput(f"posted to {args.channel}", messages=(message,), usage=Usage(40, Decimal("0.04")))
 
 
-@tool("test.stall", description="Post, but only after far too long.", timeout=1)
+@tool("test_stall", description="Post, but only after far too long.", timeout=1)
 def stall(args: Post, ctx: ToolContext) -> ToolOutput:
     _record(ctx.key, "tool")
     time.sleep(4)

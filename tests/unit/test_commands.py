@@ -59,8 +59,23 @@ def test_stale_revision_carries_the_current_one() -> None:
 def test_illegal_move_names_the_allowed_events() -> None:
     result = decide(row("done", 2, "r"), cmd(Event.CANCEL), NOW)
     assert isinstance(result, Reject) and isinstance(result.error, IllegalTransition)
-    assert result.error.allowed == ("submit", "charge")
-    assert "allowed: submit" in str(result.error)
+    # A person is told what they may send: the system's own events (charge) are left out, and the agent is named.
+    assert result.error.allowed == ("submit",)
+    assert str(result.error) == "agent 'a' is done: 'cancel' is not allowed (allowed: submit)"
+    waiting = decide(row("waiting_approval", 2, "r"), cmd(Event.SUBMIT, request_id="r2"), NOW)
+    assert isinstance(waiting, Reject) and waiting.error.allowed == ("approve", "reject", "cancel")  # type: ignore[attr-defined]
+    # A move of the system's own that is illegal lists every event the table has there (for the logs).
+    internal = decide(row("done", 2, "r"), cmd(Event.FINISH), NOW)
+    assert isinstance(internal, Reject) and internal.error.allowed == ("submit", "charge")  # type: ignore[attr-defined]
+
+
+def test_out_of_range_numbers_are_refused_naming_the_field() -> None:
+    with pytest.raises(
+        InvalidInput, match=r"expected_revision must be from 0 to 9223372036854775807, got 1180591620717411303424"
+    ):
+        cmd(Event.CANCEL, expected_revision=2**70)
+    with pytest.raises(InvalidInput, match="hard_deadline must be at most 36500 days ahead"):
+        cmd(Event.SUBMIT, request_id="r", hard_deadline=timedelta(days=10**6))
 
 
 def test_repeat_submit_is_suppressed_even_with_an_old_revision() -> None:
@@ -101,7 +116,7 @@ def test_submit_sets_request_and_deadlines() -> None:
     [
         ({"event": "teleport"}, "event 'teleport' is unknown"),
         ({"event": Event.PLAN, "actor": ""}, "actor must be"),
-        ({"event": Event.PLAN, "expected_revision": -1}, "expected_revision must be >= 0"),
+        ({"event": Event.PLAN, "expected_revision": -1}, "expected_revision must be from 0 to"),
         ({"event": Event.SUBMIT}, "submit needs a request_id"),
         ({"event": Event.SUBMIT, "request_id": "has space"}, "request_id 'has space' is invalid"),
         ({"event": Event.PLAN, "request_id": "r"}, "set only by submit"),
@@ -130,3 +145,28 @@ def test_an_archived_agent_refuses_a_new_request_but_not_a_repeat() -> None:
     assert isinstance(refused.error, AgentArchived) and "agent 'a' is archived" in str(refused.error)
     assert isinstance(decide(archived, cmd(Event.SUBMIT, request_id="r1"), NOW), Suppress)
     assert isinstance(decide(replace(archived, archived_at=None), cmd(Event.SUBMIT, request_id="r2"), NOW), Accept)
+
+
+def test_a_resubmit_is_compared_with_the_request_as_it_was_first_given() -> None:
+    from agents.core.commands import JobSpec, as_given, differences
+    from models.schemas import Submitted
+
+    first = Submitted(
+        {"prompt": "hi"},
+        {"jobs": ["r:plan:1"], "as_given": {"soft_deadline": None, "hard_deadline": as_given(timedelta(minutes=5))}},
+    )
+
+    def retry(input_json: str = '{"prompt": "hi"}', operation: str = "plan", **kw: object) -> list[str]:
+        command = cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec(operation, "1"),), **kw)
+        return differences(first, command, input_json)
+
+    assert retry(hard_deadline=timedelta(minutes=5)) == []
+    assert retry('{"prompt": "ho"}', hard_deadline=timedelta(minutes=5)) == ["input"]
+    assert retry(operation="summarise", hard_deadline=timedelta(minutes=5)) == ["operation"]
+    assert retry(hard_deadline=timedelta(minutes=6), soft_deadline=timedelta(minutes=1)) == [
+        "soft_deadline",
+        "hard_deadline",
+    ]
+    assert retry(hard_deadline=NOW + timedelta(minutes=5)) == ["hard_deadline"], "an instant is not a duration"
+    legacy = Submitted({"prompt": "hi"}, {"jobs": ["r:plan:1"]})  # journaled before deadlines were kept as given
+    assert differences(legacy, cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec("plan", "1"),)), '{"prompt":"hi"}') == []

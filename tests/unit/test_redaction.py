@@ -60,7 +60,7 @@ def test_each_token_shape_is_masked(text: str, secret: str) -> None:
     "text",
     [
         "agent ops-bot is planning (revision 3)",
-        "job req-1:tool:kb.lookup:1.call_0_0 failed: TimeoutError",
+        "job req-1:tool:kb_lookup:1.call_0_0 failed: TimeoutError",
         "task-manager and risk-assessment are words, not keys",
         "postgresql://postgres@127.0.0.1:5432/keel has no password",
         "http://127.0.0.1:8080/v1/chat/completions",

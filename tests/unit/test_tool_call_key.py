@@ -22,7 +22,7 @@ def test_odd_ids_map_to_a_stable_key_safe_id(call_id: str) -> None:
     key = tool_call_key(call_id)
     assert key == tool_call_key(call_id) and tool_call_key(key) == key
     assert 1 <= len(key) <= 64
-    make_key("r1", "tool", step_target("probe.echo", 3, call_id))  # raises if not key-safe
+    make_key("r1", "tool", step_target("probe_echo", 3, call_id))  # raises if not key-safe
 
 
 def test_different_ids_never_share_a_key() -> None:
