@@ -45,7 +45,7 @@ def test_run_waits_until_the_request_rests_and_exits_by_outcome(stack: Stack, tm
 
     # 3 for failed.
     failed = keel(
-        stack, "run", "broken", "Fail", "--script", script(tmp_path, "broken", [{"error": "invalid"}]),
+        stack, "run", "broken", "Fail", "--script", script(tmp_path, "broken", [{"error": "invalid", "content": "never given"}]),
         "--wait", "--timeout", "120", "--json",
     )  # fmt: skip
     assert failed.returncode == 3, failed.stdout + failed.stderr

@@ -216,6 +216,7 @@ def test_run_state_and_kpi_from_the_command_line(db_url: str, tmp_path: Path) ->
 
 # --- the command's own user experience (issue 10) -------------------------------------------------------------
 
+PROMPT = '{"prompt": "hi"}'
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 TIME_KEYS = {"at", "created_at", "updated_at", "run_at", "archived_at", "next_attempt_at", "enqueued_at"}
 
@@ -288,8 +289,8 @@ def test_shell_completion_scripts_are_produced(shell: str, marker: str) -> None:
 def test_agent_list_has_a_header_a_phase_filter_newest_first_and_pages(db_url: str) -> None:
     for name in ("a1", "a2", "a3", "a4", "a5"):
         keel(db_url, "agent", "create", name)
-    keel(db_url, "submit", "a2", "r-a2")
-    keel(db_url, "submit", "a4", "r-a4")
+    keel(db_url, "submit", "a2", "r-a2", "--input", PROMPT)
+    keel(db_url, "submit", "a4", "r-a4", "--input", PROMPT)
     listed = keel(db_url, "agent", "list").stdout.splitlines()
     assert listed[0].split() == ["NAME", "PHASE", "REV", "REQUEST", "CREATED", "UPDATED"]
     assert [line.split()[0] for line in listed[1:]] == ["a5", "a4", "a3", "a2", "a1"]
@@ -321,7 +322,7 @@ def test_agent_list_has_a_header_a_phase_filter_newest_first_and_pages(db_url: s
 def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: str) -> None:
     keel(db_url, "agent", "create", "old-bot")
     keel(db_url, "agent", "create", "busy-bot")
-    keel(db_url, "submit", "busy-bot", "r-busy")
+    keel(db_url, "submit", "busy-bot", "r-busy", "--input", PROMPT)
     refused = keel(db_url, "agent", "archive", "busy-bot", "--actor", "carol", check=False)
     assert refused.returncode == 1
     assert "agent 'busy-bot' is planning: archive it when it rests" in refused.stderr
@@ -334,7 +335,7 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
     assert [a["name"] for a in json.loads(keel(db_url, "agent", "list", "--archived", "--json").stdout)["agents"]] == [
         "old-bot"
     ]
-    submit = keel(db_url, "submit", "old-bot", "r-old", check=False)
+    submit = keel(db_url, "submit", "old-bot", "r-old", "--input", PROMPT, check=False)
     assert submit.returncode == 1 and "agent 'old-bot' is archived" in submit.stderr
     assert "ARCHIVED" in keel(db_url, "agent", "show", "old-bot").stdout
 
@@ -349,7 +350,10 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
     assert json.loads(keel(db_url, "audit", "verify", "--json").stdout)["ok"] is True
 
     keel(db_url, "agent", "unarchive", "old-bot")
-    assert json.loads(keel(db_url, "submit", "old-bot", "r-old", "--json").stdout)["phase"] == "planning"
+    assert (
+        json.loads(keel(db_url, "submit", "old-bot", "r-old", "--input", PROMPT, "--json").stdout)["phase"]
+        == "planning"
+    )
     assert json.loads(keel(db_url, "audit", "verify", "--json").stdout) == {
         "ok": True,
         "agents": 2,
@@ -360,9 +364,9 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
 
 def test_kpi_is_formatted_for_people_and_leaves_the_demo_out(db_url: str) -> None:
     keel(db_url, "agent", "create", "mine")
-    keel(db_url, "submit", "mine", "r-mine")
+    keel(db_url, "submit", "mine", "r-mine", "--input", PROMPT)
     keel(db_url, "agent", "create", "demo-triage-1")
-    keel(db_url, "submit", "demo-triage-1", "r-demo")
+    keel(db_url, "submit", "demo-triage-1", "r-demo", "--input", PROMPT)
     keel(db_url, "cancel", "demo-triage-1")
     with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
         # A step that failed once, then succeeded, with an awkward latency and cost.
@@ -432,11 +436,11 @@ def test_journal_shows_the_whole_actor_and_why_a_command_was_rejected(db_url: st
 def test_wait_times_out_with_its_own_status_and_the_request_goes_on(db_url: str) -> None:
     keel(db_url, "agent", "create", "slow")
     # No worker is running: the request cannot move on.
-    waited = keel(db_url, "submit", "slow", "r-slow", "--wait", "--timeout", "0.5", check=False)
+    waited = keel(db_url, "submit", "slow", "r-slow", "--input", PROMPT, "--wait", "--timeout", "0.5", check=False)
     assert waited.returncode == 5, waited.stderr
     assert "timed out after 0.5s: agent 'slow' is planning at revision 1" in waited.stderr
     assert json.loads(keel(db_url, "state", "slow", "--json").stdout)["phase"] == "planning"
-    lonely = keel(db_url, "submit", "slow", "r-2", "--timeout", "1", check=False)
+    lonely = keel(db_url, "submit", "slow", "r-2", "--input", PROMPT, "--timeout", "1", check=False)
     assert lonely.returncode == 2 and "--timeout needs --wait or --follow" in lonely.stderr
 
 
@@ -454,7 +458,7 @@ def test_follow_reads_every_event_once_while_agents_move(client: Client) -> None
 
     def churn(agent_id: Any) -> None:
         for n in range(15):
-            client.submit(agent_id, f"{agent_id}-{n}", {"n": n})
+            client.submit(agent_id, f"{agent_id}-{n}", {"prompt": f"step {n}"})
             client.cancel(agent_id, actor="churn")
 
     with ThreadPoolExecutor(4) as pool:
