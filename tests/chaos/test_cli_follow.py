@@ -44,8 +44,9 @@ def test_run_waits_until_the_request_rests_and_exits_by_outcome(stack: Stack, tm
     assert "\x1b[" not in done.stdout  # no terminal control codes in a pipe
 
     # 3 for failed.
+    broken = script(tmp_path, "broken", [{"error": "invalid", "content": "never given"}])
     failed = keel(
-        stack, "run", "broken", "Fail", "--script", script(tmp_path, "broken", [{"error": "invalid", "content": "never given"}]),
+        stack, "run", "broken", "Fail", "--script", broken,
         "--wait", "--timeout", "120", "--json",
     )  # fmt: skip
     assert failed.returncode == 3, failed.stdout + failed.stderr
