@@ -68,6 +68,13 @@ def lock_due_schedules_txn(cur: psycopg.Cursor[Any], at: datetime) -> list[Sched
         return rows.fetchall()
 
 
+def agent_archived_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> bool:
+    """Whether the schedule's agent is archived (its fires are skipped, not journaled as refused submits)."""
+    cur.execute("SELECT archived_at IS NOT NULL FROM agents WHERE id = %s", (agent_id,))
+    found = cur.fetchone()
+    return bool(found and found[0])
+
+
 def record_fire_txn(
     cur: psycopg.Cursor[Any], name: str, *, fired_at: datetime, next_fire_at: datetime, outcome: str
 ) -> None:

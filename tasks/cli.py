@@ -30,6 +30,25 @@ def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_redaction([logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])])
 
 
+def _schema_or_exit(settings: Settings) -> None:
+    """Refuse to start on a database whose schema is not this code's (one line: where each is, what to run). An
+    unreachable database is not refused: the worker and beat wait for it, as they do when it goes away later."""
+    import sqlalchemy
+
+    from models.db import Database
+    from models.migrations import SchemaMismatch, check_schema
+
+    db = Database.from_settings(settings)
+    try:
+        check_schema(db.engine)
+    except SchemaMismatch as exc:
+        raise click.ClickException(str(exc)) from None
+    except sqlalchemy.exc.OperationalError:
+        pass
+    finally:
+        db.dispose()
+
+
 @click.command()
 @click.option(
     "-c", "--concurrency", type=click.IntRange(min=1), help="Worker processes (default KEEL_WORKER_CONCURRENCY)."
@@ -41,6 +60,7 @@ def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
 def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str) -> None:
     """Run a Celery worker that executes Keel jobs."""
     settings = _settings(imports=True)
+    _schema_or_exit(settings)
     _redact_logs(settings)
     from tasks.app import app
 
@@ -55,7 +75,9 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
 def beat(loglevel: str) -> None:
     """Run beat: the dispatcher (due jobs, expired leases, schedules) and the periodic tasks. Run one or more;
     a Postgres advisory lock makes one of them the leader."""
-    _redact_logs(_settings())
+    settings = _settings()
+    _schema_or_exit(settings)
+    _redact_logs(settings)
     from tasks.app import app
 
     app.start(["beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])

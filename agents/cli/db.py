@@ -22,7 +22,7 @@ def db_upgrade(revision: str) -> None:
 
     url = database_url_for(settings_or_exit())
     migrations.upgrade(url, revision)
-    click.echo(f"database at {revision}")
+    click.echo(_where(url))
 
 
 @db.command("downgrade")
@@ -33,8 +33,26 @@ def db_downgrade(revision: str) -> None:
     from models import migrations
     from models.embedded import database_url_for
 
-    migrations.downgrade(database_url_for(settings_or_exit()), revision)
-    click.echo(f"database at {revision}")
+    url = database_url_for(settings_or_exit())
+    migrations.downgrade(url, revision)
+    click.echo(_where(url))
+
+
+def _where(url: str) -> str:
+    """Where the database is now, said as the revision it is at: ``database at 0005 (head)``."""
+    import sqlalchemy
+
+    from models import migrations
+
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            at = migrations.database_revision(conn)
+    finally:
+        engine.dispose()
+    if at is None:
+        return "database at base (no Keel schema)"
+    return f"database at {at}" + (" (head)" if at == migrations.head() else f" (head is {migrations.head()})")
 
 
 COMMANDS = (db,)

@@ -128,14 +128,23 @@ class Registry:
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
         self._inputs: dict[str, type[BaseModel] | None] = {}
+        self._internal: set[str] = set()
 
     def register(
-        self, operation: str, fn: Handler, *, input: type[BaseModel] | None = None, replace: bool = False
+        self,
+        operation: str,
+        fn: Handler,
+        *,
+        input: type[BaseModel] | None = None,
+        replace: bool = False,
+        internal: bool = False,
     ) -> None:
         if operation in self._handlers and self._handlers[operation] is not fn and not replace:
             raise ValueError(f"operation {operation!r} has a handler already")
         self._handlers[operation] = fn
         self._inputs[operation] = input
+        if internal:
+            self._internal.add(operation)
 
     def declare(self, operation: str, *, input: type[BaseModel] | None = None) -> None:
         """Make ``operation`` known to producers without its handler (which runs in the workers' processes only):
@@ -153,6 +162,10 @@ class Registry:
     def operations(self) -> list[str]:
         return sorted(self._handlers)
 
+    def public_operations(self) -> list[str]:
+        """The operations a request may start with (every known one but the runtime's own steps)."""
+        return sorted(set(self._inputs) - self._internal)
+
     def input_model(self, operation: str) -> type[BaseModel] | None:
         """The pydantic model ``operation`` reads its input with; None: any JSON is accepted."""
         return self._inputs.get(operation)
@@ -161,7 +174,12 @@ class Registry:
         """Raise :class:`UnknownOperation` if nobody registered or declared ``operation``, and
         :class:`InvalidInput` naming the field path and the rule if ``value`` does not fit its input model."""
         if operation not in self._inputs:
-            raise UnknownOperation(operation, sorted(self._inputs))
+            raise UnknownOperation(operation, self.public_operations())
+        if operation in self._internal:
+            raise InvalidInput(
+                f"operation {operation!r} is one the runtime schedules itself; a request starts with one of: "
+                + ", ".join(self.public_operations())
+            )
         model = self._inputs[operation]
         if model is None:
             return
@@ -175,13 +193,16 @@ class Registry:
 registry = Registry()
 
 
-def handler(operation: str, *, input: type[BaseModel] | None = None) -> Callable[[Handler], Handler]:
+def handler(
+    operation: str, *, input: type[BaseModel] | None = None, internal: bool = False
+) -> Callable[[Handler], Handler]:
     """Register the decorated function as the handler of ``operation``. ``input`` is the pydantic model of the
     request input it reads (``payload["input"]`` of the request's first job): a submit that does not fit it is
-    refused before anything is written. Without it, any JSON is accepted."""
+    refused before anything is written. Without it, any JSON is accepted. ``internal``: only scheduled by other
+    steps, never the first job of a request (a submit naming it is refused)."""
 
     def register(fn: Handler) -> Handler:
-        registry.register(operation, fn, input=input)
+        registry.register(operation, fn, input=input, internal=internal)
         return fn
 
     return register

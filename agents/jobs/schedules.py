@@ -26,9 +26,16 @@ from agents.core.commands import Command, JobSpec
 from agents.core.errors import InvalidInput, KeelError, Rejected
 from agents.core.keys import check_request_id
 from agents.core.phases import Event
+from agents.jobs import handlers
 from models.clock import database_now, utc
 from models.db import Database
-from models.schedules_sql import ScheduleRow, lock_due_schedules_txn, record_fire_txn, upsert_schedule_txn
+from models.schedules_sql import (
+    ScheduleRow,
+    agent_archived_txn,
+    lock_due_schedules_txn,
+    record_fire_txn,
+    upsert_schedule_txn,
+)
 
 log = logging.getLogger("keel.schedules")
 
@@ -100,6 +107,8 @@ def ensure_schedule(
     if cron is not None and not croniter.is_valid(cron):
         raise InvalidInput(f"cron expression {cron!r} is not valid")
     JobSpec(operation, "1")  # validates the operation name
+    if handlers.registry.knows(operation):  # (a producer may schedule an operation only its workers have)
+        handlers.registry.check_input(operation, input)
     if now is not None and now.tzinfo is None:
         raise InvalidInput("now= must be timezone-aware")
     input_json = json.dumps(input, sort_keys=True)
@@ -128,7 +137,10 @@ def fire_due(db: Database, at: datetime | None = None, *, actor: str = "schedule
         for schedule in map(Schedule.from_row, lock_due_schedules_txn(cur, now)):
             request_id = fire_request_id(schedule.name, schedule.next_fire_at)
             try:
-                outcome = _submit(db, schedule, request_id, actor)
+                if agent_archived_txn(cur, schedule.agent_id):  # moved on, nothing journaled: it is out of use
+                    outcome = "skipped (the agent is archived)"
+                else:
+                    outcome = _submit(db, schedule, request_id, actor)
             except KeelError as exc:  # one bad schedule must not stop the others
                 log.warning("schedule %s: fire %s failed: %s", schedule.name, request_id, exc)
                 outcome = f"failed ({exc})"

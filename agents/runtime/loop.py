@@ -186,7 +186,7 @@ def _next_round(payload: Mapping[str, Any]) -> Join:
     return Join(Event.OBSERVE, (JobSpec("plan", str(int(payload["round"]) + 1)),))
 
 
-@handler("tool")
+@handler("tool", internal=True)
 def run_tool(ctx: JobContext) -> JobResult:
     payload = ctx.payload
     call_id = str(payload["call_id"])
@@ -224,7 +224,7 @@ def run_tool(ctx: JobContext) -> JobResult:
     return said(output.content, usage=output.usage, messages=output.messages)
 
 
-@handler("gate")
+@handler("gate", internal=True)
 def gate(ctx: JobContext) -> JobResult:
     """Hold a call for a person: the agent waits; its state shows the call."""
     return JobResult(output={"call": dict(ctx.payload)}, event=Event.REQUEST_APPROVAL)

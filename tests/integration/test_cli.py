@@ -165,8 +165,12 @@ def test_the_client_names_a_missing_schema_too(empty_db_url: str) -> None:
 
 
 def test_db_upgrade_and_downgrade(empty_db_url: str) -> None:
-    assert "database at head" in keel(empty_db_url, "db", "upgrade").stdout
-    keel(empty_db_url, "db", "downgrade", "base")
+    from models.migrations import head, revisions
+
+    assert keel(empty_db_url, "db", "upgrade").stdout == f"database at {head()} (head)\n"
+    previous = revisions()[revisions().index(head()) - 1]
+    assert keel(empty_db_url, "db", "downgrade", previous).stdout == f"database at {previous} (head is {head()})\n"
+    assert keel(empty_db_url, "db", "downgrade", "base").stdout == "database at base (no Keel schema)\n"
     with psycopg.connect(empty_db_url.replace("+psycopg", "")) as conn:
         tables: list[Any] = conn.execute("SELECT tablename FROM pg_tables WHERE tablename = 'agents'").fetchall()
     assert tables == []
@@ -542,3 +546,12 @@ def test_the_readmes_scripted_replies_run_as_written(db_url: str, db: Any, tmp_p
     answer = json.loads(keel(db_url, "job", "r-readme:plan:2", "--json").stdout)
     assert answer["result"]["answer"] == "Two incidents are open; both are about the database."
     assert "transient" in answer["error_attempts"]
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_worker_and_beat_refuse_a_database_without_this_codes_schema(empty_db_url: str, command: str) -> None:
+    from models.migrations import head
+
+    result = keel(empty_db_url, command, check=False, broker="redis://127.0.0.1:1/0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr == f"keel: error: the database has no Keel schema (code at {head()}): run 'keel db upgrade'\n"

@@ -448,3 +448,40 @@ def test_one_failing_schedule_does_not_stop_the_others(client: Client, db: Datab
     assert outcomes["busy"].startswith("busy.20260101T000100Z: skipped")
     with pytest.raises(InvalidInput, match="at most 100"):
         schedules.ensure_schedule(db, "x" * 101, a.id, every=timedelta(minutes=1))
+
+
+def test_an_archived_agents_schedule_moves_on_without_a_journaled_refusal(client: Client, db: Database) -> None:
+    agent = client.create_agent("retired-bot")
+    t0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+    schedules.ensure_schedule(db, "nightly", agent.id, every=timedelta(minutes=5), operation="count", now=t0)
+    before = len(client.journal(agent_id=agent.id))
+    client.archive(agent.id, actor="ops")
+    assert schedules.fire_due(db, t0 + timedelta(minutes=6)) == []
+    events = client.journal(agent_id=agent.id)
+    assert [e.event for e in events[before:]] == ["archive"], "the skipped fire is not journaled"
+    with psycopg.connect(db.libpq_url) as conn:
+        row = conn.execute("SELECT next_fire_at, last_outcome FROM schedules").fetchone()
+    assert row is not None and row[0] == t0 + timedelta(minutes=10), "it moved on"
+    assert "archived" in str(row[1])
+    client.unarchive(agent.id, actor="ops")
+    assert schedules.fire_due(db, t0 + timedelta(minutes=11)) == ["nightly.20260101T121000Z"]
+
+
+def test_a_schedules_input_is_checked_against_its_operations_model(client: Client, db: Database) -> None:
+    import agents.runtime.loop  # noqa: F401 - registers plan and its input model
+
+    agent = client.create_agent("a")
+    with pytest.raises(InvalidInput, match=r"input of operation 'plan': input\.prompt"):
+        schedules.ensure_schedule(db, "s", agent.id, every=timedelta(minutes=5), input={"promt": "typo"})
+    with psycopg.connect(db.libpq_url) as conn:
+        assert conn.execute("SELECT count(*) FROM schedules").fetchone() == (0,), "nothing was written"
+
+
+@pytest.mark.parametrize("operation", ["tool", "gate"])
+def test_the_runtimes_own_steps_cannot_start_a_request(client: Client, operation: str) -> None:
+    import agents.runtime.loop  # noqa: F401 - registers them
+
+    agent = client.create_agent("a")
+    with pytest.raises(InvalidInput, match=f"operation '{operation}' is one the runtime schedules itself"):
+        client.submit(agent.id, "r1", {"tool": "slack_post"}, operation=operation)
+    assert client.get_state(agent.id).revision == 0
