@@ -14,15 +14,16 @@ import psutil
 import pytest
 
 from tests.chaos.conftest import free_port, wait_until
+from tests.support.broker import Broker
 
 pytestmark = pytest.mark.chaos
 KEEL = str(Path(sys.executable).parent / "keel")
 
 
-def test_keel_up_runs_the_stack_until_ctrl_c(db_url: str, broker_url: str, tmp_path: Path) -> None:
+def test_keel_up_runs_the_stack_until_ctrl_c(db_url: str, broker: Broker, tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
-    env.update({"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": broker_url, "FLOWER_UNAUTHENTICATED_API": "true"})
+    env.update({"KEEL_DATABASE_URL": db_url, **broker.env, "FLOWER_UNAUTHENTICATED_API": "true"})
     with open(tmp_path / "up.log", "wb") as log:
         up = subprocess.Popen([KEEL, "up", "--flower-port", str(port)], env=env, stdout=log, stderr=log, cwd=tmp_path)
     try:
