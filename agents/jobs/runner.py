@@ -97,10 +97,10 @@ class LeaseKeeper:
     """One thread per process renews the leases of the jobs running in it, every third of the lease; a job whose
     lease was taken over (or cancelled) gets its ``lost`` flag set and is dropped."""
 
-    def __init__(self, db: Database, lease: timedelta, outage: Outage) -> None:
+    def __init__(self, db: Database, lease: timedelta, outage: Outage | None = None) -> None:
         self.db = db
         self.lease = lease
-        self.outage = outage
+        self.outage = outage or Outage("database", log)
         # Keyed by (key, token): a fenced-off older run ending must not drop a newer claim's renewal.
         self._held: dict[tuple[str, int], threading.Event] = {}
         self._lock = threading.Lock()

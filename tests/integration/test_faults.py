@@ -359,7 +359,7 @@ def test_a_message_whose_claim_cannot_reach_the_database_goes_back_to_the_broker
         port = sock.getsockname()[1]
     down = Database(f"postgresql://postgres@127.0.0.1:{port}/keel")
     runner = make_runner(down, {"finish": lambda ctx: JobResult(event=Event.FINISH)})
-    monkeypatch.setattr(tasks.jobs, "runtime", lambda: SimpleNamespace(runner=runner, db=down))
+    monkeypatch.setattr(tasks.jobs, "runtime", lambda: SimpleNamespace(runner=runner, db=down, outage=runner.outage))
     monkeypatch.setattr(tasks.jobs, "STORE_BACKOFF_SECONDS", (0.0, 0.0))
     try:
         with pytest.raises(Reject) as raised:
