@@ -7,7 +7,8 @@ throughput measured from the first completion to the last. Then the delay from a
 light load (one job every 50 ms), through the dispatcher and through the client's publish-at-once path.
 
 Run with ``make bench-jobs`` (or ``python -m bench.jobs``). Uses KEEL_DATABASE_URL / KEEL_BROKER_URL's servers,
-else the embedded ones; it creates and drops a database of its own and uses Redis db 13.
+else the embedded ones; it creates and drops a database of its own and, on the broker's Redis database, uses (and
+then deletes) only keys under a prefix of its own (``KEEL_BROKER_PREFIX=keel-bench-…:``).
 """
 
 from __future__ import annotations
@@ -92,10 +93,14 @@ class Bench:
             admin.execute(f'CREATE DATABASE "{self.db_name}"')
         self.db_url = with_database(server, self.db_name)
         migrations.upgrade(self.db_url)
-        self.broker_url = broker_url_for(settings).rsplit("/", 1)[0] + "/13"
+        # The configured broker, shared with whoever else uses it: this run touches only keys under its own prefix,
+        # and deletes only those afterwards.
+        self.broker_url = broker_url_for(settings)
+        self.prefix = f"keel-bench-{uuid.uuid4().hex[:8]}:"
+        self.done_key = self.prefix + "bench:done"
         os.environ["BENCH_BROKER_URL"] = self.broker_url  # read by bench.bare at import
+        os.environ["BENCH_BROKER_PREFIX"] = self.prefix
         self.redis = redis.Redis.from_url(self.broker_url)
-        self.redis.flushdb()
         self.logs = Path(args.logs)
         self.logs.mkdir(parents=True, exist_ok=True)
         base = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
@@ -104,9 +109,10 @@ class Bench:
             **base,
             "KEEL_DATABASE_URL": self.db_url,
             "KEEL_BROKER_URL": self.broker_url,
+            "KEEL_BROKER_PREFIX": self.prefix,
             "KEEL_IMPORTS": json.dumps(["bench.handlers"]),
         }
-        self.bare_env = {**base, "BENCH_BROKER_URL": self.broker_url}
+        self.bare_env = {**base, "BENCH_BROKER_URL": self.broker_url, "BENCH_BROKER_PREFIX": self.prefix}
         self.db = Database(self.db_url, pool_size=4)
         self.poll = psycopg.connect(libpq_url(self.db_url), autocommit=True)
         self.client = Client(self.db)
@@ -115,7 +121,9 @@ class Bench:
     def close(self) -> None:
         self.poll.close()
         self.db.dispose()
-        self.redis.flushdb()
+        keys = list(self.redis.scan_iter(match=self.prefix + "*", count=1000))
+        for start in range(0, len(keys), 500):
+            self.redis.delete(*keys[start : start + 500])
         self.redis.close()
         with psycopg.connect(libpq_url(with_database(self.server, "postgres")), autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
@@ -178,7 +186,7 @@ class Bench:
         return (count - 1) / span
 
     def bare_throughput(self, processes: int) -> float:
-        self.redis.delete("bench:done")
+        self.redis.delete(self.done_key)
         node = f"bare{processes}@{socket.gethostname()}"
         worker = [
             str(BIN / "celery"),
@@ -205,12 +213,12 @@ class Bench:
                     noop.apply_async((i,), producer=producer)
             with OUT.task(f"bare Celery, {processes} worker process(es): the backlog", total=self.n) as step:
                 wait_for("the bare backlog", lambda: self.bare_done(step))
-        times = sorted(float(t) for t in self.redis.lrange("bench:done", 0, -1))
+        times = sorted(float(t) for t in self.redis.lrange(self.done_key, 0, -1))
         return (len(times) - 1) / (times[-1] - times[0])
 
     def bare_done(self, step: ProgressStep) -> bool:
         time.sleep(0.2)
-        finished = int(self.redis.llen("bench:done"))
+        finished = int(self.redis.llen(self.done_key))
         step.update(completed=finished)
         return finished >= self.n
 
@@ -223,6 +231,7 @@ class Bench:
         celery = None
         if publish_at_once:
             os.environ["KEEL_BROKER_URL"] = self.broker_url
+            os.environ["KEEL_BROKER_PREFIX"] = self.prefix
             celery = make_app()
             client = Client(self.db, publisher=publisher(celery))
         node = f"lat{int(publish_at_once)}@{socket.gethostname()}"

@@ -19,6 +19,9 @@ from models.urls import sqlalchemy_url
 SLACK_CONVERSATION_ID = re.compile(r"^[CGD][A-Z0-9]{1,20}$")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
+#: What a broker prefix may hold: no spaces, and none of Redis's glob characters (``*?[]\\``), so that
+#: ``SCAN MATCH <prefix>*`` finds exactly one deployment's keys.
+_BROKER_PREFIX = re.compile(r"^[A-Za-z0-9_.:/-]{0,100}$")
 
 
 class BadConfiguration(KeelError, ValueError):
@@ -35,6 +38,9 @@ class Settings(BaseSettings):
     # None means "use the embedded default under home" (development only).
     database_url: str | None = None
     broker_url: str | None = None
+    # Put before every Redis key and pub/sub channel Keel's Celery uses (kombu's ``global_keyprefix``), so that
+    # deployments (or test runs) sharing one Redis database never see each other's messages or broadcasts.
+    broker_prefix: str = ""
     home: Path = Path(".keel")
 
     db_pool_size: int = Field(default=10, ge=1, le=200)
@@ -231,6 +237,13 @@ class Settings(BaseSettings):
     def _broker_url_is_redis(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("redis://", "rediss://", "redis+socket://")):
             raise ValueError(f"must be a redis:// URL, got scheme {value.split(':', 1)[0][:20]!r}")
+        return value
+
+    @field_validator("broker_prefix")
+    @classmethod
+    def _broker_prefix_is_plain(cls, value: str) -> str:
+        if not _BROKER_PREFIX.fullmatch(value):
+            raise ValueError("may hold only letters, digits and . _ : / - (at most 100 characters), e.g. keel-staging:")
         return value
 
     @model_validator(mode="after")

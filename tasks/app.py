@@ -10,16 +10,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
+from celery.signals import after_setup_logger
 from kombu import Queue  # type: ignore[attr-defined]
 
 from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from models.embedded import broker_url_for
 from models.jobs_sql import Due
 from models.settings import Settings
+from tasks.logs import quiet_housekeeping
 
 RUN_JOB = "keel.run_job"
 RELAY_OUTBOX = "keel.relay_outbox"
 OUTBOX_QUEUE = "keel.outbox"  # the relay's own queue: a dedicated worker (`keel worker -Q keel.outbox`) may take it
+#: Periodic tasks beat sends every few seconds: Celery's received/succeeded/sending lines for them go to DEBUG.
+HOUSEKEEPING = frozenset({RELAY_OUTBOX})
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -34,6 +38,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Drain queues in the order a worker lists them (keel.jobs before keel.jobs.low), not round-robin:
         # otherwise a job demoted past its soft deadline could start before the normal backlog.
         "queue_order_strategy": "priority",
+        # Every key and pub/sub channel (queues, bindings, unacked messages, control broadcasts such as revoke,
+        # events) starts with KEEL_BROKER_PREFIX: deployments sharing a Redis database never see each other's.
+        "global_keyprefix": settings.broker_prefix,
     }
     return {
         "broker_url": broker_url_for(settings),
@@ -76,6 +83,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         },
         "imports": ["tasks.jobs", "tasks.outbox"],
     }
+
+
+@after_setup_logger.connect(weak=False)  # type: ignore[untyped-decorator]
+def _quiet_housekeeping(**_: Any) -> None:
+    # Worker and beat set up their logging after this module is imported, whichever command started them.
+    quiet_housekeeping(HOUSEKEEPING)
 
 
 def make_app(settings: Settings | None = None) -> Celery:

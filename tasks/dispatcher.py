@@ -8,6 +8,9 @@ single beat leader anyway, and a beat that dies hands leadership over as soon as
 
 Every ``KEEL_DEADLINE_CHECK_SECONDS`` the leader also enforces deadlines, in the beat process itself: a deadline
 must bite even when every worker is busy with the very job that overran it.
+
+When the database (or the broker) cannot be reached, beat says so once ("database down: …; retrying with
+backoff"), tries again with exponential backoff, and says so once more when it is back: no traceback per tick.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+import redis.exceptions
 from celery import Celery
 from celery.beat import Scheduler
+from kombu.exceptions import OperationalError as BrokerError
 
+from agents.core.outage import Outage, is_outage
 from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
 from models.db import Database
@@ -47,7 +53,9 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings) -> DispatchR
     clock, whatever this host's says)."""
     try:
         fired = schedules.fire_due(db)
-    except Exception:  # schedules must never stop the jobs from moving
+    except Exception as exc:  # schedules must never stop the jobs from moving
+        if is_outage(exc):
+            raise  # neither can the jobs, then
         log.exception("firing schedules failed; jobs are dispatched anyway")
         fired = []
     published = recovered = 0
@@ -67,14 +75,21 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings) -> DispatchR
     return DispatchReport(published, recovered, len(fired))
 
 
+def is_broker_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` means Redis could not be reached (kombu gives up after its own retries)."""
+    return isinstance(exc, BrokerError | redis.exceptions.ConnectionError | redis.exceptions.TimeoutError)
+
+
 class Leadership:
-    """Holds the beat leader's advisory lock on a connection of its own."""
+    """Holds the beat leader's advisory lock on a connection of its own. :meth:`held` raises the driver's error
+    when the database cannot be reached (the lock is gone with the connection)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.conn: psycopg.Connection[Any] | None = None
 
     def held(self) -> bool:
+        """Whether this beat is the leader; raises :class:`psycopg.Error` if the database cannot be asked."""
         try:
             if self.conn is None or self.conn.closed:
                 # Keepalives: after a network partition the server must notice the dead session (and free the
@@ -102,11 +117,10 @@ class Leadership:
             self.conn.execute("SELECT 1")  # still connected means still holding the lock
             return True
         except psycopg.Error:
-            log.warning("lost the leader connection; will try again", exc_info=True)
             if self.conn is not None:
                 self.conn.close()
             self.conn = None
-            return False
+            raise
 
     def release(self) -> None:
         if self.conn is not None:
@@ -124,16 +138,27 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings()
         self.db = Database.from_settings(self.settings)
         self.leadership = Leadership(self.db.libpq_url)
+        self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
+        self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
         self._next_deadline_check = 0.0
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         interval = self.settings.dispatch_interval_seconds
-        if not self.leadership.held():
+        backoff = max(self.database.wait(), self.broker.wait())
+        if backoff:
+            return backoff
+        try:
+            leader = self.leadership.held()
+        except psycopg.Error as exc:
+            return self.database.failed(exc)
+        self.database.recovered()
+        if not leader:
             return interval
         started = time.monotonic()
         try:
             report = dispatch_once(self.db, self.app, self.settings)
+            self.broker.recovered()
             if report.published or report.fired:
                 log.info(
                     "dispatched %d jobs (%d recovered), fired %d schedules",
@@ -141,7 +166,11 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                     report.recovered,
                     report.fired,
                 )
-        except Exception:  # beat must outlive a database or broker hiccup; the rows stay due
+        except Exception as exc:  # beat must outlive a database or broker outage; the rows stay due
+            if is_outage(exc):
+                return self.database.failed(exc)
+            if is_broker_outage(exc):
+                return self.broker.failed(exc)
             log.exception("dispatch pass failed; retrying next tick")
         if started >= self._next_deadline_check:
             self._next_deadline_check = started + self.settings.deadline_check_seconds
@@ -156,7 +185,9 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                         len(enforced.stopped),
                         len(enforced.failed),
                     )
-            except Exception:  # the scan itself failed (database away): nobody was skipped for another's sake
+            except Exception as exc:  # the scan itself failed: nobody was skipped for another's sake
+                if is_outage(exc):
+                    return self.database.failed(exc)
                 log.exception("deadline pass failed; retrying next tick")
         spent = time.monotonic() - started
         next_periodic: float = super().tick(*args, **kwargs)

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from celery import shared_task
-from celery.exceptions import Reject
 from celery.signals import task_revoked
 from celery.utils.functional import maybe_list
 from celery.worker import control as celery_control
@@ -22,10 +21,11 @@ from celery.worker import control as celery_control
 from agents.core import transition as core
 from agents.core.commands import Command
 from agents.core.errors import KeelError, Rejected, StoreError
+from agents.core.outage import is_outage
 from agents.core.phases import Event
-from agents.jobs.runner import is_outage
 from models.jobs_sql import job_row, unpublish
 from tasks.app import RUN_JOB, publish
+from tasks.logs import HandedBack
 from tasks.runtime import runtime
 
 log = logging.getLogger("keel.tasks")
@@ -49,9 +49,11 @@ def run_job(self: Any, key: str) -> str:
         # The claim or the outcome could not be written (the database restarted, a failover, a stale connection):
         # the message goes back to the broker instead of being acked and dropped. If the job did get claimed,
         # its lease expires and the dispatcher recovers it; a copy that arrives meanwhile is suppressed.
-        log.warning("job %s: database unavailable (%s); message handed back to the broker", key, exc)
+        rt.outage.failed(exc)  # logs when the database goes down, not once per message handed back
+        log.debug("job %s: database unavailable; message handed back to the broker", key)
         time.sleep(random.uniform(*STORE_BACKOFF_SECONDS))
-        raise Reject(str(exc), requeue=True) from None
+        raise HandedBack(str(exc), requeue=True) from None
+    rt.outage.recovered()
     if outcome.to_publish:
         try:
             publish(outcome.to_publish, self.app)

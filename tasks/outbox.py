@@ -8,6 +8,7 @@ from functools import cache
 
 from celery import shared_task
 
+from agents.core.outage import is_outage
 from agents.outbox.relay import Relay
 from tasks.app import RELAY_OUTBOX
 from tasks.runtime import runtime
@@ -23,7 +24,19 @@ def _relay(pid: int) -> Relay:
 
 @shared_task(name=RELAY_OUTBOX)  # type: ignore[untyped-decorator]
 def relay_outbox() -> dict[str, int]:
-    report = _relay(os.getpid()).run_pass()
+    outage = runtime().outage
+    if outage.wait():
+        # The database is away and the backoff has not passed: skip this pass (beat sends one every
+        # KEEL_OUTBOX_INTERVAL_SECONDS) rather than fail it with a traceback.
+        return {"sent": 0, "reconciled": 0, "retried": 0, "dead": 0}
+    try:
+        report = _relay(os.getpid()).run_pass()
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        outage.failed(exc)  # one line when the database goes down; what was claimed is re-claimed after its lease
+        return {"sent": 0, "reconciled": 0, "retried": 0, "dead": 0}
+    outage.recovered()
     if report.sent or report.reconciled or report.dead or report.retried:
         log.info("outbox pass: %s", report)
     return {"sent": report.sent, "reconciled": report.reconciled, "retried": report.retried, "dead": report.dead}

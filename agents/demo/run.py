@@ -203,6 +203,7 @@ def _run_demo(settings: Settings, out: Progress) -> int:
         {
             "KEEL_DATABASE_URL": db.url,
             "KEEL_BROKER_URL": broker,
+            "KEEL_BROKER_PREFIX": settings.broker_prefix,
             "KEEL_HOME": str(settings.home.resolve()),
             "KEEL_IMPORTS": json.dumps(["agents.demo.tools"]),
             "KEEL_LLM_PROVIDER": "scripted",

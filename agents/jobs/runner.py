@@ -31,8 +31,8 @@ from agents.core.errors import (
     InvalidJob,
     JobError,
     KeelError,
-    StoreError,
 )
+from agents.core.outage import Outage, is_outage
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
 from agents.jobs.handlers import JobContext, JobResult, Registry
@@ -100,28 +100,14 @@ class _Failure:
         )
 
 
-def is_outage(exc: BaseException) -> bool:
-    """Whether ``exc`` means the database could not be reached (restart, failover, dropped connection, timeout) —
-    worth trying again later — rather than that it refused what was asked."""
-    while exc is not None:
-        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
-            return True
-        if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
-            return True
-        if isinstance(exc, sqlalchemy.exc.DBAPIError | StoreError):
-            exc = exc.__cause__ or getattr(exc, "orig", None)  # type: ignore[assignment]
-            continue
-        return False
-    return False
-
-
 class LeaseKeeper:
     """One thread per process renews the leases of the jobs running in it, every third of the lease; a job whose
     lease was taken over (or cancelled) gets its ``lost`` flag set and is dropped."""
 
-    def __init__(self, db: Database, lease: timedelta) -> None:
+    def __init__(self, db: Database, lease: timedelta, outage: Outage | None = None) -> None:
         self.db = db
         self.lease = lease
+        self.outage = outage or Outage("database", log)
         # Keyed by (key, token): a fenced-off older run ending must not drop a newer claim's renewal.
         self._held: dict[tuple[str, int], threading.Event] = {}
         self._lock = threading.Lock()
@@ -153,13 +139,19 @@ class LeaseKeeper:
             wait = interval
             for (key, token), lost in held:
                 try:
-                    if not extend_lease(self.db, key, token, self.lease):
-                        lost.set()
-                        with self._lock:
-                            self._held.pop((key, token), None)
-                except (psycopg.Error, sqlalchemy.exc.SQLAlchemyError):
-                    log.warning("job %s: lease renewal failed; retrying in %.1fs", key, retry, exc_info=True)
+                    renewed = extend_lease(self.db, key, token, self.lease)
+                except (psycopg.Error, sqlalchemy.exc.SQLAlchemyError) as exc:
+                    if not is_outage(exc):
+                        log.warning("job %s: lease renewal failed; retrying in %.1fs", key, retry, exc_info=True)
+                    else:  # one line per outage, not one per second (the retry does not back off: see above)
+                        self.outage.failed(exc)
                     wait = retry
+                    continue
+                self.outage.recovered()
+                if not renewed:
+                    lost.set()
+                    with self._lock:
+                        self._held.pop((key, token), None)
 
 
 class Runner:
@@ -174,6 +166,7 @@ class Runner:
         publish_due: bool = False,
         run_limits: Mapping[str, float] | None = None,
         default_run_limit: float = 900.0,
+        outage: Outage | None = None,
     ) -> None:
         self.db = db
         self.registry = registry
@@ -181,7 +174,9 @@ class Runner:
         self.lease = lease
         self.rules = rules
         self.publish_due = publish_due  # the caller publishes next jobs right after commit
-        self.leases = LeaseKeeper(db, lease)
+        # What this process knows of the database being away (shared with whatever else it runs: the relay).
+        self.outage = outage or Outage("database", log)
+        self.leases = LeaseKeeper(db, lease, self.outage)
         self.run_limits = dict(run_limits or {})
         self.default_run_limit = default_run_limit
 

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from models.urls import libpq_url
+from tests.support.broker import Broker
 from tests.support.handlers import EXECUTIONS_DDL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,9 +64,9 @@ def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 30.0, e
 class Stack:
     """Starts keel worker/beat/flower processes for one test and kills exactly those (and their children)."""
 
-    def __init__(self, db_url: str, broker_url: str, logs: Path) -> None:
+    def __init__(self, db_url: str, broker: Broker, logs: Path) -> None:
         self.db_url = db_url
-        self.broker_url = broker_url
+        self.broker = broker
         self.logs = logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
@@ -73,7 +74,7 @@ class Stack:
         self.env.update(
             {
                 "KEEL_DATABASE_URL": db_url,
-                "KEEL_BROKER_URL": broker_url,
+                **broker.env,
                 "KEEL_IMPORTS": json.dumps(["tests.support.handlers"]),
                 "PYTHONPATH": str(ROOT),
                 "FLOWER_UNAUTHENTICATED_API": "true",
@@ -122,6 +123,11 @@ class Stack:
         for name in list(self.procs):
             self.kill(name)
 
+    def release(self, key: str) -> None:
+        """Let the ``block`` handler (or tool) waiting on ``key`` finish."""
+        with self.broker.redis() as client:
+            client.set(self.broker.key(f"release:{key}"), 1)
+
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")
 
@@ -164,8 +170,8 @@ def clock_offset_in_log(stack: Stack, name: str) -> float:
 
 
 @pytest.fixture
-def stack(db_url: str, broker_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    stack = Stack(db_url, broker_url, tmp_path)
+def stack(db_url: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    stack = Stack(db_url, broker, tmp_path)
     try:
         yield stack
     finally:

@@ -5,22 +5,19 @@ a handler and a tool that hang past their limits."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import psycopg
 import pytest
-import redis
 
 import tests.support.tools  # noqa: F401 - the workers' tools: this process's submits are checked against them
 from agents.client import Client
 from models.urls import libpq_url
-from tests.chaos.conftest import Stack, clock_offset_in_log, free_port, skewed, wait_until
+from tests.chaos.conftest import Stack, clock_offset_in_log, skewed, wait_until
+from tests.support.broker import Broker, new_prefix
 
 pytestmark = pytest.mark.chaos
 
@@ -59,7 +56,7 @@ def test_sigkill_between_the_staged_outcome_and_its_transition_replays_it_once(s
     # Hold the agent's lock: the tool finishes and its outcome is staged, but the transition cannot commit.
     with psycopg.connect(libpq_url(stack.db_url)) as blocker:
         blocker.execute("SELECT 1 FROM agents WHERE id = %s FOR UPDATE", (agent.id,))
-        redis.Redis.from_url(stack.broker_url).set(f"release:{key}", 1)
+        stack.release(key)
         wait_until("the outcome to be staged", lambda: "staged" in (job(stack, key)["result"] or {}), 30)
         stack.kill("w1")  # between the checkpoint and its outcome
         blocker.rollback()
@@ -75,49 +72,10 @@ def test_sigkill_between_the_staged_outcome_and_its_transition_replays_it_once(s
 # --- 5. a broker outage does not interrupt a running step -----------------------------------------------------
 
 
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A Redis server of this test's own (no persistence), which the test may restart."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is missing"
-    port = free_port()
-    server: dict[str, Any] = {"url": f"redis://127.0.0.1:{port}/0", "proc": None}
-
-    def start() -> None:
-        server["proc"] = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until("redis to answer", lambda: _pings(server["url"]), 10)
-
-    def stop() -> None:
-        proc = server["proc"]
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-    server["start"], server["stop"] = start, stop
-    start()
-    yield server
-    stop()
-
-
-def _pings(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
 def test_redis_restarted_three_times_during_a_long_step_does_not_interrupt_it(
     db_url: str, own_redis: dict[str, Any], tmp_path: Path, client: Client
 ) -> None:
-    stack = Stack(db_url, own_redis["url"], tmp_path)
+    stack = Stack(db_url, Broker(own_redis["url"], new_prefix()), tmp_path)
     try:
         agent = client.create_agent("patient")
         stack.worker("w1")
@@ -130,7 +88,7 @@ def test_redis_restarted_three_times_during_a_long_step_does_not_interrupt_it(
             time.sleep(1.5)
             own_redis["start"]()
             time.sleep(3)
-        redis.Redis.from_url(own_redis["url"]).set(f"release:{key}", 1)
+        stack.release(key)
         wait_until("the request to finish", lambda: client.get_state(agent.id).phase == "done", 60)
         assert executions(stack) == {key: 1} and executions(stack, "finish") == {key: 1}, "the step ran once"
         assert job(stack, key)["error_attempts"] == {}, "no outage was counted as a failure of the step"
@@ -156,9 +114,8 @@ def test_a_database_restart_loses_no_message(stack: Stack, client: Client) -> No
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
         " WHERE datname = current_database() AND pid <> pg_backend_pid()"
     )
-    from models.settings import Settings
 
-    celery = make_app(Settings(database_url=stack.db_url, broker_url=stack.broker_url))
+    celery = make_app(stack.broker.settings(database_url=stack.db_url))
     try:
         producer = Client(client.db, publisher=publisher(celery))
         for i, name in enumerate(names[1:], start=1):
@@ -174,7 +131,6 @@ def test_a_database_restart_loses_no_message(stack: Stack, client: Client) -> No
 
 
 def test_a_revoke_in_flower_is_a_journaled_cancel_not_a_strand(stack: Stack, client: Client) -> None:
-    from models.settings import Settings
     from tasks.app import make_app
 
     busy, queued, running = (client.create_agent(n) for n in ("busy", "queued", "running"))
@@ -184,10 +140,10 @@ def test_a_revoke_in_flower_is_a_journaled_cancel_not_a_strand(stack: Stack, cli
     wait_until("the worker to be busy", lambda: executions(stack).get("req-busy:block:1") == 1, 60)
     client.submit(queued.id, "req-q", None, operation="count")
     wait_until("the job to wait on the broker", lambda: job(stack, "req-q:count:1").get("status") == "enqueued", 30)
-    celery = make_app(Settings(database_url=stack.db_url, broker_url=stack.broker_url))
+    celery = make_app(stack.broker.settings(database_url=stack.db_url))
     try:
         celery.control.revoke("req-q:count:1")  # what Flower's "revoke" button sends
-        redis.Redis.from_url(stack.broker_url).set("release:req-busy:block:1", 1)
+        stack.release("req-busy:block:1")
         wait_until("the revoke to cancel the request", lambda: client.get_state(queued.id).phase == "failed", 30)
         event = client.journal(agent_id=queued.id)[-1]
         assert (event.event, event.decision) == ("cancel", "revoked")
@@ -202,7 +158,7 @@ def test_a_revoke_in_flower_is_a_journaled_cancel_not_a_strand(stack: Stack, cli
         celery.control.revoke("req-s:block:1")
         wait_until("the revoke to cancel the running request", lambda: client.get_state(quiet.id).phase == "failed", 30)
         assert client.journal(agent_id=quiet.id)[-1].decision == "revoked"
-        redis.Redis.from_url(stack.broker_url).set("release:req-s:block:1", 1)
+        stack.release("req-s:block:1")
         wait_until(
             "its late outcome to be fenced off",
             lambda: any(e.decision == "fenced_off" for e in client.journal(agent_id=quiet.id)),
@@ -236,7 +192,7 @@ def test_worker_and_beat_clocks_minutes_apart_run_everything_once_on_time(stack:
     client.submit(agents[9], "req-limited", {"retry_after": 2}, operation="ratelimited")
     call = {"name": "test_post", "arguments": {"channel": "C0PS", "text": "hello"}}
     client.submit(agents[10], "req-talk", script({"tool_calls": [call]}, {"content": "Done."}))
-    redis.Redis.from_url(stack.broker_url).set("release:req-talk:tool:test_post:1.call_0_0", 1)
+    stack.release("req-talk:tool:test_post:1.call_0_0")
     wait_until("every request to finish", lambda: all(client.get_state(a).phase == "done" for a in agents[:11]), 60)
     assert 240 < clock_offset_in_log(stack, "fast") < 330 and -330 < clock_offset_in_log(stack, "slow") < -240
     assert time.monotonic() - started < 45, "nothing waited out a clock difference"

@@ -13,14 +13,15 @@ import psutil
 import pytest
 
 from tests.chaos.conftest import wait_until
+from tests.support.broker import Broker
 
 pytestmark = pytest.mark.chaos
 KEEL = str(Path(sys.executable).parent / "keel")
 
 
-def _start(db_url: str, broker_url: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+def _start(db_url: str, broker: Broker, log: Path, *args: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
-    env.update({"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": broker_url, "KEEL_HOME": str(log.parent / ".keel")})
+    env.update({"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_HOME": str(log.parent / ".keel")})
     with open(log, "wb") as out:
         return subprocess.Popen([KEEL, *args], env=env, stdout=out, stderr=out, cwd=log.parent)
 
@@ -42,9 +43,9 @@ def _cleanup(proc: subprocess.Popen[bytes], family: list[psutil.Process]) -> Non
             pass
 
 
-def test_a_sigkilled_keel_up_leaves_no_orphans(db_url: str, broker_url: str, tmp_path: Path) -> None:
+def test_a_sigkilled_keel_up_leaves_no_orphans(db_url: str, broker: Broker, tmp_path: Path) -> None:
     log = tmp_path / "up.log"
-    up = _start(db_url, broker_url, log, "up", "--no-flower")
+    up = _start(db_url, broker, log, "up", "--no-flower")
     family: list[psutil.Process] = []
     try:
         wait_until("keel up to run", lambda: "running" in log.read_text() or up.poll() is not None, 120, every=0.2)
@@ -61,10 +62,10 @@ def test_a_sigkilled_keel_up_leaves_no_orphans(db_url: str, broker_url: str, tmp
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_stopped_demo_stops_its_worker_and_beat(
-    db_url: str, broker_url: str, tmp_path: Path, sig: signal.Signals
+    db_url: str, broker: Broker, tmp_path: Path, sig: signal.Signals
 ) -> None:
     log = tmp_path / "demo.log"
-    demo = _start(db_url, broker_url, log, "demo")
+    demo = _start(db_url, broker, log, "demo")
     family: list[psutil.Process] = []
     try:
         wait_until(
@@ -86,9 +87,9 @@ def test_a_stopped_demo_stops_its_worker_and_beat(
         _cleanup(demo, family)
 
 
-def test_a_sigkilled_demo_leaves_no_orphans(db_url: str, broker_url: str, tmp_path: Path) -> None:
+def test_a_sigkilled_demo_leaves_no_orphans(db_url: str, broker: Broker, tmp_path: Path) -> None:
     log = tmp_path / "demo.log"
-    demo = _start(db_url, broker_url, log, "demo")
+    demo = _start(db_url, broker, log, "demo")
     family: list[psutil.Process] = []
     try:
         wait_until(

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from agents.client import Client
 from agents.demo.fake_servers import FakeLLM
@@ -55,7 +54,6 @@ def _tool_runs(stack: Stack) -> dict[str, int]:
 
 def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client: Client, llm: FakeLLM) -> None:
     _stack_env(stack, llm)
-    broker = redis.Redis.from_url(stack.broker_url)
     stack.worker("w1", concurrency=1)
     stack.beat()
 
@@ -67,7 +65,7 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
         lambda: stack.query("SELECT 1 FROM jobs WHERE key = 'req-calm:tool:test_wait:1.call_a' AND status = 'running'"),
         60,
     )
-    broker.set("release:req-calm:tool:test_wait:1.call_a", 1)
+    stack.release("req-calm:tool:test_wait:1.call_a")
     wait_until("the calm run to finish", lambda: client.get_state(calm.id).phase == "done", 60)
     reference = _answer(stack, "req-calm")
     assert reference == "The failover caused both incidents."
@@ -92,7 +90,7 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
     )
     stack.kill("w2")
     stack.worker("w3", concurrency=1)
-    broker.set(f"release:{key}", 1)
+    stack.release(key)
     wait_until("the interrupted run to finish", lambda: client.get_state(hurt.id).phase == "done", 90)
 
     assert _answer(stack, "req-hurt") == reference, "the interrupted run's answer differs"

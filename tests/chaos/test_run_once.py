@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 import pytest
-import redis
 
 from agents.client import Client
 from tests.chaos.conftest import ROOT, Stack, free_port, wait_until
@@ -103,7 +102,7 @@ def test_sigkill_mid_job_then_restart_completes_once_and_suppresses_the_redelive
     assert f"keel.run_job[{key}] received" in stack.log("w1"), "the Celery task id is the job key"
     stack.kill("w1")
     stack.worker("w2")
-    redis.Redis.from_url(stack.broker_url).set(f"release:{key}", 1)
+    stack.release(key)
     wait_until("the job to succeed on the new worker", lambda: statuses(stack).get(key) == "succeeded", 60)
     assert executions(stack, "finish") == {key: 1}, "the job completed more than once"
     assert executions(stack) == {key: 2}, "started by the killed worker, then once more after recovery"
@@ -123,8 +122,9 @@ def test_sigkill_mid_job_then_restart_completes_once_and_suppresses_the_redelive
 
 
 def test_flushed_broker_loses_nothing(stack: Stack, client: Client) -> None:
-    """The broker's data is wiped (FLUSHDB of the test's own Redis db: FLUSHALL would wipe other tests' dbs)
-    while jobs wait in the queue behind a busy worker. Postgres still knows them; every one completes once."""
+    """The broker's data is wiped (every key under the test's own prefix: what a FLUSHALL would take from Keel,
+    and nothing of anyone else's) while jobs wait in the queue behind a busy worker. Postgres still knows them;
+    every one completes once."""
     names = make_agents(client, 11)
     stack.worker("w1", concurrency=1)
     stack.beat()
@@ -133,10 +133,10 @@ def test_flushed_broker_loses_nothing(stack: Stack, client: Client) -> None:
     for i, name in enumerate(names[1:]):
         client.submit(name, f"req-{i}", None, operation="count")
     wait_until("ten jobs to wait on the broker", lambda: list(statuses(stack).values()).count("enqueued") == 10)
-    broker = redis.Redis.from_url(stack.broker_url)
-    assert broker.llen("keel.jobs") == 10
-    broker.flushdb()
-    broker.set("release:req-busy:block:1", 1)
+    with stack.broker.redis() as broker:
+        assert broker.llen(stack.broker.key("keel.jobs")) == 10
+    assert stack.broker.wipe() > 0
+    stack.release("req-busy:block:1")
     wait_until("every job to succeed after the flush", lambda: all_succeeded(stack, 11), 60)
     counts = executions(stack)
     assert counts.pop("req-busy:block:1") == 1
@@ -179,7 +179,7 @@ def test_a_job_past_its_hard_deadline_fails_the_agent_and_its_late_outcome_is_fe
     wait_until("the deadline to stop the agent", lambda: client.get_state(agent.id).phase == "failed", 30)
     assert statuses(stack)[key] == "cancelled"
     stopped_at = client.get_state(agent.id)
-    redis.Redis.from_url(stack.broker_url).set(f"release:{key}", 1)
+    stack.release(key)
     wait_until("the handler to finish late", lambda: executions(stack, "finish").get(key) == 1)
     wait_until(
         "the late outcome to be journaled as fenced off",

@@ -17,15 +17,16 @@ import psutil
 import pytest
 
 from tests.chaos.conftest import free_port, wait_until
+from tests.support.broker import Broker
 
 pytestmark = pytest.mark.chaos
 KEEL = str(Path(sys.executable).parent / "keel")
 
 
 @contextmanager
-def keel_up(db_url: str, broker_url: str, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+def keel_up(db_url: str, broker_env: dict[str, str], log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
-    env.update({"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": broker_url, "FLOWER_UNAUTHENTICATED_API": "true"})
+    env.update({"KEEL_DATABASE_URL": db_url, **broker_env, "FLOWER_UNAUTHENTICATED_API": "true"})
     with open(log, "wb") as out:
         up = subprocess.Popen([KEEL, "up", *args], env=env, stdout=out, stderr=out, cwd=log.parent)
     try:
@@ -59,12 +60,12 @@ def running(up: subprocess.Popen[bytes], log: Path) -> None:
     ids=["SIGINT", "SIGHUP", "SIGTERM-no-flower", "SIGQUIT-no-flower"],
 )
 def test_every_termination_signal_stops_the_whole_stack(
-    db_url: str, broker_url: str, tmp_path: Path, sig: signal.Signals, flower: bool
+    db_url: str, broker: Broker, tmp_path: Path, sig: signal.Signals, flower: bool
 ) -> None:
     port = free_port()
     log = tmp_path / "up.log"
     args = ["--flower-port", str(port)] if flower else ["--no-flower"]
-    with keel_up(db_url, broker_url, log, *args) as up:
+    with keel_up(db_url, broker.env, log, *args) as up:
         running(up, log)
         if flower:
             assert "worker, beat, flower running" in log.read_text()
@@ -82,13 +83,13 @@ def test_every_termination_signal_stops_the_whole_stack(
         assert f"keel up: {sig.name} received" in log.read_text()
 
 
-def test_a_taken_flower_port_is_one_line_and_starts_nothing(db_url: str, broker_url: str, tmp_path: Path) -> None:
+def test_a_taken_flower_port_is_one_line_and_starts_nothing(db_url: str, broker: Broker, tmp_path: Path) -> None:
     log = tmp_path / "up.log"
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
-        with keel_up(db_url, broker_url, log, "--flower-port", str(port)) as up:
+        with keel_up(db_url, broker.env, log, "--flower-port", str(port)) as up:
             assert up.wait(timeout=60) == 1
     out = log.read_text()
     assert out == (
@@ -124,7 +125,7 @@ def _answers(port: int) -> bool:
 def test_up_says_when_redis_goes_and_comes_back_and_gives_up_when_it_stays_away(db_url: str, tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "up.log"
-    broker = f"redis://127.0.0.1:{port}/0"
+    broker = {"KEEL_BROKER_URL": f"redis://127.0.0.1:{port}/0"}
     with keel_up(db_url, broker, log, "--no-flower", "--give-up-after", "10") as up:
         with own_redis(tmp_path, port):
             running(up, log)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.broker import Broker
+
 pytestmark = pytest.mark.integration
 
 KEEL = str(Path(sys.executable).parent / "keel")
@@ -24,14 +26,14 @@ TAKE = (
 
 
 def test_a_second_demo_refuses_naming_the_first_and_the_lock_dies_with_it(
-    db_url: str, broker_url: str, tmp_path: Path
+    db_url: str, broker: Broker, tmp_path: Path
 ) -> None:
     home = tmp_path / ".keel"
     first = subprocess.Popen([sys.executable, "-c", HOLD, str(home)], stdout=subprocess.PIPE, text=True)
     try:
         assert first.stdout is not None and first.stdout.readline() == "held\n"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
-        env.update({"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": broker_url, "KEEL_HOME": str(home)})
+        env.update({"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_HOME": str(home)})
         second = subprocess.run([KEEL, "demo"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert second.returncode == 1
         assert second.stdout == ""

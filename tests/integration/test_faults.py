@@ -26,6 +26,7 @@ from agents.jobs.runner import Runner
 from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.db import Database
 from models.jobs_sql import job_row, take_due
+from tests.support.broker import Broker
 from tests.support.db import expire_lease
 
 pytestmark = pytest.mark.integration
@@ -233,35 +234,31 @@ def test_every_comparison_uses_the_database_clock_not_the_hosts(
         assert times == sorted(times) and abs(times[-1] - datetime.now(UTC)) < timedelta(seconds=30)
 
 
-def test_unclaimed_jobs_are_republished_under_load(client: Client, db: Database, broker_url: str) -> None:
+def test_unclaimed_jobs_are_republished_under_load(
+    client: Client, db: Database, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A message lost while its queue has a backlog (the queue is never idle) is published again after the enqueue
     timeout; before, only idle queues were recovered, so under steady load it was stranded for good."""
-    import os
-
-    import redis as redis_lib
-
-    from models.settings import Settings
     from tasks.app import make_app
     from tasks.dispatcher import dispatch_once
 
     names = [client.create_agent(f"a{i}").id for i in range(3)]
     for i, agent_id in enumerate(names):
         client.submit(agent_id, f"req-{i}", None, operation="count")
-    settings = Settings(database_url=db.url, broker_url=broker_url, enqueue_timeout_seconds=1)
-    os.environ["KEEL_BROKER_URL"] = broker_url
-    broker = redis_lib.Redis.from_url(broker_url)
-    try:
+    settings = broker.settings(database_url=db.url, enqueue_timeout_seconds=1)
+    for name, value in broker.env.items():
+        monkeypatch.setenv(name, value)
+    queue = broker.key("keel.jobs")
+    with broker.redis() as redis:
         celery = make_app(settings)
         assert dispatch_once(db, celery, settings).published == 3
-        broker.lpop("keel.jobs")  # one message is lost; two still wait: the queue has a backlog
-        assert broker.llen("keel.jobs") == 2
+        redis.lpop(queue)  # one message is lost; two still wait: the queue has a backlog
+        assert redis.llen(queue) == 2
         time.sleep(1.2)
         report = dispatch_once(db, celery, settings)
         celery.close()
-    finally:
-        del os.environ["KEEL_BROKER_URL"]
-    assert report.recovered == 3, "every job unclaimed past the timeout was published again, backlog or not"
-    assert broker.llen("keel.jobs") == 5
+        assert report.recovered == 3, "every job unclaimed past the timeout was published again, backlog or not"
+        assert redis.llen(queue) == 5
 
 
 def test_publishing_that_fails_after_commit_hands_the_jobs_to_the_dispatcher(client: Client, db: Database) -> None:
@@ -366,7 +363,7 @@ def test_a_message_whose_claim_cannot_reach_the_database_goes_back_to_the_broker
         port = sock.getsockname()[1]
     down = Database(f"postgresql://postgres@127.0.0.1:{port}/keel")
     runner = make_runner(down, {"finish": lambda ctx: JobResult(event=Event.FINISH)})
-    monkeypatch.setattr(tasks.jobs, "runtime", lambda: SimpleNamespace(runner=runner, db=down))
+    monkeypatch.setattr(tasks.jobs, "runtime", lambda: SimpleNamespace(runner=runner, db=down, outage=runner.outage))
     monkeypatch.setattr(tasks.jobs, "STORE_BACKOFF_SECONDS", (0.0, 0.0))
     try:
         with pytest.raises(Reject) as raised:

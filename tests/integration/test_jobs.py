@@ -24,6 +24,7 @@ from agents.jobs.handlers import JobContext, JobResult, Registry, registry
 from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import claim, job_row, take_due
+from tests.support.broker import Broker
 from tests.support.db import expire_lease
 
 pytestmark = pytest.mark.integration
@@ -312,14 +313,12 @@ def test_bad_schedules_are_refused(client: Client, db: Database, kwargs: dict[st
         schedules.ensure_schedule(db, "s", agent.id, **kwargs)
 
 
-def test_dispatch_publishes_each_job_under_its_key_with_no_eta(client: Client, db: Database, broker_url: str) -> None:
+def test_dispatch_publishes_each_job_under_its_key_with_no_eta(
+    client: Client, db: Database, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What actually lands on Redis: task id = job key, no ETA or countdown (Postgres keeps the schedule)."""
     import json as _json
-    import os
 
-    import redis as redis_lib
-
-    from models.settings import Settings
     from tasks.app import make_app
     from tasks.dispatcher import dispatch_once
 
@@ -327,16 +326,15 @@ def test_dispatch_publishes_each_job_under_its_key_with_no_eta(client: Client, d
     client.submit(agent.id, "req-1", None, operation="count")
     later = JobSpec("count", "2", delay=timedelta(hours=1))
     transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=(later,)))
-    settings = Settings(database_url=db.url, broker_url=broker_url)
-    os.environ["KEEL_BROKER_URL"] = broker_url
-    try:
-        celery = make_app(settings)
-        report = dispatch_once(db, celery, settings)
-        celery.close()
-    finally:
-        del os.environ["KEEL_BROKER_URL"]
+    settings = broker.settings(database_url=db.url)
+    for name, value in broker.env.items():
+        monkeypatch.setenv(name, value)
+    celery = make_app(settings)
+    report = dispatch_once(db, celery, settings)
+    celery.close()
     assert (report.published, report.recovered) == (1, 0)
-    raw_messages = redis_lib.Redis.from_url(broker_url).lrange("keel.jobs", 0, -1)
+    with broker.redis() as redis:
+        raw_messages = redis.lrange(broker.key("keel.jobs"), 0, -1)
     assert len(raw_messages) == 1
     headers = _json.loads(raw_messages[0])["headers"]
     assert (

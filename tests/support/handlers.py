@@ -42,10 +42,11 @@ def noop(ctx: JobContext) -> JobResult:
 
 
 def released(key: str) -> bool:
-    """Whether the test set ``release:{key}`` on the broker's Redis (which may be restarting: then not yet)."""
+    """Whether the test set ``release:{key}`` under its prefix on the broker's Redis (which may be restarting:
+    then not yet)."""
     client = redis.Redis.from_url(os.environ["KEEL_BROKER_URL"], socket_connect_timeout=1, socket_timeout=1)
     try:
-        return bool(client.exists(f"release:{key}"))
+        return bool(client.exists(os.environ.get("KEEL_BROKER_PREFIX", "") + f"release:{key}"))
     except redis.RedisError:
         return False
     finally:

@@ -32,6 +32,17 @@ def test_one_visibility_timeout_everywhere() -> None:
     assert transport["unacked_restore_interval"] * transport["unacked_restore_throttle"] <= 120 / 6
 
 
+def test_the_broker_prefix_goes_before_every_key_and_channel() -> None:
+    def transport(**prefix: str) -> dict[str, object]:
+        options: dict[str, object] = celery_config(Settings(database_url=PG, broker_url="redis://h/0", **prefix))[
+            "broker_transport_options"
+        ]
+        return options
+
+    assert transport()["global_keyprefix"] == "", "no prefix unless one is set: existing deployments keep their keys"
+    assert transport(broker_prefix="keel-staging:")["global_keyprefix"] == "keel-staging:"
+
+
 def test_a_lease_longer_than_the_visibility_timeout_is_refused() -> None:
     with pytest.raises(ValidationError, match="KEEL_JOB_LEASE_SECONDS: must be shorter"):
         Settings(job_lease_seconds=600, visibility_timeout_seconds=300)

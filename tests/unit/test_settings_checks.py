@@ -51,6 +51,7 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ({"KEEL_LLM_PROVIDER": "openai"}, "KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai"),
         ({"KEEL_DB_POOL_SIZE": "0"}, "KEEL_DB_POOL_SIZE: Input should be greater than or equal to 1"),
         ({"KEEL_ENVIRONMENT": "prod"}, "KEEL_ENVIRONMENT: Input should be 'development', 'test' or 'production'"),
+        ({"KEEL_BROKER_PREFIX": "keel *"}, "KEEL_BROKER_PREFIX: may hold only letters, digits and . _ : / -"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_variable_and_the_rule(

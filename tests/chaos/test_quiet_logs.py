@@ -1,0 +1,96 @@
+"""What an operator reads: a worker's and beat's logs at INFO show the jobs, not the relay's half-second
+housekeeping; a database that goes away is one line when it goes and one when it is back, not a traceback a tick."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agents.client import Client
+from agents.core.commands import Command, MessageSpec
+from agents.core.phases import Event
+from agents.core.transition import transition
+from tests.chaos.conftest import Stack, wait_until
+from tests.support.fakes import FakeSlack
+from tests.support.proxy import database_behind
+
+pytestmark = pytest.mark.chaos
+
+SLACK_TOKEN = "xoxb-quiet-logs-token-000"
+
+
+def status(stack: Stack, key: str) -> str | None:
+    rows = stack.query("SELECT status FROM jobs WHERE key = %s", key)
+    return rows[0][0] if rows else None
+
+
+@pytest.fixture
+def slack() -> Iterator[FakeSlack]:
+    fake = FakeSlack(token=SLACK_TOKEN).start()
+    assert isinstance(fake, FakeSlack)
+    yield fake
+    fake.stop()
+
+
+def test_the_relay_is_quiet_at_info_and_jobs_are_not(stack: Stack, client: Client, slack: FakeSlack) -> None:
+    stack.env.update({"KEEL_SLACK_TOKEN": SLACK_TOKEN, "KEEL_SLACK_API_URL": f"{slack.url}/api/"})
+    stack.worker("w1", concurrency=1)  # the only worker: it runs the jobs and every relay pass
+    stack.beat()
+    agent = client.create_agent("talker")
+    client.submit(agent.id, "req-1", None, operation="noop")
+    wait_until("the job to succeed", lambda: status(stack, "req-1:noop:1") == "succeeded", 60)
+    client.submit(agent.id, "req-2", None, operation="block")  # a request in flight, to emit a message from
+    message = MessageSpec("slack", "C0Q", "m", {"text": "hi"})
+    transition(client.db, Command(agent.id, Event.PROGRESS, "t", messages=(message,)))
+    stack.release("req-2:block:1")
+    wait_until("the relay to deliver", lambda: sum(slack.delivered_keys().values()) == 1, 60)
+    worker, beat = stack.log("w1"), stack.log("beat")
+    assert "outbox pass:" in worker, "the relay ran in this worker, and said what it did"
+    assert re.search(r"INFO/.*Task keel\.run_job\[req-1:noop:1\] received", worker), "a job's lines stay at INFO"
+    assert re.search(r"INFO/.*Task keel\.run_job\[req-1:noop:1\] succeeded", worker)
+    assert "keel.relay_outbox[" not in worker, "the relay's received/succeeded lines are DEBUG"
+    assert "Sending due task relay-outbox" not in beat, "beat's half-second sends are DEBUG"
+
+
+def test_a_database_outage_is_one_line_going_and_one_coming_back(stack: Stack, client: Client) -> None:
+    proxy, through = database_behind(stack.db_url)
+    try:
+        # Worker and beat reach the database through the proxy; the test reaches it directly. The lease outlives
+        # the outage, so the lease keeper of the step that runs through it only has to report it.
+        stack.env.update({"KEEL_DATABASE_URL": through, "KEEL_JOB_LEASE_SECONDS": "8"})
+        stack.worker("w1", concurrency=2)
+        stack.beat()
+        busy, other = client.create_agent("busy"), client.create_agent("other")
+        client.submit(other.id, "req-warm", None, operation="count")
+        wait_until("the worker to be warm", lambda: status(stack, "req-warm:count:1") == "succeeded", 60)
+        client.submit(busy.id, "req-busy", None, operation="block")
+        started = "SELECT 1 FROM executions WHERE key = 'req-busy:block:1' AND phase = 'start'"
+        wait_until("the step to run", lambda: stack.query(started), 30)
+
+        proxy.down()
+        wait_until("beat to say the database is down", lambda: "database down" in stack.log("beat"), 30)
+        wait_until("the worker to say so", lambda: "database down" in stack.log("w1"), 30)
+        time.sleep(4)  # the outage goes on: beat ticks every 0.2 s and the lease keeper retries every second
+        proxy.up()
+
+        stack.release("req-busy:block:1")
+        client.submit(other.id, "req-after", None, operation="count")
+        wait_until("jobs to run again", lambda: status(stack, "req-after:count:1") == "succeeded", 60)
+        wait_until("the step to finish", lambda: client.get_state(busy.id).phase == "done", 60)
+        wait_until("beat to say the database is back", lambda: "database back" in stack.log("beat"), 30)
+
+        def worker_said_back() -> bool:
+            log = stack.log("w1")
+            return log.count("database back") == log.count("database down")
+
+        wait_until("every worker process that saw the outage to see it end", worker_said_back, 30)
+        beat, worker = stack.log("beat"), stack.log("w1")
+        assert "Traceback" not in beat and "Traceback" not in worker
+        assert (beat.count("database down"), beat.count("database back")) == (1, 1), beat
+        assert re.search(r"database down: OperationalError: .+; retrying with backoff", beat)
+        assert 1 <= worker.count("database down") <= 2, "one line per worker process that saw it"
+    finally:
+        proxy.down()
