@@ -23,6 +23,8 @@ from types import FrameType
 from typing import IO
 from urllib.parse import parse_qs, urlsplit
 
+from agents.core.errors import KeelError
+
 #: The signals that stop ``keel up``, and what each child's process group is sent for it. SIGHUP is not passed on:
 #: to a Celery worker it means "restart", not "stop".
 STOP_SIGNALS: dict[signal.Signals, signal.Signals] = {
@@ -58,7 +60,7 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-class StartFailed(Exception):
+class StartFailed(KeelError):
     """A child exited, or did not show it was ready in time, while the stack started."""
 
 

@@ -146,46 +146,50 @@ def only_demo_here(home: Path) -> Iterator[None]:
         yield
 
 
-class Stopped(Exception):
-    """A termination signal reached the demo: unwind, stopping what it started."""
+class Shutdown:
+    """Stops the demo on SIGTERM (a process manager), SIGHUP (the terminal closed) or SIGQUIT: the handler itself
+    stops the worker and beat (each group SIGTERM, then SIGKILL) and exits 128 + the signal's number. It does not
+    raise into whatever the main thread was doing: an exception in the middle of a database call leaves the
+    connection unusable for the clean-up. (A SIGKILL cannot be handled: the children's parent-death signal covers
+    it.)"""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
+    def __init__(self) -> None:
+        self.stack: Stack | None = None
 
-@contextmanager
-def stopped_by_signals() -> Iterator[None]:
-    """Turn SIGTERM (a process manager), SIGHUP (the terminal closed) and SIGQUIT into :class:`Stopped`, once, so
-    the demo's ``finally`` stops its worker and beat (Ctrl-C is Python's KeyboardInterrupt already)."""
-    signals = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    @contextmanager
+    def installed(self) -> Iterator[Shutdown]:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
-    def stop(signum: int, _frame: object) -> None:
-        for sig in signals:  # a second signal must not interrupt the clean-up the first one started
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        for sig in self.SIGNALS:  # a second signal must not interrupt this clean-up
             signal.signal(sig, signal.SIG_IGN)
-        raise Stopped(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if self.stack is not None:
+            self.stack.stop()
+        name = signal.Signals(signum).name
+        message = f"\nkeel demo: stopped by {name}; its worker and beat were stopped\n"
+        try:
+            cursor = "\x1b[?25h" if sys.stdout.isatty() else ""  # a live display hid it
+            os.write(sys.stdout.fileno(), (cursor + message).encode())
+        except (OSError, ValueError):  # the terminal is gone (SIGHUP)
+            pass
+        os._exit(128 + signum)
 
 
 def run_demo(settings: Settings, out: Progress | None = None) -> int:
     """Run the demo, showing its progress on ``out`` (live on a terminal, plain lines elsewhere); 0 if every
-    invariant held, 128 + the signal's number if a termination signal stopped it (after stopping what it started)."""
-    progress = out or Progress()
-    try:
-        with stopped_by_signals(), only_demo_here(settings.home):
-            return _run_demo(settings, progress)
-    except Stopped as exc:
-        progress.line(f"keel demo: stopped by {exc}; its worker and beat were stopped")
-        return 128 + exc.signum
+    invariant held. A termination signal stops what it started and exits 128 + its number (:class:`Shutdown`)."""
+    with Shutdown().installed() as shutdown, only_demo_here(settings.home):
+        return _run_demo(settings, out or Progress(), shutdown)
 
 
-def _run_demo(settings: Settings, out: Progress) -> int:
+def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown) -> int:
     started = time.monotonic()
     where = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
     out.line(f"Keel demo on {where}")
@@ -222,7 +226,7 @@ def _run_demo(settings: Settings, out: Progress) -> int:
             "KEEL_RETRY_POLICY": json.dumps({"transient": {"base_seconds": 0.3, "max_seconds": 2}}),
         }
     )
-    stack = Stack(env, logs)
+    stack = shutdown.stack = Stack(env, logs)
     client = Client(db, settings)
     checks = Checks()
     run = uuid.uuid4().hex[:6]
