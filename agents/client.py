@@ -33,9 +33,9 @@ from agents.runtime import tools
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs, request_jobs
-from models.schemas import AgentPage, AgentRow, AgentState, JobView, JournalEvent, NewAgent
+from models.schemas import AgentPage, AgentRow, AgentState, DeletedAgent, JobView, JournalEvent, NewAgent
 from models.settings import Settings, check_imports
-from models.tables import agents
+from models.tables import agents, deleted_agents
 
 AgentRef = UUID | str
 Publisher = Callable[[Sequence[Due]], None]
@@ -85,8 +85,38 @@ class Client:
         with core.store_errors(), self.db.engine.connect() as conn:
             found = conn.execute(query).first()
         if found is None:
-            raise AgentNotFound(agent)
+            gone = self._tombstones(agent)
+            raise AgentNotFound(agent, deleted=gone[0] if gone else None)
         return AgentRow(**found._mapping)
+
+    def _tombstones(self, agent: AgentRef) -> list[DeletedAgent]:
+        """The deleted agents with this id, or this name (most recently deleted first)."""
+        agent_id = _as_uuid(agent)
+        query = select(deleted_agents.c.agent_id.label("id"), *(c for c in deleted_agents.c if c.name != "agent_id"))
+        if agent_id is not None:
+            query = query.where(deleted_agents.c.agent_id == agent_id)
+        else:
+            query = query.where(deleted_agents.c.name == agent)
+        query = query.order_by(deleted_agents.c.deleted_at.desc())
+        with core.store_errors(), self.db.engine.connect() as conn:
+            return [DeletedAgent(**r._mapping) for r in conn.execute(query)]
+
+    def _chain_id(self, agent: AgentRef) -> UUID:
+        """The agent whose journal to read: a live agent by id or name (a live one wins over deleted ones of the
+        same name), else a deleted one by id, or by name if only one deleted agent had it."""
+        try:
+            return self._row(agent).id
+        except AgentNotFound as exc:
+            if exc.deleted is None:
+                raise
+            if _as_uuid(agent) is None:
+                gone = self._tombstones(agent)
+                if len(gone) > 1:
+                    ids = ", ".join(str(t.id) for t in gone)
+                    raise InvalidInput(
+                        f"{len(gone)} deleted agents were named {agent!r}: give the id of the one you mean ({ids})"
+                    ) from None
+            return exc.deleted.id
 
     def get_state(self, agent: AgentRef) -> AgentState:
         """The agent's current state, by id or name, with its pending jobs."""
@@ -146,7 +176,7 @@ class Client:
         """Journal events, oldest first, for an agent and/or a request."""
         if limit is not None:
             check_count("limit", limit, low=1)
-        resolved = None if agent_id is None else self._row(agent_id).id
+        resolved = None if agent_id is None else self._chain_id(agent_id)
         with core.store_errors():
             return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
 
@@ -155,7 +185,7 @@ class Client:
     ) -> Iterator[JournalEvent]:
         """Every journal event (of an agent and/or a request), oldest first, then each new one as it commits:
         read by each agent's chain position, so none is skipped or repeated. Runs until the caller stops."""
-        resolved = None if agent_id is None else self._row(agent_id).id
+        resolved = None if agent_id is None else self._chain_id(agent_id)
         seen: dict[UUID, int] = {}
         while True:
             batch = self.journal_after(seen, agent_id=resolved, request_id=request_id)
@@ -170,18 +200,23 @@ class Client:
         self, seen: Mapping[UUID, int], *, agent_id: AgentRef | None = None, request_id: str | None = None
     ) -> list[JournalEvent]:
         """One read of :meth:`follow_journal`: the events committed past ``seen`` (agent id -> last seq read)."""
-        resolved = None if agent_id is None else self._row(agent_id).id
+        resolved = None if agent_id is None else self._chain_id(agent_id)
         with core.store_errors():
             return journal_mod.events_after(self.db, seen, agent_id=resolved, request_id=request_id)
 
     def agent_names(self, ids: Iterable[UUID]) -> dict[UUID, str]:
-        """The names of these agents (archived ones included)."""
+        """The names of these agents (archived ones included; a deleted one as ``NAME (deleted)``)."""
         wanted = list(set(ids))
         if not wanted:
             return {}
+        gone = deleted_agents.c
         with core.store_errors(), self.db.engine.connect() as conn:
+            names = {
+                r.id: f"{r.name} (deleted)"
+                for r in conn.execute(select(gone.agent_id.label("id"), gone.name).where(gone.agent_id.in_(wanted)))
+            }
             rows = conn.execute(select(agents.c.id, agents.c.name).where(agents.c.id.in_(wanted)))
-            return {r.id: r.name for r in rows}
+            return names | {r.id: r.name for r in rows}
 
     def archive(self, agent_id: AgentRef, *, actor: str) -> AgentState:
         """Archive a resting agent: it refuses new requests and ``list_agents`` leaves it out; its row and journal
@@ -194,6 +229,28 @@ class Client:
         """Put an archived agent back in use."""
         _check_actor(actor)
         return self._state(core.set_archived(self.db, self._row(agent_id).id, archived=False, actor=actor))
+
+    def delete_agent(
+        self,
+        agent: AgentRef,
+        *,
+        actor: str,
+        expected_revision: int | None = None,
+        reason: str | None = None,
+    ) -> DeletedAgent:
+        """Delete an archived agent at rest (archive it first): its row and schedules go and its name is free for a
+        new agent; its journal (ending in an ``operator``/``delete`` event), requests, jobs and outbox messages stay,
+        and its request ids stay its own. Afterwards it is :class:`AgentNotFound` (saying when and by whom it was
+        deleted), ``journal(agent_id=its id)`` still reads its history and ``keel audit verify`` still checks it.
+        Refused (journaled, nothing else changes): a stale ``expected_revision`` (``StaleRevision``), an agent not
+        archived or not at rest (``AgentInUse``). Returns the agent's tombstone."""
+        _check_actor(actor)
+        _check_reason(reason)
+        if expected_revision is not None:
+            check_count("expected_revision", expected_revision)
+        return core.delete_agent(
+            self.db, self._row(agent).id, actor=actor, reason=reason, expected_revision=expected_revision
+        )
 
     # --- commands ---------------------------------------------------------------------------------------------
 

@@ -14,9 +14,10 @@ from models.db import Database
 DEMO_PREFIX = "demo-"
 
 # Every figure can be narrowed to some agents (%(ids)s; NULL: all of them), leaving out those whose name starts
-# with %(skip)s (NULL: none).
+# with %(skip)s (NULL: none). Deleted agents' work counts too: their jobs, events and deliveries are kept.
 _KPIS = """
-WITH mine_agents AS (SELECT id FROM agents WHERE (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
+WITH all_agents AS (SELECT id, name FROM agents UNION ALL SELECT agent_id, name FROM audit.deleted_agents),
+     mine_agents AS (SELECT id FROM all_agents WHERE (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
                      AND (%(skip)s::text IS NULL OR NOT starts_with(name, %(skip)s::text))),
      mine_jobs AS (SELECT * FROM jobs WHERE agent_id IN (SELECT id FROM mine_agents)),
      mine_events AS (SELECT * FROM audit.journal WHERE agent_id IN (SELECT id FROM mine_agents)),

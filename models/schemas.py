@@ -109,6 +109,24 @@ class AgentState(BaseModel):
         )
 
 
+class DeletedAgent(BaseModel):
+    """A deleted agent's tombstone: the agent as it was when deleted (archived, at rest), who deleted it and when,
+    and the head of its journal chain — its ``operator``/``delete`` event. Its journal, requests and jobs are kept."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: UUID
+    name: str
+    created_at: datetime
+    deleted_at: datetime
+    deleted_by: str
+    phase: str
+    revision: int
+    request_id: str | None
+    journal_seq: int
+    journal_head: str
+
+
 class AgentPage(BaseModel):
     """One page of ``list_agents``, newest first; ``next`` is the cursor of the following page (None: the last)."""
 

@@ -14,7 +14,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from models.schemas import AgentRow, Submitted
+from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
     "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
@@ -92,7 +92,12 @@ _CLAIM_REQUEST = (
     "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at) VALUES (%s, %s, %s, %s, %s)"
     " ON CONFLICT (request_id) DO NOTHING RETURNING agent_id"
 )
-_REQUEST_OWNER = "SELECT r.agent_id, a.name FROM requests r JOIN agents a ON a.id = r.agent_id WHERE r.request_id = %s"
+# A request id stays its agent's forever, a deleted agent's too (named "NAME (deleted)").
+_REQUEST_OWNER = (
+    "SELECT r.agent_id, coalesce(a.name, d.name || ' (deleted)', r.agent_id::text) AS name FROM requests r"
+    " LEFT JOIN agents a ON a.id = r.agent_id LEFT JOIN audit.deleted_agents d ON d.agent_id = r.agent_id"
+    " WHERE r.request_id = %s"
+)
 # A request as it was first submitted: its input and the details of the submit's journal event (the job it scheduled,
 # the deadlines as given). Read only when a request id is submitted again.
 _REQUEST_AS_SUBMITTED = (
@@ -200,3 +205,44 @@ def set_archived_txn(cur: psycopg.Cursor[Any], event: NewEvent, archived_at: dat
     moved on behind the lock."""
     cur.execute(_SET_ARCHIVED, (*event.params(), archived_at, event.seq, event.hash, event.agent_id, event.seq - 1))
     return cur.rowcount == 1
+
+
+_TOMBSTONE_COLUMNS = "name, created_at, deleted_at, deleted_by, phase, revision, request_id, journal_seq, journal_head"
+#: A deleted agent's tombstone, mapped by name onto :class:`~models.schemas.DeletedAgent`.
+DELETED_AGENT_COLUMNS = f"agent_id AS id, {_TOMBSTONE_COLUMNS}"
+_INSERT_TOMBSTONE = (
+    f"INSERT INTO audit.deleted_agents (agent_id, {_TOMBSTONE_COLUMNS}) VALUES ({', '.join(['%s'] * 10)})"
+)
+_AGENT_SCHEDULES = "SELECT name FROM schedules WHERE agent_id = %s ORDER BY name"
+# The database accepts the row's deletion only with the tombstone that carries its head (triggers, migration 0006).
+_DELETE_AGENT = "DELETE FROM agents WHERE id = %s AND journal_seq = %s AND journal_head = %s"
+
+
+def agent_schedules_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> list[str]:
+    """The names of the agent's schedules."""
+    cur.execute(_AGENT_SCHEDULES, (agent_id,))
+    return [r[0] for r in cur.fetchall()]
+
+
+def delete_agent_txn(cur: psycopg.Cursor[Any], tombstone: DeletedAgent) -> bool:
+    """Write the agent's tombstone (its head is the agent's delete event, already appended), remove its schedules and
+    its row; False if the row's chain moved on behind the lock (the caller must not commit)."""
+    t = tombstone
+    cur.execute(
+        _INSERT_TOMBSTONE,
+        (
+            t.id, t.name, t.created_at, t.deleted_at, t.deleted_by, t.phase, t.revision, t.request_id,
+            t.journal_seq, t.journal_head,
+        ),
+    )  # fmt: skip
+    cur.execute("DELETE FROM schedules WHERE agent_id = %s", (t.id,))
+    cur.execute(_DELETE_AGENT, (t.id, t.journal_seq, t.journal_head))
+    return cur.rowcount == 1
+
+
+def deleted_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> DeletedAgent | None:
+    """The tombstone of agent ``agent_id``, if it was deleted."""
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        named.execute(f"SELECT {DELETED_AGENT_COLUMNS} FROM audit.deleted_agents WHERE agent_id = %s", (agent_id,))
+        row = named.fetchone()
+    return None if row is None else DeletedAgent(**row)

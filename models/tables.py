@@ -96,12 +96,17 @@ agents = Table(
     Index("ix_agents_listing", "created_at", "id"),  # newest first, keyset-paginated (scanned backwards)
 )
 
-# One row per request ever submitted: a request id belongs to one agent, forever.
+#: Tables whose rows outlive a deleted agent (its story: the journal, and what its requests did). Instead of a
+#: foreign key to ``agents``, a trigger (``keel_agent_exists``, migration 0006) refuses a row whose agent does not
+#: exist when it is written; ``schedules`` keeps its foreign key: an agent's schedules go with it.
+KEPT_AFTER_DELETE: tuple[str, ...] = ("requests", "audit.journal", "jobs", "outbox")
+
+# One row per request ever submitted: a request id belongs to one agent, forever (a deleted one's included).
 requests = Table(
     "requests",
     metadata,
     Column("request_id", Text, primary_key=True),
-    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False, index=True),
+    Column("agent_id", UUID(as_uuid=True), nullable=False, index=True),  # KEPT_AFTER_DELETE
     Column("input", JSONB, nullable=False),
     Column("actor", Text, nullable=False),
     Column("submitted_at", DateTime(timezone=True), nullable=False),
@@ -111,7 +116,7 @@ journal = Table(
     "journal",
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
-    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False),
+    Column("agent_id", UUID(as_uuid=True), nullable=False),  # KEPT_AFTER_DELETE
     Column("seq", BigInteger, nullable=False),
     Column("kind", Text, nullable=False),
     Column("event", Text, nullable=False),
@@ -133,6 +138,25 @@ journal = Table(
     schema=AUDIT_SCHEMA,
 )
 
+#: One tombstone per deleted agent, insert-only: the agent as it was deleted and the head of its journal chain (its
+#: ``operator``/``delete`` event), which `keel audit verify` checks the chain against. Written only together with the
+#: deletion, for an archived agent at rest (triggers, migration 0006).
+deleted_agents = Table(
+    "deleted_agents",
+    metadata,
+    Column("agent_id", UUID(as_uuid=True), primary_key=True),
+    Column("name", Text, nullable=False, index=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("deleted_at", DateTime(timezone=True), nullable=False),
+    Column("deleted_by", Text, nullable=False),
+    Column("phase", Text, nullable=False),
+    Column("revision", BigInteger, nullable=False),
+    Column("request_id", Text),
+    Column("journal_seq", BigInteger, nullable=False),
+    Column("journal_head", Text, nullable=False),
+    schema=AUDIT_SCHEMA,
+)
+
 #: Every claim of a job takes the next value: a worker holding an older token can no longer write the job.
 fencing_tokens = Sequence("job_fencing_token_seq", metadata=metadata)
 
@@ -140,7 +164,7 @@ jobs = Table(
     "jobs",
     metadata,
     Column("key", Text, primary_key=True),  # {request_id}:{operation}:{target}, also the Celery task id
-    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False),
+    Column("agent_id", UUID(as_uuid=True), nullable=False),  # KEPT_AFTER_DELETE
     Column("request_id", Text, nullable=False),
     Column("operation", Text, nullable=False),
     Column("target", Text, nullable=False),
@@ -203,7 +227,7 @@ outbox = Table(
     metadata,
     Column("key", Text, primary_key=True),  # {request_id}:{channel}:{target}; also the marker at the receiver
     Column("seq", BigInteger, Identity(always=True), nullable=False, unique=True),  # creation order
-    Column("agent_id", UUID(as_uuid=True), ForeignKey("agents.id"), nullable=False),
+    Column("agent_id", UUID(as_uuid=True), nullable=False),  # KEPT_AFTER_DELETE
     Column("request_id", Text, nullable=False),
     Column("channel", Text, nullable=False),
     Column("destination", Text, nullable=False),  # Slack channel; GitHub owner/repo#number

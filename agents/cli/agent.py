@@ -23,7 +23,7 @@ from agents.cli.common import (
     timestamp,
 )
 from agents.cli.watch import EXIT_TIMEOUT, wait_for_rest
-from agents.core.phases import Phase
+from agents.core.phases import RESTING, Phase
 
 
 def state_text(state: Any) -> str:
@@ -137,8 +137,8 @@ def agent_list(phases: tuple[str, ...], archived: bool, limit: int, cursor: str 
 def agent_archive(agent_ref: str, actor: str, as_json: bool) -> None:
     """Archive AGENT: it refuses new requests and `keel agent list` leaves it out; its journal stays, verifiable.
 
-    Only while it rests (idle, done or failed). Keel never deletes an agent: its row carries the head of its
-    journal chain, which is what makes the journal verifiable. `keel agent unarchive` puts it back in use."""
+    Only while it rests (idle, done or failed). `keel agent unarchive` puts it back in use; `keel agent delete`
+    removes an archived agent for good."""
     with open_client() as client:
         state = client.archive(agent_ref, actor=actor)
     emit(state, as_json, state_text(state))
@@ -154,6 +154,44 @@ def agent_unarchive(agent_ref: str, actor: str, as_json: bool) -> None:
     with open_client() as client:
         state = client.unarchive(agent_ref, actor=actor)
     emit(state, as_json, state_text(state))
+
+
+@agent.command("delete")
+@click.argument("agent_ref", metavar="AGENT")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (needed when stdin is not a terminal).")
+@click.option("--revision", type=click.IntRange(min=0), help="Expected revision (rejected if stale).")
+@click.option("--reason", help="Why (journaled).")
+@actor_option
+@json_option
+@friendly
+def agent_delete(
+    agent_ref: str, yes: bool, revision: int | None, reason: str | None, actor: str, as_json: bool
+) -> None:
+    """Delete an archived AGENT for good: its row and schedules go and its name is free again.
+
+    Archive it first (`keel agent archive`; only an agent at rest can be). Its journal is kept and still verified
+    (`keel journal --agent ID`), and its request ids stay its own. Asks for confirmation unless --yes."""
+    with open_client() as client:
+        state = client.get_state(agent_ref)
+        deletable = state.archived_at is not None and Phase(state.phase) in RESTING
+        if not yes and deletable:  # an agent Keel would refuse anyway is refused without asking first
+            if not sys.stdin.isatty():
+                raise click.UsageError(
+                    f"stdin is not a terminal, so nobody can confirm: add --yes to delete agent {state.name!r}"
+                )
+            if not click.confirm(
+                f"Delete agent {state.name!r} ({state.id}, {state.phase}, revision {state.revision})? Its row and"
+                " schedules go and its name is free again; its journal is kept"
+            ):
+                click.echo(f"keel: not deleted: agent {state.name!r} is as it was", err=True)
+                sys.exit(1)
+        tombstone = client.delete_agent(state.id, actor=actor, expected_revision=revision, reason=reason)
+    emit(
+        tombstone,
+        as_json,
+        f"deleted agent {tombstone.name!r} ({tombstone.id}) at {timestamp(tombstone.deleted_at)} by"
+        f" {tombstone.deleted_by}; its journal is kept: keel journal --agent {tombstone.id}",
+    )
 
 
 def _wait_options(fn: Callable[..., Any]) -> Callable[..., Any]:

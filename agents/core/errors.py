@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
 # The root is defined in models/ so that errors raised there share it too.
 from models.errors import KeelError as KeelError
+from models.schemas import DeletedAgent
 
 
 class InvalidInput(KeelError):
@@ -28,11 +29,20 @@ class UnknownOperation(InvalidInput):
 
 
 class AgentNotFound(KeelError):
-    """No agent has this id or name."""
+    """No agent has this id or name. ``deleted``: the tombstone of the agent that had it, if one was deleted."""
 
-    def __init__(self, agent: UUID | str) -> None:
+    def __init__(self, agent: UUID | str, *, deleted: DeletedAgent | None = None) -> None:
         self.agent = agent
-        super().__init__(f"no agent has the id or name {str(agent)!r}")
+        self.deleted = deleted
+        if deleted is None:
+            message = f"no agent has the id or name {str(agent)!r}"
+        else:
+            at = deleted.deleted_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            message = (
+                f"agent {deleted.name!r} was deleted at {at} by {deleted.deleted_by} (id {deleted.id});"
+                " its journal is kept"
+            )
+        super().__init__(message)
 
 
 class AgentExists(KeelError):
@@ -128,6 +138,26 @@ class AgentBusy(Rejected):
         super().__init__(
             f"agent {name!r} is {phase}: archive it when it rests (idle, done or failed), or cancel its request first"
         )
+
+
+class AgentInUse(Rejected):
+    """Only an archived agent at rest can be deleted: archive it first."""
+
+    def __init__(self, *, agent_id: UUID, name: str, phase: str, archived: bool, at_rest: bool) -> None:
+        self.agent_id = agent_id
+        self.name = name
+        self.phase = phase
+        self.archived = archived
+        if not at_rest:
+            message = (
+                f"agent {name!r} is {phase}: only an archived agent at rest (idle, done or failed) can be deleted:"
+                " cancel its request and archive it first"
+            )
+        elif not archived:
+            message = f"agent {name!r} is not archived: archive it first (it then takes no new requests)"
+        else:  # pragma: no cover - an agent at rest has no live jobs (coming to rest cancels them)
+            message = f"agent {name!r} still has live jobs: it can be deleted once they are over"
+        super().__init__(message)
 
 
 class InvalidDeadlines(Rejected):

@@ -1,7 +1,8 @@
 """The immutable journal: appending events to an agent's hash chain, reading them back, verifying the chains.
 
 Each event stores the hash of the agent's previous event (``prev_hash``) and its own hash over every field, so a
-changed, removed or reordered event breaks the chain at that point. The agent row stores the chain's head.
+changed, removed or reordered event breaks the chain at that point. The agent row stores the chain's head; a deleted
+agent's tombstone (``audit.deleted_agents``) stores its last one, the agent's delete event.
 """
 
 from __future__ import annotations
@@ -150,9 +151,12 @@ def events(
 # committed events a follower lacks: none skipped (a global id can commit out of order, a chain cannot), none twice.
 #: Events read per pass of a follower.
 FOLLOW_BATCH = 500
+# A deleted agent's head is its tombstone's, written with its delete event: a follower reads that event too.
 _FOLLOW = """
-WITH seen AS (SELECT * FROM unnest(%(ids)s::uuid[], %(seqs)s::bigint[]) AS s(agent_id, seq))
-SELECT j.* FROM agents a
+WITH seen AS (SELECT * FROM unnest(%(ids)s::uuid[], %(seqs)s::bigint[]) AS s(agent_id, seq)),
+     heads AS (SELECT id, journal_seq FROM agents
+               UNION ALL SELECT agent_id, journal_seq FROM audit.deleted_agents)
+SELECT j.* FROM heads a
 LEFT JOIN seen s ON s.agent_id = a.id
 JOIN audit.journal j ON j.agent_id = a.id AND j.seq > coalesce(s.seq, 0)
 WHERE a.journal_seq > coalesce(s.seq, 0) AND (%(agent)s::uuid IS NULL OR a.id = %(agent)s::uuid)
@@ -228,17 +232,41 @@ class _Head:
     revision: int
     phase: str
     request_id: str | None
+    deleted: bool  # the head is a deleted agent's tombstone: its chain must end with its delete event
+
+
+# Every chain's head: an agent row's, or a deleted agent's tombstone's.
+_HEADS = (
+    "SELECT id AS agent_id, journal_seq AS seq, journal_head AS hash, revision, phase, request_id, false AS deleted"
+    " FROM agents UNION ALL"
+    " SELECT agent_id, journal_seq, journal_head, revision, phase, request_id, true FROM audit.deleted_agents"
+    " ORDER BY agent_id"
+)
+# Events of an agent that has neither a row nor a tombstone: removed behind Keel's back, head and all.
+_HEADLESS = (
+    "SELECT j.agent_id, min(j.seq) AS seq, min(j.id) AS id FROM audit.journal j"
+    " WHERE NOT EXISTS (SELECT 1 FROM agents a WHERE a.id = j.agent_id)"
+    " AND NOT EXISTS (SELECT 1 FROM audit.deleted_agents d WHERE d.agent_id = j.agent_id)"
+    " GROUP BY j.agent_id ORDER BY j.agent_id"
+)
+
+
+def _is_delete(fields: dict[str, Any]) -> bool:
+    return bool(fields["kind"] == "operator" and fields["event"] == "delete")
 
 
 def _first_break(rows: Iterator[dict[str, Any]], head: _Head) -> tuple[int, ChainBreak | None]:
     agent_id = head.agent_id
     expected_prev, expected_seq, count = GENESIS_HASH, 1, 0
     state: tuple[int, str | None, str | None] = (0, "idle", None)  # revision, phase, request as the journal tells
+    deleted_at = 0  # the seq of the agent's delete event: nothing may follow it
     for row in rows:
         count += 1
         jid, digest = row["id"], row["hash"]
         fields = {name: row[name] for name in _HASHED}
         seq = fields["seq"]
+        if deleted_at:
+            return count, ChainBreak(agent_id, seq, jid, f"event {seq} follows the agent's delete event {deleted_at}")
         if seq != expected_seq:
             return count, ChainBreak(agent_id, expected_seq, jid, f"event {expected_seq} is missing (found {seq})")
         if fields["prev_hash"] != expected_prev:
@@ -247,6 +275,8 @@ def _first_break(rows: Iterator[dict[str, Any]], head: _Head) -> tuple[int, Chai
             return count, ChainBreak(agent_id, seq, jid, "the event's content does not match its hash")
         if fields["kind"] == "transition":
             state = (fields["revision"], fields["to_phase"], fields["request_id"])
+        if _is_delete(fields):
+            deleted_at = seq
         expected_prev, expected_seq = digest, seq + 1
     last = expected_seq - 1
     if last < head.seq:
@@ -256,6 +286,12 @@ def _first_break(rows: Iterator[dict[str, Any]], head: _Head) -> tuple[int, Chai
         return count, ChainBreak(agent_id, expected_seq, None, reason)
     if last > head.seq or expected_prev != head.hash:
         return count, ChainBreak(agent_id, last, None, "the agent's head does not match its last event")
+    if head.deleted and not deleted_at:
+        reason = f"the agent was deleted (its tombstone's head is event {head.seq}) but that is not its delete event"
+        return count, ChainBreak(agent_id, last, None, reason)
+    if deleted_at and not head.deleted:
+        reason = f"event {deleted_at} deleted the agent, but its row is still there and it has no tombstone"
+        return count, ChainBreak(agent_id, last, None, reason)
     if state != (head.revision, head.phase, head.request_id):
         reason = (
             f"the agent row says revision {head.revision} ({head.phase}, request {head.request_id}) but its last"
@@ -266,7 +302,8 @@ def _first_break(rows: Iterator[dict[str, Any]], head: _Head) -> tuple[int, Chai
 
 
 def verify(db: Database) -> VerifyReport:
-    """Walk every agent's chain from genesis to its head; report the first broken link of each broken chain.
+    """Walk every agent's chain from genesis to its head (a deleted agent's: to its tombstone's, which must be its
+    delete event); report the first broken link of each broken chain, and chains that have no head at all.
 
     Heads and chains are read in one snapshot, so transitions committing meanwhile cannot look like tampering.
     """
@@ -278,10 +315,7 @@ def verify(db: Database) -> VerifyReport:
         raw.read_only = True
         try:
             with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
-                heads_cur.execute(
-                    "SELECT id AS agent_id, journal_seq AS seq, journal_head AS hash, revision, phase, request_id"
-                    " FROM agents ORDER BY id"
-                )
+                heads_cur.execute(_HEADS)
                 heads = heads_cur.fetchall()
             for head in heads:
                 with raw.cursor(row_factory=dict_row) as cur:
@@ -290,6 +324,11 @@ def verify(db: Database) -> VerifyReport:
                 total += count
                 if broken is not None:
                     breaks.append(broken)
+            with raw.cursor(row_factory=dict_row) as cur:
+                cur.execute(_HEADLESS)
+                for row in cur:
+                    reason = "the agent has neither a row nor a tombstone: it was removed without keel agent delete"
+                    breaks.append(ChainBreak(row["agent_id"], row["seq"], row["id"], reason))
         finally:
             raw.rollback()
             raw.isolation_level = None

@@ -34,11 +34,14 @@ from agents.core.commands import (
 from agents.core.errors import (
     AgentBusy,
     AgentExists,
+    AgentInUse,
     AgentNotFound,
     FencedOff,
     InvalidInput,
     LostUpdate,
+    Rejected,
     RequestConflict,
+    StaleRevision,
     StoreError,
 )
 from agents.core.keys import make_key
@@ -56,9 +59,12 @@ from models.jobs_sql import (
     retry_txn,
 )
 from models.outbox_sql import NewMessage, insert_messages_txn
-from models.schemas import AgentRow
+from models.schemas import AgentRow, DeletedAgent
 from models.sql import (
+    agent_schedules_txn,
     claim_request_txn,
+    delete_agent_txn,
+    deleted_agent_txn,
     insert_agent_txn,
     lock_agent_txn,
     request_as_submitted_txn,
@@ -138,7 +144,7 @@ def set_archived(db: Database, agent_id: UUID, *, archived: bool, actor: str) ->
     with store_errors(), db.transaction() as cur:
         locked = lock_agent_txn(cur, agent_id)
         if locked is None:
-            raise AgentNotFound(agent_id)
+            raise _missing(cur, agent_id)
         row, at = locked.row, locked.at
         if (row.archived_at is not None) == archived:
             return row
@@ -173,6 +179,71 @@ def set_archived(db: Database, agent_id: UUID, *, archived: bool, actor: str) ->
     return row
 
 
+def delete_agent(
+    db: Database, agent_id: UUID, *, actor: str, reason: str | None = None, expected_revision: int | None = None
+) -> DeletedAgent:
+    """Delete an archived agent at rest: its row and schedules go (its name is free again), its journal, requests,
+    jobs and outbox messages stay. The last event of its chain is an ``operator``/``delete`` event, and its tombstone
+    (``audit.deleted_agents``) keeps the chain's head, so ``keel audit verify`` goes on checking it; the agent is then
+    :class:`AgentNotFound`, which says when and by whom it was deleted.
+
+    A stale ``expected_revision`` (:class:`StaleRevision`), an agent that is not archived or not at rest
+    (:class:`AgentInUse`) is refused, journaled as ``rejected``, and nothing else changes."""
+    with store_errors(), db.transaction() as cur:
+        locked = lock_agent_txn(cur, agent_id)
+        if locked is None:
+            raise _missing(cur, agent_id)
+        row, at = locked.row, locked.at
+        refused: Rejected | None = None
+        if expected_revision is not None and expected_revision != row.revision:
+            refused = StaleRevision(agent_id=row.id, name=row.name, expected=expected_revision, current=row.revision)
+            decision = "stale_revision"
+        elif row.archived_at is None or Phase(row.phase) not in RESTING or locked.live_jobs:
+            at_rest = Phase(row.phase) in RESTING and not locked.live_jobs
+            refused = AgentInUse(
+                agent_id=row.id, name=row.name, phase=row.phase, archived=row.archived_at is not None, at_rest=at_rest
+            )
+            decision = "agent_in_use"
+        details: dict[str, Any] = {} if reason is None else {"reason": reason}
+        if refused is not None:
+            details["error"] = str(refused)
+            if expected_revision is not None:
+                details["expected_revision"] = expected_revision
+            journal.append_side_event_txn(
+                cur, row, kind="rejected", event="delete", actor=actor, decision=decision, details=details, at=at
+            )
+        else:
+            schedules = agent_schedules_txn(cur, row.id)
+            details["name"] = row.name
+            if schedules:
+                details["schedules_removed"] = schedules
+            link = journal.append_side_event_txn(
+                cur, row, kind="operator", event="delete", actor=actor, decision="deleted", details=details, at=at
+            )
+            tombstone = DeletedAgent(
+                id=row.id,
+                name=row.name,
+                created_at=row.created_at,
+                deleted_at=at,
+                deleted_by=actor,
+                phase=row.phase,
+                revision=row.revision,
+                request_id=row.request_id,
+                journal_seq=link.seq,
+                journal_head=link.hash,
+            )
+            if not delete_agent_txn(cur, tombstone):
+                raise LostUpdate(f"agent {row.id}'s journal chain is no longer at event {link.seq}")
+    if refused is not None:
+        raise refused  # after the commit: the refusal is on record
+    return tombstone
+
+
+def _missing(cur: psycopg.Cursor[Any], agent_id: UUID) -> AgentNotFound:
+    """The error for an agent id with no row: saying when and by whom it was deleted, if it was."""
+    return AgentNotFound(agent_id, deleted=deleted_agent_txn(cur, agent_id))
+
+
 def transition(
     db: Database,
     command: Command,
@@ -196,7 +267,7 @@ def transition(
         with db.transaction() as cur:
             locked = lock_agent_txn(cur, command.agent_id)
             if locked is None:
-                raise AgentNotFound(command.agent_id)
+                raise _missing(cur, command.agent_id)
             # The database's clock, read after the lock: along a chain time never goes back, and every host agrees.
             row, live_jobs, at = locked.row, locked.live_jobs, locked.at
             command = _joined(command, row, live_jobs)
@@ -414,7 +485,7 @@ def record_side_event(
     with store_errors(), db.transaction() as cur:
         locked = lock_agent_txn(cur, agent_id)
         if locked is None:
-            raise AgentNotFound(agent_id)
+            raise _missing(cur, agent_id)
         if effects is not None:
             effects(cur)
         journal.append_side_event_txn(
@@ -437,7 +508,7 @@ def _journal_rejection(db: Database, command: Command, decision: Reject, judged:
         details["differs"] = list(decision.error.differs)
     with db.transaction() as cur:
         locked = lock_agent_txn(cur, command.agent_id)
-        if locked is None:  # pragma: no cover - agents are never deleted
+        if locked is None:  # pragma: no cover - deleted meanwhile: its chain is closed, and it refused the command
             return
         journal.append_side_event_txn(
             cur,

@@ -24,6 +24,7 @@ import sqlalchemy.exc
 from agents.core import transition as core
 from agents.core.commands import Command, JobOutcome, Usage, check_json_text
 from agents.core.errors import (
+    AgentNotFound,
     FencedOff,
     HardDeadlinePassed,
     IllegalTransition,
@@ -195,16 +196,20 @@ class Runner:
             return RunOutcome(key, "missing")
         if not isinstance(claimed, ClaimedJob):
             reason = "duplicate_delivery" if claimed.status != "pending" else "not_due_yet"
-            core.record_side_event(
-                self.db,
-                claimed.agent_id,
-                kind="suppressed",
-                event="run_job",
-                actor=self.actor,
-                decision=reason,
-                details={"job": key, "status": claimed.status},
-                effects=lambda cur: count_suppressed_txn(cur, key),
-            )
+            try:
+                core.record_side_event(
+                    self.db,
+                    claimed.agent_id,
+                    kind="suppressed",
+                    event="run_job",
+                    actor=self.actor,
+                    decision=reason,
+                    details={"job": key, "status": claimed.status},
+                    effects=lambda cur: count_suppressed_txn(cur, key),
+                )
+            except AgentNotFound as exc:  # a late copy of a deleted agent's finished job: its chain is closed
+                log.info("job %s: %s; message dropped", key, exc)
+                return RunOutcome(key, "suppressed", f"{reason}: job is {claimed.status}, its agent was deleted")
             return RunOutcome(key, "suppressed", f"{reason}: job is {claimed.status}")
         job = claimed
         lost = threading.Event()

@@ -63,6 +63,13 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "jobs_guard",
         "delivery_log_no_update_delete",
         "delivery_log_no_truncate",
+        "agents_delete_guard",
+        "agents_no_truncate",
+        "deleted_agents_checked",
+        "deleted_agents_with_deletion",
+        "deleted_agents_no_update_delete",
+        "deleted_agents_no_truncate",
+        *(f"{table}_agent_exists" for table in ("journal", "requests", "jobs", "outbox")),
     }
     migrations.upgrade(empty_db_url)
     first = _guards(empty_db_url)
