@@ -25,3 +25,21 @@ def utc(value: datetime) -> datetime:
     if value.tzinfo is None:
         raise ValueError("a naive datetime has no place on Keel's clock; give it a time zone")
     return value.astimezone(UTC)
+
+
+def rfc3339(at: datetime) -> str:
+    """``at`` in the one format Keel writes times in — journal details, error texts, log lines and command output:
+    RFC 3339 in UTC with microseconds and ``Z``, e.g. ``2026-11-30T18:22:01.123456Z``."""
+    if at.tzinfo is None:  # every stored time is timestamptz; a naive one would be a bug upstream
+        raise ValueError(f"naive datetime {at!r} has no time zone")
+    return at.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+
+def parse_time(text: str) -> datetime | None:
+    """The instant ``text`` names, if it is a time with a zone in any ISO 8601 / RFC 3339 spelling Keel has
+    written (``…Z``, ``…+00:00``, a space for the ``T``); None for anything else."""
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return None if at.tzinfo is None else at.astimezone(UTC)

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import redis.exceptions
 from celery import Celery
 from celery.signals import after_setup_logger
 from kombu import Queue  # type: ignore[attr-defined]
+from kombu.exceptions import OperationalError as BrokerError
 
 from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from models.embedded import broker_url_for
@@ -112,6 +114,25 @@ def publish(due: Sequence[Due], celery: Celery | None = None) -> None:
             celery.amqp.queues[name](producer.channel).declare()
         for job in due:
             celery.send_task(RUN_JOB, args=(job.key,), task_id=job.key, queue=job.queue, producer=producer)
+
+
+#: What kombu and redis-py raise when Redis cannot be reached.
+BROKER_ERRORS = (BrokerError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def broker_error(exc: BaseException | None) -> BaseException | None:
+    """The error in ``exc``'s chain that says Redis could not be reached (kombu gives up after its own retries),
+    also when Celery wrapped it (beat's ``SchedulingError``: "Couldn't apply scheduled task …"); else None."""
+    for _ in range(10):
+        if exc is None or isinstance(exc, BROKER_ERRORS):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def is_broker_outage(exc: BaseException | None) -> bool:
+    """Whether ``exc`` means Redis could not be reached: see :func:`broker_error`."""
+    return broker_error(exc) is not None
 
 
 def publisher(celery: Celery | None = None) -> Any:

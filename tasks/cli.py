@@ -65,8 +65,11 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     from tasks.app import app
 
     processes = concurrency or settings.worker_concurrency
+    # Gossip (worker-to-worker events) is not needed: revokes travel as broadcasts, Flower reads task events. And
+    # Celery's gossip step logs a traceback at every lost broker connection (it cleans up a connection it closed).
+    without = ["--without-mingle", "--without-gossip"]
     app.worker_main(
-        ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, "-E", "--without-mingle"]
+        ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, "-E", *without]
     )
 
 

@@ -22,10 +22,8 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-import redis.exceptions
 from celery import Celery
-from celery.beat import Scheduler
-from kombu.exceptions import OperationalError as BrokerError
+from celery.beat import ScheduleEntry, Scheduler
 
 from agents.core.outage import Outage, is_outage
 from agents.core.transition import store_errors
@@ -33,9 +31,10 @@ from agents.jobs import deadlines, schedules
 from models.db import Database
 from models.jobs_sql import take_due
 from models.settings import Settings
-from tasks.app import publish
+from tasks.app import broker_error, is_broker_outage, publish
 
 log = logging.getLogger("keel.dispatcher")
+celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
 
 #: pg_advisory_lock key of the beat leader ("keel" in ASCII).
 LEADER_LOCK = 0x6B65656C
@@ -73,11 +72,6 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings) -> DispatchR
     if recovered:
         log.warning("recovered %d jobs whose worker died or whose message was lost", recovered)
     return DispatchReport(published, recovered, len(fired))
-
-
-def is_broker_outage(exc: BaseException) -> bool:
-    """Whether ``exc`` means Redis could not be reached (kombu gives up after its own retries)."""
-    return isinstance(exc, BrokerError | redis.exceptions.ConnectionError | redis.exceptions.TimeoutError)
 
 
 class Leadership:
@@ -158,7 +152,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         started = time.monotonic()
         try:
             report = dispatch_once(self.db, self.app, self.settings)
-            self.broker.recovered()
+            if report.published:  # (a pass that published nothing did not reach the broker: it says nothing of it)
+                self.broker.recovered()
             if report.published or report.fired:
                 log.info(
                     "dispatched %d jobs (%d recovered), fired %d schedules",
@@ -170,7 +165,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             if is_outage(exc):
                 return self.database.failed(exc)
             if is_broker_outage(exc):
-                return self.broker.failed(exc)
+                return self.broker.failed(broker_error(exc) or exc)
             log.exception("dispatch pass failed; retrying next tick")
         if started >= self._next_deadline_check:
             self._next_deadline_check = started + self.settings.deadline_check_seconds
@@ -190,8 +185,38 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                     return self.database.failed(exc)
                 log.exception("deadline pass failed; retrying next tick")
         spent = time.monotonic() - started
+        # Beat's producer connects the first time it is used. Here, not inside Celery's tick: that one has taken the
+        # due entry off its heap by then, and would lose it (the relay's pass, for good) if connecting failed.
+        try:
+            self.producer  # noqa: B018
+        except Exception as exc:
+            cause = broker_error(exc)
+            if cause is None:
+                raise
+            return self.broker.failed(cause)
         next_periodic: float = super().tick(*args, **kwargs)
         return max(0.01, min(next_periodic, interval - spent))
+
+    def _ensure_connected(self) -> Any:
+        """One attempt to connect. Celery retries here for as long as the broker is away, a line per retry, with
+        the whole beat (the dispatcher and deadline enforcement too) waiting inside; :meth:`tick` backs off."""
+        return self.connection.ensure_connection(max_retries=0)
+
+    def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        """Send a periodic task (the outbox relay's pass). Celery would log "Couldn't apply scheduled task" with a
+        traceback on every failed send, twice a second while Redis is away: an outage is one line going and one
+        coming back, and beat waits with backoff in between (the pass it missed is not owed: the next one does it)."""
+        celery_beat_log.info("Scheduler: Sending due task %s (%s)", entry.name, entry.task)
+        try:
+            self.apply_async(entry, producer=producer, advance=False)
+        except Exception as exc:
+            cause = broker_error(exc)
+            if cause is None:
+                log.exception("periodic task %s could not be sent", entry.name)
+            else:
+                self.broker.failed(cause)
+            return
+        self.broker.recovered()
 
     def close(self) -> None:
         self.leadership.release()

@@ -24,7 +24,7 @@ from agents.core.errors import KeelError, Rejected, StoreError
 from agents.core.outage import is_outage
 from agents.core.phases import Event
 from models.jobs_sql import job_row, unpublish
-from tasks.app import RUN_JOB, publish
+from tasks.app import RUN_JOB, broker_error, publish
 from tasks.logs import HandedBack
 from tasks.runtime import runtime
 
@@ -57,13 +57,20 @@ def run_job(self: Any, key: str) -> str:
     if outcome.to_publish:
         try:
             publish(outcome.to_publish, self.app)
-        except Exception:
+        except Exception as exc:
             # Committed but not published: back to pending, so the next dispatcher pass publishes them.
-            log.exception("job %s: publishing its next jobs failed; the dispatcher will publish them", key)
+            cause = broker_error(exc)
+            if cause is None:
+                log.exception("job %s: publishing its next jobs failed; the dispatcher will publish them", key)
+            else:  # Redis is away: said once per process (down, then back), not a traceback per finished step
+                rt.broker.failed(cause)
+                log.info("job %s: its next jobs go to the dispatcher (the broker cannot be reached)", key)
             try:
                 unpublish(rt.db, [d.key for d in outcome.to_publish])
             except Exception:  # they stay enqueued: re-published after KEEL_ENQUEUE_TIMEOUT_SECONDS
                 log.exception("job %s: could not hand its next jobs to the dispatcher", key)
+        else:
+            rt.broker.recovered()
     log.info("job %s: %s %s", key, outcome.status, outcome.detail)
     if outcome.end_process:
         # The handler left a thread running that nothing can stop (a tool past its timeout): its outcome is

@@ -6,7 +6,9 @@ bury the jobs' lines. Those three lines are logged at DEBUG for the housekeeping
 every other task keeps them at INFO. What a relay pass did (sent, retried, dead) is still logged at INFO.
 
 Likewise a job message handed back to the broker while the database is away (:class:`HandedBack`): Celery would log
-a traceback for each one, every few seconds for as long as the outage lasts; the outage itself is logged once.
+a traceback for each one, every few seconds for as long as the outage lasts; the outage itself is logged once. And
+Celery's warning, at every lost broker connection, that ``worker_cancel_long_running_tasks_on_connection_loss`` will
+default to True in Celery 6: Keel sets it to False on purpose (invariant 12), so the advice does not apply.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from celery.exceptions import Reject
 
 #: Where Celery logs those lines: "Task … received", "Task … succeeded", "Scheduler: Sending due task".
 CELERY_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
+#: Where Celery's warnings go (it turns on ``logging.captureWarnings``).
+WARNINGS_LOGGER = "py.warnings"
+#: The setting whose default-will-change warning Celery repeats at every lost broker connection.
+SETTLED = "worker_cancel_long_running_tasks_on_connection_loss"
 
 
 class HandedBack(Reject):  # type: ignore[misc]
@@ -36,11 +42,23 @@ class HousekeepingAtDebug(logging.Filter):
         handed_back = record.exc_info is not None and isinstance(record.exc_info[1], HandedBack)
         if not handed_back and (record.levelno != logging.INFO or _task_of(record) not in self.tasks):
             return True
-        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
-            return False
-        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
-        record.exc_info, record.exc_text = None, None
-        return True
+        return _at_debug(record)
+
+
+class SettledWarningAtDebug(logging.Filter):
+    """Turns Celery's warning about :data:`SETTLED` (a setting Keel sets) into a DEBUG line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return SETTLED not in record.getMessage() or _at_debug(record)
+
+
+def _at_debug(record: logging.LogRecord) -> bool:
+    """Make ``record`` a DEBUG line without a traceback; False (drop it) unless its logger shows DEBUG."""
+    if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+        return False
+    record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _task_of(record: logging.LogRecord) -> str | None:
@@ -54,10 +72,14 @@ def _task_of(record: logging.LogRecord) -> str | None:
 
 
 def quiet_housekeeping(tasks: Iterable[str]) -> None:
-    """Install the filter on Celery's loggers (once; later calls replace it)."""
+    """Install the filters on Celery's loggers and on its warnings' (once; later calls replace them)."""
     quiet = HousekeepingAtDebug(tasks)
     for name in CELERY_LOGGERS:
         logger = logging.getLogger(name)
         for old in [f for f in logger.filters if isinstance(f, HousekeepingAtDebug)]:
             logger.removeFilter(old)
         logger.addFilter(quiet)
+    warnings_logger = logging.getLogger(WARNINGS_LOGGER)
+    for stale in [f for f in warnings_logger.filters if isinstance(f, SettledWarningAtDebug)]:
+        warnings_logger.removeFilter(stale)
+    warnings_logger.addFilter(SettledWarningAtDebug())

@@ -26,6 +26,8 @@ class Runtime:
     #: The database as this process sees it: its jobs, lease keeper and relay passes report to this one, so an
     #: outage is one "database down" line and one "database back" line per process.
     outage: Outage
+    #: The broker as this process sees it when it publishes a step's next jobs: likewise one line each way.
+    broker: Outage
 
 
 @cache
@@ -37,6 +39,7 @@ def _runtime(pid: int) -> Runtime:
     registry: Registry = load(["agents.runtime.loop", *settings.imports])
     load_entry_points()
     outage = Outage("database", logging.getLogger("keel.worker"))
+    broker = Outage("broker", logging.getLogger("keel.worker"))
     runner = Runner(
         db,
         registry,
@@ -48,7 +51,7 @@ def _runtime(pid: int) -> Runtime:
         default_run_limit=settings.run_limit_seconds,
         outage=outage,
     )
-    return Runtime(settings, db, runner, outage)
+    return Runtime(settings, db, runner, outage, broker)
 
 
 def runtime() -> Runtime:

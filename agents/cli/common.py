@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from enum import Enum
 from functools import wraps
@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from agents.core.errors import KeelError
 from agents.core.redaction import register_settings
+from models.clock import rfc3339
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -81,9 +82,7 @@ def friendly(fn: Callable[P, R]) -> Callable[P, R]:
 
 def timestamp(at: datetime) -> str:
     """``at`` in the one format every ``keel`` output uses: RFC 3339, UTC, microseconds, ``Z``."""
-    if at.tzinfo is None:  # every stored time is timestamptz; a naive one would be a bug upstream
-        raise ValueError(f"naive datetime {at!r} has no time zone")
-    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return rfc3339(at)  # the journal's and the error texts' format too: one implementation
 
 
 def decimal_text(value: Decimal) -> str:

@@ -9,7 +9,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -26,6 +26,7 @@ from agents.core.errors import (
 )
 from agents.core.keys import check_request_id, make_key, split_key
 from agents.core.phases import COMMAND_EVENTS, Event, Phase, allowed_events, target_of
+from models.clock import parse_time, rfc3339
 from models.schemas import AgentRow, Submitted
 
 ACCEPTED = "accepted"
@@ -332,7 +333,7 @@ def decide(
         if soft is not None and hard is not None and soft > hard:
             return Reject(InvalidDeadlines("soft_deadline must not be after hard_deadline"), "invalid_deadlines")
         if hard is not None and hard <= now:
-            return Reject(InvalidDeadlines(f"hard_deadline {hard.isoformat()} has passed already"), "invalid_deadlines")
+            return Reject(InvalidDeadlines(f"hard_deadline {rfc3339(hard)} has passed already"), "invalid_deadlines")
         after = replace(
             after,
             request_id=command.request_id,
@@ -347,7 +348,16 @@ def as_given(deadline: datetime | timedelta | None) -> str | None:
     """A submit's deadline as the producer gave it, as text: an instant in UTC, or ``+N us`` from the submit."""
     if isinstance(deadline, timedelta):
         return f"+{deadline // timedelta(microseconds=1)}us"
-    return None if deadline is None else deadline.astimezone(UTC).isoformat()
+    return None if deadline is None else rfc3339(deadline)
+
+
+def _same_given(recorded: Any, given: str | None) -> bool:
+    """Whether a deadline recorded as given names the same as ``given``: the same instant, however the time was
+    spelled when it was journaled (events written before Keel had one time format keep theirs)."""
+    if recorded == given:
+        return True
+    before, now = (parse_time(v) if isinstance(v, str) else None for v in (recorded, given))
+    return before is not None and before == now
 
 
 def differences(submitted: Submitted, command: Command, input_json: str) -> list[str]:
@@ -363,7 +373,9 @@ def differences(submitted: Submitted, command: Command, input_json: str) -> list
         differs.append("operation")
     given = first.get("as_given")
     if isinstance(given, dict):
-        differs += [n for n in ("soft_deadline", "hard_deadline") if given.get(n) != as_given(getattr(command, n))]
+        for name in ("soft_deadline", "hard_deadline"):
+            if not _same_given(given.get(name), as_given(getattr(command, name))):
+                differs.append(name)
     return differs
 
 

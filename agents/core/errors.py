@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 # The root is defined in models/ so that errors raised there share it too.
+from models.clock import rfc3339
 from models.errors import KeelError as KeelError
 from models.schemas import DeletedAgent
 
@@ -37,7 +38,7 @@ class AgentNotFound(KeelError):
         if deleted is None:
             message = f"no agent has the id or name {str(agent)!r}"
         else:
-            at = deleted.deleted_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            at = rfc3339(deleted.deleted_at)
             message = (
                 f"agent {deleted.name!r} was deleted at {at} by {deleted.deleted_by} (id {deleted.id});"
                 " its journal is kept"
@@ -171,7 +172,7 @@ class HardDeadlinePassed(Rejected):
         self.agent_id = agent_id
         self.name = name
         self.hard_deadline = hard_deadline
-        super().__init__(f"agent {_agent(agent_id, name)}'s hard deadline {hard_deadline.isoformat()} has passed")
+        super().__init__(f"agent {_agent(agent_id, name)}'s hard deadline {rfc3339(hard_deadline)} has passed")
 
 
 class JobError(KeelError):

@@ -21,6 +21,7 @@ from sqlalchemy import select
 
 from agents.core.errors import LostUpdate
 from agents.core.redaction import redact_value
+from models.clock import rfc3339
 from models.db import Database
 from models.schemas import AgentRow, JournalEvent
 from models.sql import NewEvent, advance_chain_txn
@@ -28,8 +29,12 @@ from models.tables import GENESIS_HASH, journal
 
 
 def canonical_json(value: Mapping[str, Any]) -> str:
-    """The one JSON text of ``value`` that is hashed and stored."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    """The one JSON text of ``value`` that is hashed and stored; a time in it is written in Keel's one format."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_plain)
+
+
+def _plain(value: Any) -> str:
+    return rfc3339(value) if isinstance(value, datetime) else str(value)
 
 
 def event_hash(

@@ -48,6 +48,7 @@ from agents.core.keys import make_key
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
+from models.clock import rfc3339
 from models.db import Database
 from models.jobs_sql import (
     Due,
@@ -342,8 +343,8 @@ def _apply_txn(
     # the row is written last, carrying the new chain head.
     details: dict[str, Any] = dict(command.details)
     if command.event is Event.SUBMIT:
-        details["soft_deadline"] = after.soft_deadline
-        details["hard_deadline"] = after.hard_deadline
+        details["soft_deadline"] = None if after.soft_deadline is None else rfc3339(after.soft_deadline)
+        details["hard_deadline"] = None if after.hard_deadline is None else rfc3339(after.hard_deadline)
         # As the producer gave them (a relative deadline as such): a retry of the request must give the same.
         details["as_given"] = {name: as_given(getattr(command, name)) for name in ("soft_deadline", "hard_deadline")}
     if command.spend:

@@ -61,6 +61,10 @@ class JobResult:
     jobs: tuple[JobSpec, ...] = ()
     messages: tuple[MessageSpec, ...] = ()  # sent through the outbox once the result is recorded
     join: Join | None = None  # what to do instead of ``event`` if this was the agent's last live job
+    #: The journaled decision of the transition that records this result (None: ``accepted``), and facts for its
+    #: details: what went wrong in a step that still succeeded (a tool call the model has to correct).
+    decision: str | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The whole result as JSON: what a checkpoint stores so a replay commits exactly this, once."""
@@ -76,6 +80,8 @@ class JobResult:
             "join": None
             if self.join is None
             else {"event": self.join.event.value, "jobs": [_spec_json(s) for s in self.join.jobs]},
+            "decision": self.decision,
+            "details": dict(self.details),
         }
 
     @classmethod
@@ -88,6 +94,8 @@ class JobResult:
             jobs=tuple(_spec(s) for s in data.get("jobs") or ()),
             messages=tuple(MessageSpec(**m) for m in data.get("messages") or ()),
             join=None if join is None else Join(Event(join["event"]), tuple(_spec(s) for s in join.get("jobs") or ())),
+            decision=data.get("decision"),
+            details=dict(data.get("details") or {}),
         )
 
 

@@ -22,7 +22,7 @@ import psycopg
 import sqlalchemy.exc
 
 from agents.core import transition as core
-from agents.core.commands import Command, JobOutcome, Usage, check_json_text
+from agents.core.commands import ACCEPTED, Command, JobOutcome, Usage, check_json_text
 from agents.core.errors import (
     AgentNotFound,
     FencedOff,
@@ -417,7 +417,8 @@ class Runner:
             jobs=result.jobs,
             messages=result.messages,
             join=result.join,
-            details={"job": job.key, "attempt": job.attempts},
+            reason=result.decision or ACCEPTED,
+            details={**result.details, "job": job.key, "attempt": job.attempts},
             outcome=outcome,
         )
         try:

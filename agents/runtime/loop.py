@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agents.core.commands import JobSpec, Join
 from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
@@ -68,6 +68,9 @@ def provider_for(request_input: Any) -> Provider:
 
 
 class PlannedCall(ScriptedCall):
+    """A scripted tool call as a submit checks it: the tool exists, and its arguments fit the tool's argument model
+    (the error's path goes on into them: ``….arguments.channel``)."""
+
     @field_validator("name")
     @classmethod
     def _is_a_tool(cls, name: str) -> str:
@@ -75,6 +78,15 @@ class PlannedCall(ScriptedCall):
             known = ", ".join(sorted(registered())) or "none"
             raise ValueError(f"there is no tool named {name!r} (tools: {known})")
         return name
+
+    @field_validator("arguments")
+    @classmethod
+    def _fit_the_tool(cls, arguments: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        tool = by_name(info.data.get("name", ""))
+        if tool is not None:  # (an unknown name is reported on its own field)
+            # pydantic puts this model's errors under this field's path: ….tool_calls[0].arguments.channel
+            tool.input_model.model_validate(arguments)
+        return arguments
 
 
 class PlannedReply(ScriptEntry):
@@ -205,7 +217,8 @@ def run_tool(ctx: JobContext) -> JobResult:
     try:
         args = tool.validate(payload.get("arguments", {}))
     except InvalidJob as exc:  # the model can fix its own arguments: tell it, do not fail the request
-        return said(f"error: {exc}")
+        # ... and say so on the request's record, not only inside this step's result.
+        return said(f"error: {exc}", decision="tool_arguments_invalid", details={"tool_error": str(exc)})
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tool-{tool.name}")
     future = pool.submit(tool.fn, args, ToolContext(ctx.key, ctx.request_id, call_id))
     try:

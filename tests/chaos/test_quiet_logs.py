@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,3 +97,43 @@ def test_a_database_outage_is_one_line_going_and_one_coming_back(stack: Stack, c
         assert 1 <= worker.count("database down") <= 2, "one line per worker process that saw it"
     finally:
         proxy.down()
+
+
+def test_a_broker_outage_is_one_line_going_and_one_coming_back(
+    stack: Stack, client: Client, own_redis: dict[str, Any], tmp_path: Path
+) -> None:
+    """Redis stopped under a beat and a worker: before, beat wrote a traceback and a "Couldn't apply scheduled task
+    relay-outbox" error twice a second (116 tracebacks in 20 s), and a worker whose step finished meanwhile one for
+    its failed publish. Celery's own reconnect lines (one per retry) stay."""
+    stack.env["KEEL_BROKER_URL"] = own_redis["url"]  # a server of the test's own, to stop and start
+    stack.worker("w1", concurrency=1)
+    stack.beat()
+    agent = client.create_agent("stepper")
+    gate = tmp_path / "gate"
+    client.submit(agent.id, "req-1", {"gate": str(gate), "steps": 3}, operation="gated")
+    started = "SELECT 1 FROM executions WHERE key = 'req-1:gated:1' AND phase = 'start'"
+    wait_until("the first step to run", lambda: stack.query(started), 60)
+
+    own_redis["stop"]()
+    wait_until("the worker to lose the broker", lambda: "Connection to broker lost" in stack.log("w1"), 30)
+    gate.touch()  # the step finishes during the outage: publishing the next one fails, the dispatcher has it
+    wait_until("the step to be recorded", lambda: status(stack, "req-1:gated:1") == "succeeded", 30)
+    wait_until("the worker to say the broker is down", lambda: "broker down" in stack.log("w1"), 30)
+    wait_until("beat to say the broker is down", lambda: "broker down" in stack.log("beat"), 30)
+    time.sleep(4)  # the outage goes on: beat would send the relay task every half second
+    own_redis["start"]()
+
+    wait_until("the request to finish", lambda: client.get_state(agent.id).phase == "done", 90)
+    wait_until("beat to say the broker is back", lambda: "broker back" in stack.log("beat"), 30)
+    wait_until("the worker to say so", lambda: "broker back" in stack.log("w1"), 30)
+    beat, worker = stack.log("beat"), stack.log("w1")
+    assert "Traceback" not in beat and "Traceback" not in worker
+    assert "Couldn't apply scheduled task" not in beat
+    assert (beat.count("broker down"), beat.count("broker back")) == (1, 1), beat
+    assert re.search(r"broker down: \w+: .+; retrying with backoff", beat), beat
+    assert (worker.count("broker down"), worker.count("broker back")) == (1, 1), worker
+    assert "Error on restarting" not in worker and "CPendingDeprecationWarning" not in worker
+    # Beat's whole log after its banner: its start, the leader, the outage's two lines, the dispatcher's passes.
+    lines = [line for line in beat.splitlines() if line.startswith("[")]
+    others = [line for line in lines if not re.search(r"broker (down|back)|dispatched \d+ jobs", line)]
+    assert len(others) <= 2, "\n".join(others)

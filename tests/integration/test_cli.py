@@ -494,10 +494,21 @@ def test_a_run_script_that_does_not_fit_is_refused_in_one_line(db_url: str, tmp_
             "input.script[0].tool_calls[0].name: there is no tool named 'slack.post'"
             " (tools: github_comment, slack_post)",
         ),
+        (
+            [
+                {"tool_calls": [{"name": "slack_post", "arguments": {"channel": "#general", "text": "hi"}}]},
+                {"content": "ok"},
+            ],
+            "input of operation 'plan': input.script[0].tool_calls[0].arguments.channel: string should match pattern",
+        ),
+        (
+            [{"tool_calls": [{"name": "slack_post", "arguments": {"chan": 1}}]}, {"content": "ok"}],
+            "input.script[0].tool_calls[0].arguments.channel: is required (and 1 more)",
+        ),
     ]:
         path = tmp_path / "replies.json"
         path.write_text(json.dumps(script))
-        result = keel(db_url, "run", "helper", "Say hello", "--script", str(path), check=False)
+        result = keel(db_url, "run", "helper", "Say hello", "--script", str(path), "--wait", check=False)
         assert result.returncode == 1 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     state = json.loads(keel(db_url, "state", "helper", "--json").stdout)
     assert (state["phase"], state["revision"]) == ("idle", 0)

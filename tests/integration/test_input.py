@@ -82,6 +82,36 @@ BAD_INPUT: list[tuple[str, Any, str]] = [
         {"prompt": "hi", "script": [{"content": "x"}, {"tool_calls": [{"name": "slack.post"}]}]},
         "input.script[1].tool_calls[0].name: there is no tool named 'slack.post' (tools: ",
     ),
+    (
+        "a channel name, not an id",
+        {
+            "prompt": "hi",
+            "script": [{"tool_calls": [{"name": "slack_post", "arguments": {"channel": "#general", "text": "hi"}}]}],
+        },
+        "input.script[0].tool_calls[0].arguments.channel: string should match pattern '^[CGD][A-Z0-9]{1,20}$'",
+    ),
+    (
+        "arguments of another tool",
+        {
+            "prompt": "hi",
+            "script": [{"content": "x"}, {"tool_calls": [{"name": "slack_post", "arguments": {"chan": 1}}]}],
+        },
+        "input.script[1].tool_calls[0].arguments.channel: is required (and 1 more)",
+    ),
+    (
+        "a wrong type for an argument",
+        {
+            "prompt": "hi",
+            "script": [
+                {
+                    "tool_calls": [
+                        {"name": "github_comment", "arguments": {"repository": "a/b", "issue": "x", "body": "b"}}
+                    ]
+                }
+            ],
+        },
+        "input.script[0].tool_calls[0].arguments.issue: input should be a valid integer",
+    ),
 ]
 
 

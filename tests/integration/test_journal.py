@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -10,7 +13,7 @@ import pytest
 from agents.client import Client
 from agents.core import journal
 from agents.core.commands import Command
-from agents.core.errors import StaleRevision
+from agents.core.errors import HardDeadlinePassed, StaleRevision
 from agents.core.phases import Event
 from agents.core.transition import transition
 from models.db import Database
@@ -185,3 +188,57 @@ def test_verify_sees_no_tampering_while_agents_are_busy(client: Client, db: Data
             t.join()
     assert all(r.ok for r in reports), [b for r in reports for b in r.breaks][:3]
     assert reports[-1].events > reports[0].events, "the agents were not busy during the verifies"
+
+
+# --- one time format ---------------------------------------------------------------------------------------------
+
+RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+LOOKS_LIKE_A_TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d[^\s'\"]*")
+
+
+def _times_in(value: Any) -> list[str]:
+    """Every time written anywhere in ``value`` (a journal event's details), in free text too."""
+    if isinstance(value, str):
+        return LOOKS_LIKE_A_TIME.findall(value)
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _times_in(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in _times_in(v)]
+    return []
+
+
+def test_every_time_in_the_journal_and_in_errors_is_rfc3339_utc(client: Client, db: Database) -> None:
+    """Before: "2030-01-01T00:00:00+00:00" (as given), "2030-01-01 00:00:00+00:00" and
+    "2026-11-30 19:04:46.793085+00:00" (the deadlines) in one submit's details, isoformat() in the error text."""
+    bot = client.create_agent("dl-bot")
+    far = datetime(2030, 1, 1, tzinfo=UTC)
+    client.submit(bot.id, "r1", ASK, soft_deadline=timedelta(seconds=1), hard_deadline=far)
+    state = client.get_state(bot.id)
+    (submit,) = [e for e in client.journal(agent_id=bot.id) if e.event == "submit"]
+    assert submit.details["hard_deadline"] == "2030-01-01T00:00:00.000000Z"
+    assert submit.details["as_given"] == {"soft_deadline": "+1000000us", "hard_deadline": "2030-01-01T00:00:00.000000Z"}
+    assert state.soft_deadline is not None
+    assert submit.details["soft_deadline"] == state.soft_deadline.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    assert client.submit(bot.id, "r1", ASK, soft_deadline=timedelta(seconds=1), hard_deadline=far).revision == (
+        state.revision
+    ), "the same request again is a suppressed duplicate, as before"
+
+    late = client.create_agent("late-bot")
+    client.submit(late.id, "r2", ASK, hard_deadline=timedelta(milliseconds=200))
+    deadline = client.get_state(late.id).hard_deadline
+    assert deadline is not None
+    while True:  # until the database's clock has passed it
+        with psycopg.connect(db.libpq_url) as conn:
+            row = conn.execute("SELECT clock_timestamp() > %s", (deadline,)).fetchone()
+        if row and row[0]:
+            break
+        time.sleep(0.05)
+    with pytest.raises(HardDeadlinePassed) as info:
+        transition(db, Command(late.id, Event.PLAN, "worker"))
+    shown = deadline.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    assert str(info.value) == f"agent 'late-bot''s hard deadline {shown} has passed"
+    rejected = client.journal(agent_id=late.id)[-1]
+    assert (rejected.kind, rejected.details["error"]) == ("rejected", str(info.value))
+
+    times = [t for e in client.journal() for t in _times_in(e.details)]
+    assert len(times) >= 5 and all(RFC3339.fullmatch(t) for t in times), times

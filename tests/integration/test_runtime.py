@@ -3,6 +3,7 @@ OpenAI-compatible client against a local fake chat-completions server."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -263,6 +264,53 @@ def test_a_script_calling_a_tool_that_does_not_exist_is_refused_at_submit(client
     assert client.get_state(agent.id) == agent and client.journal() == events
     with psycopg.connect(db.libpq_url) as conn:
         assert conn.execute("SELECT count(*) FROM requests").fetchone() == (0,)
+
+
+def test_a_script_with_arguments_a_tool_refuses_is_refused_at_submit(client: Client, db: Database) -> None:
+    """A Slack channel name instead of its id used to end `done`, nothing posted, the error inside one job."""
+    agent = client.create_agent("poster")
+    events = client.journal()
+    post = {"name": "slack_post", "arguments": {"channel": "#general", "text": "hi"}}
+    with pytest.raises(InvalidInput) as info:
+        client.submit(agent.id, "req-1", script({"tool_calls": [post]}, {"content": "ok"}))
+    assert str(info.value) == (
+        "input of operation 'plan': input.script[0].tool_calls[0].arguments.channel: string should match pattern"
+        " '^[CGD][A-Z0-9]{1,20}$'"
+    )
+    assert client.get_state(agent.id) == agent and client.journal() == events
+    with psycopg.connect(db.libpq_url) as conn:
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (0,)
+
+
+def test_a_models_bad_arguments_are_told_to_it_and_journaled(client: Client, db: Database) -> None:
+    """A model's reply is not checked at submit: it can correct itself, and the journal shows what went wrong."""
+    from agents.core.commands import Command, JobSpec
+    from agents.core.phases import Event
+    from agents.core.transition import transition
+
+    agent = client.create_agent("typist")
+    replies = script(
+        {"tool_calls": [{"name": "slack_post", "arguments": {"channel": "#general", "text": "hi"}}]},
+        {"tool_calls": [{"name": "slack_post", "arguments": {"channel": "C0GENERAL", "text": "hi"}}]},
+        {"content": "Posted."},
+    )
+    # As a real model would reply (the scripted provider stands in for it): nothing checked these arguments before.
+    submit = Command(
+        agent.id, Event.SUBMIT, "t", request_id="req-1", jobs=(JobSpec("plan", "1", payload={"input": replies}),)
+    )
+    transition(db, submit, input_json=json.dumps(replies))
+    run_all(db)
+    assert client.get_state(agent.id).phase == "done"
+    told = job_row(db, "req-1:tool:slack_post:1.call_0_0")["result"]["content"]  # type: ignore[index]
+    assert told.startswith("error: tool slack_post: channel: String should match pattern"), told
+    (event,) = [
+        e for e in client.journal(agent_id=agent.id) if e.details.get("job") == "req-1:tool:slack_post:1.call_0_0"
+    ]
+    assert event.decision == "tool_arguments_invalid"
+    assert event.details["tool_error"] == told.removeprefix("error: ")
+    from models.outbox_sql import message_row
+
+    assert message_row(db, "req-1:slack:call_1_0")["payload"] == {"text": "hi"}  # type: ignore[index]
 
 
 def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Database) -> None:

@@ -67,6 +67,21 @@ def block(ctx: JobContext) -> JobResult:
     return JobResult(output={"released": True}, event=Event.FINISH)
 
 
+@handler("gated")
+def gated(ctx: JobContext) -> JobResult:
+    """Step n of ``steps`` (the request input, as are the others): waits until the file ``gate`` exists (no Redis
+    involved: it runs through a broker outage), then schedules step n+1, or finishes after the last."""
+    record(ctx, "start")
+    given = ctx.payload.get("input") or {}
+    while not os.path.exists(given["gate"]):
+        time.sleep(0.05)
+    record(ctx, "finish")
+    step = int(ctx.target)
+    if step >= int(given["steps"]):
+        return JobResult(event=Event.FINISH)
+    return JobResult(jobs=(JobSpec("gated", str(step + 1), payload={"input": given}),))
+
+
 @handler("hang")
 def hang(ctx: JobContext) -> JobResult:
     """Ignores everything for 20 s, then records ``late``: past its run limit, that must never happen."""

@@ -51,3 +51,21 @@ def test_a_lease_longer_than_the_visibility_timeout_is_refused() -> None:
 def test_retry_policy_names_known_classes() -> None:
     with pytest.raises(ValidationError, match="unknown error classes"):
         Settings(retry_policy={"sometimes": {"max_attempts": 2}})
+
+
+def test_celerys_warning_about_a_setting_keel_sets_is_debug_and_others_stay(caplog: pytest.LogCaptureFixture) -> None:
+    """Celery repeats it at every lost broker connection; Keel sets the setting on purpose (invariant 12)."""
+    import logging
+
+    from tasks.logs import WARNINGS_LOGGER, quiet_housekeeping
+
+    quiet_housekeeping(["keel.relay_outbox"])
+    warnings_log = logging.getLogger(WARNINGS_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=WARNINGS_LOGGER):
+        warnings_log.warning(
+            "%s",
+            "consumer.py:427: CPendingDeprecationWarning: \nIn Celery 5.1 … the"
+            " worker_cancel_long_running_tasks_on_connection_loss setting …",
+        )
+        warnings_log.warning("%s", "some.py:1: CPendingDeprecationWarning: something else")
+    assert [r.getMessage() for r in caplog.records] == ["some.py:1: CPendingDeprecationWarning: something else"]

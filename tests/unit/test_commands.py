@@ -170,3 +170,33 @@ def test_a_resubmit_is_compared_with_the_request_as_it_was_first_given() -> None
     assert retry(hard_deadline=NOW + timedelta(minutes=5)) == ["hard_deadline"], "an instant is not a duration"
     legacy = Submitted({"prompt": "hi"}, {"jobs": ["r:plan:1"]})  # journaled before deadlines were kept as given
     assert differences(legacy, cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec("plan", "1"),)), '{"prompt":"hi"}') == []
+
+
+def test_times_are_written_in_one_format_and_compared_as_instants() -> None:
+    from datetime import UTC, datetime, timezone
+
+    from agents.core.commands import JobSpec, as_given, differences
+    from agents.core.errors import HardDeadlinePassed
+    from models.clock import rfc3339
+    from models.schemas import Submitted
+
+    berlin = timezone(timedelta(hours=1))
+    assert rfc3339(datetime(2030, 1, 1, 1, 0, tzinfo=berlin)) == "2030-01-01T00:00:00.000000Z"
+    assert rfc3339(datetime(999, 1, 2, 3, 4, 5, 6, tzinfo=UTC)) == "0999-01-02T03:04:05.000006Z"
+    with pytest.raises(ValueError, match="has no time zone"):
+        rfc3339(datetime(2030, 1, 1))  # naive: refused
+    assert as_given(datetime(2030, 1, 1, tzinfo=UTC)) == "2030-01-01T00:00:00.000000Z"  # was isoformat(): +00:00
+    passed = HardDeadlinePassed(agent_id=uuid.uuid4(), name="a", hard_deadline=datetime(2030, 1, 1, 1, tzinfo=berlin))
+    assert str(passed) == "agent 'a''s hard deadline 2030-01-01T00:00:00.000000Z has passed"
+
+    # A request journaled before the one format keeps its spelling: a retry naming the same instant is the same.
+    legacy = Submitted(
+        {"prompt": "hi"},
+        {"jobs": ["r:plan:1"], "as_given": {"soft_deadline": None, "hard_deadline": "2030-01-01T00:00:00+00:00"}},
+    )
+    retry = cmd(
+        Event.SUBMIT, request_id="r", jobs=(JobSpec("plan", "1"),), hard_deadline=datetime(2030, 1, 1, tzinfo=UTC)
+    )
+    assert differences(legacy, retry, '{"prompt": "hi"}') == []
+    later = replace(retry, hard_deadline=datetime(2030, 1, 1, 0, 0, 1, tzinfo=UTC))
+    assert differences(legacy, later, '{"prompt": "hi"}') == ["hard_deadline"]
