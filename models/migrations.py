@@ -55,7 +55,10 @@ def head() -> str:
 def _run(action: str, url: str, revision: str) -> None:
     try:
         getattr(command, action)(alembic_config(url), revision)
-    except CommandError as exc:  # Alembic resolves the target before it changes anything
+    except CommandError as exc:  # Alembic resolves both revisions before it changes anything
+        at = revision_at(url)
+        if at is not None and not set(at.split(", ")) <= set(revisions()):
+            raise SchemaMismatch(_unknown_to_this_code(at)) from None  # the database's revision, not the target
         known = ", ".join(["base", *revisions(), "head"])
         reason = " ".join(str(exc).split())
         if reason.startswith("Can't locate revision"):
@@ -84,6 +87,23 @@ def database_revision(conn: sqlalchemy.Connection) -> str | None:
     return ", ".join(sorted(rows)) or None
 
 
+def revision_at(url: str) -> str | None:
+    """The migration the database at ``url`` is at (None: never migrated, or downgraded to base)."""
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return database_revision(conn)
+    finally:
+        engine.dispose()
+
+
+def _unknown_to_this_code(at: str) -> str:
+    return (
+        f"database at {at}, which this code does not know (code at {head()}): it was migrated by a newer Keel;"
+        " run that version, or downgrade the database with it"
+    )
+
+
 def schema_problem(engine: sqlalchemy.Engine) -> str | None:
     """What is wrong with the database's schema for this code, as one line saying what to do; None if it is this
     code's. Two small queries: run it when a command starts, not per transition."""
@@ -96,10 +116,7 @@ def schema_problem(engine: sqlalchemy.Engine) -> str | None:
         return f"the database has no Keel schema (code at {code}): run 'keel db upgrade'"
     if at in revisions():
         return f"database at {at}, code at {code}: run 'keel db upgrade'"
-    return (
-        f"database at {at}, which this code does not know (code at {code}): it was migrated by a newer Keel;"
-        " run that version, or downgrade the database with it"
-    )
+    return _unknown_to_this_code(at)
 
 
 def check_schema(engine: sqlalchemy.Engine) -> None:
