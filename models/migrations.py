@@ -1,8 +1,13 @@
 """Running the Alembic migrations from code (``keel db upgrade``, tests, the demo), and telling whether a database's
-schema is the one this code was written for."""
+schema is the one this code was written for.
+
+The migrations live in the checkout's ``alembic/`` folder and ship as the package ``keel_migrations`` (see
+pyproject.toml), so an installed wheel migrates too: the Alembic config is built here from that package's location,
+not read from ``alembic.ini`` (which stays for running ``alembic`` by hand in a checkout)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import sqlalchemy
@@ -13,8 +18,9 @@ from alembic.util import CommandError
 from alembic import command
 from models.errors import KeelError
 
-ROOT = Path(__file__).resolve().parent.parent
-ALEMBIC_INI = ROOT / "alembic.ini"
+MIGRATIONS_PACKAGE = "keel_migrations"
+#: A checkout run without installing it (its folder on PYTHONPATH): the migrations are next to the code.
+CHECKOUT_MIGRATIONS = Path(__file__).resolve().parent.parent / "alembic"
 
 
 class UnknownRevision(KeelError):
@@ -25,11 +31,25 @@ class SchemaMismatch(KeelError):
     """The database's schema is missing, or is not the one this code was written for."""
 
 
+def script_location() -> Path:
+    """The folder that holds ``env.py`` and ``versions/``: the installed ``keel_migrations`` package (a wheel, or the
+    checkout's ``alembic/`` through an editable install), else the checkout's ``alembic/``."""
+    spec = importlib.util.find_spec(MIGRATIONS_PACKAGE)
+    places = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    for place in [*places, CHECKOUT_MIGRATIONS]:
+        if (place / "env.py").is_file():
+            return place
+    raise KeelError(
+        f"Keel's migrations are not installed (no package {MIGRATIONS_PACKAGE!r}): reinstall Keel"
+        " (pip install keel, or pip install -e . in its checkout)"
+    )
+
+
 def alembic_config(url: str) -> Config:
-    """An Alembic config for the checkout's migrations, aimed at ``url``."""
-    if not ALEMBIC_INI.exists():
-        raise FileNotFoundError(f"{ALEMBIC_INI} is missing: run Keel from its checkout (pip install -e .)")
-    config = Config(str(ALEMBIC_INI))
+    """An Alembic config for Keel's migrations, aimed at ``url``."""
+    config = Config()
+    config.set_main_option("script_location", str(script_location()))
+    config.set_main_option("path_separator", "os")
     config.attributes["url"] = url
     # Not set on the file's own logging: keep the caller's logging as it is.
     config.attributes["configure_logger"] = False
