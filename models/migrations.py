@@ -139,6 +139,24 @@ def schema_problem(engine: sqlalchemy.Engine) -> str | None:
     return _unknown_to_this_code(at)
 
 
+def prepare(url: str, *, migrate: bool) -> str | None:
+    """Make sure the database at ``url`` has this code's schema before a command starts processes on it.
+
+    ``migrate``: upgrade it to head and return the line saying so (``database: migrated 0004 → 0006``; None when it
+    was at head already). Otherwise refuse (:class:`SchemaMismatch`, one line: where the database is, where the code
+    is, what to run) unless it is at head. A database a newer Keel migrated is refused either way."""
+    at, code = revision_at(url), head()
+    if at == code:
+        return None
+    if at is not None and not set(at.split(", ")) <= set(revisions()):
+        raise SchemaMismatch(_unknown_to_this_code(at))
+    if not migrate:
+        behind = f"database at {at}, code at {code}" if at else f"the database has no Keel schema (code at {code})"
+        raise SchemaMismatch(f"{behind}: run 'keel db upgrade' first, or pass --migrate")
+    upgrade(url)
+    return f"database: migrated {at or 'base'} → {code}"
+
+
 def check_schema(engine: sqlalchemy.Engine) -> None:
     """Raise :class:`SchemaMismatch` (one line: where the database is, where the code is, what to run) unless the
     database's schema is this code's."""

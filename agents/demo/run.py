@@ -182,21 +182,26 @@ class Shutdown:
         os._exit(128 + signum)
 
 
-def run_demo(settings: Settings, out: Progress | None = None) -> int:
+def run_demo(settings: Settings, out: Progress | None = None, *, migrate: bool = False) -> int:
     """Run the demo, showing its progress on ``out`` (live on a terminal, plain lines elsewhere); 0 if every
-    invariant held. A termination signal stops what it started and exits 128 + its number (:class:`Shutdown`)."""
+    invariant held. The embedded database is migrated first; a configured one only with ``migrate`` (else it must be
+    at this code's revision). A termination signal stops what it started and exits 128 + its number
+    (:class:`Shutdown`)."""
     with Shutdown().installed() as shutdown, only_demo_here(settings.home):
-        return _run_demo(settings, out or Progress(), shutdown)
+        return _run_demo(settings, out or Progress(), shutdown, migrate)
 
 
-def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown) -> int:
+def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bool) -> int:
     started = time.monotonic()
     where = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
     out.line(f"Keel demo on {where}")
     with out.task("starting the database and the broker"):
         db = Database.from_settings(settings)
-        migrations.upgrade(db.url)  # first: an unreachable database stops the demo before anything is started
+        # First: an unreachable database, or one at another revision, stops the demo before anything is started.
+        migrated = migrations.prepare(db.url, migrate=migrate or settings.database_url is None)
         broker = broker_url_for(settings)
+    if migrated is not None:
+        out.line(migrated)
     logs = (settings.home / "demo" / uuid.uuid4().hex[:8]).resolve()
     logs.mkdir(parents=True, exist_ok=True)
     slack = FakeSlack(token=SLACK_TOKEN).start()

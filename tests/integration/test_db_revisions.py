@@ -61,3 +61,21 @@ def test_an_unknown_target_is_still_named_as_the_target(db_url: str, tmp_path: P
     result = keel(db_url, "db", "downgrade", "nosuch", cwd=tmp_path)
     assert result.returncode == 1
     assert result.stderr.startswith("keel: error: cannot downgrade to 'nosuch': no migration has this revision")
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_and_the_demo_refuse_a_configured_database_behind_the_code(
+    db_url: str, broker: Broker, tmp_path: Path, command: str
+) -> None:
+    """Before: they ran `alembic upgrade head` silently on whatever database they were given, shared ones included,
+    while `keel worker` and `keel beat` refuse it. Now they refuse it too, unless given --migrate."""
+    previous = migrations.revisions()[-2]
+    migrations.downgrade(db_url, previous)
+    result = keel(db_url, command, cwd=tmp_path, broker=broker)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr == (
+        f"keel: error: database at {previous}, code at {migrations.head()}: run 'keel db upgrade' first, "
+        "or pass --migrate\n"
+    )
+    assert _revision(db_url) == previous, "nothing changed"
+    assert not (tmp_path / ".keel" / "demo").exists(), "nothing started"

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from models import embedded
+from models import embedded, migrations
 from models.urls import libpq_url
 
 pytestmark = pytest.mark.integration
@@ -34,6 +34,8 @@ def test_the_demo_alone_starts_both_embedded_servers_and_dev_stop_stops_them(tmp
     try:
         demo = keel(home, "demo")
         assert f"Keel demo on embedded servers under {home}" in demo.stdout
+        # A fresh machine: the embedded database is migrated without an extra step, and the demo says so.
+        assert f"database: migrated base → {migrations.head()}" in demo.stdout.splitlines()
         assert "all invariants held" in demo.stdout
         status = json.loads(keel(home, "dev", "status", "--json").stdout)
         assert status["postgres"]["running"] and status["redis"]["running"]
