@@ -59,7 +59,8 @@ def up(
     a configured one (KEEL_DATABASE_URL) that is not at this code's revision is refused, as `keel worker` refuses it:
     run 'keel db upgrade', or pass --migrate.
 
-    Ctrl-C, SIGTERM, SIGHUP (terminal closed) and SIGQUIT stop all of them (a second one kills them at once). It says
+    Ctrl-C, SIGTERM, SIGHUP (terminal closed) and SIGQUIT stop all of them (SIGQUIT is Celery's cold shutdown, which
+    waits 10 s for running jobs first; a second signal kills them at once). It says
     when PostgreSQL or Redis stops answering and when it is back, and gives up, stopping everything with exit status
     1, when one stays unreachable for --give-up-after seconds."""
     import os

@@ -99,6 +99,17 @@ def test_up_migrates_a_configured_database_when_given_migrate_and_says_so(
     assert migrations.revision_at(db_url) == head
 
 
+def test_a_child_killed_from_outside_is_named_with_its_signal(db_url: str, broker: Broker, tmp_path: Path) -> None:
+    """Before: `beat exited with status -9: [… INFO] this beat is the leader; stopped the rest`."""
+    log = tmp_path / "up.log"
+    with keel_up(db_url, broker.env, log, "--no-flower") as up:
+        running(up, log)
+        (beat,) = [c for c in psutil.Process(up.pid).children() if "beat" in c.cmdline()]
+        beat.kill()
+        assert up.wait(timeout=90) == 1, log.read_text()
+    assert log.read_text().splitlines()[-1] == "keel: error: beat was killed by SIGKILL; stopped the rest"
+
+
 def test_a_taken_flower_port_is_one_line_and_starts_nothing(db_url: str, broker: Broker, tmp_path: Path) -> None:
     log = tmp_path / "up.log"
     with socket.socket() as squatter:
