@@ -250,8 +250,8 @@ def run_demo(settings: Settings, out: Progress | None = None, *, migrate: bool =
 
 def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bool, held: ExitStack) -> int:
     started = time.monotonic()
-    where = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
-    out.line(f"Keel demo on {where}")
+    servers = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
+    out.line(f"Keel demo on {servers}")
     with out.task("starting the database and the broker"):
         db = Database.from_settings(settings)
         held.enter_context(only_demo_on(db.url, settings.home if settings.database_url is None else None))
