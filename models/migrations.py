@@ -1,8 +1,13 @@
 """Running the Alembic migrations from code (``keel db upgrade``, tests, the demo), and telling whether a database's
-schema is the one this code was written for."""
+schema is the one this code was written for.
+
+The migrations live in the checkout's ``alembic/`` folder and ship as the package ``keel_migrations`` (see
+pyproject.toml), so an installed wheel migrates too: the Alembic config is built here from that package's location,
+not read from ``alembic.ini`` (which stays for running ``alembic`` by hand in a checkout)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import sqlalchemy
@@ -13,8 +18,9 @@ from alembic.util import CommandError
 from alembic import command
 from models.errors import KeelError
 
-ROOT = Path(__file__).resolve().parent.parent
-ALEMBIC_INI = ROOT / "alembic.ini"
+MIGRATIONS_PACKAGE = "keel_migrations"
+#: A checkout run without installing it (its folder on PYTHONPATH): the migrations are next to the code.
+CHECKOUT_MIGRATIONS = Path(__file__).resolve().parent.parent / "alembic"
 
 
 class UnknownRevision(KeelError):
@@ -25,11 +31,25 @@ class SchemaMismatch(KeelError):
     """The database's schema is missing, or is not the one this code was written for."""
 
 
+def script_location() -> Path:
+    """The folder that holds ``env.py`` and ``versions/``: the installed ``keel_migrations`` package (a wheel, or the
+    checkout's ``alembic/`` through an editable install), else the checkout's ``alembic/``."""
+    spec = importlib.util.find_spec(MIGRATIONS_PACKAGE)
+    places = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    for place in [*places, CHECKOUT_MIGRATIONS]:
+        if (place / "env.py").is_file():
+            return place
+    raise KeelError(
+        f"Keel's migrations are not installed (no package {MIGRATIONS_PACKAGE!r}): reinstall Keel"
+        " (pip install keel, or pip install -e . in its checkout)"
+    )
+
+
 def alembic_config(url: str) -> Config:
-    """An Alembic config for the checkout's migrations, aimed at ``url``."""
-    if not ALEMBIC_INI.exists():
-        raise FileNotFoundError(f"{ALEMBIC_INI} is missing: run Keel from its checkout (pip install -e .)")
-    config = Config(str(ALEMBIC_INI))
+    """An Alembic config for Keel's migrations, aimed at ``url``."""
+    config = Config()
+    config.set_main_option("script_location", str(script_location()))
+    config.set_main_option("path_separator", "os")
     config.attributes["url"] = url
     # Not set on the file's own logging: keep the caller's logging as it is.
     config.attributes["configure_logger"] = False
@@ -55,7 +75,10 @@ def head() -> str:
 def _run(action: str, url: str, revision: str) -> None:
     try:
         getattr(command, action)(alembic_config(url), revision)
-    except CommandError as exc:  # Alembic resolves the target before it changes anything
+    except CommandError as exc:  # Alembic resolves both revisions before it changes anything
+        at = revision_at(url)
+        if at is not None and not set(at.split(", ")) <= set(revisions()):
+            raise SchemaMismatch(_unknown_to_this_code(at)) from None  # the database's revision, not the target
         known = ", ".join(["base", *revisions(), "head"])
         reason = " ".join(str(exc).split())
         if reason.startswith("Can't locate revision"):
@@ -84,6 +107,23 @@ def database_revision(conn: sqlalchemy.Connection) -> str | None:
     return ", ".join(sorted(rows)) or None
 
 
+def revision_at(url: str) -> str | None:
+    """The migration the database at ``url`` is at (None: never migrated, or downgraded to base)."""
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return database_revision(conn)
+    finally:
+        engine.dispose()
+
+
+def _unknown_to_this_code(at: str) -> str:
+    return (
+        f"database at {at}, which this code does not know (code at {head()}): it was migrated by a newer Keel;"
+        " run that version, or downgrade the database with it"
+    )
+
+
 def schema_problem(engine: sqlalchemy.Engine) -> str | None:
     """What is wrong with the database's schema for this code, as one line saying what to do; None if it is this
     code's. Two small queries: run it when a command starts, not per transition."""
@@ -96,10 +136,25 @@ def schema_problem(engine: sqlalchemy.Engine) -> str | None:
         return f"the database has no Keel schema (code at {code}): run 'keel db upgrade'"
     if at in revisions():
         return f"database at {at}, code at {code}: run 'keel db upgrade'"
-    return (
-        f"database at {at}, which this code does not know (code at {code}): it was migrated by a newer Keel;"
-        " run that version, or downgrade the database with it"
-    )
+    return _unknown_to_this_code(at)
+
+
+def prepare(url: str, *, migrate: bool) -> str | None:
+    """Make sure the database at ``url`` has this code's schema before a command starts processes on it.
+
+    ``migrate``: upgrade it to head and return the line saying so (``database: migrated 0004 → 0006``; None when it
+    was at head already). Otherwise refuse (:class:`SchemaMismatch`, one line: where the database is, where the code
+    is, what to run) unless it is at head. A database a newer Keel migrated is refused either way."""
+    at, code = revision_at(url), head()
+    if at == code:
+        return None
+    if at is not None and not set(at.split(", ")) <= set(revisions()):
+        raise SchemaMismatch(_unknown_to_this_code(at))
+    if not migrate:
+        behind = f"database at {at}, code at {code}" if at else f"the database has no Keel schema (code at {code})"
+        raise SchemaMismatch(f"{behind}: run 'keel db upgrade' first, or pass --migrate")
+    upgrade(url)
+    return f"database: migrated {at or 'base'} → {code}"
 
 
 def check_schema(engine: sqlalchemy.Engine) -> None:

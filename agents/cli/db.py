@@ -40,16 +40,9 @@ def db_downgrade(revision: str) -> None:
 
 def _where(url: str) -> str:
     """Where the database is now, said as the revision it is at: ``database at 0005 (head)``."""
-    import sqlalchemy
-
     from models import migrations
 
-    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
-    try:
-        with engine.connect() as conn:
-            at = migrations.database_revision(conn)
-    finally:
-        engine.dispose()
+    at = migrations.revision_at(url)
     if at is None:
         return "database at base (no Keel schema)"
     return f"database at {at}" + (" (head)" if at == migrations.head() else f" (head is {migrations.head()})")

@@ -8,20 +8,31 @@ import click
 
 from agents.cli.common import friendly, settings_or_exit
 
+MIGRATE_HELP = (
+    "Migrate a configured database (KEEL_DATABASE_URL) that is behind this code. Without it such a database is"
+    " refused; the embedded one is always migrated."
+)
+
 
 @click.command("demo")
+@click.option("--migrate", is_flag=True, help=MIGRATE_HELP)
 @friendly
-def demo() -> None:
-    """The main job: scripted agents with a worker killed midway; exits 0 only if nothing ran twice."""
+def demo(migrate: bool) -> None:
+    """The main job: scripted agents with a worker killed midway; exits 0 only if nothing ran twice.
+
+    On the embedded servers it migrates the database first (one line says so, nothing when it is at this code's
+    revision already). A configured database (KEEL_DATABASE_URL) must be at this code's revision: run
+    'keel db upgrade', or pass --migrate."""
     from agents.demo.run import run_demo
 
-    sys.exit(run_demo(settings_or_exit()))
+    sys.exit(run_demo(settings_or_exit(), migrate=migrate))
 
 
 @click.command("up")
 @click.option("--flower-port", default=5555, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--no-flower", is_flag=True, help="Run only the worker and beat.")
 @click.option("--concurrency", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--migrate", is_flag=True, help=MIGRATE_HELP)
 @click.option(
     "--give-up-after",
     default=60,
@@ -39,10 +50,17 @@ def demo() -> None:
     help="How long to wait for the processes to stop before killing them.",
 )
 @friendly
-def up(flower_port: int, no_flower: bool, concurrency: int, give_up_after: int, stop_timeout: int) -> None:
+def up(
+    flower_port: int, no_flower: bool, concurrency: int, migrate: bool, give_up_after: int, stop_timeout: int
+) -> None:
     """Run the whole stack here — worker, beat and Flower — on the configured or embedded servers.
 
-    Ctrl-C, SIGTERM, SIGHUP (terminal closed) and SIGQUIT stop all of them (a second one kills them at once). It says
+    The embedded database is migrated first (one line says so, nothing when it is at this code's revision already);
+    a configured one (KEEL_DATABASE_URL) that is not at this code's revision is refused, as `keel worker` refuses it:
+    run 'keel db upgrade', or pass --migrate.
+
+    Ctrl-C, SIGTERM, SIGHUP (terminal closed) and SIGQUIT stop all of them (SIGQUIT is Celery's cold shutdown, which
+    waits 10 s for running jobs first; a second signal kills them at once). It says
     when PostgreSQL or Redis stops answering and when it is back, and gives up, stopping everything with exit status
     1, when one stays unreachable for --give-up-after seconds."""
     import os
@@ -59,7 +77,8 @@ def up(flower_port: int, no_flower: bool, concurrency: int, give_up_after: int, 
     env = dict(os.environ)
     env["KEEL_DATABASE_URL"] = database_url = database_url_for(settings)
     env["KEEL_BROKER_URL"] = broker_url = broker_url_for(settings)
-    migrations.upgrade(database_url)
+    if (migrated := migrations.prepare(database_url, migrate=migrate or settings.database_url is None)) is not None:
+        say(migrated)
     keel = [sys.executable, "-m", "agents"]
     children = [
         Child("worker", [*keel, "worker", "-c", str(concurrency)], ready_line=lambda line: " ready." in line),

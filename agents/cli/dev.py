@@ -16,6 +16,7 @@ from agents.cli.common import friendly, json_option, settings_or_exit
 
 if TYPE_CHECKING:
     from models.embedded import ServerStatus
+    from models.settings import Settings
 
 TEST_SUITE_DIR = "test"  # models.embedded.TEST_SUITE_DIR, without importing it for `keel --help`
 
@@ -37,24 +38,59 @@ def _as_dict(s: ServerStatus) -> dict[str, Any]:
     return {"running": s.running, "pid": s.pid, "url": s.url, "data_dir": str(s.data_dir)}
 
 
+def _configured(settings: Settings) -> dict[str, tuple[str, str]]:
+    """The servers this configuration does not take from the embedded ones: name -> (variable, where it points)."""
+    from agents.cli.supervisor import where
+
+    found: dict[str, tuple[str, str]] = {}
+    if settings.database_url is not None:
+        found["postgres"] = ("KEEL_DATABASE_URL", where(settings.database_url))
+    if settings.broker_url is not None:
+        found["redis"] = ("KEEL_BROKER_URL", where(settings.broker_url))
+    return found
+
+
+def _not_used(name: str, configured: tuple[str, str]) -> str:
+    variable, at = configured
+    return f"{variable} is set ({at}): this configuration does not use the embedded {name}"
+
+
 @dev.command("start")
 @json_option
 @friendly
 def dev_start(as_json: bool) -> None:
     """Start the embedded PostgreSQL and Redis under ./.keel/ (or reuse the running ones) and print their URLs.
 
-    They keep their URLs across a stop and a start, so running workers reconnect."""
+    They keep their URLs across a stop and a start, so running workers reconnect. One that the configuration does
+    not use (KEEL_DATABASE_URL, KEEL_BROKER_URL set) is not started: a line says so."""
     from models import embedded
 
-    home = settings_or_exit().home
-    before = {"postgres": embedded.postgres_status(home).running, "redis": embedded.redis_status(home).running}
-    embedded.start_postgres(home)
-    embedded.start_redis(home)
-    statuses = [embedded.postgres_status(home), embedded.redis_status(home)]
+    settings = settings_or_exit()
+    home, configured = settings.home, _configured(settings)
+    servers = {
+        "postgres": (embedded.postgres_status, embedded.start_postgres),
+        "redis": (embedded.redis_status, embedded.start_redis),
+    }
+    before = {name: status(home).running for name, (status, _start) in servers.items()}
+    for name, (_status, start) in servers.items():
+        if name not in configured:
+            start(home)
+    statuses = [status(home) for status, _start in servers.values()]
     if as_json:
-        click.echo(json.dumps({s.name: {**_as_dict(s), "started": not before[s.name]} for s in statuses}, indent=2))
+        data = {
+            s.name: {
+                **_as_dict(s),
+                "started": s.name not in configured and not before[s.name],
+                "configured": configured[s.name][1] if s.name in configured else None,
+            }
+            for s in statuses
+        }
+        click.echo(json.dumps(data, indent=2))
         return
     for s in statuses:
+        if s.name in configured:
+            click.echo(f"{s.name:<9} not started: {_not_used(s.name, configured[s.name])}")
+            continue
         state = "already running" if before[s.name] else "started"
         click.echo(f"{s.name:<9} {state} (pid {s.pid})  {s.url}")
 
@@ -62,13 +98,18 @@ def dev_start(as_json: bool) -> None:
 @dev.command("status")
 @json_option
 def dev_status(as_json: bool) -> None:
-    """Show whether the embedded PostgreSQL and Redis run, here and (if present) the test suite's."""
+    """Show whether the embedded PostgreSQL and Redis run, here and (if present) the test suite's, and say which of
+    them this configuration does not use (KEEL_DATABASE_URL, KEEL_BROKER_URL set)."""
     from models import embedded
 
-    home = settings_or_exit().home
+    settings = settings_or_exit()
+    home, configured = settings.home, _configured(settings)
     found = [(label, [embedded.postgres_status(where), embedded.redis_status(where)]) for label, where in _homes(home)]
     if as_json:
-        data: dict[str, Any] = {s.name: _as_dict(s) for s in found[0][1]}
+        data: dict[str, Any] = {
+            s.name: {**_as_dict(s), "configured": configured[s.name][1] if s.name in configured else None}
+            for s in found[0][1]
+        }
         for label, statuses in found[1:]:
             data[label] = {s.name: _as_dict(s) for s in statuses}
         click.echo(json.dumps(data, indent=2))
@@ -78,6 +119,8 @@ def dev_status(as_json: bool) -> None:
             state = f"running (pid {s.pid})  {s.url}" if s.running else "stopped"
             name = f"{s.name} ({label})" if label else s.name
             click.echo(f"{name:<17} {state}  data: {s.data_dir}")
+    for name, setting in configured.items():
+        click.echo(f"{name:<17} {_not_used(name, setting)}")
 
 
 @dev.command("stop")

@@ -3,8 +3,11 @@ line, a start that counts only once each child shows it is ready, a stop on any 
 for within a bound, then SIGKILL), and a watch on the servers that gives up after a bounded outage.
 
 Signals: SIGINT (Ctrl-C), SIGTERM (a process manager, ``docker stop``) and SIGHUP (the terminal closed) stop the
-children warmly (SIGTERM to each group: Celery finishes or hands back what it runs); SIGQUIT stops them at once
-(SIGQUIT: Celery's cold shutdown). A second signal while stopping kills every group with SIGKILL.
+children warmly (SIGTERM to each group: the worker lets running jobs finish). SIGQUIT is passed on as SIGQUIT,
+Celery's cold shutdown, which Keel's worker settings start with a soft shutdown: the worker waits
+``worker_soft_shutdown_timeout`` (10 s, even when idle) for running jobs, then cancels the rest (their messages go
+back to the queue) and exits — not sooner than SIGTERM. A second signal while stopping kills every group with SIGKILL:
+that is the stop "at once" (leases hand the killed jobs to the next worker).
 """
 
 from __future__ import annotations
@@ -104,9 +107,19 @@ class Child:
         return seen and (self.probe is None or self.probe())
 
     def why_exited(self) -> str:
+        """``beat was killed by SIGKILL``; ``worker exited with status 1 (its last line was: …)``. The last line is
+        quoted only for a failure status: after a signal from outside, or a clean exit, it says nothing of why."""
         assert self.proc is not None
-        last = next((line for line in reversed(self.last_lines) if line.strip()), "")
-        return f"{self.name} exited with status {self.proc.returncode}" + (f": {last.strip()}" if last else "")
+        status = self.proc.returncode
+        if status < 0:
+            try:
+                name = signal.Signals(-status).name
+            except ValueError:
+                name = f"signal {-status}"
+            return f"{self.name} was killed by {name}"
+        last = next((line.strip() for line in reversed(self.last_lines) if line.strip()), "")
+        quoted = f" (its last line was: {last})" if status != 0 and last else ""
+        return f"{self.name} exited with status {status}{quoted}"
 
 
 class Supervisor:

@@ -7,24 +7,28 @@ agents, approves the waiting ones through the client, and exits 0 only if every 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
+import redis
+
 import agents.demo.tools  # noqa: F401 - registers kb_search here too: submits are checked against the tools
 from agents.cli.progress import Progress, Step
-from agents.cli.supervisor import supervised_env
+from agents.cli.supervisor import supervised_env, where
 from agents.client import Client
 from agents.core import journal
 from agents.core.errors import KeelError, StaleRevision
@@ -34,6 +38,7 @@ from models.db import Database
 from models.embedded import broker_url_for
 from models.kpi_sql import kpis, request_outcomes
 from models.settings import Settings
+from models.urls import libpq_url
 
 SLACK_TOKEN = "xoxb-keel-demo-sink-token"
 GITHUB_TOKEN = "ghp_keelDemoSinkToken"
@@ -120,30 +125,79 @@ class Stack:
 
 
 class DemoRunning(KeelError):
-    """Another ``keel demo`` is running in this directory."""
+    """Another ``keel demo`` is running on the same database."""
+
+
+#: The demo's session advisory lock, ``pg_try_advisory_lock(int4, int4)``: "keel", "demo" in ASCII. (Beat's leader
+#: lock and the outbox's locks take a single bigint key: another key space, they never meet this one.)
+DEMO_LOCK = (0x6B65656C, 0x64656D6F)
+_HOLDER = re.compile(r"keel demo: pid (?P<pid>\d+) on (?P<host>.+)")
 
 
 @contextmanager
-def only_demo_here(home: Path) -> Iterator[None]:
-    """Hold ``home/demo.lock`` for the block, or raise :class:`DemoRunning` naming the pid that holds it. Two demos
-    on the same servers would each relay the other's messages to their own sinks, and both fail. The lock is the
-    kernel's (flock): it goes with the process, however it ends, SIGKILL included."""
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / "demo.lock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise DemoRunning(
-                f"another keel demo (pid {holder}) is running in {home.resolve()}: wait until it ends, "
-                "or run this one with another KEEL_HOME"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
+def only_demo_on(database_url: str, embedded_home: Path | None) -> Iterator[None]:
+    """Hold the demo's advisory lock on its database for the block, or raise :class:`DemoRunning` naming the demo
+    that holds it (its pid and host, from its connection's ``application_name``). Two demos on one database would
+    each relay the other's messages to their own sinks, and both fail — wherever they run, whatever their
+    ``KEEL_HOME``. The lock is the server's, held by a connection of its own: it goes with that connection, so with
+    the process however it ends (SIGKILL included). ``embedded_home``: the database is the embedded one under it
+    (the advice differs)."""
+    me = f"keel demo: pid {os.getpid()} on {socket.gethostname()}"[:63]  # application_name holds 63 bytes
+    with psycopg.connect(libpq_url(database_url), autocommit=True, application_name=me) as conn:
+        holder = _take_lock(conn)
+        if holder is not None:
+            if embedded_home is not None:
+                here, advice = f"the embedded servers under {embedded_home.resolve()}", "another KEEL_HOME"
+            else:
+                here = f"this database ({where(database_url)})"
+                advice = "another database (KEEL_DATABASE_URL)"
+            raise DemoRunning(f"{holder} is running on {here}: wait until it ends, or run this one with {advice}")
         yield
+
+
+def _take_lock(conn: psycopg.Connection[Any]) -> str | None:
+    """Take the demo's lock on this connection: None once taken, else who holds it."""
+    for _ in range(2):  # the holder may end between our try and our look at it: then try again
+        if conn.execute("SELECT pg_try_advisory_lock(%s, %s)", DEMO_LOCK).fetchone() == (True,):
+            return None
+        holder = _holder(conn)
+        if holder is not None:
+            return holder
+    return "another keel demo"
+
+
+def _holder(conn: psycopg.Connection[Any]) -> str | None:
+    """Who holds the demo's lock on this database: ``another keel demo (pid N on HOST)``; None if nobody does."""
+    row = conn.execute(
+        "SELECT a.application_name, a.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s AND l.objid = %s AND l.objsubid = 2"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        DEMO_LOCK,
+    ).fetchone()
+    if row is None:
+        return None
+    found = _HOLDER.fullmatch(row[0] or "")
+    if found is None:  # not a demo's connection (someone took the key by hand): name its server process
+        return f"another session (PostgreSQL backend pid {row[1]}, application {row[0]!r})"
+    return f"another keel demo (pid {found['pid']} on {found['host']})"
+
+
+def _broker_prefix(settings: Settings, run: str) -> str:
+    """The demo's own part of the broker: every key and channel its worker and beat use starts with it, so demos on
+    one Redis never take each other's messages (and a user's workers there never take the demo's)."""
+    prefix = f"{settings.broker_prefix}demo-{run}:"
+    return prefix if len(prefix) <= 100 else f"keel-demo-{run}:"  # KEEL_BROKER_PREFIX holds 100 characters
+
+
+def _forget_broker_keys(url: str, prefix: str) -> None:
+    """Delete the keys the demo's worker and beat left under its prefix (queue bindings, at most a few messages)."""
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3) as client:
+            keys = list(client.scan_iter(match=prefix + "*", count=1000))
+            if keys:
+                client.delete(*keys)
+    except redis.RedisError:  # the broker is gone: nothing to tidy there
+        pass
 
 
 class Shutdown:
@@ -157,6 +211,7 @@ class Shutdown:
 
     def __init__(self) -> None:
         self.stack: Stack | None = None
+        self.tidy: Callable[[], None] | None = None
 
     @contextmanager
     def installed(self) -> Iterator[Shutdown]:
@@ -172,6 +227,8 @@ class Shutdown:
             signal.signal(sig, signal.SIG_IGN)
         if self.stack is not None:
             self.stack.stop()
+        if self.tidy is not None:
+            self.tidy()
         name = signal.Signals(signum).name
         message = f"\nkeel demo: stopped by {name}; its worker and beat were stopped\n"
         try:
@@ -182,22 +239,30 @@ class Shutdown:
         os._exit(128 + signum)
 
 
-def run_demo(settings: Settings, out: Progress | None = None) -> int:
+def run_demo(settings: Settings, out: Progress | None = None, *, migrate: bool = False) -> int:
     """Run the demo, showing its progress on ``out`` (live on a terminal, plain lines elsewhere); 0 if every
-    invariant held. A termination signal stops what it started and exits 128 + its number (:class:`Shutdown`)."""
-    with Shutdown().installed() as shutdown, only_demo_here(settings.home):
-        return _run_demo(settings, out or Progress(), shutdown)
+    invariant held. The embedded database is migrated first; a configured one only with ``migrate`` (else it must be
+    at this code's revision). A termination signal stops what it started and exits 128 + its number
+    (:class:`Shutdown`)."""
+    with Shutdown().installed() as shutdown, ExitStack() as held:
+        return _run_demo(settings, out or Progress(), shutdown, migrate, held)
 
 
-def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown) -> int:
+def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bool, held: ExitStack) -> int:
     started = time.monotonic()
-    where = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
-    out.line(f"Keel demo on {where}")
+    servers = "configured servers" if not settings.uses_embedded else f"embedded servers under {settings.home}"
+    out.line(f"Keel demo on {servers}")
     with out.task("starting the database and the broker"):
         db = Database.from_settings(settings)
-        migrations.upgrade(db.url)  # first: an unreachable database stops the demo before anything is started
+        held.enter_context(only_demo_on(db.url, settings.home if settings.database_url is None else None))
+        # First: an unreachable database, or one at another revision, stops the demo before anything is started.
+        migrated = migrations.prepare(db.url, migrate=migrate or settings.database_url is None)
         broker = broker_url_for(settings)
-    logs = (settings.home / "demo" / uuid.uuid4().hex[:8]).resolve()
+    if migrated is not None:
+        out.line(migrated)
+    run = uuid.uuid4().hex[:6]
+    prefix = _broker_prefix(settings, run)
+    logs = (settings.home / "demo" / run).resolve()
     logs.mkdir(parents=True, exist_ok=True)
     slack = FakeSlack(token=SLACK_TOKEN).start()
     github = FakeGitHub(token=GITHUB_TOKEN).start()
@@ -207,7 +272,7 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown) -> int:
         {
             "KEEL_DATABASE_URL": db.url,
             "KEEL_BROKER_URL": broker,
-            "KEEL_BROKER_PREFIX": settings.broker_prefix,
+            "KEEL_BROKER_PREFIX": prefix,
             "KEEL_HOME": str(settings.home.resolve()),
             "KEEL_IMPORTS": json.dumps(["agents.demo.tools"]),
             "KEEL_LLM_PROVIDER": "scripted",
@@ -227,9 +292,9 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown) -> int:
         }
     )
     stack = shutdown.stack = Stack(env, logs)
+    shutdown.tidy = lambda: _forget_broker_keys(broker, prefix)
     client = Client(db, settings)
     checks = Checks()
-    run = uuid.uuid4().hex[:6]
     try:
         with out.task("starting a worker and a beat"):
             stack.start("worker-1", "worker", "-c", "2", "-n", f"demo1-{run}@%h")
@@ -247,6 +312,7 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown) -> int:
         _report(client, db, ids, expected, slack, github, logs, out, checks)
     finally:
         stack.stop()
+        _forget_broker_keys(broker, prefix)
         slack.stop()
         github.stop()
         client.close()

@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from models import migrations
 from tests.chaos.conftest import free_port, wait_until
 from tests.support.broker import Broker
 
@@ -81,6 +82,32 @@ def test_every_termination_signal_stops_the_whole_stack(
         _gone, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, f"left running after {sig.name}: {[(p.pid, p.cmdline()) for p in alive]}"
         assert f"keel up: {sig.name} received" in log.read_text()
+
+
+def test_up_migrates_a_configured_database_when_given_migrate_and_says_so(
+    db_url: str, broker: Broker, tmp_path: Path
+) -> None:
+    """Without --migrate it refuses such a database (tests/integration/test_db_revisions.py)."""
+    previous, head = migrations.revisions()[-2], migrations.head()
+    migrations.downgrade(db_url, previous)
+    log = tmp_path / "up.log"
+    with keel_up(db_url, broker.env, log, "--no-flower", "--migrate") as up:
+        running(up, log)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=90) == 0, log.read_text()
+    assert log.read_text().splitlines()[0] == f"database: migrated {previous} → {head}"
+    assert migrations.revision_at(db_url) == head
+
+
+def test_a_child_killed_from_outside_is_named_with_its_signal(db_url: str, broker: Broker, tmp_path: Path) -> None:
+    """Before: `beat exited with status -9: [… INFO] this beat is the leader; stopped the rest`."""
+    log = tmp_path / "up.log"
+    with keel_up(db_url, broker.env, log, "--no-flower") as up:
+        running(up, log)
+        (beat,) = [c for c in psutil.Process(up.pid).children() if "beat" in c.cmdline()]
+        beat.kill()
+        assert up.wait(timeout=90) == 1, log.read_text()
+    assert log.read_text().splitlines()[-1] == "keel: error: beat was killed by SIGKILL; stopped the rest"
 
 
 def test_a_taken_flower_port_is_one_line_and_starts_nothing(db_url: str, broker: Broker, tmp_path: Path) -> None:

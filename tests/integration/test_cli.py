@@ -6,7 +6,6 @@ import importlib.metadata
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -238,35 +237,6 @@ def _times(value: Any) -> list[str]:
 
 def test_version_comes_from_the_installed_package() -> None:
     result = keel("postgresql://unused@x/y", "--version")
-    assert result.stdout.strip() == f"keel {importlib.metadata.version('keel')}"
-
-
-def test_version_in_a_non_editable_install(tmp_path: Path) -> None:
-    """A wheel installed as files (no source tree behind it) still knows its version."""
-    # Built from a copy: pip builds in the tree it is given, and this one must stay as it is.
-    source = tmp_path / "src"
-    shutil.copytree(
-        Path(__file__).resolve().parents[2],
-        source,
-        ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "tests", "bench"),
-    )
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-         str(source)],
-        check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    probe = (
-        "import sys, agents; from agents.cli import main;"
-        f" assert agents.__file__.startswith({str(target)!r}), agents.__file__;"
-        " sys.argv = ['keel', '--version']; main()"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
-    result = subprocess.run(
-        [sys.executable, "-c", probe], env={**env, "PYTHONPATH": str(target)}, capture_output=True, text=True,
-        cwd=tmp_path, timeout=60,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"keel {importlib.metadata.version('keel')}"
 
 

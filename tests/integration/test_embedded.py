@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from models import embedded
+from models import embedded, migrations
 from models.urls import libpq_url
 
 pytestmark = pytest.mark.integration
@@ -34,6 +34,8 @@ def test_the_demo_alone_starts_both_embedded_servers_and_dev_stop_stops_them(tmp
     try:
         demo = keel(home, "demo")
         assert f"Keel demo on embedded servers under {home}" in demo.stdout
+        # A fresh machine: the embedded database is migrated without an extra step, and the demo says so.
+        assert f"database: migrated base → {migrations.head()}" in demo.stdout.splitlines()
         assert "all invariants held" in demo.stdout
         status = json.loads(keel(home, "dev", "status", "--json").stdout)
         assert status["postgres"]["running"] and status["redis"]["running"]
@@ -139,4 +141,44 @@ def test_the_suites_servers_are_stopped_by_the_last_session_using_them(tmp_path:
         second.pop()()
         assert not embedded.redis_status(home).running
     finally:
+        embedded.stop_redis(home)
+
+
+def test_dev_start_and_status_say_which_servers_the_configuration_does_not_use(
+    db_url: str, redis_server_url: str, tmp_path: Path
+) -> None:
+    """Before: with KEEL_DATABASE_URL set, `keel dev start` started an embedded PostgreSQL nothing would use, and
+    neither command said the configuration points elsewhere."""
+    from agents.cli.supervisor import where
+
+    home = tmp_path / "keel"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env.update({"KEEL_HOME": str(home), "KEEL_DATABASE_URL": db_url})
+
+    def run(*args: str, **more: str) -> str:
+        done = subprocess.run(
+            [KEEL, *args], env={**env, **more}, capture_output=True, text=True, timeout=180, cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    unused = f"KEEL_DATABASE_URL is set ({where(db_url)}): this configuration does not use the embedded postgres"
+    try:
+        started = run("dev", "start").splitlines()
+        assert started[0] == f"postgres  not started: {unused}"
+        assert started[1].startswith("redis     started (pid ")
+        assert not embedded.postgres_status(home).running, "no embedded PostgreSQL that nothing uses"
+        status = run("dev", "status").splitlines()
+        assert f"postgres          {unused}" in status
+        assert json.loads(run("dev", "status", "--json"))["postgres"]["configured"] == where(db_url)
+        assert json.loads(run("dev", "status", "--json"))["redis"]["configured"] is None
+        broker = f"{redis_server_url}/0"
+        both = run("dev", "start", KEEL_BROKER_URL=broker).splitlines()
+        assert both == [
+            f"postgres  not started: {unused}",
+            f"redis     not started: KEEL_BROKER_URL is set ({where(broker)}): this configuration does not use the"
+            " embedded redis",
+        ]
+    finally:
+        embedded.stop_postgres(home)
         embedded.stop_redis(home)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from agents.cli.supervisor import ServerHealth, where
+import subprocess
+import sys
+
+from agents.cli.supervisor import Child, ServerHealth, where
 
 
 def test_one_line_per_change_of_state_and_giving_up_only_after_a_whole_outage() -> None:
@@ -27,3 +30,21 @@ def test_server_lines_never_show_credentials() -> None:
     assert where("postgresql://postgres:@/postgres?host=/srv/.keel/postgres") == (
         "postgres on the socket in /srv/.keel/postgres"
     )
+
+
+def _exited(name: str, code: str, *lines: str) -> Child:
+    child = Child(name, [sys.executable, "-c", code], ready_line=None)
+    child.proc = subprocess.Popen(child.argv)
+    child.proc.wait()
+    child.last_lines.extend(lines)
+    return child
+
+
+def test_an_exit_says_which_signal_killed_it_and_quotes_the_last_line_only_for_a_failure() -> None:
+    """Before: `beat exited with status -9: [… INFO] this beat is the leader; stopped the rest`."""
+    leader = "[2026-11-30 18:22:01,123: INFO] this beat is the leader"
+    killed = _exited("beat", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", leader)
+    assert killed.why_exited() == "beat was killed by SIGKILL"
+    failed = _exited("worker", "raise SystemExit(3)", "Traceback …", "OSError: boom", "")
+    assert failed.why_exited() == "worker exited with status 3 (its last line was: OSError: boom)"
+    assert _exited("flower", "pass", "bye").why_exited() == "flower exited with status 0"

@@ -1,0 +1,128 @@
+"""Keel installed from its wheel (no checkout behind it, as in an image) works as the editable install does: it
+knows its version, migrates a database with the migrations it ships, and runs its commands and the demo.
+
+Network-free: the wheel is built with the test environment's setuptools (no build isolation), installed without
+dependencies into a fresh venv whose dependencies are the test environment's (a .pth line: that directory is added
+to sys.path, but its own .pth files, the editable install's finder among them, are not run)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from models import migrations
+from tests.support.broker import Broker
+
+pytestmark = pytest.mark.integration
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Installed:
+    bin: Path
+    site: Path
+
+    def keel(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+        clean.pop("PYTHONPATH", None)
+        return subprocess.run(
+            [str(self.bin / "keel"), *args],
+            env={**clean, "KEEL_HOME": str(cwd / ".keel"), **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=cwd,
+        )
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "src"  # pip builds in the tree it is given, and the checkout must stay as it is
+    shutil.copytree(
+        CHECKOUT,
+        source,
+        ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "tests", "bench"),
+    )
+    run = {"check": True, "capture_output": True, "text": True, "timeout": 300, "cwd": work}
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work / "dist"), str(source)], **run)
+    (wheel,) = (work / "dist").glob("keel-*.whl")
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], **run)
+    site = Path(
+        subprocess.run(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], **run
+        ).stdout.strip()
+    )
+    (site / "test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", wheel], **run)
+    yield Installed(venv / "bin", site)
+
+
+def test_the_wheel_is_what_runs_and_knows_its_version(installed: Installed, tmp_path: Path) -> None:
+    where = subprocess.run(
+        [str(installed.bin / "python"), "-c", "import agents, keel_migrations; print(agents.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    )
+    assert where.stdout.startswith(str(installed.site)), where.stdout
+    result = installed.keel("--version", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"keel {importlib.metadata.version('keel')}"
+
+
+def test_the_wheel_ships_the_migrations_and_migrates_a_database(
+    installed: Installed, empty_db_url: str, tmp_path: Path
+) -> None:
+    """Before: `FileNotFoundError: …/site-packages/alembic.ini is missing: run Keel from its checkout`."""
+    shipped = installed.site / "keel_migrations"
+    checkout = CHECKOUT / "alembic"
+    assert sorted(p.name for p in (shipped / "versions").glob("*.py")) == sorted(
+        p.name for p in (checkout / "versions").glob("*.py")
+    )
+    assert (shipped / "env.py").is_file() and (shipped / "script.py.mako").is_file()
+    assert not (installed.site / "alembic.ini").exists() and not (installed.site / "alembic" / "env.py").exists()
+
+    env = {"KEEL_DATABASE_URL": empty_db_url}
+    upgraded = installed.keel("db", "upgrade", cwd=tmp_path, env=env)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert upgraded.stdout == f"database at {migrations.head()} (head)\n"
+    created = installed.keel("agent", "create", "ops", cwd=tmp_path, env=env)
+    assert created.returncode == 0, created.stderr
+    listed = installed.keel("agent", "list", cwd=tmp_path, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "ops" in listed.stdout.split()
+
+
+def test_the_demo_runs_from_the_wheel(installed: Installed, db_url: str, broker: Broker, tmp_path: Path) -> None:
+    demo = installed.keel("demo", cwd=tmp_path, env={"KEEL_DATABASE_URL": db_url, **broker.env})
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "all invariants held" in demo.stdout
+
+
+def test_docs_phases_outside_a_checkout_says_what_to_do(installed: Installed, tmp_path: Path) -> None:
+    """Before: `keel docs phases --check` compared (and `keel docs phases` wrote) ./docs/phases.md wherever it ran."""
+    for args in (("docs", "phases"), ("docs", "phases", "--check")):
+        result = installed.keel(*args, cwd=tmp_path)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stderr == (
+            "keel: error: this Keel is installed from a package, not run from its checkout, so there is no "
+            "docs/phases.md to write or check: give --output FILE\n"
+        )
+    assert not (tmp_path / "docs").exists()
+    written = installed.keel("docs", "phases", "--output", "phases.md", cwd=tmp_path)
+    assert written.returncode == 0, written.stderr
+    assert (tmp_path / "phases.md").read_text().startswith("#")
