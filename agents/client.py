@@ -18,6 +18,7 @@ from agents.core import journal as journal_mod
 from agents.core import transition as core
 from agents.core.commands import (
     MAX_ACTOR_CHARS,
+    MAX_BIGINT,
     MAX_REASON_CHARS,
     Command,
     JobSpec,
@@ -25,7 +26,7 @@ from agents.core.commands import (
     check_json_text,
     check_text,
 )
-from agents.core.errors import AgentNotFound, InvalidInput
+from agents.core.errors import AgentNotFound, InvalidInput, quoted
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
 from agents.jobs import handlers
@@ -114,7 +115,8 @@ class Client:
                 if len(gone) > 1:
                     ids = ", ".join(str(t.id) for t in gone)
                     raise InvalidInput(
-                        f"{len(gone)} deleted agents were named {agent!r}: give the id of the one you mean ({ids})"
+                        f"{len(gone)} deleted agents were named {quoted(agent)}: give the id of the one you mean"
+                        f" ({ids})"
                     ) from None
             return exc.deleted.id
 
@@ -144,8 +146,8 @@ class Client:
         unknown = sorted(set(phases) - {p.value for p in Phase})
         if unknown:
             raise InvalidInput(f"phase {unknown[0]!r} is not one of {', '.join(p.value for p in Phase)}")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise InvalidInput(f"limit must be a positive integer, got {limit!r}")
+        if limit is not None:
+            check_count("limit", limit, low=1, high=MAX_BIGINT - 1)  # one more is read to tell whether more follow
         query = select(agents).order_by(agents.c.created_at.desc(), agents.c.id.desc())
         query = query.where(agents.c.archived_at.is_not(None) if archived else agents.c.archived_at.is_(None))
         if phases:
@@ -176,6 +178,8 @@ class Client:
         """Journal events, oldest first, for an agent and/or a request."""
         if limit is not None:
             check_count("limit", limit, low=1)
+        if request_id is not None:
+            check_text("request_id", request_id, limit=200)
         resolved = None if agent_id is None else self._chain_id(agent_id)
         with core.store_errors():
             return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
@@ -184,17 +188,25 @@ class Client:
         self, *, agent_id: AgentRef | None = None, request_id: str | None = None, poll_seconds: float = 0.5
     ) -> Iterator[JournalEvent]:
         """Every journal event (of an agent and/or a request), oldest first, then each new one as it commits:
-        read by each agent's chain position, so none is skipped or repeated. Runs until the caller stops."""
+        read by each agent's chain position, so none is skipped or repeated. Runs until the caller stops.
+
+        The agent is looked up at once: an unknown one raises :class:`AgentNotFound` here, not at the first event."""
         resolved = None if agent_id is None else self._chain_id(agent_id)
-        seen: dict[UUID, int] = {}
-        while True:
-            batch = self.journal_after(seen, agent_id=resolved, request_id=request_id)
-            for event in batch:
-                seen[event.agent_id] = event.seq
-                if request_id is None or event.request_id == request_id:
-                    yield event
-            if len(batch) < journal_mod.FOLLOW_BATCH:
-                time.sleep(poll_seconds)
+        if request_id is not None:
+            check_text("request_id", request_id, limit=200)
+
+        def follow() -> Iterator[JournalEvent]:
+            seen: dict[UUID, int] = {}
+            while True:
+                batch = self.journal_after(seen, agent_id=resolved, request_id=request_id)
+                for event in batch:
+                    seen[event.agent_id] = event.seq
+                    if request_id is None or event.request_id == request_id:
+                        yield event
+                if len(batch) < journal_mod.FOLLOW_BATCH:
+                    time.sleep(poll_seconds)
+
+        return follow()
 
     def journal_after(
         self, seen: Mapping[UUID, int], *, agent_id: AgentRef | None = None, request_id: str | None = None
@@ -437,7 +449,9 @@ def _decode_cursor(cursor: str) -> tuple[datetime, UUID]:
             raise ValueError("naive time")
         return at, UUID(agent_id)
     except (ValueError, UnicodeDecodeError):
-        raise InvalidInput(f"cursor {cursor!r} is not one `keel agent list` printed (use its 'next' value)") from None
+        raise InvalidInput(
+            f"cursor {quoted(cursor)} is not one `keel agent list` printed (use its 'next' value)"
+        ) from None
 
 
 def _as_uuid(agent: AgentRef) -> UUID | None:

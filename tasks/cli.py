@@ -87,7 +87,7 @@ def beat(loglevel: str) -> None:
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--port", default=5555, show_default=True, type=int)
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(1, 65535))
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int, flower_args: tuple[str, ...]) -> None:
     """Run Flower on the Keel broker (extra arguments go to Flower, e.g. --basic-auth=user:pass)."""

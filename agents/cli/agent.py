@@ -12,7 +12,11 @@ from typing import Any
 import click
 
 from agents.cli.common import (
+    MAX_WAIT_SECONDS,
+    Seconds,
     actor_option,
+    command_line,
+    count,
     decimal_text,
     emit,
     friendly,
@@ -22,13 +26,20 @@ from agents.cli.common import (
     text_value,
     timestamp,
 )
-from agents.cli.watch import EXIT_TIMEOUT, wait_for_rest
+from agents.cli.watch import EXIT_TIMEOUT, outcome_json, outcome_text, wait_for_rest
+from agents.core.commands import MAX_BIGINT
+from agents.core.errors import quoted
 from agents.core.phases import RESTING, Phase
+
+#: The most agents one page of ``keel agent list`` shows (``--after`` pages on).
+MAX_PAGE = 1000
+#: A revision, a budget: what a bigint column holds.
+REVISION = click.IntRange(0, MAX_BIGINT)
 
 
 def state_text(state: Any) -> str:
     """An agent's state as the text ``keel agent show`` and ``keel state`` print."""
-    budget_tokens = "unlimited" if state.budget_tokens is None else f"{state.budget_tokens:,}"
+    budget_tokens = "unlimited" if state.budget_tokens is None else count(state.budget_tokens)
     budget_cost = "unlimited" if state.budget_cost is None else decimal_text(state.budget_cost)
     return "\n".join(
         [
@@ -37,7 +48,7 @@ def state_text(state: Any) -> str:
             f"revision   {state.revision}",
             f"request    {state.request_id or '-'}",
             f"deadlines  soft {text_value(state.soft_deadline)}  hard {text_value(state.hard_deadline)}",
-            f"tokens     {state.spent_tokens:,} spent of {budget_tokens}",
+            f"tokens     {count(state.spent_tokens)} spent of {budget_tokens}",
             f"cost       {decimal_text(state.spent_cost)} spent of {budget_cost}",
             f"priority   {state.priority}",
             f"created    {timestamp(state.created_at)}",
@@ -68,7 +79,7 @@ def agent() -> None:
 
 @agent.command("create")
 @click.argument("name")
-@click.option("--budget-tokens", type=click.IntRange(min=0), help="Token budget (default: unlimited).")
+@click.option("--budget-tokens", type=REVISION, help="Token budget (default: unlimited).")
 @click.option("--budget-cost", type=str, help="Cost budget, e.g. 2.50 (default: unlimited).")
 @actor_option
 @json_option
@@ -80,7 +91,7 @@ def agent_create(name: str, budget_tokens: int | None, budget_cost: str | None, 
         try:
             cost = Decimal(budget_cost)
         except ArithmeticError:
-            raise click.BadParameter(f"{budget_cost!r} is not a number", param_hint="--budget-cost") from None
+            raise click.BadParameter(f"{quoted(budget_cost)} is not a number", param_hint="--budget-cost") from None
     with open_client() as client:
         state = client.create_agent(name, budget_tokens=budget_tokens, budget_cost=cost, actor=actor)
     emit(state, as_json, state_text(state))
@@ -106,7 +117,9 @@ def agent_show(agent_ref: str, as_json: bool) -> None:
     help="Only agents in this phase (repeat for several).",
 )
 @click.option("--archived", is_flag=True, help="List the archived agents instead of those in use.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many.")
+@click.option(
+    "--limit", type=click.IntRange(1, MAX_PAGE), default=50, show_default=True, help="At most this many (a page)."
+)
 @click.option("--after", "cursor", metavar="CURSOR", help="The page after this cursor (printed as 'next').")
 @json_option
 @friendly
@@ -124,8 +137,10 @@ def agent_list(phases: tuple[str, ...], archived: bool, limit: int, cursor: str 
         f"  {timestamp(s.updated_at)}"
         for s in page.agents
     ]
-    if page.next is not None:
-        lines.append(f"next: keel agent list --after {page.next}")
+    if page.next is not None:  # the whole command for the next page: the same filters, the same page size
+        words = ["keel", "agent", "list", *(w for phase in phases for w in ("--phase", phase))]
+        words += [*(["--archived"] if archived else []), "--limit", str(limit), "--after", page.next]
+        lines.append(f"next: {command_line(*words)}")
     emit(page, as_json, "\n".join(lines))
 
 
@@ -159,7 +174,7 @@ def agent_unarchive(agent_ref: str, actor: str, as_json: bool) -> None:
 @agent.command("delete")
 @click.argument("agent_ref", metavar="AGENT")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation (needed when stdin is not a terminal).")
-@click.option("--revision", type=click.IntRange(min=0), help="Expected revision (rejected if stale).")
+@click.option("--revision", type=REVISION, help="Expected revision (rejected if stale).")
 @click.option("--reason", help="Why (journaled).")
 @actor_option
 @json_option
@@ -194,12 +209,16 @@ def agent_delete(
     )
 
 
+timeout_option = click.option(
+    "--timeout",
+    type=Seconds(MAX_WAIT_SECONDS),
+    metavar="SECONDS",
+    help="Stop waiting after this many seconds (exit 5; the request goes on).",
+)
+
+
 def _wait_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option(
-        "--timeout",
-        type=click.FloatRange(min=0, min_open=True),
-        help="With --wait/--follow: stop waiting after this many seconds (exit 5; the request goes on).",
-    )(fn)
+    fn = timeout_option(fn)
     fn = click.option(
         "--follow",
         is_flag=True,
@@ -218,20 +237,38 @@ def _check_wait(wait: bool, follow: bool, timeout: float | None) -> None:
         raise click.UsageError("--timeout needs --wait or --follow")
 
 
-def _finish(client: Any, state: Any, *, wait: bool, follow: bool, timeout: float | None, as_json: bool) -> None:
-    """Print the state now, or wait (and follow) until the request rests and exit with its outcome."""
+def _finish(
+    client: Any,
+    state: Any,
+    request_id: str,
+    *,
+    wait: bool,
+    follow: bool,
+    timeout: float | None,
+    as_json: bool,
+) -> None:
+    """Print the state now, or wait (and follow) until request ``request_id`` rests and exit with its outcome: the
+    agent's state if the request is still its current one, else how the request ended."""
     if not (wait or follow):
         emit(state, as_json, state_text(state))
         return
-    status, state = wait_for_rest(client, state, follow=follow, as_json=as_json, timeout=timeout, details=False)
+    status, last = wait_for_rest(
+        client, state, request_id, follow=follow, as_json=as_json, timeout=timeout, details=False
+    )
+    agent = client.get_state(state.id)
     if status == EXIT_TIMEOUT:
+        again = command_line("keel", "wait", agent.name, request_id)
         click.echo(
-            f"keel: timed out after {timeout:g}s: agent {state.name!r} is {state.phase} at revision {state.revision};"
-            " the request goes on (wait again with `keel submit AGENT REQUEST_ID --wait`, or see `keel state`)",
+            f"keel: timed out after {timeout:g}s: agent {quoted(agent.name)} is {last.to_phase} at revision"
+            f" {last.revision} on request {quoted(request_id)}; the request goes on (wait again with `{again}`, or"
+            f" see `{command_line('keel', 'state', agent.name)}`)",
             err=True,
         )
     if not (follow and as_json):
-        emit(state, as_json, state_text(state))
+        if agent.request_id == request_id:
+            emit(agent, as_json, state_text(agent))
+        else:
+            emit(outcome_json(agent, last), as_json, outcome_text(agent, last))
     sys.exit(status)
 
 
@@ -241,10 +278,10 @@ def _finish(client: Any, state: Any, *, wait: bool, follow: bool, timeout: float
 @click.option(
     "--input",
     "input_text",
-    default="null",
-    help='The request\'s input as JSON (plan: {"prompt": "...", "script": [...]}).',
+    metavar="JSON",
+    help='The request\'s input as JSON (required; plan: {"prompt": "...", "script": [...]}).',
 )
-@click.option("--revision", type=click.IntRange(min=0), help="Expected revision (rejected if stale).")
+@click.option("--revision", type=REVISION, help="Expected revision (rejected if stale).")
 @actor_option
 @_wait_options
 @json_option
@@ -252,7 +289,7 @@ def _finish(client: Any, state: Any, *, wait: bool, follow: bool, timeout: float
 def submit(
     agent_ref: str,
     request_id: str,
-    input_text: str,
+    input_text: str | None,
     revision: int | None,
     actor: str,
     wait: bool,
@@ -260,15 +297,18 @@ def submit(
     timeout: float | None,
     as_json: bool,
 ) -> None:
-    """Start request REQUEST_ID on AGENT (idempotent on REQUEST_ID)."""
+    """Start request REQUEST_ID on AGENT (idempotent on REQUEST_ID: submitting it again as it was changes nothing,
+    and with --wait waits for that request)."""
     _check_wait(wait, follow, timeout)
+    if input_text is None:  # no default: a forgotten --input is not the same as an input of null
+        raise click.UsageError('--input is required: the request\'s input as JSON, e.g. --input \'{"prompt": "hi"}\'')
     try:
         value = json.loads(input_text)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
     with open_client() as client:
         state = client.submit(agent_ref, request_id, value, expected_revision=revision, actor=actor)
-        _finish(client, state, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
+        _finish(client, state, request_id, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
 
 
 @click.command("run")
@@ -309,8 +349,28 @@ def run(
         except json.JSONDecodeError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--script") from None
     with open_client() as client:
-        state = client.submit(agent_ref, request_id or f"run-{uuid.uuid4().hex[:12]}", value, actor=actor)
-        _finish(client, state, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
+        request_id = request_id or f"run-{uuid.uuid4().hex[:12]}"
+        state = client.submit(agent_ref, request_id, value, actor=actor)
+        _finish(client, state, request_id, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
+
+
+@click.command("wait")
+@click.argument("agent_ref", metavar="AGENT")
+@click.argument("request_id", required=False)
+@click.option("--follow", is_flag=True, help="Show the request's progress (phase, revision, steps) meanwhile.")
+@timeout_option
+@json_option
+@friendly
+def wait_cmd(agent_ref: str, request_id: str | None, follow: bool, timeout: float | None, as_json: bool) -> None:
+    """Wait until AGENT's request REQUEST_ID rests, without submitting anything (default: the agent's current or
+    last request). Exit 0 done, 3 failed, 4 waiting for approval, 5 past --timeout (the request goes on)."""
+    with open_client() as client:
+        state = client.get_state(agent_ref)
+        if request_id is None:
+            if state.request_id is None:
+                raise click.ClickException(f"agent {quoted(state.name)} has had no request yet: nothing to wait for")
+            request_id = state.request_id
+        _finish(client, state, request_id, wait=True, follow=follow, timeout=timeout, as_json=as_json)
 
 
 @click.command("state")
@@ -327,7 +387,7 @@ def state_cmd(agent_ref: str, as_json: bool) -> None:
 def _decision_command(name: str, help_text: str) -> click.Command:
     @click.command(name, help=help_text)
     @click.argument("agent_ref", metavar="AGENT")
-    @click.option("--revision", type=click.IntRange(min=0), required=name != "cancel", help="Expected revision.")
+    @click.option("--revision", type=REVISION, required=name != "cancel", help="Expected revision.")
     @click.option("--reason", help="Why (journaled).")
     @actor_option
     @json_option
@@ -351,4 +411,4 @@ approve = _decision_command("approve", "Approve AGENT's pending tool call (needs
 reject = _decision_command("reject", "Decline AGENT's pending tool call; it goes back to planning (needs --revision).")
 cancel = _decision_command("cancel", "Stop AGENT's request in flight: it moves to failed.")
 
-COMMANDS = (agent, submit, run, state_cmd, approve, reject, cancel)
+COMMANDS = (agent, submit, run, wait_cmd, state_cmd, approve, reject, cancel)

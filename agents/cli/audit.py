@@ -9,23 +9,27 @@ from typing import Any
 import click
 
 from agents.cli.common import (
+    count,
     decimal_text,
     emit,
     friendly,
     json_option,
     open_client,
     percent,
+    rounded,
     seconds,
     text_value,
     to_json,
 )
 from agents.cli.watch import journal_header, journal_text, print_events
+from agents.core.commands import MAX_BIGINT
+from agents.core.errors import quoted
 
 
 @click.command("journal")
 @click.option("--agent", "agent_ref", help="Only this agent (id or name).")
 @click.option("--request-id", help="Only this request.")
-@click.option("--limit", type=click.IntRange(min=1), help="At most this many events (not with --follow).")
+@click.option("--limit", type=click.IntRange(1, MAX_BIGINT), help="At most this many events (not with --follow).")
 @click.option("--details", is_flag=True, help="Show every event's details (rejections always show theirs).")
 @click.option(
     "--follow",
@@ -50,11 +54,12 @@ def journal_cmd(
                     names.update(client.agent_names([agent_id]))
                 return names.get(agent_id, str(agent_id))
 
+            events = client.follow_journal(agent_id=agent_ref, request_id=request_id)  # an unknown agent: here
             if not as_json:
                 click.echo(journal_header("seq" if agent_ref else "agent#seq"))
             try:
                 print_events(
-                    client.follow_journal(agent_id=agent_ref, request_id=request_id),
+                    events,
                     as_json=as_json,
                     details=details,
                     name_of=None if agent_ref else name_of,
@@ -83,6 +88,7 @@ def audit_verify(as_json: bool) -> None:
 
     with open_client() as client:
         report = journal.verify(client.db)
+        names = client.agent_names(b.agent_id for b in report.breaks)
     if as_json:
         click.echo(
             to_json(
@@ -93,6 +99,7 @@ def audit_verify(as_json: bool) -> None:
                     "breaks": [
                         {
                             "agent_id": str(b.agent_id),
+                            "agent": names.get(b.agent_id),
                             "seq": b.seq,
                             "journal_id": b.journal_id,
                             "reason": b.reason,
@@ -107,7 +114,8 @@ def audit_verify(as_json: bool) -> None:
     else:
         for b in report.breaks:
             where = f"journal id {b.journal_id}" if b.journal_id is not None else "chain head"
-            click.echo(f"BROKEN agent {b.agent_id} at event {b.seq} ({where}): {b.reason}", err=True)
+            agent = f"{quoted(names[b.agent_id])} ({b.agent_id})" if b.agent_id in names else str(b.agent_id)
+            click.echo(f"BROKEN agent {agent} at event {b.seq} ({where}): {b.reason}", err=True)
     if not report.ok:
         sys.exit(1)
 
@@ -124,7 +132,8 @@ def kpi(include_demo: bool, as_json: bool) -> None:
     with open_client() as client:
         data = kpis(client.db, skip_prefix=None if include_demo else DEMO_PREFIX)
     width = max(len(k) for k in data) + 1
-    emit(data, as_json, "\n".join(f"{k:<{width}} {_kpi_text(k, v)}" for k, v in data.items()))
+    measured = {k: rounded(v) if k.endswith(("_rate", "_seconds")) else v for k, v in data.items()}
+    emit(measured, as_json, "\n".join(f"{k:<{width}} {_kpi_text(k, v)}" for k, v in data.items()))
 
 
 def _kpi_text(name: str, value: Any) -> str:
@@ -139,7 +148,7 @@ def _kpi_text(name: str, value: Any) -> str:
     if isinstance(value, Decimal):
         return decimal_text(value.quantize(Decimal("0.0001")))
     if isinstance(value, int):
-        return f"{value:,}"
+        return count(value)
     return text_value(value)
 
 

@@ -6,6 +6,8 @@ Imports of what a command needs happen inside the command, so ``keel --help`` st
 from __future__ import annotations
 
 import json
+import math
+import shlex
 from collections.abc import Callable, Sequence
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -118,16 +120,24 @@ def to_json(value: Any, *, indent: int | None = 2) -> str:
     return json.dumps(jsonable(value), indent=indent, ensure_ascii=False, allow_nan=False)
 
 
-def text_value(value: Any) -> str:
-    """One value as text mode prints it: payloads as compact JSON, times and decimals in the one format."""
+def text_value(value: Any, *, none: str = "-") -> str:
+    """One value as text mode prints it: payloads as compact JSON, times and decimals in the one format, booleans as
+    JSON spells them; ``none`` for no value."""
     if value is None:
-        return "-"
+        return none
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, dict | list | tuple):
         return json.dumps(jsonable(value), ensure_ascii=False, separators=(", ", ": "))
     if isinstance(value, float):
         return f"{value:.6g}"
     result = jsonable(value)
     return result if isinstance(result, str) else str(result)
+
+
+def count(value: int) -> str:
+    """A count for people, with thousands separators: ``1641`` -> ``1,641``."""
+    return f"{value:,}"
 
 
 def percent(rate: float) -> str:
@@ -140,6 +150,17 @@ def seconds(value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:,.2f} s"
 
 
+def rounded(value: float | None) -> float | None:
+    """A measured float for ``--json``: seconds to the microsecond, rates to the millionth, without float noise
+    (``0.4759479999999999`` -> ``0.475948``)."""
+    return None if value is None else round(float(value), 6)
+
+
+def command_line(*words: str) -> str:
+    """A command a person can paste into a shell: ``keel wait ops-bot F1``, quoting what needs it."""
+    return shlex.join(words)
+
+
 def emit(value: Any, as_json: bool, text: str) -> None:
     """Print ``value`` as one JSON object with ``--json``, else ``text``."""
     if as_json:
@@ -150,9 +171,28 @@ def emit(value: Any, as_json: bool, text: str) -> None:
 
 
 def fields_text(row: dict[str, Any], skip: Sequence[str] = ()) -> str:
-    """A row as ``name  value`` lines, values as :func:`text_value` prints them."""
+    """A row as ``name  value`` lines, values as :func:`text_value` prints them (no value: ``null``, as in JSON)."""
     width = max((len(k) for k in row), default=0) + 1
-    return "\n".join(f"{k:<{width}} {text_value(v)}" for k, v in row.items() if k not in skip)
+    return "\n".join(f"{k:<{width}} {text_value(v, none='null')}" for k, v in row.items() if k not in skip)
+
+
+#: The longest ``--timeout`` a wait takes: 30 days (no ``--timeout`` waits for as long as it takes).
+MAX_WAIT_SECONDS = 30 * 24 * 3600
+
+
+class Seconds(click.FloatRange):
+    """A positive number of seconds up to ``max``; ``nan``, which passes any range check, is refused too."""
+
+    name = "seconds"
+
+    def __init__(self, max: float) -> None:
+        super().__init__(min=0, min_open=True, max=max)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        result = super().convert(value, param, ctx)
+        if math.isnan(result):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return result
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")

@@ -4,13 +4,18 @@ them and adds the ``keel.commands`` entry points (``keel worker``, ``keel beat``
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
 import click
 
 from agents.cli import agent, audit, db, demo, dev, docs, job, outbox
+from agents.core.errors import QUOTED_CHARS
 from agents.core.redaction import install_log_redaction
+
+#: A "word" this long in a usage error is a value someone gave (click echoes it): shortened, not echoed whole.
+_LONG_WORD = re.compile(rf"\S{{{2 * QUOTED_CHARS},}}")
 
 
 class _Keel(click.Group):
@@ -66,8 +71,10 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         message = " ".join(exc.format_message().split())
-        if isinstance(exc, click.UsageError) and exc.ctx is not None:
-            message += f" (see '{exc.ctx.command_path} --help')"
+        if isinstance(exc, click.UsageError):
+            message = _LONG_WORD.sub(lambda m: f"{m[0][:QUOTED_CHARS]}… ({len(m[0]):,} characters)", message)
+            if exc.ctx is not None:
+                message += f" (see '{exc.ctx.command_path} --help')"
         click.echo(f"keel: error: {message}", err=True)
         sys.exit(exc.exit_code)
     sys.exit(status if isinstance(status, int) else 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from agents.cli.common import emit, fields_text, friendly, json_option, open_client
+from agents.core.errors import quoted
 
 
 @click.command("job")
@@ -18,7 +19,7 @@ def job_show(key: str, as_json: bool) -> None:
     with open_client() as client:
         row = job_row(client.db, key)
     if row is None:
-        raise click.ClickException(f"no job has the key {key!r}")
+        raise click.ClickException(f"no job has the key {quoted(key)}")
     emit(row, as_json, fields_text(row))
 
 

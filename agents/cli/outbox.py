@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import click
 
-from agents.cli.common import actor_option, emit, fields_text, friendly, json_option, open_client, percent
+from agents.cli.common import (
+    actor_option,
+    emit,
+    fields_text,
+    friendly,
+    json_option,
+    open_client,
+    percent,
+    rounded,
+)
+from agents.core.commands import MAX_BIGINT
+from agents.core.errors import quoted
 
 
 @click.group()
@@ -14,7 +25,7 @@ def outbox() -> None:
 
 @outbox.command("list")
 @click.option("--status", type=click.Choice(["pending", "sending", "sent", "dead"]), help="Only this status.")
-@click.option("--limit", type=click.IntRange(min=1, max=2**63 - 1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_BIGINT), default=50, show_default=True, help="At most this many.")
 @json_option
 @friendly
 def outbox_list(status: str | None, limit: int, as_json: bool) -> None:
@@ -42,7 +53,7 @@ def outbox_show(key: str, as_json: bool) -> None:
     with open_client() as client:
         row = message_row(client.db, key)
     if row is None:
-        raise click.ClickException(f"no outbox message has the key {key!r}")
+        raise click.ClickException(f"no outbox message has the key {quoted(key)}")
     emit(row, as_json, fields_text(row))
 
 
@@ -68,7 +79,8 @@ def outbox_stats(as_json: bool) -> None:
 
     with open_client() as client:
         data = stats(client.db)
-    emit(data, as_json, fields_text({**data, "duplicate_rate": percent(data["duplicate_rate"])}))
+    text = fields_text({**data, "duplicate_rate": percent(data["duplicate_rate"])})
+    emit({**data, "duplicate_rate": rounded(data["duplicate_rate"])}, as_json, text)
 
 
 COMMANDS = (outbox,)

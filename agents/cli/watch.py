@@ -1,5 +1,5 @@
-"""Following what happens: the journal as text lines, ``keel journal --follow`` and ``keel run/submit --wait`` /
-``--follow`` (until the request rests, with an exit status that says how it ended).
+"""Following what happens: the journal as text lines, ``keel journal --follow``, ``keel wait`` and ``keel
+run/submit --wait`` / ``--follow`` (until the request rests, with an exit status that says how it ended).
 
 Plain lines when stdout is not a terminal (a pipe, a file, CI); a Rich live display when it is.
 """
@@ -13,7 +13,8 @@ from typing import Any
 
 import click
 
-from agents.cli.common import text_value, timestamp, to_json
+from agents.cli.common import count, text_value, timestamp, to_json
+from agents.core.errors import quoted
 
 #: Exit statuses of ``--wait`` / ``--follow`` (1 and 2 stay Keel's and click's: an error, a usage error).
 EXIT_DONE, EXIT_FAILED, EXIT_WAITING_APPROVAL, EXIT_TIMEOUT = 0, 3, 4, 5
@@ -87,42 +88,92 @@ def _console() -> Any:
     return Console()
 
 
+def last_transition(events: Iterable[Any], agent_id: Any, request_id: str) -> Any:
+    """The request's last transition among ``events``: where the request itself stands (its phase and revision),
+    whatever its agent has done since."""
+    last = None
+    for event in events:
+        if event.kind == "transition" and event.agent_id == agent_id and event.request_id == request_id:
+            last = event
+    return last
+
+
 def wait_for_rest(
-    client: Any, state: Any, *, follow: bool, as_json: bool, timeout: float | None, details: bool
+    client: Any,
+    state: Any,
+    request_id: str,
+    *,
+    follow: bool,
+    as_json: bool,
+    timeout: float | None,
+    details: bool,
 ) -> tuple[int, Any]:
-    """Wait until the request in ``state`` rests (done, failed, waiting for approval) or ``timeout`` seconds pass.
-    With ``follow``, show its progress meanwhile. Returns the exit status and the last state read."""
-    request_id = state.request_id
-    history = client.journal(request_id=request_id)
-    seen = {state.id: max((e.seq for e in history), default=0)}
+    """Wait until request ``request_id`` of the agent in ``state`` rests (done, failed, waiting for approval) or
+    ``timeout`` seconds pass; with ``follow``, show its progress meanwhile. Where the request stands is read from its
+    own journal events (its last transition), so an older request's outcome is its own, not the agent's current
+    request's. Returns the exit status and the request's last transition event."""
+    history = client.journal(agent_id=state.id, request_id=request_id)
+    last = last_transition(history, state.id, request_id)
+    if last is None:
+        raise click.ClickException(f"agent {quoted(state.name)} has no request {quoted(request_id)}")
+    seen = {state.id: max(e.seq for e in history)}
     deadline = None if timeout is None else time.monotonic() + timeout
-    live = _live(state) if follow and not as_json and sys.stdout.isatty() else None
+    # The live view shows the agent: only when this request is the one it works on.
+    current = state.request_id == request_id
+    live = _live(state) if follow and current and not as_json and sys.stdout.isatty() else None
     if follow and live is None:
         print_events(history, as_json=as_json, details=details)
     try:
         while True:
-            if state.request_id != request_id:
-                raise click.ClickException(
-                    f"agent {state.name!r} moved on to request {state.request_id!r}: see `keel journal --request-id"
-                    f" {request_id}` for how {request_id!r} ended"
-                )
-            if state.phase in OUTCOMES:
-                return OUTCOMES[state.phase], state
+            if last.to_phase in OUTCOMES:
+                return OUTCOMES[last.to_phase], last
             if deadline is not None and time.monotonic() >= deadline:
-                return EXIT_TIMEOUT, state
+                return EXIT_TIMEOUT, last
             time.sleep(POLL_SECONDS)
             new = client.journal_after(seen, agent_id=state.id)
             for event in new:
                 seen[event.agent_id] = event.seq
+            last = last_transition(new, state.id, request_id) or last
             if follow and live is None:
                 print_events([e for e in new if e.request_id == request_id], as_json=as_json, details=details)
-            state = client.get_state(state.id)
             if live is not None:
+                state = client.get_state(state.id)
                 live.update(_panel(state, client.request_jobs(request_id)), refresh=True)
     finally:
         if live is not None:
-            live.update(_panel(state, client.request_jobs(request_id)), refresh=True)
+            live.update(_panel(client.get_state(state.id), client.request_jobs(request_id)), refresh=True)
             live.stop()
+
+
+def outcome_text(agent: Any, last: Any) -> str:
+    """How an older request ended, for an agent that has moved on since."""
+    return "\n".join(
+        [
+            f"request    {last.request_id}: {last.to_phase} at revision {last.revision}"
+            f" ({last.event}, {last.decision}, {timestamp(last.at)})",
+            f"agent      {agent.name} ({agent.id}) has moved on: request {agent.request_id or '-'} is {agent.phase}"
+            f" at revision {agent.revision}",
+        ]
+    )
+
+
+def outcome_json(agent: Any, last: Any) -> dict[str, Any]:
+    """How an older request ended (``--json``): the request's fields, and where its agent is now."""
+    return {
+        "request_id": last.request_id,
+        "phase": last.to_phase,
+        "revision": last.revision,
+        "event": last.event,
+        "decision": last.decision,
+        "at": last.at,
+        "agent": {
+            "id": agent.id,
+            "name": agent.name,
+            "request_id": agent.request_id,
+            "phase": agent.phase,
+            "revision": agent.revision,
+        },
+    }
 
 
 def _live(state: Any) -> Any:
@@ -143,7 +194,7 @@ def _panel(state: Any, jobs: Sequence[Any]) -> Any:
         (f"{state.name}", "bold"),
         f"  request {state.request_id}  ",
         (state.phase, colors.get(state.phase, "cyan")),
-        f"  revision {state.revision}  tokens {state.spent_tokens}  cost {text_value(state.spent_cost)}",
+        f"  revision {state.revision}  tokens {count(state.spent_tokens)}  cost {text_value(state.spent_cost)}",
     )
     steps = Table(box=None, pad_edge=False)
     for column in ("step", "status", "attempts", "last error"):

@@ -12,6 +12,19 @@ from models.clock import rfc3339
 from models.errors import KeelError as KeelError
 from models.schemas import DeletedAgent
 
+#: How much of a long value an error message quotes: the rest is counted, not echoed.
+QUOTED_CHARS = 60
+
+
+def quoted(value: object) -> str:
+    """``value`` (a name, an id, a key someone gave) as an error message quotes it: its ``repr``, and of a long one
+    only the first :data:`QUOTED_CHARS` characters, ``…`` and its length — a 5,000-character request id is not
+    echoed whole."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= QUOTED_CHARS:
+        return repr(text)
+    return f"{text[:QUOTED_CHARS] + '…'!r} ({len(text):,} characters)"
+
 
 class InvalidInput(KeelError):
     """The input is not valid."""
@@ -24,8 +37,9 @@ class UnknownOperation(InvalidInput):
         self.operation = operation
         self.known = tuple(known)
         super().__init__(
-            f"operation {operation!r} is unknown: no handler is registered for it (known: {', '.join(known) or 'none'};"
-            " handler modules are imported from KEEL_IMPORTS and the keel.handlers entry points)"
+            f"operation {quoted(operation)} is unknown: no handler is registered for it (known:"
+            f" {', '.join(known) or 'none'}; handler modules are imported from KEEL_IMPORTS and the keel.handlers"
+            " entry points)"
         )
 
 
@@ -36,11 +50,11 @@ class AgentNotFound(KeelError):
         self.agent = agent
         self.deleted = deleted
         if deleted is None:
-            message = f"no agent has the id or name {str(agent)!r}"
+            message = f"no agent has the id or name {quoted(agent)}"
         else:
             at = rfc3339(deleted.deleted_at)
             message = (
-                f"agent {deleted.name!r} was deleted at {at} by {deleted.deleted_by} (id {deleted.id});"
+                f"agent {quoted(deleted.name)} was deleted at {at} by {deleted.deleted_by} (id {deleted.id});"
                 " its journal is kept"
             )
         super().__init__(message)
@@ -51,7 +65,7 @@ class AgentExists(KeelError):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        super().__init__(f"an agent named {name!r} exists already")
+        super().__init__(f"an agent named {quoted(name)} exists already")
 
 
 class Rejected(KeelError):
@@ -60,7 +74,7 @@ class Rejected(KeelError):
 
 def _agent(agent_id: UUID, name: str | None) -> str:
     """An agent as a person named it: its name (what they typed, or what the id stands for)."""
-    return repr(name) if name else str(agent_id)
+    return quoted(name) if name else str(agent_id)
 
 
 class StaleRevision(Rejected):
@@ -112,11 +126,11 @@ class RequestConflict(Rejected):
         if self.differs:
             what = " and ".join(self.differs)
             message = (
-                f"request id {request_id!r} was submitted to agent {_agent(owner, owner_name)} before with a different"
-                f" {what}: a retry must repeat the request as it was; use a new request id for a new request"
+                f"request id {quoted(request_id)} was submitted to agent {_agent(owner, owner_name)} before with a"
+                f" different {what}: a retry must repeat the request as it was; use a new request id for a new request"
             )
         else:
-            message = f"request id {request_id!r} already belongs to agent {_agent(owner, owner_name)}"
+            message = f"request id {quoted(request_id)} already belongs to agent {_agent(owner, owner_name)}"
         super().__init__(message)
 
 
@@ -126,7 +140,7 @@ class AgentArchived(Rejected):
     def __init__(self, *, agent_id: UUID, name: str) -> None:
         self.agent_id = agent_id
         self.name = name
-        super().__init__(f"agent {name!r} is archived: it takes no new requests (unarchive it first)")
+        super().__init__(f"agent {quoted(name)} is archived: it takes no new requests (unarchive it first)")
 
 
 class AgentBusy(Rejected):
@@ -137,7 +151,8 @@ class AgentBusy(Rejected):
         self.name = name
         self.phase = phase
         super().__init__(
-            f"agent {name!r} is {phase}: archive it when it rests (idle, done or failed), or cancel its request first"
+            f"agent {quoted(name)} is {phase}: archive it when it rests (idle, done or failed), or cancel its request"
+            " first"
         )
 
 
@@ -151,13 +166,13 @@ class AgentInUse(Rejected):
         self.archived = archived
         if not at_rest:
             message = (
-                f"agent {name!r} is {phase}: only an archived agent at rest (idle, done or failed) can be deleted:"
-                " cancel its request and archive it first"
+                f"agent {quoted(name)} is {phase}: only an archived agent at rest (idle, done or failed) can be"
+                " deleted: cancel its request and archive it first"
             )
         elif not archived:
-            message = f"agent {name!r} is not archived: archive it first (it then takes no new requests)"
+            message = f"agent {quoted(name)} is not archived: archive it first (it then takes no new requests)"
         else:  # pragma: no cover - an agent at rest has no live jobs (coming to rest cancels them)
-            message = f"agent {name!r} still has live jobs: it can be deleted once they are over"
+            message = f"agent {quoted(name)} still has live jobs: it can be deleted once they are over"
         super().__init__(message)
 
 
@@ -257,4 +272,4 @@ class LostClaim(KeelError):
 
     def __init__(self, key: str) -> None:
         self.key = key
-        super().__init__(f"outbox message {key!r} was taken over by another relay")
+        super().__init__(f"outbox message {quoted(key)} was taken over by another relay")

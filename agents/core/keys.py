@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from agents.core.errors import InvalidInput
+from agents.core.errors import InvalidInput, quoted
 
 # Request ids and operations are single key segments; a target may itself contain ':' (e.g. ``tool:search:c1``).
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
@@ -15,7 +15,7 @@ def check_request_id(request_id: str) -> str:
     """Return ``request_id`` if it can be a key segment, else raise :class:`InvalidInput` naming the rule."""
     if not isinstance(request_id, str) or not _SEGMENT.fullmatch(request_id):
         raise InvalidInput(
-            f"request_id {request_id!r} is invalid: use 1-128 characters of letters, digits, '.', '_' or '-', "
+            f"request_id {quoted(request_id)} is invalid: use 1-128 characters of letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
     return request_id
@@ -25,9 +25,9 @@ def make_key(request_id: str, operation: str, target: str) -> str:
     """The one way to build a key. The same inputs give the same key in every process, forever."""
     check_request_id(request_id)
     if not _SEGMENT.fullmatch(operation):
-        raise InvalidInput(f"operation {operation!r} is invalid: one segment of letters, digits, '.', '_', '-'")
+        raise InvalidInput(f"operation {quoted(operation)} is invalid: one segment of letters, digits, '.', '_', '-'")
     if not _TARGET.fullmatch(target):
-        raise InvalidInput(f"target {target!r} is invalid: 1-256 characters of letters, digits and ._-:/#@")
+        raise InvalidInput(f"target {quoted(target)} is invalid: 1-256 characters of letters, digits and ._-:/#@")
     return f"{request_id}:{operation}:{target}"
 
 

@@ -27,6 +27,7 @@ import psycopg
 import redis
 
 import agents.demo.tools  # noqa: F401 - registers kb_search here too: submits are checked against the tools
+from agents.cli.common import count, decimal_text, percent, seconds
 from agents.cli.progress import Progress, Step
 from agents.cli.supervisor import supervised_env, where
 from agents.client import Client
@@ -392,13 +393,14 @@ def _report(
             step.update(status=f"{row[0] if row else '?'} to go")
             time.sleep(0.3)
     outcomes = {r["name"]: r for r in request_outcomes(db) if r["name"] in ids}
-    table = [(n, outcomes[n]["phase"], outcomes[n]["why"], outcomes[n]["spent_tokens"]) for n in sorted(ids)]
+    table = [(n, outcomes[n]["phase"], outcomes[n]["why"], count(outcomes[n]["spent_tokens"])) for n in sorted(ids)]
+    width = max(len("agent"), *(len(n) for n in ids))
     out.table(
         "Requests:",
         ("agent", "outcome", "why", "tokens"),
         table,
-        [f"  {'agent':<22} {'outcome':<8} {'why':<22} {'tokens':>7}"]
-        + [f"  {name:<22} {phase:<8} {why:<22} {tokens:>7}" for name, phase, why, tokens in table],
+        [f"  {'agent':<{width}} {'outcome':<8} {'why':<22} {'tokens':>7}"]
+        + [f"  {name:<{width}} {phase:<8} {why:<22} {tokens:>7}" for name, phase, why, tokens in table],
     )
     checks(
         "each request ended as scripted (the spender on its budget)",
@@ -411,21 +413,21 @@ def _report(
     searches_file = logs / "demo-searches.log"
     searches = Counter(searches_file.read_text().split()) if searches_file.exists() else Counter()
     rows = [
-        ("model calls (attempts)", k["model_calls"]),
-        ("tool calls (attempts)", k["tool_calls"]),
+        ("model calls (attempts)", count(k["model_calls"])),
+        ("tool calls (attempts)", count(k["tool_calls"])),
         (
             "messages at Slack / GitHub",
             f"{sum(slack.delivered_keys().values())} / {sum(github.delivered_keys().values())}",
         ),
-        ("suppressed duplicates", k["suppressed_duplicates"]),
-        ("duplicate side effects", duplicates),
-        ("p95 phase-transition latency", f"{(k['p95_step_seconds'] or 0) * 1000:.0f} ms (step due -> its transition)"),
+        ("suppressed duplicates", count(k["suppressed_duplicates"])),
+        ("duplicate side effects", count(duplicates)),
+        ("p95 phase-transition latency", f"{seconds(k['p95_step_seconds'] or 0)} (step due -> its transition)"),
         (
             "recovery rate after first failure",
-            f"{(k['recovery_rate'] or 0) * 100:.0f}% of {k['jobs_that_failed_once']} jobs",
+            f"{percent(k['recovery_rate'] or 0)} of {count(k['jobs_that_failed_once'])} jobs",
         ),
-        ("retry-caused cost", f"{k['retry_tokens']} tokens, ${k['retry_cost']}"),
-        ("failure rate", f"{(k['failure_rate'] or 0) * 100:.0f}%"),
+        ("retry-caused cost", f"{count(k['retry_tokens'])} tokens, ${decimal_text(k['retry_cost'])}"),
+        ("failure rate", percent(k["failure_rate"] or 0)),
     ]
     out.table("KPIs:", ("KPI", "value"), rows, [f"  {label:<36} {value}" for label, value in rows])
     checks(

@@ -63,6 +63,10 @@ def test_run_waits_until_the_request_rests_and_exits_by_outcome(stack: Stack, tm
     assert "approval   github" in waiting.stdout
     revision = json.loads(keel(stack, "state", "careful", "--json").stdout)["revision"]
     assert keel(stack, "approve", "careful", "--revision", str(revision)).returncode == 0
+    # `keel wait` follows it to its end without submitting anything.
+    followed = keel(stack, "wait", "careful", "--follow", "--timeout", "120")
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert "waiting_approval -> executing" in followed.stdout and "phase      done" in followed.stdout
     # Waiting again on the same request (a repeat submit changes nothing) follows it to its end.
     again = keel(
         stack, "submit", "careful", "r-careful", "--input", json.dumps(request), "--follow", "--json",
@@ -72,6 +76,29 @@ def test_run_waits_until_the_request_rests_and_exits_by_outcome(stack: Stack, tm
     events = [json.loads(line) for line in again.stdout.splitlines()]
     assert [e["event"] for e in events if e["kind"] == "transition"][-1] == "finish"
     assert {e["request_id"] for e in events} == {"r-careful"}
+
+
+def test_waiting_again_on_an_older_request_exits_by_its_own_outcome(stack: Stack, tmp_path: Path) -> None:
+    """Before: the repeat of F1 waited for the agent's current request D1 and exited 0 (`request D1, phase done`)."""
+    stack.worker()
+    stack.beat()
+    assert keel(stack, "agent", "create", "ops-bot").returncode == 0
+    failing = script(tmp_path, "fail", [{"error": "invalid", "content": "never given"}])
+    fine = script(tmp_path, "ok", [{"content": "hi"}])
+
+    def run(request_id: str, replies: str) -> subprocess.CompletedProcess[str]:
+        return keel(
+            stack, "run", "ops-bot", "hello", "--script", replies, "--request-id", request_id, "--wait",
+            "--timeout", "120",
+        )  # fmt: skip
+
+    assert run("F1", failing).returncode == 3
+    assert run("D1", fine).returncode == 0
+    again = run("F1", failing)
+    assert again.returncode == 3, again.stdout + again.stderr
+    assert "request    F1: failed" in again.stdout and "request D1 is done" in again.stdout
+    assert keel(stack, "wait", "ops-bot", "F1").returncode == 3
+    assert keel(stack, "wait", "ops-bot").returncode == 0
 
 
 def test_journal_follow_prints_every_new_event_once(stack: Stack, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from models import migrations
 pytestmark = pytest.mark.integration
 
 KEEL = str(Path(sys.executable).parent / "keel")
+PROMPT = '{"prompt": "hi"}'
 SCRATCH = tempfile.mkdtemp(prefix="keel-cli-")
 
 
@@ -78,14 +79,26 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         (("submit", "ops", "r1", "--input", "{oops"), "not JSON"),
         (("approve", "ops", "--revision", "0"), "agent 'ops' is idle: 'approve' is not allowed (allowed: submit)"),
         (("cancel", "ops", "--revision", "5"), "stale revision for agent 'ops': the command expected revision 5,"),
-        (("submit", "ops", "r1"), "input of operation 'plan': input: must be a JSON object, got null"),
+        (("submit", "ops", "r1"), "--input is required: the request's input as JSON"),
+        (
+            ("submit", "ops", "r1", "--input", "null"),
+            "input of operation 'plan': input: must be a JSON object, got null",
+        ),
         (("submit", "ops", "r1", "--input", '"hello"'), "input: must be a JSON object, got a string"),
         (("submit", "ops", "r1", "--input", "[1, 2]"), "input: must be a JSON object, got an array"),
         (("submit", "ops", "r1", "--input", '{"prompt": "hi", "script": [1, 2]}'), "input.script[0]: must be a JSON"),
-        (("agent", "create", "x", "--budget-tokens", str(2**63)), "budget_tokens: Input should be less than or equal"),
-        (("cancel", "ops", "--revision", str(2**64)), "expected_revision must be from 0 to 9223372036854775807"),
-        (("journal", "--limit", str(2**63)), "limit must be from 1 to 9223372036854775807"),
+        (("agent", "create", "x", "--budget-tokens", str(2**63)), "'--budget-tokens': 9223372036854775808 is not in"),
+        (("cancel", "ops", "--revision", str(2**64)), "'--revision': 18446744073709551616 is not in the range 0<=x<="),
+        (("approve", "ops", "--revision", str(2**63)), "'--revision': 9223372036854775808 is not in the range"),
+        (("journal", "--limit", str(2**63)), "'--limit': 9223372036854775808 is not in the range 1<=x<="),
         (("outbox", "list", "--limit", str(2**63)), "is not in the range 1<=x<=9223372036854775807"),
+        (("agent", "list", "--limit", "99999999999999999999"), "'--limit': 99999999999999999999 is not in the range"),
+        (("agent", "list", "--limit", str(2**63 - 1)), "'--limit': 9223372036854775807 is not in the range 1<=x<=1000"),
+        (("wait", "ops", "r1", "--timeout", "nan"), "'--timeout': 'nan' is not a number of seconds"),
+        (("wait", "ops", "r1", "--timeout", "1e308"), "'--timeout': 1e+308 is not in the range 0<x<=2592000"),
+        (("submit", "ops", "r1", "--input", PROMPT, "--wait", "--timeout", "inf"), "'--timeout': inf is not in"),
+        (("wait", "ops"), "agent 'ops' has had no request yet: nothing to wait for"),
+        (("flower", "--port", "99999999999"), "'--port': 99999999999 is not in the range 1<=x<=65535"),
         (("db", "downgrade", "nosuchrev"), "cannot downgrade to 'nosuchrev': no migration has this revision (known"),
         (
             ("db", "upgrade", "--revision", "nosuch"),
@@ -119,7 +132,11 @@ def test_audit_verify_exits_1_on_tampering(db_url: str) -> None:
         conn.execute("UPDATE audit.journal SET actor = 'mallory'")
     result = keel(db_url, "audit", "verify", check=False)
     assert result.returncode == 1
-    assert "BROKEN agent" in result.stderr and "at event 1" in result.stderr
+    agent_id = json.loads(keel(db_url, "agent", "show", "ops", "--json").stdout)["id"]
+    # The agent by name and id (it was the id only).
+    assert f"BROKEN agent 'ops' ({agent_id}) at event 1" in result.stderr, result.stderr
+    broken = json.loads(keel(db_url, "audit", "verify", "--json", check=False).stdout)["breaks"]
+    assert (broken[0]["agent"], broken[0]["agent_id"], broken[0]["seq"]) == ("ops", agent_id, 1)
 
 
 def test_a_database_without_this_codes_schema_says_so_and_what_to_run(empty_db_url: str) -> None:
@@ -182,6 +199,14 @@ def test_demo_runs_and_every_invariant_holds(db_url: str, own_redis: dict[str, A
     assert "FAILED" not in result.stdout
     assert "SIGKILL the worker" in result.stdout
     assert "duplicate side effects               0" in result.stdout
+    # Numbers as `keel kpi` prints them (it printed `3341 ms`, `100%`, `$0.002000`).
+    assert re.search(r"p95 phase-transition latency +(\d{1,3} ms|[\d,]+\.\d\d s) ", result.stdout), result.stdout
+    assert re.search(r"recovery rate after first failure +100\.0% of \d+ jobs", result.stdout), result.stdout
+    assert re.search(r"failure rate +\d+\.\d%\n", result.stdout) and "$0.002000" not in result.stdout
+    # The agent column fits the demo's agent names: every outcome starts under its header.
+    requests = result.stdout.split("Requests:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    column = requests[0].index("outcome")
+    assert len(requests) == 8 and all(line[column - 1] == " " != line[column] for line in requests), requests
 
 
 def test_docs_phases_check_fails_when_the_diagram_is_stale(tmp_path: Path) -> None:
@@ -220,7 +245,6 @@ def test_run_state_and_kpi_from_the_command_line(db_url: str, tmp_path: Path) ->
 
 # --- the command's own user experience (issue 10) -------------------------------------------------------------
 
-PROMPT = '{"prompt": "hi"}'
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 TIME_KEYS = {"at", "created_at", "updated_at", "run_at", "archived_at", "next_attempt_at", "enqueued_at"}
 
@@ -285,7 +309,17 @@ def test_agent_list_has_a_header_a_phase_filter_newest_first_and_pages(db_url: s
             break
     assert seen == ["a5", "a4", "a3", "a2", "a1"]
     first_text = keel(db_url, "agent", "list", "--limit", "2").stdout
-    assert first_text.strip().splitlines()[-1].startswith("next: keel agent list --after ")
+    assert first_text.strip().splitlines()[-1].startswith("next: keel agent list --limit 2 --after ")
+    # The next page's command keeps the filters (it dropped them): run as printed, it pages on.
+    idle = keel(db_url, "agent", "list", "--phase", "idle", "--limit", "2").stdout.strip().splitlines()
+    cursor = json.loads(keel(db_url, "agent", "list", "--phase", "idle", "--limit", "2", "--json").stdout)["next"]
+    assert idle[-1] == f"next: keel agent list --phase idle --limit 2 --after {cursor}"
+    following = keel(db_url, *idle[-1].removeprefix("next: keel ").split()).stdout.splitlines()
+    assert [line.split()[0] for line in following[1:]] == ["a1"]
+    keel(db_url, "agent", "archive", "a1")
+    keel(db_url, "agent", "archive", "a3")
+    archived = keel(db_url, "agent", "list", "--archived", "--limit", "1").stdout.strip().splitlines()
+    assert archived[-1].startswith("next: keel agent list --archived --limit 1 --after ")
 
     bad = keel(db_url, "agent", "list", "--after", "nonsense", check=False)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
@@ -349,14 +383,24 @@ def test_kpi_is_formatted_for_people_and_leaves_the_demo_out(db_url: str) -> Non
             "UPDATE jobs SET status = 'succeeded', error_attempts = '{\"transient\": 1}', failed_cost = 0.0025,"
             " failed_tokens = 12345, finished_at = run_at + interval '2.7197275 seconds' WHERE key = 'r-mine:plan:1'"
         )
-    mine = json.loads(keel(db_url, "kpi", "--json").stdout)
+    printed = keel(db_url, "kpi", "--json").stdout
+    mine = json.loads(printed)
     assert mine["failure_rate"] == 0.0 and mine["retry_cost"] == "0.0025" and mine["retry_tokens"] == 12345
+    # Seconds to the microsecond, rates to the millionth: no float noise (it was 2.7197275000000003).
+    p95 = re.search(r'"p95_step_seconds": (\d+)\.(\d+)', printed)
+    assert p95 is not None and p95[1] == "2" and len(p95[2]) <= 6, printed
+    assert abs(mine["p95_step_seconds"] - 2.7197275) < 1e-6 and mine["recovery_rate"] == 1.0
     assert json.loads(keel(db_url, "kpi", "--include-demo", "--json").stdout)["failure_rate"] == 0.5
     text = dict(line.split(None, 1) for line in keel(db_url, "kpi").stdout.splitlines())
     assert text["p95_step_seconds"] == "2.72 s"
     assert text["recovery_rate"] == "100.0%" and text["failure_rate"] == "0.0%"
     assert text["retry_tokens"] == "12,345" and text["retry_cost"] == "0.0025"
     assert keel(db_url, "kpi", "--include-demo").stdout.count("50.0%") == 1
+    keel(db_url, "agent", "create", "demo-other")
+    keel(db_url, "submit", "demo-other", "r-other", "--input", PROMPT)
+    keel(db_url, "cancel", "demo-other")
+    thirds = json.loads(keel(db_url, "kpi", "--include-demo", "--json").stdout)
+    assert thirds["failure_rate"] == 0.666667, thirds  # 2 of 3, not 0.6666666666666666
 
 
 def test_one_timestamp_format_and_one_json_shape(db_url: str) -> None:
@@ -414,6 +458,15 @@ def test_wait_times_out_with_its_own_status_and_the_request_goes_on(db_url: str)
     waited = keel(db_url, "submit", "slow", "r-slow", "--input", PROMPT, "--wait", "--timeout", "0.5", check=False)
     assert waited.returncode == 5, waited.stderr
     assert "timed out after 0.5s: agent 'slow' is planning at revision 1" in waited.stderr
+    # The command to wait again, with the values filled in (it said `keel submit AGENT REQUEST_ID --wait`).
+    assert "wait again with `keel wait slow r-slow`" in waited.stderr, waited.stderr
+    again = keel(db_url, "wait", "slow", "r-slow", "--timeout", "0.3", check=False)
+    assert again.returncode == 5 and "wait again with `keel wait slow r-slow`" in again.stderr, again.stderr
+    assert "phase      planning" in again.stdout
+    current = keel(db_url, "wait", "slow", "--timeout", "0.3", "--json", check=False)  # its current request
+    assert current.returncode == 5 and json.loads(current.stdout)["request_id"] == "r-slow"
+    unknown = keel(db_url, "wait", "slow", "r-nope", check=False)
+    assert unknown.returncode == 1 and unknown.stderr == "keel: error: agent 'slow' has no request 'r-nope'\n"
     assert json.loads(keel(db_url, "state", "slow", "--json").stdout)["phase"] == "planning"
     lonely = keel(db_url, "submit", "slow", "r-2", "--input", PROMPT, "--timeout", "1", check=False)
     assert lonely.returncode == 2 and "--timeout needs --wait or --follow" in lonely.stderr
@@ -496,8 +549,8 @@ def test_resubmitting_a_request_id_with_other_input_is_refused(db_url: str) -> N
     )
 
 
-def test_the_readmes_scripted_replies_run_as_written(db_url: str, db: Any, tmp_path: Path) -> None:
-    """The README's example script, taken from the README itself, submitted with `keel run` and run to the end."""
+def run_jobs(db: Any, most: int = 10) -> None:
+    """Run the due jobs in this process, one at a time, as a worker would (retries without backoff)."""
     from datetime import timedelta
 
     import agents.runtime.loop  # noqa: F401 - registers plan and tool
@@ -505,22 +558,27 @@ def test_the_readmes_scripted_replies_run_as_written(db_url: str, db: Any, tmp_p
     from agents.jobs.handlers import registry
     from agents.jobs.runner import Runner
 
+    rules = {**DEFAULT_RULES, ErrorClass.TRANSIENT: RetryRule(3, 0.0, 0.0, 0.0)}
+    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=rules)
+    for _ in range(most):
+        with psycopg.connect(db.libpq_url) as conn:
+            due = conn.execute(
+                "SELECT key FROM jobs WHERE status IN ('pending', 'enqueued') ORDER BY created_at, key LIMIT 1"
+            ).fetchone()
+        if due is None:
+            return
+        runner.run(due[0])
+
+
+def test_the_readmes_scripted_replies_run_as_written(db_url: str, db: Any, tmp_path: Path) -> None:
+    """The README's example script, taken from the README itself, submitted with `keel run` and run to the end."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("<!-- scripted-replies-example", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "replies.json"
     script.write_text(block)
     keel(db_url, "agent", "create", "ops-bot")
     keel(db_url, "run", "ops-bot", "Summarise open incidents", "--script", str(script), "--request-id", "r-readme")
-    rules = {**DEFAULT_RULES, ErrorClass.TRANSIENT: RetryRule(3, 0.0, 0.0, 0.0)}
-    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=rules)
-    for _ in range(10):
-        with psycopg.connect(db.libpq_url) as conn:
-            due = conn.execute(
-                "SELECT key FROM jobs WHERE status IN ('pending', 'enqueued') ORDER BY created_at, key LIMIT 1"
-            ).fetchone()
-        if due is None:
-            break
-        runner.run(due[0])
+    run_jobs(db)
     state = json.loads(keel(db_url, "state", "ops-bot", "--json").stdout)
     assert (state["phase"], state["spent_tokens"]) == ("done", 120 + 80 + 80)
     job = json.loads(keel(db_url, "job", "r-readme:tool:slack_post:1.call_0_0", "--json").stdout)
@@ -537,3 +595,89 @@ def test_worker_and_beat_refuse_a_database_without_this_codes_schema(empty_db_ur
     result = keel(empty_db_url, command, check=False, broker="redis://127.0.0.1:1/0")
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr == f"keel: error: the database has no Keel schema (code at {head()}): run 'keel db upgrade'\n"
+
+
+def test_waiting_on_an_older_request_reports_that_requests_own_outcome(db_url: str, db: Any, tmp_path: Path) -> None:
+    """Before: the repeat of F1 (a suppressed duplicate) waited for the agent's current request, D1, and exited 0
+    printing `request D1, phase done`."""
+    failing, fine = tmp_path / "fail.json", tmp_path / "ok.json"
+    failing.write_text(json.dumps([{"error": "invalid", "content": "never given"}]))
+    fine.write_text(json.dumps([{"content": "hello"}]))
+    keel(db_url, "agent", "create", "ops-bot")
+
+    def run(request_id: str, script: Path, *more: str) -> subprocess.CompletedProcess[str]:
+        args = ("run", "ops-bot", "hello", "--script", str(script), "--request-id", request_id, *more)
+        return keel(db_url, *args, check=False)
+
+    run("F1", failing)
+    run_jobs(db)
+    assert run("F1", failing, "--wait").returncode == 3
+    run("D1", fine)
+    run_jobs(db)
+    assert run("D1", fine, "--wait").returncode == 0
+
+    again = run("F1", failing, "--wait")
+    assert again.returncode == 3, again.stdout + again.stderr
+    assert "request    F1: failed at revision 2 (fail, invalid_not_retried" in again.stdout, again.stdout
+    assert "has moved on: request D1 is done at revision 4" in again.stdout
+    as_json = json.loads(run("F1", failing, "--wait", "--json").stdout)
+    assert (as_json["request_id"], as_json["phase"], as_json["revision"]) == ("F1", "failed", 2)
+    assert (as_json["agent"]["request_id"], as_json["agent"]["phase"]) == ("D1", "done")
+    followed = run("F1", failing, "--follow", "--json")
+    assert followed.returncode == 3
+    assert {json.loads(line)["request_id"] for line in followed.stdout.splitlines()} == {"F1"}
+
+    # `keel wait` asks without submitting anything: the same outcomes.
+    assert keel(db_url, "wait", "ops-bot", "F1", check=False).returncode == 3
+    latest = keel(db_url, "wait", "ops-bot", "--json", check=False)
+    assert latest.returncode == 0 and json.loads(latest.stdout)["request_id"] == "D1"
+    events = json.loads(keel(db_url, "journal", "--agent", "ops-bot", "--json").stdout)["events"]
+    assert [e["event"] for e in events if e["kind"] == "transition"].count("submit") == 2  # nothing resubmitted
+
+
+def test_journal_follow_of_an_unknown_agent_is_one_error_line_and_no_header(db_url: str) -> None:
+    result = keel(db_url, "journal", "--agent", "nosuch", "--follow", check=False)
+    assert result.returncode == 1
+    assert (result.stdout, result.stderr) == ("", "keel: error: no agent has the id or name 'nosuch'\n")
+
+
+def test_text_output_spells_booleans_and_nothing_as_json_does(db_url: str) -> None:
+    keel(db_url, "agent", "create", "ops")
+    keel(db_url, "submit", "ops", "r1", "--input", PROMPT)
+    with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, next_attempt_at)"
+            " SELECT 'r1:slack:C1', id, 'r1', 'slack', 'C1', '{\"text\": \"hi\"}', now() FROM agents"
+        )
+    shown = dict(line.split(None, 1) for line in keel(db_url, "outbox", "show", "r1:slack:C1").stdout.splitlines())
+    assert (shown["needs_reconcile"], shown["last_error"], shown["external_id"]) == ("false", "null", "null")
+    job = dict(line.split(None, 1) for line in keel(db_url, "job", "r1:plan:1").stdout.splitlines())
+    assert (job["lease_until"], job["worker"]) == ("null", "null")
+
+
+LONG = "x" * 5000
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("submit", "ops", LONG, "--input", PROMPT),
+        ("agent", "create", LONG[:150]),
+        ("job", LONG),
+        ("outbox", "show", LONG),
+        ("outbox", "retry", LONG),
+        ("agent", "list", "--after", LONG),
+        ("agent", "list", "--limit", "9" * 5000),
+        ("wait", "ops", LONG),
+        ("cancel", LONG[:150], "--revision", "0"),
+    ],
+    ids=["request-id", "agent-exists", "job", "outbox-show", "outbox-retry", "cursor", "limit", "wait", "agent"],
+)
+def test_long_values_are_shortened_in_errors(db_url: str, args: tuple[str, ...]) -> None:
+    """A 5,000-character value was echoed whole in its error."""
+    keel(db_url, "agent", "create", "ops")
+    keel(db_url, "agent", "create", LONG[:150])
+    result = keel(db_url, *args, check=False)
+    assert result.returncode in (1, 2) and len(result.stderr.splitlines()) == 1, result.stderr
+    assert len(result.stderr) < 300 and "x" * 61 not in result.stderr, result.stderr
+    assert "…" in result.stderr or "at most 200 characters" in result.stderr, result.stderr

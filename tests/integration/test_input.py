@@ -293,6 +293,8 @@ OUT_OF_RANGE: list[tuple[str, Any, str]] = [
     ("submit revision", lambda c, a: c.submit(a.id, "r9", ASK, expected_revision=2**64), "expected_revision must"),
     ("journal limit", lambda c, a: c.journal(limit=2**63), "limit must be from 1 to 9223372036854775807"),
     ("journal limit 0", lambda c, a: c.journal(limit=0), "limit must be from 1"),
+    ("list limit", lambda c, a: c.list_agents(limit=2**63 - 1), "limit must be from 1 to 9223372036854775806"),
+    ("list limit 0", lambda c, a: c.list_agents(limit=0), "limit must be from 1"),
     ("deadline", lambda c, a: c.submit(a.id, "r9", ASK, hard_deadline=timedelta(days=10**8)), "hard_deadline must"),
 ]
 
