@@ -31,13 +31,13 @@ def demo(migrate: bool) -> None:
 @click.command("up")
 @click.option("--flower-port", default=5555, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--no-flower", is_flag=True, help="Run only the worker and beat.")
-@click.option("--concurrency", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--concurrency", default=2, show_default=True, type=click.IntRange(1, 256))
 @click.option("--migrate", is_flag=True, help=MIGRATE_HELP)
 @click.option(
     "--give-up-after",
     default=60,
     show_default=True,
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, 30 * 86400),
     metavar="SECONDS",
     help="Stop everything when PostgreSQL or Redis has not answered for this long.",
 )
@@ -45,7 +45,7 @@ def demo(migrate: bool) -> None:
     "--stop-timeout",
     default=20,
     show_default=True,
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, 3600),
     metavar="SECONDS",
     help="How long to wait for the processes to stop before killing them.",
 )
