@@ -26,16 +26,29 @@ from agents.core.commands import (
     check_json_text,
     check_text,
 )
-from agents.core.errors import AgentNotFound, InvalidInput, quoted
+from agents.core.errors import AgentNotFound, InvalidInput, RequestNotFound, quoted
+from agents.core.keys import check_request_id, split_key
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
 from agents.jobs import handlers
+from agents.outbox.relay import retry_dead
 from agents.runtime import tools
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs, request_jobs
-from models.schemas import AgentPage, AgentRow, AgentState, DeletedAgent, JobView, JournalEvent, NewAgent
+from models.schemas import (
+    AgentPage,
+    AgentRow,
+    AgentState,
+    DeletedAgent,
+    JobView,
+    JournalEvent,
+    NewAgent,
+    RequestRecord,
+    Submission,
+)
 from models.settings import Settings, check_imports
+from models.sql import request_record
 from models.tables import agents, deleted_agents
 
 AgentRef = UUID | str
@@ -76,6 +89,11 @@ class Client:
         self.close()
 
     # --- reads ------------------------------------------------------------------------------------------------
+
+    def agent_row(self, agent: AgentRef) -> AgentRow:
+        """The agent's row by id or name, without its jobs (one query; what the HTTP ingress checks a token's
+        prefix against). Raises :class:`AgentNotFound` (with the tombstone of a deleted agent)."""
+        return self._row(agent)
 
     def _row(self, agent: AgentRef) -> AgentRow:
         query = select(agents)
@@ -140,9 +158,11 @@ class Client:
         archived: bool = False,
         limit: int | None = None,
         after: str | None = None,
+        name_prefix: str | None = None,
     ) -> AgentPage:
-        """Agents newest first: in use, or with ``archived`` the archived ones; only those in ``phases`` if given.
-        At most ``limit`` (None: all); ``after`` is the ``next`` cursor of the previous page."""
+        """Agents newest first: in use, or with ``archived`` the archived ones; only those in ``phases`` if given,
+        and only those whose name starts with ``name_prefix`` if given. At most ``limit`` (None: all); ``after`` is
+        the ``next`` cursor of the previous page."""
         unknown = sorted(set(phases) - {p.value for p in Phase})
         if unknown:
             raise InvalidInput(f"phase {unknown[0]!r} is not one of {', '.join(p.value for p in Phase)}")
@@ -152,6 +172,9 @@ class Client:
         query = query.where(agents.c.archived_at.is_not(None) if archived else agents.c.archived_at.is_(None))
         if phases:
             query = query.where(agents.c.phase.in_(list(phases)))
+        if name_prefix:
+            check_text("name_prefix", name_prefix, limit=200)
+            query = query.where(agents.c.name.startswith(name_prefix, autoescape=True))
         if after is not None:
             created_at, agent_id = _decode_cursor(after)
             query = query.where(tuple_(agents.c.created_at, agents.c.id) < tuple_(created_at, agent_id))
@@ -264,6 +287,13 @@ class Client:
             self.db, self._row(agent).id, actor=actor, reason=reason, expected_revision=expected_revision
         )
 
+    def retry_outbox(self, key: str, *, actor: str) -> None:
+        """An operator's retry of a dead outbox message: back to pending (reconciled with the receiver first if it
+        may have arrived), journaled on its agent's chain. Raises ``MessageNotFound`` / ``MessageNotDead``."""
+        _check_actor(actor)
+        check_text("key", key, limit=600)
+        retry_dead(self.db, key, actor=actor)
+
     # --- commands ---------------------------------------------------------------------------------------------
 
     def create_agent(
@@ -309,6 +339,31 @@ class Client:
         nothing; with a different input, operation or deadlines it raises
         :class:`~agents.core.errors.RequestConflict`. Deadlines are absolute (timezone-aware) or relative to now.
         """
+        return self.submit_request(
+            agent_id,
+            request_id,
+            input,
+            expected_revision=expected_revision,
+            soft_deadline=soft_deadline,
+            hard_deadline=hard_deadline,
+            actor=actor,
+            operation=operation,
+        ).state
+
+    def submit_request(
+        self,
+        agent_id: AgentRef,
+        request_id: str,
+        input: Any,
+        *,
+        expected_revision: int | None = None,
+        soft_deadline: Deadline = None,
+        hard_deadline: Deadline = None,
+        actor: str = "client",
+        operation: str = "plan",
+    ) -> Submission:
+        """:meth:`submit`, returning the request as first submitted (the same record for every retry of it), the
+        agent's state now, and whether this call was a retry (``replayed``: it changed nothing)."""
         _check_actor(actor)
         # Relative deadlines count from the transition's time on the database's clock, not this host's.
         soft, hard = _deadline("soft_deadline", soft_deadline), _deadline("hard_deadline", hard_deadline)
@@ -329,7 +384,30 @@ class Client:
         done = core.transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
         if self.publisher is not None and done.to_publish:
             self.publisher(done.to_publish)
-        return self._state(done.agent)
+        return Submission(state=self._state(done.agent), request=self.get_request(request_id), replayed=done.suppressed)
+
+    def get_request(self, request_id: str) -> RequestRecord:
+        """Request ``request_id`` as it was submitted: operation, input, deadlines, who submitted it and when, and
+        the agent's revision after the submit. Raises :class:`~agents.core.errors.RequestNotFound`."""
+        check_request_id(request_id)
+        with core.store_errors(), self.db.connection() as conn:
+            row = request_record(conn, request_id)
+            conn.rollback()
+        if row is None or row["details"] is None:
+            raise RequestNotFound(request_id)
+        details = row["details"]
+        first_job = (details.get("jobs") or [f"{request_id}:plan:1"])[0]
+        return RequestRecord(
+            request_id=row["request_id"],
+            agent_id=row["agent_id"],
+            operation=split_key(first_job)[1],
+            input=row["input"],
+            soft_deadline=details.get("soft_deadline"),
+            hard_deadline=details.get("hard_deadline"),
+            submitted_at=row["submitted_at"],
+            submitted_by=row["actor"],
+            revision=row["revision"],
+        )
 
     def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str) -> AgentState:
         """Approve the pending tool call of an agent waiting for approval: the call runs next."""

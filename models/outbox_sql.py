@@ -252,6 +252,60 @@ def message_row(db: Database, key: str) -> dict[str, Any] | None:
     return row
 
 
+#: What the API shows of a message (its claim bookkeeping stays inside).
+_PUBLIC = (
+    "o.seq, o.key, o.agent_id, o.request_id, o.channel, o.destination, o.status, o.attempts,"
+    " o.rate_limited_attempts, o.next_attempt_at, o.last_error, o.external_id, o.external_url, o.created_at,"
+    " o.sent_at, o.payload"
+)
+
+# A token limited to a name prefix sees the messages of its agents, deleted ones included.
+_PAGE = f"""
+SELECT {_PUBLIC} FROM outbox o
+WHERE (%(status)s::text IS NULL OR o.status = %(status)s)
+  AND (%(channel)s::text IS NULL OR o.channel = %(channel)s)
+  AND (%(before)s::bigint IS NULL OR o.seq < %(before)s)
+  AND (%(prefix)s::text IS NULL OR o.agent_id IN (
+        SELECT id FROM agents WHERE starts_with(name, %(prefix)s)
+        UNION ALL SELECT agent_id FROM audit.deleted_agents WHERE starts_with(name, %(prefix)s)))
+ORDER BY o.seq DESC LIMIT %(limit)s
+"""
+
+
+def page_messages(
+    db: Database,
+    *,
+    status: str | None,
+    channel: str | None,
+    before_seq: int | None,
+    limit: int,
+    name_prefix: str | None,
+) -> list[dict[str, Any]]:
+    """Messages newest first (by creation), before ``before_seq`` if given, of agents named ``name_prefix…`` if
+    given."""
+    params = {
+        "status": status,
+        "channel": channel,
+        "before": before_seq,
+        "limit": limit,
+        "prefix": name_prefix,
+    }
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_PAGE, params)
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
+
+
+def request_messages(db: Database, request_id: str) -> list[dict[str, Any]]:
+    """A request's outbox messages in the order they were emitted."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(f"SELECT {_PUBLIC} FROM outbox o WHERE o.request_id = %s ORDER BY o.seq", (request_id,))
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
+
+
 def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str, Any]]:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(

@@ -158,6 +158,35 @@ class JournalEvent(BaseModel):
     hash: str
 
 
+class RequestRecord(BaseModel):
+    """A request as it was submitted: what a producer asked for, when, by whom, and the agent's revision after the
+    submit. Built only from what was stored at the first submit, so every retry of it reads the same record."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    agent_id: UUID
+    operation: str
+    input: Any
+    soft_deadline: datetime | None
+    hard_deadline: datetime | None
+    submitted_at: datetime
+    submitted_by: str
+    #: The agent's revision right after the submit (the ``submit`` event's).
+    revision: int
+
+
+class Submission(BaseModel):
+    """What a submit did: the request as first submitted, the agent's state now, and whether this call was a retry
+    of a request already there (``replayed``: nothing changed)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request: RequestRecord
+    state: AgentState
+    replayed: bool
+
+
 class NewAgent(BaseModel):
     """Input of ``create_agent``."""
 

@@ -95,6 +95,15 @@ class Settings(BaseSettings):
     outbox_reconcile_max_pages: int = Field(default=10, ge=1)  # history/comment pages one reconciliation reads
     outbox_reconcile_seconds: float | None = Field(default=None, gt=0)  # its time budget; None: a third of the lease
 
+    # HTTP ingress (`keel serve`)
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=1, le=65535)
+    api_workers: int = Field(default=1, ge=1, le=64)  # uvicorn worker processes
+    api_max_body_bytes: int = Field(default=256 * 1024, ge=1024)  # larger request bodies are refused with 413
+    #: The address people and producers reach the API at (links in Slack messages, the demo's summary);
+    #: None: http://{api_host}:{api_port}.
+    api_public_url: str | None = None
+
     @model_validator(mode="after")
     def _outbox_reconcile_fits_the_lease(self) -> Settings:
         # The lease is renewed right before a reconciliation and must still be live when it ends (its last page

@@ -107,6 +107,15 @@ _REQUEST_AS_SUBMITTED = (
 )
 
 
+# A request as submitted: its row and its submit event (the first of its agent's chain for it).
+_REQUEST_RECORD = (
+    "SELECT r.request_id, r.agent_id, r.input, r.actor, r.submitted_at, j.revision, j.details"
+    " FROM requests r LEFT JOIN LATERAL (SELECT revision, details FROM audit.journal"
+    " WHERE agent_id = r.agent_id AND request_id = r.request_id AND kind = 'transition' AND event = 'submit'"
+    " ORDER BY id LIMIT 1) j ON true WHERE r.request_id = %s"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOwner:
     """The agent a request id belongs to."""
@@ -198,6 +207,13 @@ def request_as_submitted_txn(cur: psycopg.Cursor[Any], request_id: str) -> Submi
         named.execute(_REQUEST_AS_SUBMITTED, (request_id,))
         row = named.fetchone()
     return None if row is None else Submitted(row["input"], row["submit"])
+
+
+def request_record(conn: psycopg.Connection[Any], request_id: str) -> dict[str, Any] | None:
+    """A request's row and its submit event (``revision``, ``details``; None when the journal has no submit for it)."""
+    with conn.cursor(row_factory=dict_row) as named:
+        named.execute(_REQUEST_RECORD, (request_id,))
+        return named.fetchone()
 
 
 def set_archived_txn(cur: psycopg.Cursor[Any], event: NewEvent, archived_at: datetime | None) -> bool:

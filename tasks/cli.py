@@ -95,3 +95,32 @@ def flower(port: int, flower_args: tuple[str, ...]) -> None:
     from tasks.app import app
 
     app.start(["flower", f"--port={port}", *flower_args])
+
+
+@click.command()
+@click.option("--host", help="Address to listen on (default KEEL_API_HOST, 127.0.0.1).")
+@click.option("--port", type=click.IntRange(1, 65535), help="Port (default KEEL_API_PORT, 8000).")
+@click.option("--workers", type=click.IntRange(1, 64), help="Processes (default KEEL_API_WORKERS, 1).")
+@click.option("-l", "--loglevel", default="info", show_default=True)
+def serve(host: str | None, port: int | None, workers: int | None, loglevel: str) -> None:
+    """Run the HTTP API (docs at /docs, OpenAPI at /openapi.json) under uvicorn."""
+    settings = _settings(imports=True)
+    _schema_or_exit(settings)
+    register_settings(settings)
+    import uvicorn
+
+    from models.embedded import broker_url_for, database_url_for
+
+    # Start the embedded servers (if they are the default) once, here, rather than in every worker process.
+    database_url_for(settings)
+    broker_url_for(settings)
+    uvicorn.run(
+        "tasks.api:create",
+        factory=True,
+        host=host or settings.api_host,
+        port=port or settings.api_port,
+        workers=workers or settings.api_workers,
+        log_level=loglevel,
+        proxy_headers=True,
+        server_header=False,
+    )

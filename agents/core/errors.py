@@ -60,6 +60,31 @@ class AgentNotFound(KeelError):
         super().__init__(message)
 
 
+class RequestNotFound(KeelError):
+    """No request has this id."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"no request has the id {quoted(request_id)}")
+
+
+class MessageNotFound(InvalidInput):
+    """No outbox message has this key."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"no outbox message has the key {quoted(key)}")
+
+
+class MessageNotDead(InvalidInput):
+    """Only a dead outbox message can be retried."""
+
+    def __init__(self, key: str, status: str) -> None:
+        self.key = key
+        self.status = status
+        super().__init__(f"outbox message {quoted(key)} is {status}, not dead: only dead messages can be retried")
+
+
 class AgentExists(KeelError):
     """An agent with this name exists already."""
 

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from agents.core import transition as core
-from agents.core.errors import InvalidInput, LostClaim, quoted
+from agents.core.errors import LostClaim, MessageNotDead, MessageNotFound
 from agents.outbox.senders import (
     Delivered,
     FailureKind,
@@ -291,11 +291,9 @@ def retry_dead(db: Database, key: str, *, actor: str) -> None:
     journaled on its agent's chain with who asked."""
     row = message_row(db, key)
     if row is None:
-        raise InvalidInput(f"no outbox message has the key {quoted(key)}")
+        raise MessageNotFound(key)
     if row["status"] != "dead":
-        raise InvalidInput(
-            f"outbox message {quoted(key)} is {row['status']}, not dead: only dead messages can be retried"
-        )
+        raise MessageNotDead(key, row["status"])
     revived: list[bool] = []
 
     def revive(cur: Any) -> None:
@@ -312,4 +310,4 @@ def retry_dead(db: Database, key: str, *, actor: str) -> None:
         effects=revive,
     )
     if not revived or not revived[0]:  # pragma: no cover - another operator won the race; journaled anyway
-        raise InvalidInput(f"outbox message {quoted(key)} was no longer dead")
+        raise MessageNotDead(key, "no longer dead")

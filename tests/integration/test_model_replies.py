@@ -9,12 +9,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from datetime import timedelta
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-import psycopg
 import pytest
 from pydantic import BaseModel
 
@@ -23,8 +21,6 @@ from agents.core.commands import Usage
 from agents.core.errors import InvalidJob
 from agents.core.keys import make_key
 from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
-from agents.jobs.handlers import registry
-from agents.jobs.runner import Runner
 from agents.runtime import loop as runtime
 from agents.runtime.inference import (
     OpenAICompatible,
@@ -34,6 +30,7 @@ from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.db import Database
 from models.jobs_sql import job_row
 from models.outbox_sql import message_row
+from tests.support import runs
 from tests.support.fakes import FakeLLM
 
 pytestmark = pytest.mark.integration
@@ -105,20 +102,7 @@ def openai(llm: RawLLM) -> Iterator[RawLLM]:
 
 
 def run_all(db: Database, limit: int = 30) -> list[str]:
-    rules = {**DEFAULT_RULES, ErrorClass.UNKNOWN: RetryRule(3, 0.0, 0.0, 0.0)}  # would retry at once if unknown
-    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=rules)
-    ran = []
-    for _ in range(limit):
-        with psycopg.connect(db.libpq_url) as conn:
-            row = conn.execute(
-                "SELECT key FROM jobs WHERE status IN ('pending', 'enqueued') AND run_at <= now() + interval '1 second'"
-                " ORDER BY created_at, key LIMIT 1"
-            ).fetchone()
-        if row is None:
-            return ran
-        runner.run(row[0])
-        ran.append(row[0])
-    raise AssertionError(f"still running after {limit} jobs: {ran[-5:]}")
+    return runs.run_all(db, limit, rules={**DEFAULT_RULES, ErrorClass.UNKNOWN: RetryRule(3, 0.0, 0.0, 0.0)})
 
 
 USAGE = {"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200}

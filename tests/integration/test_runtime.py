@@ -18,7 +18,6 @@ import agents.runtime.loop  # noqa: F401 - registers plan, tool and gate
 from agents.client import Client
 from agents.core.commands import Usage
 from agents.core.errors import HardDeadlinePassed, InvalidInput, InvalidJob, RateLimited, StaleRevision, TransientError
-from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
 from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
 from agents.runtime.inference import OpenAICompatible
@@ -27,6 +26,7 @@ from models.db import Database
 from models.jobs_sql import job_row
 from tests.support.db import expire_lease
 from tests.support.fakes import FakeLLM
+from tests.support.runs import FAST_RULES, run_all
 
 pytestmark = pytest.mark.integration
 LOOKUPS: list[str] = []
@@ -40,26 +40,6 @@ class Lookup(BaseModel):
 def lookup(args: Lookup, ctx: ToolContext) -> ToolOutput:
     LOOKUPS.append(ctx.call_id)
     return ToolOutput(f"3 incidents match {args.q!r}", usage=Usage(5, Decimal("0.0005")))
-
-
-FAST_RULES = {**DEFAULT_RULES, ErrorClass.TRANSIENT: RetryRule(3, 0.0, 0.0, 0.0)}
-
-
-def run_all(db: Database, limit: int = 50) -> list[str]:
-    """Run due jobs in creation order until none is left (a worker, in-process)."""
-    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
-    ran = []
-    for _ in range(limit):
-        with psycopg.connect(db.libpq_url) as conn:
-            row = conn.execute(
-                "SELECT key FROM jobs WHERE status IN ('pending', 'enqueued') AND run_at <= now() + interval '1 second'"
-                " ORDER BY created_at, key LIMIT 1"
-            ).fetchone()
-        if row is None:
-            return ran
-        runner.run(row[0])
-        ran.append(row[0])
-    raise AssertionError(f"still running after {limit} jobs: {ran[-5:]}")
 
 
 def script(*entries: dict[str, Any]) -> dict[str, Any]:

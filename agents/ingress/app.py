@@ -1,0 +1,118 @@
+"""The HTTP API: ``create_app(settings)`` builds it; ``keel serve`` runs it under uvicorn.
+
+Keel's semantics in HTTP's own words: revisions are ETags (``"r<revision>"``), stale writes are 412s, a submit's
+``Idempotency-Key`` is its request id, errors are RFC 9457 problem details."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from importlib.metadata import version
+from agents.client import Publisher
+from agents.core.errors import KeelError
+from agents.core.redaction import register_settings
+from agents.ingress import problems
+from agents.ingress.routes import agents, health, records, requests
+from agents.ingress.runtime import Ingress
+from models.settings import Settings
+
+DESCRIPTION = """\
+Keel's front door for producers and people: create agents, submit requests, approve or reject tool calls, read the
+journal and each request's story, and follow an agent live.
+
+* **Authentication**: `Authorization: Bearer <token>` (`keel token create NAME --scope …`). Scopes: producer,
+  approver, operator, auditor; a token may be limited to agents whose name starts with a prefix.
+* **Revisions are ETags** (`"r<revision>"`): `If-None-Match` on reads, `If-Match` on writes; approve and reject
+  require it (428 without it) and a stale one is a 412 with the current state.
+* **Submits are idempotent**: the `Idempotency-Key` header is the request id; the same key with the same body gives
+  the original response again, with a different body a 409.
+* **Errors** are `application/problem+json` (RFC 9457) with a stable `type` per kind of problem.
+"""
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes with a 413 before any route reads them — by ``Content-Length``
+    when it is given, by counting as the body streams in when it is not (chunked)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = problems.problem_response(
+            problems.TOO_LARGE,
+            f"the request body is over {self.limit:,} bytes (KEEL_API_MAX_BODY_BYTES)",
+            instance=scope.get("path"),
+        )
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings | None = None, *, publisher: Publisher | None = None) -> FastAPI:
+    """The API app. ``publisher`` sends a submit's first job to the broker at once (``tasks.api`` passes Celery's);
+    without it the beat dispatcher picks the job up on its next pass."""
+    settings = settings or Settings()
+    register_settings(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        keel = Ingress.open(settings, publisher=publisher)
+        app.state.ingress = keel
+        await keel.listener.start()
+        try:
+            yield
+        finally:
+            await keel.listener.stop()
+            keel.close()
+
+    app = FastAPI(
+        title="Keel",
+        version=version("keel"),
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        openapi_url="/openapi.json",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.add_exception_handler(problems.Problem, problems.on_problem)
+    app.add_exception_handler(KeelError, problems.on_keel_error)
+    app.add_exception_handler(RequestValidationError, problems.on_validation)
+    app.add_exception_handler(StarletteHTTPException, problems.on_http)
+    app.add_exception_handler(Exception, problems.on_unexpected)
+    app.add_middleware(BodyLimit, limit=settings.api_max_body_bytes)
+    for module in (health, agents, requests, records):
+        app.include_router(module.router)
+    return app

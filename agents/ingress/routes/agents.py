@@ -1,0 +1,217 @@
+"""``/v1/agents``: create, list and read agents; approve, reject and cancel; their journal and live events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse
+
+from starlette.concurrency import run_in_threadpool
+
+from agents.core.errors import StaleRevision
+from agents.core.journal import events_after
+from agents.core.phases import Phase
+from agents.ingress import events
+from agents.ingress.auth import require, resolve
+from agents.ingress.etags import etag, revision_of
+from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem, kind_of
+from agents.ingress.runtime import Ingress, ingress
+from agents.ingress.schemas import CreateAgent, Decision, JournalPage
+from agents.ingress.tokens import ApiToken, Permission
+from models.schemas import AgentPage, AgentState
+
+router = APIRouter(prefix="/v1/agents", tags=["agents"])
+
+Keel = Annotated[Ingress, Depends(ingress)]
+IfMatch = Annotated[str | None, Header(description='"r<revision>": the revision the decision was made on')]
+MAX_PAGE = 1000
+
+
+def _with_etag(state: AgentState, response: Response) -> AgentState:
+    response.headers["ETag"] = etag(state.revision)
+    return state
+
+
+def _stale(keel: Keel, token: ApiToken, exc: StaleRevision, ref: str) -> Problem:
+    """A 412 carrying the agent as it is now and its ETag, so the person sees what changed before deciding again."""
+    state = keel.client.get_state(resolve(keel, token, ref).id)
+    tag = etag(state.revision)
+    return Problem(
+        kind_of(exc),
+        str(exc),
+        headers={"ETag": tag},
+        extra={
+            "expected_revision": exc.expected_revision,
+            "current_revision": exc.current_revision,
+            "current_state": state.model_dump(mode="json"),
+            "etag": tag,
+        },
+    )
+
+
+@router.post("", status_code=201, response_model=AgentState, summary="Create an agent")
+def create_agent(
+    body: CreateAgent,
+    response: Response,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.CREATE_AGENT))],
+) -> AgentState:
+    """An idle agent at revision 0. A name that is taken is a 409."""
+    if not token.sees(body.name):
+        raise Problem(
+            FORBIDDEN,
+            f"token {token.name!r} may only create agents whose name starts with {token.agent_prefix!r}",
+        )
+    state = keel.client.create_agent(
+        body.name, budget_tokens=body.budget_tokens, budget_cost=body.budget_cost, actor=token.name
+    )
+    response.headers["Location"] = f"/v1/agents/{state.id}"
+    return _with_etag(state, response)
+
+
+@router.get("", response_model=AgentPage, summary="List agents, newest first")
+def list_agents(
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.READ_STATE))],
+    phase: Annotated[list[Phase] | None, Query(description="Only agents in these phases")] = None,
+    archived: Annotated[bool, Query(description="The archived agents instead of those in use")] = False,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    cursor: Annotated[str | None, Query(max_length=512, description="The `next` of the previous page")] = None,
+) -> AgentPage:
+    return keel.client.list_agents(
+        phases=[p.value for p in phase or ()],
+        archived=archived,
+        limit=limit,
+        after=cursor,
+        name_prefix=token.agent_prefix,
+    )
+
+
+@router.get(
+    "/{agent}",
+    response_model=AgentState,
+    summary="An agent's state",
+    responses={304: {"description": "Not modified: the If-None-Match revision is the current one"}},
+)
+def get_agent(
+    agent: str,
+    response: Response,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.READ_STATE))],
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> AgentState | Response:
+    """By id or name: phase, revision (also the ETag), deadlines, budget, pending jobs, the call waiting for
+    approval."""
+    row = resolve(keel, token, agent)
+    seen = revision_of(if_none_match, name="If-None-Match")
+    if seen is not None and seen == row.revision:
+        return Response(status_code=304, headers={"ETag": etag(row.revision)})
+    return _with_etag(keel.client.get_state(row.id), response)
+
+
+def _decide(
+    keel: Keel, token: ApiToken, agent: str, if_match: str | None, *, required: bool, act: str, reason: str | None
+) -> AgentState:
+    if required and if_match is not None and if_match.strip() == "*":
+        raise Problem(BAD_REQUEST, f'{act} needs the revision you saw: If-Match: "r<revision>", not *')
+    expected = revision_of(if_match, required=required)
+    row = resolve(keel, token, agent)
+    try:
+        if act == "approve":
+            assert expected is not None
+            return keel.client.approve(row.id, expected_revision=expected, actor=token.name)
+        if act == "reject":
+            assert expected is not None
+            return keel.client.reject(row.id, expected_revision=expected, actor=token.name, reason=reason)
+        return keel.client.cancel(row.id, expected_revision=expected, actor=token.name, reason=reason)
+    except StaleRevision as exc:
+        raise _stale(keel, token, exc, agent) from None
+
+
+@router.post("/{agent}/approve", response_model=AgentState, summary="Approve the call waiting for approval")
+def approve(
+    agent: str,
+    response: Response,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.APPROVE))],
+    if_match: IfMatch = None,
+) -> AgentState:
+    """Requires ``If-Match`` (428 without): a stale revision is a 412 with the current state; an agent that is not
+    waiting for approval a 409 naming the events allowed in its phase."""
+    state = _decide(keel, token, agent, if_match, required=True, act="approve", reason=None)
+    return _with_etag(state, response)
+
+
+@router.post("/{agent}/reject", response_model=AgentState, summary="Reject the call waiting for approval")
+def reject(
+    agent: str,
+    response: Response,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.REJECT))],
+    if_match: IfMatch = None,
+    body: Decision | None = None,
+) -> AgentState:
+    """The model is told the reason and revises its plan. Requires ``If-Match``, as approve does."""
+    reason = body.reason if body else None
+    state = _decide(keel, token, agent, if_match, required=True, act="reject", reason=reason)
+    return _with_etag(state, response)
+
+
+@router.post("/{agent}/cancel", response_model=AgentState, summary="Cancel the request in flight")
+def cancel(
+    agent: str,
+    response: Response,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.CANCEL))],
+    if_match: IfMatch = None,
+    body: Decision | None = None,
+) -> AgentState:
+    """Any active phase moves to failed. ``If-Match`` is optional."""
+    reason = body.reason if body else None
+    state = _decide(keel, token, agent, if_match, required=False, act="cancel", reason=reason)
+    return _with_etag(state, response)
+
+
+@router.get("/{agent}/journal", response_model=JournalPage, summary="An agent's journal, oldest first")
+def journal(
+    agent: str,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.READ_JOURNAL))],
+    after: Annotated[int, Query(ge=0, description="Events after this seq (the `next` of the previous page)")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+) -> JournalPage:
+    """A deleted agent's journal stays readable (by its id)."""
+    agent_id = resolve(keel, token, agent, deleted_ok=True).id
+    found = events_after(keel.db, {agent_id: after}, agent_id=agent_id, limit=limit + 1)
+    more = len(found) > limit
+    page = found[:limit]
+    return JournalPage(events=page, next=page[-1].seq if more else None)
+
+
+@router.get(
+    "/{agent}/events",
+    summary="Follow an agent live (Server-Sent Events)",
+    response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "One event per journal event"}},
+)
+async def agent_events(
+    agent: str,
+    request: Request,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.READ_STATE))],
+    last_event_id: Annotated[str | None, Header(description="Resume after this journal seq")] = None,
+    after: Annotated[int | None, Query(ge=0, description="Start after this journal seq (default: now)")] = None,
+) -> EventSourceResponse | JSONResponse:
+    """Each committed journal event of the agent as it commits (``id`` = its journal seq). Reconnect with
+    ``Last-Event-ID`` to get every event missed meanwhile, in order, then the live stream."""
+    row = await run_in_threadpool(resolve, keel, token, agent)
+    try:
+        start = events.parse_last_event_id(last_event_id) if last_event_id is not None else after
+    except ValueError as exc:
+        raise Problem(BAD_REQUEST, str(exc)) from None
+    if start is None:
+        start = row.journal_seq
+    return EventSourceResponse(events.sse_events(keel.listener, keel.db, row.id, start, request))
+

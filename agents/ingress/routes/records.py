@@ -1,0 +1,87 @@
+"""``/v1/jobs`` and ``/v1/outbox``: one job by key; outbox messages by status; an operator's retry of a dead one."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query
+
+from agents.core.errors import InvalidInput, quoted
+from agents.ingress.auth import require
+from agents.ingress.problems import NOT_FOUND, Problem
+from agents.ingress.runtime import Ingress, ingress
+from agents.ingress.schemas import JobOut, OutboxMessage, OutboxPage
+from agents.ingress.tokens import ApiToken, Permission
+from models.jobs_sql import job_row
+from models.outbox_sql import message_row, page_messages
+
+router = APIRouter(prefix="/v1", tags=["records"])
+
+Keel = Annotated[Ingress, Depends(ingress)]
+MAX_PAGE = 1000
+
+
+def _owned(keel: Keel, token: ApiToken, what: str, key: str, row: dict[str, object] | None) -> dict[str, object]:
+    """``row`` if it exists and belongs to an agent the token sees; otherwise the same 404 either way."""
+    if row is not None and token.agent_prefix is not None:
+        names = keel.client.agent_names([row["agent_id"]])  # type: ignore[list-item]
+        name = names.get(row["agent_id"], "")  # type: ignore[call-overload]
+        if not token.sees(name.removesuffix(" (deleted)")):
+            row = None
+    if row is None:
+        raise Problem(NOT_FOUND, f"no {what} has the key {quoted(key)}")
+    return row
+
+
+@router.get("/jobs/{key}", response_model=JobOut, summary="One job by its key")
+def get_job(
+    key: str, keel: Keel, token: Annotated[ApiToken, Depends(require(Permission.READ_STORY))]
+) -> JobOut:
+    """Status, attempts per error class, lease, usage, its payload and its stored result (the checkpoint)."""
+    return JobOut(**_owned(keel, token, "job", key, job_row(keel.db, key)))  # type: ignore[arg-type]
+
+
+@router.get("/outbox", response_model=OutboxPage, summary="Outbox messages, newest first")
+def list_outbox(
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.READ_OUTBOX))],
+    status: Annotated[Literal["pending", "sending", "sent", "dead"] | None, Query()] = None,
+    channel: Annotated[Literal["slack", "github"] | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    cursor: Annotated[str | None, Query(max_length=32, description="The `next` of the previous page")] = None,
+) -> OutboxPage:
+    before = None
+    if cursor is not None:
+        if not cursor.isdigit():
+            raise InvalidInput(f"cursor {quoted(cursor)} is not a `next` value this API returned")
+        before = int(cursor)
+    rows = page_messages(
+        keel.db, status=status, channel=channel, before_seq=before, limit=limit + 1, name_prefix=token.agent_prefix
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return OutboxPage(
+        messages=[OutboxMessage(**{k: v for k, v in r.items() if k != "seq"}) for r in rows],
+        next=str(rows[-1]["seq"]) if more else None,
+    )
+
+
+@router.get("/outbox/{key}", response_model=OutboxMessage, summary="One outbox message by its key")
+def get_message(
+    key: str, keel: Keel, token: Annotated[ApiToken, Depends(require(Permission.READ_OUTBOX))]
+) -> OutboxMessage:
+    row = _owned(keel, token, "outbox message", key, message_row(keel.db, key))
+    return OutboxMessage(**{k: v for k, v in row.items() if k in OutboxMessage.model_fields})  # type: ignore[arg-type]
+
+
+@router.post("/outbox/{key}/retry", response_model=OutboxMessage, summary="Retry a dead outbox message")
+def retry_message(
+    key: str, keel: Keel, token: Annotated[ApiToken, Depends(require(Permission.RETRY_OUTBOX))]
+) -> OutboxMessage:
+    """Back to pending; the relay reconciles with the receiver first if it may have arrived. Journaled on the
+    message's agent with the token's name. Only dead messages can be retried (409 otherwise)."""
+    _owned(keel, token, "outbox message", key, message_row(keel.db, key))
+    keel.client.retry_outbox(key, actor=token.name)
+    row = message_row(keel.db, key)
+    assert row is not None
+    return OutboxMessage(**{k: v for k, v in row.items() if k in OutboxMessage.model_fields})

@@ -1,0 +1,138 @@
+"""``/v1/agents/{agent}/requests``: submit a request (idempotent by ``Idempotency-Key``) and read its story."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Response
+
+from agents.core.errors import RequestConflict, RequestNotFound
+from agents.core.journal import events as journal_events
+from agents.core.keys import check_request_id
+from agents.ingress.auth import resolve
+from agents.ingress.auth import require as require_permission
+from agents.ingress.etags import revision_of
+from agents.ingress.problems import BAD_REQUEST, Problem, kind_of
+from agents.ingress.runtime import Ingress, ingress
+from agents.ingress.schemas import Links, OutboxMessage, RequestOut, RequestStory, SubmitRequest
+from agents.ingress.tokens import ApiToken, Permission
+from models.outbox_sql import request_messages
+from models.schemas import RequestRecord
+
+router = APIRouter(prefix="/v1/agents/{agent}/requests", tags=["requests"])
+
+Keel = Annotated[Ingress, Depends(ingress)]
+
+
+def _out(record: RequestRecord) -> RequestOut:
+    base = f"/v1/agents/{record.agent_id}"
+    return RequestOut(
+        **record.model_dump(),
+        links=Links(
+            self=f"{base}/requests/{record.request_id}",
+            agent=base,
+            story=f"{base}/requests/{record.request_id}/story",
+            events=f"{base}/events",
+        ),
+    )
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=RequestOut,
+    summary="Submit a request",
+    responses={
+        409: {"description": "The Idempotency-Key was used before with a different request, or the agent is busy"},
+        412: {"description": "If-Match names a revision that is not the current one"},
+    },
+)
+def submit(
+    agent: str,
+    body: SubmitRequest,
+    response: Response,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require_permission(Permission.SUBMIT))],
+    idempotency_key: Annotated[
+        str | None, Header(description="The request id: 1-128 of letters, digits, '.', '_', '-'")
+    ] = None,
+    if_match: Annotated[str | None, Header(description='"r<revision>": submit only if the agent is there')] = None,
+) -> RequestOut:
+    """Starts the request on an idle, done or failed agent. The same ``Idempotency-Key`` with the same body gives the
+    original response again (201, ``Idempotent-Replayed: true``) and changes nothing; with a different body a 409
+    naming what differs."""
+    if idempotency_key is None:
+        raise Problem(
+            BAD_REQUEST,
+            "send an Idempotency-Key header: it is the request id, and a retry under it is never run twice",
+        )
+    request_id = check_request_id(idempotency_key)
+    expected = revision_of(if_match)
+    found = resolve(keel, token, agent)
+    soft = body.soft_deadline or _seconds(body.soft_deadline_seconds)
+    hard = body.hard_deadline or _seconds(body.hard_deadline_seconds)
+    try:
+        done = keel.client.submit_request(
+            found.id,
+            request_id,
+            body.input,
+            expected_revision=expected,
+            soft_deadline=soft,
+            hard_deadline=hard,
+            actor=token.name,
+            operation=body.operation,
+        )
+    except RequestConflict as exc:
+        if exc.owner == found.id:
+            raise
+        # Request ids are global: never tell one tenant about another's agent.
+        raise Problem(
+            kind_of(exc),
+            f"the Idempotency-Key {request_id!r} is already the id of another agent's request: use a new key",
+            extra={"request_id": request_id, "differs": []},
+        ) from None
+    out = _out(done.request)
+    response.headers["Location"] = out.links.self
+    if done.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return out
+
+
+def _seconds(value: float | None) -> timedelta | None:
+    return None if value is None else timedelta(seconds=value)
+
+
+def _record(keel: Keel, token: ApiToken, agent: str, request_id: str) -> RequestRecord:
+    found = resolve(keel, token, agent, deleted_ok=True)
+    record = keel.client.get_request(request_id)
+    if record.agent_id != found.id:
+        raise RequestNotFound(request_id)
+    return record
+
+
+@router.get("/{request_id}", response_model=RequestOut, summary="A request as it was submitted")
+def get_request(
+    agent: str,
+    request_id: str,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require_permission(Permission.READ_STATE))],
+) -> RequestOut:
+    return _out(_record(keel, token, agent, request_id))
+
+
+@router.get("/{request_id}/story", response_model=RequestStory, summary="Everything that happened for a request")
+def story(
+    agent: str,
+    request_id: str,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require_permission(Permission.READ_STORY))],
+) -> RequestStory:
+    """The request, its jobs (every step, finished ones included), its journal events and its outbox messages."""
+    record = _record(keel, token, agent, request_id)
+    return RequestStory(
+        request=_out(record),
+        jobs=keel.client.request_jobs(request_id),
+        journal=journal_events(keel.db, agent_id=record.agent_id, request_id=request_id),
+        outbox=[OutboxMessage(**m) for m in request_messages(keel.db, request_id)],
+    )

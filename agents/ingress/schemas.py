@@ -1,0 +1,155 @@
+"""The bodies the HTTP API takes and gives. Every body refuses fields it does not know (``extra="forbid"``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, Literal
+from uuid import UUID
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, model_validator
+
+from agents.core.commands import MAX_REASON_CHARS
+from models.schemas import AgentState, JobView, JournalEvent, RequestRecord
+
+#: A revision or a budget: what a bigint column holds.
+MAX_BIGINT = 2**63 - 1
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateAgent(Body):
+    name: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
+        description="Unique; letters, digits, '.', '_', '-'. Not a UUID (agents are addressed by id or name).",
+    )
+    budget_tokens: int | None = Field(default=None, ge=0, le=MAX_BIGINT, description="None: unlimited")
+    budget_cost: Decimal | None = Field(
+        default=None, ge=0, max_digits=18, decimal_places=6, description="USD; None: unlimited"
+    )
+
+
+class SubmitRequest(Body):
+    """A request for an agent. The ``Idempotency-Key`` header is its request id: repeat the same body under the same
+    key and the original response comes back; a different body under it is a 409."""
+
+    input: JsonValue = Field(description="The operation's input; for plan: {prompt, script?}")
+    operation: str = Field(default="plan", min_length=1, max_length=128)
+    soft_deadline: AwareDatetime | None = Field(default=None, description="After it the request runs at low priority")
+    hard_deadline: AwareDatetime | None = Field(default=None, description="After it the request is stopped")
+    soft_deadline_seconds: float | None = Field(
+        default=None, gt=0, le=10 * 365 * 86400, description="A soft deadline relative to the submit (instead)"
+    )
+    hard_deadline_seconds: float | None = Field(
+        default=None, gt=0, le=10 * 365 * 86400, description="A hard deadline relative to the submit (instead)"
+    )
+
+    @model_validator(mode="after")
+    def _one_form_per_deadline(self) -> SubmitRequest:
+        for name in ("soft_deadline", "hard_deadline"):
+            if getattr(self, name) is not None and getattr(self, f"{name}_seconds") is not None:
+                raise ValueError(f"give {name} or {name}_seconds, not both")
+        return self
+
+
+class Decision(Body):
+    reason: str | None = Field(default=None, min_length=1, max_length=MAX_REASON_CHARS)
+
+
+class Links(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    self: str
+    agent: str
+    story: str
+    events: str
+
+
+class RequestOut(RequestRecord):
+    """A request as first submitted, with where to follow it. The same for every retry of the submit."""
+
+    links: Links
+
+
+class RequestStory(BaseModel):
+    """Everything that happened for one request: its record, its jobs, its journal events, its outbox messages."""
+
+    request: RequestOut
+    jobs: list[JobView]
+    journal: list[JournalEvent]
+    outbox: list[OutboxMessage]
+
+
+class OutboxMessage(BaseModel):
+    key: str
+    agent_id: UUID
+    request_id: str
+    channel: str
+    destination: str
+    status: str
+    attempts: int
+    rate_limited_attempts: int
+    next_attempt_at: datetime
+    last_error: str | None
+    external_id: str | None
+    external_url: str | None
+    created_at: datetime
+    sent_at: datetime | None
+    #: The receiver-facing content (Slack text/blocks, GitHub comment body).
+    payload: dict[str, Any] | None = None
+
+
+class OutboxPage(BaseModel):
+    messages: list[OutboxMessage]
+    next: str | None = None
+
+
+class JobOut(BaseModel):
+    key: str
+    agent_id: UUID
+    request_id: str
+    operation: str
+    target: str
+    status: str
+    queue: str
+    run_at: datetime
+    attempts: int
+    error_attempts: dict[str, int]
+    error_class: str | None
+    last_error: str | None
+    lease_until: datetime | None
+    worker: str | None
+    fencing_token: int
+    tokens: int
+    cost: Decimal
+    suppressed: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    payload: dict[str, Any]
+    result: Any
+
+
+class JournalPage(BaseModel):
+    events: list[JournalEvent]
+    #: The ``after`` of the next page (the last event's seq); None when this page reached the end.
+    next: int | None = None
+
+
+class StaleState(BaseModel):
+    """A 412's extension members: the agent as it is now, and its ETag to retry with."""
+
+    current_state: AgentState
+    etag: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, str] = {}
+
+
+RequestStory.model_rebuild()

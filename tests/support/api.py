@@ -1,0 +1,114 @@
+"""A real ``keel serve`` (uvicorn) process on the test's own database and Redis prefix, and tokens to call it with."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from agents.ingress.tokens import create_token
+
+from models.db import Database
+from tests.support.broker import Broker
+
+ROOT = Path(__file__).resolve().parents[2]
+KEEL = str(Path(sys.executable).parent / "keel")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Api:
+    """One running API process: ``url``, ``token(...)`` for a secret, ``http(secret)`` for a client, ``log()``."""
+
+    def __init__(self, db: Database, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.db = db
+        self.url = url
+        self.proc = proc
+        self.log_path = log
+        self._n = 0
+
+    def token(self, *scopes: str, prefix: str | None = None, name: str | None = None) -> str:
+        """A new token's secret."""
+        self._n += 1
+        _, secret = create_token(
+            self.db, name or f"t{self._n}-{'-'.join(scopes)}", list(scopes), agent_prefix=prefix, actor="test"
+        )
+        return secret
+
+    def http(self, secret: str | None = None, **kwargs: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def running_api(
+    db: Database,
+    db_url: str,
+    broker: Broker,
+    logs: Path,
+    *,
+    env: dict[str, str] | None = None,
+    args: Sequence[str] = (),
+) -> Iterator[Api]:
+    """Start ``keel serve`` and wait until ``/readyz`` says ready; stop it (by pid, SIGTERM then SIGKILL) after."""
+    port = free_port()
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    child_env.update(
+        {
+            "KEEL_DATABASE_URL": db_url,
+            **broker.env,
+            "KEEL_IMPORTS": '["tests.support.handlers"]',
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+    )
+    log = logs / f"api-{port}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [KEEL, "serve", "--port", str(port), "-l", "warning", *args],
+            env=child_env,
+            stdout=out,
+            stderr=out,
+            cwd=logs,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    api = Api(db, url, proc, log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"keel serve exited with {proc.returncode}:\n{api.log()}")
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"keel serve not ready in 60 s:\n{api.log()}")
+            time.sleep(0.1)
+        yield api
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
