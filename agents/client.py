@@ -9,8 +9,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
+from urllib.parse import quote
 from uuid import UUID
 
+import httpx
+from httpx_sse import connect_sse
 from pydantic import ValidationError
 from sqlalchemy import select, tuple_
 
@@ -26,7 +29,26 @@ from agents.core.commands import (
     check_json_text,
     check_text,
 )
-from agents.core.errors import AgentNotFound, InvalidInput, RequestNotFound, quoted
+from agents.core.errors import (
+    AgentArchived,
+    AgentBusy,
+    AgentExists,
+    AgentInUse,
+    AgentNotFound,
+    HardDeadlinePassed,
+    IllegalTransition,
+    InvalidDeadlines,
+    InvalidInput,
+    KeelError,
+    MessageNotDead,
+    MessageNotFound,
+    Rejected,
+    RequestConflict,
+    RequestNotFound,
+    StaleRevision,
+    StoreError,
+    quoted,
+)
 from agents.core.keys import check_request_id, split_key
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
@@ -553,3 +575,411 @@ def _deadline(name: str, value: Deadline) -> datetime | timedelta | None:
             raise InvalidInput(f"{name} must be timezone-aware (got a naive datetime)")
         return value
     raise InvalidInput(f"{name} must be a datetime or a timedelta, got {type(value).__name__}")
+
+
+# --- over HTTP --------------------------------------------------------------------------------------------------
+
+#: HTTP statuses worth another try with the same request (the ingress or its database was briefly away).
+_RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class AccessDenied(KeelError):
+    """The API refused the token: missing, unknown or revoked (401), or without the scope for this (403)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class ApiUnavailable(StoreError):
+    """The API could not be reached or kept failing (network errors, 5xx) after every retry."""
+
+
+class HttpClient:
+    """:class:`Client`'s producer and person methods over Keel's HTTP API, with the same return types and errors,
+    so a producer's code runs unchanged: ``HttpClient("https://keel.example", token)``.
+
+    Safe retries: network errors and 502/503/504 are retried with backoff — a submit under the same
+    ``Idempotency-Key`` (its request id), so it never runs twice; a 429 waits its ``Retry-After``. An approve,
+    reject or cancel whose answer was lost is not guessed at: if its retry finds the agent moved on, the journal is
+    asked whether this token's decision is what moved it. Refusals come back as Keel's own exceptions: 412 →
+    :class:`StaleRevision` (with ``current_state``), 409 → :class:`IllegalTransition` / :class:`RequestConflict` /
+    …, 428 → :class:`Rejected`, 404 → :class:`AgentNotFound`, 422 → :class:`InvalidInput`, 401/403 →
+    :class:`AccessDenied`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff_seconds: float = 0.2,
+        max_wait_seconds: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not token:
+            raise InvalidInput("token must be an API token (keel token create NAME --scope …)")
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_seconds = backoff_seconds
+        self.max_wait_seconds = max_wait_seconds
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+            timeout=timeout,
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> HttpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- plumbing ---------------------------------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        ambiguous: Callable[[httpx.Response], Any] | None = None,
+    ) -> httpx.Response:
+        """One API call, retried on network errors, 502/503/504 and 429. ``ambiguous`` decides a refusal that
+        followed an attempt whose outcome is unknown (sent, no answer): it returns a result or None to raise."""
+        unknown_outcome = False
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._http.request(method, path, json=json_body, params=params, headers=headers)
+            except httpx.TransportError as exc:
+                # A connect error never reached the server; any other may have been applied there.
+                unknown_outcome = unknown_outcome or not isinstance(exc, httpx.ConnectError)
+                if attempt == self.retries:
+                    raise ApiUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from None
+                time.sleep(self._backoff(attempt))
+                continue
+            if response.status_code == 429 and attempt < self.retries:
+                time.sleep(min(float(response.headers.get("Retry-After", "1")), self.max_wait_seconds))
+                continue
+            if response.status_code in _RETRY_STATUSES and attempt < self.retries:
+                unknown_outcome = True
+                time.sleep(self._backoff(attempt))
+                continue
+            if response.is_success or response.status_code == 304:
+                return response
+            if unknown_outcome and ambiguous is not None and ambiguous(response):
+                return response
+            raise self._error(response)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _backoff(self, attempt: int) -> float:
+        return float(min(self.backoff_seconds * 2**attempt, self.max_wait_seconds))
+
+    def _error(self, response: httpx.Response) -> KeelError:
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        detail = str(body.get("detail") or response.reason_phrase or f"HTTP {response.status_code}")
+        kind = str(body.get("type", "")).rsplit("/", 1)[-1]
+        status = response.status_code
+        return _problem_error(status, kind, detail, body)
+
+    # --- reads ------------------------------------------------------------------------------------------------
+
+    def get_state(self, agent: AgentRef) -> AgentState:
+        return AgentState.model_validate(self._call("GET", f"/v1/agents/{_ref(agent)}").json())
+
+    def list_agents(
+        self,
+        *,
+        phases: Sequence[str] = (),
+        archived: bool = False,
+        limit: int | None = None,
+        after: str | None = None,
+        name_prefix: str | None = None,
+    ) -> AgentPage:
+        """As :meth:`Client.list_agents`; ``limit=None`` pages through every agent the token sees."""
+        params: dict[str, Any] = {"phase": list(phases), "archived": archived}
+        if name_prefix is not None:
+            raise InvalidInput("name_prefix is the token's over HTTP (keel token create --agent-prefix)")
+        found: list[AgentState] = []
+        cursor = after
+        while True:
+            page_size = 1000 if limit is None else min(limit - len(found), 1000)
+            body = self._call(
+                "GET", "/v1/agents", params={**params, "limit": page_size, **({"cursor": cursor} if cursor else {})}
+            ).json()
+            page = AgentPage.model_validate(body)
+            found.extend(page.agents)
+            cursor = page.next
+            if cursor is None or (limit is not None and len(found) >= limit):
+                return AgentPage(agents=tuple(found), next=cursor)
+
+    def get_request(self, request_id: str) -> RequestRecord:
+        """As :meth:`Client.get_request` (the API finds the request's agent through its story)."""
+        check_request_id(request_id)
+        body = self._call("GET", f"/v1/requests/{request_id}").json()
+        return RequestRecord.model_validate(body)
+
+    def request_jobs(self, request_id: str) -> list[JobView]:
+        record = self.get_request(request_id)
+        story = self._call("GET", f"/v1/agents/{record.agent_id}/requests/{request_id}/story").json()
+        return [JobView.model_validate(j) for j in story["jobs"]]
+
+    def journal(
+        self, *, agent_id: AgentRef | None = None, request_id: str | None = None, limit: int | None = None
+    ) -> list[JournalEvent]:
+        """An agent's journal (``agent_id``), or a request's events (``request_id``), oldest first."""
+        if request_id is not None:
+            record = self.get_request(request_id)
+            story = self._call("GET", f"/v1/agents/{record.agent_id}/requests/{request_id}/story").json()
+            found = [JournalEvent.model_validate(e) for e in story["journal"]]
+            if agent_id is not None and self.get_state(agent_id).id != record.agent_id:
+                found = []
+            return found[:limit] if limit is not None else found
+        if agent_id is None:
+            raise InvalidInput("over HTTP the journal is read per agent (agent_id) or per request (request_id)")
+        events: list[JournalEvent] = []
+        after = 0
+        while True:
+            page_size = 1000 if limit is None else min(limit - len(events), 1000)
+            body = self._call(
+                "GET", f"/v1/agents/{_ref(agent_id)}/journal", params={"after": after, "limit": page_size}
+            ).json()
+            events.extend(JournalEvent.model_validate(e) for e in body["events"])
+            if body["next"] is None or (limit is not None and len(events) >= limit):
+                return events
+            after = body["next"]
+
+    def follow_journal(
+        self, *, agent_id: AgentRef | None = None, request_id: str | None = None, poll_seconds: float = 0.5
+    ) -> Iterator[JournalEvent]:
+        """Every journal event of the agent, oldest first, then each new one as it commits (the API's Server-Sent
+        Events; a dropped stream resumes from the last event seen, so none is skipped or repeated)."""
+        if agent_id is None:
+            raise InvalidInput("over HTTP an agent is followed (agent_id)")
+        path = f"/v1/agents/{_ref(agent_id)}/events"
+        self.get_state(agent_id)  # an unknown agent raises AgentNotFound here, not at the first event
+
+        def follow() -> Iterator[JournalEvent]:
+            last = 0
+            failures = 0
+            while True:
+                try:
+                    with connect_sse(self._http, "GET", path, params={"after": last}, timeout=None) as source:
+                        if source.response.status_code != 200:
+                            source.response.read()
+                            raise self._error(source.response)
+                        for sse in source.iter_sse():
+                            if not sse.id:
+                                continue
+                            event = JournalEvent.model_validate_json(sse.data)
+                            last = event.seq
+                            failures = 0
+                            if request_id is None or event.request_id == request_id:
+                                yield event
+                except httpx.TransportError:
+                    failures += 1
+                    if failures > self.retries:
+                        raise ApiUnavailable(f"GET {path}: the event stream kept failing") from None
+                    time.sleep(max(poll_seconds, self._backoff(failures - 1)))
+
+        return follow()
+
+    # --- commands ---------------------------------------------------------------------------------------------
+
+    def create_agent(
+        self,
+        name: str,
+        *,
+        budget_tokens: int | None = None,
+        budget_cost: Decimal | float | str | None = None,
+        actor: str = "client",
+    ) -> AgentState:
+        """As :meth:`Client.create_agent`; the journal's actor is the token's name (``actor`` is ignored)."""
+        body = {"name": name, "budget_tokens": budget_tokens, "budget_cost": _decimal(budget_cost)}
+        return AgentState.model_validate(self._call("POST", "/v1/agents", json_body=body).json())
+
+    def submit(
+        self,
+        agent_id: AgentRef,
+        request_id: str,
+        input: Any,
+        *,
+        expected_revision: int | None = None,
+        soft_deadline: Deadline = None,
+        hard_deadline: Deadline = None,
+        actor: str = "client",
+        operation: str = "plan",
+    ) -> AgentState:
+        """As :meth:`Client.submit` (the state is read right after the submit)."""
+        return self.submit_request(
+            agent_id,
+            request_id,
+            input,
+            expected_revision=expected_revision,
+            soft_deadline=soft_deadline,
+            hard_deadline=hard_deadline,
+            actor=actor,
+            operation=operation,
+        ).state
+
+    def submit_request(
+        self,
+        agent_id: AgentRef,
+        request_id: str,
+        input: Any,
+        *,
+        expected_revision: int | None = None,
+        soft_deadline: Deadline = None,
+        hard_deadline: Deadline = None,
+        actor: str = "client",
+        operation: str = "plan",
+    ) -> Submission:
+        check_request_id(request_id)
+        body: dict[str, Any] = {"input": input, "operation": operation}
+        for name, value in (("soft_deadline", soft_deadline), ("hard_deadline", hard_deadline)):
+            checked = _deadline(name, value)
+            if isinstance(checked, timedelta):
+                body[f"{name}_seconds"] = checked.total_seconds()
+            elif checked is not None:
+                body[name] = checked.isoformat()
+        headers = {"Idempotency-Key": request_id}
+        if expected_revision is not None:
+            headers["If-Match"] = f'"r{expected_revision}"'
+        response = self._call("POST", f"/v1/agents/{_ref(agent_id)}/requests", json_body=body, headers=headers)
+        record = RequestRecord.model_validate(response.json())
+        return Submission(
+            request=record,
+            state=self.get_state(record.agent_id),
+            replayed=response.headers.get("Idempotent-Replayed") == "true",
+        )
+
+    def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str = "client") -> AgentState:
+        """As :meth:`Client.approve`; the journal's actor is the token's name."""
+        return self._decide(agent_id, "approve", expected_revision, None)
+
+    def reject(
+        self, agent_id: AgentRef, *, expected_revision: int, actor: str = "client", reason: str | None = None
+    ) -> AgentState:
+        return self._decide(agent_id, "reject", expected_revision, reason)
+
+    def cancel(
+        self,
+        agent_id: AgentRef,
+        *,
+        expected_revision: int | None = None,
+        actor: str = "client",
+        reason: str | None = None,
+    ) -> AgentState:
+        return self._decide(agent_id, "cancel", expected_revision, reason)
+
+    def retry_outbox(self, key: str, *, actor: str = "client") -> None:
+        self._call("POST", f"/v1/outbox/{key}/retry")
+
+    def _decide(self, agent: AgentRef, act: str, expected: int | None, reason: str | None) -> AgentState:
+        headers = {} if expected is None else {"If-Match": f'"r{expected}"'}
+        path = f"/v1/agents/{_ref(agent)}/{act}"
+        body = None if act == "approve" else {"reason": reason}
+
+        def applied(response: httpx.Response) -> bool:
+            # The first attempt may have been applied before its answer was lost: then the event that moved the
+            # agent past ``expected`` is this token's own decision.
+            if response.status_code != 412 or expected is None:
+                return False
+            moved = self._call(
+                "GET", f"/v1/agents/{_ref(agent)}/journal", params={"revision": expected + 1, "limit": 10}
+            ).json()
+            who = self._call("GET", "/v1/tokens/me").json()["name"]
+            return any(e["kind"] == "transition" and e["event"] == act and e["actor"] == who for e in moved["events"])
+
+        response = self._call("POST", path, json_body=body, headers=headers, ambiguous=applied)
+        if response.status_code == 412:  # applied by the attempt whose answer was lost
+            return self.get_state(agent)
+        return AgentState.model_validate(response.json())
+
+
+def _ref(agent: AgentRef) -> str:
+    text = str(agent)
+    check_text("agent", text, limit=200)
+    return quote(text, safe="")
+
+
+def _decimal(value: Decimal | float | str | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def _problem_error(status: int, kind: str, detail: str, body: Mapping[str, Any]) -> KeelError:
+    """The Keel exception a problem response stands for, carrying the facts the body gives; its text is the
+    server's ``detail``."""
+    made: KeelError
+    agent_id = _as_uuid(str(body.get("agent_id", ""))) or UUID(int=0)
+    if status in (401, 403):
+        made = AccessDenied(detail, status=status)
+    elif kind == "stale-revision":
+        stale = StaleRevision(
+            agent_id=agent_id,
+            expected=int(body.get("expected_revision") or 0),
+            current=int(body.get("current_revision") or 0),
+        )
+        state = body.get("current_state")
+        stale.current_state = None if state is None else AgentState.model_validate(state)  # type: ignore[attr-defined]
+        made = stale
+    elif kind == "illegal-transition":
+        made = IllegalTransition(
+            agent_id=agent_id,
+            phase=str(body.get("phase")),
+            event=str(body.get("event")),
+            allowed=list(body.get("allowed") or ()),
+        )
+    elif kind == "request-conflict":
+        made = RequestConflict(
+            request_id=str(body.get("request_id")), owner=agent_id, differs=list(body.get("differs") or ())
+        )
+    else:
+        cls = _BY_KIND.get(kind) or _BY_STATUS.get(status, KeelError)
+        made = cls.__new__(cls)
+    made.args = (detail,)
+    return made
+
+
+_BY_KIND: dict[str, type[KeelError]] = {
+    "agent-not-found": AgentNotFound,
+    "request-not-found": RequestNotFound,
+    "agent-exists": AgentExists,
+    "agent-archived": AgentArchived,
+    "agent-busy": AgentBusy,
+    "agent-in-use": AgentInUse,
+    "hard-deadline-passed": HardDeadlinePassed,
+    "invalid-deadlines": InvalidDeadlines,
+    "unknown-operation": InvalidInput,
+    "invalid-input": InvalidInput,
+    "outbox-message-not-found": MessageNotFound,
+    "outbox-message-not-dead": MessageNotDead,
+    "precondition-required": Rejected,
+    "store-unavailable": ApiUnavailable,
+}
+_BY_STATUS: dict[int, type[KeelError]] = {
+    400: InvalidInput,
+    404: AgentNotFound,
+    409: Rejected,
+    412: StaleRevision,
+    413: InvalidInput,
+    422: InvalidInput,
+    428: Rejected,
+    429: ApiUnavailable,
+    500: ApiUnavailable,
+    502: ApiUnavailable,
+    503: ApiUnavailable,
+    504: ApiUnavailable,
+}

@@ -197,6 +197,19 @@ def events_after(
     return [JournalEvent.model_validate(r) for r in rows]
 
 
+def events_at_revision(db: Database, agent_id: UUID, revision: int, *, limit: int = 100) -> list[JournalEvent]:
+    """An agent's events at ``revision``: the transition that moved it there, and what was refused or suppressed
+    while it stood there, oldest first."""
+    query = (
+        select(journal)
+        .where(journal.c.agent_id == agent_id, journal.c.revision == revision)
+        .order_by(journal.c.seq)
+        .limit(limit)
+    )
+    with db.engine.connect() as conn:
+        return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
+
+
 @dataclass(frozen=True, slots=True)
 class ChainBreak:
     """The first broken link of one agent's chain."""

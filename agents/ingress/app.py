@@ -7,18 +7,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from importlib.metadata import version
 from agents.client import Publisher
 from agents.core.errors import KeelError
 from agents.core.redaction import register_settings
 from agents.ingress import problems
-from agents.ingress.routes import agents, health, records, requests
+from agents.ingress.routes import agents, health, records, requests, tokens
 from agents.ingress.runtime import Ingress
 from models.settings import Settings
 
@@ -113,6 +113,6 @@ def create_app(settings: Settings | None = None, *, publisher: Publisher | None 
     app.add_exception_handler(StarletteHTTPException, problems.on_http)
     app.add_exception_handler(Exception, problems.on_unexpected)
     app.add_middleware(BodyLimit, limit=settings.api_max_body_bytes)
-    for module in (health, agents, requests, records):
-        app.include_router(module.router)
+    for router in (health.router, tokens.router, agents.router, requests.router, requests.by_id, records.router):
+        app.include_router(router)
     return app

@@ -134,9 +134,13 @@ def kind_of(exc: errors.KeelError) -> Kind:
 def facts(exc: errors.KeelError) -> dict[str, Any]:
     """The extension members a client acts on, per error."""
     if isinstance(exc, errors.StaleRevision):
-        return {"expected_revision": exc.expected_revision, "current_revision": exc.current_revision}
+        return {
+            "agent_id": str(exc.agent_id),
+            "expected_revision": exc.expected_revision,
+            "current_revision": exc.current_revision,
+        }
     if isinstance(exc, errors.IllegalTransition):
-        return {"phase": exc.phase, "event": exc.event, "allowed": list(exc.allowed)}
+        return {"agent_id": str(exc.agent_id), "phase": exc.phase, "event": exc.event, "allowed": list(exc.allowed)}
     if isinstance(exc, errors.RequestConflict):
         return {"request_id": exc.request_id, "differs": list(exc.differs)}
     if isinstance(exc, errors.UnknownOperation):

@@ -18,6 +18,7 @@ from agents.ingress.tokens import create_token
 
 from models.db import Database
 from tests.support.broker import Broker
+from tests.support.runs import run_all
 
 ROOT = Path(__file__).resolve().parents[2]
 KEEL = str(Path(sys.executable).parent / "keel")
@@ -112,3 +113,48 @@ def running_api(
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+PROBLEM = "application/problem+json"
+
+
+def script(*entries: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt": "Summarise open incidents", "script": list(entries)}
+
+
+COMMENT = script(
+    {"tool_calls": [{"name": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "Fixed"}}]},
+    {"content": "Commented."},
+    {"content": "Understood, no comment."},
+)
+
+
+def journal_count(db: Database) -> int:
+    with db.connection() as conn:
+        (n,) = conn.execute("SELECT count(*) FROM audit.journal").fetchone()  # type: ignore[misc]
+        conn.rollback()
+    return int(n)
+
+
+def problem(response: httpx.Response, status: int, slug: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM
+    body: dict[str, Any] = response.json()
+    assert body["type"] == f"/problems/{slug}", body
+    assert body["status"] == status and body["title"] and body["detail"]
+    assert "Traceback" not in response.text
+    return body
+
+
+def waiting_agent(api: Api, http: httpx.Client, name: str = "commenter") -> dict[str, Any]:
+    created = http.post("/v1/agents", json={"name": name})
+    assert created.status_code == 201, created.text
+    agent = created.json()
+    submitted = http.post(
+        f"/v1/agents/{agent['id']}/requests", json={"input": COMMENT}, headers={"Idempotency-Key": f"{name}-r1"}
+    )
+    assert submitted.status_code == 201, submitted.text
+    run_all(api.db)
+    state = http.get(f"/v1/agents/{agent['id']}").json()
+    assert state["phase"] == "waiting_approval", state
+    return state  # type: ignore[no-any-return]

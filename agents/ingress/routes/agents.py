@@ -7,18 +7,17 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse
-
 from starlette.concurrency import run_in_threadpool
 
 from agents.core.errors import StaleRevision
-from agents.core.journal import events_after
+from agents.core.journal import events_after, events_at_revision
 from agents.core.phases import Phase
 from agents.ingress import events
 from agents.ingress.auth import require, resolve
 from agents.ingress.etags import etag, revision_of
 from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem, kind_of
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.schemas import CreateAgent, Decision, JournalPage
+from agents.ingress.schemas import MAX_BIGINT, CreateAgent, Decision, JournalPage
 from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import AgentPage, AgentState
 
@@ -43,6 +42,7 @@ def _stale(keel: Keel, token: ApiToken, exc: StaleRevision, ref: str) -> Problem
         str(exc),
         headers={"ETag": tag},
         extra={
+            "agent_id": str(state.id),
             "expected_revision": exc.expected_revision,
             "current_revision": exc.current_revision,
             "current_state": state.model_dump(mode="json"),
@@ -181,9 +181,14 @@ def journal(
     token: Annotated[ApiToken, Depends(require(Permission.READ_JOURNAL))],
     after: Annotated[int, Query(ge=0, description="Events after this seq (the `next` of the previous page)")] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    revision: Annotated[
+        int | None, Query(ge=0, le=MAX_BIGINT, description="Only the events at this revision (what moved it there)")
+    ] = None,
 ) -> JournalPage:
     """A deleted agent's journal stays readable (by its id)."""
     agent_id = resolve(keel, token, agent, deleted_ok=True).id
+    if revision is not None:
+        return JournalPage(events=events_at_revision(keel.db, agent_id, revision, limit=limit))
     found = events_after(keel.db, {agent_id: after}, agent_id=agent_id, limit=limit + 1)
     more = len(found) > limit
     page = found[:limit]
@@ -214,4 +219,3 @@ async def agent_events(
     if start is None:
         start = row.journal_seq
     return EventSourceResponse(events.sse_events(keel.listener, keel.db, row.id, start, request))
-

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, Header, Response
 from agents.core.errors import RequestConflict, RequestNotFound
 from agents.core.journal import events as journal_events
 from agents.core.keys import check_request_id
-from agents.ingress.auth import resolve
 from agents.ingress.auth import require as require_permission
+from agents.ingress.auth import resolve
 from agents.ingress.etags import revision_of
 from agents.ingress.problems import BAD_REQUEST, Problem, kind_of
 from agents.ingress.runtime import Ingress, ingress
@@ -136,3 +136,20 @@ def story(
         journal=journal_events(keel.db, agent_id=record.agent_id, request_id=request_id),
         outbox=[OutboxMessage(**m) for m in request_messages(keel.db, request_id)],
     )
+
+
+by_id = APIRouter(prefix="/v1/requests", tags=["requests"])
+
+
+@by_id.get("/{request_id}", response_model=RequestOut, summary="A request by its id alone")
+def find_request(
+    request_id: str,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require_permission(Permission.READ_STATE))],
+) -> RequestOut:
+    """Where a request id (an ``Idempotency-Key``) went: its agent, and links to its story and the agent's events."""
+    record = keel.client.get_request(request_id)
+    names = keel.client.agent_names([record.agent_id])
+    if not token.sees(names.get(record.agent_id, "").removesuffix(" (deleted)")):
+        raise RequestNotFound(request_id)
+    return _out(record)

@@ -1,0 +1,216 @@
+"""The HTTP API against a real ``keel serve`` (uvicorn) process on the test's own database and Redis prefix:
+revisions as ETags, idempotent submits, problem details, refusals that change nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.client import Client
+from tests.support.api import Api, journal_count, problem, script, waiting_agent
+from tests.support.runs import run_all
+
+pytestmark = pytest.mark.integration
+POST = {"channel": "C1", "text": "hi"}
+
+
+def test_create_get_and_list_agents(api: Api) -> None:
+    with api.http(api.token("operator")) as http:
+        created = http.post("/v1/agents", json={"name": "alpha", "budget_tokens": 1000, "budget_cost": "2.5"})
+        assert created.status_code == 201
+        body = created.json()
+        assert created.headers["Location"] == f"/v1/agents/{body['id']}"
+        assert created.headers["ETag"] == '"r0"'
+        assert (body["name"], body["phase"], body["revision"]) == ("alpha", "idle", 0)
+
+        taken = problem(http.post("/v1/agents", json={"name": "alpha"}), 409, "agent-exists")
+        assert "alpha" in taken["detail"]
+
+        got = http.get("/v1/agents/alpha")
+        assert got.status_code == 200 and got.json()["id"] == body["id"] and got.headers["ETag"] == '"r0"'
+        not_modified = http.get(f"/v1/agents/{body['id']}", headers={"If-None-Match": '"r0"'})
+        assert not_modified.status_code == 304 and not_modified.content == b""
+
+        for n in range(5):
+            assert http.post("/v1/agents", json={"name": f"bulk-{n}"}).status_code == 201
+        first = http.get("/v1/agents", params={"limit": 4}).json()
+        assert [a["name"] for a in first["agents"]] == ["bulk-4", "bulk-3", "bulk-2", "bulk-1"]
+        rest = http.get("/v1/agents", params={"limit": 4, "cursor": first["next"]}).json()
+        assert [a["name"] for a in rest["agents"]] == ["bulk-0", "alpha"] and rest["next"] is None
+        idle = http.get("/v1/agents", params={"phase": "planning"}).json()
+        assert idle["agents"] == []
+
+
+def test_submit_is_idempotent_by_key_and_a_different_body_is_a_conflict(api: Api) -> None:
+    with api.http(api.token("producer", name="ingest")) as http:
+        agent = http.post("/v1/agents", json={"name": "worker-1"}).json()
+        url = f"/v1/agents/{agent['id']}/requests"
+        first = http.post(url, json={"input": script({"content": "hi"})}, headers={"Idempotency-Key": "r-1"})
+        assert first.status_code == 201, first.text
+        assert first.headers["Location"] == f"/v1/agents/{agent['id']}/requests/r-1"
+        assert "Idempotent-Replayed" not in first.headers
+        body = first.json()
+        assert (body["request_id"], body["operation"], body["submitted_by"], body["revision"]) == (
+            "r-1",
+            "plan",
+            "ingest",
+            1,
+        )
+        again = http.post(url, json={"input": script({"content": "hi"})}, headers={"Idempotency-Key": "r-1"})
+        assert again.status_code == 201 and again.json() == body
+        assert again.headers["Idempotent-Replayed"] == "true"
+        before = journal_count(api.db)
+        other = problem(
+            http.post(url, json={"input": script({"content": "bye"})}, headers={"Idempotency-Key": "r-1"}),
+            409,
+            "request-conflict",
+        )
+        assert other["differs"] == ["input"]
+        assert journal_count(api.db) == before + 1  # the refusal is journaled, nothing else changes
+        state = http.get(f"/v1/agents/{agent['id']}").json()
+        assert (state["revision"], state["request_id"]) == (1, "r-1")
+
+        missing = problem(http.post(url, json={"input": script({"content": "x"})}), 400, "bad-request")
+        assert "Idempotency-Key" in missing["detail"]
+        bad_key = problem(
+            http.post(url, json={"input": script({"content": "x"})}, headers={"Idempotency-Key": "a b"}),
+            422,
+            "invalid-input",
+        )
+        assert "request_id" in bad_key["detail"]
+
+
+def test_bad_input_names_the_field_and_changes_nothing(api: Api) -> None:
+    with api.http(api.token("producer")) as http:
+        agent = http.post("/v1/agents", json={"name": "strict"}).json()
+        before = journal_count(api.db)
+        unknown = problem(http.post("/v1/agents", json={"name": "x", "colour": "red"}), 422, "invalid-input")
+        assert unknown["errors"][0]["path"] == "body.colour"
+        nested = problem(
+            http.post(
+                f"/v1/agents/{agent['id']}/requests",
+                json={"input": {"prompt": 5}},
+                headers={"Idempotency-Key": "r-2"},
+            ),
+            422,
+            "invalid-input",
+        )
+        assert "prompt" in nested["detail"]
+        not_json = problem(
+            http.post("/v1/agents", content=b"{nope", headers={"content-type": "application/json"}),
+            422,
+            "invalid-input",
+        )
+        assert not_json["errors"]
+        huge = problem(
+            http.post("/v1/agents", content=b'{"name": "' + b"x" * 300_000 + b'"}'),
+            413,
+            "payload-too-large",
+        )
+        assert "bytes" in huge["detail"]
+        assert journal_count(api.db) == before
+        assert http.get(f"/v1/agents/{agent['id']}").json()["revision"] == 0
+
+
+def test_approve_needs_if_match_and_a_stale_one_is_412_with_the_current_state(api: Api) -> None:
+    with api.http(api.token("operator", "approver", name="alice")) as http:
+        state = waiting_agent(api, http)
+        url = f"/v1/agents/{state['id']}"
+        problem(http.post(f"{url}/approve"), 428, "precondition-required")
+        problem(http.post(f"{url}/approve", headers={"If-Match": "*"}), 400, "bad-request")
+        problem(http.post(f"{url}/approve", headers={"If-Match": "7"}), 400, "bad-request")
+        stale = problem(http.post(f"{url}/approve", headers={"If-Match": '"r1"'}), 412, "stale-revision")
+        assert stale["current_state"]["revision"] == state["revision"]
+        assert stale["etag"] == f'"r{state["revision"]}"' and stale["current_state"]["phase"] == "waiting_approval"
+
+        approved = http.post(f"{url}/approve", headers={"If-Match": f'"r{state["revision"]}"'})
+        assert approved.status_code == 200, approved.text
+        assert approved.json()["phase"] == "executing"
+        assert approved.headers["ETag"] == f'"r{state["revision"] + 1}"'
+        illegal = problem(
+            http.post(f"{url}/reject", headers={"If-Match": approved.headers["ETag"]}, json={"reason": "late"}),
+            409,
+            "illegal-transition",
+        )
+        assert "cancel" in illegal["allowed"]
+        events = http.get(f"{url}/journal", params={"revision": state["revision"] + 1}).json()["events"]
+        assert [(e["event"], e["actor"]) for e in events if e["kind"] == "transition"] == [("approve", "alice")]
+
+
+def test_the_actor_is_the_tokens_name_never_the_callers_word(api: Api, client: Client) -> None:
+    with api.http(api.token("operator", name="ops-bot")) as http:
+        agent = http.post("/v1/agents", json={"name": "named", "actor": "mallory"})
+        problem(agent, 422, "invalid-input")
+        agent = http.post("/v1/agents", json={"name": "named"}).json()
+        http.post(
+            f"/v1/agents/{agent['id']}/requests",
+            json={"input": script({"content": "hi"})},
+            headers={"Idempotency-Key": "n-1", "X-Actor": "mallory"},
+        )
+        http.post(f"/v1/agents/{agent['id']}/cancel", json={"reason": "enough"})
+    actors = {e.actor for e in client.journal(agent_id=agent["id"])}
+    assert actors == {"ops-bot"}
+
+
+def test_tokens_prefix_hides_other_tenants_agents_like_missing_ones(api: Api, client: Client) -> None:
+    client.create_agent("acme-1")
+    other = client.create_agent("globex-1")
+    with api.http(api.token("operator", prefix="acme-")) as http:
+        listed = [a["name"] for a in http.get("/v1/agents").json()["agents"]]
+        assert listed == ["acme-1"]
+        hidden = problem(http.get(f"/v1/agents/{other.id}"), 404, "agent-not-found")
+        missing = problem(http.get("/v1/agents/00000000-0000-4000-8000-000000000000"), 404, "agent-not-found")
+        assert hidden.keys() == missing.keys()
+        assert str(other.id) in hidden["detail"] and "globex" not in hidden["detail"]
+        problem(http.post("/v1/agents", json={"name": "globex-2"}), 403, "forbidden")
+        assert http.post("/v1/agents", json={"name": "acme-2"}).status_code == 201
+
+
+def test_authentication_and_scopes(api: Api) -> None:
+    with api.http() as anonymous:
+        body = problem(anonymous.get("/v1/agents"), 401, "unauthorized")
+        assert "Bearer" in body["detail"]
+    with api.http("keel_not-a-token") as wrong:
+        assert problem(wrong.get("/v1/agents"), 401, "unauthorized")["detail"] == "the API token is unknown or revoked"
+    with api.http(api.token("auditor")) as auditor:
+        refused = problem(auditor.post("/v1/agents", json={"name": "nope"}), 403, "forbidden")
+        assert refused["permission"] == "create_agent"
+    with api.http(api.token("producer")) as producer:
+        assert producer.get("/v1/tokens/me").json()["scopes"] == ["producer"]
+
+
+def test_story_jobs_and_request_lookup(api: Api) -> None:
+    with api.http(api.token("operator")) as http:
+        agent = http.post("/v1/agents", json={"name": "storyteller"}).json()
+        http.post(
+            f"/v1/agents/{agent['id']}/requests",
+            json={
+                "input": script(
+                    {"tool_calls": [{"name": "slack_post", "arguments": {"channel": "C1", "text": "hi"}}]},
+                    {"content": "done"},
+                )
+            },
+            headers={"Idempotency-Key": "s-1"},
+        )
+        run_all(api.db)
+        found = http.get("/v1/requests/s-1").json()
+        assert found["agent_id"] == agent["id"]
+        story = http.get(found["links"]["story"]).json()
+        assert story["jobs"][0]["key"] == "s-1:plan:1"
+        assert story["journal"][0]["event"] == "submit" and story["journal"][-1]["to_phase"] == "done"
+        assert [m["key"] for m in story["outbox"]] == ["s-1:slack:call_0_0"]
+        job = http.get("/v1/jobs/s-1:plan:1").json()
+        assert job["status"] == "succeeded" and job["result"] is not None
+        problem(http.get("/v1/jobs/nope:plan:1"), 404, "not-found")
+        outbox = http.get("/v1/outbox", params={"status": "pending"}).json()
+        assert [m["key"] for m in outbox["messages"]] == ["s-1:slack:call_0_0"]
+        problem(http.post("/v1/outbox/s-1:slack:call_0_0/retry"), 409, "outbox-message-not-dead")
+
+
+def test_health_and_readiness(api: Api) -> None:
+    with api.http() as http:
+        assert http.get("/healthz").json() == {"status": "ok", "checks": {}}
+        ready = http.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok"}
+        schema = http.get("/openapi.json").json()
+        assert "/v1/agents/{agent}/requests" in schema["paths"]
+        assert http.get("/docs").status_code == 200

@@ -1,0 +1,71 @@
+"""Live state over Server-Sent Events from a real uvicorn process: every committed change once, in order; a client
+that reconnects with ``Last-Event-ID`` gets exactly what it missed, then the live stream."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from httpx_sse import ServerSentEvent, connect_sse
+
+from agents.client import Client
+from tests.support.api import Api, problem, script
+
+pytestmark = pytest.mark.integration
+
+
+@contextmanager
+def stream(http: httpx.Client, path: str, **headers: str) -> Iterator[Iterator[ServerSentEvent]]:
+    with connect_sse(http, "GET", path, headers=headers, timeout=httpx.Timeout(30, read=30)) as source:
+        assert source.response.status_code == 200, source.response.read()
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        yield (e for e in source.iter_sse() if e.id)  # keep-alive comments carry no id
+
+
+def ten_transitions(client: Client, agent_id: Any, first: int) -> None:
+    for n in range(first, first + 5):
+        client.submit(agent_id, f"ev-{n}", script({"content": "hi"}), actor="producer")
+        client.cancel(agent_id, actor="operator", reason="next")
+
+
+def test_reconnect_with_last_event_id_gets_exactly_the_missed_events_then_live_ones(
+    api: Api, client: Client
+) -> None:
+    agent = client.create_agent("watched")
+    with api.http(api.token("auditor")) as http:
+        path = f"/v1/agents/{agent.id}/events"
+        with stream(http, path, **{"Last-Event-ID": "0"}) as events:
+            first = next(events)  # the agent's `created` event, from the journal
+            assert (first.id, json.loads(first.data)["event"]) == ("1", "created")
+        # dropped: ten transitions commit while nobody listens
+        ten_transitions(client, agent.id, 1)
+        with stream(http, path, **{"Last-Event-ID": first.id}) as events:
+            missed = [next(events) for _ in range(10)]
+            assert [int(e.id) for e in missed] == list(range(2, 12))
+            moves = [(json.loads(e.data)["event"], json.loads(e.data)["revision"]) for e in missed]
+            assert moves == [(ev, rev) for rev, ev in enumerate(["submit", "cancel"] * 5, start=1)]
+
+            # then live: a transition committed now is pushed as it commits
+            later = threading.Thread(target=ten_transitions, args=(client, agent.id, 10))
+            later.start()
+            live = [next(events) for _ in range(10)]
+            later.join()
+            assert [int(e.id) for e in live] == list(range(12, 22))
+            assert json.loads(live[-1].data)["to_phase"] == "failed"
+
+
+def test_a_stream_without_last_event_id_starts_now_and_bad_ids_are_refused(api: Api, client: Client) -> None:
+    agent = client.create_agent("fresh")
+    ten_transitions(client, agent.id, 1)
+    with api.http(api.token("producer")) as http:
+        path = f"/v1/agents/{agent.id}/events"
+        problem(http.get(path, headers={"Last-Event-ID": "abc"}), 400, "bad-request")
+        with stream(http, path) as events:
+            threading.Timer(0.5, client.submit, (agent.id, "ev-99", script({"content": "x"}))).start()
+            event = next(events)
+            assert int(event.id) == 12 and json.loads(event.data)["event"] == "submit"
