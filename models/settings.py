@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from models.errors import KeelError
@@ -22,6 +22,37 @@ _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
 #: What a broker prefix may hold: no spaces, and none of Redis's glob characters (``*?[]\\``), so that
 #: ``SCAN MATCH <prefix>*`` finds exactly one deployment's keys.
 _BROKER_PREFIX = re.compile(r"^[A-Za-z0-9_.:/-]{0,100}$")
+
+#: What an API token may be allowed to do (see agents/ingress). Rate limits are set per scope.
+SCOPES = ("producer", "approver", "operator", "auditor")
+
+
+class ScopeRateLimit(BaseModel):
+    """One scope's default rate control: ``rate`` requests per second sustained, ``burst`` at once (a token
+    bucket holding ``burst`` requests that refills at ``rate`` per second)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rate: float = Field(gt=0, le=1_000_000, allow_inf_nan=False)
+    burst: int = Field(ge=1, le=1_000_000)
+
+    @field_validator("rate", "burst", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: object) -> object:
+        if isinstance(value, bool):  # JSON true would otherwise pass as 1
+            raise ValueError("must be a number, not true or false")
+        return value
+
+
+#: Producers are services submitting work: the most headroom. Approvers are people in the console (a page makes a
+#: few reads, an approval one write). Operators are people and their scripts (retries, cancels). Auditors read the
+#: journal page by page.
+DEFAULT_API_RATE_LIMITS: dict[str, ScopeRateLimit] = {
+    "producer": ScopeRateLimit(rate=50, burst=100),
+    "approver": ScopeRateLimit(rate=5, burst=20),
+    "operator": ScopeRateLimit(rate=20, burst=50),
+    "auditor": ScopeRateLimit(rate=10, burst=50),
+}
 
 
 class BadConfiguration(KeelError, ValueError):
@@ -47,6 +78,12 @@ class Settings(BaseSettings):
     statement_timeout_ms: int = Field(default=30_000, ge=0)
     # Largest accepted request input, as canonical JSON.
     max_input_bytes: int = Field(default=64 * 1024, ge=1)
+
+    # The HTTP API's rate control per token, shared by every API process through Redis. Per scope, e.g.
+    # {"producer": {"rate": 100, "burst": 200}}; scopes not named keep their defaults. A token with several scopes
+    # gets the most generous of their limits.
+    api_rate_limit_enabled: bool = True
+    api_rate_limits: dict[str, ScopeRateLimit] = Field(default_factory=lambda: dict(DEFAULT_API_RATE_LIMITS))
 
     # Jobs and the Celery side.
     imports: list[str] = Field(default_factory=list)  # modules with @handler functions, loaded by workers
@@ -144,6 +181,14 @@ class Settings(BaseSettings):
             if value.get(never, {}).get("max_attempts", 1) != 1:
                 raise ValueError(f"{never} failures are never retried: its max_attempts must stay 1")
         return value
+
+    @field_validator("api_rate_limits")
+    @classmethod
+    def _rate_limits_are_per_known_scope(cls, value: dict[str, ScopeRateLimit]) -> dict[str, ScopeRateLimit]:
+        unknown = set(value) - set(SCOPES)
+        if unknown:
+            raise ValueError(f"unknown scopes {sorted(unknown)}; known: {list(SCOPES)}")
+        return {**DEFAULT_API_RATE_LIMITS, **value}
 
     @field_validator("llm_prices")
     @classmethod

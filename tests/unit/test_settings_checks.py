@@ -52,6 +52,25 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ({"KEEL_DB_POOL_SIZE": "0"}, "KEEL_DB_POOL_SIZE: Input should be greater than or equal to 1"),
         ({"KEEL_ENVIRONMENT": "prod"}, "KEEL_ENVIRONMENT: Input should be 'development', 'test' or 'production'"),
         ({"KEEL_BROKER_PREFIX": "keel *"}, "KEEL_BROKER_PREFIX: may hold only letters, digits and . _ : / -"),
+        (
+            {"KEEL_API_RATE_LIMITS": '{"producer": {"rate": 0, "burst": 10}}'},
+            "KEEL_API_RATE_LIMITS: producer.rate: Input should be greater than 0",
+        ),
+        (
+            {"KEEL_API_RATE_LIMITS": '{"approver": {"rate": 5, "burst": 0}}'},
+            "KEEL_API_RATE_LIMITS: approver.burst: Input should be greater than or equal to 1",
+        ),
+        (
+            {"KEEL_API_RATE_LIMITS": '{"admin": {"rate": 5, "burst": 10}}'},
+            "KEEL_API_RATE_LIMITS: unknown scopes ['admin']; known: ['producer', 'approver', 'operator', 'auditor']",
+        ),
+        ({"KEEL_API_RATE_LIMITS": '{"auditor": {"rate": 5}}'}, "KEEL_API_RATE_LIMITS: auditor.burst: Field required"),
+        (
+            {"KEEL_API_RATE_LIMITS": '{"auditor": {"rate": 5, "burst": true}}'},
+            "KEEL_API_RATE_LIMITS: auditor.burst: must be a number, not true or false",
+        ),
+        ({"KEEL_API_RATE_LIMITS": "producer=50"}, "KEEL_API_RATE_LIMITS: must be JSON"),
+        ({"KEEL_API_RATE_LIMIT_ENABLED": "maybe"}, "KEEL_API_RATE_LIMIT_ENABLED: Input should be a valid boolean"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_variable_and_the_rule(
