@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from fastapi import Request
 
 from agents.client import Client, Publisher
 from agents.ingress.events import JournalListener
-from agents.ingress.ratelimit import Policy, RateLimiter, policy_for
+from agents.ingress.ratelimit import Policy, RateLimiter, policy_for, scope_policies
 from agents.ingress.tokens import ApiToken
 from models.db import Database
 from models.embedded import broker_url_for
@@ -26,7 +25,7 @@ class Ingress:
     limiter: RateLimiter | None
     listener: JournalListener
     redis: redis.Redis | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    policies: dict[str, Policy] = field(default_factory=dict)
 
     @classmethod
     def open(cls, settings: Settings, *, publisher: Publisher | None = None) -> Ingress:
@@ -35,9 +34,12 @@ class Ingress:
         broker_url = broker_url_for(settings)
         limiter = None
         connection = None
-        if settings.api_rate_limit_enabled and broker_url.startswith(("redis://", "rediss://", "unix://")):
-            connection = redis.Redis.from_url(broker_url, socket_timeout=2, socket_connect_timeout=2)
-            limiter = RateLimiter(connection, settings.broker_prefix)
+        if broker_url.startswith(("redis://", "rediss://", "unix://")):
+            # Short timeouts and no retries: a readiness check or a rate check must not stall on a lost Redis.
+            limiter = RateLimiter.connect(broker_url, settings.broker_prefix)
+            connection = limiter.client
+            if not settings.api_rate_limit_enabled:
+                limiter = None
         return cls(
             settings=settings,
             db=db,
@@ -46,10 +48,11 @@ class Ingress:
             limiter=limiter,
             listener=JournalListener(db.libpq_url),
             redis=connection,
+            policies=scope_policies(settings.api_rate_limits),
         )
 
     def policy_for(self, token: ApiToken) -> Policy:
-        return policy_for(self.settings, token.scopes)
+        return policy_for(token.scopes, self.policies)
 
     def public_url(self) -> str:
         return self.settings.api_public_url or f"http://{self.settings.api_host}:{self.settings.api_port}"

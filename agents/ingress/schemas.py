@@ -147,6 +147,20 @@ class StaleState(BaseModel):
     etag: str
 
 
+class ProblemDetails(BaseModel):
+    """RFC 9457 problem details. ``type`` is stable per kind of problem (``GET /problems`` lists them); extension
+    members carry the facts (``errors`` for bad input, ``current_state`` and ``etag`` for a stale revision,
+    ``allowed`` for an illegal move, ``differs`` for a reused Idempotency-Key)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+
+
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = {}
