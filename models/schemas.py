@@ -10,6 +10,12 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+#: What a name may be (an agent's, an API token's): a letter or digit, then letters, digits, ``.``, ``_`` and ``-``.
+#: PostgreSQL's regular expressions read it the same way (the CHECK on ``api_tokens.name`` uses it as is).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
+#: The longest name, in characters.
+MAX_NAME_CHARS = 200
+
 
 @dataclass(frozen=True, slots=True)
 class AgentRow:
@@ -192,7 +198,7 @@ class NewAgent(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
     budget_tokens: int | None = Field(default=None, ge=0, le=2**63 - 1)  # a bigint column
     budget_cost: Decimal | None = Field(default=None, ge=0, max_digits=18, decimal_places=6)
 

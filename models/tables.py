@@ -23,7 +23,9 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+
+from models.schemas import MAX_NAME_CHARS, NAME_PATTERN
 
 AUDIT_SCHEMA = "audit"
 
@@ -36,6 +38,8 @@ JOB_FINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled", "dead")
 AGENT_PRIORITIES: tuple[str, ...] = ("normal", "low")
 OUTBOX_STATUSES: tuple[str, ...] = ("pending", "sending", "sent", "dead")
 CHANNELS: tuple[str, ...] = ("slack", "github")
+#: Kept literally here too; a unit test holds it equal to agents.ingress.tokens.Scope.
+TOKEN_SCOPES: tuple[str, ...] = ("producer", "approver", "operator", "auditor")
 
 #: sha256 of nothing yet: the ``prev_hash`` of an agent's first journal event.
 GENESIS_HASH = "0" * 64
@@ -263,4 +267,37 @@ delivery_log = Table(
     Column("how", Text, nullable=False),
     Column("confirmed_at", DateTime(timezone=True), nullable=False),
     CheckConstraint("how IN ('sent', 'reconciled')", name="how"),
+)
+
+#: The HTTP ingress's API tokens. Only a hash of each secret is stored; a token is never deleted, only revoked (a
+#: trigger, migration 0007, keeps every column but ``last_used_at`` as written, and a revocation for good).
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")),
+    Column("name", Text, nullable=False, unique=True),
+    Column("scopes", ARRAY(Text), nullable=False),
+    # The token sees only agents whose name starts with this (NULL: every agent).
+    Column("agent_prefix", Text),
+    # sha256 of the secret, hex: what a request's secret is looked up by.
+    Column("secret_hash", Text, nullable=False, unique=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("created_by", Text, nullable=False),
+    Column("last_used_at", DateTime(timezone=True)),  # at most a minute behind (written at most once a minute)
+    Column("revoked_at", DateTime(timezone=True)),
+    Column("revoked_by", Text),
+    CheckConstraint(f"char_length(name) BETWEEN 1 AND {MAX_NAME_CHARS}", name="name_length"),
+    CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_pattern"),
+    CheckConstraint(
+        "cardinality(scopes) >= 1 AND array_ndims(scopes) = 1"
+        f" AND scopes <@ ARRAY[{', '.join(repr(s) for s in TOKEN_SCOPES)}]",
+        name="scopes",
+    ),
+    CheckConstraint(
+        f"agent_prefix IS NULL OR (char_length(agent_prefix) BETWEEN 1 AND {MAX_NAME_CHARS}"
+        f" AND agent_prefix ~ '{NAME_PATTERN}')",
+        name="agent_prefix",
+    ),
+    CheckConstraint("secret_hash ~ '^[0-9a-f]{64}$'", name="secret_hash_sha256"),
+    CheckConstraint("(revoked_at IS NULL) = (revoked_by IS NULL)", name="revoked_by_whom"),
 )

@@ -298,3 +298,19 @@ class LostClaim(KeelError):
     def __init__(self, key: str) -> None:
         self.key = key
         super().__init__(f"outbox message {quoted(key)} was taken over by another relay")
+
+
+class TokenExists(KeelError):
+    """An API token with this name exists already (revoked ones included: a name is never reused)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"an API token named {quoted(name)} exists already (see keel token list)")
+
+
+class TokenNotFound(KeelError):
+    """No API token has this id or name."""
+
+    def __init__(self, token: UUID | str) -> None:
+        self.token = token
+        super().__init__(f"no API token has the id or name {quoted(token)} (see keel token list)")

@@ -2,7 +2,8 @@
 
 One function, :func:`redact`, replaces with ``***`` the secrets Keel was configured with (registered with
 :func:`register_secrets` or :func:`register_settings`) and anything shaped like a credential: Slack, GitHub,
-OpenAI-style and AWS keys, ``Bearer …`` and ``Authorization: …`` values, and the password in a URL's userinfo.
+OpenAI-style, AWS and Keel's own API keys, ``Bearer …`` and ``Authorization: …`` values, and the password in a
+URL's userinfo.
 :class:`RedactingFilter` applies it to log records; :func:`install_log_redaction` puts that filter on the root
 logger's handlers. Pure: no database, no network.
 """
@@ -38,6 +39,7 @@ _SHAPES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\bgh[pousr]_[A-Za-z0-9]+"), MASK),  # GitHub classic, OAuth, user-to-server, server, refresh
     (re.compile(r"(?<![A-Za-z0-9\-])sk-[A-Za-z0-9_\-]{16,}"), MASK),  # OpenAI-style API keys
     (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), MASK),  # AWS access key ids
+    (re.compile(r"(?<![A-Za-z0-9_\-])keel_[A-Za-z0-9_\-]{32,}"), MASK),  # Keel's own API tokens (keel token create)
 )
 
 _lock = threading.Lock()

@@ -22,9 +22,14 @@ def _tables(url: str) -> set[str]:
 
 def test_upgrade_check_downgrade_upgrade(empty_db_url: str) -> None:
     migrations.upgrade(empty_db_url)
-    assert {"public.agents", "public.requests", "public.jobs", "public.outbox", "audit.journal"} <= _tables(
-        empty_db_url
-    )
+    assert {
+        "public.agents",
+        "public.requests",
+        "public.jobs",
+        "public.outbox",
+        "public.api_tokens",
+        "audit.journal",
+    } <= _tables(empty_db_url)
     migrations.check(empty_db_url)  # raises if models/tables.py and the migrated schema differ
     migrations.downgrade(empty_db_url, "base")
     assert _tables(empty_db_url) <= {"public.alembic_version"}
@@ -69,6 +74,8 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "deleted_agents_with_deletion",
         "deleted_agents_no_update_delete",
         "deleted_agents_no_truncate",
+        "api_tokens_guard",
+        "api_tokens_no_truncate",
         *(f"{table}_agent_exists" for table in ("journal", "requests", "jobs", "outbox")),
     }
     migrations.upgrade(empty_db_url)

@@ -49,6 +49,7 @@ def _no_registered_secrets() -> Iterator[None]:
         ("could not connect to postgresql://keel:s3cr3t-pw@db:5432/keel", "s3cr3t-pw"),
         ("broker redis://:hunter2hunter2@redis:6379/0 is down", "hunter2hunter2"),
         ("aws AKIAIOSFODNN7EXAMPLE leaked", "AKIAIOSFODNN7EXAMPLE"),
+        ("api token keel_q4Zr8Xb2v-L0_mW9s3TtYkPq1aBcDeFgHiJkLmNoPqR was refused", "keel_q4Zr8Xb2v"),
     ],
 )
 def test_each_token_shape_is_masked(text: str, secret: str) -> None:
@@ -65,6 +66,7 @@ def test_each_token_shape_is_masked(text: str, secret: str) -> None:
         "postgresql://postgres@127.0.0.1:5432/keel has no password",
         "http://127.0.0.1:8080/v1/chat/completions",
         "Authorization failed for alice",
+        "the migrations ship as keel_migrations; see keel_api_tokens_guard()",
     ],
 )
 def test_ordinary_text_is_left_alone(text: str) -> None:

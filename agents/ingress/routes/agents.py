@@ -205,7 +205,7 @@ async def agent_events(
     agent: str,
     request: Request,
     keel: Keel,
-    token: Annotated[ApiToken, Depends(require(Permission.READ_STATE))],
+    token: Annotated[ApiToken, Depends(require(Permission.READ_EVENTS))],
     last_event_id: Annotated[str | None, Header(description="Resume after this journal seq")] = None,
     after: Annotated[int | None, Query(ge=0, description="Start after this journal seq (default: now)")] = None,
 ) -> EventSourceResponse | JSONResponse:

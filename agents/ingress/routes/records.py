@@ -34,7 +34,7 @@ def _owned(keel: Keel, token: ApiToken, what: str, key: str, row: dict[str, obje
 
 
 @router.get("/jobs/{key}", response_model=JobOut, summary="One job by its key")
-def get_job(key: str, keel: Keel, token: Annotated[ApiToken, Depends(require(Permission.READ_STORY))]) -> JobOut:
+def get_job(key: str, keel: Keel, token: Annotated[ApiToken, Depends(require(Permission.READ_JOB))]) -> JobOut:
     """Status, attempts per error class, lease, usage, its payload and its stored result (the checkpoint)."""
     return JobOut(**_owned(keel, token, "job", key, job_row(keel.db, key)))  # type: ignore[arg-type]
 
