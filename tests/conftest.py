@@ -205,3 +205,12 @@ def own_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
         yield server
     finally:
         stop()
+
+
+@pytest.fixture
+def api(db: Database, db_url: str, broker: Broker, tmp_path: Path) -> Iterator[Any]:
+    """A real ``keel serve`` (uvicorn) process on this test's database and Redis prefix (tests/support/api.py)."""
+    from tests.support.api import running_api
+
+    with running_api(db, db_url, broker, tmp_path) as server:
+        yield server
