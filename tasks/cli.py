@@ -30,6 +30,17 @@ def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_redaction([logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])])
 
 
+def _embedded_or_exit(settings: Settings, *, database: bool = True) -> None:
+    """Refuse to start, in one line, when a server is left to the embedded default and ``keel[embedded]`` is not
+    installed (Celery would meet it later, with a traceback)."""
+    from models.embedded import EmbeddedServersMissing, require_installed
+
+    try:
+        require_installed(settings, database=database)
+    except EmbeddedServersMissing as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def _schema_or_exit(settings: Settings) -> None:
     """Refuse to start on a database whose schema is not this code's (one line: where each is, what to run). An
     unreachable database is not refused: the worker and beat wait for it, as they do when it goes away later."""
@@ -60,6 +71,7 @@ def _schema_or_exit(settings: Settings) -> None:
 def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str) -> None:
     """Run a Celery worker that executes Keel jobs."""
     settings = _settings(imports=True)
+    _embedded_or_exit(settings)
     _schema_or_exit(settings)
     _redact_logs(settings)
     from tasks.app import app
@@ -79,6 +91,7 @@ def beat(loglevel: str) -> None:
     """Run beat: the dispatcher (due jobs, expired leases, schedules) and the periodic tasks. Run one or more;
     a Postgres advisory lock makes one of them the leader."""
     settings = _settings()
+    _embedded_or_exit(settings)
     _schema_or_exit(settings)
     _redact_logs(settings)
     from tasks.app import app
@@ -91,7 +104,9 @@ def beat(loglevel: str) -> None:
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int, flower_args: tuple[str, ...]) -> None:
     """Run Flower on the Keel broker (extra arguments go to Flower, e.g. --basic-auth=user:pass)."""
-    _redact_logs(_settings())
+    settings = _settings()
+    _embedded_or_exit(settings, database=False)
+    _redact_logs(settings)
     from tasks.app import app
 
     app.start(["flower", f"--port={port}", *flower_args])

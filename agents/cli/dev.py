@@ -124,6 +124,7 @@ def dev_status(as_json: bool) -> None:
 
 
 @dev.command("stop")
+@friendly
 def dev_stop() -> None:
     """Stop the embedded PostgreSQL and Redis, here and the test suite's (their data stays in ./.keel/)."""
     from models import embedded

