@@ -142,9 +142,6 @@ def test_every_keel_service_command_exists() -> None:
     assert (ROOT / "Dockerfile").exists()
 
 
-@pytest.mark.xfail(
-    _serve() is None, reason="`keel serve` comes with the HTTP ingress (issue 11), built on another branch", strict=True
-)
 def test_the_api_service_runs_keel_serve_on_the_port_it_publishes() -> None:
     api = _compose()["services"]["api"]
     argv = _command(api)
