@@ -33,7 +33,16 @@ _EVENT_COLUMNS = (
     "agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details, at,"
     " prev_hash, hash"
 )
-_EVENT_CTE = f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 14)}) RETURNING 1) "
+#: The channel every appended journal event is announced on, with the payload ``"<agent id>:<seq>"``. A notification
+#: is only a wake-up (listeners read the events from the journal), and PostgreSQL delivers it when the transaction
+#: commits and never if it rolls back, so nothing is announced that did not happen.
+JOURNAL_CHANNEL = "keel_journal"
+# Every journal append goes through this one INSERT, and its RETURNING sends the announcement: same statement, same
+# transaction, no extra round trip.
+_EVENT_CTE = (
+    f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 14)})"
+    f" RETURNING pg_notify('{JOURNAL_CHANNEL}', agent_id::text || ':' || seq::text)) "
+)
 
 # One statement writes the journal event and the row it explains (a deferred trigger checks they agree at commit).
 # The WHERE clause repeats the revision read under the lock: the database refuses a lost update by itself.

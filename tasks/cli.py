@@ -138,4 +138,7 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
         log_level=loglevel,
         proxy_headers=True,
         server_header=False,
+        # Live event streams never end by themselves: on shutdown they are cut after this long (clients resume
+        # with Last-Event-ID) rather than holding the process open.
+        timeout_graceful_shutdown=5,
     )

@@ -210,6 +210,23 @@ def events_at_revision(db: Database, agent_id: UUID, revision: int, *, limit: in
         return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
 
 
+# One agent's chain is appended under its row's lock, so its events commit in seq order: a snapshot that holds
+# event n holds every event before it, and "seq > seen" never skips one (the unique (agent_id, seq) index serves it).
+_AGENT_AFTER = "SELECT * FROM audit.journal WHERE agent_id = %s AND seq > %s ORDER BY seq LIMIT %s"
+
+
+def agent_events_after(
+    db: Database, agent_id: UUID, after_seq: int, *, limit: int = FOLLOW_BATCH
+) -> list[JournalEvent]:
+    """The agent's journal events with ``seq > after_seq``, in seq order, at most ``limit``: a follower that asks
+    again after the last one it got reads every committed event once, with no gap (a deleted agent's too)."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_AGENT_AFTER, (agent_id, after_seq, limit))
+        rows = cur.fetchall()
+        conn.rollback()
+    return [JournalEvent.model_validate(r) for r in rows]
+
+
 @dataclass(frozen=True, slots=True)
 class ChainBreak:
     """The first broken link of one agent's chain."""

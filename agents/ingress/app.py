@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 from importlib.metadata import version
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +39,10 @@ journal and each request's story, and follow an agent live.
 
 
 def _problem(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {problems.MEDIA_TYPE: {"schema": ProblemDetails.model_json_schema()}}}
+    return {
+        "description": description,
+        "content": {problems.MEDIA_TYPE: {"schema": ProblemDetails.model_json_schema()}},
+    }
 
 
 #: What any /v1 call may answer besides its success (each route adds its own, e.g. 412).

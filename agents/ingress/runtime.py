@@ -46,7 +46,7 @@ class Ingress:
             client=client,
             broker_url=broker_url,
             limiter=limiter,
-            listener=JournalListener(db.libpq_url),
+            listener=JournalListener(db),
             redis=connection,
             policies=scope_policies(settings.api_rate_limits),
         )

@@ -33,9 +33,7 @@ def ten_transitions(client: Client, agent_id: Any, first: int) -> None:
         client.cancel(agent_id, actor="operator", reason="next")
 
 
-def test_reconnect_with_last_event_id_gets_exactly_the_missed_events_then_live_ones(
-    api: Api, client: Client
-) -> None:
+def test_reconnect_with_last_event_id_gets_exactly_the_missed_events_then_live_ones(api: Api, client: Client) -> None:
     agent = client.create_agent("watched")
     with api.http(api.token("auditor")) as http:
         path = f"/v1/agents/{agent.id}/events"
@@ -56,7 +54,7 @@ def test_reconnect_with_last_event_id_gets_exactly_the_missed_events_then_live_o
             live = [next(events) for _ in range(10)]
             later.join()
             assert [int(e.id) for e in live] == list(range(12, 22))
-            assert json.loads(live[-1].data)["to_phase"] == "failed"
+            assert json.loads(live[-1].data)["phase"] == "failed"
 
 
 def test_a_stream_without_last_event_id_starts_now_and_bad_ids_are_refused(api: Api, client: Client) -> None:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated
+from uuid import UUID
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from fastapi.responses import JSONResponse
-from fastapi.sse import EventSourceResponse
+from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from agents.core.errors import StaleRevision
-from agents.core.journal import events_after, events_at_revision
+from agents.core.journal import agent_events_after, events_at_revision
 from agents.core.phases import Phase
-from agents.ingress import events
 from agents.ingress.auth import require, resolve
 from agents.ingress.etags import etag, revision_of
+from agents.ingress.events import InvalidEventId, parse_last_event_id, sse_events
 from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem, kind_of
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import MAX_BIGINT, CreateAgent, Decision, JournalPage
@@ -189,33 +190,43 @@ def journal(
     agent_id = resolve(keel, token, agent, deleted_ok=True).id
     if revision is not None:
         return JournalPage(events=events_at_revision(keel.db, agent_id, revision, limit=limit))
-    found = events_after(keel.db, {agent_id: after}, agent_id=agent_id, limit=limit + 1)
+    found = agent_events_after(keel.db, agent_id, after, limit=limit + 1)
     more = len(found) > limit
     page = found[:limit]
     return JournalPage(events=page, next=page[-1].seq if more else None)
+
+
+async def _stream_start(
+    agent: str,
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.READ_EVENTS))],
+    last_event_id: Annotated[str | None, Header(description="Resume after this journal seq")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=MAX_BIGINT, description="Start after this journal seq (default: from now)")
+    ] = None,
+) -> tuple[UUID, int]:
+    """Everything a stream is checked for before its 200 goes out: the token, the agent, where to start."""
+    found = await run_in_threadpool(resolve, keel, token, agent)
+    try:
+        if last_event_id is not None:
+            return found.id, parse_last_event_id(last_event_id)
+    except InvalidEventId as exc:
+        raise Problem(BAD_REQUEST, str(exc)) from None
+    return found.id, found.journal_seq if after is None else after
 
 
 @router.get(
     "/{agent}/events",
     summary="Follow an agent live (Server-Sent Events)",
     response_class=EventSourceResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "One event per journal event"}},
 )
 async def agent_events(
-    agent: str,
-    request: Request,
-    keel: Keel,
-    token: Annotated[ApiToken, Depends(require(Permission.READ_EVENTS))],
-    last_event_id: Annotated[str | None, Header(description="Resume after this journal seq")] = None,
-    after: Annotated[int | None, Query(ge=0, description="Start after this journal seq (default: now)")] = None,
-) -> EventSourceResponse | JSONResponse:
-    """Each committed journal event of the agent as it commits (``id`` = its journal seq). Reconnect with
-    ``Last-Event-ID`` to get every event missed meanwhile, in order, then the live stream."""
-    row = await run_in_threadpool(resolve, keel, token, agent)
-    try:
-        start = events.parse_last_event_id(last_event_id) if last_event_id is not None else after
-    except ValueError as exc:
-        raise Problem(BAD_REQUEST, str(exc)) from None
-    if start is None:
-        start = row.journal_seq
-    return EventSourceResponse(events.sse_events(keel.listener, keel.db, row.id, start, request))
+    keel: Keel, start: Annotated[tuple[UUID, int], Depends(_stream_start)]
+) -> AsyncIterator[ServerSentEvent]:
+    """Each committed journal event of the agent as it commits: ``id`` = its journal seq, ``event`` = its kind
+    (transition, rejected, suppressed, created, operator), ``data`` = JSON with revision, phase, from_phase, event,
+    actor, request_id, decision, at, details. Reconnect with ``Last-Event-ID`` to get every event missed meanwhile,
+    in order, then the live stream; without it the stream starts now (or after ``?after=<seq>``)."""
+    agent_id, after_seq = start
+    async for message in sse_events(keel.listener, agent_id, after_seq):
+        yield message

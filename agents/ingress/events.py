@@ -1,0 +1,315 @@
+"""Live journal events: each committed journal event of an agent, pushed as it commits (Server-Sent Events).
+
+Every journal append announces itself with ``pg_notify`` inside its own transaction (:data:`models.sql.JOURNAL_CHANNEL`,
+payload ``"<agent id>:<seq>"``), so PostgreSQL delivers the announcement when the event commits and never when it
+rolls back. A notification is only a wake-up: the events themselves are always read from the journal, after the last
+one a subscriber got. A lost, merged or late notification can therefore delay an event but never drop or repeat one,
+and the event ids a client sees are journal sequence numbers it can resume from (``Last-Event-ID``).
+
+One :class:`JournalListener` per process holds one ``LISTEN`` connection and wakes the subscribers of the agent a
+notification names. It reconnects with backoff when the connection is lost and then wakes every subscriber, which
+re-reads the journal: what committed during the outage arrives in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator, Iterator
+from types import TracebackType
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from fastapi.sse import ServerSentEvent
+
+from agents.core import journal
+from agents.core.errors import InvalidInput, StoreError, quoted
+from agents.core.transition import store_errors
+from models.clock import rfc3339
+from models.db import Database
+from models.schemas import JournalEvent
+from models.sql import JOURNAL_CHANNEL
+
+log = logging.getLogger("keel.ingress.events")
+
+#: Seconds a subscriber waits for a wake-up before it re-reads the journal anyway (a safety net: notifications are
+#: never the only way an event reaches a stream).
+SAFETY_INTERVAL = 15.0
+#: Seconds of silence after which the listener checks that its connection is still alive, and how long it gives the
+#: check: a peer that vanished without closing the connection sends neither notifications nor an error.
+PING_INTERVAL = 15.0
+PING_TIMEOUT = 10.0
+#: Reconnection backoff of the listener (seconds): doubling from the first to the last. A stream whose journal read
+#: failed retries on the same schedule (or sooner, when the listener reconnects).
+BACKOFF = (0.1, 10.0)
+#: The listening connection's ``application_name`` (what ``pg_stat_activity`` shows for it).
+APPLICATION_NAME = "keel-journal-listener"
+#: The largest journal sequence number (a bigint).
+MAX_SEQ = 2**63 - 1
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+class InvalidEventId(InvalidInput):
+    """Last-Event-ID is not a journal sequence number of this agent."""
+
+    def __init__(self, value: str, reason: str) -> None:
+        self.value = value
+        super().__init__(f"Last-Event-ID {quoted(value)} {reason}")
+
+
+def parse_last_event_id(value: str | None, *, head: int | None = None) -> int:
+    """The journal sequence number a client last received (``Last-Event-ID``): the stream resumes after it. Absent or
+    empty: 0, the whole journal from its first event. With ``head`` (the agent's last journal seq) a value past it is
+    refused too: a client cannot have seen an event that does not exist. Raises :class:`InvalidEventId`."""
+    if value is None or value == "":
+        return 0
+    if not _DIGITS.fullmatch(value):
+        raise InvalidEventId(value, "is not a journal sequence number (a non-negative integer)")
+    seq = int(value)
+    if seq > MAX_SEQ:
+        raise InvalidEventId(value, f"is larger than any journal sequence number (at most {MAX_SEQ})")
+    if head is not None and seq > head:
+        raise InvalidEventId(value, f"is past the agent's last journal event ({head})")
+    return seq
+
+
+class Subscription:
+    """One stream's interest in one agent. Its wake-up is a single flag, not a queue: any number of notifications
+    that arrive while the stream is busy coalesce into one re-read, so a slow client costs no memory."""
+
+    def __init__(self, agent_id: UUID, seen: int) -> None:
+        self.agent_id = agent_id
+        #: The last seq the stream read: a notification at or below it needs no re-read.
+        self.seen = seen
+        self._wake = asyncio.Event()
+
+    def wake(self, seq: int | None = None) -> None:
+        if seq is None or seq > self.seen:
+            self._wake.set()
+
+    def clear(self) -> None:
+        self._wake.clear()
+
+    async def wait(self, timeout: float) -> None:
+        """Until woken, or ``timeout`` seconds at most."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
+
+
+class JournalListener:
+    """The process's one ``LISTEN`` connection, fanning journal notifications out to subscribers by agent id.
+
+    ``await start()`` when the application starts (it returns at once; the connection is made in the background and
+    remade whenever it is lost), ``await stop()`` when it stops: that closes the connection and ends every stream.
+    Also an async context manager doing both."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        safety_interval: float = SAFETY_INTERVAL,
+        ping_interval: float = PING_INTERVAL,
+        ping_timeout: float = PING_TIMEOUT,
+        backoff: tuple[float, float] = BACKOFF,
+        read_batch: int = journal.FOLLOW_BATCH,
+    ) -> None:
+        self.db = db
+        self.safety_interval = safety_interval
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
+        self.backoff = backoff
+        self.read_batch = read_batch
+        #: The PostgreSQL backend pid of the listening connection while it listens, else None.
+        self.backend_pid: int | None = None
+        self._subscribers: dict[UUID, set[Subscription]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._listening = asyncio.Event()
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    async def start(self) -> None:
+        """Start listening (in the background)."""
+        if self._task is not None:
+            return
+        self._stopped = False
+        self._task = asyncio.create_task(self._run(), name="keel-journal-listener")
+
+    async def stop(self) -> None:
+        """Close the connection and end every stream (each returns after the events it already read)."""
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._wake_all()
+
+    async def __aenter__(self) -> JournalListener:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def wait_listening(self) -> int:
+        """Until the connection listens; its backend pid."""
+        while True:
+            await self._listening.wait()
+            if self.backend_pid is not None:
+                return self.backend_pid
+
+    @contextlib.contextmanager
+    def subscribe(self, agent_id: UUID, after_seq: int = 0) -> Iterator[Subscription]:
+        """Wake-ups for ``agent_id``'s journal events past ``after_seq``, for as long as the block runs. Subscribe
+        before reading the journal, so that nothing committing meanwhile goes unannounced."""
+        if self._task is None:
+            raise RuntimeError("the journal listener is not running: await its start() when the application starts")
+        sub = Subscription(agent_id, after_seq)
+        self._subscribers.setdefault(agent_id, set()).add(sub)
+        try:
+            yield sub
+        finally:
+            subs = self._subscribers.get(agent_id)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subscribers[agent_id]
+
+    def _wake_all(self) -> None:
+        for subs in self._subscribers.values():
+            for sub in subs:
+                sub.wake()
+
+    def _dispatch(self, payload: str) -> None:
+        agent_text, _, seq_text = payload.partition(":")
+        try:
+            agent_id, seq = UUID(agent_text), int(seq_text)
+        except ValueError:
+            log.warning("ignoring a notification on %s that Keel did not send: %s", JOURNAL_CHANNEL, quoted(payload))
+            return
+        for sub in self._subscribers.get(agent_id, ()):
+            sub.wake(seq)
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.db.libpq_url, autocommit=True, application_name=APPLICATION_NAME
+                ) as conn:
+                    await conn.execute(f"LISTEN {JOURNAL_CHANNEL}")
+                    failures = 0
+                    self.backend_pid = conn.info.backend_pid
+                    self._listening.set()
+                    log.info("listening for journal events (backend pid %d)", self.backend_pid)
+                    # Whatever committed while nobody listened is in the journal: every stream re-reads it.
+                    self._wake_all()
+                    await self._receive(conn)
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                failures += 1
+                text = str(exc).strip()
+                reason = text.splitlines()[0] if text else type(exc).__name__
+                log.warning(
+                    "journal listener: connection lost or refused (%s); reconnecting in %.1fs",
+                    reason,
+                    _delay(self.backoff, failures),
+                )
+            except Exception:  # a bug must not end live events for the whole process: log it, reconnect
+                failures += 1
+                log.exception("journal listener failed; reconnecting in %.1fs", _delay(self.backoff, failures))
+            finally:
+                self._listening.clear()
+                self.backend_pid = None
+            await asyncio.sleep(_delay(self.backoff, failures))
+
+    async def _receive(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        while True:
+            async for notify in conn.notifies(timeout=self.ping_interval):
+                self._dispatch(notify.payload)
+            async with asyncio.timeout(self.ping_timeout):
+                await conn.execute("SELECT 1")
+
+
+def _delay(backoff: tuple[float, float], failures: int) -> float:
+    first, last = backoff
+    return float(min(last, first * 2 ** min(max(0, failures - 1), 30)))
+
+
+def _ends_chain(event: JournalEvent) -> bool:
+    # A deleted agent's chain ends with its delete event: nothing can follow it.
+    return event.kind == "operator" and event.event == "delete"
+
+
+async def _read(listener: JournalListener, agent_id: UUID, after_seq: int) -> list[JournalEvent]:
+    def read() -> list[JournalEvent]:
+        with store_errors():
+            return journal.agent_events_after(listener.db, agent_id, after_seq, limit=listener.read_batch)
+
+    return await asyncio.to_thread(read)
+
+
+async def agent_events(listener: JournalListener, agent_id: UUID, after_seq: int = 0) -> AsyncIterator[JournalEvent]:
+    """Every journal event of ``agent_id`` with ``seq > after_seq``, in seq order, each once: first those already
+    committed, then each new one as it commits. Ends when the listener stops or after the agent's delete event.
+
+    A failed journal read (the database restarting) is retried with backoff, and at once when the listener
+    reconnects: the stream goes on from the last event it yielded."""
+    with listener.subscribe(agent_id, after_seq) as sub:
+        failures = 0
+        while not listener.stopped:
+            sub.clear()  # before the read: a wake-up that arrives during it asks for another
+            try:
+                batch = await _read(listener, agent_id, sub.seen)
+            except StoreError as exc:
+                failures += 1
+                # Once per outage and stream: a thousand streams retrying must not be a thousand lines a second.
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(level, "live events of agent %s: journal read failed (%s); retrying", agent_id, exc)
+                await sub.wait(min(_delay(listener.backoff, failures), listener.safety_interval))
+                continue
+            failures = 0
+            for event in batch:
+                sub.seen = event.seq
+                yield event
+                if _ends_chain(event):
+                    return
+            if len(batch) < listener.read_batch:
+                await sub.wait(listener.safety_interval)
+
+
+def event_data(event: JournalEvent) -> dict[str, Any]:
+    """The ``data`` of an event's SSE message: the change it records."""
+    return {
+        "revision": event.revision,
+        "phase": event.to_phase,
+        "from_phase": event.from_phase,
+        "event": event.event,
+        "actor": event.actor,
+        "request_id": event.request_id,
+        "decision": event.decision,
+        "at": rfc3339(event.at),
+        "details": event.details,
+    }
+
+
+def to_sse(event: JournalEvent) -> ServerSentEvent:
+    """One journal event as a Server-Sent Event: id = its journal seq, event = its kind (``transition``,
+    ``rejected``, ``suppressed``, ``created``, ``operator``), data = :func:`event_data` as JSON."""
+    return ServerSentEvent(id=str(event.seq), event=event.kind, data=event_data(event))
+
+
+async def sse_events(listener: JournalListener, agent_id: UUID, after_seq: int = 0) -> AsyncIterator[ServerSentEvent]:
+    """:func:`agent_events` as Server-Sent Events, for a FastAPI path operation with
+    ``response_class=EventSourceResponse`` to yield from (FastAPI adds keep-alive pings while it is quiet)."""
+    async for event in agent_events(listener, agent_id, after_seq):
+        yield to_sse(event)
