@@ -34,7 +34,9 @@ async def current_token(
 ) -> ApiToken:
     """The token the request carries, checked against the database and its rate."""
     if credentials is None:
-        raise Problem(UNAUTHORIZED, "send an API token: Authorization: Bearer <token>", headers=_CHALLENGE)
+        raise Problem(
+            UNAUTHORIZED, "send an API token as a Bearer token in the Authorization header", headers=_CHALLENGE
+        )
     token = await run_in_threadpool(authenticate, keel.db, credentials.credentials)
     if token is None:
         raise Problem(UNAUTHORIZED, "the API token is unknown or revoked", headers=_CHALLENGE)

@@ -39,7 +39,7 @@ def test_reconnect_with_last_event_id_gets_exactly_the_missed_events_then_live_o
         path = f"/v1/agents/{agent.id}/events"
         with stream(http, path, **{"Last-Event-ID": "0"}) as events:
             first = next(events)  # the agent's `created` event, from the journal
-            assert (first.id, json.loads(first.data)["event"]) == ("1", "created")
+            assert (first.id, first.event, json.loads(first.data)["event"]) == ("1", "created", "create")
         # dropped: ten transitions commit while nobody listens
         ten_transitions(client, agent.id, 1)
         with stream(http, path, **{"Last-Event-ID": first.id}) as events:
