@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +20,7 @@ from agents.core.redaction import register_settings
 from agents.ingress import problems
 from agents.ingress.routes import agents, health, records, requests, tokens
 from agents.ingress.runtime import Ingress
-from agents.ingress.schemas import ProblemDetails
+from agents.ingress.schemas import ERRORS
 from models.settings import Settings
 
 DESCRIPTION = """\
@@ -36,29 +35,6 @@ journal and each request's story, and follow an agent live.
   the original response again, with a different body a 409.
 * **Errors** are `application/problem+json` (RFC 9457) with a stable `type` per kind of problem.
 """
-
-
-def _problem(description: str) -> dict[str, Any]:
-    return {
-        "description": description,
-        "content": {problems.MEDIA_TYPE: {"schema": ProblemDetails.model_json_schema()}},
-    }
-
-
-#: What any /v1 call may answer besides its success (each route adds its own, e.g. 412).
-ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _problem("Bad request: a malformed header (If-Match, Last-Event-ID) or a missing Idempotency-Key"),
-    401: _problem("Missing, unknown or revoked token"),
-    403: _problem("The token lacks the scope"),
-    404: _problem("No such agent, request, job or message — or one outside the token's agent prefix"),
-    409: _problem("The agent's phase or a reused key does not allow this"),
-    412: _problem("If-Match names a revision that is not the current one: the body has the current state"),
-    413: _problem("Request body too large"),
-    422: _problem("Invalid input: `errors` names each field and rule"),
-    428: _problem("If-Match is required"),
-    429: _problem("Over the token's rate: see Retry-After and the RateLimit headers"),
-    503: _problem("The database is unavailable: retry"),
-}
 
 
 class BodyLimit:

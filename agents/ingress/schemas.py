@@ -10,6 +10,7 @@ from uuid import UUID
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from agents.core.commands import MAX_REASON_CHARS
+from agents.ingress.problems import MEDIA_TYPE
 from models.schemas import AgentState, JobView, JournalEvent, RequestRecord
 
 #: A revision or a budget: what a bigint column holds.
@@ -159,6 +160,29 @@ class ProblemDetails(BaseModel):
     status: int
     detail: str
     instance: str | None = None
+
+
+def problem_doc(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {MEDIA_TYPE: {"schema": ProblemDetails.model_json_schema()}},
+    }
+
+
+#: What any /v1 call may answer besides its success (each route adds its own, e.g. 412).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: problem_doc("Bad request: a malformed header (If-Match, Last-Event-ID) or a missing Idempotency-Key"),
+    401: problem_doc("Missing, unknown or revoked token"),
+    403: problem_doc("The token lacks the scope"),
+    404: problem_doc("No such agent, request, job or message — or one outside the token's agent prefix"),
+    409: problem_doc("The agent's phase or a reused key does not allow this"),
+    412: problem_doc("If-Match names a revision that is not the current one: the body has the current state"),
+    413: problem_doc("Request body too large"),
+    422: problem_doc("Invalid input: `errors` names each field and rule"),
+    428: problem_doc("If-Match is required"),
+    429: problem_doc("Over the token's rate: see Retry-After and the RateLimit headers"),
+    503: problem_doc("The database is unavailable: retry"),
+}
 
 
 class Health(BaseModel):

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from agents.ingress import problems
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.schemas import Health
+from agents.ingress.schemas import Health, problem_doc
 from models.migrations import schema_problem
 
 router = APIRouter(tags=["health"])
@@ -60,7 +60,11 @@ async def readyz(keel: Keel) -> Any:
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
 
-@router.get("/problems/{slug}", summary="What a problem type means", include_in_schema=True)
+@router.get(
+    "/problems/{slug}",
+    summary="What a problem type means",
+    responses={404: problem_doc("No such problem type")},
+)
 def problem_type(slug: str) -> dict[str, Any]:
     kinds = problems.all_kinds()
     if slug not in kinds:

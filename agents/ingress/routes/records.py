@@ -10,7 +10,7 @@ from agents.core.errors import InvalidInput, quoted
 from agents.ingress.auth import require
 from agents.ingress.problems import NOT_FOUND, Problem
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.schemas import JobOut, OutboxMessage, OutboxPage
+from agents.ingress.schemas import MAX_BIGINT, JobOut, OutboxMessage, OutboxPage
 from agents.ingress.tokens import ApiToken, Permission
 from models.jobs_sql import job_row
 from models.outbox_sql import message_row, page_messages
@@ -50,7 +50,7 @@ def list_outbox(
 ) -> OutboxPage:
     before = None
     if cursor is not None:
-        if not cursor.isdigit():
+        if not cursor.isdigit() or int(cursor) > MAX_BIGINT:
             raise InvalidInput(f"cursor {quoted(cursor)} is not a `next` value this API returned")
         before = int(cursor)
     rows = page_messages(
