@@ -3,10 +3,16 @@ revisions as ETags, idempotent submits, problem details, refusals that change no
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from agents.client import Client
-from tests.support.api import Api, journal_count, problem, script, waiting_agent
+from models import migrations
+from models.db import Database
+from tests.support.api import Api, free_port, journal_count, problem, running_api, script, waiting_agent
+from tests.support.broker import Broker
 from tests.support.runs import run_all
 
 pytestmark = pytest.mark.integration
@@ -214,3 +220,40 @@ def test_health_and_readiness(api: Api) -> None:
         schema = http.get("/openapi.json").json()
         assert "/v1/agents/{agent}/requests" in schema["paths"]
         assert http.get("/docs").status_code == 200
+
+
+def test_over_its_rate_a_token_gets_429_with_retry_after_and_ratelimit_headers(
+    db: Database, db_url: str, broker: Broker, tmp_path: Path
+) -> None:
+    tight = {"KEEL_API_RATE_LIMITS": json.dumps({"producer": {"rate": 0.5, "burst": 2}})}
+    with running_api(db, db_url, broker, tmp_path, env=tight) as server, server.http(server.token("producer")) as http:
+        first = http.get("/v1/agents")
+        assert first.status_code == 200
+        assert first.headers["RateLimit-Policy"] == '"producer";q=2;w=4'
+        assert first.headers["RateLimit"].startswith('"producer";r=1;')
+        assert http.get("/v1/agents").status_code == 200
+        before = journal_count(db)
+        over = problem(http.post("/v1/agents", json={"name": "too-fast"}), 429, "rate-limited")
+        assert int(over["status"]) == 429 and 1 <= int(http.get("/v1/agents").headers["Retry-After"]) <= 2
+        assert journal_count(db) == before  # refused before anything was written
+        with server.http(server.token("producer")) as other:  # the limit is per token
+            assert other.get("/v1/agents").status_code == 200
+
+
+def test_readiness_names_what_is_missing(db: Database, db_url: str, broker: Broker, tmp_path: Path) -> None:
+    dead_broker = {"KEEL_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    with running_api(db, db_url, broker, tmp_path, env=dead_broker, ready="/healthz") as server, server.http() as http:
+        answer = http.get("/readyz")
+        assert answer.status_code == 503
+        checks = answer.json()["checks"]
+        assert checks["database"] == "ok" and checks["broker"].startswith("unreachable")
+        assert http.get("/healthz").status_code == 200
+        # The schema moved under a running API (a rollback, a deploy in the wrong order): no longer ready.
+        behind = migrations.revisions()[-2]
+        with db.connection() as conn:
+            conn.execute("UPDATE alembic_version SET version_num = %s", (behind,))
+            conn.commit()
+        answer = http.get("/readyz")
+        assert answer.status_code == 503
+        expected = f"database at {behind}, code at {migrations.head()}: run 'keel db upgrade'"
+        assert answer.json()["checks"]["database"] == expected

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from agents.ingress.tokens import create_token
 
+from agents.ingress.tokens import create_token
 from models.db import Database
 from tests.support.broker import Broker
 from tests.support.runs import run_all
@@ -66,8 +66,10 @@ def running_api(
     *,
     env: dict[str, str] | None = None,
     args: Sequence[str] = (),
+    ready: str = "/readyz",
 ) -> Iterator[Api]:
-    """Start ``keel serve`` and wait until ``/readyz`` says ready; stop it (by pid, SIGTERM then SIGKILL) after."""
+    """Start ``keel serve`` and wait until ``ready`` (``/readyz``: ready to serve) answers 200; stop it (by pid,
+    SIGTERM then SIGKILL) after."""
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     child_env.update(
@@ -97,7 +99,7 @@ def running_api(
             if proc.poll() is not None:
                 raise AssertionError(f"keel serve exited with {proc.returncode}:\n{api.log()}")
             try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                if httpx.get(f"{url}{ready}", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
