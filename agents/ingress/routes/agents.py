@@ -209,9 +209,11 @@ async def _stream_start(
     found = await run_in_threadpool(resolve, keel, token, agent)
     try:
         if last_event_id is not None:
-            return found.id, parse_last_event_id(last_event_id)
+            return found.id, parse_last_event_id(last_event_id, head=found.journal_seq)
     except InvalidEventId as exc:
         raise Problem(BAD_REQUEST, str(exc)) from None
+    if after is not None and after > found.journal_seq:
+        raise Problem(BAD_REQUEST, f"after={after} is past the agent's last journal event ({found.journal_seq})")
     return found.id, found.journal_seq if after is None else after
 
 
