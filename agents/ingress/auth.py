@@ -15,8 +15,9 @@ from fastapi import Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from agents.core.errors import AgentNotFound
-from agents.ingress.problems import FORBIDDEN, RATE_LIMITED, UNAUTHORIZED, Problem
+from agents.core.errors import AgentNotFound, StaleRevision
+from agents.ingress.etags import etag
+from agents.ingress.problems import FORBIDDEN, RATE_LIMITED, UNAUTHORIZED, Problem, kind_of
 from agents.ingress.ratelimit import headers as rate_headers
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.tokens import ApiToken, Permission, authenticate
@@ -108,3 +109,21 @@ def resolve(keel: Ingress, token: ApiToken, ref: str, *, deleted_ok: bool = Fals
     if not token.sees(row.name):
         raise AgentNotFound(ref)
     return Found(row.id, row.name, row)
+
+
+def stale(keel: Ingress, token: ApiToken, exc: StaleRevision, ref: str) -> Problem:
+    """A 412 carrying the agent as it is now and its ETag, so the person sees what changed before deciding again."""
+    state = keel.client.get_state(resolve(keel, token, ref).id)
+    tag = etag(state.revision)
+    return Problem(
+        kind_of(exc),
+        str(exc),
+        headers={"ETag": tag},
+        extra={
+            "agent_id": str(state.id),
+            "expected_revision": exc.expected_revision,
+            "current_revision": exc.current_revision,
+            "current_state": state.model_dump(mode="json"),
+            "etag": tag,
+        },
+    )

@@ -257,3 +257,17 @@ def test_readiness_names_what_is_missing(db: Database, db_url: str, broker: Brok
         assert answer.status_code == 503
         expected = f"database at {behind}, code at {migrations.head()}: run 'keel db upgrade'"
         assert answer.json()["checks"]["database"] == expected
+
+
+def test_a_submit_with_a_stale_if_match_is_412_with_the_current_state(api: Api) -> None:
+    with api.http(api.token("producer")) as http:
+        agent = http.post("/v1/agents", json={"name": "guarded"}).json()
+        url = f"/v1/agents/{agent['id']}/requests"
+        body = {"input": script({"content": "hi"})}
+        stale = problem(
+            http.post(url, json=body, headers={"Idempotency-Key": "g-1", "If-Match": '"r3"'}), 412, "stale-revision"
+        )
+        assert (stale["current_state"]["revision"], stale["etag"]) == (0, '"r0"')
+        assert http.get(f"/v1/agents/{agent['id']}").json()["revision"] == 0
+        fresh = http.post(url, json=body, headers={"Idempotency-Key": "g-1", "If-Match": '"r0"'})
+        assert fresh.status_code == 201 and fresh.json()["revision"] == 1

@@ -13,10 +13,10 @@ from starlette.concurrency import run_in_threadpool
 from agents.core.errors import StaleRevision
 from agents.core.journal import agent_events_after, events_at_revision
 from agents.core.phases import Phase
-from agents.ingress.auth import require, resolve
+from agents.ingress.auth import require, resolve, stale
 from agents.ingress.etags import etag, revision_of
 from agents.ingress.events import InvalidEventId, parse_last_event_id, sse_events
-from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem, kind_of
+from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import MAX_BIGINT, CreateAgent, Decision, JournalPage
 from agents.ingress.tokens import ApiToken, Permission
@@ -32,24 +32,6 @@ MAX_PAGE = 1000
 def _with_etag(state: AgentState, response: Response) -> AgentState:
     response.headers["ETag"] = etag(state.revision)
     return state
-
-
-def _stale(keel: Keel, token: ApiToken, exc: StaleRevision, ref: str) -> Problem:
-    """A 412 carrying the agent as it is now and its ETag, so the person sees what changed before deciding again."""
-    state = keel.client.get_state(resolve(keel, token, ref).id)
-    tag = etag(state.revision)
-    return Problem(
-        kind_of(exc),
-        str(exc),
-        headers={"ETag": tag},
-        extra={
-            "agent_id": str(state.id),
-            "expected_revision": exc.expected_revision,
-            "current_revision": exc.current_revision,
-            "current_state": state.model_dump(mode="json"),
-            "etag": tag,
-        },
-    )
 
 
 @router.post("", status_code=201, response_model=AgentState, summary="Create an agent")
@@ -128,7 +110,7 @@ def _decide(
             return keel.client.reject(row.id, expected_revision=expected, actor=token.name, reason=reason)
         return keel.client.cancel(row.id, expected_revision=expected, actor=token.name, reason=reason)
     except StaleRevision as exc:
-        raise _stale(keel, token, exc, agent) from None
+        raise stale(keel, token, exc, agent) from None
 
 
 @router.post("/{agent}/approve", response_model=AgentState, summary="Approve the call waiting for approval")

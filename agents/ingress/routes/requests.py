@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Response
 
-from agents.core.errors import RequestConflict, RequestNotFound
+from agents.core.errors import RequestConflict, RequestNotFound, StaleRevision
 from agents.core.journal import events as journal_events
 from agents.core.keys import check_request_id
 from agents.ingress.auth import require as require_permission
-from agents.ingress.auth import resolve
+from agents.ingress.auth import resolve, stale
 from agents.ingress.etags import revision_of
 from agents.ingress.problems import BAD_REQUEST, Problem, kind_of
 from agents.ingress.runtime import Ingress, ingress
@@ -83,6 +83,8 @@ def submit(
             actor=token.name,
             operation=body.operation,
         )
+    except StaleRevision as exc:
+        raise stale(keel, token, exc, agent) from None
     except RequestConflict as exc:
         if exc.owner == found.id:
             raise
