@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from agents.ingress.tokens import create_token
 
+from agents.ingress.tokens import create_token
 from models.db import Database
 from tests.support.broker import Broker
 from tests.support.runs import run_all
