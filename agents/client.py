@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 from uuid import UUID
 
 import httpx
@@ -47,6 +47,7 @@ from agents.core.errors import (
     RequestNotFound,
     StaleRevision,
     StoreError,
+    UnknownOperation,
     quoted,
 )
 from agents.core.keys import check_request_id, split_key
@@ -579,8 +580,9 @@ def _deadline(name: str, value: Deadline) -> datetime | timedelta | None:
 
 # --- over HTTP --------------------------------------------------------------------------------------------------
 
-#: HTTP statuses worth another try with the same request (the ingress or its database was briefly away).
-_RETRY_STATUSES = frozenset({502, 503, 504})
+#: How long a Server-Sent Events stream may stay silent before it is taken for dead and reopened (the API sends a
+#: keep-alive comment every 15 s while nothing happens).
+_STREAM_SILENCE_SECONDS = 60.0
 
 
 class AccessDenied(KeelError):
@@ -596,16 +598,30 @@ class ApiUnavailable(StoreError):
 
 
 class HttpClient:
-    """:class:`Client`'s producer and person methods over Keel's HTTP API, with the same return types and errors,
-    so a producer's code runs unchanged: ``HttpClient("https://keel.example", token)``.
+    """:class:`Client`'s producer and person methods over Keel's HTTP API, with the same signatures, return types
+    and errors, so a producer's code runs unchanged: ``HttpClient("https://keel.example", token)``.
 
-    Safe retries: network errors and 502/503/504 are retried with backoff — a submit under the same
-    ``Idempotency-Key`` (its request id), so it never runs twice; a 429 waits its ``Retry-After``. An approve,
-    reject or cancel whose answer was lost is not guessed at: if its retry finds the agent moved on, the journal is
-    asked whether this token's decision is what moved it. Refusals come back as Keel's own exceptions: 412 →
-    :class:`StaleRevision` (with ``current_state``), 409 → :class:`IllegalTransition` / :class:`RequestConflict` /
-    …, 428 → :class:`Rejected`, 404 → :class:`AgentNotFound`, 422 → :class:`InvalidInput`, 401/403 →
-    :class:`AccessDenied`."""
+    Safe retries: network errors and 5xx answers are retried with backoff (a submit under the same
+    ``Idempotency-Key``, its request id, so it never runs twice: a retry of a submit the server applied gets the
+    original record back, ``replayed``); a 429 waits its ``Retry-After``. A command whose answer was lost is not
+    guessed at: when its retry is refused because the agent moved on (a create: the name is taken), the journal is
+    asked whether this token's own command is what moved it, and then its result is returned. Refusals come back
+    as Keel's own exceptions, their text the server's ``detail``: 412 → :class:`StaleRevision` (with
+    ``current_revision`` and ``current_state``), 409 → :class:`IllegalTransition` (``allowed``) /
+    :class:`RequestConflict` (``differs``) / :class:`AgentExists` / …, 428 → :class:`Rejected`, 404 →
+    :class:`AgentNotFound`, 422 → :class:`InvalidInput`, 401/403 → :class:`AccessDenied`; an API that stays
+    unreachable → :class:`ApiUnavailable`.
+
+    The journal's actor for every command is the token's name (``keel token create NAME``), never the ``actor=``
+    a caller passes: it is accepted, so code written for :class:`Client` runs, and ignored.
+
+    Client-only, because the API leaves them to operators with database access (``keel agent …``):
+    ``archive``, ``unarchive`` and ``delete_agent``. Client-only because they are the database-side plumbing of
+    other methods: ``agent_row`` (what the ingress checks a token's prefix against), ``agent_names`` (names of
+    agents by id, across tenants) and ``journal_after`` (one poll of ``follow_journal``, which here is a stream of
+    Server-Sent Events); ``from_settings`` makes a Client from ``KEEL_*`` database settings. Over HTTP the journal
+    is read per agent or per request (``journal()`` with neither is refused), ``follow_journal`` follows one
+    agent, and ``list_agents`` lists what the token sees (``name_prefix`` is the token's own prefix)."""
 
     def __init__(
         self,
@@ -624,6 +640,10 @@ class HttpClient:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.max_wait_seconds = max_wait_seconds
+        self._name: str | None = None
+        # A live stream is quiet between events but for the API's keep-alive comments: a longer silence is a
+        # connection that died without a word, and the stream is reopened from the last event read.
+        self._stream_timeout = httpx.Timeout(timeout, read=max(timeout, _STREAM_SILENCE_SECONDS))
         self._http = httpx.Client(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
@@ -652,8 +672,8 @@ class HttpClient:
         headers: Mapping[str, str] | None = None,
         ambiguous: Callable[[httpx.Response], Any] | None = None,
     ) -> httpx.Response:
-        """One API call, retried on network errors, 502/503/504 and 429. ``ambiguous`` decides a refusal that
-        followed an attempt whose outcome is unknown (sent, no answer): it returns a result or None to raise."""
+        """One API call, retried on network errors, 5xx and 429. ``ambiguous`` decides a refusal that followed an
+        attempt whose outcome is unknown (sent, no answer or a 5xx): true if that attempt is what was applied."""
         unknown_outcome = False
         for attempt in range(self.retries + 1):
             try:
@@ -666,9 +686,9 @@ class HttpClient:
                 time.sleep(self._backoff(attempt))
                 continue
             if response.status_code == 429 and attempt < self.retries:
-                time.sleep(min(float(response.headers.get("Retry-After", "1")), self.max_wait_seconds))
+                time.sleep(self._retry_after(response, attempt))
                 continue
-            if response.status_code in _RETRY_STATUSES and attempt < self.retries:
+            if response.status_code >= 500 and attempt < self.retries:
                 unknown_outcome = True
                 time.sleep(self._backoff(attempt))
                 continue
@@ -682,6 +702,14 @@ class HttpClient:
     def _backoff(self, attempt: int) -> float:
         return float(min(self.backoff_seconds * 2**attempt, self.max_wait_seconds))
 
+    def _retry_after(self, response: httpx.Response, attempt: int) -> float:
+        """The wait a 429 asks for (whole seconds, as Keel sends it), at most ``max_wait_seconds``."""
+        try:
+            wait = float(response.headers.get("Retry-After", ""))
+        except ValueError:
+            return self._backoff(attempt)
+        return min(max(wait, 0.0), self.max_wait_seconds)
+
     def _error(self, response: httpx.Response) -> KeelError:
         try:
             body = response.json()
@@ -691,8 +719,9 @@ class HttpClient:
             body = {}
         detail = str(body.get("detail") or response.reason_phrase or f"HTTP {response.status_code}")
         kind = str(body.get("type", "")).rsplit("/", 1)[-1]
-        status = response.status_code
-        return _problem_error(status, kind, detail, body)
+        segments = response.request.url.path.split("/")
+        agent = unquote(segments[3]) if segments[1:3] == ["v1", "agents"] and len(segments) > 3 else None
+        return _problem_error(response.status_code, kind, detail, body, agent=agent)
 
     # --- reads ------------------------------------------------------------------------------------------------
 
@@ -776,14 +805,23 @@ class HttpClient:
             failures = 0
             while True:
                 try:
-                    with connect_sse(self._http, "GET", path, params={"after": last}, timeout=None) as source:
-                        if source.response.status_code != 200:
-                            source.response.read()
-                            raise self._error(source.response)
+                    stream = connect_sse(self._http, "GET", path, params={"after": last}, timeout=self._stream_timeout)
+                    with stream as source:
+                        answer = source.response
+                        if answer.status_code == 429 or answer.status_code >= 500:
+                            answer.read()
+                            failures += 1
+                            if failures > self.retries:
+                                raise self._error(answer)
+                            time.sleep(self._retry_after(answer, failures - 1))
+                            continue
+                        if answer.status_code != 200:
+                            answer.read()
+                            raise self._error(answer)
                         for sse in source.iter_sse():
                             if not sse.id:
                                 continue
-                            event = JournalEvent.model_validate_json(sse.data)
+                            event = JournalEvent.model_validate_json(sse.data)  # the whole event: see event_data
                             last = event.seq
                             failures = 0
                             if request_id is None or event.request_id == request_id:
@@ -806,9 +844,22 @@ class HttpClient:
         budget_cost: Decimal | float | str | None = None,
         actor: str = "client",
     ) -> AgentState:
-        """As :meth:`Client.create_agent`; the journal's actor is the token's name (``actor`` is ignored)."""
+        """As :meth:`Client.create_agent`; the journal's actor is the token's name (``actor`` is ignored).
+
+        A create whose answer was lost and whose retry finds the name taken returns the agent if this token
+        created it (the actor of its first journal event), and raises :class:`AgentExists` otherwise."""
+        check_text("name", name)
         body = {"name": name, "budget_tokens": budget_tokens, "budget_cost": _decimal(budget_cost)}
-        return AgentState.model_validate(self._call("POST", "/v1/agents", json_body=body).json())
+
+        def applied(response: httpx.Response) -> bool:
+            if _kind(response) != "agent-exists":
+                return False
+            return self._creator(self.get_state(name).id) == self._token_name()
+
+        response = self._call("POST", "/v1/agents", json_body=body, ambiguous=applied)
+        if not response.is_success:  # created by the attempt whose answer was lost
+            return self.get_state(name)
+        return AgentState.model_validate(response.json())
 
     def submit(
         self,
@@ -846,6 +897,8 @@ class HttpClient:
         actor: str = "client",
         operation: str = "plan",
     ) -> Submission:
+        """As :meth:`Client.submit_request`. ``replayed`` is the API's answer (``Idempotent-Replayed``): it is true
+        too when this call's own first attempt was applied and its answer lost, as the retry changed nothing."""
         check_request_id(request_id)
         body: dict[str, Any] = {"input": input, "operation": operation}
         for name, value in (("soft_deadline", soft_deadline), ("hard_deadline", hard_deadline)):
@@ -885,7 +938,8 @@ class HttpClient:
         return self._decide(agent_id, "cancel", expected_revision, reason)
 
     def retry_outbox(self, key: str, *, actor: str = "client") -> None:
-        self._call("POST", f"/v1/outbox/{key}/retry")
+        check_text("key", key, limit=600)
+        self._call("POST", f"/v1/outbox/{quote(key, safe='')}/retry")
 
     def _decide(self, agent: AgentRef, act: str, expected: int | None, reason: str | None) -> AgentState:
         headers = {} if expected is None else {"If-Match": f'"r{expected}"'}
@@ -893,20 +947,60 @@ class HttpClient:
         body = None if act == "approve" else {"reason": reason}
 
         def applied(response: httpx.Response) -> bool:
-            # The first attempt may have been applied before its answer was lost: then the event that moved the
-            # agent past ``expected`` is this token's own decision.
-            if response.status_code != 412 or expected is None:
+            # An earlier attempt may have been applied before its answer was lost; then the transition that moved
+            # the agent on is this token's own. With If-Match the retry is a 412, and that transition is the one
+            # to ``expected + 1``; without (a cancel) it is a 409, and that transition is the agent's latest, on
+            # the request it is on.
+            if expected is not None:
+                return response.status_code == 412 and self._mine(agent, expected + 1, act)
+            if _kind(response) != "illegal-transition":
                 return False
-            moved = self._call(
-                "GET", f"/v1/agents/{_ref(agent)}/journal", params={"revision": expected + 1, "limit": 10}
-            ).json()
-            who = self._call("GET", "/v1/tokens/me").json()["name"]
-            return any(e["kind"] == "transition" and e["event"] == act and e["actor"] == who for e in moved["events"])
+            state = self.get_state(agent)
+            return self._mine(agent, state.revision, act, request_id=state.request_id)
 
         response = self._call("POST", path, json_body=body, headers=headers, ambiguous=applied)
-        if response.status_code == 412:  # applied by the attempt whose answer was lost
+        if not response.is_success:  # applied by the attempt whose answer was lost
             return self.get_state(agent)
         return AgentState.model_validate(response.json())
+
+    def _mine(self, agent: AgentRef, revision: int, event: str, *, request_id: str | None = None) -> bool:
+        """Whether the transition that brought the agent to ``revision`` is this token's ``event``."""
+        found = self._call("GET", f"/v1/agents/{_ref(agent)}/journal", params={"revision": revision}).json()
+        return any(
+            e["kind"] == "transition"
+            and e["event"] == event
+            and e["actor"] == self._token_name()
+            and (request_id is None or e["request_id"] == request_id)
+            for e in found["events"]
+        )
+
+    def _token_name(self) -> str:
+        """The token's name: the actor the journal records for what it does."""
+        if self._name is None:
+            self._name = str(self._call("GET", "/v1/tokens/me").json()["name"])
+        return self._name
+
+    def _creator(self, agent_id: UUID) -> str:
+        """Who created the agent: the actor of its first journal event, read from its event stream (every scope
+        may watch an agent; a producer may not read its journal)."""
+        path = f"/v1/agents/{agent_id}/events"
+        with connect_sse(self._http, "GET", path, params={"after": 0}, timeout=self._stream_timeout) as source:
+            if source.response.status_code != 200:
+                source.response.read()
+                raise self._error(source.response)
+            for sse in source.iter_sse():
+                if sse.id:
+                    return str(json.loads(sse.data)["actor"])
+        raise ApiUnavailable(f"GET {path}: the stream ended before the agent's first event")
+
+
+def _kind(response: httpx.Response) -> str:
+    """The slug of a problem answer's ``type`` ("" for any other answer)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    return str(body.get("type", "")).rsplit("/", 1)[-1] if isinstance(body, dict) else ""
 
 
 def _ref(agent: AgentRef) -> str:
@@ -919,9 +1013,11 @@ def _decimal(value: Decimal | float | str | None) -> str | None:
     return None if value is None else str(value)
 
 
-def _problem_error(status: int, kind: str, detail: str, body: Mapping[str, Any]) -> KeelError:
+def _problem_error(
+    status: int, kind: str, detail: str, body: Mapping[str, Any], *, agent: str | None = None
+) -> KeelError:
     """The Keel exception a problem response stands for, carrying the facts the body gives; its text is the
-    server's ``detail``."""
+    server's ``detail``. ``agent``: the agent the request named, for :class:`AgentNotFound`."""
     made: KeelError
     agent_id = _as_uuid(str(body.get("agent_id", ""))) or UUID(int=0)
     if status in (401, 403):
@@ -946,11 +1042,29 @@ def _problem_error(status: int, kind: str, detail: str, body: Mapping[str, Any])
         made = RequestConflict(
             request_id=str(body.get("request_id")), owner=agent_id, differs=list(body.get("differs") or ())
         )
+    elif (cls := _BY_KIND.get(kind) or _BY_STATUS.get(status, KeelError)) is AgentNotFound:
+        made = AgentNotFound(agent or "?")
     else:
-        cls = _BY_KIND.get(kind) or _BY_STATUS.get(status, KeelError)
         made = cls.__new__(cls)
+        # The facts each of these errors carries, as far as the answer gives them (None where it does not).
+        for name in _FACTS.get(cls, ()):
+            value = body.get(name, agent_id if name == "agent_id" else None)
+            setattr(made, name, tuple(value) if isinstance(value, list) else value)
     made.args = (detail,)
     return made
+
+
+_FACTS: dict[type[KeelError], tuple[str, ...]] = {
+    RequestNotFound: ("request_id",),
+    AgentExists: ("name",),
+    AgentArchived: ("agent_id", "name"),
+    AgentBusy: ("agent_id", "name", "phase"),
+    AgentInUse: ("agent_id", "name", "phase", "archived", "at_rest"),
+    HardDeadlinePassed: ("agent_id", "name", "hard_deadline"),
+    MessageNotFound: ("key",),
+    MessageNotDead: ("key", "status"),
+    UnknownOperation: ("operation", "known"),
+}
 
 
 _BY_KIND: dict[str, type[KeelError]] = {
@@ -962,7 +1076,7 @@ _BY_KIND: dict[str, type[KeelError]] = {
     "agent-in-use": AgentInUse,
     "hard-deadline-passed": HardDeadlinePassed,
     "invalid-deadlines": InvalidDeadlines,
-    "unknown-operation": InvalidInput,
+    "unknown-operation": UnknownOperation,
     "invalid-input": InvalidInput,
     "outbox-message-not-found": MessageNotFound,
     "outbox-message-not-dead": MessageNotDead,

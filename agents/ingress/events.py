@@ -288,18 +288,9 @@ async def agent_events(listener: JournalListener, agent_id: UUID, after_seq: int
 
 
 def event_data(event: JournalEvent) -> dict[str, Any]:
-    """The ``data`` of an event's SSE message: the change it records."""
-    return {
-        "revision": event.revision,
-        "phase": event.to_phase,
-        "from_phase": event.from_phase,
-        "event": event.event,
-        "actor": event.actor,
-        "request_id": event.request_id,
-        "decision": event.decision,
-        "at": rfc3339(event.at),
-        "details": event.details,
-    }
+    """The ``data`` of an event's SSE message: the change it records (``phase``: the phase it moved to), and the
+    rest of the journal event (``seq``, ``kind``, ``to_phase``, ``hash`` …), so a client rebuilds it whole."""
+    return event.model_dump(mode="json") | {"phase": event.to_phase, "at": rfc3339(event.at)}
 
 
 def to_sse(event: JournalEvent) -> ServerSentEvent:
