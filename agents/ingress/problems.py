@@ -133,10 +133,7 @@ def kind_for(error: type[errors.KeelError]) -> Kind:
 
 
 def kind_of(exc: errors.KeelError) -> Kind:
-    for cls, kind in _ERRORS:
-        if isinstance(exc, cls):
-            return kind
-    return INTERNAL
+    return kind_for(type(exc))
 
 
 def facts(exc: errors.KeelError) -> dict[str, Any]:
