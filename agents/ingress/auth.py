@@ -111,6 +111,15 @@ def resolve(keel: Ingress, token: ApiToken, ref: str, *, deleted_ok: bool = Fals
     return Found(row.id, row.name, row)
 
 
+def sees_agent(keel: Ingress, token: ApiToken, agent_id: UUID) -> bool:
+    """Whether the agent with this id (a deleted one too) is within the token's reach: for what belongs to an agent
+    (a request, a job, an outbox message), found by its own key."""
+    if token.agent_prefix is None:
+        return True
+    name = keel.client.agent_names([agent_id]).get(agent_id, "")
+    return token.sees(name.removesuffix(" (deleted)"))
+
+
 def stale(keel: Ingress, token: ApiToken, exc: StaleRevision, ref: str) -> Problem:
     """A 412 carrying the agent as it is now and its ETag, so the person sees what changed before deciding again."""
     state = keel.client.get_state(resolve(keel, token, ref).id)

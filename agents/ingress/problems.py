@@ -124,11 +124,16 @@ def problem_response(
     return JSONResponse(body, status_code=kind.status, headers=dict(headers or {}), media_type=MEDIA_TYPE)
 
 
-def kind_of(exc: errors.KeelError) -> Kind:
+def kind_for(error: type[errors.KeelError]) -> Kind:
+    """The kind of problem an error of this class is answered with."""
     for cls, kind in _ERRORS:
-        if isinstance(exc, cls):
+        if issubclass(error, cls):
             return kind
     return INTERNAL
+
+
+def kind_of(exc: errors.KeelError) -> Kind:
+    return kind_for(type(exc))
 
 
 def facts(exc: errors.KeelError) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query
 
 from agents.core.errors import InvalidInput, quoted
-from agents.ingress.auth import require
+from agents.ingress.auth import require, sees_agent
 from agents.ingress.problems import NOT_FOUND, Problem
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import MAX_BIGINT, JobOut, OutboxMessage, OutboxPage
@@ -23,11 +23,8 @@ MAX_PAGE = 1000
 
 def _owned(keel: Keel, token: ApiToken, what: str, key: str, row: dict[str, object] | None) -> dict[str, object]:
     """``row`` if it exists and belongs to an agent the token sees; otherwise the same 404 either way."""
-    if row is not None and token.agent_prefix is not None:
-        names = keel.client.agent_names([row["agent_id"]])  # type: ignore[list-item]
-        name = names.get(row["agent_id"], "")  # type: ignore[call-overload]
-        if not token.sees(name.removesuffix(" (deleted)")):
-            row = None
+    if row is not None and not sees_agent(keel, token, row["agent_id"]):  # type: ignore[arg-type]
+        row = None
     if row is None:
         raise Problem(NOT_FOUND, f"no {what} has the key {quoted(key)}")
     return row

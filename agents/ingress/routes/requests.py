@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Annotated
+from uuid import UUID
 
 from fastapi import APIRouter, Depends, Header, Response
 
@@ -11,9 +12,9 @@ from agents.core.errors import RequestConflict, RequestNotFound, StaleRevision
 from agents.core.journal import events as journal_events
 from agents.core.keys import check_request_id
 from agents.ingress.auth import require as require_permission
-from agents.ingress.auth import resolve, stale
+from agents.ingress.auth import resolve, sees_agent, stale
 from agents.ingress.etags import revision_of
-from agents.ingress.problems import BAD_REQUEST, Problem, kind_of
+from agents.ingress.problems import BAD_REQUEST, Problem, kind_for
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import Links, OutboxMessage, RequestOut, RequestStory, SubmitRequest
 from agents.ingress.tokens import ApiToken, Permission
@@ -70,6 +71,12 @@ def submit(
     request_id = check_request_id(idempotency_key)
     expected = revision_of(if_match)
     found = resolve(keel, token, agent)
+    if token.agent_prefix is not None:
+        owner = _owner(keel, request_id)
+        if owner is not None and owner != found.id and not sees_agent(keel, token, owner):
+            # Refused before the transition, which would journal the conflict on this agent naming the owner: the
+            # tenant reads its agents' journals, and must not learn another tenant's agent from them.
+            raise _taken_elsewhere(request_id)
     soft = body.soft_deadline or _seconds(body.soft_deadline_seconds)
     hard = body.hard_deadline or _seconds(body.hard_deadline_seconds)
     try:
@@ -89,16 +96,28 @@ def submit(
         if exc.owner == found.id:
             raise
         # Request ids are global: never tell one tenant about another's agent.
-        raise Problem(
-            kind_of(exc),
-            f"the Idempotency-Key {request_id!r} is already the id of another agent's request: use a new key",
-            extra={"request_id": request_id, "differs": []},
-        ) from None
+        raise _taken_elsewhere(request_id) from None
     out = _out(done.request)
     response.headers["Location"] = out.links.self
     if done.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return out
+
+
+def _owner(keel: Keel, request_id: str) -> UUID | None:
+    """The agent whose request ``request_id`` is, if it was submitted."""
+    try:
+        return keel.client.get_request(request_id).agent_id
+    except RequestNotFound:
+        return None
+
+
+def _taken_elsewhere(request_id: str) -> Problem:
+    return Problem(
+        kind_for(RequestConflict),
+        f"the Idempotency-Key {request_id!r} is already the id of another agent's request: use a new key",
+        extra={"request_id": request_id, "differs": []},
+    )
 
 
 def _seconds(value: float | None) -> timedelta | None:
@@ -151,7 +170,6 @@ def find_request(
 ) -> RequestOut:
     """Where a request id (an ``Idempotency-Key``) went: its agent, and links to its story and the agent's events."""
     record = keel.client.get_request(request_id)
-    names = keel.client.agent_names([record.agent_id])
-    if not token.sees(names.get(record.agent_id, "").removesuffix(" (deleted)")):
+    if not sees_agent(keel, token, record.agent_id):
         raise RequestNotFound(request_id)
     return _out(record)
