@@ -43,6 +43,7 @@ from agents.core.errors import (
     RequestConflict,
     StaleRevision,
     StoreError,
+    quoted,
 )
 from agents.core.keys import make_key
 from agents.core.phases import RESTING, Event, Phase
@@ -507,6 +508,12 @@ def _journal_rejection(db: Database, command: Command, decision: Reject, judged:
         details["expected_revision"] = command.expected_revision
     if isinstance(decision.error, RequestConflict) and decision.error.differs:
         details["differs"] = list(decision.error.differs)
+    if isinstance(decision.error, RequestConflict) and decision.error.owner != command.agent_id:
+        # Another agent's request: this agent's journal (which its own readers see) does not name that agent.
+        details["error"] = (
+            f"request id {quoted(decision.error.request_id)} already belongs to another agent's request: use a new"
+            " request id"
+        )
     with db.transaction() as cur:
         locked = lock_agent_txn(cur, command.agent_id)
         if locked is None:  # pragma: no cover - deleted meanwhile: its chain is closed, and it refused the command

@@ -4,6 +4,7 @@ nothing."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -264,11 +265,20 @@ def test_a_late_retry_of_an_earlier_request_with_other_input_is_a_conflict_too(c
     assert client.submit(agent.id, "r1", ASK).request_id == "r2", "as it was: still a suppressed duplicate"
 
 
-def test_another_agents_request_id_names_that_agent(client: Client) -> None:
+def test_another_agents_request_id_names_that_agent_to_the_caller_but_not_in_this_agents_journal(
+    client: Client,
+) -> None:
     a, b = client.create_agent("alpha"), client.create_agent("beta")
     client.submit(a.id, "shared", ASK)
     with pytest.raises(RequestConflict, match=r"^request id 'shared' already belongs to agent 'alpha'$"):
         client.submit(b.id, "shared", ASK)
+    # beta's journal is read by whoever may read beta (another tenant, over HTTP): it must not name alpha.
+    (refusal,) = [e for e in client.journal(agent_id=b.id) if e.kind == "rejected"]
+    assert (
+        refusal.details["error"]
+        == "request id 'shared' already belongs to another agent's request: use a new request id"
+    )
+    assert "alpha" not in json.dumps(refusal.details) and str(a.id) not in json.dumps(refusal.details)
 
 
 # --- errors name the agent; numbers that cannot be stored are refused -----------------------------------------
