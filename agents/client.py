@@ -69,6 +69,7 @@ from models.schemas import (
     NewAgent,
     RequestRecord,
     Submission,
+    SubmittedRequest,
 )
 from models.settings import Settings, check_imports
 from models.sql import request_record
@@ -387,6 +388,56 @@ class Client:
     ) -> Submission:
         """:meth:`submit`, returning the request as first submitted (the same record for every retry of it), the
         agent's state now, and whether this call was a retry (``replayed``: it changed nothing)."""
+        done = self._submit(
+            agent_id,
+            request_id,
+            input,
+            expected_revision=expected_revision,
+            soft_deadline=soft_deadline,
+            hard_deadline=hard_deadline,
+            actor=actor,
+            operation=operation,
+        )
+        return Submission(state=self._state(done.agent), request=self.get_request(request_id), replayed=done.suppressed)
+
+    def submit_record(
+        self,
+        agent_id: AgentRef,
+        request_id: str,
+        input: Any,
+        *,
+        expected_revision: int | None = None,
+        soft_deadline: Deadline = None,
+        hard_deadline: Deadline = None,
+        actor: str = "client",
+        operation: str = "plan",
+    ) -> SubmittedRequest:
+        """:meth:`submit` for a caller that needs only the request (the HTTP ingress): the request as first
+        submitted and whether this call was a retry, without reading the agent's state (one query fewer)."""
+        done = self._submit(
+            agent_id,
+            request_id,
+            input,
+            expected_revision=expected_revision,
+            soft_deadline=soft_deadline,
+            hard_deadline=hard_deadline,
+            actor=actor,
+            operation=operation,
+        )
+        return SubmittedRequest(request=self.get_request(request_id), replayed=done.suppressed)
+
+    def _submit(
+        self,
+        agent: AgentRef,
+        request_id: str,
+        input: Any,
+        *,
+        expected_revision: int | None,
+        soft_deadline: Deadline,
+        hard_deadline: Deadline,
+        actor: str,
+        operation: str,
+    ) -> core.Transitioned:
         _check_actor(actor)
         # Relative deadlines count from the transition's time on the database's clock, not this host's.
         soft, hard = _deadline("soft_deadline", soft_deadline), _deadline("hard_deadline", hard_deadline)
@@ -394,8 +445,10 @@ class Client:
         check_text("operation", operation, limit=128)
         self._import_handlers()
         handlers.registry.check_input(operation, json.loads(input_json))
+        # By id, the transition's own locking read finds the agent (and a deleted one's tombstone): no read before it.
+        agent_id = _as_uuid(agent)
         command = Command(
-            agent_id=self._row(agent_id).id,
+            agent_id=agent_id if agent_id is not None else self._row(agent).id,
             event=Event.SUBMIT,
             actor=actor,
             expected_revision=expected_revision,
@@ -404,18 +457,20 @@ class Client:
             hard_deadline=hard,
             jobs=(JobSpec(operation, "1", payload={"input": json.loads(input_json)}),),
         )
-        done = core.transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
+        try:
+            done = core.transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
+        except AgentNotFound as exc:
+            raise AgentNotFound(agent, deleted=exc.deleted) from None  # named as the caller named it
         if self.publisher is not None and done.to_publish:
             self.publisher(done.to_publish)
-        return Submission(state=self._state(done.agent), request=self.get_request(request_id), replayed=done.suppressed)
+        return done
 
     def get_request(self, request_id: str) -> RequestRecord:
         """Request ``request_id`` as it was submitted: operation, input, deadlines, who submitted it and when, and
         the agent's revision after the submit. Raises :class:`~agents.core.errors.RequestNotFound`."""
         check_request_id(request_id)
-        with core.store_errors(), self.db.connection() as conn:
-            row = request_record(conn, request_id)
-            conn.rollback()
+        with core.store_errors(), self.db.autocommit() as plain:
+            row = request_record(plain.connection, request_id)
         if row is None or row["details"] is None:
             raise RequestNotFound(request_id)
         details = row["details"]

@@ -193,6 +193,16 @@ class Submission(BaseModel):
     replayed: bool
 
 
+class SubmittedRequest(BaseModel):
+    """What a submit did, without the agent's state: the request as first submitted, and whether this call was a
+    retry of a request already there (``replayed``: nothing changed)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request: RequestRecord
+    replayed: bool
+
+
 class NewAgent(BaseModel):
     """Input of ``create_agent``."""
 

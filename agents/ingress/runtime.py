@@ -63,8 +63,9 @@ class Ingress:
         self.db.dispose()
 
 
-def ingress(request: Request) -> Ingress:
-    """A dependency: this process's :class:`Ingress`."""
+async def ingress(request: Request) -> Ingress:
+    """A dependency: this process's :class:`Ingress` (async: a sync dependency would cost a hop to the thread pool
+    on every request)."""
     found = request.app.state.ingress
     assert isinstance(found, Ingress)
     return found

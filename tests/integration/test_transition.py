@@ -202,3 +202,21 @@ def test_unknown_agents_and_taken_names(client: Client) -> None:
         client.get_state("nobody")
     with pytest.raises(AgentNotFound):
         client.submit("00000000-0000-0000-0000-000000000000", "r", ASK)
+    # By id the submit's own locking read finds no agent: the error names the id as the caller wrote it, and
+    # nothing is written.
+    before = client.journal()
+    with pytest.raises(AgentNotFound, match="'0000000A-0000-0000-0000-000000000000'"):
+        client.submit("0000000A-0000-0000-0000-000000000000", "r", ASK)
+    assert client.journal() == before
+
+
+def test_submit_record_returns_the_request_as_first_submitted(client: Client) -> None:
+    agent = client.create_agent("a")
+    first = client.submit_record(agent.id, "r1", ASK, actor="alice")
+    assert (first.replayed, first.request.request_id, first.request.agent_id) == (False, "r1", agent.id)
+    assert (first.request.submitted_by, first.request.input, first.request.revision) == ("alice", ASK, 1)
+    # A retry changes nothing and gets the same record back, as submit_request does.
+    again = client.submit_record(agent.id, "r1", ASK, actor="alice")
+    assert again.replayed and again.request == first.request
+    assert client.submit_request(agent.id, "r1", ASK, actor="alice").request == first.request
+    assert client.get_state(agent.id).revision == 1

@@ -80,7 +80,7 @@ def submit(
     soft = body.soft_deadline or _seconds(body.soft_deadline_seconds)
     hard = body.hard_deadline or _seconds(body.hard_deadline_seconds)
     try:
-        done = keel.client.submit_request(
+        done = keel.client.submit_record(
             found.id,
             request_id,
             body.input,
