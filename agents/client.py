@@ -6,6 +6,7 @@ import base64
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -363,7 +364,7 @@ class Client:
         nothing; with a different input, operation or deadlines it raises
         :class:`~agents.core.errors.RequestConflict`. Deadlines are absolute (timezone-aware) or relative to now.
         """
-        return self.submit_request(
+        done = self._submit(
             agent_id,
             request_id,
             input,
@@ -372,7 +373,8 @@ class Client:
             hard_deadline=hard_deadline,
             actor=actor,
             operation=operation,
-        ).state
+        )
+        return self._state(done.agent)
 
     def submit_request(
         self,
@@ -398,7 +400,7 @@ class Client:
             actor=actor,
             operation=operation,
         )
-        return Submission(state=self._state(done.agent), request=self.get_request(request_id), replayed=done.suppressed)
+        return Submission(state=self._state(done.agent), request=self._record(done), replayed=done.suppressed)
 
     def submit_record(
         self,
@@ -424,7 +426,25 @@ class Client:
             actor=actor,
             operation=operation,
         )
-        return SubmittedRequest(request=self.get_request(request_id), replayed=done.suppressed)
+        return SubmittedRequest(request=self._record(done), replayed=done.suppressed)
+
+    def _record(self, done: _Submitted) -> RequestRecord:
+        """The request as first submitted: a new one is what this transition wrote (no read needed); a retry's is
+        read back, as it was first written."""
+        if done.suppressed:
+            return self.get_request(done.request_id)
+        row = done.agent
+        return RequestRecord(
+            request_id=done.request_id,
+            agent_id=row.id,
+            operation=done.operation,
+            input=json.loads(done.input_json),
+            soft_deadline=row.soft_deadline,
+            hard_deadline=row.hard_deadline,
+            submitted_at=row.updated_at,  # the transition's time, which the request row records too
+            submitted_by=done.actor,
+            revision=row.revision,
+        )
 
     def _submit(
         self,
@@ -437,7 +457,7 @@ class Client:
         hard_deadline: Deadline,
         actor: str,
         operation: str,
-    ) -> core.Transitioned:
+    ) -> _Submitted:
         _check_actor(actor)
         # Relative deadlines count from the transition's time on the database's clock, not this host's.
         soft, hard = _deadline("soft_deadline", soft_deadline), _deadline("hard_deadline", hard_deadline)
@@ -463,7 +483,7 @@ class Client:
             raise AgentNotFound(agent, deleted=exc.deleted) from None  # named as the caller named it
         if self.publisher is not None and done.to_publish:
             self.publisher(done.to_publish)
-        return done
+        return _Submitted(done.agent, done.suppressed, request_id, operation, input_json, actor)
 
     def get_request(self, request_id: str) -> RequestRecord:
         """Request ``request_id`` as it was submitted: operation, input, deadlines, who submitted it and when, and
@@ -579,6 +599,18 @@ class Client:
         if size > self.settings.max_input_bytes:
             raise InvalidInput(f"input is {size} bytes as JSON; the limit is {self.settings.max_input_bytes}")
         return text
+
+
+@dataclass(frozen=True, slots=True)
+class _Submitted:
+    """What one submit did, and what it was asked (for the request's record)."""
+
+    agent: AgentRow
+    suppressed: bool
+    request_id: str
+    operation: str
+    input_json: str
+    actor: str
 
 
 def _check_actor(actor: str) -> None:
@@ -954,6 +986,31 @@ class HttpClient:
     ) -> Submission:
         """As :meth:`Client.submit_request`. ``replayed`` is the API's answer (``Idempotent-Replayed``): it is true
         too when this call's own first attempt was applied and its answer lost, as the retry changed nothing."""
+        done = self.submit_record(
+            agent_id,
+            request_id,
+            input,
+            expected_revision=expected_revision,
+            soft_deadline=soft_deadline,
+            hard_deadline=hard_deadline,
+            actor=actor,
+            operation=operation,
+        )
+        return Submission(request=done.request, state=self.get_state(done.request.agent_id), replayed=done.replayed)
+
+    def submit_record(
+        self,
+        agent_id: AgentRef,
+        request_id: str,
+        input: Any,
+        *,
+        expected_revision: int | None = None,
+        soft_deadline: Deadline = None,
+        hard_deadline: Deadline = None,
+        actor: str = "client",
+        operation: str = "plan",
+    ) -> SubmittedRequest:
+        """As :meth:`Client.submit_record`: one POST, the request as first submitted (no read of the state)."""
         check_request_id(request_id)
         body: dict[str, Any] = {"input": input, "operation": operation}
         for name, value in (("soft_deadline", soft_deadline), ("hard_deadline", hard_deadline)):
@@ -966,10 +1023,8 @@ class HttpClient:
         if expected_revision is not None:
             headers["If-Match"] = f'"r{expected_revision}"'
         response = self._call("POST", f"/v1/agents/{_ref(agent_id)}/requests", json_body=body, headers=headers)
-        record = RequestRecord.model_validate(response.json())
-        return Submission(
-            request=record,
-            state=self.get_state(record.agent_id),
+        return SubmittedRequest(
+            request=RequestRecord.model_validate(response.json()),
             replayed=response.headers.get("Idempotent-Replayed") == "true",
         )
 

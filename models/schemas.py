@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -180,6 +181,17 @@ class RequestRecord(BaseModel):
     submitted_by: str
     #: The agent's revision right after the submit (the ``submit`` event's).
     revision: int
+
+    @field_validator("input", mode="after")
+    @classmethod
+    def _keys_sorted(cls, value: Any) -> Any:
+        # Read back from JSONB its keys come in JSONB's order; as submitted, in the caller's: one order for both.
+        return json.loads(json.dumps(value, sort_keys=True))
+
+    @field_validator("soft_deadline", "hard_deadline", "submitted_at", mode="after")
+    @classmethod
+    def _in_utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else value.astimezone(UTC)
 
 
 class Submission(BaseModel):

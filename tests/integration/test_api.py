@@ -64,6 +64,18 @@ def test_submit_is_idempotent_by_key_and_a_different_body_is_a_conflict(api: Api
         again = http.post(url, json={"input": script({"content": "hi"})}, headers={"Idempotency-Key": "r-1"})
         assert again.status_code == 201 and again.json() == body
         assert again.headers["Idempotent-Replayed"] == "true"
+
+        # The original response, byte for byte: input keys in an order JSONB does not keep, a deadline given in
+        # another offset — the answer to the first submit and to its retry are the same bytes.
+        other_agent = http.post("/v1/agents", json={"name": "worker-2"}).json()
+        step = {"tokens": 5, "content": "hi", "cost": "0.1"}
+        asked = {"input": {"script": [step], "prompt": "p"}, "hard_deadline": "2099-01-01T02:00:00.5+02:00"}
+        url2 = f"/v1/agents/{other_agent['id']}/requests"
+        fresh = http.post(url2, json=asked, headers={"Idempotency-Key": "r-2"})
+        replay = http.post(url2, json=asked, headers={"Idempotency-Key": "r-2"})
+        assert fresh.status_code == replay.status_code == 201
+        assert fresh.content == replay.content, (fresh.text, replay.text)
+        assert fresh.json()["hard_deadline"] == "2099-01-01T00:00:00.500000Z"
         before = journal_count(api.db)
         other = problem(
             http.post(url, json={"input": script({"content": "bye"})}, headers={"Idempotency-Key": "r-1"}),
