@@ -638,7 +638,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, UUID]:
         return at, UUID(agent_id)
     except (ValueError, UnicodeDecodeError):
         raise InvalidInput(
-            f"cursor {quoted(cursor)} is not one `keel agent list` printed (use its 'next' value)"
+            f"cursor {quoted(cursor)} is not the 'next' of a page of agents (from `keel agent list` or the API)"
         ) from None
 
 

@@ -29,6 +29,9 @@ def quoted(value: object) -> str:
 class InvalidInput(KeelError):
     """The input is not valid."""
 
+    #: Each problem, when the check knows them: ``{"path": "input.prompt", "message": "is required"}``.
+    errors: list[dict[str, str]] = []  # noqa: RUF012 - replaced per instance, never mutated
+
 
 class UnknownOperation(InvalidInput):
     """No handler is registered (or declared) for this operation."""

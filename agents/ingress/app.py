@@ -39,7 +39,8 @@ journal and each request's story, and follow an agent live.
 
 class BodyLimit:
     """Refuse request bodies over ``limit`` bytes with a 413 before any route reads them — by ``Content-Length``
-    when it is given, by counting as the body streams in when it is not (chunked)."""
+    when it is given, by counting as the body streams in when it is not (chunked): then the 413 goes out at once,
+    the route sees the client gone, and whatever it would answer is dropped."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -54,32 +55,35 @@ class BodyLimit:
             await self._refuse(scope, receive, send)
             return
         seen = 0
+        refused = False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge
+                    refused = True
+                    await self._refuse(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        async def guarded(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counted, guarded)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = problems.problem_response(
             problems.TOO_LARGE,
             f"the request body is over {self.limit:,} bytes (KEEL_API_MAX_BODY_BYTES)",
             instance=scope.get("path"),
+            headers={"Connection": "close"},
         )
         await response(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(settings: Settings | None = None, *, publisher: Publisher | None = None) -> FastAPI:

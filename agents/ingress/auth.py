@@ -76,21 +76,18 @@ def require(permission: Permission) -> Callable[..., Any]:
 
 @dataclass(frozen=True, slots=True)
 class Found:
-    """An agent a token may see: its id and name, and its row (None for a deleted agent)."""
+    """An agent a token may see: its id and name, its row (None for a deleted agent), and the head of its journal
+    (a deleted agent's: its delete event)."""
 
     id: UUID
     name: str
     row: AgentRow | None
+    journal_seq: int
 
     @property
     def revision(self) -> int:
         assert self.row is not None
         return self.row.revision
-
-    @property
-    def journal_seq(self) -> int:
-        assert self.row is not None
-        return self.row.journal_seq
 
 
 def resolve(keel: Ingress, token: ApiToken, ref: str, *, deleted_ok: bool = False) -> Found:
@@ -105,10 +102,10 @@ def resolve(keel: Ingress, token: ApiToken, ref: str, *, deleted_ok: bool = Fals
             raise AgentNotFound(ref) from None
         if not deleted_ok:
             raise
-        return Found(gone.id, gone.name, None)
+        return Found(gone.id, gone.name, None, gone.journal_seq)
     if not token.sees(row.name):
         raise AgentNotFound(ref)
-    return Found(row.id, row.name, row)
+    return Found(row.id, row.name, row, row.journal_seq)
 
 
 def sees_agent(keel: Ingress, token: ApiToken, agent_id: UUID) -> bool:

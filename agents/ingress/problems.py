@@ -153,6 +153,18 @@ def facts(exc: errors.KeelError) -> dict[str, Any]:
     return {}
 
 
+def field_facts(exc: errors.KeelError) -> dict[str, Any]:
+    """Bad input refused by Keel itself (not by the body's schema) in the same shape: ``errors`` with a path."""
+    if not isinstance(exc, errors.InvalidInput) or isinstance(exc, errors.UnknownOperation):
+        return {}
+    if exc.errors:
+        return {"errors": [{"path": e["path"], "message": e["message"]} for e in exc.errors]}
+    text = str(exc)
+    head, _, rule = text.partition(": ")
+    path = head.split()[-1] if rule and head and " " not in head.strip() else "body"
+    return {"errors": [{"path": path, "message": rule if path != "body" else text}]}
+
+
 def field_errors(raw: Sequence[Any]) -> list[dict[str, str]]:
     """Pydantic's errors as ``{"path": "body.input.prompt", "message": …}``: the field and the rule, never the value
     (it may be huge or hold a secret)."""
@@ -168,8 +180,18 @@ async def on_keel_error(request: Request, exc: Exception) -> JSONResponse:
     kind = kind_of(exc)
     if kind is INTERNAL:
         return await on_unexpected(request, exc)
-    headers = {"Retry-After": "1"} if kind.status == 503 else {}
-    return problem_response(kind, str(exc), instance=request.url.path, headers=headers, extra=facts(exc))
+    if kind.status == 503:
+        # The driver's text names hosts, ports and databases: the log gets it, the caller an incident id.
+        incident = uuid.uuid4().hex[:12]
+        log.warning("database unavailable (incident %s) on %s %s: %s", incident, request.method, request.url.path, exc)
+        return problem_response(
+            kind,
+            f"the database is unavailable (incident {incident}, logged): retry shortly",
+            instance=request.url.path,
+            headers={"Retry-After": "1"},
+            extra={"incident": incident},
+        )
+    return problem_response(kind, str(exc), instance=request.url.path, extra=facts(exc) | field_facts(exc))
 
 
 async def on_problem(request: Request, exc: Exception) -> JSONResponse:

@@ -57,6 +57,10 @@ class SubmitRequest(Body):
         return self
 
 
+class Approval(Body):
+    """An approval carries nothing but its ``If-Match``: the call approved is the one waiting at that revision."""
+
+
 class Decision(Body):
     reason: str | None = Field(default=None, min_length=1, max_length=MAX_REASON_CHARS)
 

@@ -194,7 +194,9 @@ class Registry:
         try:
             model.model_validate(value)
         except ValidationError as exc:
-            raise InvalidInput(f"input of operation {operation!r}: {describe(exc, 'input')}") from None
+            refused = InvalidInput(f"input of operation {operation!r}: {describe(exc, 'input')}")
+            refused.errors = field_problems(exc, "input")
+            raise refused from None
 
 
 #: The process-wide registry that ``@handler`` fills.
@@ -238,25 +240,33 @@ def json_kind(value: Any) -> str:
 def describe(exc: ValidationError, root: str) -> str:
     """The first problem pydantic found, as one line: the path from ``root`` (``input.script[0].tool_calls[1]
     .name``) and the rule, in JSON's words; ``(and N more)`` when there are more."""
-    errors = exc.errors(include_url=False)
-    err = errors[0]
-    path = root
-    for part in err["loc"]:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    kind = err["type"]
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        rule = f"must be a JSON object, got {json_kind(err['input'])}"
-    elif kind == "list_type":
-        rule = f"must be a JSON array, got {json_kind(err['input'])}"
-    elif kind == "string_type":
-        rule = f"must be a string, got {json_kind(err['input'])}"
-    elif kind == "missing":
-        rule = "is required"
-    elif kind == "extra_forbidden":
-        rule = "is not a field here (a typo?)"
-    elif kind == "value_error" and "error" in (err.get("ctx") or {}):
-        rule = str(err["ctx"]["error"])
-    else:
-        rule = err["msg"][0].lower() + err["msg"][1:]
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    found = field_problems(exc, root)
+    path, rule = found[0]["path"], found[0]["message"]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     return f"{path}: {rule}{more}"
+
+
+def field_problems(exc: ValidationError, root: str) -> list[dict[str, str]]:
+    """Every problem pydantic found: ``{"path": "input.script[0].content", "message": the rule}``, in JSON's words."""
+    found = []
+    for err in exc.errors(include_url=False):
+        path = root
+        for part in err["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else f".{part}"
+        kind = err["type"]
+        if kind in ("model_type", "model_attributes_type", "dict_type"):
+            rule = f"must be a JSON object, got {json_kind(err['input'])}"
+        elif kind == "list_type":
+            rule = f"must be a JSON array, got {json_kind(err['input'])}"
+        elif kind == "string_type":
+            rule = f"must be a string, got {json_kind(err['input'])}"
+        elif kind == "missing":
+            rule = "is required"
+        elif kind == "extra_forbidden":
+            rule = "is not a field here (a typo?)"
+        elif kind == "value_error" and "error" in (err.get("ctx") or {}):
+            rule = str(err["ctx"]["error"])
+        else:
+            rule = err["msg"][0].lower() + err["msg"][1:]
+        found.append({"path": path, "message": rule})
+    return found

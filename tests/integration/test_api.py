@@ -4,6 +4,7 @@ revisions as ETags, idempotent submits, problem details, refusals that change no
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,7 @@ def test_bad_input_names_the_field_and_changes_nothing(api: Api) -> None:
             "invalid-input",
         )
         assert "prompt" in nested["detail"]
+        assert {"path": "input.prompt", "message": "must be a string, got a number"} in nested["errors"]
         not_json = problem(
             http.post("/v1/agents", content=b"{nope", headers={"content-type": "application/json"}),
             422,
@@ -125,6 +127,19 @@ def test_bad_input_names_the_field_and_changes_nothing(api: Api) -> None:
             "payload-too-large",
         )
         assert "bytes" in huge["detail"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the body is counted as it streams in
+            yield b'{"name": "'
+            for _ in range(30):
+                yield b"x" * 10_000
+            yield b'"}'
+
+        streamed = problem(
+            http.post("/v1/agents", content=chunks(), headers={"content-type": "application/json"}),
+            413,
+            "payload-too-large",
+        )
+        assert "bytes" in streamed["detail"]
         assert journal_count(api.db) == before
         assert http.get(f"/v1/agents/{agent['id']}").json()["revision"] == 0
 
@@ -283,3 +298,21 @@ def test_a_submit_with_a_stale_if_match_is_412_with_the_current_state(api: Api) 
         assert http.get(f"/v1/agents/{agent['id']}").json()["revision"] == 0
         fresh = http.post(url, json=body, headers={"Idempotency-Key": "g-1", "If-Match": '"r0"'})
         assert fresh.status_code == 201 and fresh.json()["revision"] == 1
+
+
+def test_entity_tags_follow_http(api: Api) -> None:
+    with api.http(api.token("operator", "approver")) as http:
+        state = waiting_agent(api, http, name="tagged")
+        url, tag = f"/v1/agents/{state['id']}", f'"r{state["revision"]}"'
+        assert http.get(url, headers={"If-None-Match": "*"}).status_code == 304
+        assert http.get(url, headers={"If-None-Match": f'"r0", W/{tag}'}).status_code == 304
+        assert http.get(url, headers={"If-None-Match": '"r0"'}).status_code == 200
+        problem(http.get(url, headers={"If-None-Match": "nonsense"}), 400, "bad-request")
+        weak = problem(http.post(f"{url}/approve", headers={"If-Match": f"W/{tag}"}), 400, "bad-request")
+        assert "strongly" in weak["detail"]
+        star = problem(http.post(f"{url}/approve", headers={"If-Match": "*"}), 400, "bad-request")
+        assert "not *" in star["detail"]
+        extra = problem(http.post(f"{url}/approve", headers={"If-Match": tag}, json={"foo": 1}), 422, "invalid-input")
+        assert extra["errors"][0]["path"] == "body.foo"
+        assert http.get(url).json()["revision"] == state["revision"]  # none of it changed anything
+        assert http.post(f"{url}/approve", headers={"If-Match": tag}, json={}).status_code == 200

@@ -67,3 +67,20 @@ def test_a_stream_without_last_event_id_starts_now_and_bad_ids_are_refused(api: 
             threading.Timer(0.5, client.submit, (agent.id, "ev-99", script({"content": "x"}))).start()
             event = next(events)
             assert int(event.id) == 12 and json.loads(event.data)["event"] == "submit"
+
+
+def test_a_deleted_agents_stream_resumes_to_its_delete_event_then_ends(api: Api, client: Client) -> None:
+    agent = client.create_agent("leaving")
+    ten_transitions(client, agent.id, 1)  # seq 2..11
+    client.archive(agent.id, actor="ops")  # 12
+    client.delete_agent(agent.id, actor="ops")  # 13
+    with api.http(api.token("auditor")) as http:
+        path = f"/v1/agents/{agent.id}/events"
+        with stream(http, path, **{"Last-Event-ID": "10"}) as events:
+            rest = list(events)  # the stream ends by itself after the delete event
+        assert [int(e.id) for e in rest] == [11, 12, 13]
+        assert json.loads(rest[-1].data)["event"] == "delete"
+        gone = problem(http.get(path, headers={"Last-Event-ID": "13"}), 404, "agent-not-found")
+        assert "deleted" in gone["detail"]
+        problem(http.get(path), 404, "agent-not-found")
+        assert http.get(path, headers={"Last-Event-ID": ""}).status_code == 404  # empty is none at all

@@ -326,7 +326,7 @@ def test_agent_list_has_a_header_a_phase_filter_newest_first_and_pages(db_url: s
 
     bad = keel(db_url, "agent", "list", "--after", "nonsense", check=False)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
-    assert "cursor 'nonsense' is not one `keel agent list` printed" in bad.stderr
+    assert "cursor 'nonsense' is not the 'next' of a page of agents" in bad.stderr
     wrong_phase = keel(db_url, "agent", "list", "--phase", "sleeping", check=False)
     assert wrong_phase.returncode == 2 and "'sleeping' is not one of" in wrong_phase.stderr
 

@@ -402,7 +402,7 @@ def test_the_readmes_http_example_runs_as_written(
     exec(compile(block, "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed == [
-        "planning 1 ['req-42:plan:1']",
+        "req-42 True",
         "1 created create ingest",
         "2 transition submit ingest",
     ]

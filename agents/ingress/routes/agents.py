@@ -14,11 +14,12 @@ from agents.core.errors import StaleRevision
 from agents.core.journal import agent_events_after, events_at_revision
 from agents.core.phases import Phase
 from agents.ingress.auth import require, resolve, stale
-from agents.ingress.etags import etag, revision_of
+from agents.ingress.etags import etag, none_match
+from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.events import InvalidEventId, parse_last_event_id, sse_events
 from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.schemas import MAX_BIGINT, CreateAgent, Decision, JournalPage
+from agents.ingress.schemas import MAX_BIGINT, Approval, CreateAgent, Decision, JournalPage
 from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import AgentPage, AgentState
 
@@ -88,8 +89,7 @@ def get_agent(
     """By id or name: phase, revision (also the ETag), deadlines, budget, pending jobs, the call waiting for
     approval."""
     row = resolve(keel, token, agent)
-    seen = revision_of(if_none_match, name="If-None-Match")
-    if seen is not None and seen == row.revision:
+    if none_match(if_none_match, row.revision):
         return Response(status_code=304, headers={"ETag": etag(row.revision)})
     return _with_etag(keel.client.get_state(row.id), response)
 
@@ -97,9 +97,7 @@ def get_agent(
 def _decide(
     keel: Keel, token: ApiToken, agent: str, if_match: str | None, *, required: bool, act: str, reason: str | None
 ) -> AgentState:
-    if required and if_match is not None and if_match.strip() == "*":
-        raise Problem(BAD_REQUEST, f'{act} needs the revision you saw: If-Match: "r<revision>", not *')
-    expected = revision_of(if_match, required=required)
+    expected = if_match_revision(if_match, required=required)
     row = resolve(keel, token, agent)
     try:
         if act == "approve":
@@ -120,6 +118,7 @@ def approve(
     keel: Keel,
     token: Annotated[ApiToken, Depends(require(Permission.APPROVE))],
     if_match: IfMatch = None,
+    body: Approval | None = None,
 ) -> AgentState:
     """Requires ``If-Match`` (428 without): a stale revision is a 412 with the current state; an agent that is not
     waiting for approval a 409 naming the events allowed in its phase."""
@@ -187,16 +186,22 @@ async def _stream_start(
         int | None, Query(ge=0, le=MAX_BIGINT, description="Start after this journal seq (default: from now)")
     ] = None,
 ) -> tuple[UUID, int]:
-    """Everything a stream is checked for before its 200 goes out: the token, the agent, where to start."""
-    found = await run_in_threadpool(resolve, keel, token, agent)
+    """Everything a stream is checked for before its 200 goes out: the token, the agent, where to start. A deleted
+    agent's stream may still be resumed from before its end: it delivers what was missed, up to the delete event."""
+    found = await run_in_threadpool(resolve, keel, token, agent, deleted_ok=True)
+    if last_event_id is not None and last_event_id.strip() == "":
+        last_event_id = None  # an empty Last-Event-ID is none at all
     try:
-        if last_event_id is not None:
-            return found.id, parse_last_event_id(last_event_id, head=found.journal_seq)
+        start = None if last_event_id is None else parse_last_event_id(last_event_id, head=found.journal_seq)
     except InvalidEventId as exc:
         raise Problem(BAD_REQUEST, str(exc)) from None
-    if after is not None and after > found.journal_seq:
-        raise Problem(BAD_REQUEST, f"after={after} is past the agent's last journal event ({found.journal_seq})")
-    return found.id, found.journal_seq if after is None else after
+    if start is None and after is not None:
+        if after > found.journal_seq:
+            raise Problem(BAD_REQUEST, f"after={after} is past the agent's last journal event ({found.journal_seq})")
+        start = after
+    if found.row is None and (start is None or start >= found.journal_seq):
+        await run_in_threadpool(resolve, keel, token, agent)  # nothing left to deliver: the deleted agent's 404
+    return found.id, found.journal_seq if start is None else start
 
 
 @router.get(

@@ -13,7 +13,7 @@ from agents.core.journal import events as journal_events
 from agents.core.keys import check_request_id
 from agents.ingress.auth import require as require_permission
 from agents.ingress.auth import resolve, sees_agent, stale
-from agents.ingress.etags import revision_of
+from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.problems import BAD_REQUEST, Problem, kind_for
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import Links, OutboxMessage, RequestOut, RequestStory, SubmitRequest
@@ -69,7 +69,7 @@ def submit(
             "send an Idempotency-Key header: it is the request id, and a retry under it is never run twice",
         )
     request_id = check_request_id(idempotency_key)
-    expected = revision_of(if_match)
+    expected = if_match_revision(if_match)
     found = resolve(keel, token, agent)
     if token.agent_prefix is not None:
         owner = _owner(keel, request_id)
