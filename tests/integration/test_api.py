@@ -7,11 +7,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from agents.client import Client
 from models import migrations
 from models.db import Database
+from models.urls import libpq_url, with_database
 from tests.support.api import Api, free_port, journal_count, problem, running_api, script, waiting_agent
 from tests.support.broker import Broker
 from tests.support.runs import run_all
@@ -316,3 +319,20 @@ def test_entity_tags_follow_http(api: Api) -> None:
         assert extra["errors"][0]["path"] == "body.foo"
         assert http.get(url).json()["revision"] == state["revision"]  # none of it changed anything
         assert http.post(f"{url}/approve", headers={"If-Match": tag}, json={}).status_code == 200
+
+
+def test_a_database_outage_is_a_503_that_names_no_host_or_database(api: Api, db_url: str) -> None:
+    secret = api.token("producer")
+    name = make_url(db_url).database
+    admin = psycopg.connect(libpq_url(with_database(db_url, "postgres")), autocommit=True)
+    try:
+        admin.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+        with api.http(secret) as http:
+            answer = problem(http.get("/v1/agents"), 503, "store-unavailable")
+        assert answer["detail"].startswith("the database is unavailable (incident ")
+        assert answer["incident"] in api.log()  # the log has the driver's text, under that incident
+        assert str(name) not in answer["detail"] and "127.0.0.1" not in json.dumps(answer)
+    finally:
+        admin.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+        admin.close()
