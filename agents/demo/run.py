@@ -347,10 +347,9 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
         client.close()
     elapsed = time.monotonic() - started
     checks("finished in under two minutes", elapsed < 120)
-    out.line(f"\nHTTP API: {api_url} (docs at {api_url}/docs), stopped with the demo. The approvals went through it")
-    out.line(
-        f"with the demo's own approver token, {token.name}: scope approver, {DEMO_PREFIX}* agents only, revoked now."
-    )
+    out.line(f"\nHTTP API: {api_url} (docs at {api_url}/docs), stopped with the demo.")
+    out.line(f"The approvals went through it with the demo's own approver token, {token.name}:")
+    out.line(f"scope approver, {DEMO_PREFIX}* agents only, revoked now.")
     out.line("\nInvariants:")
     for name, ok in checks.results:
         out.line(f"  [{'ok' if ok else 'FAILED'}] {name}")

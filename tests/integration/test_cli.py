@@ -212,7 +212,8 @@ def test_demo_runs_and_every_invariant_holds(db_url: str, own_redis: dict[str, A
     assert len(requests) == 8 and all(line[column - 1] == " " != line[column] for line in requests), requests
     # The approvals went through the HTTP API: the journal's actor is the demo's approver token, as the summary says.
     token = re.search(
-        r"the demo's own approver token, (demo-approver-[0-9a-f]{6}): scope approver, demo-\* agents only, revoked now",
+        r"the demo's own approver token, (demo-approver-[0-9a-f]{6}):\n"
+        r"scope approver, demo-\* agents only, revoked now",
         result.stdout,
     )
     assert token is not None, result.stdout
