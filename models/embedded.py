@@ -169,7 +169,8 @@ def stop_postgres(home: Path, pid: int | None = None) -> bool:
 # --- Redis ------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now (the kernel's pick)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -201,7 +202,7 @@ def _redis_port(rdir: Path) -> int:
     saved = _saved_port(rdir)
     if saved is not None and port_is_free(saved):
         return saved
-    port = _free_port()
+    port = free_port()
     if saved is not None:
         log.warning(
             "embedded Redis: its port %s is taken by another process; starting on port %s instead "

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from agents.cli.common import friendly, settings_or_exit
+
+if TYPE_CHECKING:
+    from agents.cli.supervisor import Child
 
 MIGRATE_HELP = (
     "Migrate a configured database (KEEL_DATABASE_URL) that is behind this code. Without it such a database is"
@@ -29,8 +33,10 @@ def demo(migrate: bool) -> None:
 
 
 @click.command("up")
+@click.option("--api-port", type=click.IntRange(1, 65535), help="The HTTP API's port (default KEEL_API_PORT, 8000).")
+@click.option("--no-api", is_flag=True, help="Do not run the HTTP API.")
 @click.option("--flower-port", default=5555, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--no-flower", is_flag=True, help="Run only the worker and beat.")
+@click.option("--no-flower", is_flag=True, help="Do not run Flower.")
 @click.option("--concurrency", default=2, show_default=True, type=click.IntRange(1, 256))
 @click.option("--migrate", is_flag=True, help=MIGRATE_HELP)
 @click.option(
@@ -51,9 +57,17 @@ def demo(migrate: bool) -> None:
 )
 @friendly
 def up(
-    flower_port: int, no_flower: bool, concurrency: int, migrate: bool, give_up_after: int, stop_timeout: int
+    api_port: int | None,
+    no_api: bool,
+    flower_port: int,
+    no_flower: bool,
+    concurrency: int,
+    migrate: bool,
+    give_up_after: int,
+    stop_timeout: int,
 ) -> None:
-    """Run the whole stack here — worker, beat and Flower — on the configured or embedded servers.
+    """Run the whole stack here — worker, beat, the HTTP API (keel serve) and Flower — on the configured or
+    embedded servers. It says they are running only once the API answers /readyz and Flower its port.
 
     The embedded database is migrated first (one line says so, nothing when it is at this code's revision already);
     a configured one (KEEL_DATABASE_URL) that is not at this code's revision is refused, as `keel worker` refuses it:
@@ -63,17 +77,31 @@ def up(
     waits 10 s for running jobs first; a second signal kills them at once). It says
     when PostgreSQL or Redis stops answering and when it is back, and gives up, stopping everything with exit status
     1, when one stays unreachable for --give-up-after seconds."""
+    import functools
     import os
+    import signal
 
-    from agents.cli.supervisor import Child, ServerHealth, ServerWatch, StartFailed, Supervisor, say
+    from agents.cli.supervisor import (
+        Child,
+        ServerHealth,
+        ServerWatch,
+        StartFailed,
+        Supervisor,
+        api_ready,
+        local_url,
+        say,
+    )
     from models import migrations
     from models.embedded import broker_url_for, database_url_for, port_is_free
 
     settings = settings_or_exit(imports=True)
+    api_port = api_port or settings.api_port
+    api_url = local_url(settings.api_host, api_port)
+    # (An IPv6 address is left to uvicorn: port_is_free tries IPv4; a lost race is one line too, see _port_taken.)
+    if not no_api and ":" not in settings.api_host and not port_is_free(api_port, settings.api_host or "127.0.0.1"):
+        raise click.ClickException(_PORT_TAKEN.format(port=api_port, option="--api-port", without="--no-api"))
     if not no_flower and not port_is_free(flower_port):
-        raise click.ClickException(
-            f"port {flower_port} is taken by another process: pick another with --flower-port, or use --no-flower"
-        )
+        raise click.ClickException(_PORT_TAKEN.format(port=flower_port, option="--flower-port", without="--no-flower"))
     env = dict(os.environ)
     env["KEEL_DATABASE_URL"] = database_url = database_url_for(settings)
     env["KEEL_BROKER_URL"] = broker_url = broker_url_for(settings)
@@ -84,6 +112,11 @@ def up(
         Child("worker", [*keel, "worker", "-c", str(concurrency)], ready_line=lambda line: " ready." in line),
         Child("beat", [*keel, "beat"], ready_line=lambda line: "beat: Starting" in line),
     ]
+    if not no_api:
+        # SIGQUIT is Celery's cold shutdown; uvicorn's own stop (bounded: keel serve) is SIGTERM.
+        api_args = ["serve", "--host", settings.api_host, "--port", str(api_port)]
+        probe = functools.partial(api_ready, api_url)
+        children.append(Child("api", [*keel, *api_args], ready_line=None, probe=probe, quit_as=signal.SIGTERM))
     if not no_flower:
         flower_args = ["flower", "--port", str(flower_port), "--address=127.0.0.1"]
         children.append(Child("flower", [*keel, *flower_args], ready_line=None, probe=lambda: _answers(flower_port)))
@@ -94,16 +127,19 @@ def up(
         (ServerHealth("Redis", broker_url, give_up_after), lambda: _redis_problem(broker_url)),
     ]
     failure: str | None = None
+    culprit: Child | None = None  # the child whose exit stopped the stack
     with supervisor.signals_handled():
         try:
             supervisor.start()
             if supervisor.wait_ready(timeout=120):
-                flower = "" if no_flower else f" (Flower: http://127.0.0.1:{flower_port})"
-                say(f"keel up: {names} running{flower}; Ctrl-C stops them")
+                urls = [] if no_api else [f"API: {api_url}, docs at {api_url}/docs"]
+                urls += [] if no_flower else [f"Flower: http://127.0.0.1:{flower_port}"]
+                shown = f" ({'; '.join(urls)})" if urls else ""
+                say(f"keel up: {names} running{shown}; Ctrl-C stops them")
                 with ServerWatch(servers, every=1.0, wake=supervisor.wake) as watch:
                     while supervisor.received is None:
-                        if (exited := supervisor.first_exited()) is not None:
-                            failure = f"{exited.why_exited()}; stopped the rest"
+                        if (culprit := supervisor.first_exited()) is not None:
+                            failure = f"{culprit.why_exited()}; stopped the rest"
                             break
                         if (down := watch.given_up) is not None:
                             failure = (
@@ -113,14 +149,17 @@ def up(
                             break
                         supervisor.wake.wait(0.5)
         except StartFailed as exc:
-            failure = f"{exc}; stopped the rest"
+            failure, culprit = f"{exc}; stopped the rest", exc.exited
         finally:
             if supervisor.received is not None:
                 say(f"keel up: {supervisor.received.name} received; stopping {names}")
             supervisor.stop()
     if failure is not None:
-        raise click.ClickException(_port_taken(failure, flower_port))
+        raise click.ClickException(_port_taken(culprit, api_port, flower_port) or failure)
     say("keel up: stopped")
+
+
+_PORT_TAKEN = "port {port} is taken by another process: pick another with {option}, or use {without}"
 
 
 def _answers(port: int) -> bool:
@@ -160,11 +199,16 @@ def _redis_problem(url: str) -> str | None:
     return None
 
 
-def _port_taken(failure: str, port: int) -> str:
-    """Flower lost the race for its port (taken after our check): say so instead of quoting its traceback."""
-    if failure.startswith("flower exited") and "Address already in use" in failure:
-        return f"port {port} is taken by another process: pick another with --flower-port, or use --no-flower"
-    return failure
+def _port_taken(exited: Child | None, api_port: int, flower_port: int) -> str | None:
+    """If the API or Flower exited because it lost the race for its port (taken after our check), the line that
+    says so, instead of quoting its last line (uvicorn's is about its shutdown, after the error)."""
+    if exited is None or not any("address already in use" in line.lower() for line in exited.last_lines):
+        return None
+    if exited.name == "api":
+        return _PORT_TAKEN.format(port=api_port, option="--api-port", without="--no-api")
+    if exited.name == "flower":
+        return _PORT_TAKEN.format(port=flower_port, option="--flower-port", without="--no-flower")
+    return None
 
 
 COMMANDS = (demo, up)

@@ -6,8 +6,9 @@ Signals: SIGINT (Ctrl-C), SIGTERM (a process manager, ``docker stop``) and SIGHU
 children warmly (SIGTERM to each group: the worker lets running jobs finish). SIGQUIT is passed on as SIGQUIT,
 Celery's cold shutdown, which Keel's worker settings start with a soft shutdown: the worker waits
 ``worker_soft_shutdown_timeout`` (10 s, even when idle) for running jobs, then cancels the rest (their messages go
-back to the queue) and exits — not sooner than SIGTERM. A second signal while stopping kills every group with SIGKILL:
-that is the stop "at once" (leases hand the killed jobs to the next worker).
+back to the queue) and exits — not sooner than SIGTERM. A child that is not Celery's (the HTTP API) is sent SIGTERM
+for it instead (its ``quit_as``): SIGQUIT would kill it without its graceful shutdown. A second signal while stopping
+kills every group with SIGKILL: that is the stop "at once" (leases hand the killed jobs to the next worker).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO
 from urllib.parse import parse_qs, urlsplit
+
+import httpx
 
 from agents.core.errors import KeelError
 
@@ -66,6 +69,10 @@ def die_with_parent() -> None:
 class StartFailed(KeelError):
     """A child exited, or did not show it was ready in time, while the stack started."""
 
+    def __init__(self, message: str, *, exited: Child | None = None) -> None:
+        self.exited = exited  # the child that exited, if one did
+        super().__init__(message)
+
 
 def say(line: str, stream: IO[str] | None = None) -> None:
     """Print one line; a closed terminal (SIGHUP) or a reader gone away must not stop the shutdown."""
@@ -85,16 +92,35 @@ def where(url: str) -> str:
     return f"{parts.hostname or 'localhost'}{port}{parts.path}"
 
 
+def local_url(host: str, port: int) -> str:
+    """Where this machine reaches a server listening on ``host:port`` (on every address: the loopback one)."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def api_ready(url: str) -> bool:
+    """Whether the HTTP API at ``url`` says it can serve: ``/readyz`` answers 200 (database reachable and
+    migrated, broker reachable)."""
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @dataclass
 class Child:
     """One supervised process. It is ready once a line of its output passes ``ready_line`` and ``probe`` answers
-    True (each only if given)."""
+    True (each only if given). ``quit_as``: what it is sent when ``keel up`` gets SIGQUIT (Celery's cold shutdown
+    for Celery's processes; a stop signal the child handles for the others)."""
 
     name: str
     argv: list[str]
     ready_line: Callable[[str], bool] | None
     probe: Callable[[], bool] | None = None
+    quit_as: signal.Signals = signal.SIGQUIT
     proc: subprocess.Popen[bytes] | None = None
+    relay: threading.Thread | None = None
     saw_ready_line: threading.Event = field(default_factory=threading.Event)
     last_lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=5))
 
@@ -164,18 +190,20 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: the terminal's signals reach only us
             )
-            threading.Thread(target=self._relay, args=(child,), daemon=True, name=f"relay-{child.name}").start()
+            child.relay = threading.Thread(target=self._relay, args=(child,), daemon=True, name=f"relay-{child.name}")
+            child.relay.start()
 
     def _relay(self, child: Child) -> None:
         """Copy the child's output to ours, prefixed with its name, and watch it for the ready line. Keeps reading
         after our stdout is gone (a closed terminal), so the child never blocks on a full pipe."""
         assert child.proc is not None and child.proc.stdout is not None
-        for raw in child.proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            child.last_lines.append(line)
-            if child.ready_line is not None and not child.saw_ready_line.is_set() and child.ready_line(line):
-                child.saw_ready_line.set()
-            say(f"{child.name:<6} | {line}")
+        with child.proc.stdout:
+            for raw in child.proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                child.last_lines.append(line)
+                if child.ready_line is not None and not child.saw_ready_line.is_set() and child.ready_line(line):
+                    child.saw_ready_line.set()
+                say(f"{child.name:<6} | {line}")
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every child is ready; False if a stop signal came first. Raises :class:`StartFailed`."""
@@ -186,7 +214,7 @@ class Supervisor:
                 return False
             for child in waiting:
                 if child.exited:
-                    raise StartFailed(child.why_exited())
+                    raise StartFailed(child.why_exited(), exited=child)
             waiting = [child for child in waiting if not child.ready()]
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(child.name for child in waiting)
@@ -206,7 +234,7 @@ class Supervisor:
         forward = STOP_SIGNALS.get(self.received, signal.SIGTERM) if self.received else signal.SIGTERM
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
-                _signal_group(child.proc.pid, forward)
+                _signal_group(child.proc.pid, child.quit_as if forward == signal.SIGQUIT else forward)
         deadline = time.monotonic() + self.stop_timeout
         for child in self.children:
             if child.proc is None:
@@ -216,6 +244,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 say(f"keel up: {child.name} did not stop within {self.stop_timeout:.0f}s; killing it", sys.stderr)
         self._kill_all()
+        for child in self.children:  # their last lines (how they stopped) before ours
+            if child.relay is not None:
+                child.relay.join(timeout=2)
 
     def _kill_all(self) -> None:
         for child in self.children:

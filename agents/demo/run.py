@@ -1,8 +1,9 @@
 """``keel demo``: Keel's main job. Scripted agents plan, call tools, wait for approval, post to Slack and GitHub —
 while the worker is SIGKILLed midway — and the run ends with the numbers that say whether anything ran twice.
 
-It starts (on the embedded default unless configured) a worker, a beat and local Slack/GitHub sinks, runs the
-agents, approves the waiting ones through the client, and exits 0 only if every invariant it checks held.
+It starts (on the embedded default unless configured) a worker, a beat, the HTTP API (``keel serve``) and local
+Slack/GitHub sinks, runs the agents, approves the waiting ones through the API with an approver token of its own, and
+exits 0 only if every invariant it checks held.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ import redis
 import agents.demo.tools  # noqa: F401 - registers kb_search here too: submits are checked against the tools
 from agents.cli.common import count, decimal_text, percent, seconds
 from agents.cli.progress import Progress, Step
-from agents.cli.supervisor import supervised_env, where
-from agents.client import Client
+from agents.cli.supervisor import api_ready, local_url, supervised_env, where
+from agents.client import Client, HttpClient
 from agents.core import journal
 from agents.core.errors import KeelError, StaleRevision
 from agents.demo.fake_servers import FakeGitHub, FakeSlack
+from agents.ingress.tokens import Scope, create_token, revoke_token
 from models import migrations
 from models.db import Database
-from models.embedded import broker_url_for
-from models.kpi_sql import kpis, request_outcomes
+from models.embedded import broker_url_for, free_port
+from models.kpi_sql import DEMO_PREFIX, kpis, request_outcomes
 from models.settings import Settings
 from models.urls import libpq_url
 
@@ -84,7 +86,7 @@ def scenarios() -> list[tuple[str, dict[str, Any], dict[str, Any], str]]:
 
 
 class Stack:
-    """The worker and beat processes the demo starts, each in its own process group, killed by group."""
+    """The worker, beat and API processes the demo starts, each in its own process group, killed by group."""
 
     def __init__(self, env: dict[str, str], logs: Path) -> None:
         self.env, self.logs = env, logs
@@ -101,9 +103,11 @@ class Stack:
                 cwd=self.logs,
             )
 
-    def wait_ready(self, name: str, timeout: float = 60) -> None:
+    def wait_ready(self, name: str, timeout: float = 60, ready: Callable[[], bool] | None = None) -> None:
+        """Wait until ``ready`` answers True (by default: until the process logs Celery's ``ready.``)."""
         deadline = time.monotonic() + timeout
-        while b"ready." not in (self.logs / f"{name}.log").read_bytes():
+        ready = ready or (lambda: b"ready." in (self.logs / f"{name}.log").read_bytes())
+        while not ready():
             if time.monotonic() > deadline or self.procs[name].poll() is not None:
                 raise KeelError(f"{name} did not start; see {self.logs / (name + '.log')}")
             time.sleep(0.1)
@@ -121,6 +125,13 @@ class Stack:
             proc.wait()
 
     def stop(self) -> None:
+        """SIGTERM every group at once (each stops on its own: the worker warm, the API within its bound), then wait
+        for each, killing what has not stopped within 15 s."""
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         for name in list(self.procs):
             self.kill(name, signal.SIGTERM)
 
@@ -203,7 +214,7 @@ def _forget_broker_keys(url: str, prefix: str) -> None:
 
 class Shutdown:
     """Stops the demo on SIGTERM (a process manager), SIGHUP (the terminal closed) or SIGQUIT: the handler itself
-    stops the worker and beat (each group SIGTERM, then SIGKILL) and exits 128 + the signal's number. It does not
+    stops the worker, beat and API (each group SIGTERM, then SIGKILL) and exits 128 + the signal's number. It does not
     raise into whatever the main thread was doing: an exception in the middle of a database call leaves the
     connection unusable for the clean-up. (A SIGKILL cannot be handled: the children's parent-death signal covers
     it.)"""
@@ -231,7 +242,7 @@ class Shutdown:
         if self.tidy is not None:
             self.tidy()
         name = signal.Signals(signum).name
-        message = f"\nkeel demo: stopped by {name}; its worker and beat were stopped\n"
+        message = f"\nkeel demo: stopped by {name}; its worker, beat and API were stopped\n"
         try:
             cursor = "\x1b[?25h" if sys.stdout.isatty() else ""  # a live display hid it
             os.write(sys.stdout.fileno(), (cursor + message).encode())
@@ -265,6 +276,10 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     prefix = _broker_prefix(settings, run)
     logs = (settings.home / "demo" / run).resolve()
     logs.mkdir(parents=True, exist_ok=True)
+    # The person who approves: the demo's own approver token, for the demo's agents only; its secret is never shown.
+    token, secret = create_token(db, f"demo-approver-{run}", [Scope.APPROVER], agent_prefix=DEMO_PREFIX, actor="demo")
+    api_port = free_port()
+    api_url = local_url("127.0.0.1", api_port)
     slack = FakeSlack(token=SLACK_TOKEN).start()
     github = FakeGitHub(token=GITHUB_TOKEN).start()
     assert isinstance(slack, FakeSlack) and isinstance(github, FakeGitHub)
@@ -295,30 +310,46 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     stack = shutdown.stack = Stack(env, logs)
     shutdown.tidy = lambda: _forget_broker_keys(broker, prefix)
     client = Client(db, settings)
+    approver = HttpClient(api_url, secret)
     checks = Checks()
     try:
-        with out.task("starting a worker and a beat"):
+        with out.task("starting a worker, a beat and the HTTP API"):
             stack.start("worker-1", "worker", "-c", "2", "-n", f"demo1-{run}@%h")
             stack.start("beat", "beat")
+            stack.start("api", "serve", "--host", "127.0.0.1", "--port", str(api_port))
             stack.wait_ready("worker-1")
-        out.line("worker, beat and the Slack/GitHub sinks are up; submitting 7 scripted requests")
+            stack.wait_ready("api", ready=lambda: api_ready(api_url))
+        out.line(
+            f"worker, beat, the API at {api_url} and the Slack/GitHub sinks are up; submitting 7 scripted requests"
+        )
         expected: dict[str, str] = {}
         ids = {}
         for name, budget, request, ending in scenarios():
-            agent = client.create_agent(f"demo-{name}-{run}", **budget)  # DEMO_PREFIX: `keel kpi` leaves them out
+            # DEMO_PREFIX: `keel kpi` leaves them out, and the approver token sees only them.
+            agent = client.create_agent(f"{DEMO_PREFIX}{name}-{run}", **budget)
             client.submit(agent.id, f"{name}-{run}", request, actor="demo")
             expected[agent.name] = ending
             ids[agent.name] = agent.id
-        _drive(client, ids, stack, run, out, checks)
+        _drive(client, approver, ids, stack, run, out, checks)
         _report(client, db, ids, expected, slack, github, logs, out, checks)
+        approvals = [e for a in ids.values() for e in client.journal(agent_id=a) if e.event == "approve"]
+        checks(
+            f"every approval came through the HTTP API, journaled as its token ({token.name})",
+            bool(approvals) and all(e.actor == token.name for e in approvals),
+        )
+        revoke_token(db, token.id, actor="demo")
     finally:
         stack.stop()
         _forget_broker_keys(broker, prefix)
         slack.stop()
         github.stop()
+        approver.close()
         client.close()
     elapsed = time.monotonic() - started
     checks("finished in under two minutes", elapsed < 120)
+    out.line(f"\nHTTP API: {api_url} (docs at {api_url}/docs), stopped with the demo.")
+    out.line(f"The approvals went through it with the demo's own approver token, {token.name}:")
+    out.line(f"scope approver, {DEMO_PREFIX}* agents only, revoked now.")
     out.line("\nInvariants:")
     for name, ok in checks.results:
         out.line(f"  [{'ok' if ok else 'FAILED'}] {name}")
@@ -326,15 +357,19 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     return 0 if checks.ok else 1
 
 
-def _drive(client: Client, ids: dict[str, Any], stack: Stack, run: str, out: Progress, checks: Checks) -> None:
-    """Run until every request rests: kill the worker once a tool is mid-call, approve what waits."""
+def _drive(
+    client: Client, approver: HttpClient, ids: dict[str, Any], stack: Stack, run: str, out: Progress, checks: Checks
+) -> None:
+    """Run until every request rests: kill the worker once a tool is mid-call, approve what waits (over HTTP)."""
     with out.task(f"running {len(ids)} requests", total=len(ids)) as step:
-        killed = _drive_until_rest(client, ids, stack, run, out, step)
+        killed = _drive_until_rest(client, approver, ids, stack, run, out, step)
     checks("the worker was killed mid-run and a new one took over", killed)
     checks("every request came to rest", all(client.get_state(a).phase in ("done", "failed") for a in ids.values()))
 
 
-def _drive_until_rest(client: Client, ids: dict[str, Any], stack: Stack, run: str, out: Progress, step: Step) -> bool:
+def _drive_until_rest(
+    client: Client, approver: HttpClient, ids: dict[str, Any], stack: Stack, run: str, out: Progress, step: Step
+) -> bool:
     killed = False
     approved: set[str] = set()
     deadline = time.monotonic() + 90
@@ -355,11 +390,12 @@ def _drive_until_rest(client: Client, ids: dict[str, Any], stack: Stack, run: st
         for name, state in states.items():
             if state.phase == "waiting_approval" and name not in approved and state.pending_approval:
                 try:
-                    client.approve(state.id, expected_revision=state.revision, actor="demo-operator")
+                    approver.approve(state.id, expected_revision=state.revision)  # If-Match: "r<revision>"
                 except StaleRevision:  # another step moved the agent since we looked: look again
                     continue
                 approved.add(name)
-                out.line(f"  approved {state.pending_approval['tool']} for {name} at revision {state.revision}")
+                tool = state.pending_approval["tool"]
+                out.line(f"  approved {tool} for {name} at revision {state.revision} (POST …/approve, If-Match)")
         line = ", ".join(f"{phase} {n}" for phase, n in sorted(phases.items()))
         at_rest = sum(1 for s in states.values() if s.phase in ("done", "failed") and not s.pending_jobs)
         step.update(completed=at_rest, status=line)

@@ -1,5 +1,6 @@
-"""Nothing `keel up` or `keel demo` starts outlives it: not when it is SIGKILLed (the kernel's parent-death signal
-ends its children), and not when the demo gets SIGTERM or SIGHUP (it stops its worker and beat, then exits)."""
+"""Nothing `keel up` or `keel demo` starts outlives it — worker, beat, the HTTP API: not when it is SIGKILLed (the
+kernel's parent-death signal ends its children), and not when the demo gets SIGTERM or SIGHUP (it stops its worker,
+beat and API, then exits)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.chaos.conftest import wait_until
+from tests.chaos.conftest import free_port, wait_until
 from tests.support.broker import Broker
 
 pytestmark = pytest.mark.chaos
@@ -30,6 +31,12 @@ def _family(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+def _commands(family: list[psutil.Process]) -> set[str]:
+    """The keel subcommands these processes run (``python -m agents worker|beat|serve``)."""
+    lines = [p.cmdline() for p in family]
+    return {line[line.index("agents") + 1] for line in lines if "agents" in line[:-1]}
+
+
 def _cleanup(proc: subprocess.Popen[bytes], family: list[psutil.Process]) -> None:
     """Only if the test failed: leave nothing behind."""
     if proc.poll() is None:
@@ -45,13 +52,13 @@ def _cleanup(proc: subprocess.Popen[bytes], family: list[psutil.Process]) -> Non
 
 def test_a_sigkilled_keel_up_leaves_no_orphans(db_url: str, broker: Broker, tmp_path: Path) -> None:
     log = tmp_path / "up.log"
-    up = _start(db_url, broker, log, "up", "--no-flower")
+    up = _start(db_url, broker, log, "up", "--no-flower", "--api-port", str(free_port()))
     family: list[psutil.Process] = []
     try:
         wait_until("keel up to run", lambda: "running" in log.read_text() or up.poll() is not None, 120, every=0.2)
         assert up.poll() is None, log.read_text()
         family = _family(up.pid)
-        assert len(family) >= 2, [p.cmdline() for p in family]  # worker (and its pool) and beat
+        assert {"worker", "beat", "serve"} <= _commands(family), [p.cmdline() for p in family]
         up.kill()  # no handler runs: only the kernel can tell the children
         up.wait()
         _gone, alive = psutil.wait_procs(family, timeout=60)
@@ -76,8 +83,7 @@ def test_a_stopped_demo_stops_its_worker_and_beat(
         )
         assert demo.poll() is None, log.read_text()
         family = _family(demo.pid)
-        names = [" ".join(p.cmdline()) for p in family]
-        assert any(" worker" in n for n in names) and any(" beat" in n for n in names), names
+        assert {"worker", "beat", "serve"} <= _commands(family), [p.cmdline() for p in family]
         demo.send_signal(sig)
         assert demo.wait(timeout=90) == 128 + sig, log.read_text()
         assert f"stopped by {sig.name}" in log.read_text()
@@ -99,6 +105,7 @@ def test_a_sigkilled_demo_leaves_no_orphans(db_url: str, broker: Broker, tmp_pat
             every=0.1,
         )
         family = _family(demo.pid)
+        assert {"worker", "beat", "serve"} <= _commands(family), [p.cmdline() for p in family]
         demo.kill()
         demo.wait()
         _gone, alive = psutil.wait_procs(family, timeout=60)

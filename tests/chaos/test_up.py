@@ -1,5 +1,6 @@
-"""`keel up` runs worker, beat and Flower together: it says "running" only once all of them are, stops all of them on
-every termination signal, refuses a taken Flower port in one line, and gives up when a server stays away."""
+"""`keel up` runs worker, beat, the HTTP API and Flower together: it says "running" only once all of them are (the API
+once /readyz answers 200), stops all of them on every termination signal, refuses a taken API or Flower port in one
+line, and gives up when a server stays away."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ KEEL = str(Path(sys.executable).parent / "keel")
 
 @contextmanager
 def keel_up(db_url: str, broker_env: dict[str, str], log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``keel up ARGS``; without --api-port or --no-api, the API on a free port (not 8000, which may be taken)."""
+    if "--api-port" not in args and "--no-api" not in args:
+        args = ("--api-port", str(free_port()), *args)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env.update({"KEEL_DATABASE_URL": db_url, **broker_env, "FLOWER_UNAUTHENTICATED_API": "true"})
     with open(log, "wb") as out:
@@ -64,25 +68,33 @@ def running(up: subprocess.Popen[bytes], log: Path) -> None:
 def test_every_termination_signal_stops_the_whole_stack(
     db_url: str, broker: Broker, tmp_path: Path, sig: signal.Signals, flower: bool
 ) -> None:
-    port = free_port()
+    port, api_port = free_port(), free_port()
+    api = f"http://127.0.0.1:{api_port}"
     log = tmp_path / "up.log"
-    args = ["--flower-port", str(port)] if flower else ["--no-flower"]
+    args = ["--api-port", str(api_port), *(["--flower-port", str(port)] if flower else ["--no-flower"])]
     with keel_up(db_url, broker.env, log, *args) as up:
         running(up, log)
         if flower:
-            assert "worker, beat, flower running" in log.read_text()
+            assert f"worker, beat, api, flower running (API: {api}, docs at {api}/docs; Flower: " in log.read_text()
             # "running" means Flower has bound its port already: no waiting here.
             assert httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=5).text == "OK"
         else:
-            assert "worker, beat running" in log.read_text()
+            assert f"worker, beat, api running (API: {api}, docs at {api}/docs); Ctrl-C" in log.read_text()
+        # "running" means the API said it is ready (database migrated, broker reachable): no waiting here either.
+        assert httpx.get(f"{api}/readyz", timeout=5).status_code == 200
         children = psutil.Process(up.pid).children()
-        assert len(children) == (3 if flower else 2), [c.cmdline() for c in children]
+        assert len(children) == (4 if flower else 3), [c.cmdline() for c in children]
+        (served,) = [c for c in children if "serve" in c.cmdline()]
         family = psutil.Process(up.pid).children(recursive=True)  # the worker's pool processes too
         up.send_signal(sig)
         assert up.wait(timeout=90) == 0, log.read_text()
         _gone, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, f"left running after {sig.name}: {[(p.pid, p.cmdline()) for p in alive]}"
+        assert not served.is_running()
         assert f"keel up: {sig.name} received" in log.read_text()
+        # The API stopped as uvicorn stops (SIGQUIT included: it is sent SIGTERM), not killed after --stop-timeout.
+        assert "api    | INFO:     Finished server process" in log.read_text()
+        assert "did not stop within" not in log.read_text()
 
 
 def test_up_migrates_a_configured_database_when_given_migrate_and_says_so(
@@ -100,28 +112,56 @@ def test_up_migrates_a_configured_database_when_given_migrate_and_says_so(
     assert migrations.revision_at(db_url) == head
 
 
-def test_a_child_killed_from_outside_is_named_with_its_signal(db_url: str, broker: Broker, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "command"), [("beat", "beat"), ("api", "serve")])
+def test_a_child_killed_from_outside_is_named_with_its_signal(
+    db_url: str, broker: Broker, tmp_path: Path, name: str, command: str
+) -> None:
     """Before: `beat exited with status -9: [… INFO] this beat is the leader; stopped the rest`."""
     log = tmp_path / "up.log"
     with keel_up(db_url, broker.env, log, "--no-flower") as up:
         running(up, log)
-        (beat,) = [c for c in psutil.Process(up.pid).children() if "beat" in c.cmdline()]
-        beat.kill()
+        family = psutil.Process(up.pid).children(recursive=True)
+        (child,) = [c for c in psutil.Process(up.pid).children() if command in c.cmdline()]
+        child.kill()
         assert up.wait(timeout=90) == 1, log.read_text()
-    assert log.read_text().splitlines()[-1] == "keel: error: beat was killed by SIGKILL; stopped the rest"
+        _gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, f"left running: {[(p.pid, p.cmdline()) for p in alive]}"
+    assert log.read_text().splitlines()[-1] == f"keel: error: {name} was killed by SIGKILL; stopped the rest"
 
 
-def test_a_taken_flower_port_is_one_line_and_starts_nothing(db_url: str, broker: Broker, tmp_path: Path) -> None:
+@pytest.mark.parametrize("taken", ["api", "flower"])
+def test_a_taken_port_is_one_line_and_starts_nothing(db_url: str, broker: Broker, tmp_path: Path, taken: str) -> None:
     log = tmp_path / "up.log"
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
-        with keel_up(db_url, broker.env, log, "--flower-port", str(port)) as up:
+        with keel_up(db_url, broker.env, log, f"--{taken}-port", str(port)) as up:
             assert up.wait(timeout=60) == 1
     out = log.read_text()
     assert out == (
-        f"keel: error: port {port} is taken by another process: pick another with --flower-port, or use --no-flower\n"
+        f"keel: error: port {port} is taken by another process: pick another with --{taken}-port, or use --no-{taken}\n"
+    )
+
+
+def test_an_api_port_taken_after_the_check_is_the_same_one_line(db_url: str, broker: Broker, tmp_path: Path) -> None:
+    """uvicorn lost the race for its port: before, this quoted its last line (`INFO: Application shutdown complete.`,
+    which follows its bind error)."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    with keel_up(db_url, broker.env, log, "--no-flower", "--api-port", str(port)) as up:
+        # The children start after the port checks; uvicorn binds only once it has imported the app.
+        wait_until(
+            "keel up to start its children", lambda: psutil.Process(up.pid).children() or up.poll(), 60, every=0.02
+        )
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            assert up.wait(timeout=120) == 1, log.read_text()
+    lines = log.read_text().splitlines()
+    assert any("address already in use" in line for line in lines if line.startswith("api ")), lines
+    assert lines[-1] == (
+        f"keel: error: port {port} is taken by another process: pick another with --api-port, or use --no-api"
     )
 
 
@@ -168,10 +208,10 @@ def test_up_says_when_redis_goes_and_comes_back_and_gives_up_when_it_stays_away(
     lines = log.read_text().splitlines()
     ours = [line for line in lines if line.startswith("keel")]
     assert [line.split(" (")[0].split(";")[0] for line in ours] == [
-        "keel up: worker, beat running",
+        "keel up: worker, beat, api running",
         f"keel up: Redis at 127.0.0.1:{port}/0 is unreachable",
         f"keel up: Redis at 127.0.0.1:{port}/0 answers again",
         f"keel up: Redis at 127.0.0.1:{port}/0 is unreachable",
         f"keel: error: Redis at 127.0.0.1:{port}/0 has not answered for 10s",
     ], ours
-    assert ours[-1].endswith("stopped worker, beat")
+    assert ours[-1].endswith("stopped worker, beat, api")

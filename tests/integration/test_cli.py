@@ -210,6 +210,23 @@ def test_demo_runs_and_every_invariant_holds(db_url: str, own_redis: dict[str, A
     requests = result.stdout.split("Requests:\n", 1)[1].split("\n\n", 1)[0].splitlines()
     column = requests[0].index("outcome")
     assert len(requests) == 8 and all(line[column - 1] == " " != line[column] for line in requests), requests
+    # The approvals went through the HTTP API: the journal's actor is the demo's approver token, as the summary says.
+    token = re.search(
+        r"the demo's own approver token, (demo-approver-[0-9a-f]{6}):\n"
+        r"scope approver, demo-\* agents only, revoked now",
+        result.stdout,
+    )
+    assert token is not None, result.stdout
+    assert re.search(r"HTTP API: (http://127\.0\.0\.1:\d+) \(docs at \1/docs\), stopped with the demo", result.stdout)
+    with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+        approvals = conn.execute(
+            "SELECT actor FROM audit.journal WHERE kind = 'transition' AND event = 'approve'"
+        ).fetchall()
+        (scopes, prefix, revoked) = conn.execute(  # type: ignore[misc]
+            "SELECT scopes, agent_prefix, revoked_at IS NOT NULL FROM api_tokens WHERE name = %s", (token[1],)
+        ).fetchone()
+    assert approvals == [(token[1],), (token[1],)], approvals
+    assert (scopes, prefix, revoked) == (["approver"], "demo-", True)
 
 
 def test_docs_phases_check_fails_when_the_diagram_is_stale(tmp_path: Path) -> None:

@@ -133,6 +133,8 @@ def test_the_demo_runs_from_the_wheel(installed: Installed, db_url: str, broker:
     demo = installed.keel("demo", cwd=tmp_path, env={"KEEL_DATABASE_URL": db_url, **broker.env})
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "all invariants held" in demo.stdout
+    # Its approvals went through the wheel's own `keel serve`.
+    assert "[ok] every approval came through the HTTP API" in demo.stdout
 
 
 def test_docs_phases_outside_a_checkout_says_what_to_do(installed: Installed, tmp_path: Path) -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import http.server
+import os
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
-from agents.cli.supervisor import Child, ServerHealth, where
+from agents.cli.supervisor import Child, ServerHealth, Supervisor, api_ready, local_url, where
 
 
 def test_one_line_per_change_of_state_and_giving_up_only_after_a_whole_outage() -> None:
@@ -48,3 +53,69 @@ def test_an_exit_says_which_signal_killed_it_and_quotes_the_last_line_only_for_a
     failed = _exited("worker", "raise SystemExit(3)", "Traceback …", "OSError: boom", "")
     assert failed.why_exited() == "worker exited with status 3 (its last line was: OSError: boom)"
     assert _exited("flower", "pass", "bye").why_exited() == "flower exited with status 0"
+
+
+STOPPABLE = """
+import signal, sys, time
+def stop(signum, _frame):
+    with open(sys.argv[1], "w") as out:
+        out.write(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGQUIT, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigquit_is_celerys_cold_shutdown_for_celery_and_a_plain_stop_for_the_api(tmp_path: Path) -> None:
+    """The API (uvicorn) has no cold shutdown: SIGQUIT would kill it without its graceful stop."""
+    children = [
+        Child(name, [sys.executable, "-c", STOPPABLE, str(tmp_path / name)], ready_line=lambda line: line == "ready")
+        for name in ("worker", "api")
+    ]
+    children[1].quit_as = signal.SIGTERM
+    supervisor = Supervisor(children, dict(os.environ), stop_timeout=30)
+    with supervisor.signals_handled():
+        supervisor.start()
+        assert supervisor.wait_ready(timeout=30)
+        os.kill(os.getpid(), signal.SIGQUIT)  # as keel up gets it
+        assert supervisor.received == signal.SIGQUIT
+        supervisor.stop()
+    assert (tmp_path / "worker").read_text() == "SIGQUIT"
+    assert (tmp_path / "api").read_text() == "SIGTERM"
+    assert [child.proc.returncode for child in children if child.proc] == [0, 0]
+
+
+def test_the_api_url_is_one_this_machine_reaches() -> None:
+    assert local_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert local_url("0.0.0.0", 8080) == "http://127.0.0.1:8080"
+    assert local_url("::", 8080) == "http://127.0.0.1:8080"
+    assert local_url("::1", 9000) == "http://[::1]:9000"
+    assert local_url("10.1.2.3", 9000) == "http://10.1.2.3:9000"
+
+
+class _Readyz(http.server.BaseHTTPRequestHandler):
+    status = 503
+
+    def do_GET(self) -> None:
+        self.send_response(self.status if self.path == "/readyz" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_the_api_counts_as_ready_only_when_readyz_answers_200() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Readyz)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert not api_ready(url), "503: the database or the broker is not there yet"
+        _Readyz.status = 200
+        assert api_ready(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not api_ready(url), "nothing listens"
