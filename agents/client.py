@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from agents.core.errors import (
     quoted,
 )
 from agents.core.keys import check_request_id, split_key
+from agents.core.outage import Outage
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
 from agents.jobs import handlers
@@ -59,7 +61,7 @@ from agents.outbox.relay import retry_dead
 from agents.runtime import tools
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.db import Database
-from models.jobs_sql import Due, pending_jobs, request_jobs
+from models.jobs_sql import Due, pending_jobs, request_jobs, unpublish
 from models.schemas import (
     AgentPage,
     AgentRow,
@@ -75,6 +77,8 @@ from models.schemas import (
 from models.settings import Settings, check_imports
 from models.sql import request_record
 from models.tables import agents, deleted_agents
+
+log = logging.getLogger("keel.client")
 
 AgentRef = UUID | str
 Publisher = Callable[[Sequence[Due]], None]
@@ -96,6 +100,8 @@ class Client:
         self.db = db
         self.settings = settings or Settings()
         self.publisher = publisher
+        #: Said once when publishing starts failing (Redis away) and once when it works again.
+        self.broker = Outage("broker", log)
         self._imported = False
         register_settings(self.settings)  # its secrets are masked in anything this process journals or logs
 
@@ -478,12 +484,30 @@ class Client:
             jobs=(JobSpec(operation, "1", payload={"input": json.loads(input_json)}),),
         )
         try:
-            done = core.transition(self.db, command, input_json=input_json, publish_due=self.publisher is not None)
+            # While the broker is down, between retries, the jobs are left to the dispatcher at once.
+            publish_due = self.publisher is not None and self.broker.wait() == 0
+            done = core.transition(self.db, command, input_json=input_json, publish_due=publish_due)
         except AgentNotFound as exc:
             raise AgentNotFound(agent, deleted=exc.deleted) from None  # named as the caller named it
         if self.publisher is not None and done.to_publish:
-            self.publisher(done.to_publish)
+            self._publish(self.publisher, done.to_publish)
         return _Submitted(done.agent, done.suppressed, request_id, operation, input_json, actor)
+
+    def _publish(self, publisher: Publisher, due: Sequence[Due]) -> None:
+        try:
+            publisher(due)
+        except Exception as exc:
+            # The submit is committed whatever happens here: its jobs go back to pending, so the dispatcher
+            # publishes them on its next pass (rather than after KEEL_ENQUEUE_TIMEOUT_SECONDS), and the caller
+            # gets its answer.
+            self.broker.failed(exc)
+            log.debug("%d jobs left to the dispatcher: publishing failed", len(due))
+            try:
+                unpublish(self.db, [d.key for d in due])
+            except Exception:  # they stay enqueued: re-published after KEEL_ENQUEUE_TIMEOUT_SECONDS
+                log.exception("could not hand jobs %s to the dispatcher", ", ".join(d.key for d in due))
+        else:
+            self.broker.recovered()
 
     def get_request(self, request_id: str) -> RequestRecord:
         """Request ``request_id`` as it was submitted: operation, input, deadlines, who submitted it and when, and

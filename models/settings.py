@@ -137,6 +137,8 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8000, ge=1, le=65535)
     api_workers: int = Field(default=1, ge=1, le=64)  # uvicorn worker processes
     api_max_body_bytes: int = Field(default=256 * 1024, ge=1024)  # larger request bodies are refused with 413
+    #: On SIGTERM, requests in flight get this long to finish (event streams end at once); below compose's 30 s.
+    api_shutdown_seconds: int = Field(default=25, ge=0, le=3600)
     #: The address people and producers reach the API at (links in Slack messages, the demo's summary);
     #: None: http://{api_host}:{api_port}.
     api_public_url: str | None = None

@@ -1,15 +1,68 @@
 """The HTTP API with Celery's publisher: a submit's first job goes to the broker at once, as ``Client`` with a
 publisher does. ``keel serve`` runs :func:`create` under uvicorn (``factory=True``: each worker process builds its
-own app, database pool and listener)."""
+own app, database pool and listener) with :func:`log_config` as its logging."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from fastapi import FastAPI
 
+from agents.core.redaction import install_log_redaction, register_settings
 from agents.ingress.app import create_app
+from agents.ingress.problems import INCIDENT_NOTE
 from models.settings import Settings
 from tasks.app import publisher
 
+#: uvicorn's loggers: ``uvicorn.error`` (its own lines) and ``uvicorn.access`` (one line per request).
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: Seconds each publish may take when Redis does not answer (a submit then leaves its job to the dispatcher).
+PUBLISH_TIMEOUT_SECONDS = 1.0
+
+
+class ReportedOnce(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" for an error the app's 500 handler already logged (with its
+    incident id): Starlette hands every unexpected error to that handler, then raises it again for the server."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not any(str(note).startswith(INCIDENT_NOTE) for note in getattr(error, "__notes__", ()))
+
+
+def log_config(level: str = "info") -> dict[str, Any]:
+    """uvicorn's ``log_config`` (``logging.config.dictConfig``): Keel's and uvicorn's lines (access lines included)
+    on stderr with a timestamp and the logger's name, every one through the redaction filter."""
+    level = level.upper()
+    handler = {
+        "class": "logging.StreamHandler",
+        "stream": "ext://sys.stderr",
+        "formatter": "keel",
+        "filters": ["redact"],
+    }
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {
+            "redact": {"()": "agents.core.redaction.RedactingFilter"},
+            "reported_once": {"()": "tasks.api.ReportedOnce"},
+        },
+        "formatters": {"keel": {"format": FORMAT}},
+        "handlers": {"keel": handler},
+        "loggers": {
+            "uvicorn": {"handlers": ["keel"], "level": level, "propagate": False},
+            "uvicorn.error": {"level": level, "filters": ["reported_once"]},
+            "uvicorn.access": {"handlers": ["keel"], "level": level, "propagate": False},
+        },
+        "root": {"handlers": ["keel"], "level": level},
+    }
+
 
 def create() -> FastAPI:
-    return create_app(Settings(), publisher=publisher())
+    settings = Settings()
+    # Here too, not only in `keel serve`: this runs in every worker process, and under a plain `uvicorn
+    # tasks.api:create --factory` with uvicorn's own logging.
+    register_settings(settings)
+    install_log_redaction([logging.getLogger(), *map(logging.getLogger, UVICORN_LOGGERS)])
+    return create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.util
+import signal
+import sys
+from types import FrameType
 from typing import Any
 
 import click
@@ -112,6 +115,10 @@ def flower(port: int, flower_args: tuple[str, ...]) -> None:
     app.start(["flower", f"--port={port}", *flower_args])
 
 
+def _stopped(sig: int, frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
 @click.command()
 @click.option("--host", help="Address to listen on (default KEEL_API_HOST, 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65535), help="Port (default KEEL_API_PORT, 8000).")
@@ -125,20 +132,26 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
     import uvicorn
 
     from models.embedded import broker_url_for, database_url_for
+    from tasks.api import log_config
 
     # Start the embedded servers (if they are the default) once, here, rather than in every worker process.
     database_url_for(settings)
     broker_url_for(settings)
+    # uvicorn handles SIGTERM itself (a graceful shutdown), then raises it again once it has stopped: a stop that was
+    # asked for and went well ends with status 0, not as killed by the signal.
+    signal.signal(signal.SIGTERM, _stopped)
     uvicorn.run(
         "tasks.api:create",
         factory=True,
         host=host or settings.api_host,
         port=port or settings.api_port,
         workers=workers or settings.api_workers,
+        # Keel's lines and uvicorn's (access lines too) with timestamps, every one redacted, in each worker process.
+        log_config=log_config(loglevel),
         log_level=loglevel,
         proxy_headers=True,
         server_header=False,
-        # Live event streams never end by themselves: on shutdown they are cut after this long (clients resume
-        # with Last-Event-ID) rather than holding the process open.
-        timeout_graceful_shutdown=5,
+        # Live event streams end as the shutdown begins (the app's lifespan sees the signal; clients resume with
+        # Last-Event-ID); requests in flight get this long to finish.
+        timeout_graceful_shutdown=settings.api_shutdown_seconds,
     )

@@ -5,9 +5,13 @@ Keel's semantics in HTTP's own words: revisions are ETags (``"r<revision>"``), s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version
+from types import FrameType
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +22,7 @@ from agents.client import Publisher
 from agents.core.errors import KeelError
 from agents.core.redaction import register_settings
 from agents.ingress import problems
+from agents.ingress.events import JournalListener
 from agents.ingress.routes import agents, health, records, requests, tokens
 from agents.ingress.runtime import Ingress
 from agents.ingress.schemas import ERRORS
@@ -86,6 +91,39 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+#: The signals a server (uvicorn) shuts down on.
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _end_streams_on_shutdown_signal(listener: JournalListener) -> Callable[[], None]:
+    """End the live event streams as soon as a shutdown signal arrives, then hand the signal to the server's own
+    handler (uvicorn's, installed before the app starts): the server waits for every response to complete before
+    it stops, and a stream never completes by itself. Returns what puts the previous handlers back."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    previous = {sig: signal.getsignal(sig) for sig in SHUTDOWN_SIGNALS}
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        loop.call_soon_threadsafe(listener.end_streams)
+        handler = previous[signal.Signals(sig)]
+        if callable(handler):
+            handler(sig, frame)
+        elif handler == signal.SIG_DFL:  # no server handler: what the signal would have done
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+
+    for sig in SHUTDOWN_SIGNALS:
+        signal.signal(sig, on_signal)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is on_signal:
+                signal.signal(sig, handler)
+
+    return restore
+
+
 def create_app(settings: Settings | None = None, *, publisher: Publisher | None = None) -> FastAPI:
     """The API app. ``publisher`` sends a submit's first job to the broker at once (``tasks.api`` passes Celery's);
     without it the beat dispatcher picks the job up on its next pass."""
@@ -97,9 +135,11 @@ def create_app(settings: Settings | None = None, *, publisher: Publisher | None 
         keel = Ingress.open(settings, publisher=publisher)
         app.state.ingress = keel
         await keel.listener.start()
+        restore = _end_streams_on_shutdown_signal(keel.listener)
         try:
             yield
         finally:
+            restore()
             await keel.listener.stop()
             keel.close()
 

@@ -152,6 +152,12 @@ class JournalListener:
                 await task
         self._wake_all()
 
+    def end_streams(self) -> None:
+        """End every stream now, and any opened later, after the events it already read (the connection stays until
+        :meth:`stop`): the server is shutting down, and a live stream never ends by itself."""
+        self._stopped = True
+        self._wake_all()
+
     async def __aenter__(self) -> JournalListener:
         await self.start()
         return self

@@ -23,6 +23,8 @@ from agents.core.redaction import redact
 log = logging.getLogger("keel.ingress")
 
 MEDIA_TYPE = "application/problem+json"
+#: The note :func:`on_unexpected` adds to an error it logged (``keel incident <id>``): the server need not log it again.
+INCIDENT_NOTE = "keel incident "
 #: Problem types are relative URIs under this path; ``GET /problems/{slug}`` describes each one.
 TYPE_BASE = "/problems/"
 
@@ -119,7 +121,7 @@ def problem_response(
     # The text of an error may quote what the caller sent: secrets Keel knows are masked all the same.
     body["detail"] = redact(detail)
     if instance is not None:
-        body["instance"] = instance
+        body["instance"] = redact(instance)  # the path: a secret pasted into a URL is masked there too
     body.update(extra or {})
     return JSONResponse(body, status_code=kind.status, headers=dict(headers or {}), media_type=MEDIA_TYPE)
 
@@ -221,6 +223,7 @@ async def on_http(request: Request, exc: Exception) -> JSONResponse:
 async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # The trace goes to the log with an incident id; the caller gets the id, never the trace.
     incident = uuid.uuid4().hex[:12]
+    exc.add_note(INCIDENT_NOTE + incident)
     log.error("unexpected error %s on %s %s", incident, request.method, request.url.path, exc_info=exc)
     return problem_response(
         INTERNAL,
