@@ -12,6 +12,7 @@ import pytest
 import redis
 from celery import Celery
 
+import tests.support.handlers  # noqa: F401 - registers the `count` handler these tests submit to
 from agents.client import Client
 from models.db import Database
 from tasks.app import make_app, publisher
