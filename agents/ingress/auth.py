@@ -1,77 +1,182 @@
 """Who is calling and what they may do: the bearer token, its scopes, its agent prefix, its rate.
 
-Every route depends on :func:`require` with the permission it needs. Refusals change nothing: a bad, revoked or
-missing token is a 401, a missing scope a 403, an agent outside the token's prefix a 404 exactly like an agent that
-does not exist, a token over its rate a 429 — all decided before the route touches anything."""
+:class:`TokenGate` (an ASGI middleware on every ``/v1/`` path) decides before anything reads the request's body, in
+this order: a bad, revoked or missing token is a 401, a token over its rate a 429, a token whose scopes do not
+allow the route a 403. Only then is the body read (413, 422), and an agent outside the token's prefix is a 404
+exactly like an agent that does not exist. Every answer to an authenticated request carries the token's
+``RateLimit`` headers. Refusals change nothing.
+
+Every route declares the permission it needs with :func:`require`; the gate finds it on the matched route."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 from uuid import UUID
 
-from fastapi import Depends, Request, Response
+from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute, APIRouter
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import Response
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agents.core.errors import AgentNotFound, StaleRevision
+from agents.core.errors import AgentNotFound, KeelError, StaleRevision
+from agents.ingress import problems
 from agents.ingress.etags import etag
 from agents.ingress.problems import FORBIDDEN, RATE_LIMITED, UNAUTHORIZED, Problem, kind_of
 from agents.ingress.ratelimit import headers as rate_headers
-from agents.ingress.runtime import Ingress, ingress
+from agents.ingress.runtime import Ingress
 from agents.ingress.tokens import ApiToken, Permission, authenticate
 from models.schemas import AgentRow
 
+# Declared on current_token for the OpenAPI document (its security scheme); TokenGate does the checking.
 _bearer = HTTPBearer(auto_error=False, description="An API token: `keel token create NAME --scope …`")
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="keel"'}
+#: Where :class:`TokenGate` leaves the authenticated token in the request's ``scope["state"]``.
+TOKEN_STATE = "token"
+#: The paths that need a token.
+GATED_PREFIX = "/v1/"
+
+
+def refusal(token: ApiToken, permission: Permission) -> Problem | None:
+    """The 403 for ``token`` asking for ``permission``, naming the scopes it has; None when it may."""
+    if token.can(permission):
+        return None
+    scopes = ", ".join(sorted(token.scopes))
+    action = permission.value.replace("_", " ")
+    return Problem(
+        FORBIDDEN, f"token {token.name!r} (scopes: {scopes}) may not {action}", extra={"permission": permission.value}
+    )
 
 
 async def current_token(
     request: Request,
-    response: Response,
-    keel: Annotated[Ingress, Depends(ingress)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> ApiToken:
-    """The token the request carries, checked against the database and its rate."""
-    if credentials is None:
+    """The token the request carries, as :class:`TokenGate` authenticated it (no second lookup)."""
+    token = getattr(request.state, TOKEN_STATE, None)
+    if not isinstance(token, ApiToken):  # a route outside the gate's paths: never let it through unauthenticated
         raise Problem(
             UNAUTHORIZED, "send an API token as a Bearer token in the Authorization header", headers=_CHALLENGE
         )
-    token = await run_in_threadpool(authenticate, keel.db, credentials.credentials)
-    if token is None:
-        raise Problem(UNAUTHORIZED, "the API token is unknown or revoked", headers=_CHALLENGE)
-    request.state.token = token
-    if keel.limiter is not None:
-        policy = keel.policy_for(token)
-        decision = await run_in_threadpool(keel.limiter.check, str(token.id), policy)
-        limits = rate_headers(decision, policy)
-        if not decision.allowed:
-            raise Problem(
-                RATE_LIMITED,
-                f"token {token.name!r} is over its rate ({policy.rate_per_second:g}/s, burst {policy.burst}):"
-                f" retry after {limits['Retry-After']} s",
-                headers=limits,
-            )
-        response.headers.update(limits)
     return token
 
 
-def require(permission: Permission) -> Callable[..., Any]:
-    """A dependency: the calling token, if it grants ``permission`` (else 403 naming the scopes that would)."""
+@dataclass(frozen=True)
+class Require:
+    """The dependency :func:`require` makes: the calling token, if it grants ``permission``. :class:`TokenGate`
+    finds it among a route's dependencies to refuse (403) before the body is read."""
 
-    async def dependency(token: Annotated[ApiToken, Depends(current_token)]) -> ApiToken:
-        if not token.can(permission):
-            scopes = ", ".join(sorted(token.scopes))
-            action = permission.value.replace("_", " ")
-            raise Problem(
-                FORBIDDEN,
-                f"token {token.name!r} (scopes: {scopes}) may not {action}",
-                extra={"permission": permission.value},
-            )
+    permission: Permission
+
+    async def __call__(self, token: Annotated[ApiToken, Depends(current_token)]) -> ApiToken:
+        problem = refusal(token, self.permission)
+        if problem is not None:
+            raise problem
         return token
 
-    return dependency
+
+def require(permission: Permission) -> Require:
+    """A dependency: the calling token, if it grants ``permission`` (else 403 naming the scopes that would)."""
+    return Require(permission)
+
+
+def required_permission(dependant: Dependant) -> Permission | None:
+    """The permission a route (or a dependency of it) declares with :func:`require`, if any."""
+    for dependency in dependant.dependencies:
+        if isinstance(dependency.call, Require):
+            return dependency.call.permission
+        found = required_permission(dependency)
+        if found is not None:
+            return found
+    return None
+
+
+class TokenGate:
+    """Authenticate (401), rate-limit (429) and check the scope (403) of every ``/v1/`` request before anything
+    reads its body; then leave the token in ``scope["state"]`` for :func:`current_token`, and add the token's
+    ``RateLimit`` headers to whatever the request is answered with. ``routers``: the API's routers, included
+    without a prefix; the permission of the route a request matches is the one its :func:`require` declares."""
+
+    def __init__(self, app: ASGIApp, routers: Sequence[APIRouter]) -> None:
+        self.app = app
+        self.routes = [
+            (route, required_permission(route.dependant))
+            for router in routers
+            for route in router.routes
+            if isinstance(route, APIRoute)
+        ]
+
+    def permission_for(self, scope: Scope) -> Permission | None:
+        """What the route ``scope`` matches requires (None: no such route, or it requires only a token)."""
+        for route, permission in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return permission
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GATED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        limits: dict[str, str] = {}
+
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start" and limits:
+                headers = MutableHeaders(scope=message)
+                for name, value in limits.items():
+                    headers[name] = value
+            await send(message)
+
+        request = Request(scope)
+        response: Response
+        try:
+            token = await self._admit(scope, limits)
+        except Problem as exc:
+            response = await problems.on_problem(request, exc)
+        except KeelError as exc:  # the database could not be asked: 503
+            response = await problems.on_keel_error(request, exc)
+        except Exception as exc:  # outside the app's exception handlers: answered as they would
+            response = await problems.on_unexpected(request, exc)
+        else:
+            scope.setdefault("state", {})[TOKEN_STATE] = token
+            await self.app(scope, receive, send_with_limits)
+            return
+        await response(scope, receive, send_with_limits)
+
+    async def _admit(self, scope: Scope, limits: dict[str, str]) -> ApiToken:
+        """The request's token, if it may make this request now; fills ``limits`` with its rate headers."""
+        keel: Ingress = scope["app"].state.ingress
+        scheme, secret = get_authorization_scheme_param(Headers(scope=scope).get("authorization"))
+        if scheme.lower() != "bearer" or not secret:
+            raise Problem(
+                UNAUTHORIZED, "send an API token as a Bearer token in the Authorization header", headers=_CHALLENGE
+            )
+        token = await run_in_threadpool(authenticate, keel.db, secret)
+        if token is None:
+            raise Problem(UNAUTHORIZED, "the API token is unknown or revoked", headers=_CHALLENGE)
+        if keel.limiter is not None:
+            policy = keel.policy_for(token)
+            decision = await run_in_threadpool(keel.limiter.check, str(token.id), policy)
+            limits.update(rate_headers(decision, policy))
+            if not decision.allowed:
+                raise Problem(
+                    RATE_LIMITED,
+                    f"token {token.name!r} is over its rate ({policy.rate_per_second:g}/s, burst {policy.burst}):"
+                    f" retry after {limits['Retry-After']} s",
+                    headers=limits,
+                )
+        permission = self.permission_for(scope)
+        problem = None if permission is None else refusal(token, permission)
+        if problem is not None:
+            raise problem
+        return token
 
 
 @dataclass(frozen=True, slots=True)

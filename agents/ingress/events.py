@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from types import TracebackType
 from typing import Any
 from uuid import UUID
@@ -38,6 +38,9 @@ log = logging.getLogger("keel.ingress.events")
 #: Seconds a subscriber waits for a wake-up before it re-reads the journal anyway (a safety net: notifications are
 #: never the only way an event reaches a stream).
 SAFETY_INTERVAL = 15.0
+#: Seconds at most between two checks that a stream's token is still live (:func:`agent_events`'s ``allowed``): a
+#: revoked token's open streams end within this time, or at their next event if that comes first.
+TOKEN_RECHECK_INTERVAL = 5.0
 #: Seconds of silence after which the listener checks that its connection is still alive, and how long it gives the
 #: check: a peer that vanished without closing the connection sends neither notifications nor an error.
 PING_INTERVAL = 15.0
@@ -94,11 +97,12 @@ class Subscription:
     def clear(self) -> None:
         self._wake.clear()
 
-    async def wait(self, timeout: float) -> None:
-        """Until woken, or ``timeout`` seconds at most."""
+    async def wait(self, timeout: float) -> bool:
+        """Until woken, or ``timeout`` seconds at most: whether it was woken."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._wake.wait()
+        return self._wake.is_set()
 
 
 class JournalListener:
@@ -264,9 +268,24 @@ async def _read(listener: JournalListener, agent_id: UUID, after_seq: int) -> li
     return await asyncio.to_thread(read)
 
 
-async def agent_events(listener: JournalListener, agent_id: UUID, after_seq: int = 0) -> AsyncIterator[JournalEvent]:
+#: Asked by a stream whether it may go on (its token is still live); it may raise :class:`StoreError`.
+Allowed = Callable[[], Awaitable[bool]]
+
+
+async def agent_events(
+    listener: JournalListener,
+    agent_id: UUID,
+    after_seq: int = 0,
+    *,
+    allowed: Allowed | None = None,
+    recheck: float = TOKEN_RECHECK_INTERVAL,
+) -> AsyncIterator[JournalEvent]:
     """Every journal event of ``agent_id`` with ``seq > after_seq``, in seq order, each once: first those already
     committed, then each new one as it commits. Ends when the listener stops or after the agent's delete event.
+
+    With ``allowed`` the stream also ends as soon as it answers false: it is asked after every journal read and
+    before anything read is yielded (so an event committed after a token's revocation is never yielded), and every
+    ``recheck`` seconds while the stream waits.
 
     A failed journal read (the database restarting) is retried with backoff, and at once when the listener
     reconnects: the stream goes on from the last event it yielded."""
@@ -276,6 +295,9 @@ async def agent_events(listener: JournalListener, agent_id: UUID, after_seq: int
             sub.clear()  # before the read: a wake-up that arrives during it asks for another
             try:
                 batch = await _read(listener, agent_id, sub.seen)
+                # After the read: what it found committed before this check, hence before any revocation it missed.
+                if allowed is not None and not await allowed():
+                    return
             except StoreError as exc:
                 failures += 1
                 # Once per outage and stream: a thousand streams retrying must not be a thousand lines a second.
@@ -289,8 +311,26 @@ async def agent_events(listener: JournalListener, agent_id: UUID, after_seq: int
                 yield event
                 if _ends_chain(event):
                     return
-            if len(batch) < listener.read_batch:
-                await sub.wait(listener.safety_interval)
+            if len(batch) < listener.read_batch and not await _rest(sub, listener.safety_interval, allowed, recheck):
+                return
+
+
+async def _rest(sub: Subscription, timeout: float, allowed: Allowed | None, recheck: float) -> bool:
+    """Wait until ``sub`` is woken or ``timeout`` seconds passed, asking ``allowed`` every ``recheck`` seconds
+    meanwhile; false as soon as it says no."""
+    if allowed is None:
+        await sub.wait(timeout)
+        return True
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        if await sub.wait(min(recheck, left)):
+            return True
+        try:
+            if not await allowed():
+                return False
+        except StoreError:
+            return True  # the read that follows retries, and asks again before it yields anything
+    return True
 
 
 def event_data(event: JournalEvent) -> dict[str, Any]:
@@ -305,8 +345,10 @@ def to_sse(event: JournalEvent) -> ServerSentEvent:
     return ServerSentEvent(id=str(event.seq), event=event.kind, data=event_data(event))
 
 
-async def sse_events(listener: JournalListener, agent_id: UUID, after_seq: int = 0) -> AsyncIterator[ServerSentEvent]:
+async def sse_events(
+    listener: JournalListener, agent_id: UUID, after_seq: int = 0, *, allowed: Allowed | None = None
+) -> AsyncIterator[ServerSentEvent]:
     """:func:`agent_events` as Server-Sent Events, for a FastAPI path operation with
     ``response_class=EventSourceResponse`` to yield from (FastAPI adds keep-alive pings while it is quiet)."""
-    async for event in agent_events(listener, agent_id, after_seq):
+    async for event in agent_events(listener, agent_id, after_seq, allowed=allowed):
         yield to_sse(event)

@@ -215,6 +215,13 @@ def authenticate(db: Database, secret: str) -> ApiToken | None:
     return None if row is None else ApiToken.of(row)
 
 
+def is_live(db: Database, token_id: UUID) -> bool:
+    """Whether the token with this id is still live (not revoked): what an open event stream asks again and again,
+    by id, since it no longer has the secret."""
+    with store_errors():
+        return tokens_sql.is_live(db, token_id)
+
+
 def list_tokens(db: Database) -> list[ApiToken]:
     """Every token, revoked ones included, oldest first."""
     with store_errors():

@@ -214,6 +214,50 @@ def test_authentication_and_scopes(api: Api) -> None:
         assert producer.get("/v1/tokens/me").json()["scopes"] == ["producer"]
 
 
+def test_the_token_and_its_scope_are_checked_before_the_body_is_read(api: Api) -> None:
+    bad = {"content": b"{bad", "headers": {"content-type": "application/json"}}
+    huge = {"content": b'{"name": "' + b"x" * 300_000 + b'"}', "headers": {"content-type": "application/json"}}
+    before = journal_count(api.db)
+    with api.http() as anonymous:
+        for body in (bad, huge):
+            problem(anonymous.post("/v1/agents", **body), 401, "unauthorized")  # type: ignore[arg-type]
+    with api.http(api.token("auditor")) as auditor:
+        for body in (bad, huge):
+            refused = problem(auditor.post("/v1/agents", **body), 403, "forbidden")  # type: ignore[arg-type]
+            assert refused["permission"] == "create_agent"
+    with api.http(api.token("producer")) as producer:  # allowed: now the body is read, and refused
+        problem(producer.post("/v1/agents", **bad), 422, "invalid-input")  # type: ignore[arg-type]
+        problem(producer.post("/v1/agents", **huge), 413, "payload-too-large")  # type: ignore[arg-type]
+    assert journal_count(api.db) == before
+
+
+def test_every_answer_to_a_token_within_its_rate_carries_its_ratelimit_headers(api: Api) -> None:
+    with api.http(api.token("producer")) as http:
+        created = http.post("/v1/agents", json={"name": "limited"})
+        submit = {"json": {"input": script({"content": "hi"})}}
+        answers = {
+            201: created,
+            200: http.get("/v1/agents"),
+            404: http.get("/v1/agents/nobody"),
+            403: http.post("/v1/agents/nobody/approve", headers={"If-Match": '"r1"'}),
+            422: http.post("/v1/agents", json={"name": 5}),
+            400: http.post(f"/v1/agents/{created.json()['id']}/requests", **submit),  # no Idempotency-Key
+            412: http.post(
+                f"/v1/agents/{created.json()['id']}/requests",
+                headers={"Idempotency-Key": "l-1", "If-Match": '"r7"'},
+                **submit,
+            ),
+        }
+        for status, answer in answers.items():
+            assert answer.status_code == status, answer.text
+            assert answer.headers["RateLimit-Policy"].startswith('"producer";'), status
+            assert answer.headers["RateLimit"].startswith('"producer";r='), status
+    with api.http() as anonymous:  # no token: no rate is counted, so none is told
+        refused = anonymous.get("/v1/agents")
+        problem(refused, 401, "unauthorized")
+        assert "RateLimit" not in refused.headers and "RateLimit-Policy" not in refused.headers
+
+
 def test_story_jobs_and_request_lookup(api: Api) -> None:
     with api.http(api.token("operator")) as http:
         agent = http.post("/v1/agents", json={"name": "storyteller"}).json()
@@ -266,6 +310,10 @@ def test_over_its_rate_a_token_gets_429_with_retry_after_and_ratelimit_headers(
         over = problem(http.post("/v1/agents", json={"name": "too-fast"}), 429, "rate-limited")
         assert int(over["status"]) == 429 and 1 <= int(http.get("/v1/agents").headers["Retry-After"]) <= 2
         assert journal_count(db) == before  # refused before anything was written
+        # Over its rate, the body is not even read: a broken one is refused with the same 429.
+        broken = http.post("/v1/agents", content=b"{bad", headers={"content-type": "application/json"})
+        problem(broken, 429, "rate-limited")
+        assert broken.headers["RateLimit"].startswith('"producer";r=0;') and broken.headers["Retry-After"]
         with server.http(server.token("producer")) as other:  # the limit is per token
             assert other.get("/v1/agents").status_code == 200
 

@@ -14,6 +14,7 @@ import pytest
 from httpx_sse import ServerSentEvent, connect_sse
 
 from agents.client import Client
+from agents.ingress.tokens import revoke_token
 from tests.support.api import Api, problem, script
 
 pytestmark = pytest.mark.integration
@@ -84,3 +85,24 @@ def test_a_deleted_agents_stream_resumes_to_its_delete_event_then_ends(api: Api,
         assert "deleted" in gone["detail"]
         problem(http.get(path), 404, "agent-not-found")
         assert http.get(path, headers={"Last-Event-ID": ""}).status_code == 404  # empty is none at all
+
+
+def test_a_revoked_tokens_open_streams_end_without_any_event_committed_after_the_revocation(
+    api: Api, client: Client
+) -> None:
+    watched = client.create_agent("watched")
+    quiet = client.create_agent("quiet")
+    with api.http(api.token("auditor", name="leaked")) as http:
+        with (
+            stream(http, f"/v1/agents/{watched.id}/events") as events,
+            stream(http, f"/v1/agents/{quiet.id}/events") as silent,
+        ):
+            client.submit(watched.id, "before", script({"content": "hi"}), actor="producer")
+            assert json.loads(next(events).data)["event"] == "submit"  # live until the revocation
+            revoke_token(api.db, "leaked", actor="test")
+            client.cancel(watched.id, actor="operator", reason="after the revocation")
+            # Its wake-up finds the token revoked: the stream ends, and the cancel is never sent on it.
+            assert list(events) == []
+            # Nothing wakes this one: its periodic re-check of the token ends it (within 5 s).
+            assert list(silent) == []
+        problem(http.get(f"/v1/agents/{watched.id}/events"), 401, "unauthorized")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated
 from uuid import UUID
 
@@ -20,7 +21,7 @@ from agents.ingress.events import InvalidEventId, parse_last_event_id, sse_event
 from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import MAX_BIGINT, Approval, CreateAgent, Decision, JournalPage
-from agents.ingress.tokens import ApiToken, Permission
+from agents.ingress.tokens import ApiToken, Permission, is_live
 from models.schemas import AgentPage, AgentState
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
@@ -177,6 +178,13 @@ def journal(
     return JournalPage(events=page, next=page[-1].seq if more else None)
 
 
+@dataclass(frozen=True)
+class _Start:
+    agent_id: UUID
+    after_seq: int
+    token_id: UUID
+
+
 async def _stream_start(
     agent: str,
     keel: Keel,
@@ -185,7 +193,7 @@ async def _stream_start(
     after: Annotated[
         int | None, Query(ge=0, le=MAX_BIGINT, description="Start after this journal seq (default: from now)")
     ] = None,
-) -> tuple[UUID, int]:
+) -> _Start:
     """Everything a stream is checked for before its 200 goes out: the token, the agent, where to start. A deleted
     agent's stream may still be resumed from before its end: it delivers what was missed, up to the delete event."""
     found = await run_in_threadpool(resolve, keel, token, agent, deleted_ok=True)
@@ -201,7 +209,7 @@ async def _stream_start(
         start = after
     if found.row is None and (start is None or start >= found.journal_seq):
         await run_in_threadpool(resolve, keel, token, agent)  # nothing left to deliver: the deleted agent's 404
-    return found.id, found.journal_seq if start is None else start
+    return _Start(found.id, found.journal_seq if start is None else start, token.id)
 
 
 @router.get(
@@ -209,13 +217,15 @@ async def _stream_start(
     summary="Follow an agent live (Server-Sent Events)",
     response_class=EventSourceResponse,
 )
-async def agent_events(
-    keel: Keel, start: Annotated[tuple[UUID, int], Depends(_stream_start)]
-) -> AsyncIterator[ServerSentEvent]:
+async def agent_events(keel: Keel, start: Annotated[_Start, Depends(_stream_start)]) -> AsyncIterator[ServerSentEvent]:
     """Each committed journal event of the agent as it commits: ``id`` = its journal seq, ``event`` = its kind
     (transition, rejected, suppressed, created, operator), ``data`` = JSON with revision, phase, from_phase, event,
     actor, request_id, decision, at, details. Reconnect with ``Last-Event-ID`` to get every event missed meanwhile,
-    in order, then the live stream; without it the stream starts now (or after ``?after=<seq>``)."""
-    agent_id, after_seq = start
-    async for message in sse_events(keel.listener, agent_id, after_seq):
+    in order, then the live stream; without it the stream starts now (or after ``?after=<seq>``). The stream ends
+    once its token is revoked: at its next event, or within 5 s."""
+
+    async def token_live() -> bool:
+        return await run_in_threadpool(is_live, keel.db, start.token_id)
+
+    async for message in sse_events(keel.listener, start.agent_id, start.after_seq, allowed=token_live):
         yield message
