@@ -70,10 +70,14 @@ def submit(
         )
     request_id = check_request_id(idempotency_key)
     expected = if_match_revision(if_match)
-    found = resolve(keel, token, agent)
+    # A token that sees every agent needs no read before the transition when given an id: the transition's locking
+    # read finds the agent, or answers as for a missing one. A prefixed token's agent must be checked by name first.
+    agent_id = _uuid(agent) if token.agent_prefix is None else None
+    if agent_id is None:
+        agent_id = resolve(keel, token, agent).id
     if token.agent_prefix is not None:
         owner = _owner(keel, request_id)
-        if owner is not None and owner != found.id and not sees_agent(keel, token, owner):
+        if owner is not None and owner != agent_id and not sees_agent(keel, token, owner):
             # Refused before the transition, which would journal the conflict on this agent naming the owner: the
             # tenant reads its agents' journals, and must not learn another tenant's agent from them.
             raise _taken_elsewhere(request_id)
@@ -81,7 +85,7 @@ def submit(
     hard = body.hard_deadline or _seconds(body.hard_deadline_seconds)
     try:
         done = keel.client.submit_record(
-            found.id,
+            agent_id,
             request_id,
             body.input,
             expected_revision=expected,
@@ -93,7 +97,7 @@ def submit(
     except StaleRevision as exc:
         raise stale(keel, token, exc, agent) from None
     except RequestConflict as exc:
-        if exc.owner == found.id:
+        if exc.owner == agent_id:
             raise
         # Request ids are global: never tell one tenant about another's agent.
         raise _taken_elsewhere(request_id) from None
@@ -102,6 +106,13 @@ def submit(
     if done.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return out
+
+
+def _uuid(ref: str) -> UUID | None:
+    try:
+        return UUID(ref)
+    except ValueError:
+        return None
 
 
 def _owner(keel: Keel, request_id: str) -> UUID | None:
