@@ -91,7 +91,7 @@ def all_kinds() -> dict[str, Kind]:
     return {k.slug: k for k in kinds}
 
 
-class Problem(Exception):
+class Problem(errors.KeelError):
     """A refusal to answer with: raise it anywhere in a route or a dependency."""
 
     def __init__(

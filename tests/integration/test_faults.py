@@ -262,18 +262,17 @@ def test_unclaimed_jobs_are_republished_under_load(
 
 
 def test_publishing_that_fails_after_commit_hands_the_jobs_to_the_dispatcher(client: Client, db: Database) -> None:
-    from models.jobs_sql import unpublish
-
     agent = client.create_agent("a")
 
     def broken(due: Any) -> None:
         raise ConnectionError("broker down")
 
+    # The submit committed: it is answered as done, and its first job goes back to the dispatcher at once (pending),
+    # not left `enqueued` until the enqueue timeout re-publishes it.
     publishing = Client(db, publisher=broken)
-    with pytest.raises(ConnectionError):
-        publishing.submit(agent.id, "req-1", None, operation="count")
-    assert job_row(db, "req-1:count:1")["status"] == "enqueued"  # type: ignore[index]
-    assert unpublish(db, ["req-1:count:1"]) == ["req-1:count:1"]
+    state = publishing.submit(agent.id, "req-1", None, operation="count")
+    assert (state.phase, state.request_id) == ("planning", "req-1")
+    assert job_row(db, "req-1:count:1")["status"] == "pending"  # type: ignore[index]
     with db.transaction() as cur:
         assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == ["req-1:count:1"]
 
