@@ -173,7 +173,10 @@ def test_a_job_past_its_hard_deadline_fails_the_agent_and_its_late_outcome_is_fe
     agent = client.create_agent("late")
     stack.worker("w1")
     stack.beat()
-    client.submit(agent.id, "req-late", None, operation="block", hard_deadline=timedelta(seconds=2))
+    # The beat both dispatches the job and enforces the deadline: started late (a loaded machine), it would find the
+    # deadline passed before the job ever ran. The deadline must pass while the job runs.
+    wait_until("the beat to start", lambda: "Starting..." in stack.log("beat"), 60)
+    client.submit(agent.id, "req-late", None, operation="block", hard_deadline=timedelta(seconds=4))
     key = "req-late:block:1"
     wait_until("the job to start", lambda: executions(stack).get(key) == 1)
     wait_until("the deadline to stop the agent", lambda: client.get_state(agent.id).phase == "failed", 30)
