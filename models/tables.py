@@ -6,6 +6,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Float,
     CheckConstraint,
     Column,
     DateTime,
@@ -197,6 +198,7 @@ jobs = Table(
     Column("enqueued_at", DateTime(timezone=True)),
     Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
+    Column("traceparent", Text),  # W3C trace context of the request that caused the job
     CheckConstraint(_in("status", JOB_STATUSES), name="status"),
     CheckConstraint(
         "attempts >= 0 AND tokens >= 0 AND cost >= 0 AND failed_tokens >= 0 AND failed_cost >= 0", name="non_negative"
@@ -250,6 +252,7 @@ outbox = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("sent_at", DateTime(timezone=True)),
+    Column("traceparent", Text),  # W3C trace context of the request that caused the message
     CheckConstraint(_in("status", OUTBOX_STATUSES), name="status"),
     CheckConstraint(_in("channel", CHANNELS), name="channel"),
     CheckConstraint("status <> 'sent' OR external_id IS NOT NULL", name="sent_has_external_id"),
@@ -300,4 +303,45 @@ api_tokens = Table(
     ),
     CheckConstraint("secret_hash ~ '^[0-9a-f]{64}$'", name="secret_hash_sha256"),
     CheckConstraint("(revoked_at IS NULL) = (revoked_by IS NULL)", name="revoked_by_whom"),
+)
+
+#: Insert-only: one row per counter a transaction moves (migration 0008 says why); the leading beat folds them into
+#: ``kpi_rollups`` and deletes them in one transaction.
+kpi_deltas = Table(
+    "kpi_deltas",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
+    Column("name", Text, nullable=False),
+    Column("label", Text, nullable=False, server_default=""),
+    Column("value", Float, nullable=False),
+)
+
+#: Per-minute sums of the deltas, and one running total per counter at bucket ``-infinity``.
+kpi_rollups = Table(
+    "kpi_rollups",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("label", Text, primary_key=True, server_default=""),
+    Column("bucket", DateTime(timezone=True), primary_key=True),
+    Column("value", Float, nullable=False),
+    Index("ix_kpi_rollups_bucket", "bucket"),
+)
+
+#: One row per firing of an alert; at most one open (unresolved) episode per alert.
+alert_episodes = Table(
+    "alert_episodes",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("name", Text, nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("resolved_at", DateTime(timezone=True)),
+    Column("value", Float),  # the measure when the episode opened
+    Column("threshold", Float),
+    Column("last_value", Float),
+    Column("last_evaluated_at", DateTime(timezone=True), nullable=False),
+    Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    CheckConstraint("resolved_at IS NULL OR resolved_at >= started_at", name="resolved_after_start"),
+    UniqueConstraint("name", "started_at"),
+    Index("ix_alert_episodes_open", "name", unique=True, postgresql_where=text("resolved_at IS NULL")),
 )

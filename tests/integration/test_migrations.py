@@ -28,6 +28,9 @@ def test_upgrade_check_downgrade_upgrade(empty_db_url: str) -> None:
         "public.jobs",
         "public.outbox",
         "public.api_tokens",
+        "public.kpi_deltas",
+        "public.kpi_rollups",
+        "public.alert_episodes",
         "audit.journal",
     } <= _tables(empty_db_url)
     migrations.check(empty_db_url)  # raises if models/tables.py and the migrated schema differ
