@@ -46,6 +46,7 @@ from agents.core.errors import (
     quoted,
 )
 from agents.core.keys import make_key
+from agents.core.observe import observe
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
@@ -265,6 +266,22 @@ def transition(
     event's details), cancels the agent's live jobs when it comes to rest (done/failed; running ones are fenced off),
     demotes them to the low queue when ``command.priority`` is low, and runs ``effects``.
     """
+    with observe(
+        "transition", command.event.value, request_id=command.request_id, agent_id=command.agent_id, actor=command.actor
+    ) as op:
+        done = _transition(db, command, input_json=input_json, effects=effects, publish_due=publish_due)
+        op.outcome = "suppressed" if done.suppressed else "applied"
+        return done
+
+
+def _transition(
+    db: Database,
+    command: Command,
+    *,
+    input_json: str,
+    effects: EffectsTxn | None,
+    publish_due: bool,
+) -> Transitioned:
     with store_errors():
         with db.transaction() as cur:
             locked = lock_agent_txn(cur, command.agent_id)

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agents.client import Publisher
 from agents.core.errors import KeelError
+from agents.core.observe import observe
 from agents.core.redaction import register_settings
 from agents.ingress import problems
 from agents.ingress.auth import TokenGate
@@ -41,6 +42,43 @@ journal and each request's story, and follow an agent live.
   the original response again, with a different body a 409.
 * **Errors** are `application/problem+json` (RFC 9457) with a stable `type` per kind of problem.
 """
+
+
+class Observed:
+    """Each HTTP request is one observed unit of work (``observe("http", method)``): its route template and status
+    are named when it ends; the W3C ``traceparent`` it came with and its ``Idempotency-Key`` (the request id of a
+    submit) are named from the start."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        status = 500  # what the client sees if the app fails before answering
+
+        async def answered(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        traceparent = headers.get(b"traceparent")
+        request_id = headers.get(b"idempotency-key")
+        with observe(
+            "http",
+            scope["method"],
+            traceparent=None if traceparent is None else traceparent.decode("latin-1")[:128],
+            request_id=None if request_id is None else request_id.decode("latin-1")[:128],
+        ) as op:
+            try:
+                await self.app(scope, receive, answered)
+            finally:
+                route = scope.get("route")
+                op.add(route=getattr(route, "path", None) or "unmatched", status=status)
+                op.outcome = str(status)
 
 
 class BodyLimit:
@@ -162,6 +200,8 @@ def create_app(settings: Settings | None = None, *, publisher: Publisher | None 
     api = (tokens.router, agents.router, requests.router, requests.by_id, records.router)
     # Added last, so it runs first: token (401), rate (429) and scope (403) before BodyLimit or a route reads a body.
     app.add_middleware(TokenGate, routers=api)
+    # Outermost: every request is observed, the refused ones too.
+    app.add_middleware(Observed)
     app.include_router(health.router)
     for router in api:
         app.include_router(router, responses=ERRORS)

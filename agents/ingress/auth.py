@@ -27,6 +27,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agents.core.errors import AgentNotFound, KeelError, StaleRevision
+from agents.core.observe import annotate
 from agents.ingress import problems
 from agents.ingress.etags import etag
 from agents.ingress.problems import FORBIDDEN, RATE_LIMITED, UNAUTHORIZED, Problem, kind_of
@@ -172,6 +173,7 @@ class TokenGate:
                     f" retry after {limits['Retry-After']} s",
                     headers=limits,
                 )
+        annotate(actor=token.name)
         permission = self.permission_for(scope)
         problem = None if permission is None else refusal(token, permission)
         if problem is not None:
@@ -210,6 +212,7 @@ def resolve(keel: Ingress, token: ApiToken, ref: str, *, deleted_ok: bool = Fals
         return Found(gone.id, gone.name, None, gone.journal_seq)
     if not token.sees(row.name):
         raise AgentNotFound(ref)
+    annotate(agent_id=row.id)
     return Found(row.id, row.name, row, row.journal_seq)
 
 

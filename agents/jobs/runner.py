@@ -33,6 +33,8 @@ from agents.core.errors import (
     JobError,
     KeelError,
 )
+from agents.core.keys import split_key
+from agents.core.observe import Op, observe
 from agents.core.outage import Outage, is_outage
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
@@ -190,7 +192,19 @@ class Runner:
         return self.run_limits.get(operation, self.default_run_limit)
 
     def run(self, key: str) -> RunOutcome:
+        try:
+            request_id, operation, _ = split_key(key)
+        except ValueError:
+            request_id, operation = None, "unknown"
+        with observe("job", operation, job_key=key, request_id=request_id, actor=self.actor) as op:
+            outcome = self._run(key, op)
+            op.outcome = outcome.status
+            return outcome
+
+    def _run(self, key: str, op: Op) -> RunOutcome:
         claimed = claim(self.db, key, self.worker, self.lease)
+        if claimed is not None:
+            op.add(agent_id=claimed.agent_id)
         if claimed is None:
             log.warning("job %s: no such job; message dropped", key)
             return RunOutcome(key, "missing")

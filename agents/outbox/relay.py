@@ -20,6 +20,7 @@ from typing import Any
 
 from agents.core import transition as core
 from agents.core.errors import LostClaim, MessageNotDead, MessageNotFound
+from agents.core.observe import observe
 from agents.outbox.senders import (
     Delivered,
     FailureKind,
@@ -230,6 +231,15 @@ class Relay:
             raise LostClaim(message.key)
 
     def _attempt(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
+        request_id = message.key.split(":", 1)[0]
+        with observe(
+            "outbox_send", message.channel, outbox_key=message.key, request_id=request_id, agent_id=message.agent_id
+        ) as op:
+            outcome = self._attempt_once(run, message)
+            op.outcome = outcome.how if isinstance(outcome, Delivery) else outcome.kind
+            return outcome
+
+    def _attempt_once(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
         sender = self.senders.get(message.channel)
         if sender is None:
             return SendFailed(

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextvars import copy_context
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from agents.core.commands import JobSpec, Join
 from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
+from agents.core.observe import observe
 from agents.core.phases import Event
 from agents.jobs.handlers import JobContext, JobResult, handler
 from agents.runtime.inference import (
@@ -158,9 +160,9 @@ def plan(ctx: JobContext) -> JobResult:
     if ctx.checkpointed and "reply" in ctx.checkpointed:  # an earlier attempt got (and paid for) the reply
         reply = Reply.from_checkpoint(ctx.checkpointed)
     else:
-        reply = provider_for(request_input).complete(
-            messages, [t.schema() for t in tools.values()], attempt=ctx.attempt
-        )
+        provider = provider_for(request_input)
+        with observe("model_call", type(provider).__name__, request_id=ctx.request_id, job_key=ctx.key):
+            reply = provider.complete(messages, [t.schema() for t in tools.values()], attempt=ctx.attempt)
         ctx.checkpoint(reply.checkpoint())
     message = reply.as_message()
     if not reply.tool_calls:
@@ -220,18 +222,23 @@ def run_tool(ctx: JobContext) -> JobResult:
         # ... and say so on the request's record, not only inside this step's result.
         return said(f"error: {exc}", decision="tool_arguments_invalid", details={"tool_error": str(exc)})
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tool-{tool.name}")
-    future = pool.submit(tool.fn, args, ToolContext(ctx.key, ctx.request_id, call_id))
-    try:
-        output = future.result(timeout=tool.timeout)
-    except FutureTimeout:
-        # It may still have had its effect: never run it again; tell the model. Its thread cannot be stopped, so
-        # the worker ends this process once the outcome is recorded: nothing it returns or does later can land.
-        ctx.abandoned.set()
-        return said(f"error: {tool.name} did not finish within {tool.timeout:g}s; its outcome is unknown")
-    except InvalidInput as exc:
-        return said(f"error: {exc}")
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    with observe("tool_call", tool.name, request_id=ctx.request_id, job_key=ctx.key) as op:
+        # The tool's thread runs in this context: its log lines and spans belong to this call.
+        future = pool.submit(copy_context().run, tool.fn, args, ToolContext(ctx.key, ctx.request_id, call_id))
+        try:
+            output = future.result(timeout=tool.timeout)
+        except FutureTimeout:
+            # It may still have had its effect: never run it again; tell the model. Its thread cannot be stopped,
+            # so the worker ends this process once the outcome is recorded: nothing it returns or does later can
+            # land.
+            op.outcome = "timeout"
+            ctx.abandoned.set()
+            return said(f"error: {tool.name} did not finish within {tool.timeout:g}s; its outcome is unknown")
+        except InvalidInput as exc:
+            op.outcome = "invalid"
+            return said(f"error: {exc}")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
     # The runner checkpoints this whole result (content, messages, usage) before recording it: a replay after a
     # crash emits the same messages under the same keys and charges the same usage, without running the tool again.
     return said(output.content, usage=output.usage, messages=output.messages)
