@@ -32,6 +32,8 @@ class NewJob:
     queue: str
     priority: int
     run_at: datetime
+    #: The W3C trace context of the work that scheduled it (None when traces are off): its run continues that trace.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,8 @@ class ClaimedJob:
     claimed_at: datetime
     # What an earlier attempt checkpointed before it could record its outcome (a reply it already paid for).
     checkpoint: dict[str, Any] | None = None
+    #: The trace this run continues (stored by the transition that scheduled it); None when traces were off.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,7 @@ class JobStatus:
     status: str
     run_at: datetime
     lease_until: datetime | None
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +93,8 @@ _COUNT_LOST_RUN = (
 
 _INSERT = (
     "INSERT INTO jobs (key, agent_id, request_id, operation, target, payload, status, queue, priority, run_at,"
-    " enqueued_at, created_at, updated_at)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, CASE WHEN %s = 'enqueued' THEN %s END, %s, %s)"
+    " enqueued_at, created_at, updated_at, traceparent)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, CASE WHEN %s = 'enqueued' THEN %s END, %s, %s, %s)"
     " ON CONFLICT (key) DO NOTHING"
 )
 
@@ -116,6 +121,7 @@ def insert_jobs_txn(cur: psycopg.Cursor[Any], jobs: Sequence[NewJob], now: datet
                 now,
                 now,
                 now,
+                job.traceparent,
             ),
         )
         (inserted if cur.rowcount == 1 else suppressed).append(job.key)
@@ -167,13 +173,14 @@ def claim(db: Database, key: str, worker: str, lease: timedelta) -> ClaimedJob |
             " RETURNING j.key, j.agent_id, j.request_id, j.operation, j.target, j.payload, j.attempts,"
             " j.error_attempts, j.fencing_token, j.lease_until, j.queue, a.phase AS agent_phase, a.hard_deadline,"
             " a.spent_tokens,"
-            " a.spent_cost, a.budget_tokens, a.budget_cost, j.result AS checkpoint, clock_timestamp() AS claimed_at",
+            " a.spent_cost, a.budget_tokens, a.budget_cost, j.result AS checkpoint, clock_timestamp() AS claimed_at,"
+            " j.traceparent",
             {"key": key, "lease": lease, "worker": worker},
         )
         row = cur.fetchone()
         if row is not None:
             return ClaimedJob(**row)
-        cur.execute("SELECT key, agent_id, status, run_at, lease_until FROM jobs WHERE key = %s", (key,))
+        cur.execute("SELECT key, agent_id, status, run_at, lease_until, traceparent FROM jobs WHERE key = %s", (key,))
         found = cur.fetchone()
         return None if found is None else JobStatus(**found)
 

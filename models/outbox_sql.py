@@ -23,6 +23,8 @@ class NewMessage:
     channel: str
     destination: str
     payload: dict[str, Any]
+    #: The W3C trace context of the work that emitted it (None when traces are off): its sends continue that trace.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,7 @@ class ClaimedMessage:
     needs_reconcile: bool
     created_at: datetime
     agent_id: UUID
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +67,10 @@ def insert_messages_txn(cur: psycopg.Cursor[Any], messages: Sequence[NewMessage]
         cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 7))", ("keel-outbox:" + destination,))
     for m in messages:
         cur.execute(
-            "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, next_attempt_at,"
-            " created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, now(), now(), now())"
+            "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, traceparent,"
+            " next_attempt_at, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s, now(), now(), now())"
             " ON CONFLICT (key) DO NOTHING",
-            (m.key, m.agent_id, m.request_id, m.channel, m.destination, json.dumps(m.payload)),
+            (m.key, m.agent_id, m.request_id, m.channel, m.destination, json.dumps(m.payload), m.traceparent),
         )
         (inserted if cur.rowcount == 1 else suppressed).append(m.key)
     return inserted, suppressed
@@ -120,7 +123,7 @@ def claim_run(db: Database, destination: str, lease: timedelta, limit: int) -> l
             " lease_until = clock_timestamp() + %(lease)s, attempts = o.attempts + 1, claim_token = o.claim_token + 1,"
             " updated_at = clock_timestamp() WHERE o.key = ANY(%(keys)s)"
             " RETURNING o.seq, o.key, o.channel, o.destination, o.payload, o.attempts, o.rate_limited_attempts,"
-            " o.claim_token, o.needs_reconcile, o.created_at, o.agent_id",
+            " o.claim_token, o.needs_reconcile, o.created_at, o.agent_id, o.traceparent",
             {"lease": lease, "keys": keys},
         )
         rows: list[dict[str, Any]] = cur.fetchall()

@@ -143,6 +143,11 @@ class Settings(BaseSettings):
     #: None: http://{api_host}:{api_port}.
     api_public_url: str | None = None
 
+    # Traces (OpenTelemetry): off unless an OTLP/HTTP collector is named, e.g. http://otel-collector:4318 (spans go
+    # to its /v1/traces). Unset, the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT turn
+    # them on instead (agents/observability/tracing.py).
+    otlp_endpoint: str | None = None
+
     @model_validator(mode="after")
     def _outbox_reconcile_fits_the_lease(self) -> Settings:
         # The lease is renewed right before a reconciliation and must still be live when it ends (its last page
@@ -210,7 +215,9 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name!r} is not a module name (dotted Python identifiers, e.g. myapp.handlers)")
         return value
 
-    @field_validator("notify_slack_channel", "slack_token", "github_token", "llm_api_key", mode="before")
+    @field_validator(
+        "notify_slack_channel", "slack_token", "github_token", "llm_api_key", "otlp_endpoint", mode="before"
+    )
     @classmethod
     def _empty_means_unset(cls, value: object) -> object:
         # compose passes an unset variable on as "" (`${KEEL_SLACK_TOKEN:-}`): that is "none", not an empty token
@@ -234,6 +241,12 @@ class Settings(BaseSettings):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host")
         return value
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_endpoint_is_http(cls, value: str | None) -> str | None:
+        # OTLP over HTTP only (the gRPC exporter is not shipped); the URL may carry credentials: never echoed.
+        return None if value is None else cls._http_url(value)
 
     @field_validator("slack_api_url")
     @classmethod

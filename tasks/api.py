@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from agents.core.redaction import install_log_redaction, register_settings
 from agents.ingress.app import create_app
 from agents.ingress.problems import INCIDENT_NOTE
+from agents.observability.tracing import API, configure_tracing
 from models.settings import Settings
 from tasks.app import publisher
 
@@ -65,4 +66,5 @@ def create() -> FastAPI:
     # tasks.api:create --factory` with uvicorn's own logging.
     register_settings(settings)
     install_log_redaction([logging.getLogger(), *map(logging.getLogger, UVICORN_LOGGERS)])
+    configure_tracing(settings, API)  # in each API process (uvicorn starts its workers afresh): off without an endpoint
     return create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS))

@@ -10,12 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.exceptions
-from celery import Celery
-from celery.signals import after_setup_logger
+from celery import Celery, concurrency
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.signals import after_setup_logger, beat_init, worker_init, worker_process_init, worker_process_shutdown
 from kombu import Queue  # type: ignore[attr-defined]
 from kombu.exceptions import OperationalError as BrokerError
 
 from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
+from agents.observability.tracing import BEAT, WORKER, configure_tracing, flush_tracing
 from models.embedded import broker_url_for
 from models.jobs_sql import Due
 from models.settings import Settings
@@ -91,6 +93,32 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def _quiet_housekeeping(**_: Any) -> None:
     # Worker and beat set up their logging after this module is imported, whichever command started them.
     quiet_housekeeping(HOUSEKEEPING)
+
+
+# Traces (off without an OTLP endpoint): set up in the process that runs the tasks. A prefork worker's parent runs
+# none: each child sets up its own provider after the fork (an export thread does not survive one).
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def _trace_worker(sender: Any = None, **_: Any) -> None:
+    pool = concurrency.get_implementation(getattr(sender, "pool_cls", None) or "prefork")
+    if not (isinstance(pool, type) and issubclass(pool, PreforkPool)):  # solo, threads: tasks run in this process
+        configure_tracing(Settings(), WORKER)
+
+
+@worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def _trace_worker_child(**_: Any) -> None:
+    configure_tracing(Settings(), WORKER)
+
+
+@worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+def _flush_worker_child(**_: Any) -> None:
+    flush_tracing()  # a pool child ends with os._exit: its exit handlers never export what is left
+
+
+@beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def _trace_beat(**_: Any) -> None:
+    configure_tracing(Settings(), BEAT)
 
 
 def make_app(settings: Settings | None = None) -> Celery:

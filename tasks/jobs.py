@@ -23,6 +23,7 @@ from agents.core.commands import Command
 from agents.core.errors import KeelError, Rejected, StoreError
 from agents.core.outage import is_outage
 from agents.core.phases import Event
+from agents.observability.tracing import flush_tracing
 from models.jobs_sql import job_row, unpublish
 from tasks.app import RUN_JOB, broker_error, publish
 from tasks.logs import HandedBack
@@ -78,6 +79,7 @@ def run_job(self: Any, key: str) -> str:
         # message, handed back as a lost worker's, is suppressed as a duplicate when it comes again.
         log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
         logging.shutdown()
+        flush_tracing()
         os._exit(70)
     return outcome.status
 

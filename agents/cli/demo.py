@@ -105,6 +105,8 @@ def up(
     env = dict(os.environ)
     env["KEEL_DATABASE_URL"] = database_url = database_url_for(settings)
     env["KEEL_BROKER_URL"] = broker_url = broker_url_for(settings)
+    if settings.otlp_endpoint:  # from .env too: every process exports its spans to the same collector
+        env["KEEL_OTLP_ENDPOINT"] = settings.otlp_endpoint
     if (migrated := migrations.prepare(database_url, migrate=migrate or settings.database_url is None)) is not None:
         say(migrated)
     keel = [sys.executable, "-m", "agents"]

@@ -19,9 +19,12 @@ def queue_for(agent: AgentRow, spec: JobSpec) -> str:
     return LOW_QUEUE if agent.priority == LOW or spec.priority < NORMAL_PRIORITY else JOBS_QUEUE
 
 
-def new_jobs(agent: AgentRow, specs: Sequence[JobSpec], now: datetime, *, publish_due: bool) -> list[NewJob]:
+def new_jobs(
+    agent: AgentRow, specs: Sequence[JobSpec], now: datetime, *, publish_due: bool, traceparent: str | None = None
+) -> list[NewJob]:
     """The rows for ``specs`` under ``agent``'s current request. Jobs due now are inserted already ``enqueued``
-    when the caller publishes them right after commit (the dispatcher re-publishes any that never arrive)."""
+    when the caller publishes them right after commit (the dispatcher re-publishes any that never arrive).
+    ``traceparent``: the trace their runs continue (the scheduling work's), None when traces are off."""
     if specs and agent.request_id is None:
         raise ValueError("jobs need a request in flight")
     rows = []
@@ -40,6 +43,7 @@ def new_jobs(agent: AgentRow, specs: Sequence[JobSpec], now: datetime, *, publis
                 queue=queue_for(agent, spec),
                 priority=min(spec.priority, 2) if agent.priority == LOW else spec.priority,
                 run_at=run_at,
+                traceparent=traceparent,
             )
         )
     return rows

@@ -46,7 +46,7 @@ from agents.core.errors import (
     quoted,
 )
 from agents.core.keys import make_key
-from agents.core.observe import observe
+from agents.core.observe import current_traceparent, observe
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
@@ -377,8 +377,10 @@ def _apply_txn(
         if summary:
             details["effects"] = dict(summary)
     to_publish: tuple[Due, ...] = ()
+    # The jobs and messages this transition causes continue its trace (None when traces are off: no cost then).
+    traceparent = current_traceparent() if command.jobs or command.messages else None
     if command.jobs:
-        rows = new_jobs(after, command.jobs, at, publish_due=publish_due)
+        rows = new_jobs(after, command.jobs, at, publish_due=publish_due, traceparent=traceparent)
         inserted, suppressed = insert_jobs_txn(cur, rows, at)
         details["jobs"] = inserted
         if suppressed:
@@ -386,7 +388,7 @@ def _apply_txn(
         fresh = set(inserted)
         to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in fresh and r.status == "enqueued")
     if command.messages:
-        details.update(_emit_messages_txn(cur, after, command, at))
+        details.update(_emit_messages_txn(cur, after, command, at, traceparent))
     # Coming to rest cancels the agent's live jobs (an empty sweep costs a statement: skip it when there are none).
     if (
         Phase(after.phase) in RESTING
@@ -428,7 +430,9 @@ def _joined(command: Command, row: AgentRow, live_jobs: int) -> Command:
     return replace(command, event=command.join.event, jobs=command.jobs + command.join.jobs, join=None)
 
 
-def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Command, at: datetime) -> dict[str, Any]:
+def _emit_messages_txn(
+    cur: psycopg.Cursor[Any], agent: AgentRow, command: Command, at: datetime, traceparent: str | None
+) -> dict[str, Any]:
     """Put the command's messages in the outbox, in order; a key already there is a suppressed duplicate."""
     if agent.request_id is None:
         raise InvalidInput("messages need a request in flight: their keys start with its id")
@@ -440,6 +444,7 @@ def _emit_messages_txn(cur: psycopg.Cursor[Any], agent: AgentRow, command: Comma
             m.channel,
             m.destination,
             dict(m.payload),
+            traceparent,
         )
         for m in command.messages
     ]

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agents.client import Publisher
 from agents.core.errors import KeelError
-from agents.core.observe import observe
+from agents.core.observe import current_traceparent, observe
 from agents.core.redaction import register_settings
 from agents.ingress import problems
 from agents.ingress.auth import TokenGate
@@ -47,7 +47,8 @@ journal and each request's story, and follow an agent live.
 class Observed:
     """Each HTTP request is one observed unit of work (``observe("http", method)``): its route template and status
     are named when it ends; the W3C ``traceparent`` it came with and its ``Idempotency-Key`` (the request id of a
-    submit) are named from the start."""
+    submit) are named from the start. When traces are on, the answer carries a ``traceresponse`` header (W3C Trace
+    Context level 2): the trace the request is part of, to look it up by."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -63,6 +64,9 @@ class Observed:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+                traced = current_traceparent()
+                if traced is not None:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"traceresponse", traced.encode())]}
             await send(message)
 
         traceparent = headers.get(b"traceparent")

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import copy_context
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from decimal import Decimal
@@ -34,7 +35,7 @@ from agents.core.errors import (
     KeelError,
 )
 from agents.core.keys import split_key
-from agents.core.observe import Op, observe
+from agents.core.observe import observe
 from agents.core.outage import Outage, is_outage
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
@@ -43,6 +44,7 @@ from models.db import Database
 from models.jobs_sql import (
     ClaimedJob,
     Due,
+    JobStatus,
     checkpoint,
     claim,
     count_suppressed_txn,
@@ -196,15 +198,23 @@ class Runner:
             request_id, operation, _ = split_key(key)
         except ValueError:
             request_id, operation = None, "unknown"
-        with observe("job", operation, job_key=key, request_id=request_id, actor=self.actor) as op:
-            outcome = self._run(key, op)
+        # Claimed before the run is observed: the job's stored traceparent (the trace of the work that scheduled
+        # it, also for a retry or a redelivery) is what the run continues, and a span's parent is fixed at its start.
+        claimed = claim(self.db, key, self.worker, self.lease)
+        with observe(
+            "job",
+            operation,
+            job_key=key,
+            request_id=request_id,
+            actor=self.actor,
+            agent_id=None if claimed is None else claimed.agent_id,
+            traceparent=None if claimed is None else claimed.traceparent,
+        ) as op:
+            outcome = self._run(key, claimed)
             op.outcome = outcome.status
             return outcome
 
-    def _run(self, key: str, op: Op) -> RunOutcome:
-        claimed = claim(self.db, key, self.worker, self.lease)
-        if claimed is not None:
-            op.add(agent_id=claimed.agent_id)
+    def _run(self, key: str, claimed: ClaimedJob | JobStatus | None) -> RunOutcome:
         if claimed is None:
             log.warning("job %s: no such job; message dropped", key)
             return RunOutcome(key, "missing")
@@ -396,7 +406,9 @@ class Runner:
             box.append((None, result))
 
         limit = self.run_limit(job.operation)
-        thread = threading.Thread(target=call, name=f"keel-job-{job.operation}", daemon=True)
+        # In this context: the handler's model and tool calls belong to this job's run (its span, its log context).
+        name = f"keel-job-{job.operation}"
+        thread = threading.Thread(target=copy_context().run, args=(call,), name=name, daemon=True)
         thread.start()
         thread.join(limit)
         if thread.is_alive() or not box:

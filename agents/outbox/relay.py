@@ -233,7 +233,12 @@ class Relay:
     def _attempt(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
         request_id = message.key.split(":", 1)[0]
         with observe(
-            "outbox_send", message.channel, outbox_key=message.key, request_id=request_id, agent_id=message.agent_id
+            "outbox_send",
+            message.channel,
+            outbox_key=message.key,
+            request_id=request_id,
+            agent_id=message.agent_id,
+            traceparent=message.traceparent,  # the trace of the work that emitted it, on every attempt
         ) as op:
             outcome = self._attempt_once(run, message)
             op.outcome = outcome.how if isinstance(outcome, Delivery) else outcome.kind

@@ -1,0 +1,247 @@
+"""OpenTelemetry traces: one span per observed unit of work, one trace per request across every process.
+
+Off unless an OTLP endpoint is configured: ``KEEL_OTLP_ENDPOINT`` (an OTLP/HTTP collector's base URL, e.g.
+``http://otel-collector:4318``; spans go to its ``/v1/traces``), else the standard
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (the full URL) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base URL).
+``OTEL_SDK_DISABLED=true`` keeps them off whatever is set. The exporter reads the other standard
+``OTEL_EXPORTER_OTLP_*`` variables itself (headers, timeout, compression, certificates), the provider
+``OTEL_TRACES_SAMPLER``.
+
+When on, every ``observe(...)`` block (:mod:`agents.core.observe`) is a span, current while the block runs, so the
+work it does (a transition inside a job run, a tool call inside it) is its child. A block that names a
+``traceparent`` and runs under no span continues that trace: the HTTP request's header, and the one a transition
+stored with the jobs and outbox messages it inserted (:func:`agents.core.observe.current_traceparent`), so a job's
+run and a message's send — in a worker, retried, redelivered — belong to the request that caused them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from contextvars import Token
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from agents.core import observe
+from models.settings import Settings
+
+log = logging.getLogger("keel.tracing")
+
+#: The ``service.name`` of each process role.
+API, WORKER, BEAT = "keel-api", "keel-worker", "keel-beat"
+
+_TRACES_PATH = "/v1/traces"
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+_SPAN_KINDS = {
+    "http": SpanKind.SERVER,
+    "job": SpanKind.CONSUMER,
+    "model_call": SpanKind.CLIENT,
+    "outbox_send": SpanKind.CLIENT,
+}
+
+#: Context keys and the span attributes they become (``traceparent`` is the span's parent, not an attribute).
+_ATTRIBUTES = {
+    "request_id": "keel.request_id",
+    "agent_id": "keel.agent_id",
+    "job_key": "keel.job_key",
+    "outbox_key": "keel.outbox_key",
+    "actor": "keel.actor",
+    "route": "http.route",
+    "status": "http.response.status_code",
+}
+
+#: Outcomes that mean the work failed although no exception left its block (the span's status is then an error).
+_FAILED = {
+    "job": frozenset({"retrying", "failed", "dead"}),
+    "tool_call": frozenset({"timeout", "invalid"}),
+    "outbox_send": frozenset({"transient", "ambiguous", "rate_limited", "permanent"}),
+}
+
+
+def traces_endpoint(settings: Settings, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The OTLP/HTTP URL spans are exported to, or None when traces are off (see the module's docstring)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if settings.otlp_endpoint:
+        return _traces_url(settings.otlp_endpoint)
+    full = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if full:
+        return full
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    return _traces_url(base) if base else None
+
+
+def _traces_url(base: str) -> str:
+    base = base.rstrip("/")
+    return base if base.endswith(_TRACES_PATH) else base + _TRACES_PATH
+
+
+def _shown(url: str) -> str:
+    """``url`` without what may be a credential (user info, query)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{'' if parts.port is None else f':{parts.port}'}{parts.path}"
+
+
+def span_name(op: observe.Op) -> str:
+    """``keel.transition submit``, ``keel.job plan``, ``keel.model_call``, ``keel.tool_call search``,
+    ``keel.outbox_send slack``, ``HTTP POST /v1/agents/{ref}/requests`` (the route template, once it is known)."""
+    if op.kind == "http":
+        route = op.context.get("route")
+        return f"HTTP {op.name} {route}" if route else f"HTTP {op.name}"
+    if op.kind == "model_call":  # its name is the provider's class: an attribute, not part of the name
+        return "keel.model_call"
+    return f"keel.{op.kind} {op.name}"
+
+
+def _attributes(context: Mapping[str, Any]) -> dict[str, str | int]:
+    found: dict[str, str | int] = {}
+    for key, value in context.items():
+        name = _ATTRIBUTES.get(key)
+        if name is None or value is None:
+            continue
+        found[name] = int(value) if key == "status" and str(value).isdigit() else str(value)
+    return found
+
+
+class TracingObserver:
+    """An :class:`agents.core.observe.Observer` that makes each unit of work a span (and the source of
+    :func:`agents.core.observe.current_traceparent`)."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self.tracer = tracer
+        # The span of each op in progress, by the op's id (an op is not hashable); ``added`` finds it here.
+        self._spans: dict[int, Span] = {}
+
+    def start(self, op: observe.Op) -> tuple[Span, Token[Context]]:
+        parent = None
+        carried = op.context.get("traceparent")
+        if carried and not trace.get_current_span().get_span_context().is_valid:
+            parent = _PROPAGATOR.extract({"traceparent": carried})  # malformed: a new trace, as if none were given
+        attributes = _attributes(op.context)
+        if op.kind == "http":
+            attributes["http.request.method"] = op.name
+        elif op.kind == "model_call":
+            attributes["keel.provider"] = op.name
+        span = self.tracer.start_span(
+            span_name(op), context=parent, kind=_SPAN_KINDS.get(op.kind, SpanKind.INTERNAL), attributes=attributes
+        )
+        self._spans[id(op)] = span
+        return span, otel_context.attach(trace.set_span_in_context(span))
+
+    def added(self, op: observe.Op, context: dict[str, Any]) -> None:
+        span = self._spans.get(id(op))
+        if span is None:
+            return
+        span.set_attributes(_attributes(context))
+        if op.kind == "http" and "route" in context:
+            span.update_name(span_name(op))
+
+    def end(self, op: observe.Op, token: tuple[Span, Token[Context]]) -> None:
+        span, attached = token
+        self._spans.pop(id(op), None)
+        try:
+            if op.outcome is not None:
+                span.set_attribute("keel.outcome", op.outcome)
+            if op.error is not None:
+                # The class only: an exception's text may quote what must not leave the process.
+                span.set_status(Status(StatusCode.ERROR, type(op.error).__name__))
+            elif op.kind == "http" and int(op.context.get("status", "0")) >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            elif op.outcome in _FAILED.get(op.kind, ()):
+                span.set_status(Status(StatusCode.ERROR, op.outcome))
+            span.end()
+        finally:
+            otel_context.detach(attached)
+
+    def current_traceparent(self) -> str | None:
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier)
+        return carrier.get("traceparent")
+
+
+@dataclass(frozen=True)
+class Tracing:
+    """Traces as configured in this process: :func:`configure_tracing` returns it."""
+
+    provider: TracerProvider
+    observer: TracingObserver
+    endpoint: str
+    pid: int
+
+    def flush(self, timeout_millis: int = 5_000) -> bool:
+        """Export the spans that ended so far (before a process ends without running its exit handlers)."""
+        return self.provider.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        """Stop tracing in this process: no more spans; those that ended are exported first."""
+        observe.unregister(self.observer)
+        observe.set_trace_context(None)
+        self.provider.shutdown()
+
+
+_installed: Tracing | None = None
+
+
+def configure_tracing(settings: Settings, service_name: str, exporter: SpanExporter | None = None) -> Tracing | None:
+    """Turn traces on in this process when an OTLP endpoint is configured (see the module's docstring); returns
+    None, doing nothing, when none is. ``service_name`` is the process's role (:data:`API`, :data:`WORKER`,
+    :data:`BEAT`). ``exporter`` replaces the OTLP/HTTP exporter (tests); it too is used only when an endpoint is
+    configured. Configuring again replaces what this process had configured (not what a forked parent had: a
+    prefork worker child calls this after the fork, with a provider and export thread of its own)."""
+    global _installed
+    endpoint = traces_endpoint(settings)
+    if endpoint is None:
+        return None
+    if _installed is not None:
+        if _installed.pid == os.getpid():
+            _installed.shutdown()
+        else:  # inherited through a fork: its export thread is not this process's
+            observe.unregister(_installed.observer)
+        _installed = None
+    resource = Resource.create(
+        {
+            "service.name": service_name,
+            "service.version": version("keel"),
+            "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
+            "deployment.environment.name": settings.environment,
+        }
+    )
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=endpoint)))
+    # Not installed as OpenTelemetry's global provider: libraries that trace through it on their own (FastAPI's
+    # native telemetry, say) stay off, and every span is one of Keel's units of work. The current span is global
+    # all the same: spans a tool makes through a global provider of its process's own join the trace.
+    observer = TracingObserver(provider.get_tracer("keel", version("keel")))
+    observe.register(observer)
+    observe.set_trace_context(observer)
+    _installed = Tracing(provider, observer, endpoint, os.getpid())
+    log.info("traces: %s spans go to %s", service_name, _shown(endpoint))
+    return _installed
+
+
+def installed() -> Tracing | None:
+    """What :func:`configure_tracing` turned on in this process, if anything."""
+    return _installed if _installed is not None and _installed.pid == os.getpid() else None
+
+
+def flush_tracing() -> None:
+    """Export what ended so far, if traces are on here: before ``os._exit`` (a worker child ending itself)."""
+    tracing = installed()
+    if tracing is not None:
+        tracing.flush()
