@@ -46,7 +46,7 @@ from agents.core.errors import (
     quoted,
 )
 from agents.core.keys import make_key
-from agents.core.observe import current_traceparent, observe
+from agents.core.observe import current, current_traceparent, observe
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
@@ -290,6 +290,7 @@ def _transition(
             # The database's clock, read after the lock: along a chain time never goes back, and every host agrees.
             row, live_jobs, at = locked.row, locked.live_jobs, locked.at
             command = _joined(command, row, live_jobs)
+            _name_observed(command)
             owner = None
             if command.event is Event.SUBMIT and not is_repeat_submit(row, command):
                 assert command.request_id is not None
@@ -419,6 +420,14 @@ def _apply_txn(
     if not update_agent_txn(cur, before, after, event):
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
     return after, to_publish
+
+
+def _name_observed(command: Command) -> None:
+    """A joined step's command becomes the event it joins into: name the observed transition after that one."""
+    op = current()
+    if op is not None and op.kind == "transition" and op.name != command.event.value:
+        op.name = command.event.value
+        op.add()
 
 
 def _joined(command: Command, row: AgentRow, live_jobs: int) -> Command:

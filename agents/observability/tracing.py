@@ -149,8 +149,7 @@ class TracingObserver:
         if span is None:
             return
         span.set_attributes(_attributes(context))
-        if op.kind == "http" and "route" in context:
-            span.update_name(span_name(op))
+        span.update_name(span_name(op))  # the route became known, or a transition was joined into another event
 
     def end(self, op: observe.Op, token: tuple[Span, Token[Context]]) -> None:
         span, attached = token
