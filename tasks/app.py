@@ -19,6 +19,7 @@ from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from models.embedded import broker_url_for
 from models.jobs_sql import Due
 from models.settings import Settings
+from tasks import metrics as _metrics  # noqa: F401  (connects the worker's and the beat's exporters to their start)
 from tasks.logs import quiet_housekeeping
 
 RUN_JOB = "keel.run_job"
