@@ -147,6 +147,13 @@ class Settings(BaseSettings):
     # to its /v1/traces). Unset, the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT turn
     # them on instead (agents/observability/tracing.py).
     otlp_endpoint: str | None = None
+    # Prometheus metrics. The API serves /metrics on its own port (unauthenticated unless a token is set); workers and
+    # beats each serve it on a port of their own, 0 = not served (several on one host need distinct ports).
+    api_metrics: bool = True
+    api_metrics_token: SecretStr | None = None
+    metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535)
+    beat_metrics_port: int = Field(default=0, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _outbox_reconcile_fits_the_lease(self) -> Settings:
@@ -216,13 +223,26 @@ class Settings(BaseSettings):
         return value
 
     @field_validator(
-        "notify_slack_channel", "slack_token", "github_token", "llm_api_key", "otlp_endpoint", mode="before"
+        "notify_slack_channel",
+        "slack_token",
+        "github_token",
+        "llm_api_key",
+        "otlp_endpoint",
+        "api_metrics_token",
+        mode="before",
     )
     @classmethod
     def _empty_means_unset(cls, value: object) -> object:
         # compose passes an unset variable on as "" (`${KEEL_SLACK_TOKEN:-}`): that is "none", not an empty token
         # every send would fail with.
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("api_metrics_token")
+    @classmethod
+    def _metrics_token_is_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters (Prometheus sends it as a Bearer token)")
+        return value
 
     @field_validator("notify_slack_channel")
     @classmethod

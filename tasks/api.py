@@ -1,20 +1,26 @@
 """The HTTP API with Celery's publisher: a submit's first job goes to the broker at once, as ``Client`` with a
 publisher does. ``keel serve`` runs :func:`create` under uvicorn (``factory=True``: each worker process builds its
-own app, database pool and listener) with :func:`log_config` as its logging."""
+own app, database pool and listener) with :func:`log_config` as its logging, and ``GET /metrics`` (Prometheus)."""
 
 from __future__ import annotations
 
+import hmac
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
+from fastapi.security.utils import get_authorization_scheme_param
+from pydantic import SecretStr
 
 from agents.core.redaction import install_log_redaction, register_settings
 from agents.ingress.app import create_app
-from agents.ingress.problems import INCIDENT_NOTE
+from agents.ingress.problems import INCIDENT_NOTE, UNAUTHORIZED, Problem
+from agents.observability.metrics import Metrics, install_metrics
 from agents.observability.tracing import API, configure_tracing
 from models.settings import Settings
 from tasks.app import publisher
+from tasks.metrics import domain_collectors
 
 #: uvicorn's loggers: ``uvicorn.error`` (its own lines) and ``uvicorn.access`` (one line per request).
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
@@ -67,4 +73,31 @@ def create() -> FastAPI:
     register_settings(settings)
     install_log_redaction([logging.getLogger(), *map(logging.getLogger, UVICORN_LOGGERS)])
     configure_tracing(settings, API)  # in each API process (uvicorn starts its workers afresh): off without an endpoint
-    return create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS))
+    metrics = install_metrics("api", collectors=domain_collectors(settings))
+    app = create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS))
+    if settings.api_metrics:
+        app.add_api_route(
+            "/metrics", metrics_endpoint(metrics, settings.api_metrics_token), methods=["GET"], include_in_schema=False
+        )
+    return app
+
+
+def metrics_endpoint(metrics: Metrics, token: SecretStr | None) -> Callable[[Request], Response]:
+    """``GET /metrics``: what this API exports (every worker process's numbers with ``keel serve --workers N``). With
+    ``token`` (KEEL_API_METRICS_TOKEN) a scrape must send it as a Bearer token; without, anyone who reaches the port
+    may read it."""
+    expected = None if token is None else token.get_secret_value().encode()
+
+    def scrape(request: Request) -> Response:  # a plain function: FastAPI runs it in its thread pool
+        if expected is not None:
+            scheme, given = get_authorization_scheme_param(request.headers.get("authorization"))
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
+                raise Problem(
+                    UNAUTHORIZED,
+                    "send KEEL_API_METRICS_TOKEN as a Bearer token to read /metrics",
+                    headers={"WWW-Authenticate": 'Bearer realm="keel-metrics"'},
+                )
+        body, content_type = metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+
+    return scrape

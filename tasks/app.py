@@ -21,6 +21,7 @@ from agents.observability.tracing import BEAT, WORKER, configure_tracing, flush_
 from models.embedded import broker_url_for
 from models.jobs_sql import Due
 from models.settings import Settings
+from tasks import metrics as _metrics  # noqa: F401  (connects the worker's and the beat's exporters to their start)
 from tasks.logs import quiet_housekeeping
 
 RUN_JOB = "keel.run_job"

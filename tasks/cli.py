@@ -33,6 +33,17 @@ def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_redaction([logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])])
 
 
+def _metrics_port_or_exit(settings: Settings, port: int, variable: str) -> None:
+    """Refuse to start, in one line, when this process's metrics port is taken (0: no exporter, nothing to check)."""
+    from models.embedded import port_is_free
+
+    if port and not port_is_free(port, settings.metrics_host):
+        raise click.ClickException(
+            f"{variable}={port}: the port is taken on {settings.metrics_host}; give every worker and beat on this"
+            " host its own port, or 0 for no metrics exporter"
+        )
+
+
 def _embedded_or_exit(settings: Settings, *, database: bool = True) -> None:
     """Refuse to start, in one line, when a server is left to the embedded default and ``keel[embedded]`` is not
     installed (Celery would meet it later, with a traceback)."""
@@ -76,6 +87,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     settings = _settings(imports=True)
     _embedded_or_exit(settings)
     _schema_or_exit(settings)
+    _metrics_port_or_exit(settings, settings.worker_metrics_port, "KEEL_WORKER_METRICS_PORT")
     _redact_logs(settings)
     from tasks.app import app
 
@@ -96,6 +108,7 @@ def beat(loglevel: str) -> None:
     settings = _settings()
     _embedded_or_exit(settings)
     _schema_or_exit(settings)
+    _metrics_port_or_exit(settings, settings.beat_metrics_port, "KEEL_BEAT_METRICS_PORT")
     _redact_logs(settings)
     from tasks.app import app
 
@@ -131,12 +144,17 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
     register_settings(settings)
     import uvicorn
 
+    from agents.observability.metrics import multiprocess_dir, prepare_multiprocess
     from models.embedded import broker_url_for, database_url_for
     from tasks.api import log_config
 
     # Start the embedded servers (if they are the default) once, here, rather than in every worker process.
     database_url_for(settings)
     broker_url_for(settings)
+    processes = workers or settings.api_workers
+    if processes > 1 or multiprocess_dir() is not None:
+        # Each uvicorn worker's /metrics must answer for all of them: they share one multiprocess directory.
+        prepare_multiprocess("api")
     # uvicorn handles SIGTERM itself (a graceful shutdown), then raises it again once it has stopped: a stop that was
     # asked for and went well ends with status 0, not as killed by the signal.
     signal.signal(signal.SIGTERM, _stopped)
@@ -145,7 +163,7 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
         factory=True,
         host=host or settings.api_host,
         port=port or settings.api_port,
-        workers=workers or settings.api_workers,
+        workers=processes,
         # Keel's lines and uvicorn's (access lines too) with timestamps, every one redacted, in each worker process.
         log_config=log_config(loglevel),
         log_level=loglevel,

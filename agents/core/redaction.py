@@ -67,7 +67,7 @@ def secrets_of(settings: Settings) -> list[str]:
     """The secrets in ``settings``: its tokens and API key, and the passwords of its database and broker URLs."""
     found = [
         value.get_secret_value()
-        for value in (settings.slack_token, settings.github_token, settings.llm_api_key)
+        for value in (settings.slack_token, settings.github_token, settings.llm_api_key, settings.api_metrics_token)
         if value is not None
     ]
     for url in (settings.database_url, settings.broker_url):

@@ -29,9 +29,12 @@ KEEL = str(Path(sys.executable).parent / "keel")
 
 @contextmanager
 def keel_up(db_url: str, broker_env: dict[str, str], log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``keel up ARGS``; without --api-port or --no-api, the API on a free port (not 8000, which may be taken)."""
+    """``keel up ARGS``; without --api-port or --no-api, the API on a free port (not 8000, which may be taken); the
+    worker's and the beat's metrics too, unless given or --no-metrics."""
     if "--api-port" not in args and "--no-api" not in args:
         args = ("--api-port", str(free_port()), *args)
+    if "--worker-metrics-port" not in args and "--no-metrics" not in args:
+        args = ("--worker-metrics-port", str(free_port()), "--beat-metrics-port", str(free_port()), *args)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env.update({"KEEL_DATABASE_URL": db_url, **broker_env, "FLOWER_UNAUTHENTICATED_API": "true"})
     with open(log, "wb") as out:
@@ -111,6 +114,29 @@ def test_up_migrates_a_configured_database_when_given_migrate_and_says_so(
         assert up.wait(timeout=90) == 0, log.read_text()
     assert log.read_text().splitlines()[0] == f"database: migrated {previous} → {head}"
     assert migrations.revision_at(db_url) == head
+
+
+def test_up_serves_metrics_from_the_api_the_worker_and_the_beat_and_says_where(
+    db_url: str, broker: Broker, tmp_path: Path
+) -> None:
+    api_port, worker_port, beat_port = free_port(), free_port(), free_port()
+    log = tmp_path / "up.log"
+    ports = ["--worker-metrics-port", str(worker_port), "--beat-metrics-port", str(beat_port)]
+    with keel_up(db_url, broker.env, log, "--no-flower", "--api-port", str(api_port), *ports) as up:
+        running(up, log)
+        urls = [
+            f"http://127.0.0.1:{api_port}/metrics (api)",
+            f"http://127.0.0.1:{worker_port}/metrics (worker)",
+            f"http://127.0.0.1:{beat_port}/metrics (beat)",
+        ]
+        assert f"keel up: metrics at {', '.join(urls)}" in log.read_text()
+        for url in urls:
+            answer = httpx.get(url.split(" ")[0], timeout=30)
+            assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain"), url
+        # The API's own probes (/readyz) are among its requests already.
+        assert 'route="/readyz"' in httpx.get(f"http://127.0.0.1:{api_port}/metrics", timeout=30).text
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=90) == 0, log.read_text()
 
 
 @pytest.mark.parametrize(("name", "command"), [("beat", "beat"), ("api", "serve")])

@@ -29,9 +29,15 @@ from tasks.dispatcher import LEADER_LOCK
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 #: Services that run until stopped (everything but the one-shot migrate).
-LONG_RUNNING = {"postgres", "redis", "api", "worker", "relay", "beat", "flower"}
+LONG_RUNNING = {"postgres", "redis", "api", "worker", "relay", "beat", "flower", "prometheus", "grafana"}
+#: The `observability` profile's services; every other service runs without a profile.
+OBSERVABILITY = {"prometheus", "grafana"}
 #: What a filled-in .env adds to .env.example: the secrets it leaves empty.
-SECRETS = {"POSTGRES_PASSWORD": "s3cret-for-tests", "FLOWER_BASIC_AUTH": "admin:s3cret-for-tests"}
+SECRETS = {
+    "POSTGRES_PASSWORD": "s3cret-for-tests",
+    "FLOWER_BASIC_AUTH": "admin:s3cret-for-tests",
+    "GRAFANA_ADMIN_PASSWORD": "s3cret-for-tests",
+}
 
 _VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>\w+)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|(?P<bare>\w+))")
 
@@ -245,6 +251,7 @@ def test_no_password_is_written_in_compose() -> None:
     # The example leaves the secrets empty: nobody runs on a password that is in the repository.
     example = _example()
     assert example["POSTGRES_PASSWORD"] == "" and example["FLOWER_BASIC_AUTH"] == ""
+    assert example["GRAFANA_ADMIN_PASSWORD"] == ""
     assert SECRETS["POSTGRES_PASSWORD"] in _compose()["x-keel-env"]["KEEL_DATABASE_URL"]
     assert _compose()["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == SECRETS["POSTGRES_PASSWORD"]
 
@@ -265,6 +272,8 @@ def test_a_missing_flower_basic_auth_stops_only_flower() -> None:
     for name, service in _raw()["services"].items():
         if name != "flower":
             assert "FLOWER_BASIC_AUTH" not in _variables(service), f"{name} depends on FLOWER_BASIC_AUTH"
+        if name != "grafana":
+            assert "GRAFANA_ADMIN_PASSWORD" not in _variables(service), f"{name} depends on GRAFANA_ADMIN_PASSWORD"
     flower = services["flower"]
     entrypoint = _command(flower, "entrypoint")
     refused = subprocess.run(
@@ -299,3 +308,80 @@ def test_every_keel_variable_in_compose_is_a_setting() -> None:
     assert production.environment == "production"
     assert production.database_url is not None and production.database_url.startswith("postgresql+psycopg://")
     assert production.broker_url == "redis://redis:6379/0"
+
+
+def _port_of(service: dict[str, Any], name: str, variables: dict[str, str]) -> int:
+    """The port ``service`` serves /metrics on: the API's own port, or its KEEL_*_METRICS_PORT."""
+    if name == "api":
+        argv = _command(service)
+        return int(argv[argv.index("--port") + 1])
+    variable = "KEEL_BEAT_METRICS_PORT" if _command(service)[:2] == ["keel", "beat"] else "KEEL_WORKER_METRICS_PORT"
+    return int(variables[variable])
+
+
+def test_the_observability_profile_runs_prometheus_and_grafana_on_files_that_exist() -> None:
+    services = _compose()["services"]
+    for name, service in services.items():
+        assert service.get("profiles", []) == (["observability"] if name in OBSERVABILITY else []), name
+    for name in OBSERVABILITY:
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
+        assert all(port.startswith("127.0.0.1:") for port in services[name]["ports"]), "published on loopback only"
+    prometheus = services["prometheus"]
+    mounts = dict(v.split(":")[:2] for v in prometheus["volumes"] if v.startswith("./"))
+    config_path = next(arg.split("=", 1)[1] for arg in prometheus["command"] if arg.startswith("--config.file="))
+    config_source = next(src for src, dst in mounts.items() if dst == config_path)
+    config = yaml.safe_load((ROOT / config_source).read_text())
+    for rule_file in config["rule_files"]:  # resolved next to the config, in the container as here
+        inside = str(Path(config_path).parent / rule_file)
+        assert inside in mounts.values(), f"{rule_file} is not mounted next to the config"
+        assert Path(next(src for src, dst in mounts.items() if dst == inside)).name == rule_file
+    # Grafana loads the dashboard from where its provisioning says, and the data source the dashboard names.
+    grafana = services["grafana"]
+    mounted = dict(v.split(":")[:2] for v in grafana["volumes"] if v.startswith("./"))
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/keel.yml").read_text())
+    folder = provider["providers"][0]["options"]["path"]
+    assert mounted["./deploy/grafana/keel.json"] == f"{folder}/keel.json"
+    assert mounted["./deploy/grafana/provisioning/datasources"] == "/etc/grafana/provisioning/datasources"
+    assert mounted["./deploy/grafana/provisioning/dashboards"] == "/etc/grafana/provisioning/dashboards"
+
+
+def test_prometheus_scrapes_every_keel_process_where_it_serves_metrics() -> None:
+    compose = _compose()
+    services = compose["services"]
+    variables = compose["x-keel-env"]
+    assert variables["KEEL_METRICS_HOST"] == "0.0.0.0", "inside a container the exporters listen beyond loopback"
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    scraped = {}
+    for job in config["scrape_configs"]:
+        (sd,) = job["dns_sd_configs"]
+        (name,) = sd["names"]
+        assert job["job_name"] == name and sd["type"] == "A"
+        scraped[name] = sd["port"]
+    assert set(scraped) == {"api", "worker", "relay", "beat"}, "every API, worker, relay and beat is scraped"
+    for name, port in scraped.items():
+        service = services[name]
+        assert service["environment"] == variables, f"{name} runs with the shared settings"
+        assert _port_of(service, name, variables) == port, f"{name} serves metrics on another port than {port}"
+        if name != "api":  # the API's port is published already
+            assert service["expose"] == [str(port)], f"{name} does not expose {port}"
+
+
+def test_grafana_refuses_to_start_without_its_admin_password() -> None:
+    grafana = _compose(GRAFANA_ADMIN_PASSWORD="")["services"]["grafana"]
+    entrypoint = _command(grafana, "entrypoint")
+    refused = subprocess.run(
+        [*entrypoint, "true"], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30
+    )
+    assert refused.returncode == 1
+    assert refused.stderr == "grafana: set GRAFANA_ADMIN_PASSWORD in .env (see .env.example); not starting without it\n"
+    started = subprocess.run(
+        [*entrypoint, "echo", *_command(grafana)],
+        env={"PATH": "/usr/bin:/bin", "GF_SECURITY_ADMIN_PASSWORD": SECRETS["GRAFANA_ADMIN_PASSWORD"]},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert started.returncode == 0 and started.stdout == "/run.sh\n", started.stderr

@@ -1,0 +1,61 @@
+"""Prometheus metrics in Keel's processes: the worker's and the beat's exporters (Celery's start signals), and the
+collectors of the domain KPIs every API process and beat exports.
+
+A worker (any pool) runs in prometheus_client's multiprocess mode: its main process prepares a private directory
+before the pool forks, serves ``/metrics`` on ``KEEL_WORKER_METRICS_PORT`` (0: not served) and sums every child's
+numbers at each scrape (see :mod:`agents.observability.metrics`). A beat is one process: ``KEEL_BEAT_METRICS_PORT``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.signals import beat_init, celeryd_init, worker_process_shutdown
+from prometheus_client.registry import Collector
+
+from agents.observability.metrics import Metrics, install_metrics, prepare_multiprocess, process_exited
+from models.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def domain_collectors(settings: Settings) -> list[Collector]:
+    """The collectors of the domain KPIs (computed from PostgreSQL) that the API processes and the beats export."""
+    return []
+
+
+def serve_metrics(metrics: Metrics, settings: Settings, port: int, variable: str) -> None:
+    """Serve ``metrics`` on ``port`` (nothing when 0); a port that is taken is logged, naming ``variable``, and the
+    process runs on without an exporter (``keel worker`` and ``keel beat`` refuse to start on a taken port)."""
+    if not port:
+        return
+    try:
+        metrics.serve(port, settings.metrics_host)
+    except OSError as exc:
+        host, reason = settings.metrics_host, exc.strerror or exc
+        log.error("metrics not served: %s:%d cannot be bound (%s); set %s", host, port, reason, variable)
+        return
+    log.info("metrics at http://%s:%d/metrics", settings.metrics_host, port)
+
+
+@celeryd_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def _worker_starts(**_: Any) -> None:
+    # In the worker's main process, before its pool starts: the children inherit the directory and the observer.
+    settings = Settings()
+    prepare_multiprocess("worker")
+    serve_metrics(install_metrics("worker"), settings, settings.worker_metrics_port, "KEEL_WORKER_METRICS_PORT")
+
+
+@worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+def _worker_process_exited(pid: int | None = None, **_: Any) -> None:
+    # Sent in a pool child as it exits (a child killed outright sends nothing: it had no live-only values either).
+    if pid is not None:
+        process_exited(pid)
+
+
+@beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def _beat_starts(**_: Any) -> None:
+    settings = Settings()
+    metrics = install_metrics("beat", collectors=domain_collectors(settings))
+    serve_metrics(metrics, settings, settings.beat_metrics_port, "KEEL_BEAT_METRICS_PORT")
