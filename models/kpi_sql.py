@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
@@ -66,3 +68,74 @@ def request_outcomes(db: Database) -> list[dict[str, Any]]:
         rows = cur.fetchall()
         conn.rollback()
     return rows
+
+
+# --- TEMPORARY (alerts branch) ----------------------------------------------------------------------------------
+# A minimal stand-in for the KPI helper's `Kpis`, `Gauges`, `window(db, since)` and `gauges(db)` (the contract in
+# /work/notes/contract.md), so that the alerts can be built and tested on this branch. Only the figures the alerts'
+# tests drive are computed (side-effect duplicates, dead letters, the oldest due job); the rest are zero or None.
+# The lead replaces this whole block with the KPI helper's implementation at merge.
+
+
+@dataclass(frozen=True, slots=True)
+class Kpis:
+    suppressed_duplicates: dict[str, float] = field(default_factory=dict)
+    confirmations: float = 0
+    side_effect_duplicates: float = 0
+    duplicate_rate: float | None = None
+    requests_done: float = 0
+    requests_failed: float = 0
+    failure_rate: float | None = None
+    mean_request_seconds: float | None = None
+    p95_request_seconds: float | None = None
+    p95_transition_seconds: float | None = None
+    jobs_failed_once: float = 0
+    jobs_recovered: float = 0
+    recovery_rate: float | None = None
+    spent_tokens: float = 0
+    spent_cost: float = 0
+    retry_tokens: float = 0
+    retry_cost: float = 0
+    retry_cost_share: float | None = None
+    fenced_outcomes: float = 0
+    lease_takeovers: float = 0
+    budget_stops: float = 0
+    deadline_stops: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    jobs_by_status: dict[str, float] = field(default_factory=dict)
+    oldest_due_job_age_seconds: float = 0
+    outbox_backlog: dict[str, float] = field(default_factory=dict)
+    outbox_oldest_age_seconds: dict[str, float] = field(default_factory=dict)
+    dead_letters: dict[str, float] = field(default_factory=dict)
+
+
+def window(db: Database, since: timedelta) -> Kpis:
+    """TEMPORARY: confirmations and side-effect duplicates over the last ``since`` only."""
+    with db.connection() as conn:
+        row = conn.execute(
+            "SELECT count(*), count(*) - count(DISTINCT key) FROM delivery_log"
+            " WHERE confirmed_at >= clock_timestamp() - %s",
+            (since,),
+        ).fetchone()
+        conn.rollback()
+    confirmations, duplicates = row if row else (0, 0)
+    return Kpis(
+        confirmations=float(confirmations),
+        side_effect_duplicates=float(duplicates),
+        duplicate_rate=duplicates / confirmations if confirmations else None,
+    )
+
+
+def gauges(db: Database) -> Gauges:
+    """TEMPORARY: dead letters per channel and the oldest due job's age."""
+    with db.connection() as conn:
+        dead = dict(conn.execute("SELECT channel, count(*)::float FROM outbox WHERE status = 'dead' GROUP BY channel"))
+        row = conn.execute(
+            "SELECT coalesce(extract(epoch FROM clock_timestamp() - min(run_at))::float, 0) FROM jobs"
+            " WHERE status IN ('pending', 'enqueued') AND run_at <= clock_timestamp()"
+        ).fetchone()
+        conn.rollback()
+    return Gauges(dead_letters=dead, oldest_due_job_age_seconds=row[0] if row else 0.0)

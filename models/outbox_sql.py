@@ -18,7 +18,7 @@ from models.db import Database
 @dataclass(frozen=True, slots=True)
 class NewMessage:
     key: str
-    agent_id: UUID
+    agent_id: UUID | None  # None: one of Keel's own messages (an alert, the KPI report), whose request id says so
     request_id: str
     channel: str
     destination: str
@@ -40,7 +40,7 @@ class ClaimedMessage:
     claim_token: int
     needs_reconcile: bool
     created_at: datetime
-    agent_id: UUID
+    agent_id: UUID | None  # None: one of Keel's own messages
     traceparent: str | None = None
 
 

@@ -23,6 +23,19 @@ _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
 #: ``SCAN MATCH <prefix>*`` finds exactly one deployment's keys.
 _BROKER_PREFIX = re.compile(r"^[A-Za-z0-9_.:/-]{0,100}$")
 
+#: The alerts Keel evaluates (agents/observability/alerts.py holds their rules; a unit test keeps the two equal).
+ALERT_NAMES = (
+    "side_effect_duplicates",
+    "dead_letters",
+    "transition_p95",
+    "recovery_rate",
+    "retry_cost_share",
+    "oldest_due_job",
+    "beat_leader_gap",
+    "audit_verify",
+)
+_TIME_OF_DAY = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]$")
+
 #: What an API token may be allowed to do (see agents/ingress). Rate limits are set per scope.
 SCOPES = ("producer", "approver", "operator", "auditor")
 
@@ -132,6 +145,29 @@ class Settings(BaseSettings):
     outbox_reconcile_max_pages: int = Field(default=10, ge=1)  # history/comment pages one reconciliation reads
     outbox_reconcile_seconds: float | None = Field(default=None, gt=0)  # its time budget; None: a third of the lease
 
+    # Alerts (agents/observability/alerts.py): evaluated by the leading beat every KEEL_ALERT_INTERVAL_SECONDS on the
+    # database's clock; posted to KEEL_ALERT_SLACK_CHANNEL through the outbox (unset: recorded and listed only).
+    alert_slack_channel: str | None = None
+    alert_interval_seconds: float = Field(default=60.0, gt=0, le=86_400)
+    # Counters (duplicates, p95, recovery and retry-cost rates) are read over this trailing window.
+    alert_window_seconds: float = Field(default=900.0, gt=0, le=7 * 86_400)
+    # An open episode resolves only once its condition has been clear this long (no flapping posts).
+    alert_resolve_after_seconds: float = Field(default=300.0, ge=0, le=86_400)
+    alert_disabled: list[str] = Field(default_factory=list)  # alert names never evaluated
+    alert_side_effect_duplicates_max: float = Field(default=0, ge=0)
+    alert_dead_letters_max: float = Field(default=0, ge=0)
+    alert_transition_p95_max_seconds: float = Field(default=1.0, gt=0)
+    alert_recovery_rate_min: float = Field(default=0.5, ge=0, le=1)
+    alert_recovery_min_failures: int = Field(default=5, ge=1)  # fewer first failures in the window: no verdict
+    alert_retry_cost_share_max: float = Field(default=0.25, ge=0, le=1)
+    alert_oldest_due_job_max_seconds: float = Field(default=300.0, gt=0)
+    alert_beat_leader_gap_max_seconds: float = Field(default=120.0, gt=0)
+    # The leading beat runs `keel audit verify` (a full pass, in a thread of its own) this often; 0: never.
+    audit_verify_interval_seconds: float = Field(default=3600.0, ge=0)
+    # The daily KPI report (the last 24 h) goes to KEEL_ALERT_SLACK_CHANNEL at this time of day, UTC ("HH:MM");
+    # "off": no report.
+    kpi_report_at: str = "08:00"
+
     # HTTP ingress (`keel serve`)
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=1, le=65535)
@@ -224,6 +260,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "notify_slack_channel",
+        "alert_slack_channel",
         "slack_token",
         "github_token",
         "llm_api_key",
@@ -244,7 +281,7 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 16 characters (Prometheus sends it as a Bearer token)")
         return value
 
-    @field_validator("notify_slack_channel")
+    @field_validator("notify_slack_channel", "alert_slack_channel")
     @classmethod
     def _notify_channel_is_a_conversation_id(cls, value: str | None) -> str | None:
         if value is not None and not SLACK_CONVERSATION_ID.fullmatch(value):
@@ -252,6 +289,24 @@ class Settings(BaseSettings):
                 f"must be a Slack conversation id like C0123ABCD (C…, G… or D…), not {value[:40]!r}:"
                 " channel names cannot be read back to reconcile a send"
             )
+        return value
+
+    @field_validator("alert_disabled")
+    @classmethod
+    def _alerts_are_known(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(ALERT_NAMES))
+        if unknown:
+            raise ValueError(f"unknown alerts {unknown}; known: {list(ALERT_NAMES)}")
+        return value
+
+    @field_validator("kpi_report_at")
+    @classmethod
+    def _report_time_is_a_time_of_day(cls, value: str) -> str:
+        value = value.strip()
+        if value.lower() == "off":
+            return "off"
+        if not _TIME_OF_DAY.fullmatch(value):
+            raise ValueError(f"must be a UTC time of day as HH:MM (00:00 to 23:59) or off, not {value[:20]!r}")
         return value
 
     @field_validator("llm_base_url", "slack_api_url", "github_api_url")

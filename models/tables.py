@@ -39,6 +39,8 @@ JOB_FINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled", "dead")
 AGENT_PRIORITIES: tuple[str, ...] = ("normal", "low")
 OUTBOX_STATUSES: tuple[str, ...] = ("pending", "sending", "sent", "dead")
 CHANNELS: tuple[str, ...] = ("slack", "github")
+#: The request ids of Keel's own outbox messages (alerts, the daily KPI report), which belong to no agent.
+SYSTEM_REQUEST_IDS: tuple[str, ...] = ("alert", "kpi")
 #: Kept literally here too; a unit test holds it equal to agents.ingress.tokens.Scope.
 TOKEN_SCOPES: tuple[str, ...] = ("producer", "approver", "operator", "auditor")
 
@@ -231,9 +233,12 @@ schedules = Table(
 outbox = Table(
     "outbox",
     metadata,
-    Column("key", Text, primary_key=True),  # {request_id}:{channel}:{target}; also the marker at the receiver
+    # {request_id}:{channel}:{target}; also the marker at the receiver. Keel's own messages read
+    # alert:{name}:{episode start}:{firing|resolved} and kpi:daily-report:{date} (their 2nd segment is never a channel)
+    Column("key", Text, primary_key=True),
     Column("seq", BigInteger, Identity(always=True), nullable=False, unique=True),  # creation order
-    Column("agent_id", UUID(as_uuid=True), nullable=False),  # KEPT_AFTER_DELETE
+    # KEPT_AFTER_DELETE; NULL only for Keel's own messages (SYSTEM_REQUEST_IDS: alerts, the KPI report)
+    Column("agent_id", UUID(as_uuid=True)),
     Column("request_id", Text, nullable=False),
     Column("channel", Text, nullable=False),
     Column("destination", Text, nullable=False),  # Slack channel; GitHub owner/repo#number
@@ -256,6 +261,7 @@ outbox = Table(
     CheckConstraint(_in("status", OUTBOX_STATUSES), name="status"),
     CheckConstraint(_in("channel", CHANNELS), name="channel"),
     CheckConstraint("status <> 'sent' OR external_id IS NOT NULL", name="sent_has_external_id"),
+    CheckConstraint(f"agent_id IS NOT NULL OR {_in('request_id', SYSTEM_REQUEST_IDS)}", name="system_message"),
     Index("ix_outbox_line", "destination", "seq", postgresql_where=text("status IN ('pending', 'sending')")),
 )
 
@@ -344,4 +350,39 @@ alert_episodes = Table(
     CheckConstraint("resolved_at IS NULL OR resolved_at >= started_at", name="resolved_after_start"),
     UniqueConstraint("name", "started_at"),
     Index("ix_alert_episodes_open", "name", unique=True, postgresql_where=text("resolved_at IS NULL")),
+)
+
+#: One row per leadership term of the beat: who led, since when, its last tick (database clock), and how long nobody
+#: led before it began (NULL for the first term ever).
+beat_terms = Table(
+    "beat_terms",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("leader", Text, nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=False, index=True),
+    Column("last_tick_at", DateTime(timezone=True), nullable=False),
+    Column("gap_seconds", Float),
+)
+
+#: When the leading beat last ran each periodic chore (alerts, audit verify, KPI report), on the database's clock.
+beat_chores = Table(
+    "beat_chores",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("last_run_at", DateTime(timezone=True), nullable=False),
+)
+
+#: The outcome of every `keel audit verify`: the command's (source cli) and the leading beat's (source beat).
+audit_verifications = Table(
+    "audit_verifications",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
+    Column("source", Text, nullable=False),
+    Column("ok", Boolean, nullable=False),
+    Column("agents", BigInteger, nullable=False),
+    Column("events", BigInteger, nullable=False),
+    Column("breaks", BigInteger, nullable=False),
+    Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    CheckConstraint("source IN ('cli', 'beat')", name="source"),
 )

@@ -6,6 +6,9 @@ ones whose lease expired (the worker died). Nothing is ever put on Redis with an
 ``FOR UPDATE SKIP LOCKED``, so two dispatchers never publish the same row at once; a Postgres advisory lock keeps a
 single beat leader anyway, and a beat that dies hands leadership over as soon as its connection closes.
 
+Each tick the leader also records its heartbeat and, at their own intervals, evaluates the alerts, runs the periodic
+audit verify and posts the daily KPI report (tasks/leader.py).
+
 Every ``KEEL_DEADLINE_CHECK_SECONDS`` the leader also enforces deadlines, in the beat process itself: a deadline
 must bite even when every worker is busy with the very job that overran it.
 
@@ -32,6 +35,7 @@ from models.db import Database
 from models.jobs_sql import take_due
 from models.settings import Settings
 from tasks.app import broker_error, is_broker_outage, publish
+from tasks.leader import LeaderDuties
 
 log = logging.getLogger("keel.dispatcher")
 celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
@@ -81,6 +85,7 @@ class Leadership:
     def __init__(self, url: str) -> None:
         self.url = url
         self.conn: psycopg.Connection[Any] | None = None
+        self.terms = 0  # how many times this beat acquired the lock: each is a new leadership term
 
     def held(self) -> bool:
         """Whether this beat is the leader; raises :class:`psycopg.Error` if the database cannot be asked."""
@@ -107,6 +112,7 @@ class Leadership:
                     self.conn = None
                     return False
                 log.info("this beat is the leader")
+                self.terms += 1
                 return True
             self.conn.execute("SELECT 1")  # still connected means still holding the lock
             return True
@@ -132,6 +138,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.settings = Settings()
         self.db = Database.from_settings(self.settings)
         self.leadership = Leadership(self.db.libpq_url)
+        self.duties = LeaderDuties(self.db, self.settings)
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
         self._next_deadline_check = 0.0
@@ -148,6 +155,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             return self.database.failed(exc)
         self.database.recovered()
         if not leader:
+            self.duties.stand_down()
             return interval
         started = time.monotonic()
         try:
@@ -184,6 +192,14 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                 if is_outage(exc):
                     return self.database.failed(exc)
                 log.exception("deadline pass failed; retrying next tick")
+        try:
+            # Heartbeat, alerts, periodic audit verify, daily KPI report: each at its own interval on the
+            # database's clock; a failure of theirs never stops the dispatcher.
+            self.duties.tick(self.leadership.terms)
+        except Exception as exc:
+            if is_outage(exc):
+                return self.database.failed(exc)
+            log.exception("leader duties failed; retrying next tick")
         spent = time.monotonic() - started
         # Beat's producer connects the first time it is used. Here, not inside Celery's tick: that one has taken the
         # due entry off its heap by then, and would lose it (the relay's pass, for good) if connecting failed.

@@ -83,11 +83,12 @@ def audit() -> None:
 @json_option
 @friendly
 def audit_verify(as_json: bool) -> None:
-    """Walk every agent's hash chain; exit 1 at the first broken link of any chain."""
-    from agents.core import journal
+    """Walk every agent's hash chain; exit 1 at the first broken link of any chain. The outcome is recorded: the
+    audit_verify alert fires while the latest verify (this command's or the beat's periodic one) failed."""
+    from agents.audit.verify import verify_and_record
 
     with open_client() as client:
-        report = journal.verify(client.db)
+        report = verify_and_record(client.db, "cli")
         names = client.agent_names(b.agent_id for b in report.breaks)
     if as_json:
         click.echo(

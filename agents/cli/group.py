@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from agents.cli import agent, audit, db, demo, dev, docs, job, outbox, token
+from agents.cli import agent, alerts, audit, db, demo, dev, docs, job, outbox, token
 from agents.core.errors import QUOTED_CHARS, KeelError
 from agents.core.redaction import install_log_redaction
 
@@ -51,7 +51,7 @@ def cli() -> None:
     """
 
 
-for _module in (db, agent, job, outbox, token, audit, docs, demo, dev):
+for _module in (db, agent, job, outbox, token, audit, alerts, docs, demo, dev):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

@@ -91,7 +91,7 @@ class RequestStory(BaseModel):
 
 class OutboxMessage(BaseModel):
     key: str
-    agent_id: UUID
+    agent_id: UUID | None  # None: one of Keel's own messages (an alert, the daily KPI report)
     request_id: str
     channel: str
     destination: str

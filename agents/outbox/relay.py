@@ -303,7 +303,7 @@ class Relay:
 
 def retry_dead(db: Database, key: str, *, actor: str) -> None:
     """An operator's retry of a dead message: back to pending (it reconciles first if it may have arrived),
-    journaled on its agent's chain with who asked."""
+    journaled on its agent's chain with who asked (Keel's own messages, which have no agent: logged)."""
     row = message_row(db, key)
     if row is None:
         raise MessageNotFound(key)
@@ -313,6 +313,15 @@ def retry_dead(db: Database, key: str, *, actor: str) -> None:
 
     def revive(cur: Any) -> None:
         revived.append(revive_txn(cur, key))
+
+    if row["agent_id"] is None:
+        # Keel's own message (an alert, the KPI report) belongs to no agent's chain: the retry is logged instead.
+        with core.store_errors(), db.transaction() as cur:
+            revive(cur)
+        if not revived[0]:  # pragma: no cover - another operator won the race
+            raise MessageNotDead(key, "no longer dead")
+        log.warning("outbox %s: dead -> pending (retried by %s; a system message: not journaled)", key, actor)
+        return
 
     core.record_side_event(
         db,

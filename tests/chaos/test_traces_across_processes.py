@@ -41,7 +41,7 @@ EXPECTED = [
     "keel.transition plan",
     "keel.job tool",
     "keel.tool_call slack_post",
-    "keel.transition progress",  # the tool's outcome, which emits the message (and joins)
+    "keel.transition observe",  # the tool's outcome, which emits the message and joins into the next round
     "keel.outbox_send slack",
     "keel.job plan",
     "keel.model_call",

@@ -31,6 +31,9 @@ def test_upgrade_check_downgrade_upgrade(empty_db_url: str) -> None:
         "public.kpi_deltas",
         "public.kpi_rollups",
         "public.alert_episodes",
+        "public.beat_terms",
+        "public.beat_chores",
+        "public.audit_verifications",
         "audit.journal",
     } <= _tables(empty_db_url)
     migrations.check(empty_db_url)  # raises if models/tables.py and the migrated schema differ

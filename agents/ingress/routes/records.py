@@ -23,11 +23,18 @@ MAX_PAGE = 1000
 
 def _owned(keel: Keel, token: ApiToken, what: str, key: str, row: dict[str, object] | None) -> dict[str, object]:
     """``row`` if it exists and belongs to an agent the token sees; otherwise the same 404 either way."""
-    if row is not None and not sees_agent(keel, token, row["agent_id"]):  # type: ignore[arg-type]
+    if row is not None and not _sees(keel, token, row["agent_id"]):
         row = None
     if row is None:
         raise Problem(NOT_FOUND, f"no {what} has the key {quoted(key)}")
     return row
+
+
+def _sees(keel: Keel, token: ApiToken, agent_id: object) -> bool:
+    """Keel's own messages (no agent) are seen by tokens that see every agent only."""
+    if agent_id is None:
+        return token.agent_prefix is None
+    return sees_agent(keel, token, agent_id)  # type: ignore[arg-type]
 
 
 @router.get("/jobs/{key}", response_model=JobOut, summary="One job by its key")

@@ -1,0 +1,104 @@
+"""What the leading beat does besides dispatching: its heartbeat, alert evaluation, the periodic audit verify and
+the daily KPI report. Called from the dispatcher's tick (tasks/dispatcher.py) only while this beat leads.
+
+Each chore is due on the database's clock (``beat_chores``): two beats, or a beat restarted, never run one more
+often than its interval. The audit verify is a full pass over the journal, so it runs in a thread of its own and
+the dispatcher never waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from agents.audit.verify import verify_and_record
+from agents.core.outage import is_outage
+from agents.observability import alerts, report
+from models import alerts_sql
+from models.alerts_sql import Term
+from models.db import Database
+from models.settings import Settings
+
+log = logging.getLogger("keel.leader")
+
+ALERTS_CHORE = "alerts"
+AUDIT_VERIFY_CHORE = "audit_verify"
+
+
+class LeaderDuties:
+    def __init__(self, db: Database, settings: Settings, name: str | None = None) -> None:
+        self.db = db
+        self.settings = settings
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.term: Term | None = None
+        self._term_number = -1
+        # Chores are due on the database's clock; this only spares asking it on every tick.
+        self._ask_every = min(1.0, settings.alert_interval_seconds / 4)
+        self._next_ask = 0.0
+        self._verifying: threading.Thread | None = None
+
+    def stand_down(self) -> None:
+        """This beat no longer leads: the next time it does is a new term."""
+        self.term = None
+
+    def tick(self, term_number: int) -> None:
+        """One leader tick. ``term_number`` changes each time this beat acquires leadership anew."""
+        if self.term is None or term_number != self._term_number:
+            self.term = alerts_sql.start_term(self.db, self.name)
+            self._term_number = term_number
+            gap = self.term.gap_seconds
+            if gap is not None and gap > self.settings.alert_beat_leader_gap_max_seconds:
+                log.warning("no beat led for %.0f s before this one", gap)
+        else:
+            alerts_sql.heartbeat(self.db, self.term.id)
+        now = time.monotonic()
+        if now < self._next_ask:
+            return
+        self._next_ask = now + self._ask_every
+        self._chore("alert evaluation", self._alerts)
+        self._chore("audit verify", self._audit_verify)
+
+    def _chore(self, what: str, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except Exception as exc:  # one chore failing must not stop the others (or the dispatcher)
+            if is_outage(exc):
+                raise
+            log.exception("%s failed; trying again at its next interval", what)
+
+    def _alerts(self) -> None:
+        every = timedelta(seconds=self.settings.alert_interval_seconds)
+        if alerts_sql.claim_chore(self.db, ALERTS_CHORE, every) is None:
+            return
+        alerts.evaluate_and_record(self.db, self.settings)
+        self._chore("the daily KPI report", self._report)
+
+    def _report(self) -> None:
+        key = report.post_daily_report(self.db, self.settings)
+        if key is not None:
+            log.info("daily KPI report queued: %s", key)
+
+    def _audit_verify(self) -> None:
+        seconds = self.settings.audit_verify_interval_seconds
+        if not seconds or (self._verifying is not None and self._verifying.is_alive()):
+            return
+        if alerts_sql.claim_chore(self.db, AUDIT_VERIFY_CHORE, timedelta(seconds=seconds)) is None:
+            return
+        self._verifying = threading.Thread(target=self._verify, name="keel-audit-verify", daemon=True)
+        self._verifying.start()
+
+    def _verify(self) -> None:
+        try:
+            result = verify_and_record(self.db, "beat")
+        except Exception:
+            log.exception("periodic audit verify failed to run")
+            return
+        if result.ok:
+            log.info("audit verify: %d events in %d chains verified", result.events, result.agents)
+        else:
+            log.error("audit verify: %d broken chains (keel audit verify names them)", len(result.breaks))
