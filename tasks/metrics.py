@@ -14,7 +14,9 @@ from typing import Any
 from celery.signals import beat_init, celeryd_init, worker_process_shutdown
 from prometheus_client.registry import Collector
 
+from agents.observability.alerts import AlertsCollector
 from agents.observability.metrics import Metrics, install_metrics, prepare_multiprocess, process_exited
+from models.db import Database
 from models.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,8 @@ log = logging.getLogger(__name__)
 
 def domain_collectors(settings: Settings) -> list[Collector]:
     """The collectors of the domain KPIs (computed from PostgreSQL) that the API processes and the beats export."""
-    return []
+    db = Database.from_settings(settings)
+    return [AlertsCollector(db)]
 
 
 def serve_metrics(metrics: Metrics, settings: Settings, port: int, variable: str) -> None:

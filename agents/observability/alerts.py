@@ -20,10 +20,14 @@ recorded and listed (`keel alerts`) and nothing is posted; an episode's resolved
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from agents.core.keys import make_key
 from models import alerts_sql, kpi_sql
@@ -361,3 +365,43 @@ def leader_last_tick(db: Database) -> float | None:
     database's clock); None if no beat ever led."""
     at = alerts_sql.last_leader_tick(db)
     return None if at is None else at.timestamp()
+
+
+class AlertsCollector:
+    """``keel_alerts_firing{alert}`` and ``keel_beat_leader_last_tick_timestamp_seconds`` for a Prometheus registry:
+    read from the database at most every ``cache_seconds`` (every process that exports them says the same); when the
+    database cannot be asked, nothing (``keel_kpi_up`` says so)."""
+
+    def __init__(self, db: Database, cache_seconds: float = 5.0) -> None:
+        self.db = db
+        self.cache_seconds = cache_seconds
+        self._cached: tuple[float, list[Metric]] | None = None
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            now = time.monotonic()
+            if self._cached is None or now - self._cached[0] >= self.cache_seconds:
+                self._cached = (now, self._read())
+            return list(self._cached[1])
+
+    def _read(self) -> list[Metric]:
+        try:
+            now_firing, last_tick = firing(self.db), leader_last_tick(self.db)
+        except Exception as exc:  # a scrape must never fail because the database is away
+            log.debug("alert metrics not read: %s", exc)
+            return []
+        families: list[Metric] = []
+        alerts = GaugeMetricFamily("keel_alerts_firing", "1 while the alert has an open episode", labels=["alert"])
+        for name, value in sorted(now_firing.items()):
+            alerts.add_metric([name], value)
+        families.append(alerts)
+        if last_tick is not None:
+            families.append(
+                GaugeMetricFamily(
+                    "keel_beat_leader_last_tick_timestamp_seconds",
+                    "when a beat leader last ticked (Unix seconds, the database's clock)",
+                    value=last_tick,
+                )
+            )
+        return families

@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from agents.audit.verify import verify_and_record
 from agents.client import Client
@@ -93,6 +94,16 @@ def dead_letter(client: Client, relay: Relay, slack: FakeSlack) -> str:
     return "req-1:slack:m1"
 
 
+def scraped(db: Database, series: str) -> float | None:
+    """The value of ``series`` in a Prometheus scrape of :class:`AlertsCollector` (what the API and beats export)."""
+    registry = CollectorRegistry()
+    registry.register(alerts.AlertsCollector(db, cache_seconds=0))
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.split(" ")[1])
+    return None
+
+
 def alert_rows(raw: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
     return raw.execute(
         "SELECT key, agent_id, request_id, destination, status FROM outbox WHERE request_id = 'alert' ORDER BY seq"
@@ -114,6 +125,7 @@ def test_an_episode_posts_firing_once_and_resolved_once(
     assert alert_rows(raw) == [(firing_key, None, "alert", ALERTS, "pending")]
     assert [e.name for e in alerts_sql.open_episodes(db)] == ["dead_letters"]
     assert alerts.firing(db)["dead_letters"] == 1
+    assert scraped(db, 'keel_alerts_firing{alert="dead_letters"}') == 1.0
 
     drain(relay)
     assert slack.delivered_keys()[firing_key] == 1
@@ -135,6 +147,7 @@ def test_an_episode_posts_firing_once_and_resolved_once(
     }
     assert alerts_sql.open_episodes(db) == []
     assert alerts.firing(db)["dead_letters"] == 0
+    assert scraped(db, 'keel_alerts_firing{alert="dead_letters"}') == 0.0
 
 
 def test_no_channel_records_and_lists_episodes_but_posts_nothing(
@@ -224,6 +237,7 @@ def test_a_leaderless_gap_fires_the_beat_alert(db: Database, db_url: str) -> Non
     assert first.gap_seconds is None
     alerts_sql.heartbeat(db, first.id)
     assert alerts.leader_last_tick(db) is not None
+    assert scraped(db, "keel_beat_leader_last_tick_timestamp_seconds") == alerts.leader_last_tick(db)
     time.sleep(1.2)  # nobody leads
     second = alerts_sql.start_term(db, "beat-b:2")
     assert second.gap_seconds is not None and second.gap_seconds >= 1.0
