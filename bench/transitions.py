@@ -2,7 +2,10 @@
 
 The baseline runs the same statements with no Keel code around them — ``SELECT … FOR UPDATE`` on the agent row,
 ``UPDATE`` it, ``INSERT`` one journal event, ``COMMIT`` — on its own connections and its own agents, with the same
-threads. Scenarios:
+threads. Keel's transitions run twice per round: with metrics on (the KPI triggers of migration 0009 counting in
+every transaction, the leading beat's fold every ``KEEL_KPI_FOLD_SECONDS``, and the observers in
+:data:`OBSERVERS`) and with metrics off (those triggers disabled in the benchmark's own database, no observer, no
+fold); the target is on within 10% of off. Scenarios:
 
   (a) one connection, one agent
   (b) 8 connections over 1,000 agents (each connection works through its own share of them)
@@ -32,16 +35,25 @@ import psycopg
 
 from agents.cli.progress import Progress
 from agents.cli.progress import Step as ProgressStep
+from agents.core import observe
 from agents.core.commands import Command
 from agents.core.phases import Event, Phase
 from agents.core.transition import create_agent, transition
+from agents.observability.metrics import MetricsObserver
 from models import migrations
 from models.db import Database
 from models.embedded import database_url_for
+from models.kpi_sql import fold
 from models.settings import Settings
 from models.urls import libpq_url, with_database
 
 Step = Callable[[int], None]  # does one transition; the argument is the iteration number
+
+#: The KPI triggers (migration 0009), by table: what "metrics off" disables.
+KPI_TRIGGERS = {"audit.journal": "journal_kpis", "jobs": "jobs_kpis", "delivery_log": "delivery_log_kpis"}
+#: Makers of the process-local observers that "metrics on" registers (agents.core.observe.register): the
+#: Prometheus histograms every Keel process records.
+OBSERVERS: list[Callable[[], observe.Observer]] = [MetricsObserver]
 
 
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
@@ -92,6 +104,37 @@ def run_threads(label: str, steps: list[Step], duration: float) -> Result:
     elapsed = time.perf_counter() - started
     latencies = [x for lat in per_thread for x in lat]
     return Result(label, len(latencies), elapsed, latencies)
+
+
+class Metrics:
+    """Switches the KPI counting on or off in the benchmark's own database (and the observers in this process);
+    while on, a thread folds the counters every ``fold_seconds``, as the leading beat does."""
+
+    def __init__(self, db: Database, fold_seconds: float) -> None:
+        self.db = db
+        self.fold_seconds = fold_seconds
+        self.observers = [make() for make in OBSERVERS]
+        self._stop = threading.Event()
+        self._folder: threading.Thread | None = None
+
+    def switch(self, on: bool) -> None:
+        self._stop.set()
+        if self._folder is not None:
+            self._folder.join()
+        with self.db.transaction() as cur:
+            for table, trigger in KPI_TRIGGERS.items():
+                cur.execute(f"ALTER TABLE {table} {'ENABLE' if on else 'DISABLE'} TRIGGER {trigger}")
+        for observer in self.observers:
+            (observe.register if on else observe.unregister)(observer)
+        fold(self.db)  # not measured: each run starts with no backlog of deltas
+        self._stop = threading.Event()
+        self._folder = threading.Thread(target=self._fold_every, args=(self._stop,), daemon=True) if on else None
+        if self._folder is not None:
+            self._folder.start()
+
+    def _fold_every(self, stop: threading.Event) -> None:
+        while not stop.wait(self.fold_seconds):
+            fold(self.db)
 
 
 # --- the raw baseline ------------------------------------------------------------------------------------------
@@ -152,12 +195,14 @@ def make_agents(db: Database, prefix: str, n: int, step: ProgressStep | None = N
     return ids
 
 
-def report(name: str, raw: list[Result], keel: list[Result]) -> float:
+def report(name: str, raw: list[Result], keel: list[Result], off: list[Result]) -> tuple[float, float]:
+    """Print the three sides of a scenario; returns (keel/raw, metrics on/off)."""
     raw_rate = statistics.mean(r.rate for r in raw)
     keel_rate = statistics.mean(r.rate for r in keel)
+    off_rate = statistics.mean(r.rate for r in off)
     ratio = keel_rate / raw_rate
     OUT.line(f"\n{name}")
-    for label, runs in (("raw psycopg", raw), ("keel transition()", keel)):
+    for label, runs in (("raw psycopg", raw), ("keel, metrics off", off), ("keel, metrics on", keel)):
         lat = [x for r in runs for x in r.latencies]
         merged = Result(label, sum(r.count for r in runs), sum(r.seconds for r in runs), lat)
         OUT.line(
@@ -165,7 +210,8 @@ def report(name: str, raw: list[Result], keel: list[Result]) -> float:
             f"p95 {merged.pct(95):6.2f} ms   p99 {merged.pct(99):6.2f} ms   ({merged.count} in {merged.seconds:.1f}s)"
         )
     OUT.line(f"  ratio keel/raw     {ratio:.2f}x")
-    return ratio
+    OUT.line(f"  ratio on/off       {keel_rate / off_rate:.2f}x (metrics on costs {1 - keel_rate / off_rate:+.1%})")
+    return ratio, keel_rate / off_rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="raw/keel alternations per scenario (default 2)")
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--fold-seconds", type=float, default=Settings().kpi_fold_seconds)
     args = parser.parse_args(argv)
 
     server = database_url_for(Settings())
@@ -190,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             keel_one, raw_one = make_agents(db, "k1", 1, seeding), make_agents(db, "r1", 1, seeding)
             keel_hot, raw_hot = make_agents(db, "kh", 1, seeding), make_agents(db, "rh", 1, seeding)
         phases = dict.fromkeys(keel_many + keel_one + keel_hot, Phase.PLANNING)
+        metrics = Metrics(db, args.fold_seconds)
         raw_conns = [psycopg.connect(libpq_url(url)) for _ in range(args.threads)]
 
         def shares(ids: list[UUID]) -> list[list[UUID]]:
@@ -213,26 +261,33 @@ def main(argv: list[str] | None = None) -> int:
                 [keel_step(db, keel_hot, phases, flip=False) for _ in range(args.threads)],
             ),
         ]
-        ratios = {}
+        ratios, costs = {}, {}
         for label, raw_steps, keel_steps in scenarios:
             run_threads("warm-up", raw_steps, 0.5)
             run_threads("warm-up", keel_steps, 0.5)
-            raw_runs, keel_runs = [], []
+            raw_runs, keel_runs, off_runs = [], [], []
             with OUT.task(
-                f"{label}: {args.rounds} rounds of {args.duration}s each side", total=2 * args.rounds
+                f"{label}: {args.rounds} rounds of {args.duration}s each side", total=3 * args.rounds
             ) as step:
-                for _ in range(args.rounds):
+                for n in range(args.rounds):
                     raw_runs.append(run_threads("raw", raw_steps, args.duration))
                     step.advance()
-                    keel_runs.append(run_threads("keel", keel_steps, args.duration))
-                    step.advance()
-            ratios[label] = report(label, raw_runs, keel_runs)
+                    for on in (True, False) if n % 2 else (False, True):  # alternated: neither side always first
+                        metrics.switch(on)
+                        (keel_runs if on else off_runs).append(run_threads("keel", keel_steps, args.duration))
+                        step.advance()
+            metrics.switch(True)
+            ratios[label], costs[label] = report(label, raw_runs, keel_runs, off_runs)
         for conn in raw_conns:
             conn.close()
         db.dispose()
         target = ratios[scenarios[1][0]]
         OUT.line(
             f"\ntarget: (b) at least 0.70x the raw baseline -> {target:.2f}x {'met' if target >= 0.7 else 'NOT MET'}"
+        )
+        on_off = costs[scenarios[1][0]]
+        OUT.line(
+            f"target: (b) metrics on within 10% of metrics off -> {on_off:.2f}x {'met' if on_off >= 0.9 else 'NOT MET'}"
         )
     finally:
         with psycopg.connect(libpq_url(with_database(server, "postgres")), autocommit=True) as admin:

@@ -1,8 +1,23 @@
-"""The KPIs, computed from the tables (for `keel demo` and `keel kpi`)."""
+"""The KPIs: counters kept in the transactions that move them, folded into rollups, read back cheaply.
+
+Triggers (migration 0009) insert one ``kpi_deltas`` row per counter a transaction moves — a journal event, a job's
+outcome, a confirmed delivery — so a KPI moves if and only if what it counts committed. The leading beat calls
+:func:`fold` every few seconds: a batch of deltas is summed into per-minute rollups and into one running total per
+counter (bucket ``-infinity``), and deleted, in one transaction. A reader sums rollups and the deltas not folded
+yet in one statement, so it sees each delta exactly once whenever the fold runs: :func:`totals` (everything since
+the counters began) and :func:`window` (the last ``since``); :func:`gauges` reads the live state the counters do not
+hold (queue, outbox backlog, dead letters) through partial indexes. Nothing here scans history.
+
+Counter rows are ``(name, label)``: ``label`` is ``k=v`` pairs joined by ``,`` (every labelled value — kind, channel,
+outcome, operation, status, error class, event, bucket bound — is an identifier without ``,`` or ``=``). A histogram
+is stored as Prometheus stores one: ``NAME_bucket`` rows counting the observations per bucket (the label ends with
+``le=UPPER``; counts are per bucket, not cumulative), ``NAME_sum`` and ``NAME_count``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -11,26 +26,316 @@ from uuid import UUID
 from psycopg.rows import dict_row
 
 from models.db import Database
+from models.tables import CHANNELS
 
-#: The demo's agents are named with this prefix, so that `keel kpi` can leave them out of a user's figures.
-DEMO_PREFIX = "demo-"
+#: The bucket bounds the triggers sort observations into (migration 0009 holds the same numbers; a test checks).
+TRANSITION_SECONDS_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+REQUEST_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400,
+)  # fmt: skip
 
-# Every figure can be narrowed to some agents (%(ids)s; NULL: all of them), leaving out those whose name starts
-# with %(skip)s (NULL: none). Deleted agents' work counts too: their jobs, events and deliveries are kept.
-_KPIS = """
-WITH all_agents AS (SELECT id, name FROM agents UNION ALL SELECT agent_id, name FROM audit.deleted_agents),
-     mine_agents AS (SELECT id FROM all_agents WHERE (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
-                     AND (%(skip)s::text IS NULL OR NOT starts_with(name, %(skip)s::text))),
-     mine_jobs AS (SELECT * FROM jobs WHERE agent_id IN (SELECT id FROM mine_agents)),
-     mine_events AS (SELECT * FROM audit.journal WHERE agent_id IN (SELECT id FROM mine_agents)),
-     mine_log AS (SELECT d.* FROM delivery_log d JOIN outbox o ON o.key = d.key
-                  WHERE o.agent_id IN (SELECT id FROM mine_agents))
+#: The kinds of suppressed duplicate: a repeated submit (a producer's retry, an Idempotency-Key replay, a schedule
+#: fired twice), a second delivery of a job the claim refused, a job key or an outbox key a transition found there.
+SUPPRESSED_KINDS: tuple[str, ...] = ("submit", "job_delivery", "job_insert", "message_insert")
+ERROR_CLASSES: tuple[str, ...] = ("transient", "rate_limited", "invalid", "budget", "unknown")
+LIVE_JOB_STATUSES: tuple[str, ...] = ("pending", "enqueued", "running")
+
+#: Deltas folded per call of :func:`fold` at most (the next call takes the rest).
+FOLD_BATCH = 50_000
+
+Counters = Mapping[tuple[str, str], float]
+
+
+def labels(label: str) -> dict[str, str]:
+    """A stored label as a dict: ``"operation=plan,status=succeeded"`` -> ``{"operation": "plan", ...}``."""
+    return dict(pair.split("=", 1) for pair in label.split(",")) if label else {}
+
+
+@dataclass(frozen=True)
+class Kpis:
+    """The KPIs over a span: since the counters began (:func:`totals`) or the last ``since`` (:func:`window`).
+    Rates and times are None when there is nothing to measure yet."""
+
+    since: timedelta | None
+    #: Every counter as stored, (name, label) -> value: what the Prometheus exporter reads.
+    counters: Counters = field(repr=False)
+    suppressed_duplicates: dict[str, int]
+    confirmations: int
+    side_effect_duplicates: int
+    duplicate_rate: float | None
+    requests_done: int
+    requests_failed: int
+    failure_rate: float | None
+    mean_request_seconds: float | None
+    p95_request_seconds: float | None
+    p95_transition_seconds: float | None
+    jobs_failed_once: int
+    jobs_recovered: int
+    recovery_rate: float | None
+    spent_tokens: int
+    spent_cost: float
+    retry_tokens: int
+    retry_cost: float
+    retry_cost_share: float | None
+    fenced_outcomes: int
+    lease_takeovers: int
+    budget_stops: int
+    #: Requests stopped at their hard deadline; ``deadline_demotions``: agents moved to the low queue at their soft one.
+    deadline_stops: int
+    deadline_demotions: int
+    attempt_failures: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The live state: jobs not final by status, queue lag, the outbox per channel."""
+
+    jobs_by_status: dict[str, int]
+    #: How long the oldest job that is due (and not running under a live lease) has waited; 0 when none.
+    oldest_due_job_age_seconds: float
+    outbox_backlog: dict[str, int]
+    outbox_oldest_age_seconds: dict[str, float]
+    dead_letters: dict[str, int]
+
+
+# --- folding -----------------------------------------------------------------------------------------------------
+
+# SKIP LOCKED: two folds at once take disjoint batches, and a delta is deleted by the transaction that adds it to
+# the rollups, so none is counted twice or lost. Rollup rows are upserted in key order: two folds cannot deadlock.
+_FOLD = """
+WITH batch AS (SELECT id FROM kpi_deltas ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED),
+     gone AS (DELETE FROM kpi_deltas d USING batch WHERE d.id = batch.id RETURNING d.name, d.label, d.at, d.value),
+     sums AS (SELECT name, label, date_trunc('minute', at, 'UTC') AS bucket, sum(value) AS value
+              FROM gone GROUP BY 1, 2, 3
+              UNION ALL
+              SELECT name, label, '-infinity'::timestamptz, sum(value) FROM gone GROUP BY 1, 2),
+     folded AS (INSERT INTO kpi_rollups (name, label, bucket, value)
+                SELECT name, label, bucket, value FROM sums ORDER BY name, label, bucket
+                ON CONFLICT (name, label, bucket) DO UPDATE SET value = kpi_rollups.value + EXCLUDED.value)
+SELECT count(*) AS n FROM gone
+"""
+_PRUNE = "DELETE FROM kpi_rollups WHERE bucket > '-infinity' AND bucket < now() - %(keep)s"
+
+
+def fold(db: Database, *, retention: timedelta = timedelta(days=35), limit: int = FOLD_BATCH) -> int:
+    """Fold up to ``limit`` deltas into the rollups and delete them, and drop per-minute rollups older than
+    ``retention`` (the running totals stay), in one transaction. Returns the number of deltas folded. Safe to call
+    from several processes at once."""
+    with db.transaction() as cur:
+        cur.execute(_FOLD, {"limit": limit})
+        row = cur.fetchone()
+        cur.execute(_PRUNE, {"keep": retention})
+    return int(row[0]) if row else 0
+
+
+# --- reading -----------------------------------------------------------------------------------------------------
+
+_TOTALS = """
+SELECT name, label, sum(value) AS value FROM (
+    SELECT name, label, value FROM kpi_rollups WHERE bucket = '-infinity'
+    UNION ALL
+    SELECT name, label, value FROM kpi_deltas) c
+GROUP BY name, label
+"""
+
+# The window starts at the first whole minute after ``now() - since``: a per-minute rollup is in or out whole, and
+# the deltas not folded yet are cut at the same instant, so what a reader gets does not depend on when the fold ran.
+_WINDOW = """
+WITH start AS (SELECT date_trunc('minute', now() - %(since)s, 'UTC')
+                      + CASE WHEN date_trunc('minute', now() - %(since)s, 'UTC') < now() - %(since)s
+                             THEN interval '1 minute' ELSE interval '0' END AS at)
+SELECT name, label, sum(value) AS value FROM (
+    SELECT name, label, value FROM kpi_rollups, start WHERE bucket >= start.at
+    UNION ALL
+    SELECT name, label, value FROM kpi_deltas, start WHERE kpi_deltas.at >= start.at) c
+GROUP BY name, label
+"""
+
+
+def counters(db: Database, since: timedelta | None = None) -> dict[tuple[str, str], float]:
+    """Every counter, (name, label) -> value: since the counters began, or over the last ``since``."""
+    if since is not None and since <= timedelta(0):
+        raise ValueError(f"the window must be positive, got {since}")
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        if since is None:
+            cur.execute(_TOTALS)
+        else:
+            cur.execute(_WINDOW, {"since": since})
+        rows = cur.fetchall()
+        conn.rollback()
+    return {(r["name"], r["label"]): float(r["value"]) for r in rows}
+
+
+def totals(db: Database) -> Kpis:
+    """The KPIs since the counters began."""
+    return kpis_of(counters(db), None)
+
+
+def window(db: Database, since: timedelta) -> Kpis:
+    """The KPIs over the last ``since`` (from the first whole minute in it; per-minute history is kept
+    ``KEEL_KPI_RETENTION_DAYS``). Raises :class:`ValueError` unless ``since`` is positive."""
+    return kpis_of(counters(db, since), since)
+
+
+def kpis_of(values: Counters, since: timedelta | None) -> Kpis:
+    """The KPIs of a set of counters."""
+
+    def total(name: str, **match: str) -> float:
+        return sum(v for (n, label), v in values.items() if n == name and _matches(label, match))
+
+    def by(name: str, key: str, known: Iterable[str] = ()) -> dict[str, int]:
+        out = dict.fromkeys(known, 0)
+        for (n, label), v in values.items():
+            if n == name:
+                value = labels(label).get(key, "")
+                out[value] = out.get(value, 0) + round(v)
+        return out
+
+    confirmations, duplicates = round(total("side_effect_confirmations")), round(total("side_effect_duplicates"))
+    done, failed = (
+        round(total("requests_finished", outcome="done")),
+        round(total("requests_finished", outcome="failed")),
+    )
+    request_count = total("request_duration_seconds_count")
+    failed_once, recovered = round(total("jobs_failed_once")), round(total("jobs_recovered"))
+    spent_cost, retry_cost = round(total("spent_cost"), 6), round(total("retry_cost"), 6)
+    return Kpis(
+        since=since,
+        counters=dict(values),
+        suppressed_duplicates=by("suppressed_duplicates", "kind", SUPPRESSED_KINDS),
+        confirmations=confirmations,
+        side_effect_duplicates=duplicates,
+        duplicate_rate=_ratio(duplicates, confirmations),
+        requests_done=done,
+        requests_failed=failed,
+        failure_rate=_ratio(failed, done + failed),
+        mean_request_seconds=_ratio(total("request_duration_seconds_sum"), request_count),
+        p95_request_seconds=quantile(0.95, histogram(values, "request_duration_seconds", REQUEST_SECONDS_BUCKETS)),
+        p95_transition_seconds=quantile(
+            0.95, histogram(values, "phase_transition_seconds", TRANSITION_SECONDS_BUCKETS)
+        ),
+        jobs_failed_once=failed_once,
+        jobs_recovered=recovered,
+        recovery_rate=_ratio(recovered, failed_once),
+        spent_tokens=round(total("spent_tokens")),
+        spent_cost=spent_cost,
+        retry_tokens=round(total("retry_tokens")),
+        retry_cost=retry_cost,
+        retry_cost_share=_ratio(retry_cost, spent_cost),
+        fenced_outcomes=round(total("fenced_outcomes")),
+        lease_takeovers=round(total("lease_takeovers")),
+        budget_stops=round(total("budget_stops")),
+        deadline_stops=round(total("deadline_stops", kind="hard")),
+        deadline_demotions=round(total("deadline_stops", kind="soft")),
+        attempt_failures=by("job_attempt_failures", "error_class", ERROR_CLASSES),
+    )
+
+
+def _matches(label: str, match: Mapping[str, str]) -> bool:
+    if not match:
+        return True
+    have = labels(label)
+    return all(have.get(k) == v for k, v in match.items())
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return round(part / whole, 6) if whole else None
+
+
+def histogram(values: Counters, name: str, bounds: Iterable[float], **match: str) -> list[tuple[float, float]]:
+    """The cumulative buckets of histogram ``name`` (over every other label, or those matching ``match``):
+    ``[(upper bound, observations <= it), ..., (inf, all)]``, every bound of ``bounds`` present."""
+    per_bucket = dict.fromkeys([*bounds, math.inf], 0.0)
+    for (n, label), v in values.items():
+        if n != f"{name}_bucket":
+            continue
+        have = labels(label)
+        if any(have.get(k) != want for k, want in match.items()):
+            continue
+        upper = float(have["le"])  # "+Inf" too
+        per_bucket[upper] = per_bucket.get(upper, 0.0) + v
+    cumulative, running = [], 0.0
+    for upper in sorted(per_bucket):
+        running += per_bucket[upper]
+        cumulative.append((upper, running))
+    return cumulative
+
+
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The ``q``-quantile of cumulative ``buckets`` by linear interpolation inside the bucket it falls in, as
+    Prometheus's ``histogram_quantile`` does (in the last, unbounded bucket: the highest finite bound). None when
+    the histogram is empty."""
+    if len(buckets) < 2 or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    index = next(i for i, (_, count) in enumerate(buckets) if count >= rank)
+    if index == len(buckets) - 1:
+        return buckets[-2][0]
+    upper, count = buckets[index]
+    lower, below = (0.0, 0.0) if index == 0 else buckets[index - 1]
+    if index == 0 and upper <= 0:
+        return upper
+    inside = count - below
+    return lower + (upper - lower) * ((rank - below) / inside if inside else 0.0)
+
+
+# --- the live state ----------------------------------------------------------------------------------------------
+
+# Each through a partial index, so a scrape costs what is live, never what is history: ix_jobs_due (jobs not final),
+# ix_outbox_line (pending and sending messages), ix_outbox_dead (dead letters).
+_JOBS_BY_STATUS = (
+    "SELECT status, count(*) AS n FROM jobs WHERE status IN ('pending', 'enqueued', 'running') GROUP BY status"
+)
+_OLDEST_DUE = (
+    "SELECT extract(epoch FROM clock_timestamp() - min(run_at)) AS age FROM jobs"
+    " WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= clock_timestamp()"
+    " AND (status <> 'running' OR lease_until < clock_timestamp())"
+)
+_BACKLOG = (
+    "SELECT channel, count(*) AS n, extract(epoch FROM clock_timestamp() - min(created_at)) AS age FROM outbox"
+    " WHERE status IN ('pending', 'sending') GROUP BY channel"
+)
+_DEAD = "SELECT channel, count(*) AS n FROM outbox WHERE status = 'dead' GROUP BY channel"
+
+
+def gauges(db: Database) -> Gauges:
+    """The live state, read through partial indexes (cost grows with what is live, not with history)."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_JOBS_BY_STATUS)
+        jobs = {r["status"]: int(r["n"]) for r in cur.fetchall()}
+        cur.execute(_OLDEST_DUE)
+        oldest = cur.fetchone()
+        cur.execute(_BACKLOG)
+        backlog = cur.fetchall()
+        cur.execute(_DEAD)
+        dead = {r["channel"]: int(r["n"]) for r in cur.fetchall()}
+        conn.rollback()
+    age = oldest["age"] if oldest else None
+    return Gauges(
+        jobs_by_status={s: jobs.get(s, 0) for s in LIVE_JOB_STATUSES},
+        oldest_due_job_age_seconds=max(0.0, float(age)) if age is not None else 0.0,
+        outbox_backlog={c: 0 for c in CHANNELS} | {r["channel"]: int(r["n"]) for r in backlog},
+        outbox_oldest_age_seconds={c: 0.0 for c in CHANNELS}
+        | {r["channel"]: max(0.0, float(r["age"])) for r in backlog},
+        dead_letters={c: 0 for c in CHANNELS} | dead,
+    )
+
+
+# --- the demo's own figures and each request's outcome -----------------------------------------------------------
+
+# `keel demo` reports on its own few agents, which may share the database with others: the counters above are
+# global, so it reads its agents' rows once, at the end of its run. Not a path anything runs repeatedly (it reads
+# the jobs and the outbox without an index on agent_id: one more index on jobs would cost every job write).
+_AGENT_KPIS = """
+WITH mine_jobs AS (SELECT * FROM jobs WHERE agent_id = ANY(%(ids)s::uuid[])),
+     mine_events AS (SELECT * FROM audit.journal WHERE agent_id = ANY(%(ids)s::uuid[])),
+     mine_log AS (SELECT d.* FROM delivery_log d JOIN outbox o ON o.key = d.key WHERE o.agent_id = ANY(%(ids)s::uuid[]))
 SELECT
-  (SELECT count(*) FROM mine_events WHERE kind = 'suppressed')
+  (SELECT count(*) FROM mine_events WHERE kind = 'suppressed' AND decision <> 'fenced_off')
   + (SELECT coalesce(sum(json_array_length(details->'jobs_suppressed')), 0) FROM mine_events
-     WHERE details->'jobs_suppressed' IS NOT NULL)
+     WHERE json_typeof(details->'jobs_suppressed') = 'array')
   + (SELECT coalesce(sum(json_array_length(details->'messages_suppressed')), 0) FROM mine_events
-     WHERE details->'messages_suppressed' IS NOT NULL)                                   AS suppressed_duplicates,
+     WHERE json_typeof(details->'messages_suppressed') = 'array')                        AS suppressed_duplicates,
   (SELECT count(*) FROM (SELECT key FROM mine_log GROUP BY key HAVING count(*) > 1) d)   AS keys_confirmed_twice,
   (SELECT count(*) FROM mine_log)                                                        AS deliveries,
   (SELECT coalesce(sum(attempts), 0) FROM mine_jobs WHERE operation = 'plan')           AS model_calls,
@@ -43,14 +348,14 @@ SELECT
   (SELECT coalesce(sum(failed_tokens), 0)::bigint FROM mine_jobs)                       AS retry_tokens,
   (SELECT coalesce(sum(failed_cost), 0) FROM mine_jobs)                                 AS retry_cost,
   (SELECT count(*) FILTER (WHERE phase = 'failed')::float / nullif(count(*), 0) FROM agents
-     WHERE request_id IS NOT NULL AND id IN (SELECT id FROM mine_agents))               AS failure_rate
+     WHERE request_id IS NOT NULL AND id = ANY(%(ids)s::uuid[]))                         AS failure_rate
 """
 
 
-def kpis(db: Database, agent_ids: Sequence[UUID] | None = None, *, skip_prefix: str | None = None) -> dict[str, Any]:
-    """The KPIs over all agents, or over ``agent_ids`` only; without agents named ``skip_prefix``…"""
+def agent_kpis(db: Database, agent_ids: Iterable[UUID]) -> dict[str, Any]:
+    """The demo's figures over ``agent_ids`` only, from their rows (see above: for a handful of agents, once)."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(_KPIS, {"ids": None if agent_ids is None else list(agent_ids), "skip": skip_prefix})
+        cur.execute(_AGENT_KPIS, {"ids": list(agent_ids)})
         row = cur.fetchone() or {}
         conn.rollback()
     return dict(row)
@@ -68,74 +373,3 @@ def request_outcomes(db: Database) -> list[dict[str, Any]]:
         rows = cur.fetchall()
         conn.rollback()
     return rows
-
-
-# --- TEMPORARY (alerts branch) ----------------------------------------------------------------------------------
-# A minimal stand-in for the KPI helper's `Kpis`, `Gauges`, `window(db, since)` and `gauges(db)` (the contract in
-# /work/notes/contract.md), so that the alerts can be built and tested on this branch. Only the figures the alerts'
-# tests drive are computed (side-effect duplicates, dead letters, the oldest due job); the rest are zero or None.
-# The lead replaces this whole block with the KPI helper's implementation at merge.
-
-
-@dataclass(frozen=True, slots=True)
-class Kpis:
-    suppressed_duplicates: dict[str, float] = field(default_factory=dict)
-    confirmations: float = 0
-    side_effect_duplicates: float = 0
-    duplicate_rate: float | None = None
-    requests_done: float = 0
-    requests_failed: float = 0
-    failure_rate: float | None = None
-    mean_request_seconds: float | None = None
-    p95_request_seconds: float | None = None
-    p95_transition_seconds: float | None = None
-    jobs_failed_once: float = 0
-    jobs_recovered: float = 0
-    recovery_rate: float | None = None
-    spent_tokens: float = 0
-    spent_cost: float = 0
-    retry_tokens: float = 0
-    retry_cost: float = 0
-    retry_cost_share: float | None = None
-    fenced_outcomes: float = 0
-    lease_takeovers: float = 0
-    budget_stops: float = 0
-    deadline_stops: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Gauges:
-    jobs_by_status: dict[str, float] = field(default_factory=dict)
-    oldest_due_job_age_seconds: float = 0
-    outbox_backlog: dict[str, float] = field(default_factory=dict)
-    outbox_oldest_age_seconds: dict[str, float] = field(default_factory=dict)
-    dead_letters: dict[str, float] = field(default_factory=dict)
-
-
-def window(db: Database, since: timedelta) -> Kpis:
-    """TEMPORARY: confirmations and side-effect duplicates over the last ``since`` only."""
-    with db.connection() as conn:
-        row = conn.execute(
-            "SELECT count(*), count(*) - count(DISTINCT key) FROM delivery_log"
-            " WHERE confirmed_at >= clock_timestamp() - %s",
-            (since,),
-        ).fetchone()
-        conn.rollback()
-    confirmations, duplicates = row if row else (0, 0)
-    return Kpis(
-        confirmations=float(confirmations),
-        side_effect_duplicates=float(duplicates),
-        duplicate_rate=duplicates / confirmations if confirmations else None,
-    )
-
-
-def gauges(db: Database) -> Gauges:
-    """TEMPORARY: dead letters per channel and the oldest due job's age."""
-    with db.connection() as conn:
-        dead = dict(conn.execute("SELECT channel, count(*)::float FROM outbox WHERE status = 'dead' GROUP BY channel"))
-        row = conn.execute(
-            "SELECT coalesce(extract(epoch FROM clock_timestamp() - min(run_at))::float, 0) FROM jobs"
-            " WHERE status IN ('pending', 'enqueued') AND run_at <= clock_timestamp()"
-        ).fetchone()
-        conn.rollback()
-    return Gauges(dead_letters=dead, oldest_due_job_age_seconds=row[0] if row else 0.0)

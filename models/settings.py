@@ -106,6 +106,10 @@ class Settings(BaseSettings):
     dispatch_interval_seconds: float = Field(default=0.5, gt=0)
     dispatch_batch: int = Field(default=500, ge=1)
     deadline_check_seconds: float = Field(default=5.0, gt=0)
+    # The KPI counters (models/kpi_sql.py): the leading beat folds their deltas into per-minute rollups at most this
+    # often, and keeps the per-minute rollups (what `keel kpi --since` and the alerts read) this many days.
+    kpi_fold_seconds: float = Field(default=5.0, gt=0)
+    kpi_retention_days: int = Field(default=35, ge=1, le=3650)
     # Redis redelivers a message nobody acked after this long; every place that must agree reads this one value.
     visibility_timeout_seconds: int = Field(default=3600, ge=10)
     # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.

@@ -263,6 +263,7 @@ outbox = Table(
     CheckConstraint("status <> 'sent' OR external_id IS NOT NULL", name="sent_has_external_id"),
     CheckConstraint(f"agent_id IS NOT NULL OR {_in('request_id', SYSTEM_REQUEST_IDS)}", name="system_message"),
     Index("ix_outbox_line", "destination", "seq", postgresql_where=text("status IN ('pending', 'sending')")),
+    Index("ix_outbox_dead", "channel", postgresql_where=text("status = 'dead'")),  # dead letters per channel (KPIs)
 )
 
 #: Append-only: one row per confirmed delivery (sent, or found at the receiver by reconciliation).
@@ -311,8 +312,8 @@ api_tokens = Table(
     CheckConstraint("(revoked_at IS NULL) = (revoked_by IS NULL)", name="revoked_by_whom"),
 )
 
-#: Insert-only: one row per counter a transaction moves (migration 0008 says why); the leading beat folds them into
-#: ``kpi_rollups`` and deletes them in one transaction.
+#: Insert-only: one row per counter a transaction moves (migration 0008 says why), written by triggers (migration
+#: 0009); the leading beat folds them into ``kpi_rollups`` and deletes them in one transaction (models/kpi_sql.py).
 kpi_deltas = Table(
     "kpi_deltas",
     metadata,

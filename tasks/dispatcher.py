@@ -10,7 +10,8 @@ Each tick the leader also records its heartbeat and, at their own intervals, eva
 audit verify and posts the daily KPI report (tasks/leader.py).
 
 Every ``KEEL_DEADLINE_CHECK_SECONDS`` the leader also enforces deadlines, in the beat process itself: a deadline
-must bite even when every worker is busy with the very job that overran it.
+must bite even when every worker is busy with the very job that overran it. Every ``KEEL_KPI_FOLD_SECONDS`` it folds
+the KPI counters' deltas into their rollups (models/kpi_sql.py); a fold that fails never stops dispatching.
 
 When the database (or the broker) cannot be reached, beat says so once ("database down: …; retrying with
 backoff"), tries again with exponential backoff, and says so once more when it is back: no traceback per tick.
@@ -33,6 +34,7 @@ from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
 from models.db import Database
 from models.jobs_sql import take_due
+from models.kpi_sql import fold
 from models.settings import Settings
 from tasks.app import broker_error, is_broker_outage, publish
 from tasks.leader import LeaderDuties
@@ -142,6 +144,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
         self._next_deadline_check = 0.0
+        self._next_fold = 0.0
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -192,6 +195,9 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                 if is_outage(exc):
                     return self.database.failed(exc)
                 log.exception("deadline pass failed; retrying next tick")
+        if started >= self._next_fold:
+            self._next_fold = started + self.settings.kpi_fold_seconds
+            self._fold_kpis()
         try:
             # Heartbeat, alerts, periodic audit verify, daily KPI report: each at its own interval on the
             # database's clock; a failure of theirs never stops the dispatcher.
@@ -212,6 +218,18 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             return self.broker.failed(cause)
         next_periodic: float = super().tick(*args, **kwargs)
         return max(0.01, min(next_periodic, interval - spent))
+
+    def _fold_kpis(self) -> None:
+        """Fold the KPI counters' deltas (the readers count unfolded ones too: a fold that fails only waits)."""
+        try:
+            folded = fold(self.db, retention=timedelta(days=self.settings.kpi_retention_days))
+        except Exception as exc:
+            if is_outage(exc):
+                return  # the dispatch pass above says so
+            log.exception("folding the KPI counters failed; retrying in %gs", self.settings.kpi_fold_seconds)
+            return
+        if folded:
+            log.debug("folded %d KPI deltas", folded)
 
     def _ensure_connected(self) -> Any:
         """One attempt to connect. Celery retries here for as long as the broker is away, a line per retry, with

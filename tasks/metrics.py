@@ -15,6 +15,7 @@ from celery.signals import beat_init, celeryd_init, worker_process_shutdown
 from prometheus_client.registry import Collector
 
 from agents.observability.alerts import AlertsCollector
+from agents.observability.kpis import DomainCollector
 from agents.observability.metrics import Metrics, install_metrics, prepare_multiprocess, process_exited
 from models.db import Database
 from models.settings import Settings
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 def domain_collectors(settings: Settings) -> list[Collector]:
     """The collectors of the domain KPIs (computed from PostgreSQL) that the API processes and the beats export."""
     db = Database.from_settings(settings)
-    return [AlertsCollector(db)]
+    return [DomainCollector(db), AlertsCollector(db)]
 
 
 def serve_metrics(metrics: Metrics, settings: Settings, port: int, variable: str) -> None:

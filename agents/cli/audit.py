@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import sys
-from decimal import Decimal
+from dataclasses import fields
+from datetime import timedelta
 from typing import Any
 
 import click
 
-from agents.cli.common import (
-    count,
-    decimal_text,
-    emit,
-    friendly,
-    json_option,
-    open_client,
-    percent,
-    rounded,
-    seconds,
-    text_value,
-    to_json,
-)
+from agents.cli.common import emit, friendly, json_option, open_client, to_json
 from agents.cli.watch import journal_header, journal_text, print_events
 from agents.core.commands import MAX_BIGINT
 from agents.core.errors import quoted
@@ -122,35 +111,53 @@ def audit_verify(as_json: bool) -> None:
 
 
 @click.command("kpi")
-@click.option("--include-demo", is_flag=True, help="Count the demo's agents (named demo-...) too.")
+@click.option(
+    "--since",
+    metavar="DURATION",
+    help="Only the last DURATION: a whole number and a unit (s, m, h, d, w), e.g. 24h, 90m, 7d."
+    " Without it: everything since the counters began.",
+)
+@click.option("--include-demo", is_flag=True, hidden=True)  # gone: refused with the reason below
 @json_option
 @friendly
-def kpi(include_demo: bool, as_json: bool) -> None:
-    """The KPIs, computed from the tables: suppressed duplicates, side effects confirmed twice, p95 step latency,
-    recovery rate after a first failure, retry-caused cost, failure rate."""
-    from models.kpi_sql import DEMO_PREFIX, kpis
+def kpi(since: str | None, include_demo: bool, as_json: bool) -> None:
+    """The KPIs, from the counters kept in the database: suppressed duplicates, side-effect duplicates, failure
+    rate, request times, p95 phase-transition latency, recovery rate after a first failure, retry-caused cost."""
+    from agents.observability.kpis import parse_duration, report_lines
+    from models.kpi_sql import totals, window
 
+    if include_demo:
+        raise click.UsageError(
+            "--include-demo is gone: the KPI counters are global, the demo's agents are counted like any other"
+            " (run `keel demo` on a database of its own to keep it out of your figures)"
+        )
+    span = None
+    if since is not None:
+        try:
+            span = parse_duration(since)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--since") from None
     with open_client() as client:
-        data = kpis(client.db, skip_prefix=None if include_demo else DEMO_PREFIX)
-    width = max(len(k) for k in data) + 1
-    measured = {k: rounded(v) if k.endswith(("_rate", "_seconds")) else v for k, v in data.items()}
-    emit(measured, as_json, "\n".join(f"{k:<{width}} {_kpi_text(k, v)}" for k, v in data.items()))
-
-
-def _kpi_text(name: str, value: Any) -> str:
-    """A KPI for people: counts with separators, rates as percentages, times in ms or s, costs to the cent's
-    hundredth; "-" when there is nothing to measure yet."""
-    if value is None:
-        return "-"
-    if name.endswith("_rate"):
-        return percent(float(value))
-    if name.endswith("_seconds"):
-        return seconds(float(value))
-    if isinstance(value, Decimal):
-        return decimal_text(value.quantize(Decimal("0.0001")))
-    if isinstance(value, int):
-        return count(value)
-    return text_value(value)
+        if span is not None:
+            kept = timedelta(days=client.settings.kpi_retention_days)
+            if span > kept:
+                raise click.BadParameter(
+                    f"{since} reaches past the {kept.days} days of per-minute KPI history kept"
+                    " (KEEL_KPI_RETENTION_DAYS); leave --since out for the figures since the counters began",
+                    param_hint="--since",
+                )
+            k = window(client.db, span)
+        else:
+            k = totals(client.db)
+    if as_json:
+        data = {f.name: getattr(k, f.name) for f in fields(k) if f.name != "counters"}
+        data["since"] = since
+        emit(data, as_json, "")
+        return
+    rows = report_lines(k)
+    width = max(len(label) for label, _ in rows) + 1
+    title = f"KPIs over the last {since}" if since else "KPIs since the counters began"
+    emit(None, False, "\n".join([title, *(f"{label:<{width}} {value}" for label, value in rows)]))
 
 
 COMMANDS = (journal_cmd, audit, kpi)

@@ -39,9 +39,12 @@ from agents.ingress.tokens import Scope, create_token, revoke_token
 from models import migrations
 from models.db import Database
 from models.embedded import broker_url_for, free_port
-from models.kpi_sql import DEMO_PREFIX, kpis, request_outcomes
+from models.kpi_sql import agent_kpis, request_outcomes
 from models.settings import Settings
 from models.urls import libpq_url
+
+#: The demo's agents are named with this prefix: its approver token sees only them.
+DEMO_PREFIX = "demo-"
 
 SLACK_TOKEN = "xoxb-keel-demo-sink-token"
 GITHUB_TOKEN = "ghp_keelDemoSinkToken"
@@ -325,7 +328,7 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
         expected: dict[str, str] = {}
         ids = {}
         for name, budget, request, ending in scenarios():
-            # DEMO_PREFIX: `keel kpi` leaves them out, and the approver token sees only them.
+            # DEMO_PREFIX: the approver token sees only them.
             agent = client.create_agent(f"{DEMO_PREFIX}{name}-{run}", **budget)
             client.submit(agent.id, f"{name}-{run}", request, actor="demo")
             expected[agent.name] = ending
@@ -443,7 +446,7 @@ def _report(
         all(outcomes[n]["phase"] == expected[n] for n in ids)
         and all(outcomes[n]["why"] == "budget_exhausted" for n in ids if expected[n] == "failed"),
     )
-    k = kpis(db, list(ids.values()))
+    k = agent_kpis(db, ids.values())
     at_receivers = slack.delivered_keys() + github.delivered_keys()
     duplicates = sum(n - 1 for n in at_receivers.values() if n > 1)
     searches_file = logs / "demo-searches.log"

@@ -1,21 +1,287 @@
-"""TEMPORARY (alerts branch): a stand-in for the KPI helper's ``report_lines(k)`` (/work/notes/contract.md), so the
-daily KPI report can be built and tested here. The lead replaces this file with the KPI helper's at merge."""
+"""The domain KPIs as Prometheus metrics, and as the table people read (``keel kpi``, the daily report).
+
+The figures come from PostgreSQL (:mod:`models.kpi_sql`): every process that exports them says the same, so the
+dashboard and the alert rules take ``max`` over them. :class:`DomainCollector` reads them at most every few seconds
+(a scrape from several Prometheus servers costs one read); when the database cannot be reached it exports
+``keel_kpi_up 0`` alone — a figure that is missing is not a figure that is 0.
+"""
 
 from __future__ import annotations
 
-from models.kpi_sql import Kpis
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from models.db import Database
+from models.kpi_sql import (
+    ERROR_CLASSES,
+    REQUEST_SECONDS_BUCKETS,
+    SUPPRESSED_KINDS,
+    TRANSITION_SECONDS_BUCKETS,
+    Gauges,
+    Kpis,
+    gauges,
+    histogram,
+    labels,
+    totals,
+)
+from models.tables import CHANNELS
+
+log = logging.getLogger("keel.kpis")
+
+#: How long one read of the figures serves scrapes.
+CACHE_SECONDS = 5.0
+
+
+class DomainCollector(Collector):
+    """The domain KPIs of the database ``db`` (the names are in the README's KPI table), read at most every
+    ``cache_seconds``. Register it on a registry: ``registry.register(DomainCollector(db))``."""
+
+    def __init__(
+        self, db: Database, *, cache_seconds: float = CACHE_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.db = db
+        self.cache_seconds = cache_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._metrics: list[Metric] = []
+        self._down = False
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # registering must not read the database
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            now = self.clock()
+            if self._read_at is None or now - self._read_at >= self.cache_seconds:
+                self._metrics = self._read()
+                self._read_at = now
+            metrics = list(self._metrics)
+        yield from metrics
+
+    def _read(self) -> list[Metric]:
+        try:
+            k, g = totals(self.db), gauges(self.db)
+        except Exception as exc:  # a scrape must answer whatever the database does
+            if not self._down:
+                log.warning("KPIs unavailable: the database cannot be read: %s", type(exc).__name__)
+            self._down = True
+            return [_up(0)]
+        if self._down:
+            log.info("KPIs available again")
+        self._down = False
+        return [*domain_metrics(k, g), _up(1)]
+
+
+def _up(value: int) -> Metric:
+    return GaugeMetricFamily("keel_kpi_up", "1 if the database answered this scrape's KPI read, else 0", value=value)
+
+
+def domain_metrics(k: Kpis, g: Gauges) -> list[Metric]:
+    """The domain metric families of ``k`` (counters since they began) and ``g`` (the live state)."""
+    c = k.counters
+
+    def counter(name: str, doc: str, stored: str, label_names: tuple[str, ...] = (), **known: Iterable[str]) -> Metric:
+        family = CounterMetricFamily(name, doc, labels=label_names)
+        values: dict[tuple[str, ...], float] = {}
+        if len(label_names) == 1 and label_names[0] in known:
+            values = {(v,): 0.0 for v in known[label_names[0]]}
+        elif not label_names:
+            values = {(): 0.0}
+        for (n, label), v in c.items():
+            if n == stored:
+                have = labels(label)
+                key = tuple(have.get(label_name, "") for label_name in label_names)
+                values[key] = values.get(key, 0.0) + v
+        for key, v in sorted(values.items()):
+            family.add_metric(list(key), v)
+        return family
+
+    def labelled_gauge(name: str, doc: str, label: str, values: dict[str, int] | dict[str, float]) -> Metric:
+        family = GaugeMetricFamily(name, doc, labels=[label])
+        for key, v in sorted(values.items()):
+            family.add_metric([key], float(v))
+        return family
+
+    transitions = HistogramMetricFamily(
+        "keel_phase_transition_seconds",
+        "Database-side time of each transition, from its transaction's start to its journal event",
+        labels=["event"],
+    )
+    events = sorted({labels(label)["event"] for n, label in c if n == "phase_transition_seconds_count"})
+    for event in events:
+        transitions.add_metric(
+            [event],
+            _buckets(histogram(c, "phase_transition_seconds", TRANSITION_SECONDS_BUCKETS, event=event)),
+            sum(v for (n, label), v in c.items() if n == "phase_transition_seconds_sum" and label == f"event={event}"),
+        )
+    requests = HistogramMetricFamily(
+        "keel_request_duration_seconds", "Time from a request's submit to its done or failed transition"
+    )
+    requests.add_metric(
+        [],
+        _buckets(histogram(c, "request_duration_seconds", REQUEST_SECONDS_BUCKETS)),
+        c.get(("request_duration_seconds_sum", ""), 0.0),
+    )
+    return [
+        counter(
+            "keel_suppressed_duplicates",
+            "Duplicates suppressed, by kind: a repeated submit, a duplicate job delivery, a job or message key"
+            " already there",
+            "suppressed_duplicates",
+            ("kind",),
+            kind=SUPPRESSED_KINDS,
+        ),
+        counter(
+            "keel_side_effect_confirmations",
+            "Confirmed deliveries to Slack or GitHub (delivery log rows)",
+            "side_effect_confirmations",
+            ("channel",),
+            channel=CHANNELS,
+        ),
+        counter(
+            "keel_side_effect_duplicates",
+            "Confirmations of a key that had been confirmed already (must stay 0)",
+            "side_effect_duplicates",
+            ("channel",),
+            channel=CHANNELS,
+        ),
+        counter(
+            "keel_requests_finished",
+            "Requests that ended, by outcome (done, failed)",
+            "requests_finished",
+            ("outcome",),
+            outcome=("done", "failed"),
+        ),
+        requests,
+        transitions,
+        counter(
+            "keel_jobs_finished",
+            "Jobs that reached a final status, by operation and status",
+            "jobs_finished",
+            ("operation", "status"),
+        ),
+        counter(
+            "keel_job_attempt_failures",
+            "Failed job attempts, by error class",
+            "job_attempt_failures",
+            ("error_class",),
+            error_class=ERROR_CLASSES,
+        ),
+        counter("keel_jobs_failed_once", "Jobs whose first attempt failure happened", "jobs_failed_once"),
+        counter("keel_jobs_recovered", "Jobs that failed at least once, then succeeded", "jobs_recovered"),
+        counter("keel_spent_tokens", "Model tokens spent by jobs", "spent_tokens"),
+        counter("keel_spent_cost", "Money spent by jobs (USD)", "spent_cost"),
+        counter("keel_retry_tokens", "Tokens spent on attempts that failed or whose outcome was void", "retry_tokens"),
+        counter("keel_retry_cost", "Money spent on attempts that failed or whose outcome was void", "retry_cost"),
+        counter("keel_fenced_outcomes", "Job outcomes discarded: the claim had been taken over", "fenced_outcomes"),
+        counter("keel_lease_takeovers", "Running jobs taken over after their lease expired", "lease_takeovers"),
+        counter("keel_budget_stops", "Requests stopped because their agent's budget was spent", "budget_stops"),
+        counter(
+            "keel_deadline_stops",
+            "Requests stopped at their hard deadline (kind=hard); agents demoted at their soft one (kind=soft)",
+            "deadline_stops",
+            ("kind",),
+            kind=("hard", "soft"),
+        ),
+        labelled_gauge("keel_jobs", "Jobs not final, by status", "status", g.jobs_by_status),
+        GaugeMetricFamily(
+            "keel_oldest_due_job_age_seconds",
+            "How long the oldest due job has waited to run (queue lag); 0 when none is due",
+            value=g.oldest_due_job_age_seconds,
+        ),
+        labelled_gauge("keel_outbox_backlog", "Outbox messages pending or sending", "channel", g.outbox_backlog),
+        labelled_gauge(
+            "keel_outbox_oldest_age_seconds",
+            "Age of the oldest pending or sending outbox message; 0 when none",
+            "channel",
+            g.outbox_oldest_age_seconds,
+        ),
+        labelled_gauge("keel_dead_letters", "Outbox messages given up on (dead)", "channel", g.dead_letters),
+    ]
+
+
+def _buckets(cumulative: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    return [("+Inf" if math.isinf(upper) else _bound(upper), count) for upper, count in cumulative]
+
+
+def _bound(upper: float) -> str:
+    return repr(float(upper))
+
+
+# --- for people ----------------------------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``24h``, ``90m``, ``7d``, ``30s``, ``2w`` as a timedelta; :class:`ValueError` naming the rule otherwise."""
+    match = _DURATION.match(text)
+    if not match or int(match[1]) == 0:
+        raise ValueError(
+            f"{text!r} is not a duration: use a positive whole number and a unit (s, m, h, d or w), e.g. 24h, 90m, 7d"
+        )
+    try:
+        return timedelta(**{_UNITS[match[2]]: int(match[1])})
+    except OverflowError:
+        raise ValueError(f"{text!r} is too long a duration") from None
 
 
 def report_lines(k: Kpis) -> list[tuple[str, str]]:
-    """TEMPORARY: (label, formatted value) rows of the KPI table."""
-
-    def rate(value: float | None) -> str:
-        return "-" if value is None else f"{value * 100:.1f}%"
-
+    """The KPI table as (label, value) rows: what ``keel kpi`` prints and the daily report posts."""
+    kinds = ", ".join(f"{kind} {_count(n)}" for kind, n in k.suppressed_duplicates.items() if n)
+    deadline = f"{_count(k.deadline_stops)} stopped at the hard deadline, {_count(k.deadline_demotions)} demoted"
     return [
-        ("side-effect confirmations", f"{k.confirmations:,.0f}"),
-        ("side-effect duplicates", f"{k.side_effect_duplicates:,.0f}"),
-        ("requests done / failed", f"{k.requests_done:,.0f} / {k.requests_failed:,.0f}"),
-        ("recovery rate after a first failure", rate(k.recovery_rate)),
-        ("retry-caused cost share", rate(k.retry_cost_share)),
+        ("suppressed duplicates", _count(sum(k.suppressed_duplicates.values())) + (f" ({kinds})" if kinds else "")),
+        (
+            "side-effect duplicates",
+            f"{_count(k.side_effect_duplicates)} of {_count(k.confirmations)} confirmed deliveries"
+            f" ({_percent(k.duplicate_rate)})",
+        ),
+        ("requests finished", f"{_count(k.requests_done)} done, {_count(k.requests_failed)} failed"),
+        ("failure rate", _percent(k.failure_rate)),
+        ("mean request time", _seconds(k.mean_request_seconds)),
+        ("p95 request time", _seconds(k.p95_request_seconds)),
+        ("p95 phase-transition latency", _seconds(k.p95_transition_seconds)),
+        (
+            "recovery rate after first failure",
+            f"{_percent(k.recovery_rate)} of {_count(k.jobs_failed_once)} jobs",
+        ),
+        (
+            "retry-caused cost",
+            f"{_count(k.retry_tokens)} tokens, ${_money(k.retry_cost)} ({_percent(k.retry_cost_share)} of spend)",
+        ),
+        ("spent", f"{_count(k.spent_tokens)} tokens, ${_money(k.spent_cost)}"),
+        ("fenced-off outcomes", _count(k.fenced_outcomes)),
+        ("lease takeovers", _count(k.lease_takeovers)),
+        ("budget stops", _count(k.budget_stops)),
+        ("deadline stops", deadline),
     ]
+
+
+def _count(n: int) -> str:
+    return f"{n:,}"
+
+
+def _percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.1f}%"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:,.2f} s"
+
+
+def _money(value: float) -> str:
+    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    return text or "0"

@@ -12,7 +12,7 @@ database's clock, so two beats or a restarted one never run a chore more often t
 ``audit_verifications``: the outcome of every `keel audit verify` (the command's and the beat's periodic one).
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-12-02
 """
 
@@ -23,7 +23,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0010"
-down_revision = "0008"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 

@@ -82,6 +82,9 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "deleted_agents_no_truncate",
         "api_tokens_guard",
         "api_tokens_no_truncate",
+        "journal_kpis",
+        "jobs_kpis",
+        "delivery_log_kpis",
         *(f"{table}_agent_exists" for table in ("journal", "requests", "jobs", "outbox")),
     }
     migrations.upgrade(empty_db_url)

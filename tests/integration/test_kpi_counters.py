@@ -1,0 +1,456 @@
+"""The KPI counters: moved by the transactions that cause them, folded once, exported with the scenario's values."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agents.client import Client
+from agents.core.commands import Command, JobSpec, MessageSpec, Usage
+from agents.core.phases import Event
+from agents.core.transition import now, transition
+from agents.jobs import deadlines
+from agents.jobs.handlers import JobContext, JobResult, Registry, registry
+from agents.jobs.runner import Runner
+from agents.observability.alerts import AlertsCollector
+from agents.observability.kpis import DomainCollector
+from agents.observability.names import ALERTS, DOMAIN
+from agents.outbox.relay import Backoff, Relay
+from agents.outbox.senders import SlackSender
+from models.db import Database
+from models.jobs_sql import ClaimedJob, checkpoint, claim, extend_lease
+from models.kpi_sql import REQUEST_SECONDS_BUCKETS, TRANSITION_SECONDS_BUCKETS, fold, gauges, totals, window
+from models.settings import Settings
+from tests.support.broker import Broker
+from tests.support.db import expire_lease
+from tests.support.fakes import FakeSlack
+from tests.support.metrics import contract_problems
+from tests.support.runs import FAST_RULES, run_all
+
+pytestmark = pytest.mark.integration
+
+registry.declare("slow")  # run by a runner of its own below
+
+SLACK_TOKEN = "xoxb-test-kpi-slack-token"
+DEAD_CHANNEL = "C0DEAD"
+
+
+@pytest.fixture
+def slack() -> Iterator[FakeSlack]:
+    # Every send to DEAD_CHANNEL fails; with one attempt allowed, its message is a dead letter.
+    fake = FakeSlack(
+        token=SLACK_TOKEN, faults=lambda destination, key, attempt: "500" if destination == DEAD_CHANNEL else None
+    )
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+def post(channel: str, text: str = "hello") -> dict[str, Any]:
+    return {"name": "slack_post", "arguments": {"channel": channel, "text": text}}
+
+
+def script(*entries: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt": "Summarise open incidents", "script": list(entries)}
+
+
+def exported(db: Database) -> dict[str, float]:
+    """Every sample the domain collector exports, as ``name{label="v",...}`` -> value."""
+    registry = CollectorRegistry()
+    registry.register(DomainCollector(db))
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def relay_pass(db: Database, slack: FakeSlack) -> None:
+    relay = Relay(
+        db,
+        {"slack": SlackSender(SLACK_TOKEN, f"{slack.url}/api/", timeout=2.0)},
+        lease=timedelta(seconds=10),
+        concurrency=4,
+        backoff=Backoff(0.05, 0.2, 1),
+        pass_seconds=10,
+        secrets=(SLACK_TOKEN,),
+    )
+    try:
+        for _ in range(40):
+            relay.run_pass()
+            with psycopg.connect(db.libpq_url) as conn:
+                if conn.execute("SELECT count(*) FROM outbox WHERE status IN ('pending', 'sending')").fetchone() == (
+                    0,
+                ):
+                    return
+            time.sleep(0.1)
+    finally:
+        relay.close()
+    raise AssertionError("the outbox did not drain")
+
+
+def taken_over(client: Client, db: Database) -> None:
+    """A worker that looks dead loses its job to another, which finishes it; the first one's outcome is fenced off."""
+    agent = client.create_agent("slowpoke")
+    client.submit(agent.id, "r-slow", None, operation="slow")
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: JobContext) -> JobResult:
+        started.set()
+        release.wait(10)
+        return JobResult(event=Event.FINISH)
+
+    def runner(handler: Any, worker: str) -> Runner:
+        own = Registry()
+        own.register("slow", handler)
+        return Runner(db, own, worker=worker, lease=timedelta(seconds=30), rules=dict(FAST_RULES))
+
+    results: list[Any] = []
+    first = threading.Thread(target=lambda: results.append(runner(slow, "first").run("r-slow:slow:1")))
+    first.start()
+    assert started.wait(10)
+    expire_lease(db, "r-slow:slow:1")
+    assert runner(lambda ctx: JobResult(event=Event.FINISH), "second").run("r-slow:slow:1").status == "succeeded"
+    release.set()
+    first.join(10)
+    assert results[0].status == "fenced"
+
+
+def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, db: Database, slack: FakeSlack) -> None:
+    # steady: posts to Slack, then answers; its producer retries the submit (a suppressed duplicate).
+    steady = client.create_agent("steady")
+    request = script({"tool_calls": [post("C0KPI")], "tokens": 100, "cost": "0.01"}, {"content": "done", "tokens": 50})
+    client.submit(steady.id, "r-steady", request)
+    client.submit(steady.id, "r-steady", request)
+    # flaky: the model fails once (transient; the attempt's 40 tokens are spent anyway), then answers.
+    flaky = client.create_agent("flaky")
+    client.submit(flaky.id, "r-flaky", script({"content": "ok", "error": "transient", "tokens": 40, "cost": "0.004"}))
+    # spender: its first reply spends more than its budget: the tool call after it is not started.
+    spender = client.create_agent("spender", budget_tokens=100)
+    client.submit(spender.id, "r-spender", script({"tool_calls": [post("C0KPI")], "tokens": 150}, {"content": "x"}))
+    # mailer: posts where every send fails: a dead letter.
+    mailer = client.create_agent("mailer")
+    client.submit(mailer.id, "r-mailer", script({"tool_calls": [post(DEAD_CHANNEL)], "tokens": 10}, {"content": "ok"}))
+    # echo: a transition names a job key and an outbox key that are there already (both suppressed).
+    echo = client.create_agent("echo")
+    client.submit(echo.id, "r-echo", script({"content": "ok", "tokens": 5}))
+    note = MessageSpec("slack", "C0KPI", "note", {"text": "note"})
+    transition(db, Command(echo.id, Event.PROGRESS, "test", jobs=(JobSpec("plan", "1"),), messages=(note,)))
+    transition(db, Command(echo.id, Event.PROGRESS, "test", messages=(note,)))
+    run_all(db)
+    # A late second delivery of a finished step: suppressed by the claim.
+    again = Runner(db, registry, worker="late", lease=timedelta(seconds=30), rules=dict(FAST_RULES))
+    assert again.run("r-steady:plan:1").status == "suppressed"
+    relay_pass(db, slack)
+    taken_over(client, db)
+    # late: demoted at its soft deadline, stopped at its hard one (its plan step never ran: cancelled).
+    late = client.create_agent("late")
+    client.submit(
+        late.id,
+        "r-late",
+        script({"content": "ok"}),
+        soft_deadline=timedelta(seconds=30),
+        hard_deadline=timedelta(seconds=60),
+    )
+    assert deadlines.enforce(db, now() + timedelta(seconds=31)).demoted == [late.id]
+    assert deadlines.enforce(db, now() + timedelta(seconds=61)).stopped == [late.id]
+
+    phases = {
+        a: client.get_state(a).phase for a in ("steady", "flaky", "spender", "mailer", "echo", "slowpoke", "late")
+    }
+    assert phases == {
+        "steady": "done",
+        "flaky": "done",
+        "spender": "failed",
+        "mailer": "done",
+        "echo": "done",
+        "slowpoke": "done",
+        "late": "failed",
+    }
+    metrics = exported(db)
+    assert fold(db) > 0
+    assert exported(db) == metrics, "folding changes no figure"
+    histograms = {k: v for k, v in metrics.items() if k.startswith(("keel_phase_transition", "keel_request_duration"))}
+    assert {k: v for k, v in metrics.items() if k not in histograms} == pytest.approx(
+        {
+            'keel_suppressed_duplicates_total{kind="submit"}': 1,  # steady's retried submit
+            'keel_suppressed_duplicates_total{kind="job_delivery"}': 1,  # the late delivery
+            'keel_suppressed_duplicates_total{kind="job_insert"}': 1,  # echo
+            'keel_suppressed_duplicates_total{kind="message_insert"}': 1,  # echo
+            'keel_side_effect_confirmations_total{channel="slack"}': 2,  # steady's post, echo's note
+            'keel_side_effect_confirmations_total{channel="github"}': 0,
+            'keel_side_effect_duplicates_total{channel="slack"}': 0,
+            'keel_side_effect_duplicates_total{channel="github"}': 0,
+            'keel_requests_finished_total{outcome="done"}': 5,
+            'keel_requests_finished_total{outcome="failed"}': 2,  # spender, late
+            # steady 2 replies, flaky 1, spender 1, mailer 2, echo 1; late's never ran
+            'keel_jobs_finished_total{operation="plan",status="succeeded"}': 7,
+            'keel_jobs_finished_total{operation="plan",status="cancelled"}': 1,
+            'keel_jobs_finished_total{operation="tool",status="succeeded"}': 2,  # steady's and mailer's posts
+            'keel_jobs_finished_total{operation="tool",status="failed"}': 1,  # spender's: not started
+            'keel_jobs_finished_total{operation="slow",status="succeeded"}': 1,
+            'keel_job_attempt_failures_total{error_class="transient"}': 1,  # flaky
+            'keel_job_attempt_failures_total{error_class="unknown"}': 1,  # slowpoke's first worker, taken over
+            'keel_job_attempt_failures_total{error_class="rate_limited"}': 0,
+            'keel_job_attempt_failures_total{error_class="invalid"}': 0,
+            'keel_job_attempt_failures_total{error_class="budget"}': 0,
+            "keel_jobs_failed_once_total": 2,
+            "keel_jobs_recovered_total": 2,
+            # steady 100 + 50, flaky 40 + 40, spender 150, mailer 10 + 100, echo 5
+            "keel_spent_tokens_total": 495,
+            "keel_spent_cost_total": 0.023,
+            "keel_retry_tokens_total": 40,
+            "keel_retry_cost_total": 0.004,
+            "keel_fenced_outcomes_total": 1,
+            "keel_lease_takeovers_total": 1,
+            "keel_budget_stops_total": 1,
+            'keel_deadline_stops_total{kind="hard"}': 1,
+            'keel_deadline_stops_total{kind="soft"}': 1,
+            'keel_jobs{status="pending"}': 0,
+            'keel_jobs{status="enqueued"}': 0,
+            'keel_jobs{status="running"}': 0,
+            "keel_oldest_due_job_age_seconds": 0,
+            'keel_outbox_backlog{channel="slack"}': 0,
+            'keel_outbox_backlog{channel="github"}': 0,
+            'keel_outbox_oldest_age_seconds{channel="slack"}': 0,
+            'keel_outbox_oldest_age_seconds{channel="github"}': 0,
+            'keel_dead_letters{channel="slack"}': 1,  # mailer's
+            'keel_dead_letters{channel="github"}': 0,
+            "keel_kpi_up": 1,
+        }
+    )
+    # Every transition once, by event (the suppressed submit is none); each histogram's buckets add up.
+    assert {k: v for k, v in histograms.items() if k.startswith("keel_phase_transition_seconds_count")} == {
+        f'keel_phase_transition_seconds_count{{event="{event}"}}': n
+        for event, n in {"submit": 7, "plan": 3, "observe": 2, "progress": 4, "finish": 5, "fail": 2}.items()
+    }
+    assert histograms["keel_request_duration_seconds_count"] == 7
+    assert histograms['keel_request_duration_seconds_bucket{le="+Inf"}'] == 7
+    assert histograms["keel_request_duration_seconds_sum"] > 0
+    for event in ("submit", "plan", "observe", "progress", "finish", "fail"):
+        bounds = [*(repr(float(b)) for b in TRANSITION_SECONDS_BUCKETS), "+Inf"]
+        counts = [histograms[f'keel_phase_transition_seconds_bucket{{event="{event}",le="{b}"}}'] for b in bounds]
+        assert (
+            counts == sorted(counts)
+            and counts[-1] == histograms[f'keel_phase_transition_seconds_count{{event="{event}"}}']
+        )
+    k = totals(db)
+    assert (k.failure_rate, k.recovery_rate, k.duplicate_rate) == (pytest.approx(2 / 7), 1.0, 0.0)
+    assert k.retry_cost_share == pytest.approx(0.004 / 0.023, abs=1e-6)
+    assert k.p95_transition_seconds is not None and k.p95_request_seconds is not None
+    assert k.mean_request_seconds == pytest.approx(histograms["keel_request_duration_seconds_sum"] / 7, abs=1e-6)
+
+
+def deltas(raw: psycopg.Connection[Any]) -> int:
+    (n,) = raw.execute("SELECT count(*) FROM kpi_deltas").fetchone()  # type: ignore[misc]
+    return int(n)
+
+
+def test_folds_at_once_never_count_a_delta_twice_and_readers_never_see_one_twice(
+    db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    raw.execute(
+        "INSERT INTO kpi_deltas (name, label, value) SELECT 'suppressed_duplicates', 'kind=submit', 1"
+        " FROM generate_series(1, 3000)"
+    )
+    folded: list[int] = []
+    seen: list[int] = []
+    start = threading.Barrier(3)
+    done = threading.Event()
+
+    def folder() -> None:
+        start.wait()
+        while n := fold(db, limit=100):
+            folded.append(n)
+
+    def reader() -> None:
+        start.wait()
+        while not done.is_set():
+            seen.append(totals(db).suppressed_duplicates["submit"])
+
+    threads = [threading.Thread(target=folder), threading.Thread(target=folder)]
+    watcher = threading.Thread(target=reader)
+    for t in [*threads, watcher]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    done.set()
+    watcher.join(60)
+    assert sum(folded) == 3000 and deltas(raw) == 0
+    assert set(seen) == {3000}, "a reader saw a delta twice or not at all while it was being folded"
+    assert totals(db).suppressed_duplicates["submit"] == 3000
+    rows = raw.execute("SELECT bucket = '-infinity', sum(value) FROM kpi_rollups GROUP BY 1 ORDER BY 1").fetchall()
+    assert rows == [(False, 3000.0), (True, 3000.0)]  # the minutes, and the running total
+
+
+def test_a_window_leaves_out_what_is_older_and_old_minutes_are_pruned(
+    db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    for age, n in (("3 hours", 4), ("2 hours", 2), ("10 minutes", 1)):
+        raw.execute(
+            "INSERT INTO kpi_deltas (at, name, label, value) VALUES (now() - %s::interval, 'budget_stops', '', %s)",
+            (age, n),
+        )
+    assert (window(db, timedelta(hours=1)).budget_stops, window(db, timedelta(minutes=150)).budget_stops) == (1, 3)
+    assert fold(db) == 3
+    # The same figures once folded: whole minutes, the first one inside the window included, older ones not.
+    assert (window(db, timedelta(hours=1)).budget_stops, window(db, timedelta(minutes=150)).budget_stops) == (1, 3)
+    assert window(db, timedelta(hours=4)).budget_stops == totals(db).budget_stops == 7
+    raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")  # not folded yet: counted too
+    assert (window(db, timedelta(minutes=1)).budget_stops, totals(db).budget_stops) == (1, 8)
+    # Pruning drops per-minute history beyond the retention; the running totals stay.
+    fold(db, retention=timedelta(minutes=150))
+    assert window(db, timedelta(hours=4)).budget_stops == 4
+    assert totals(db).budget_stops == 8
+    with pytest.raises(ValueError, match="positive"):
+        window(db, timedelta(0))
+
+
+def test_a_rolled_back_transition_moves_no_counter(client: Client, db: Database, raw: psycopg.Connection[Any]) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "r-1", script({"content": "ok"}))
+    before = deltas(raw)
+    note = MessageSpec("slack", "C0KPI", "note", {"text": "note"})
+
+    def boom(cur: Any, before: Any, after: Any) -> None:
+        raise RuntimeError("the effects failed")
+
+    with pytest.raises(RuntimeError):
+        transition(
+            db, Command(agent.id, Event.FAIL, "test", jobs=(JobSpec("plan", "1"),), messages=(note,)), effects=boom
+        )
+    assert deltas(raw) == before
+    assert (totals(db).requests_failed, totals(db).suppressed_duplicates["job_insert"]) == (0, 0)
+
+
+def test_claims_enqueues_and_lease_renewals_write_no_counter(
+    client: Client, db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "r-1", None, operation="slow")
+    before = deltas(raw)
+    raw.execute("UPDATE jobs SET status = 'enqueued', enqueued_at = now() WHERE key = 'r-1:slow:1'")
+    claimed = claim(db, "r-1:slow:1", "w", timedelta(seconds=30))
+    assert isinstance(claimed, ClaimedJob)
+    token = claimed.fencing_token
+    assert extend_lease(db, "r-1:slow:1", token, timedelta(seconds=30))
+    assert checkpoint(db, "r-1:slow:1", token, {"reply": {"n": 1}})
+    assert deltas(raw) == before
+
+
+def test_the_trigger_buckets_are_the_exporters(raw: psycopg.Connection[Any]) -> None:
+    (body,) = raw.execute("SELECT pg_get_functiondef('keel_kpi_journal'::regproc)").fetchone()  # type: ignore[misc]
+    found = re.findall(r"keel_kpi_le\((\w+), '\{([^}]*)\}'\)", str(body))
+    bounds = {name: tuple(float(b) for b in text.split(",")) for name, text in found}
+    assert bounds == {
+        "elapsed": tuple(float(b) for b in TRANSITION_SECONDS_BUCKETS),
+        "took": tuple(float(b) for b in REQUEST_SECONDS_BUCKETS),
+    }
+    labels = [
+        r[0] for r in raw.execute("SELECT keel_kpi_le(v, '{0.5,1,2.5}') FROM unnest('{0,0.5,0.6,2.5,3}'::float8[]) v")
+    ]
+    assert labels == ["0.5", "0.5", "1", "2.5", "+Inf"]
+
+
+def test_gauges_read_live_rows_through_partial_indexes(db: Database, raw: psycopg.Connection[Any]) -> None:
+    from models import kpi_sql
+
+    raw.execute("SET enable_seqscan = off")  # as on a big table: only an index (or nothing) may be used
+    for query in (kpi_sql._JOBS_BY_STATUS, kpi_sql._OLDEST_DUE, kpi_sql._BACKLOG, kpi_sql._DEAD):
+        plan = "\n".join(r[0] for r in raw.execute(f"EXPLAIN {query}"))
+        assert "Seq Scan" not in plan, plan
+        assert re.search(r"ix_jobs_due|ix_outbox_line|ix_outbox_dead", plan), plan
+    assert gauges(db).jobs_by_status == {"pending": 0, "enqueued": 0, "running": 0}
+
+
+def test_an_unreachable_database_exports_kpi_up_zero_and_nothing_else(tmp_path: Path) -> None:
+    down = Database("postgresql://postgres@127.0.0.1:1/nowhere", pool_size=1)
+    try:
+        registry = CollectorRegistry()
+        registry.register(DomainCollector(down))
+        text = generate_latest(registry).decode()
+    finally:
+        down.dispose()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert [(s.name, s.value) for s in samples] == [("keel_kpi_up", 0.0)]
+
+
+def test_the_spend_of_a_fenced_off_outcome_is_counted_as_retry_caused(client: Client, db: Database) -> None:
+    agent = client.create_agent("a")
+    client.submit(agent.id, "r-1", None, operation="slow")
+    started, release = threading.Event(), threading.Event()
+
+    def slow(ctx: JobContext) -> JobResult:
+        started.set()
+        release.wait(10)
+        return JobResult(usage=Usage(250, Decimal("0.25")), event=Event.FINISH)
+
+    own = Registry()
+    own.register("slow", slow)
+    results: list[Any] = []
+    worker = Runner(db, own, worker="w", lease=timedelta(seconds=30), rules=dict(FAST_RULES))
+    thread = threading.Thread(target=lambda: results.append(worker.run("r-1:slow:1")))
+    thread.start()
+    assert started.wait(10)
+    client.cancel(agent.id, actor="op")
+    release.set()
+    thread.join(10)
+    assert results[0].status == "fenced"
+    k = totals(db)
+    assert (k.fenced_outcomes, k.spent_tokens, k.retry_tokens, k.spent_cost, k.retry_cost) == (1, 250, 250, 0.25, 0.25)
+    assert (k.requests_failed, k.counters[("jobs_finished", "operation=slow,status=cancelled")]) == (1, 1)
+
+
+def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch(
+    db_url: str, broker: Broker, client: Client, raw: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Celery
+
+    from tasks.app import celery_config
+    from tasks.dispatcher import KeelScheduler
+
+    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_KPI_FOLD_SECONDS": "3600"}.items():
+        monkeypatch.setenv(name, value)
+    app = Celery("kpi-test", set_as_current=False)
+    app.conf.update(celery_config(Settings()))
+    beat = KeelScheduler(app=app)
+    try:
+        raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
+        beat.tick()
+        assert deltas(raw) == 0 and totals(client.db).budget_stops == 1
+        raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
+        beat.tick()
+        assert deltas(raw) == 1, "folded at most every KEEL_KPI_FOLD_SECONDS"
+        # A fold that fails (here: its table is gone) is logged; the jobs are dispatched all the same.
+        raw.execute("ALTER TABLE kpi_rollups RENAME TO kpi_rollups_away")
+        beat._next_fold = 0.0
+        agent = client.create_agent("a")
+        client.submit(agent.id, "r-1", None, operation="slow")
+        beat.tick()
+        (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'r-1:slow:1'").fetchone()  # type: ignore[misc]
+        assert status == "enqueued" and deltas(raw) > 1
+    finally:
+        raw.execute("ALTER TABLE IF EXISTS kpi_rollups_away RENAME TO kpi_rollups")
+        beat.close()
+
+
+def test_the_domain_collector_exports_exactly_the_contract_names(db: Database) -> None:
+    """The dashboard and the alert rules are checked against agents/observability/names.py; this holds the collector
+    that exports the domain KPIs (and the alerts') to the same list, both ways."""
+    domain, alerting = DomainCollector(db, cache_seconds=0), AlertsCollector(db, cache_seconds=0)
+    assert contract_problems(domain, DOMAIN) == []
+    assert contract_problems(alerting, ALERTS) == []
+    exported_families = {f.name for f in domain.collect()}
+    assert exported_families == {m.family for m in DOMAIN}
