@@ -12,12 +12,12 @@ from fastapi import FastAPI
 from agents.core.redaction import install_log_redaction, register_settings
 from agents.ingress.app import create_app
 from agents.ingress.problems import INCIDENT_NOTE
+from agents.observability.logs import choose_json, log_config_formatter, use_structlog
 from models.settings import Settings
 from tasks.app import publisher
 
 #: uvicorn's loggers: ``uvicorn.error`` (its own lines) and ``uvicorn.access`` (one line per request).
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
-FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: Seconds each publish may take when Redis does not answer (a submit then leaves its job to the dispatcher).
 PUBLISH_TIMEOUT_SECONDS = 1.0
 
@@ -31,10 +31,12 @@ class ReportedOnce(logging.Filter):
         return not any(str(note).startswith(INCIDENT_NOTE) for note in getattr(error, "__notes__", ()))
 
 
-def log_config(level: str = "info") -> dict[str, Any]:
+def log_config(level: str = "info", json: bool | None = None) -> dict[str, Any]:
     """uvicorn's ``log_config`` (``logging.config.dictConfig``): Keel's and uvicorn's lines (access lines included)
-    on stderr with a timestamp and the logger's name, every one through the redaction filter."""
+    on stderr as JSON lines or readable ones (``json``; None: :func:`~agents.observability.logs.choose_json` on
+    stderr), with the request's context, every one through the redaction filter."""
     level = level.upper()
+    json = choose_json(None) if json is None else json
     handler = {
         "class": "logging.StreamHandler",
         "stream": "ext://sys.stderr",
@@ -48,7 +50,7 @@ def log_config(level: str = "info") -> dict[str, Any]:
             "redact": {"()": "agents.core.redaction.RedactingFilter"},
             "reported_once": {"()": "tasks.api.ReportedOnce"},
         },
-        "formatters": {"keel": {"format": FORMAT}},
+        "formatters": {"keel": log_config_formatter("api", json)},
         "handlers": {"keel": handler},
         "loggers": {
             "uvicorn": {"handlers": ["keel"], "level": level, "propagate": False},
@@ -65,4 +67,5 @@ def create() -> FastAPI:
     # tasks.api:create --factory` with uvicorn's own logging.
     register_settings(settings)
     install_log_redaction([logging.getLogger(), *map(logging.getLogger, UVICORN_LOGGERS)])
+    use_structlog()  # structlog's lines through uvicorn's handlers; the request's context on every line
     return create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS))

@@ -105,6 +105,8 @@ def up(
     env = dict(os.environ)
     env["KEEL_DATABASE_URL"] = database_url = database_url_for(settings)
     env["KEEL_BROKER_URL"] = broker_url = broker_url_for(settings)
+    # The children write to a pipe, not a terminal: readable lines for the person watching, unless asked otherwise.
+    env["KEEL_LOG_FORMAT"] = settings.log_format or "console"
     if (migrated := migrations.prepare(database_url, migrate=migrate or settings.database_url is None)) is not None:
         say(migrated)
     keel = [sys.executable, "-m", "agents"]
