@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # deployments (or test runs) sharing one Redis database never see each other's messages or broadcasts.
     broker_prefix: str = ""
     home: Path = Path(".keel")
+    #: How processes write their log lines: one JSON object per line, or readable lines; None: readable on a
+    #: terminal, JSON otherwise (agents/observability/logs.py).
+    log_format: Literal["json", "console"] | None = None
 
     db_pool_size: int = Field(default=10, ge=1, le=200)
     statement_timeout_ms: int = Field(default=30_000, ge=0)

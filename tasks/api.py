@@ -16,6 +16,7 @@ from pydantic import SecretStr
 from agents.core.redaction import install_log_redaction, register_settings
 from agents.ingress.app import create_app
 from agents.ingress.problems import INCIDENT_NOTE, UNAUTHORIZED, Problem
+from agents.observability.logs import choose_json, log_config_formatter, use_structlog
 from agents.observability.metrics import Metrics, install_metrics
 from agents.observability.tracing import API, configure_tracing
 from models.settings import Settings
@@ -24,7 +25,6 @@ from tasks.metrics import domain_collectors
 
 #: uvicorn's loggers: ``uvicorn.error`` (its own lines) and ``uvicorn.access`` (one line per request).
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
-FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: Seconds each publish may take when Redis does not answer (a submit then leaves its job to the dispatcher).
 PUBLISH_TIMEOUT_SECONDS = 1.0
 
@@ -38,10 +38,12 @@ class ReportedOnce(logging.Filter):
         return not any(str(note).startswith(INCIDENT_NOTE) for note in getattr(error, "__notes__", ()))
 
 
-def log_config(level: str = "info") -> dict[str, Any]:
+def log_config(level: str = "info", json: bool | None = None) -> dict[str, Any]:
     """uvicorn's ``log_config`` (``logging.config.dictConfig``): Keel's and uvicorn's lines (access lines included)
-    on stderr with a timestamp and the logger's name, every one through the redaction filter."""
+    on stderr as JSON lines or readable ones (``json``; None: :func:`~agents.observability.logs.choose_json` on
+    stderr), with the request's context, every one through the redaction filter."""
     level = level.upper()
+    json = choose_json(None) if json is None else json
     handler = {
         "class": "logging.StreamHandler",
         "stream": "ext://sys.stderr",
@@ -55,7 +57,7 @@ def log_config(level: str = "info") -> dict[str, Any]:
             "redact": {"()": "agents.core.redaction.RedactingFilter"},
             "reported_once": {"()": "tasks.api.ReportedOnce"},
         },
-        "formatters": {"keel": {"format": FORMAT}},
+        "formatters": {"keel": log_config_formatter("api", json)},
         "handlers": {"keel": handler},
         "loggers": {
             "uvicorn": {"handlers": ["keel"], "level": level, "propagate": False},
@@ -72,6 +74,7 @@ def create() -> FastAPI:
     # tasks.api:create --factory` with uvicorn's own logging.
     register_settings(settings)
     install_log_redaction([logging.getLogger(), *map(logging.getLogger, UVICORN_LOGGERS)])
+    use_structlog()  # structlog's lines through uvicorn's handlers; the request's context on every line
     configure_tracing(settings, API)  # in each API process (uvicorn starts its workers afresh): off without an endpoint
     metrics = install_metrics("api", collectors=domain_collectors(settings))
     app = create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS))

@@ -29,6 +29,13 @@ def _redact_logs(settings: Settings) -> None:
     after_setup_task_logger.connect(_filter_handlers, weak=False)
 
 
+def _structured_logs(settings: Settings, role: str) -> None:
+    """Keel's log lines (JSON or readable, with the job's context) on the handlers Celery sets up."""
+    from tasks.logs import structured_logs
+
+    structured_logs(role, None if settings.log_format is None else settings.log_format == "json")
+
+
 def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_redaction([logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])])
 
@@ -89,6 +96,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     _schema_or_exit(settings)
     _metrics_port_or_exit(settings, settings.worker_metrics_port, "KEEL_WORKER_METRICS_PORT")
     _redact_logs(settings)
+    _structured_logs(settings, "worker")
     from tasks.app import app
 
     processes = concurrency or settings.worker_concurrency
@@ -110,6 +118,7 @@ def beat(loglevel: str) -> None:
     _schema_or_exit(settings)
     _metrics_port_or_exit(settings, settings.beat_metrics_port, "KEEL_BEAT_METRICS_PORT")
     _redact_logs(settings)
+    _structured_logs(settings, "beat")
     from tasks.app import app
 
     app.start(["beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])
@@ -144,6 +153,7 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
     register_settings(settings)
     import uvicorn
 
+    from agents.observability.logs import choose_json
     from agents.observability.metrics import multiprocess_dir, prepare_multiprocess
     from models.embedded import broker_url_for, database_url_for
     from tasks.api import log_config
@@ -165,7 +175,7 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
         port=port or settings.api_port,
         workers=processes,
         # Keel's lines and uvicorn's (access lines too) with timestamps, every one redacted, in each worker process.
-        log_config=log_config(loglevel),
+        log_config=log_config(loglevel, json=choose_json(settings.log_format)),
         log_level=loglevel,
         proxy_headers=True,
         server_header=False,

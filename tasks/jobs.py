@@ -21,13 +21,16 @@ from celery.worker import control as celery_control
 from agents.core import transition as core
 from agents.core.commands import Command
 from agents.core.errors import KeelError, Rejected, StoreError
+from agents.core.keys import split_key
 from agents.core.outage import is_outage
 from agents.core.phases import Event
+from agents.jobs.runner import RunOutcome
+from agents.observability.logs import log_context
 from agents.observability.tracing import flush_tracing
 from models.jobs_sql import job_row, unpublish
 from tasks.app import RUN_JOB, broker_error, publish
 from tasks.logs import HandedBack
-from tasks.runtime import runtime
+from tasks.runtime import Runtime, runtime
 
 log = logging.getLogger("keel.tasks")
 
@@ -55,6 +58,17 @@ def run_job(self: Any, key: str) -> str:
         time.sleep(random.uniform(*STORE_BACKOFF_SECONDS))
         raise HandedBack(str(exc), requeue=True) from None
     rt.outage.recovered()
+    try:
+        request_id: str | None = split_key(key)[0]
+    except ValueError:
+        request_id = None
+    # The job's own unit of work has ended: its lines from here on name the job themselves.
+    with log_context(job_key=key, request_id=request_id, agent_id=outcome.agent_id):
+        return _finish(self, rt, key, outcome)
+
+
+def _finish(self: Any, rt: Runtime, key: str, outcome: RunOutcome) -> str:
+    """Publish what the job scheduled, and say how it ended."""
     if outcome.to_publish:
         try:
             publish(outcome.to_publish, self.app)

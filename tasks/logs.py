@@ -9,14 +9,22 @@ Likewise a job message handed back to the broker while the database is away (:cl
 a traceback for each one, every few seconds for as long as the outage lasts; the outage itself is logged once. And
 Celery's warning, at every lost broker connection, that ``worker_cancel_long_running_tasks_on_connection_loss`` will
 default to True in Celery 6: Keel sets it to False on purpose (invariant 12), so the advice does not apply.
+
+And the lines' format: :func:`structured_logs` puts Keel's (JSON or readable lines with the job's context, see
+:mod:`agents.observability.logs`) on the handlers Celery sets up.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from celery.exceptions import Reject
+from celery.signals import after_setup_logger, after_setup_task_logger
+
+from agents.observability.logs import restyle, use_structlog
 
 #: Where Celery logs those lines: "Task … received", "Task … succeeded", "Scheduler: Sending due task".
 CELERY_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
@@ -83,3 +91,17 @@ def quiet_housekeeping(tasks: Iterable[str]) -> None:
     for stale in [f for f in warnings_logger.filters if isinstance(f, SettledWarningAtDebug)]:
         warnings_logger.removeFilter(stale)
     warnings_logger.addFilter(SettledWarningAtDebug())
+
+
+def structured_logs(role: str, json: bool | None) -> None:
+    """In a worker or beat (``role``) about to start: the handlers Celery sets up (the root logger's, its task
+    logger's, multiprocessing's) write Keel's log lines (``json``; None: chosen from each handler's stream), and
+    structlog goes through them. Celery keeps its levels, its log file and its housekeeping of the root logger."""
+    use_structlog()
+
+    def restyled(logger: logging.Logger | None = None, **_: Any) -> None:
+        loggers = [logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])]
+        restyle({handler for each in loggers for handler in each.handlers}, role, json)
+
+    after_setup_logger.connect(restyled, weak=False, dispatch_uid="keel-structured-logs")
+    after_setup_task_logger.connect(restyled, weak=False, dispatch_uid="keel-structured-task-logs")

@@ -131,6 +131,8 @@ def up(
     env["KEEL_BROKER_URL"] = broker_url = broker_url_for(settings)
     if settings.otlp_endpoint:  # from .env too: every process exports its spans to the same collector
         env["KEEL_OTLP_ENDPOINT"] = settings.otlp_endpoint
+    # The children write to a pipe, not a terminal: readable lines for the person watching, unless asked otherwise.
+    env["KEEL_LOG_FORMAT"] = settings.log_format or "console"
     if (migrated := migrations.prepare(database_url, migrate=migrate or settings.database_url is None)) is not None:
         say(migrated)
     keel = [sys.executable, "-m", "agents"]

@@ -12,7 +12,8 @@ import click
 
 from agents.cli import agent, alerts, audit, db, demo, dev, docs, job, outbox, token
 from agents.core.errors import QUOTED_CHARS, KeelError
-from agents.core.redaction import install_log_redaction
+from agents.observability.logs import configure_logging
+from models.settings import Settings
 
 #: A "word" this long in a usage error is a value someone gave (click echoes it): shortened, not echoed whole.
 _LONG_WORD = re.compile(rf"\S{{{2 * QUOTED_CHARS},}}")
@@ -56,11 +57,18 @@ for _module in (db, agent, job, outbox, token, audit, alerts, docs, demo, dev):
         cli.add_command(_command)
 
 
+def _log_format() -> str | None:
+    """``KEEL_LOG_FORMAT``, if the settings can be read (a command that needs them reports why they cannot)."""
+    try:
+        return Settings().log_format
+    except ValueError:
+        return None
+
+
 def main() -> None:
     """Entry point: every error is one line on stderr (no usage dump, no traceback) and a non-zero status."""
     # Python's own fallback prints warnings unfiltered: give the root logger a handler that masks secrets.
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    install_log_redaction()
+    configure_logging("cli", level=logging.WARNING, setting=_log_format())
     try:
         status = cli.main(prog_name="keel", standalone_mode=False)
     except click.exceptions.Abort:

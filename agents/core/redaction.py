@@ -111,6 +111,9 @@ class RedactingFilter(logging.Filter):
     _formatter = logging.Formatter()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, Mapping):  # structlog's event dict: it must stay one for its formatter
+            record.msg = redact_value(record.msg)
+            return True
         try:
             message = record.getMessage()
         except Exception:  # a bad format string: let the handler report it as it always does

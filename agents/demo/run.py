@@ -293,6 +293,8 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
             "KEEL_BROKER_URL": broker,
             "KEEL_BROKER_PREFIX": prefix,
             "KEEL_HOME": str(settings.home.resolve()),
+            # Log files a person reads: readable lines, unless KEEL_LOG_FORMAT asks for JSON.
+            "KEEL_LOG_FORMAT": settings.log_format or "console",
             "KEEL_IMPORTS": json.dumps(["agents.demo.tools"]),
             "KEEL_LLM_PROVIDER": "scripted",
             "KEEL_SLACK_TOKEN": SLACK_TOKEN,

@@ -8,6 +8,7 @@ This module knows nothing of Celery: ``tasks/jobs.py`` calls :meth:`Runner.run` 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -70,6 +71,8 @@ class RunOutcome:
     to_publish: tuple[Due, ...] = ()
     #: The handler left work running that it could not stop: the caller must end this process now.
     end_process: bool = False
+    #: The agent the job belongs to, once its claim found it (for the caller's lines about the job).
+    agent_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +117,14 @@ class LeaseKeeper:
         self.lease = lease
         self.outage = outage or Outage("database", log)
         # Keyed by (key, token): a fenced-off older run ending must not drop a newer claim's renewal.
-        self._held: dict[tuple[str, int], threading.Event] = {}
+        self._held: dict[tuple[str, int], tuple[threading.Event, contextvars.Context]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     @contextmanager
     def hold(self, key: str, token: int, lost: threading.Event) -> Iterator[None]:
         with self._lock:
-            self._held[(key, token)] = lost
+            self._held[(key, token)] = (lost, contextvars.copy_context())
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._renew_forever, name="keel-leases", daemon=True)
                 self._thread.start()
@@ -142,21 +145,27 @@ class LeaseKeeper:
             with self._lock:
                 held = list(self._held.items())
             wait = interval
-            for (key, token), lost in held:
-                try:
-                    renewed = extend_lease(self.db, key, token, self.lease)
-                except (psycopg.Error, sqlalchemy.exc.SQLAlchemyError) as exc:
-                    if not is_outage(exc):
-                        log.warning("job %s: lease renewal failed; retrying in %.1fs", key, retry, exc_info=True)
-                    else:  # one line per outage, not one per second (the retry does not back off: see above)
-                        self.outage.failed(exc)
+            for (key, token), (lost, context) in held:
+                # In the job's context: a line about its lease carries the job's request, agent and key.
+                if not context.run(self._renew, key, token, lost, retry):
                     wait = retry
-                    continue
-                self.outage.recovered()
-                if not renewed:
-                    lost.set()
-                    with self._lock:
-                        self._held.pop((key, token), None)
+
+    def _renew(self, key: str, token: int, lost: threading.Event, retry: float) -> bool:
+        """Renew one job's lease; False if the database could not be asked (try again in ``retry`` seconds)."""
+        try:
+            renewed = extend_lease(self.db, key, token, self.lease)
+        except (psycopg.Error, sqlalchemy.exc.SQLAlchemyError) as exc:
+            if not is_outage(exc):
+                log.warning("job %s: lease renewal failed; retrying in %.1fs", key, retry, exc_info=True)
+            else:  # one line per outage, not one per second (the retry does not back off: see above)
+                self.outage.failed(exc)
+            return False
+        self.outage.recovered()
+        if not renewed:
+            lost.set()
+            with self._lock:
+                self._held.pop((key, token), None)
+        return True
 
 
 class Runner:
@@ -212,7 +221,7 @@ class Runner:
         ) as op:
             outcome = self._run(key, claimed)
             op.outcome = outcome.status
-            return outcome
+            return replace(outcome, agent_id=op.context.get("agent_id"))
 
     def _run(self, key: str, claimed: ClaimedJob | JobStatus | None) -> RunOutcome:
         if claimed is None:

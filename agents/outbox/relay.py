@@ -209,7 +209,7 @@ class Relay:
         except LostClaim as exc:
             # Nothing more is sent. What did go out is confirmed only where this relay still holds the claim it
             # sent under; the rest is the other relay's to reconcile.
-            log.warning("outbox %s: %s; this relay stops on that line", exc.key, exc)
+            log.warning("outbox %s: %s; this relay stops on that line", exc.key, exc, extra=_about(message))
             self._confirm(done, report)
             report.add("lost")
             return False
@@ -220,7 +220,11 @@ class Relay:
             if delivery not in lost:
                 report.add("sent" if delivery.how == "sent" else "reconciled")
         for delivery in lost:
-            log.warning("outbox %s: taken over by another relay; its confirmation is dropped", delivery.message.key)
+            log.warning(
+                "outbox %s: taken over by another relay; its confirmation is dropped",
+                delivery.message.key,
+                extra=_about(delivery.message),
+            )
         report.add("lost", len(lost))
         done.clear()
 
@@ -231,13 +235,10 @@ class Relay:
             raise LostClaim(message.key)
 
     def _attempt(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
-        request_id = message.key.split(":", 1)[0]
         with observe(
             "outbox_send",
             message.channel,
-            outbox_key=message.key,
-            request_id=request_id,
-            agent_id=message.agent_id,
+            **_about(message),
             traceparent=message.traceparent,  # the trace of the work that emitted it, on every attempt
         ) as op:
             outcome = self._attempt_once(run, message)
@@ -283,7 +284,7 @@ class Relay:
         if isinstance(step, GiveUp):
             held = record_dead(self.db, message, error=step.error, ambiguous=ambiguous, rate_limited=rate_limited)
             if held:
-                log.warning("outbox %s: dead: %s", message.key, step.error)
+                log.warning("outbox %s: dead: %s", message.key, step.error, extra=_about(message))
         else:
             held = record_retry(
                 self.db,
@@ -294,11 +295,31 @@ class Relay:
                 rate_limited=rate_limited,
             )
             if held:
-                log.info("outbox %s: %s, retry in %.1fs: %s", message.key, failure.kind, step.delay, error)
+                log.info(
+                    "outbox %s: %s, retry in %.1fs: %s",
+                    message.key,
+                    failure.kind,
+                    step.delay,
+                    error,
+                    extra=_about(message),
+                )
         if not held:
-            log.warning("outbox %s: taken over by another relay; this attempt's outcome is dropped", message.key)
+            log.warning(
+                "outbox %s: taken over by another relay; this attempt's outcome is dropped",
+                message.key,
+                extra=_about(message),
+            )
             return "lost"
         return "dead" if isinstance(step, GiveUp) else "retried"
+
+
+def _about(message: ClaimedMessage) -> dict[str, Any]:
+    """What a message is about: its key, request and agent (the send's context; the ``extra`` of a line about it
+    logged outside the send)."""
+    about = {"outbox_key": message.key, "request_id": message.key.split(":", 1)[0]}
+    if message.agent_id is not None:  # Keel's own messages (alerts, reports) belong to no agent
+        about["agent_id"] = str(message.agent_id)
+    return about
 
 
 def retry_dead(db: Database, key: str, *, actor: str) -> None:

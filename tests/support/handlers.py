@@ -5,11 +5,13 @@ Each records every execution in the test database's ``executions`` table, so a t
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from decimal import Decimal
 
 import redis
+import structlog
 
 from agents.core.commands import JobSpec, Usage
 from agents.core.errors import InvalidJob, RateLimited, TransientError
@@ -132,6 +134,25 @@ def spend(ctx: JobContext) -> JobResult:
     record(ctx, "start")
     step = int(ctx.target)
     return JobResult(usage=Usage(100, Decimal("0.10")), jobs=(JobSpec("spend", str(step + 1)),))
+
+
+#: The settings that hold secrets, for :func:`spill`.
+SECRET_SETTINGS = ("KEEL_SLACK_TOKEN", "KEEL_GITHUB_TOKEN", "KEEL_LLM_API_KEY", "KEEL_DATABASE_URL")
+
+
+@handler("spill")
+def spill(ctx: JobContext) -> JobResult:
+    """Writes every configured secret into the log every way careless code would — in a message, as structlog
+    key-values, in a traceback — then fails with them in its error."""
+    secrets = {name.lower(): os.environ.get(name, "") for name in SECRET_SETTINGS}
+    log = logging.getLogger("keel.test.spill")
+    log.warning("configured with %s", secrets)
+    structlog.get_logger("keel.test.spill").warning("configured", **secrets)
+    try:
+        raise ConnectionError(f"could not connect with {secrets}")
+    except ConnectionError:
+        log.exception("connecting failed")
+    raise RuntimeError(f"gave up; configured with {secrets}")
 
 
 @handler("leaky")

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from agents.core.errors import StaleRevision
 from agents.core.journal import agent_events_after, events_at_revision
+from agents.core.observe import annotate
 from agents.core.phases import Phase
 from agents.ingress.auth import require, resolve, stale
 from agents.ingress.etags import etag, none_match
@@ -100,6 +101,8 @@ def _decide(
 ) -> AgentState:
     expected = if_match_revision(if_match, required=required)
     row = resolve(keel, token, agent)
+    if row.row is not None:  # the decision is about the request in flight: the request's lines say so
+        annotate(request_id=row.row.request_id)
     try:
         if act == "approve":
             assert expected is not None

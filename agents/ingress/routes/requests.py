@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Header, Response
 from agents.core.errors import RequestConflict, RequestNotFound, StaleRevision
 from agents.core.journal import events as journal_events
 from agents.core.keys import check_request_id
+from agents.core.observe import annotate
 from agents.ingress.auth import require as require_permission
 from agents.ingress.auth import resolve, sees_agent, stale
 from agents.ingress.etags import if_match as if_match_revision
@@ -101,6 +102,7 @@ def submit(
             raise
         # Request ids are global: never tell one tenant about another's agent.
         raise _taken_elsewhere(request_id) from None
+    annotate(agent_id=agent_id)  # not resolved above when given an id: the request's lines name its agent
     out = _out(done.request)
     response.headers["Location"] = out.links.self
     if done.replayed:
