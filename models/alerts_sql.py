@@ -87,6 +87,11 @@ def resolve_episode_txn(
         return rows.fetchone()
 
 
+def open_episode_names_txn(conn: psycopg.Connection[Any]) -> set[str]:
+    """The names of the alerts firing now."""
+    return {row[0] for row in conn.execute("SELECT name FROM alert_episodes WHERE resolved_at IS NULL")}
+
+
 def open_episodes(db: Database) -> list[Episode]:
     """The episodes firing now, by name."""
     return list_episodes(db, include_resolved=False, limit=None)
@@ -158,12 +163,12 @@ def heartbeat(db: Database, term_id: int) -> None:
         cur.execute("UPDATE beat_terms SET last_tick_at = clock_timestamp() WHERE id = %s", (term_id,))
 
 
-def last_leader_tick(db: Database) -> datetime | None:
-    """When a beat leader last ticked (None: never)."""
-    with db.connection() as conn:
-        row = conn.execute("SELECT max(last_tick_at) FROM beat_terms").fetchone()
-        conn.rollback()
-    return None if row is None else row[0]
+def leader_tick_age_txn(conn: psycopg.Connection[Any]) -> float | None:
+    """Seconds since a beat leader last ticked, on the database's clock (None: no beat ever led)."""
+    row = conn.execute(
+        "SELECT extract(epoch FROM clock_timestamp() - max(last_tick_at))::float8 FROM beat_terms"
+    ).fetchone()
+    return None if row is None or row[0] is None else max(0.0, float(row[0]))
 
 
 def longest_leader_gap(db: Database, within: timedelta) -> float | None:

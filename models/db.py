@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -17,8 +18,18 @@ from models.urls import libpq_url, sqlalchemy_url
 class Database:
     """A PostgreSQL database: a SQLAlchemy engine for reads and migrations, raw psycopg for the hot path."""
 
-    def __init__(self, url: str, *, pool_size: int = 10, statement_timeout_ms: int = 30_000) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 10,
+        statement_timeout_ms: int = 30_000,
+        connect_timeout_seconds: int | None = None,
+    ) -> None:
         self.url = sqlalchemy_url(url)
+        connect_args: dict[str, Any] = {"options": f"-c statement_timeout={statement_timeout_ms}"}
+        if connect_timeout_seconds is not None:
+            connect_args["connect_timeout"] = connect_timeout_seconds
         self.engine: Engine = create_engine(
             self.url,
             pool_size=pool_size,
@@ -27,16 +38,19 @@ class Database:
             # A pooled connection that a database restart or failover killed is found and replaced when it is
             # checked out, instead of failing the next claim or outcome write.
             pool_pre_ping=True,
-            connect_args={"options": f"-c statement_timeout={statement_timeout_ms}"},
+            connect_args=connect_args,
         )
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Database:
+    def from_settings(
+        cls, settings: Settings, *, pool_size: int | None = None, connect_timeout_seconds: int | None = None
+    ) -> Database:
         """The configured database, or the embedded one when ``KEEL_DATABASE_URL`` is unset."""
         return cls(
             database_url_for(settings),
-            pool_size=settings.db_pool_size,
+            pool_size=pool_size or settings.db_pool_size,
             statement_timeout_ms=settings.statement_timeout_ms,
+            connect_timeout_seconds=connect_timeout_seconds,
         )
 
     @property
@@ -65,6 +79,19 @@ class Database:
             except BaseException:
                 conn.rollback()
                 raise
+
+    @contextmanager
+    def reading(self, *, statement_timeout: timedelta) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection for reads, in a transaction whose every statement is cancelled after
+        ``statement_timeout`` (``SET LOCAL statement_timeout``: a lock held elsewhere, a slow plan); rolled back at
+        the end."""
+        milliseconds = max(1, round(statement_timeout.total_seconds() * 1000))
+        with self.connection() as conn:
+            try:
+                conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{milliseconds}ms",))
+                yield conn
+            finally:
+                conn.rollback()
 
     @contextmanager
     def autocommit(self) -> Iterator[psycopg.Cursor[Any]]:

@@ -8,6 +8,11 @@ yet in one statement, so it sees each delta exactly once whenever the fold runs:
 the counters began) and :func:`window` (the last ``since``); :func:`gauges` reads the live state the counters do not
 hold (queue, outbox backlog, dead letters) through partial indexes. Nothing here scans history.
 
+Values are ``numeric`` in the database and :class:`~decimal.Decimal` here, exact until they leave for a person or
+Prometheus: a float sum depends on the order of its terms, so a counter read before and after a fold (rollup + d1 + d2
+against rollup + (d1 + d2)) could differ in its last bit, and a counter that goes back a hair is a reset to
+Prometheus.
+
 Counter rows are ``(name, label)``: ``label`` is ``k=v`` pairs joined by ``,`` (every labelled value — kind, channel,
 outcome, operation, status, error class, event, bucket bound — is an identifier without ``,`` or ``=``). A histogram
 is stored as Prometheus stores one: ``NAME_bucket`` rows counting the observations per bucket (the label ends with
@@ -20,9 +25,11 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
+import psycopg
 from psycopg.rows import dict_row
 
 from models.db import Database
@@ -43,7 +50,11 @@ LIVE_JOB_STATUSES: tuple[str, ...] = ("pending", "enqueued", "running")
 #: Deltas folded per call of :func:`fold` at most (the next call takes the rest).
 FOLD_BATCH = 50_000
 
-Counters = Mapping[tuple[str, str], float]
+#: The shortest span :func:`window` reads: the per-minute rollups make a window whole minutes.
+MIN_WINDOW = timedelta(minutes=1)
+
+#: (name, label) -> value, exact (see above).
+Counters = Mapping[tuple[str, str], Decimal]
 
 
 def labels(label: str) -> dict[str, str]:
@@ -69,8 +80,14 @@ class Kpis:
     mean_request_seconds: float | None
     p95_request_seconds: float | None
     p95_transition_seconds: float | None
-    jobs_failed_once: int
+    #: Jobs whose first attempt failure happened (counted at that failure).
+    jobs_first_failures: int
+    #: Jobs that failed at least once and then finished: succeeded, failed or dead (a cancelled one is left out: its
+    #: retries were cut short from outside). ``jobs_recovered``: of those, the ones that succeeded.
+    jobs_finished_after_failure: int
     jobs_recovered: int
+    #: ``jobs_recovered / jobs_finished_after_failure``: never above 1, and a job still waiting for its retry counts
+    #: in neither term.
     recovery_rate: float | None
     spent_tokens: int
     spent_cost: float
@@ -152,18 +169,35 @@ GROUP BY name, label
 """
 
 
-def counters(db: Database, since: timedelta | None = None) -> dict[tuple[str, str], float]:
-    """Every counter, (name, label) -> value: since the counters began, or over the last ``since``."""
-    if since is not None and since <= timedelta(0):
-        raise ValueError(f"the window must be positive, got {since}")
-    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+def check_window(since: timedelta) -> None:
+    """Raise :class:`ValueError` unless ``since`` is a span :func:`window` can read: at least :data:`MIN_WINDOW`
+    (a shorter one would hold no whole minute, and so, most of the time, nothing)."""
+    if since < MIN_WINDOW:
+        raise ValueError(
+            f"the window must be at least a minute, got {since}: the counters are kept per minute, and a shorter"
+            " window holds no whole minute"
+        )
+
+
+def counters(db: Database, since: timedelta | None = None) -> dict[tuple[str, str], Decimal]:
+    """Every counter, (name, label) -> exact value: since the counters began, or over the last ``since``."""
+    if since is not None:
+        check_window(since)
+    with db.connection() as conn:
+        try:
+            return counters_txn(conn, since)
+        finally:
+            conn.rollback()
+
+
+def counters_txn(conn: psycopg.Connection[Any], since: timedelta | None = None) -> dict[tuple[str, str], Decimal]:
+    """:func:`counters` on the caller's connection, in its transaction."""
+    with conn.cursor(row_factory=dict_row) as cur:
         if since is None:
             cur.execute(_TOTALS)
         else:
             cur.execute(_WINDOW, {"since": since})
-        rows = cur.fetchall()
-        conn.rollback()
-    return {(r["name"], r["label"]): float(r["value"]) for r in rows}
+        return {(r["name"], r["label"]): Decimal(r["value"]) for r in cur.fetchall()}
 
 
 def totals(db: Database) -> Kpis:
@@ -173,15 +207,25 @@ def totals(db: Database) -> Kpis:
 
 def window(db: Database, since: timedelta) -> Kpis:
     """The KPIs over the last ``since`` (from the first whole minute in it; per-minute history is kept
-    ``KEEL_KPI_RETENTION_DAYS``). Raises :class:`ValueError` unless ``since`` is positive."""
+    ``KEEL_KPI_RETENTION_DAYS``). Raises :class:`ValueError` for a span under a minute (:func:`check_window`)."""
     return kpis_of(counters(db, since), since)
+
+
+def snapshot(db: Database, *, statement_timeout: timedelta) -> tuple[Kpis, Gauges]:
+    """The KPIs since the counters began and the live state, read in one transaction whose every statement is
+    cancelled after ``statement_timeout`` (a scrape must answer soon, whatever holds a lock the read needs); raises
+    the driver's error then."""
+    with db.reading(statement_timeout=statement_timeout) as conn:
+        values = counters_txn(conn)
+        live = gauges_txn(conn)
+    return kpis_of(values, None), live
 
 
 def kpis_of(values: Counters, since: timedelta | None) -> Kpis:
     """The KPIs of a set of counters."""
 
-    def total(name: str, **match: str) -> float:
-        return sum(v for (n, label), v in values.items() if n == name and _matches(label, match))
+    def total(name: str, **match: str) -> Decimal:
+        return sum((exact(v) for (n, label), v in values.items() if n == name and _matches(label, match)), Decimal(0))
 
     def by(name: str, key: str, known: Iterable[str] = ()) -> dict[str, int]:
         out = dict.fromkeys(known, 0)
@@ -197,15 +241,16 @@ def kpis_of(values: Counters, since: timedelta | None) -> Kpis:
         round(total("requests_finished", outcome="failed")),
     )
     request_count = total("request_duration_seconds_count")
-    failed_once, recovered = round(total("jobs_failed_once")), round(total("jobs_recovered"))
-    spent_cost, retry_cost = round(total("spent_cost"), 6), round(total("retry_cost"), 6)
+    finished_after_failure, recovered = round(total("jobs_finished_after_failure")), round(total("jobs_recovered"))
+    spent_cost, retry_cost = total("spent_cost"), total("retry_cost")
     return Kpis(
         since=since,
         counters=dict(values),
         suppressed_duplicates=by("suppressed_duplicates", "kind", SUPPRESSED_KINDS),
         confirmations=confirmations,
         side_effect_duplicates=duplicates,
-        duplicate_rate=_ratio(duplicates, confirmations),
+        # Deliveries per key - 1 (ARCHITECTURE.md): duplicates over the keys confirmed (each key's first confirmation).
+        duplicate_rate=_ratio(duplicates, confirmations - duplicates),
         requests_done=done,
         requests_failed=failed,
         failure_rate=_ratio(failed, done + failed),
@@ -214,13 +259,14 @@ def kpis_of(values: Counters, since: timedelta | None) -> Kpis:
         p95_transition_seconds=quantile(
             0.95, histogram(values, "phase_transition_seconds", TRANSITION_SECONDS_BUCKETS)
         ),
-        jobs_failed_once=failed_once,
+        jobs_first_failures=round(total("jobs_first_failures")),
+        jobs_finished_after_failure=finished_after_failure,
         jobs_recovered=recovered,
-        recovery_rate=_ratio(recovered, failed_once),
+        recovery_rate=_ratio(recovered, finished_after_failure),
         spent_tokens=round(total("spent_tokens")),
-        spent_cost=spent_cost,
+        spent_cost=float(round(spent_cost, 6)),
         retry_tokens=round(total("retry_tokens")),
-        retry_cost=retry_cost,
+        retry_cost=float(round(retry_cost, 6)),
         retry_cost_share=_ratio(retry_cost, spent_cost),
         fenced_outcomes=round(total("fenced_outcomes")),
         lease_takeovers=round(total("lease_takeovers")),
@@ -238,14 +284,19 @@ def _matches(label: str, match: Mapping[str, str]) -> bool:
     return all(have.get(k) == v for k, v in match.items())
 
 
-def _ratio(part: float, whole: float) -> float | None:
-    return round(part / whole, 6) if whole else None
+def _ratio(part: Decimal | int, whole: Decimal | int) -> float | None:
+    return round(float(Decimal(part) / Decimal(whole)), 6) if whole > 0 else None
+
+
+def exact(value: Decimal | float) -> Decimal:
+    """``value`` as a Decimal (a float as the shortest decimal that reads back as it: ``0.1`` is ``Decimal("0.1")``)."""
+    return value if isinstance(value, Decimal) else Decimal(repr(float(value)))
 
 
 def histogram(values: Counters, name: str, bounds: Iterable[float], **match: str) -> list[tuple[float, float]]:
     """The cumulative buckets of histogram ``name`` (over every other label, or those matching ``match``):
     ``[(upper bound, observations <= it), ..., (inf, all)]``, every bound of ``bounds`` present."""
-    per_bucket = dict.fromkeys([*bounds, math.inf], 0.0)
+    per_bucket = dict.fromkeys([*bounds, math.inf], Decimal(0))
     for (n, label), v in values.items():
         if n != f"{name}_bucket":
             continue
@@ -253,11 +304,11 @@ def histogram(values: Counters, name: str, bounds: Iterable[float], **match: str
         if any(have.get(k) != want for k, want in match.items()):
             continue
         upper = float(have["le"])  # "+Inf" too
-        per_bucket[upper] = per_bucket.get(upper, 0.0) + v
-    cumulative, running = [], 0.0
+        per_bucket[upper] = per_bucket.get(upper, Decimal(0)) + exact(v)
+    cumulative, running = [], Decimal(0)
     for upper in sorted(per_bucket):
         running += per_bucket[upper]
-        cumulative.append((upper, running))
+        cumulative.append((upper, float(running)))
     return cumulative
 
 
@@ -300,7 +351,16 @@ _DEAD = "SELECT channel, count(*) AS n FROM outbox WHERE status = 'dead' GROUP B
 
 def gauges(db: Database) -> Gauges:
     """The live state, read through partial indexes (cost grows with what is live, not with history)."""
-    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+    with db.connection() as conn:
+        try:
+            return gauges_txn(conn)
+        finally:
+            conn.rollback()
+
+
+def gauges_txn(conn: psycopg.Connection[Any]) -> Gauges:
+    """:func:`gauges` on the caller's connection, in its transaction."""
+    with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_JOBS_BY_STATUS)
         jobs = {r["status"]: int(r["n"]) for r in cur.fetchall()}
         cur.execute(_OLDEST_DUE)
@@ -309,7 +369,6 @@ def gauges(db: Database) -> Gauges:
         backlog = cur.fetchall()
         cur.execute(_DEAD)
         dead = {r["channel"]: int(r["n"]) for r in cur.fetchall()}
-        conn.rollback()
     age = oldest["age"] if oldest else None
     return Gauges(
         jobs_by_status={s: jobs.get(s, 0) for s in LIVE_JOB_STATUSES},
@@ -343,8 +402,9 @@ SELECT
   (SELECT percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - run_at))
      FROM mine_jobs WHERE status = 'succeeded')                                         AS p95_step_seconds,
   (SELECT count(*) FILTER (WHERE status = 'succeeded')::float / nullif(count(*), 0) FROM mine_jobs
-     WHERE error_attempts <> '{}'::jsonb)                                               AS recovery_rate,
-  (SELECT count(*) FROM mine_jobs WHERE error_attempts <> '{}'::jsonb)                  AS jobs_that_failed_once,
+     WHERE error_attempts <> '{}'::jsonb AND status IN ('succeeded', 'failed', 'dead'))  AS recovery_rate,
+  (SELECT count(*) FROM mine_jobs
+     WHERE error_attempts <> '{}'::jsonb AND status IN ('succeeded', 'failed', 'dead'))  AS jobs_finished_after_failure,
   (SELECT coalesce(sum(failed_tokens), 0)::bigint FROM mine_jobs)                       AS retry_tokens,
   (SELECT coalesce(sum(failed_cost), 0) FROM mine_jobs)                                 AS retry_cost,
   (SELECT count(*) FILTER (WHERE phase = 'failed')::float / nullif(count(*), 0) FROM agents

@@ -323,26 +323,29 @@ def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str
 
 
 def stats(db: Database) -> dict[str, Any]:
-    """The outbox KPIs: deliveries per key (must be 1), reconciled and dead counts, messages by status."""
+    """The outbox KPIs: deliveries per key (must be 1), reconciled and dead counts, messages by status. The duplicate
+    rate is deliveries per key - 1 (ARCHITECTURE.md): confirmations beyond each key's first, per key confirmed — the
+    figure ``keel kpi`` and the dashboard show."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute("SELECT status, count(*) AS n FROM outbox GROUP BY status")
         by_status = {r["status"]: r["n"] for r in cur.fetchall()}
         cur.execute(
             "SELECT count(*) AS delivered, coalesce(max(n), 0) AS max_per_key,"
-            " count(*) FILTER (WHERE n > 1) AS duplicated"
+            " count(*) FILTER (WHERE n > 1) AS duplicated, coalesce(sum(n - 1), 0) AS extra"
             " FROM (SELECT key, count(*) AS n FROM delivery_log GROUP BY key) per_key"
         )
-        keys = cur.fetchone() or {"delivered": 0, "max_per_key": 0, "duplicated": 0}
+        keys = cur.fetchone() or {"delivered": 0, "max_per_key": 0, "duplicated": 0, "extra": 0}
         cur.execute("SELECT count(*) AS reconciled FROM delivery_log WHERE how = 'reconciled'")
         reconciled = (cur.fetchone() or {"reconciled": 0})["reconciled"]
         conn.rollback()
-    delivered, duplicated = keys["delivered"], keys["duplicated"]
+    delivered, duplicated, extra = keys["delivered"], keys["duplicated"], int(keys["extra"])
     return {
         "by_status": by_status,
         "delivered_keys": delivered,
         "max_deliveries_per_key": keys["max_per_key"],
         "keys_delivered_more_than_once": duplicated,
-        "duplicate_rate": (duplicated / delivered) if delivered else 0.0,
+        "duplicate_deliveries": extra,
+        "duplicate_rate": (extra / delivered) if delivered else 0.0,
         "reconciled": reconciled,
         "dead": by_status.get("dead", 0),
     }

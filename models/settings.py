@@ -156,17 +156,20 @@ class Settings(BaseSettings):
     # database's clock; posted to KEEL_ALERT_SLACK_CHANNEL through the outbox (unset: recorded and listed only).
     alert_slack_channel: str | None = None
     alert_interval_seconds: float = Field(default=60.0, gt=0, le=86_400)
-    # Counters (duplicates, p95, recovery and retry-cost rates) are read over this trailing window.
-    alert_window_seconds: float = Field(default=900.0, gt=0, le=7 * 86_400)
+    # Counters (duplicates, p95, recovery and retry-cost rates) are read over this trailing window: whole minutes, so
+    # at least one.
+    alert_window_seconds: float = Field(default=900.0, ge=60, le=7 * 86_400)
     # An open episode resolves only once its condition has been clear this long (no flapping posts).
     alert_resolve_after_seconds: float = Field(default=300.0, ge=0, le=86_400)
     alert_disabled: list[str] = Field(default_factory=list)  # alert names never evaluated
     alert_side_effect_duplicates_max: float = Field(default=0, ge=0)
     alert_dead_letters_max: float = Field(default=0, ge=0)
-    alert_transition_p95_max_seconds: float = Field(default=1.0, gt=0)
+    # The thresholds' defaults are deploy/prometheus/alerts.yml's (tests/unit/test_monitoring.py holds them equal).
+    alert_transition_p95_max_seconds: float = Field(default=0.5, gt=0)
     alert_recovery_rate_min: float = Field(default=0.5, ge=0, le=1)
-    alert_recovery_min_failures: int = Field(default=5, ge=1)  # fewer first failures in the window: no verdict
-    alert_retry_cost_share_max: float = Field(default=0.25, ge=0, le=1)
+    # Fewer jobs finished after a failure in the window: no verdict.
+    alert_recovery_min_failures: int = Field(default=5, ge=1)
+    alert_retry_cost_share_max: float = Field(default=0.2, ge=0, le=1)
     alert_oldest_due_job_max_seconds: float = Field(default=300.0, gt=0)
     alert_beat_leader_gap_max_seconds: float = Field(default=120.0, gt=0)
     # The leading beat runs `keel audit verify` (a full pass, in a thread of its own) this often; 0: never.

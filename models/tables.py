@@ -321,7 +321,7 @@ kpi_deltas = Table(
     Column("at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
     Column("name", Text, nullable=False),
     Column("label", Text, nullable=False, server_default=""),
-    Column("value", Float, nullable=False),
+    Column("value", Numeric, nullable=False),  # exact: see migration 0008
 )
 
 #: Per-minute sums of the deltas, and one running total per counter at bucket ``-infinity``.
@@ -331,7 +331,7 @@ kpi_rollups = Table(
     Column("name", Text, primary_key=True),
     Column("label", Text, primary_key=True, server_default=""),
     Column("bucket", DateTime(timezone=True), primary_key=True),
-    Column("value", Float, nullable=False),
+    Column("value", Numeric, nullable=False),
     Index("ix_kpi_rollups_bucket", "bucket"),
 )
 

@@ -23,9 +23,15 @@ from models.settings import Settings
 log = logging.getLogger(__name__)
 
 
+#: Seconds a scrape's collectors wait for a connection to the database (a partition must not hold a scrape for long:
+#: their reads are cut short after agents.observability.scrape.READ_TIMEOUT, their connects after this).
+SCRAPE_CONNECT_TIMEOUT_SECONDS = 5
+
+
 def domain_collectors(settings: Settings) -> list[Collector]:
-    """The collectors of the domain KPIs (computed from PostgreSQL) that the API processes and the beats export."""
-    db = Database.from_settings(settings)
+    """The collectors of the domain KPIs (computed from PostgreSQL) that the API processes and the beats export: a
+    small pool of their own (each collector reads on one connection at a time), quick to give up on connecting."""
+    db = Database.from_settings(settings, pool_size=2, connect_timeout_seconds=SCRAPE_CONNECT_TIMEOUT_SECONDS)
     return [DomainCollector(db), AlertsCollector(db)]
 
 

@@ -114,7 +114,7 @@ def audit_verify(as_json: bool) -> None:
 @click.option(
     "--since",
     metavar="DURATION",
-    help="Only the last DURATION: a whole number and a unit (s, m, h, d, w), e.g. 24h, 90m, 7d."
+    help="Only the last DURATION, a minute or more: a whole number and a unit (s, m, h, d, w), e.g. 24h, 90m, 7d."
     " Without it: everything since the counters began.",
 )
 @click.option("--include-demo", is_flag=True, hidden=True)  # gone: refused with the reason below
@@ -124,7 +124,7 @@ def kpi(since: str | None, include_demo: bool, as_json: bool) -> None:
     """The KPIs, from the counters kept in the database: suppressed duplicates, side-effect duplicates, failure
     rate, request times, p95 phase-transition latency, recovery rate after a first failure, retry-caused cost."""
     from agents.observability.kpis import parse_duration, report_lines
-    from models.kpi_sql import totals, window
+    from models.kpi_sql import MIN_WINDOW, totals, window
 
     if include_demo:
         raise click.UsageError(
@@ -137,6 +137,12 @@ def kpi(since: str | None, include_demo: bool, as_json: bool) -> None:
             span = parse_duration(since)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--since") from None
+        if span < MIN_WINDOW:
+            raise click.BadParameter(
+                f"{since} is under a minute: the counters are kept per minute and a window starts at its first whole"
+                " minute, so a shorter one holds almost nothing; use 1m or more",
+                param_hint="--since",
+            )
     with open_client() as client:
         if span is not None:
             kept = timedelta(days=client.settings.kpi_retention_days)

@@ -465,7 +465,8 @@ def _report(
         ("p95 phase-transition latency", f"{seconds(k['p95_step_seconds'] or 0)} (step due -> its transition)"),
         (
             "recovery rate after first failure",
-            f"{percent(k['recovery_rate'] or 0)} of {count(k['jobs_that_failed_once'])} jobs",
+            f"{percent(k['recovery_rate'] or 0)} of {count(k['jobs_finished_after_failure'])} jobs finished after a"
+            " failure",
         ),
         ("retry-caused cost", f"{count(k['retry_tokens'])} tokens, ${decimal_text(k['retry_cost'])}"),
         ("failure rate", percent(k["failure_rate"] or 0)),

@@ -20,8 +20,6 @@ recorded and listed (`keel alerts`) and nothing is posted; an episode's resolved
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,6 +28,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from agents.core.keys import make_key
+from agents.observability.scrape import CACHE_SECONDS, READ_TIMEOUT, CachedRead
 from models import alerts_sql, kpi_sql
 from models.alerts_sql import Episode
 from models.clock import database_now, rfc3339
@@ -51,8 +50,8 @@ class Measures:
     side_effect_duplicates: float = 0  # confirmations of a key beyond its first, in the window
     dead_letters: float = 0  # outbox messages dead now
     p95_transition_seconds: float | None = None  # in the window
-    jobs_failed_once: float = 0  # in the window
-    recovery_rate: float | None = None  # in the window
+    jobs_finished_after_failure: float = 0  # in the window: jobs that failed at least once, then finished
+    recovery_rate: float | None = None  # in the window: of those, the share that succeeded
     retry_cost_share: float | None = None  # in the window
     oldest_due_job_age_seconds: float = 0  # now
     beat_leader_gap_seconds: float | None = None  # the longest time without a leader before a term begun in the window
@@ -60,16 +59,21 @@ class Measures:
     audit_verify_ok: bool | None = None
 
 
+def _default(name: str) -> Any:
+    """The default of setting ``KEEL_ALERT_{NAME}``: one source for the thresholds' defaults."""
+    return Settings.model_fields[f"alert_{name}"].default
+
+
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    side_effect_duplicates_max: float = 0
-    dead_letters_max: float = 0
-    transition_p95_max_seconds: float = 1.0
-    recovery_rate_min: float = 0.5
-    recovery_min_failures: int = 5
-    retry_cost_share_max: float = 0.25
-    oldest_due_job_max_seconds: float = 300.0
-    beat_leader_gap_max_seconds: float = 120.0
+    side_effect_duplicates_max: float = _default("side_effect_duplicates_max")
+    dead_letters_max: float = _default("dead_letters_max")
+    transition_p95_max_seconds: float = _default("transition_p95_max_seconds")
+    recovery_rate_min: float = _default("recovery_rate_min")
+    recovery_min_failures: int = _default("recovery_min_failures")
+    retry_cost_share_max: float = _default("retry_cost_share_max")
+    oldest_due_job_max_seconds: float = _default("oldest_due_job_max_seconds")
+    beat_leader_gap_max_seconds: float = _default("beat_leader_gap_max_seconds")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Thresholds:
@@ -118,8 +122,11 @@ def transition_p95(m: Measures, t: Thresholds) -> Verdict:
 
 def recovery_rate(m: Measures, t: Thresholds) -> Verdict:
     name, limit = "recovery_rate", t.recovery_rate_min
-    if m.recovery_rate is None or m.jobs_failed_once < t.recovery_min_failures:
-        summary = f"{m.jobs_failed_once:g} jobs failed a first time: too few to judge (needs {t.recovery_min_failures})"
+    if m.recovery_rate is None or m.jobs_finished_after_failure < t.recovery_min_failures:
+        summary = (
+            f"{m.jobs_finished_after_failure:g} jobs finished after a failure: too few to judge"
+            f" (needs {t.recovery_min_failures})"
+        )
         return Verdict(name, False, m.recovery_rate, limit, summary)
     summary = f"recovery rate after a first failure is {m.recovery_rate:.1%} (threshold: below {limit:.1%})"
     return Verdict(name, m.recovery_rate < limit, m.recovery_rate, limit, summary)
@@ -319,7 +326,7 @@ def measure(db: Database, window: timedelta) -> Measures:
         side_effect_duplicates=k.side_effect_duplicates,
         dead_letters=float(sum(g.dead_letters.values())),
         p95_transition_seconds=k.p95_transition_seconds,
-        jobs_failed_once=k.jobs_failed_once,
+        jobs_finished_after_failure=k.jobs_finished_after_failure,
         recovery_rate=k.recovery_rate,
         retry_cost_share=k.retry_cost_share,
         oldest_due_job_age_seconds=g.oldest_due_job_age_seconds,
@@ -360,48 +367,54 @@ def firing(db: Database) -> dict[str, int]:
     return {name: int(name in open_names) for name in RULES}
 
 
-def leader_last_tick(db: Database) -> float | None:
-    """``keel_beat_leader_last_tick_timestamp_seconds``: when a beat leader last ticked (Unix seconds, the
-    database's clock); None if no beat ever led."""
-    at = alerts_sql.last_leader_tick(db)
-    return None if at is None else at.timestamp()
+def leader_tick_age(db: Database) -> float | None:
+    """``keel_beat_leader_last_tick_age_seconds``: how long ago a beat leader last ticked, measured by the database
+    (its clock made both ends); None if no beat ever led."""
+    with db.connection() as conn:
+        try:
+            return alerts_sql.leader_tick_age_txn(conn)
+        finally:
+            conn.rollback()
 
 
 class AlertsCollector:
-    """``keel_alerts_firing{alert}`` and ``keel_beat_leader_last_tick_timestamp_seconds`` for a Prometheus registry:
-    read from the database at most every ``cache_seconds`` (every process that exports them says the same); when the
-    database cannot be asked, nothing (``keel_kpi_up`` says so)."""
+    """``keel_alerts_firing{alert}`` and ``keel_beat_leader_last_tick_age_seconds`` for a Prometheus registry: read
+    from the database at most every ``cache_seconds``, each read cut short after ``read_timeout``, never two scrapes
+    reading at once (:mod:`agents.observability.scrape`); every process that exports them says the same. When the
+    database cannot be read in time, nothing (``keel_kpi_up`` says so).
 
-    def __init__(self, db: Database, cache_seconds: float = 5.0) -> None:
+    The age, not the time of the last tick: it is computed where the tick was stamped, on one clock (invariant 10),
+    so Prometheus's own clock never enters the comparison."""
+
+    def __init__(
+        self, db: Database, cache_seconds: float = CACHE_SECONDS, *, read_timeout: timedelta = READ_TIMEOUT
+    ) -> None:
         self.db = db
-        self.cache_seconds = cache_seconds
-        self._cached: tuple[float, list[Metric]] | None = None
-        self._lock = threading.Lock()
+        self.read_timeout = read_timeout
+        self._cached = CachedRead(self._read, lambda: [], cache_seconds=cache_seconds)
 
     def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            now = time.monotonic()
-            if self._cached is None or now - self._cached[0] >= self.cache_seconds:
-                self._cached = (now, self._read())
-            return list(self._cached[1])
+        return self._cached.get()
 
     def _read(self) -> list[Metric]:
         try:
-            now_firing, last_tick = firing(self.db), leader_last_tick(self.db)
+            with self.db.reading(statement_timeout=self.read_timeout) as conn:
+                open_names = alerts_sql.open_episode_names_txn(conn)
+                age = alerts_sql.leader_tick_age_txn(conn)
         except Exception as exc:  # a scrape must never fail because the database is away
             log.debug("alert metrics not read: %s", exc)
             return []
         families: list[Metric] = []
         alerts = GaugeMetricFamily("keel_alerts_firing", "1 while the alert has an open episode", labels=["alert"])
-        for name, value in sorted(now_firing.items()):
-            alerts.add_metric([name], value)
+        for name in sorted(RULES):
+            alerts.add_metric([name], int(name in open_names))
         families.append(alerts)
-        if last_tick is not None:
+        if age is not None:
             families.append(
                 GaugeMetricFamily(
-                    "keel_beat_leader_last_tick_timestamp_seconds",
-                    "when a beat leader last ticked (Unix seconds, the database's clock)",
-                    value=last_tick,
+                    "keel_beat_leader_last_tick_age_seconds",
+                    "Seconds since a beat leader last ticked, measured by the database",
+                    value=age,
                 )
             )
         return families

@@ -2,8 +2,10 @@
 
 The figures come from PostgreSQL (:mod:`models.kpi_sql`): every process that exports them says the same, so the
 dashboard and the alert rules take ``max`` over them. :class:`DomainCollector` reads them at most every few seconds
-(a scrape from several Prometheus servers costs one read); when the database cannot be reached it exports
-``keel_kpi_up 0`` alone — a figure that is missing is not a figure that is 0.
+(a scrape from several Prometheus servers costs one read), in one transaction cut short after a few seconds, and a
+scrape never queues behind another's read (:mod:`agents.observability.scrape`); when the database cannot be read in
+time it exports ``keel_kpi_up 0`` alone — a figure that is missing is not a figure that is 0. Values stay exact
+(Decimal) until they become a sample.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from __future__ import annotations
 import logging
 import math
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from decimal import Decimal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agents.observability.scrape import CACHE_SECONDS, READ_TIMEOUT, CachedRead
 from models.db import Database
 from models.kpi_sql import (
     ERROR_CLASSES,
@@ -27,49 +30,43 @@ from models.kpi_sql import (
     TRANSITION_SECONDS_BUCKETS,
     Gauges,
     Kpis,
-    gauges,
+    exact,
     histogram,
     labels,
-    totals,
+    snapshot,
 )
 from models.tables import CHANNELS
 
 log = logging.getLogger("keel.kpis")
 
-#: How long one read of the figures serves scrapes.
-CACHE_SECONDS = 5.0
-
 
 class DomainCollector(Collector):
     """The domain KPIs of the database ``db`` (the names are in the README's KPI table), read at most every
-    ``cache_seconds``. Register it on a registry: ``registry.register(DomainCollector(db))``."""
+    ``cache_seconds``, each read cut short after ``read_timeout``. Register it on a registry:
+    ``registry.register(DomainCollector(db))``."""
 
     def __init__(
-        self, db: Database, *, cache_seconds: float = CACHE_SECONDS, clock: Callable[[], float] = time.monotonic
+        self,
+        db: Database,
+        *,
+        cache_seconds: float = CACHE_SECONDS,
+        read_timeout: timedelta = READ_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = db
-        self.cache_seconds = cache_seconds
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._read_at: float | None = None
-        self._metrics: list[Metric] = []
+        self.read_timeout = read_timeout
+        self._cached = CachedRead(self._read, lambda: [_up(0)], cache_seconds=cache_seconds, clock=clock)
         self._down = False
 
     def describe(self) -> Iterable[Metric]:
         return []  # registering must not read the database
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            now = self.clock()
-            if self._read_at is None or now - self._read_at >= self.cache_seconds:
-                self._metrics = self._read()
-                self._read_at = now
-            metrics = list(self._metrics)
-        yield from metrics
+        yield from self._cached.get()
 
     def _read(self) -> list[Metric]:
         try:
-            k, g = totals(self.db), gauges(self.db)
+            k, g = snapshot(self.db, statement_timeout=self.read_timeout)
         except Exception as exc:  # a scrape must answer whatever the database does
             if not self._down:
                 log.warning("KPIs unavailable: the database cannot be read: %s", type(exc).__name__)
@@ -91,18 +88,18 @@ def domain_metrics(k: Kpis, g: Gauges) -> list[Metric]:
 
     def counter(name: str, doc: str, stored: str, label_names: tuple[str, ...] = (), **known: Iterable[str]) -> Metric:
         family = CounterMetricFamily(name, doc, labels=label_names)
-        values: dict[tuple[str, ...], float] = {}
+        values: dict[tuple[str, ...], Decimal] = {}
         if len(label_names) == 1 and label_names[0] in known:
-            values = {(v,): 0.0 for v in known[label_names[0]]}
+            values = {(v,): Decimal(0) for v in known[label_names[0]]}
         elif not label_names:
-            values = {(): 0.0}
+            values = {(): Decimal(0)}
         for (n, label), v in c.items():
             if n == stored:
                 have = labels(label)
                 key = tuple(have.get(label_name, "") for label_name in label_names)
-                values[key] = values.get(key, 0.0) + v
+                values[key] = values.get(key, Decimal(0)) + exact(v)
         for key, v in sorted(values.items()):
-            family.add_metric(list(key), v)
+            family.add_metric(list(key), float(v))
         return family
 
     def labelled_gauge(name: str, doc: str, label: str, values: dict[str, int] | dict[str, float]) -> Metric:
@@ -121,7 +118,7 @@ def domain_metrics(k: Kpis, g: Gauges) -> list[Metric]:
         transitions.add_metric(
             [event],
             _buckets(histogram(c, "phase_transition_seconds", TRANSITION_SECONDS_BUCKETS, event=event)),
-            sum(v for (n, label), v in c.items() if n == "phase_transition_seconds_sum" and label == f"event={event}"),
+            float(c.get(("phase_transition_seconds_sum", f"event={event}"), Decimal(0))),
         )
     requests = HistogramMetricFamily(
         "keel_request_duration_seconds", "Time from a request's submit to its done or failed transition"
@@ -129,7 +126,7 @@ def domain_metrics(k: Kpis, g: Gauges) -> list[Metric]:
     requests.add_metric(
         [],
         _buckets(histogram(c, "request_duration_seconds", REQUEST_SECONDS_BUCKETS)),
-        c.get(("request_duration_seconds_sum", ""), 0.0),
+        float(c.get(("request_duration_seconds_sum", ""), Decimal(0))),
     )
     return [
         counter(
@@ -176,8 +173,21 @@ def domain_metrics(k: Kpis, g: Gauges) -> list[Metric]:
             ("error_class",),
             error_class=ERROR_CLASSES,
         ),
-        counter("keel_jobs_failed_once", "Jobs whose first attempt failure happened", "jobs_failed_once"),
-        counter("keel_jobs_recovered", "Jobs that failed at least once, then succeeded", "jobs_recovered"),
+        counter(
+            "keel_jobs_first_failures",
+            "Jobs whose first attempt failed, counted at that failure",
+            "jobs_first_failures",
+        ),
+        counter(
+            "keel_jobs_finished_after_failure",
+            "Jobs that failed at least once, then succeeded, failed or went dead (cancelled ones are left out)",
+            "jobs_finished_after_failure",
+        ),
+        counter(
+            "keel_jobs_recovered",
+            "Jobs that failed at least once, then succeeded (recovery rate: this / finished after failure)",
+            "jobs_recovered",
+        ),
         counter("keel_spent_tokens", "Model tokens spent by jobs", "spent_tokens"),
         counter("keel_spent_cost", "Money spent by jobs (USD)", "spent_cost"),
         counter("keel_retry_tokens", "Tokens spent on attempts that failed or whose outcome was void", "retry_tokens"),
@@ -245,7 +255,7 @@ def report_lines(k: Kpis) -> list[tuple[str, str]]:
         (
             "side-effect duplicates",
             f"{_count(k.side_effect_duplicates)} of {_count(k.confirmations)} confirmed deliveries"
-            f" ({_percent(k.duplicate_rate)})",
+            f" (duplicate rate {_percent(k.duplicate_rate)}: deliveries per key - 1)",
         ),
         ("requests finished", f"{_count(k.requests_done)} done, {_count(k.requests_failed)} failed"),
         ("failure rate", _percent(k.failure_rate)),
@@ -254,7 +264,8 @@ def report_lines(k: Kpis) -> list[tuple[str, str]]:
         ("p95 phase-transition latency", _seconds(k.p95_transition_seconds)),
         (
             "recovery rate after first failure",
-            f"{_percent(k.recovery_rate)} of {_count(k.jobs_failed_once)} jobs",
+            f"{_percent(k.recovery_rate)} of {_count(k.jobs_finished_after_failure)} jobs finished after a failure"
+            f" ({_count(k.jobs_first_failures)} failed a first time)",
         ),
         (
             "retry-caused cost",

@@ -15,7 +15,9 @@ values are bounded: route templates (never raw paths), known events and methods,
   prometheus_client's multiprocess mode. Each process writes its histograms to memory-mapped files in
   ``PROMETHEUS_MULTIPROC_DIR``; a scrape sums every file, so it sees every process's observations, including those of
   processes that have exited (a histogram's counts never go back). :func:`prepare_multiprocess` makes (or wipes) that
-  directory in the parent before it starts its processes. One exporter per child process was the other choice: it
+  directory in the parent before it starts its processes. A private directory is named after the parent's pid and
+  removed when it exits; one whose parent was killed (SIGKILL runs no exit handler) is removed by the next Keel
+  process that prepares one (:func:`sweep_orphaned_dirs`). One exporter per child process was the other choice: it
   would need a port per child, Prometheus could not scrape a child that Celery replaced, and what a replaced child
   counted would be lost.
 
@@ -29,6 +31,7 @@ import atexit
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +60,9 @@ Role = Literal["api", "worker", "beat"]
 ROLES: tuple[Role, ...] = ("api", "worker", "beat")
 #: Where prometheus_client's multiprocess mode keeps each process's numbers (its own variable name).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: A private multiprocess directory Keel made: ``keel-{role}-metrics-{pid of its maker}-{random}`` in the temporary
+#: directory.
+PRIVATE_DIR = re.compile(r"keel-(?:api|worker|beat)-metrics-([0-9]{1,10})-[A-Za-z0-9_]+")
 #: The value of a label whose value is unknown, malformed or one too many.
 OTHER = "other"
 #: Distinct values one label may take in one process; later new values count as ``other``.
@@ -186,7 +192,8 @@ def prepare_multiprocess(role: Role) -> Path:
             stale.unlink(missing_ok=True)
         path = given
     else:
-        path = Path(tempfile.mkdtemp(prefix=f"keel-{role}-metrics-"))
+        sweep_orphaned_dirs()
+        path = Path(tempfile.mkdtemp(prefix=f"keel-{role}-metrics-{os.getpid()}-"))
         os.environ[MULTIPROC_ENV] = str(path)
         atexit.register(_remove_if_made_here, path, os.getpid())
     # prometheus_client picks its mode when it is imported, from the variable; this process may have imported it
@@ -194,6 +201,44 @@ def prepare_multiprocess(role: Role) -> Path:
     if not getattr(values.ValueClass, "_multiprocess", False):
         values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
     return path
+
+
+def sweep_orphaned_dirs(where: Path | None = None) -> list[Path]:
+    """Remove the private multiprocess directories in ``where`` (the temporary directory) whose maker is dead — a
+    worker or API parent killed outright leaves its directory behind. Only directories named as Keel names them
+    (:data:`PRIVATE_DIR`, with the maker's pid), owned by this user, not a link, and whose pid is no live process are
+    touched; returns those removed."""
+    base = Path(where or tempfile.gettempdir())
+    removed: list[Path] = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        found = PRIVATE_DIR.fullmatch(entry.name)
+        if found is None or int(found[1]) == os.getpid() or _alive(int(found[1])):
+            continue
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid that names one process: leave it alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's live process (or a number no process can have: keep what we cannot judge)
+    return True
 
 
 def _remove_if_made_here(path: Path, owner: int) -> None:

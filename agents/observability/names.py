@@ -46,7 +46,8 @@ DOMAIN: tuple[MetricName, ...] = (
     _m("keel_phase_transition_seconds", "histogram", "event"),
     _m("keel_jobs_finished_total", "counter", "operation", "status"),
     _m("keel_job_attempt_failures_total", "counter", "error_class"),
-    _m("keel_jobs_failed_once_total", "counter"),
+    _m("keel_jobs_first_failures_total", "counter"),
+    _m("keel_jobs_finished_after_failure_total", "counter"),
     _m("keel_jobs_recovered_total", "counter"),
     _m("keel_spent_tokens_total", "counter"),
     _m("keel_spent_cost_total", "counter"),
@@ -79,10 +80,11 @@ PROCESS_LOCAL: dict[str, MetricName] = {
     "http": _m("keel_http_request_seconds", "histogram", "method", "route", "status", help="One HTTP request"),
 }
 
-#: Exported by the alerts (the episodes table) and by the beat (its leader's last dispatcher tick).
+#: Exported from the alerts' tables by every API process and beat: the episodes firing, and how long ago the beat
+#: leader last ticked (an age the database computes: no other clock enters it).
 ALERTS: tuple[MetricName, ...] = (
     _m("keel_alerts_firing", "gauge", "alert"),
-    _m("keel_beat_leader_last_tick_timestamp_seconds", "gauge"),
+    _m("keel_beat_leader_last_tick_age_seconds", "gauge"),
 )
 
 ALL: tuple[MetricName, ...] = (*DOMAIN, *PROCESS_LOCAL.values(), *ALERTS)

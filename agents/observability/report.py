@@ -1,15 +1,16 @@
 """The daily KPI report: the last 24 hours' KPI table, posted to Slack through the outbox once a day.
 
-The leading beat asks :func:`post_daily_report` once per alert evaluation. From ``KEEL_KPI_REPORT_AT`` (UTC, on the
-database's clock) the day's report is due; it is inserted into the outbox under ``kpi:daily-report:{date}``, so two
-beats, or one restarted, never post one day twice (a second insert of the key is a no-op). A day the beat was down
-past midnight is not caught up: each day has at most its own report, posted late rather than never if a beat comes
-back later that day.
+The leading beat asks :func:`post_daily_report` once per alert evaluation. A day's report is due from that day's
+``KEEL_KPI_REPORT_AT`` (UTC, on the database's clock) until the next day's: the day due is the day of the most recent
+``HH:MM`` passed, so an evaluation that comes a minute late — past midnight for a report at 23:59 — still posts it.
+It is inserted into the outbox under ``kpi:daily-report:{date}``, so two beats, or one restarted, never post one day
+twice (a second insert of the key is a no-op). A report missed for a whole day (no beat led from one ``HH:MM`` to the
+next) is not caught up: only the latest day due is posted, late rather than never.
 """
 
 from __future__ import annotations
 
-from datetime import date, datetime, time, timedelta
+from datetime import date, datetime, timedelta
 
 from agents.core.keys import make_key
 from agents.observability.kpis import report_lines
@@ -29,11 +30,12 @@ def report_key(day: date) -> str:
 
 
 def due_day(now: datetime, at: str) -> date | None:
-    """The UTC day whose report is due at ``now`` (from ``at``, "HH:MM", that day); None before it or when "off"."""
+    """The UTC day whose report is due at ``now``: the day of the most recent ``at`` ("HH:MM") passed; None when
+    "off"."""
     if at == "off":
         return None
     hours, minutes = (int(part) for part in at.split(":"))
-    return now.date() if now.time() >= time(hours, minutes) else None
+    return (now - timedelta(hours=hours, minutes=minutes)).date()
 
 
 def report_text(day: date, lines: list[tuple[str, str]], until: datetime) -> str:

@@ -4,7 +4,9 @@
 confirmed delivery) inserts one row per counter it moves, so no two transactions ever wait on one counter row. The
 leading beat folds deltas into ``kpi_rollups`` (per minute, and one running total per counter at bucket
 ``-infinity``) and deletes them in the same transaction, so a reader sums the rollups and the few deltas not folded
-yet: cost grows with the counters and the time window read, never with history.
+yet: cost grows with the counters and the time window read, never with history. Values are ``numeric``, exact: a sum
+must not depend on how the deltas were grouped (rollup + d1 + d2 before a fold, rollup + (d1 + d2) after it), or a
+counter could read a hair lower after a fold than before it, which Prometheus takes for a reset.
 
 ``alert_episodes``: one row per firing of an alert (firing → resolved). At most one episode per alert is open, which
 the database holds (a partial unique index), so two beats can never open one episode twice.
@@ -36,7 +38,7 @@ def upgrade() -> None:
         sa.Column("at", sa.DateTime(timezone=True), server_default=sa.text("clock_timestamp()"), nullable=False),
         sa.Column("name", sa.Text(), nullable=False),
         sa.Column("label", sa.Text(), server_default="", nullable=False),
-        sa.Column("value", sa.Float(), nullable=False),
+        sa.Column("value", sa.Numeric(), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_kpi_deltas")),
     )
     op.create_table(
@@ -44,7 +46,7 @@ def upgrade() -> None:
         sa.Column("bucket", sa.DateTime(timezone=True), nullable=False),
         sa.Column("name", sa.Text(), nullable=False),
         sa.Column("label", sa.Text(), server_default="", nullable=False),
-        sa.Column("value", sa.Float(), nullable=False),
+        sa.Column("value", sa.Numeric(), nullable=False),
         sa.PrimaryKeyConstraint("name", "label", "bucket", name=op.f("pk_kpi_rollups")),
     )
     op.create_index("ix_kpi_rollups_bucket", "kpi_rollups", ["bucket"])

@@ -9,8 +9,10 @@
   deadline stops and soft deadline demotions.
 - ``jobs`` UPDATE, only when a counted column moves (``WHEN``: claims, enqueues and lease renewals cost nothing):
   jobs finished by operation and status, attempt failures by error class (from ``error_attempts``), first
-  failures, recoveries, spent and retry-caused tokens and cost (deltas of ``tokens``/``cost``/``failed_*``),
-  lease takeovers (a running job taken over after its lease expired).
+  failures (counted at the failure), jobs that failed at least once and then finished (succeeded, failed or dead;
+  counted when they finish, a cancelled one left out) and of those the recovered ones (succeeded): the recovery
+  rate's two terms, counted at the same moment; spent and retry-caused tokens and cost (deltas of
+  ``tokens``/``cost``/``failed_*``), lease takeovers (a running job taken over after its lease expired).
 - ``delivery_log`` INSERT (per statement): confirmations per channel, and confirmations of a key that already had
   one (side-effect duplicates: must stay 0).
 
@@ -103,10 +105,10 @@ BEGIN
         IF json_typeof(found) = 'object' AND json_typeof(found -> 'tokens') = 'number'
            AND (found ->> 'cost') ~ '^[0-9]+(\\.[0-9]+)?([eE][-+]?[0-9]+)?$' THEN
             INSERT INTO kpi_deltas (name, value) VALUES
-                ('spent_tokens', (found ->> 'tokens')::double precision),
-                ('spent_cost', (found ->> 'cost')::double precision),
-                ('retry_tokens', (found ->> 'tokens')::double precision),
-                ('retry_cost', (found ->> 'cost')::double precision);
+                ('spent_tokens', (found ->> 'tokens')::numeric),
+                ('spent_cost', (found ->> 'cost')::numeric),
+                ('retry_tokens', (found ->> 'tokens')::numeric),
+                ('retry_cost', (found ->> 'cost')::numeric);
         END IF;
     END IF;
     -- Keys a transition found already there (an ON CONFLICT DO NOTHING): most events have none, and the text test
@@ -136,8 +138,14 @@ BEGIN
     IF NEW.status <> OLD.status AND NEW.status IN ('succeeded', 'failed', 'cancelled', 'dead') THEN
         INSERT INTO kpi_deltas (name, label, value)
             VALUES ('jobs_finished', 'operation=' || NEW.operation || ',status=' || NEW.status, 1);
-        IF NEW.status = 'succeeded' AND NEW.error_attempts <> '{}'::jsonb THEN
-            INSERT INTO kpi_deltas (name, value) VALUES ('jobs_recovered', 1);
+        -- Recovery is judged when a job that failed at least once is done retrying: succeeded (recovered), failed
+        -- or dead. A job cancelled meanwhile (a hard deadline, a budget stop, a cancel) had its retries cut short
+        -- from outside: it says nothing about whether retrying helps, so it is left out of both.
+        IF NEW.error_attempts <> '{}'::jsonb AND NEW.status <> 'cancelled' THEN
+            INSERT INTO kpi_deltas (name, value) VALUES ('jobs_finished_after_failure', 1);
+            IF NEW.status = 'succeeded' THEN
+                INSERT INTO kpi_deltas (name, value) VALUES ('jobs_recovered', 1);
+            END IF;
         END IF;
     END IF;
     IF OLD.status = 'running' AND (NEW.status = 'enqueued'
@@ -147,13 +155,13 @@ BEGIN
     IF NEW.error_attempts IS DISTINCT FROM OLD.error_attempts THEN
         INSERT INTO kpi_deltas (name, label, value)
         SELECT 'job_attempt_failures', 'error_class=' || n.key, n.more
-        FROM (SELECT e.key, (e.value)::text::double precision
+        FROM (SELECT e.key, (e.value)::text::numeric
                             - CASE WHEN jsonb_typeof(OLD.error_attempts -> e.key) = 'number'
-                                   THEN (OLD.error_attempts ->> e.key)::double precision ELSE 0 END AS more
+                                   THEN (OLD.error_attempts ->> e.key)::numeric ELSE 0 END AS more
               FROM jsonb_each(NEW.error_attempts) e WHERE jsonb_typeof(e.value) = 'number') n
         WHERE n.more > 0;
         IF OLD.error_attempts = '{}'::jsonb AND NEW.error_attempts <> '{}'::jsonb THEN
-            INSERT INTO kpi_deltas (name, value) VALUES ('jobs_failed_once', 1);
+            INSERT INTO kpi_deltas (name, value) VALUES ('jobs_first_failures', 1);
         END IF;
     END IF;
     IF NEW.tokens + NEW.failed_tokens <> OLD.tokens + OLD.failed_tokens THEN

@@ -232,22 +232,35 @@ def test_a_chore_runs_once_per_interval_on_the_database_clock(db: Database) -> N
     assert alerts_sql.claim_chore(db, "alerts", timedelta(0)) is not None
 
 
-def test_a_leaderless_gap_fires_the_beat_alert(db: Database, db_url: str) -> None:
+def test_a_leaderless_gap_fires_the_beat_alert(db: Database, db_url: str, raw: psycopg.Connection[Any]) -> None:
+    assert scraped(db, "keel_beat_leader_last_tick_age_seconds") is None  # no beat ever led: absent
     first = alerts_sql.start_term(db, "beat-a:1")
     assert first.gap_seconds is None
     alerts_sql.heartbeat(db, first.id)
-    assert alerts.leader_last_tick(db) is not None
-    assert scraped(db, "keel_beat_leader_last_tick_timestamp_seconds") == alerts.leader_last_tick(db)
+    age = scraped(db, "keel_beat_leader_last_tick_age_seconds")
+    assert age is not None and 0 <= age < 60
     time.sleep(1.2)  # nobody leads
     second = alerts_sql.start_term(db, "beat-b:2")
     assert second.gap_seconds is not None and second.gap_seconds >= 1.0
     config = settings(db_url, alert_beat_leader_gap_max_seconds=1.0, alert_slack_channel=None)
     changes = alerts.evaluate_and_record(db, config)
     assert [(c.name, c.what) for c in changes] == [("beat_leader_gap", "opened")]
-    # Leading again for longer than the window: the gap is history, the episode resolves.
-    time.sleep(0.6)
-    changes = alerts.evaluate_and_record(db, config.model_copy(update={"alert_window_seconds": 0.5}))
+    # Leading again for longer than the window (the terms began 2 minutes ago, the window is 1): the gap is history.
+    raw.execute("UPDATE beat_terms SET started_at = started_at - interval '2 minutes'")
+    changes = alerts.evaluate_and_record(db, config)
     assert [(c.name, c.what) for c in changes] == [("beat_leader_gap", "resolved")]
+
+
+def test_the_leader_tick_age_is_measured_by_the_database(db: Database, raw: psycopg.Connection[Any]) -> None:
+    """Exported as an age the database computes from its own stamp (one clock): Prometheus compares it with a bound,
+    never with its own time(), so a host whose clock is minutes off changes nothing."""
+    term = alerts_sql.start_term(db, "beat-a:1")
+    alerts_sql.heartbeat(db, term.id)
+    raw.execute("UPDATE beat_terms SET last_tick_at = clock_timestamp() - interval '10 minutes'")
+    age = scraped(db, "keel_beat_leader_last_tick_age_seconds")
+    assert age is not None and 600 <= age < 660
+    assert alerts.leader_tick_age(db) == pytest.approx(age, abs=60)
+    assert scraped(db, "keel_beat_leader_last_tick_timestamp_seconds") is None  # the clock-dependent one is gone
 
 
 def test_a_failed_audit_verify_fires_until_one_passes(

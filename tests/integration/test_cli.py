@@ -405,20 +405,27 @@ def test_kpi_prints_the_counters_for_people_over_all_time_or_a_window(db_url: st
         )
     figures = json.loads(keel(db_url, "kpi", "--json").stdout)
     assert (figures["since"], figures["requests_done"], figures["requests_failed"]) == (None, 0, 1)
-    assert (figures["failure_rate"], figures["recovery_rate"], figures["jobs_failed_once"]) == (1.0, 1.0, 1)
+    assert (figures["failure_rate"], figures["recovery_rate"], figures["jobs_finished_after_failure"]) == (1.0, 1.0, 1)
     assert (figures["retry_tokens"], figures["retry_cost"], figures["retry_cost_share"]) == (12345, 0.0025, 1.0)
     assert figures["suppressed_duplicates"] == {"submit": 0, "job_delivery": 0, "job_insert": 0, "message_insert": 0}
     text = keel(db_url, "kpi").stdout.splitlines()
     assert text[0] == "KPIs since the counters began"
     rows = dict(re.split(r" {2,}", line.strip(), maxsplit=1) for line in text[1:])
-    assert rows["recovery rate after first failure"] == "100.0% of 1 jobs"
+    assert (
+        rows["recovery rate after first failure"] == "100.0% of 1 jobs finished after a failure (1 failed a first time)"
+    )
     assert rows["retry-caused cost"] == "12,345 tokens, $0.0025 (100.0% of spend)"
     assert (rows["failure rate"], rows["requests finished"]) == ("100.0%", "0 done, 1 failed")
     assert re.fullmatch(r"\d+ ms|[\d,]+\.\d\d s", rows["mean request time"]), rows
     hour = json.loads(keel(db_url, "kpi", "--since", "1h", "--json").stdout)
     assert hour == {**figures, "since": "1h"}
     assert keel(db_url, "kpi", "--since", "90m").stdout.startswith("KPIs over the last 90m\n")
-    for bad, rule in (("5x", "e.g. 24h, 90m, 7d"), ("0h", "positive"), ("400d", "KEEL_KPI_RETENTION_DAYS")):
+    for bad, rule in (
+        ("5x", "e.g. 24h, 90m, 7d"),
+        ("0h", "positive"),
+        ("400d", "KEEL_KPI_RETENTION_DAYS"),
+        ("30s", "30s is under a minute"),  # a window is whole minutes: this one would hold almost nothing
+    ):
         refused = keel(db_url, "kpi", "--since", bad, check=False)
         assert refused.returncode == 2 and "--since" in refused.stderr and rule in refused.stderr, refused.stderr
     gone = keel(db_url, "kpi", "--include-demo", check=False)

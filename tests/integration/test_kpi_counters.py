@@ -23,15 +23,18 @@ from agents.core.transition import now, transition
 from agents.jobs import deadlines
 from agents.jobs.handlers import JobContext, JobResult, Registry, registry
 from agents.jobs.runner import Runner
-from agents.observability.alerts import AlertsCollector
-from agents.observability.kpis import DomainCollector
+from agents.observability import alerts
+from agents.observability.alerts import AlertsCollector, Thresholds
+from agents.observability.kpis import DomainCollector, report_lines
 from agents.observability.names import ALERTS, DOMAIN
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
+from models import outbox_sql
 from models.db import Database
 from models.jobs_sql import ClaimedJob, checkpoint, claim, extend_lease
 from models.kpi_sql import REQUEST_SECONDS_BUCKETS, TRANSITION_SECONDS_BUCKETS, fold, gauges, totals, window
 from models.settings import Settings
+from models.urls import libpq_url
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
 from tests.support.fakes import FakeSlack
@@ -143,6 +146,13 @@ def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, d
     # mailer: posts where every send fails: a dead letter.
     mailer = client.create_agent("mailer")
     client.submit(mailer.id, "r-mailer", script({"tool_calls": [post(DEAD_CHANNEL)], "tokens": 10}, {"content": "ok"}))
+    # waiting: the model is rate limited for an hour: a first failure, the job waits for its retry (not finished).
+    waiting = client.create_agent("waiting")
+    client.submit(
+        waiting.id,
+        "r-waiting",
+        script({"content": "ok", "error": "rate_limited", "retry_after": 3600, "tokens": 0, "cost": "0"}),
+    )
     # echo: a transition names a job key and an outbox key that are there already (both suppressed).
     echo = client.create_agent("echo")
     client.submit(echo.id, "r-echo", script({"content": "ok", "tokens": 5}))
@@ -168,13 +178,15 @@ def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, d
     assert deadlines.enforce(db, now() + timedelta(seconds=61)).stopped == [late.id]
 
     phases = {
-        a: client.get_state(a).phase for a in ("steady", "flaky", "spender", "mailer", "echo", "slowpoke", "late")
+        a: client.get_state(a).phase
+        for a in ("steady", "flaky", "spender", "mailer", "waiting", "echo", "slowpoke", "late")
     }
     assert phases == {
         "steady": "done",
         "flaky": "done",
         "spender": "failed",
         "mailer": "done",
+        "waiting": "planning",
         "echo": "done",
         "slowpoke": "done",
         "late": "failed",
@@ -203,10 +215,12 @@ def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, d
             'keel_jobs_finished_total{operation="slow",status="succeeded"}': 1,
             'keel_job_attempt_failures_total{error_class="transient"}': 1,  # flaky
             'keel_job_attempt_failures_total{error_class="unknown"}': 1,  # slowpoke's first worker, taken over
-            'keel_job_attempt_failures_total{error_class="rate_limited"}': 0,
+            'keel_job_attempt_failures_total{error_class="rate_limited"}': 1,  # waiting
             'keel_job_attempt_failures_total{error_class="invalid"}': 0,
             'keel_job_attempt_failures_total{error_class="budget"}': 0,
-            "keel_jobs_failed_once_total": 2,
+            "keel_jobs_first_failures_total": 3,  # flaky, slowpoke, waiting
+            # flaky and slowpoke finished after their failure (and recovered); waiting's retry is still to come
+            "keel_jobs_finished_after_failure_total": 2,
             "keel_jobs_recovered_total": 2,
             # steady 100 + 50, flaky 40 + 40, spender 150, mailer 10 + 100, echo 5
             "keel_spent_tokens_total": 495,
@@ -218,7 +232,7 @@ def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, d
             "keel_budget_stops_total": 1,
             'keel_deadline_stops_total{kind="hard"}': 1,
             'keel_deadline_stops_total{kind="soft"}': 1,
-            'keel_jobs{status="pending"}': 0,
+            'keel_jobs{status="pending"}': 1,  # waiting's retry
             'keel_jobs{status="enqueued"}': 0,
             'keel_jobs{status="running"}': 0,
             "keel_oldest_due_job_age_seconds": 0,
@@ -234,7 +248,8 @@ def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, d
     # Every transition once, by event (the suppressed submit is none); each histogram's buckets add up.
     assert {k: v for k, v in histograms.items() if k.startswith("keel_phase_transition_seconds_count")} == {
         f'keel_phase_transition_seconds_count{{event="{event}"}}': n
-        for event, n in {"submit": 7, "plan": 3, "observe": 2, "progress": 4, "finish": 5, "fail": 2}.items()
+        # progress: 4, and waiting's retry scheduled
+        for event, n in {"submit": 8, "plan": 3, "observe": 2, "progress": 5, "finish": 5, "fail": 2}.items()
     }
     assert histograms["keel_request_duration_seconds_count"] == 7
     assert histograms['keel_request_duration_seconds_bucket{le="+Inf"}'] == 7
@@ -314,8 +329,10 @@ def test_a_window_leaves_out_what_is_older_and_old_minutes_are_pruned(
     fold(db, retention=timedelta(minutes=150))
     assert window(db, timedelta(hours=4)).budget_stops == 4
     assert totals(db).budget_stops == 8
-    with pytest.raises(ValueError, match="positive"):
-        window(db, timedelta(0))
+    # A window is whole minutes: a shorter one would hold nothing most of the time (`keel kpi --since 30s`).
+    for short in (timedelta(0), timedelta(seconds=30)):
+        with pytest.raises(ValueError, match="at least a minute"):
+            window(db, short)
 
 
 def test_a_rolled_back_transition_moves_no_counter(client: Client, db: Database, raw: psycopg.Connection[Any]) -> None:
@@ -454,3 +471,159 @@ def test_the_domain_collector_exports_exactly_the_contract_names(db: Database) -
     assert contract_problems(alerting, ALERTS) == []
     exported_families = {f.name for f in domain.collect()}
     assert exported_families == {m.family for m in DOMAIN}
+
+
+def test_a_counter_reads_the_same_before_and_after_a_fold(db: Database, raw: psycopg.Connection[Any]) -> None:
+    """Exact sums: rollup + 0.2 + 0.3 before the fold and rollup + (0.2 + 0.3) after it are one figure (in floats the
+    first is 0.6000000000000001, the second 0.6: a counter going back, which Prometheus takes for a reset)."""
+    raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('spent_cost', 0.1)")
+    fold(db)
+    raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('spent_cost', 0.2), ('spent_cost', 0.3)")
+    before = exported(db)["keel_spent_cost_total"]
+    assert fold(db) == 2
+    after = exported(db)["keel_spent_cost_total"]
+    assert before == after == 0.6
+    assert totals(db).spent_cost == 0.6
+
+
+def test_recovery_is_judged_when_a_job_that_failed_finishes(
+    client: Client, db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    """A burst of rate-limited jobs waiting for their retries is not a recovery rate of 0 (nor an alert): they count
+    once they finish. A failed or dead job counts as not recovered; one cancelled meanwhile is not judged."""
+    for i in range(5):
+        agent = client.create_agent(f"limited-{i}")
+        client.submit(agent.id, f"r-{i}", script({"content": "ok", "error": "rate_limited", "retry_after": 3600}))
+    run_all(db)
+    k = totals(db)
+    assert (k.jobs_first_failures, k.jobs_finished_after_failure, k.jobs_recovered, k.recovery_rate) == (5, 0, 0, None)
+    verdict = {v.name: v for v in alerts.evaluate(alerts.measure(db, timedelta(minutes=15)), Thresholds())}
+    assert (verdict["recovery_rate"].firing, verdict["recovery_rate"].value) == (False, None)
+    # Their retries come due and succeed.
+    raw.execute("UPDATE jobs SET run_at = now() WHERE status = 'pending'")
+    run_all(db)
+    k = totals(db)
+    assert (k.jobs_first_failures, k.jobs_finished_after_failure, k.jobs_recovered, k.recovery_rate) == (5, 5, 5, 1.0)
+    # One refused as invalid (failed at its first attempt, never retried); one cancelled while it waits to retry.
+    refused = client.create_agent("refused")
+    client.submit(refused.id, "r-refused", script({"content": "x", "error": "invalid"}))
+    gone = client.create_agent("gone")
+    client.submit(gone.id, "r-gone", script({"content": "ok", "error": "rate_limited", "retry_after": 3600}))
+    run_all(db)
+    client.cancel(gone.id, actor="op")
+    statuses = dict(raw.execute("SELECT key, status FROM jobs WHERE key IN ('r-refused:plan:1', 'r-gone:plan:1')"))
+    assert statuses == {"r-refused:plan:1": "failed", "r-gone:plan:1": "cancelled"}
+    for k in (totals(db), window(db, timedelta(minutes=15))):
+        assert (k.jobs_first_failures, k.jobs_finished_after_failure, k.jobs_recovered) == (7, 6, 5)
+        assert k.recovery_rate == round(5 / 6, 6)
+    rows = dict(report_lines(totals(db)))
+    assert (
+        rows["recovery rate after first failure"] == "83.3% of 6 jobs finished after a failure (7 failed a first time)"
+    )
+
+
+def test_the_duplicate_rate_is_deliveries_per_key_minus_one_everywhere(
+    db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    """ARCHITECTURE.md: deliveries per key - 1. One key confirmed three times, another once: 4 deliveries of 2 keys,
+    2 per key, a rate of 1 (100%) — in `keel kpi`, in `keel outbox stats` and on the dashboard alike."""
+    for key, times in (("kpi:dup:a", 3), ("kpi:dup:b", 1)):
+        raw.execute(
+            "INSERT INTO outbox (key, request_id, channel, destination, payload, status, external_id, next_attempt_at)"
+            " VALUES (%s, 'kpi', 'slack', 'C0KPI', '{}', 'sent', 'ts', now())",
+            (key,),
+        )
+        for attempt in range(1, times + 1):
+            raw.execute(
+                "INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at)"
+                " VALUES (%s, 'ts', %s, 'sent', now())",
+                (key, attempt),
+            )
+    k = totals(db)
+    assert (k.confirmations, k.side_effect_duplicates, k.duplicate_rate) == (4, 2, 1.0)
+    stats = outbox_sql.stats(db)
+    assert (stats["delivered_keys"], stats["duplicate_deliveries"], stats["duplicate_rate"]) == (2, 2, 1.0)
+    assert (stats["max_deliveries_per_key"], stats["keys_delivered_more_than_once"]) == (3, 1)
+    assert dict(report_lines(k))["side-effect duplicates"] == (
+        "2 of 4 confirmed deliveries (duplicate rate 100.0%: deliveries per key - 1)"
+    )
+
+
+@pytest.fixture
+def patient_db(db_url: str) -> Iterator[Database]:
+    """The test database with a statement timeout of 10 minutes: a read that waits on a lock waits that long unless
+    the reader cuts it short itself."""
+    database = Database(db_url, pool_size=4, statement_timeout_ms=600_000)
+    yield database
+    database.dispose()
+
+
+@pytest.fixture
+def locked(db_url: str) -> Iterator[Any]:
+    """``locked(table)``: another connection holds ``table`` in ACCESS EXCLUSIVE mode until the test ends (or it
+    calls ``.release()``)."""
+    holders: list[psycopg.Connection[Any]] = []
+
+    class Locker:
+        def __call__(self, table: str) -> None:
+            conn = psycopg.connect(libpq_url(db_url))
+            conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+            holders.append(conn)
+
+        def release(self) -> None:
+            for conn in holders:
+                conn.rollback()
+
+    yield Locker()
+    for conn in holders:
+        conn.close()
+
+
+def scrape_in_thread(registry: CollectorRegistry) -> tuple[threading.Thread, list[str]]:
+    out: list[str] = []
+    thread = threading.Thread(target=lambda: out.append(generate_latest(registry).decode()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def samples_of(text: str) -> list[tuple[str, float]]:
+    return [(s.name, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def test_a_scrape_answers_within_its_read_timeout_while_a_lock_holds_the_counters(
+    patient_db: Database, locked: Any
+) -> None:
+    locked("kpi_rollups")
+    locked("alert_episodes")
+    registry = CollectorRegistry()
+    registry.register(DomainCollector(patient_db, cache_seconds=0, read_timeout=timedelta(seconds=1)))
+    registry.register(AlertsCollector(patient_db, cache_seconds=0, read_timeout=timedelta(seconds=1)))
+    thread, out = scrape_in_thread(registry)
+    thread.join(120)  # it takes about a second; without its own timeout it would wait the database's 10 minutes
+    assert not thread.is_alive(), "the scrape waited on the lock"
+    assert samples_of(out[0]) == [("keel_kpi_up", 0.0)]
+
+
+def test_a_scrape_never_queues_behind_another_scrapes_read(
+    patient_db: Database, locked: Any, raw: psycopg.Connection[Any]
+) -> None:
+    locked("kpi_rollups")
+    registry = CollectorRegistry()
+    registry.register(DomainCollector(patient_db, cache_seconds=0, read_timeout=timedelta(minutes=10)))
+    first, first_out = scrape_in_thread(registry)
+    deadline = time.monotonic() + 60
+    while not raw.execute(
+        "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        " AND query LIKE '%%kpi_rollups%%' AND pid <> pg_backend_pid()"
+    ).fetchone():
+        assert time.monotonic() < deadline, "the first scrape's read never reached the lock"
+        time.sleep(0.05)
+    # The first scrape is reading (held up by the lock): a second one answers at once, without a figure.
+    second, second_out = scrape_in_thread(registry)
+    second.join(60)
+    assert not second.is_alive(), "the second scrape queued behind the first"
+    assert samples_of(second_out[0]) == [("keel_kpi_up", 0.0)]
+    assert first.is_alive()  # still held up: the lock is ours until we let go
+    locked.release()
+    first.join(60)
+    assert ("keel_kpi_up", 1.0) in samples_of(first_out[0])

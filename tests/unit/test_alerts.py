@@ -35,7 +35,7 @@ def test_quiet_measures_fire_nothing() -> None:
         ("side_effect_duplicates", Measures(side_effect_duplicates=1), 1),
         ("dead_letters", Measures(dead_letters=3), 3),
         ("transition_p95", Measures(p95_transition_seconds=1.5), 1.5),
-        ("recovery_rate", Measures(jobs_failed_once=10, recovery_rate=0.2), 0.2),
+        ("recovery_rate", Measures(jobs_finished_after_failure=10, recovery_rate=0.2), 0.2),
         ("retry_cost_share", Measures(retry_cost_share=0.4), 0.4),
         ("oldest_due_job", Measures(oldest_due_job_age_seconds=301), 301),
         ("beat_leader_gap", Measures(beat_leader_gap_seconds=180), 180),
@@ -52,10 +52,10 @@ def test_each_rule_fires_past_its_threshold_with_the_value(name: str, measures: 
     ("name", "measures"),
     [
         ("dead_letters", Measures(dead_letters=0)),
-        ("transition_p95", Measures(p95_transition_seconds=1.0)),  # at the bound is not over it
+        ("transition_p95", Measures(p95_transition_seconds=0.5)),  # at the bound is not over it
         ("transition_p95", Measures(p95_transition_seconds=None)),  # nothing measured
-        ("recovery_rate", Measures(jobs_failed_once=10, recovery_rate=0.5)),
-        ("recovery_rate", Measures(jobs_failed_once=4, recovery_rate=0.0)),  # too few first failures to judge
+        ("recovery_rate", Measures(jobs_finished_after_failure=10, recovery_rate=0.5)),
+        ("recovery_rate", Measures(jobs_finished_after_failure=4, recovery_rate=0.0)),  # too few to judge
         ("retry_cost_share", Measures(retry_cost_share=None)),
         ("beat_leader_gap", Measures(beat_leader_gap_seconds=None)),
         ("audit_verify", Measures(audit_verify_ok=None)),  # never ran
@@ -99,9 +99,22 @@ def test_alert_keys_read_alert_name_start_and_fit_the_key_scheme() -> None:
 
 
 def test_the_report_is_due_from_its_time_of_day_on() -> None:
-    assert report.due_day(datetime(2026, 12, 1, 7, 59, tzinfo=UTC), "08:00") is None
+    # A day's report is due from its HH:MM until the next day's: before 08:00, yesterday's is the one due.
+    assert report.due_day(datetime(2026, 12, 1, 7, 59, tzinfo=UTC), "08:00") == date(2026, 11, 30)
     assert report.due_day(datetime(2026, 12, 1, 8, 0, tzinfo=UTC), "08:00") == date(2026, 12, 1)
     assert report.due_day(datetime(2026, 12, 1, 23, 0, tzinfo=UTC), "off") is None
+
+
+def test_a_late_report_time_is_not_skipped_when_the_evaluation_drifts_past_midnight() -> None:
+    """Evaluations ~60 s apart: one at 23:58:59, the next at 00:00:00.6 — neither at or after 23:59 on Dec 1. The
+    second still finds Dec 1's report due (and the one after it too, until Dec 2's 23:59)."""
+    before = datetime(2026, 12, 1, 23, 58, 59, 500000, tzinfo=UTC)
+    after = datetime(2026, 12, 2, 0, 0, 0, 600000, tzinfo=UTC)
+    assert report.due_day(before, "23:59") == date(2026, 11, 30)
+    assert report.due_day(after, "23:59") == date(2026, 12, 1)
+    assert report.due_day(datetime(2026, 12, 2, 23, 58, tzinfo=UTC), "23:59") == date(2026, 12, 1)
+    assert report.due_day(datetime(2026, 12, 2, 23, 59, tzinfo=UTC), "23:59") == date(2026, 12, 2)
+    assert report.due_day(datetime(2026, 12, 2, 0, 0, tzinfo=UTC), "00:00") == date(2026, 12, 2)
     assert report.report_key(date(2026, 12, 1)) == "kpi:daily-report:2026-12-01"
 
 
@@ -113,6 +126,7 @@ def test_the_report_is_due_from_its_time_of_day_on() -> None:
         ({"kpi_report_at": "25:00"}, "KEEL_KPI_REPORT_AT: must be a UTC time of day as HH:MM"),
         ({"alert_interval_seconds": 0}, "KEEL_ALERT_INTERVAL_SECONDS"),
         ({"alert_recovery_rate_min": 1.5}, "KEEL_ALERT_RECOVERY_RATE_MIN"),
+        ({"alert_window_seconds": 30}, "KEEL_ALERT_WINDOW_SECONDS"),  # the counters are kept per minute
     ],
 )
 def test_bad_alert_settings_are_refused_naming_the_variable(overrides: dict[str, object], message: str) -> None:

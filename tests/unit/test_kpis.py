@@ -40,7 +40,8 @@ def test_rates_are_none_until_there_is_something_to_measure() -> None:
         {
             ("requests_finished", "outcome=done"): 2.0,
             ("requests_finished", "outcome=failed"): 1.0,
-            ("jobs_failed_once", ""): 4.0,
+            ("jobs_first_failures", ""): 6.0,  # two of them still waiting for their retry: in neither term below
+            ("jobs_finished_after_failure", ""): 4.0,
             ("jobs_recovered", ""): 3.0,
             ("spent_cost", ""): 0.3,
             ("retry_cost", ""): 0.1,
@@ -81,6 +82,8 @@ def test_the_report_reads_as_a_table_for_people() -> None:
     )
     rows = dict(report_lines(k))
     assert rows["suppressed duplicates"] == "1,237 (submit 3, job_delivery 1,234)"
-    assert rows["side-effect duplicates"] == "0 of 10 confirmed deliveries (0.0%)"
+    assert (
+        rows["side-effect duplicates"] == "0 of 10 confirmed deliveries (duplicate rate 0.0%: deliveries per key - 1)"
+    )
     assert rows["retry-caused cost"] == "12,345 tokens, $0.0025 (25.0% of spend)"
     assert rows["failure rate"] == rows["p95 phase-transition latency"] == "-"

@@ -175,6 +175,73 @@ def test_without_a_directory_a_private_one_is_made_and_removed(tmp_path: Path) -
     assert not Path(made).exists(), "the private directory outlived its process"
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_a_private_directory_left_by_a_killed_parent_is_swept_by_the_next_one(tmp_path: Path) -> None:
+    """SIGKILL runs no exit handler: the worker's directory stays behind. The next Keel process that makes one removes
+    it (its maker's pid, in its name, is dead)."""
+    env = {k: v for k, v in os.environ.items() if k != MULTIPROC_ENV}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    script = (
+        "import sys, time\n"
+        "from agents.observability.metrics import prepare_multiprocess\n"
+        "print(prepare_multiprocess('worker'), flush=True)\n"
+        "time.sleep(600) if sys.argv[1] == 'stay' else None\n"
+    )
+    killed = subprocess.Popen(
+        [sys.executable, "-c", script, "stay"], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    assert killed.stdout is not None
+    left = Path(killed.stdout.readline().strip())
+    killed.kill()
+    killed.wait(60)
+    killed.stdout.close()
+    assert left.is_dir() and left.parent == tmp_path and f"-{killed.pid}-" in left.name
+    done = subprocess.run(
+        [sys.executable, "-c", script, "go"], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert not left.exists(), "the killed worker's directory outlived the next start"
+    assert not Path(done.stdout.strip()).exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sweep_removes_only_keels_own_directories_of_dead_makers(tmp_path: Path) -> None:
+    from agents.observability.metrics import sweep_orphaned_dirs
+
+    dead, alive = dead_pid(), os.getpid()
+    orphan = tmp_path / f"keel-api-metrics-{dead}-x1y2"
+    kept = [
+        tmp_path / f"keel-worker-metrics-{alive}-a1b2",  # its maker lives
+        tmp_path / f"other-metrics-{dead}-c3d4",  # not Keel's name
+        tmp_path / "keel-worker-metrics-e5f6g7",  # no pid in it (an older Keel's): cannot tell
+        tmp_path / f"keel-beat-metrics-{dead}",  # not the whole pattern
+    ]
+    for path in (orphan, *kept):
+        path.mkdir()
+        (path / "histogram_1.db").write_bytes(b"x")
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / f"keel-worker-metrics-{dead}-link"
+    link.symlink_to(target)  # a link, even named like one, is not a directory Keel made
+    plain = tmp_path / f"keel-worker-metrics-{dead}-file"
+    plain.write_text("not a directory")
+    others = tmp_path / f"keel-worker-metrics-{dead}-theirs"
+    others.mkdir()
+    if os.getuid() == 0:  # as root, a directory of another user's can be made: it stays
+        os.chown(others, 65534, 65534)
+        kept.append(others)
+    else:
+        others.rmdir()
+    assert sweep_orphaned_dirs(tmp_path) == [orphan]
+    assert not orphan.exists()
+    assert all(path.is_dir() for path in kept) and link.is_symlink() and target.is_dir() and plain.is_file()
+
+
 class Api:
     """The app ``tasks.api.create`` builds, called in-process (no lifespan: /metrics needs no database or broker)."""
 

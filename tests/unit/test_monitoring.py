@@ -24,7 +24,8 @@ from prometheus_client.metrics_core import Metric
 
 from agents.core import observe as obs
 from agents.observability.metrics import MetricsObserver, sample_names
-from agents.observability.names import ALERTS, ALL, DOMAIN, PROCESS_LOCAL
+from agents.observability.names import ALERTS, ALL, DOMAIN, PROCESS_LOCAL, MetricName
+from models.settings import Settings
 from tests.support.metrics import contract_problems, one_of_each_kind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,3 +210,145 @@ def test_a_collector_is_held_to_the_contract() -> None:
         "keel_outbox_backlog: labels [], the contract says ['channel']",
         "keel_backlog_total: not in the contract",
     ]
+
+
+# --- aggregation: max collapses the exporters only -------------------------------------------------------------------
+
+_MAX = re.compile(r"\bmax\s*(?:by\s*\(([^)]*)\)\s*)?\(")
+_SELECTOR = re.compile(r"\b(keel_[a-z0-9_]+)\b(?:\{([^}]*)\})?")
+_SAMPLES = {sample: metric for metric in ALL for sample in metric.samples()}
+
+
+def _closing(query: str, opening: int) -> int:
+    depth = 0
+    for i in range(opening, len(query)):
+        depth += {"(": 1, ")": -1}.get(query[i], 0)
+        if depth == 0:
+            return i
+    raise AssertionError(f"unbalanced parentheses: {query}")
+
+
+def aggregation_problems(query: str) -> list[str]:
+    """What a ``max`` in ``query`` collapses beyond the exporters: a domain series is exported once per API process and
+    beat with the same value, so ``max`` may drop only what tells them apart (job, instance) and must keep every label
+    of the metric (or fix it with a matcher) — anything more is a sum to take afterwards, not a max. A process-local
+    series is each process's own: never a max."""
+    problems = []
+    for found in _MAX.finditer(query):
+        kept = {label.strip() for label in (found[1] or "").split(",") if label.strip()}
+        start = found.end() - 1
+        inside = query[start + 1 : _closing(query, start)]
+        for nested in list(_MAX.finditer(inside))[::-1]:  # a max inside is checked on its own
+            inside = inside[: nested.start()] + inside[_closing(inside, nested.end() - 1) + 1 :]
+        for name, matchers in _SELECTOR.findall(inside):
+            metric: MetricName | None = _SAMPLES.get(name)
+            if metric is None:
+                continue
+            if metric in PROCESS_LOCAL.values():
+                problems.append(f"max over {name}, a process-local series: take the sum")
+                continue
+            fixed = {m.split("=")[0].strip() for m in matchers.split(",") if re.search(r"[^!=~]=[^~]", m + " ")}
+            must_keep = set(metric.labels) | ({"le"} if name.endswith("_bucket") else set())
+            lost = must_keep - fixed - kept
+            if lost:
+                problems.append(f"max by ({', '.join(sorted(kept))}) over {name} collapses {sorted(lost)}")
+    return problems
+
+
+def test_a_max_collapses_only_the_exporters_never_a_label_of_the_metric() -> None:
+    """Every API process and beat exports the domain series with the same values: ``max`` takes one of them. A
+    ``max by (status)`` over ``keel_jobs_finished_total{operation,status}`` would also take one operation's rate for
+    all of them; it must be ``sum by (status) (max by (operation, status) (...))``."""
+    found = [f"{where}: {problem}" for where, query in queries() for problem in aggregation_problems(query)]
+    assert found == []
+    # The check itself catches what it is for.
+    assert aggregation_problems("max by (status) (rate(keel_jobs_finished_total[5m]))") == [
+        "max by (status) over keel_jobs_finished_total collapses ['operation']"
+    ]
+    assert aggregation_problems('max(increase(keel_requests_finished_total{outcome="failed"}[1h]))') == []
+    assert aggregation_problems("sum(max by (channel) (keel_dead_letters))") == []
+    assert aggregation_problems("max(rate(keel_job_run_seconds_count[5m]))") == [
+        "max over keel_job_run_seconds_count, a process-local series: take the sum"
+    ]
+
+
+def panel_query(title: str) -> str:
+    """The dashboard's query of panel ``title`` (its first), with Grafana's range variables as 5m and 1h."""
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["title"] == title:
+            expr: str = panel["targets"][0]["expr"]
+            return expr.replace("$__rate_interval", "5m").replace("$__range", "1h")
+    raise AssertionError(f"the dashboard has no panel {title!r}")
+
+
+def test_dashboard_queries_count_each_exporter_once_and_every_label_value(promtool: str | None, tmp_path: Path) -> None:
+    """Two exporters (an API and a beat) with the same values, two operations: jobs finished by status adds the
+    operations and counts the exporters once; the duplicate rate is deliveries per key - 1 (ARCHITECTURE.md)."""
+    if promtool is None:
+        return  # the aggregation check above still ran
+    exporters = ('job="api",instance="api:8000"', 'job="beat",instance="beat-1:9809"')
+    series = [
+        f'keel_jobs_finished_total{{{who},operation="{op}",status="succeeded"}}'
+        for who in exporters
+        for op in ("plan", "tool")
+    ]
+    # Two keys confirmed a minute, one of them twice: 3 confirmations, 1 duplicate, a rate of 1 / 2.
+    series_values = {name: "0+60x90" for name in series}
+    for who in exporters:
+        series_values[f'keel_side_effect_confirmations_total{{{who},channel="slack"}}'] = "0+3x90"
+        series_values[f'keel_side_effect_duplicates_total{{{who},channel="slack"}}'] = "0+1x90"
+    (tmp_path / "none.yml").write_text("groups: []\n")
+    test = {
+        "rule_files": ["none.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": name, "values": values} for name, values in series_values.items()],
+                "promql_expr_test": [
+                    {
+                        "expr": panel_query("Jobs finished by status"),
+                        "eval_time": "80m",
+                        "exp_samples": [{"labels": '{status="succeeded"}', "value": 2}],
+                    },
+                    {
+                        "expr": panel_query("Side-effect duplicate rate"),
+                        "eval_time": "80m",
+                        "exp_samples": [{"labels": "{}", "value": 0.5}],
+                    },
+                ],
+            }
+        ],
+    }
+    (tmp_path / "dashboard_test.yml").write_text(yaml.safe_dump(test))
+    done = subprocess.run(
+        [promtool, "test", "rules", "dashboard_test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+
+
+# --- thresholds: the rules and Keel's own alerts say the same -----------------------------------------------------
+
+#: Each Prometheus rule's comparisons, and the setting whose default each must equal.
+RULE_THRESHOLDS: dict[str, dict[str, str]] = {
+    "KeelSideEffectDuplicates": {">": "alert_side_effect_duplicates_max"},
+    "KeelDeadLetters": {">": "alert_dead_letters_max"},
+    "KeelTransitionLatencyHigh": {">": "alert_transition_p95_max_seconds"},
+    "KeelRecoveryRateLow": {"<": "alert_recovery_rate_min", ">=": "alert_recovery_min_failures"},
+    "KeelRetryCostShareHigh": {">": "alert_retry_cost_share_max"},
+    "KeelQueueLag": {">": "alert_oldest_due_job_max_seconds"},
+    "KeelNoBeatLeader": {">": "alert_beat_leader_gap_max_seconds"},
+}
+#: Rules Keel's own alerts have no setting for.
+RULES_WITHOUT_A_SETTING = {"KeelKpisUnavailable"}
+_COMPARISON = re.compile(r"(>=|<=|==|!=|>|<)\s*(-?[0-9]+(?:\.[0-9]+)?)")
+
+
+def test_the_rules_thresholds_are_the_settings_defaults() -> None:
+    """deploy/prometheus/alerts.yml and KEEL_ALERT_* (models/settings.py) alert at the same bounds by default."""
+    by_alert = {rule["alert"]: rule for rule in rules()}
+    assert set(by_alert) == set(RULE_THRESHOLDS) | RULES_WITHOUT_A_SETTING, "a new rule: say which setting it mirrors"
+    for alert, settings in RULE_THRESHOLDS.items():
+        found = {op: float(number) for op, number in _COMPARISON.findall(by_alert[alert]["expr"])}
+        expected = {op: float(Settings.model_fields[name].default) for op, name in settings.items()}
+        assert found == expected, f"{alert}: alerts.yml compares {found}, the settings' defaults are {expected}"
