@@ -83,7 +83,10 @@ def test_a_stale_approval_is_refused_and_says_who_moved_the_agent(api: Api, brow
     stale = second.post(f"/agents/{state['id']}/approve", data={"csrf": csrf_of(page_two), "revision": drawn})
     assert stale.status_code == 412
     assert "Not approved: the agent moved since this page was drawn" in stale.text
-    assert f"revision {state['revision'] + 1}</strong>, moved there by <strong>alice</strong>" in stale.text
+    assert f'now at <strong id="stale-current">revision {state["revision"] + 1}</strong>' in stale.text
+    assert f"<strong>alice</strong> — approve, waiting_approval → executing, to revision {state['revision'] + 1}" in (
+        stale.text
+    )
     journal = _journal(api, state["id"])
     assert [e for e in journal if e[1] == "approve"] == [
         ("transition", "approve", "alice", state["revision"] + 1),

@@ -24,7 +24,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from agents.core.errors import AgentNotFound, KeelError, StaleRevision
-from agents.core.journal import agent_events_after, events_at_revision, verify_chain
+from agents.core.journal import agent_events_after, verify_chain
 from agents.core.phases import Phase
 from agents.ingress.auth import resolve
 from agents.ingress.console import sessions, views
@@ -36,7 +36,7 @@ from agents.ingress.tokens import ApiToken, Permission, authenticate, live_token
 from models import alerts_sql, kpi_sql
 from models.jobs_sql import job_row
 from models.outbox_sql import message_row, page_messages, request_messages
-from models.schemas import AgentState, JournalEvent
+from models.schemas import AgentState
 
 router = APIRouter(include_in_schema=False)
 Keel = Annotated[Ingress, Depends(ingress)]
@@ -44,6 +44,8 @@ Keel = Annotated[Ingress, Depends(ingress)]
 STATIC = Path(__file__).parent / "static"
 #: How many of an agent's latest journal events its page shows.
 JOURNAL_SHOWN = 200
+#: How many of the moves since a stale decision's revision its notice names.
+STALE_MOVES_SHOWN = 10
 #: How often the live list of agents redraws at most (seconds): a burst of transitions is one redraw.
 LIST_REDRAW_SECONDS = 0.5
 #: The KPI charts' span and the counters they draw.
@@ -302,22 +304,19 @@ def agent_panel(ref: str, keel: Keel, who: Who, drawn: Annotated[int, Query(ge=0
 
 
 @router.get("/agents/{ref}/live", response_class=EventSourceResponse)
-async def agent_live(ref: str, keel: Keel, who: Who) -> AsyncIterator[ServerSentEvent]:
-    """The agent's journal events as they commit (the API's live events, for the session's token)."""
+async def agent_live(
+    ref: str, keel: Keel, who: Who, after: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None
+) -> AsyncIterator[ServerSentEvent]:
+    """The agent's journal events as they commit (the API's live events, for the session's token), after the
+    journal seq the page was drawn at: what committed while the page loaded arrives too."""
     found = await run_in_threadpool(_found, keel, who, ref)
     if found is None:
         return
     agent_id, _ = found
     head = (await run_in_threadpool(keel.client.agent_row, agent_id)).journal_seq
-    async for message in sse_events(keel.listener, agent_id, head, allowed=await _live(keel, who)):
+    start = head if after is None else min(after, head)
+    async for message in sse_events(keel.listener, agent_id, start, allowed=await _live(keel, who)):
         yield message
-
-
-def _who_moved(keel: Ingress, agent_id: UUID, revision: int) -> JournalEvent | None:
-    return next(
-        (e for e in events_at_revision(keel.db, agent_id, revision) if e.kind == "transition"),
-        None,
-    )
 
 
 async def _decide(request: Request, ref: str, keel: Ingress, who: Viewer, act: str) -> Response:
@@ -345,15 +344,19 @@ def _apply(keel: Ingress, who: Viewer, ref: str, act: str, form: dict[str, str])
             keel.client.reject(agent_id, expected_revision=drawn, actor=who.token.name, reason=reason)
     except StaleRevision as exc:
         state = keel.client.get_state(agent_id)
-        moved = _who_moved(keel, agent_id, exc.current_revision)
+        context = _agent_context(keel, who, state)
+        # Every move since the revision the decision was made on, oldest first: who moved it, and to where.
+        moves = sorted(
+            (e for e in context["events"] if e.kind == "transition" and e.revision > drawn), key=lambda e: e.seq
+        )
         return _page(
             "agent.html",
             who,
             status=412,
             state=state,
             drawn=state.revision,
-            stale={"act": act, "drawn": drawn, "current": exc.current_revision, "moved": moved},
-            **_agent_context(keel, who, state),
+            stale={"act": act, "drawn": drawn, "current": exc.current_revision, "moves": moves[:STALE_MOVES_SHOWN]},
+            **context,
         )
     except KeelError as exc:
         state = keel.client.get_state(agent_id)

@@ -20,7 +20,8 @@ function follow(url, onEvent) {
     pending = true;
     setTimeout(async () => { pending = false; await onEvent(); }, 150);
   };
-  source.onopen = () => liveStatus("Live: updates as they happen.");
+  // On (re)connecting, redraw once: whatever changed while the page loaded or the stream was down shows at once.
+  source.onopen = () => { liveStatus("Live: updates as they happen."); redraw(); };
   source.onerror = () => liveStatus("Live updates interrupted: reconnecting…");
   ["changed", "transition", "rejected", "suppressed", "created", "operator"].forEach((kind) => {
     source.addEventListener(kind, redraw);
