@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from agents.ingress.tokens import revoke_token
 from tests.support.api import Api, journal_count, waiting_agent
 from tests.support.console import Browsers, csrf_of
 
@@ -122,3 +123,31 @@ def test_the_outbox_and_kpi_pages_render_for_an_operator(api: Api, browsers: Bro
     assert kpis.status_code == 200 and "Failure rate" in kpis.text and "<svg" in kpis.text
     approver = browsers.signed_in(api.token("approver"))
     assert approver.get("/outbox").status_code == 403
+
+
+def test_reject_with_a_reason_and_the_phase_filter(api: Api, browsers: Browsers) -> None:
+    with api.http(api.token("operator")) as http:
+        state = waiting_agent(api, http)
+        http.post("/v1/agents", json={"name": "resting"})
+    client = browsers.signed_in(api.token("approver", name="rita"))
+    waiting = client.get("/agents?phase=waiting_approval").text
+    assert 'data-agent="commenter"' in waiting and 'data-agent="resting"' not in waiting
+    idle = client.get("/agents?phase=idle").text
+    assert 'data-agent="resting"' in idle and 'data-agent="commenter"' not in idle
+    page = client.get(f"/agents/{state['id']}")
+    done = client.post(
+        f"/agents/{state['id']}/reject",
+        data={"csrf": csrf_of(page), "revision": str(state["revision"]), "reason": "not on a Friday"},
+    )
+    assert done.status_code == 303, done.text
+    after = client.get(f"/agents/{state['id']}").text
+    assert "by <strong>rita</strong>" in after and "not on a Friday" in after
+    assert ("transition", "reject", "rita", state["revision"] + 1) in _journal(api, state["id"])
+
+
+def test_revoking_the_token_ends_its_console_sessions(api: Api, browsers: Browsers) -> None:
+    client = browsers.signed_in(api.token("operator", name="temp"))
+    assert client.get("/agents").status_code == 200
+    revoke_token(api.db, "temp", actor="test")
+    gone = client.get("/agents")
+    assert gone.status_code == 303 and gone.headers["location"].startswith("/signin")

@@ -98,11 +98,12 @@ def chart(
     minutes = max(1, int(span.total_seconds() // 60))
     start = now - span
     bar = width / minutes
-    peak = max((v for _, v in points), default=0.0)
+    shown = [(at, value) for at, value in points if start <= at <= now]
+    peak = max((v for _, v in shown), default=0.0)
     bars = []
-    for at, value in points:
+    for at, value in shown:
         offset = (at - start).total_seconds() / 60
-        if offset < 0 or peak <= 0:
+        if peak <= 0:
             continue
         h = max(1.0, value / peak * (height - 10))
         bars.append(
