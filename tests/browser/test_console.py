@@ -25,6 +25,15 @@ def sign_in(browser: Any, stack: Stack, secret: str) -> Any:
     return page
 
 
+def tab_to(page: Any, name: str) -> None:
+    """Press Tab until the control named ``name`` has the focus: it is reachable from the keyboard."""
+    for _ in range(40):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement && document.activeElement.textContent.trim()") == name:
+            return
+    raise AssertionError(f"{name!r} cannot be reached with Tab")
+
+
 def _approvals(stack: Stack, agent_id: str) -> list[tuple[str, str]]:
     with stack.api.db.connection() as conn:
         rows = conn.execute(
@@ -58,7 +67,8 @@ def test_approving_live_a_stale_second_approval_and_retrying_a_dead_letter(chrom
     screenshot(alice, "agent-waiting")
 
     alice.once("dialog", lambda dialog: dialog.accept())
-    alice.get_by_role("button", name=f"Approve at revision {drawn}").click()
+    tab_to(alice, f"Approve at revision {drawn}")  # keyboard only: Tab to the button, Enter
+    alice.keyboard.press("Enter")
     alice.wait_for_url(f"**/agents/{agent['id']}")
     alice.locator("#phase", has_text="done").wait_for(timeout=LIVE)  # the held call ran; live to done
     screenshot(alice, "agent-done")
@@ -112,6 +122,12 @@ def test_a_wrong_token_cannot_sign_in_and_an_auditor_can_only_read(chromium: Any
     auditor.get_by_role("heading", name="Waiting for approval").wait_for()
     assert auditor.locator("main button").count() == 0
     screenshot(auditor, "agent-auditor")
+    phone = auditor.context.new_page()
+    phone.set_viewport_size({"width": 360, "height": 740})
+    for path, name in ((f"/agents/{agent['id']}", "agent-narrow"), ("/agents", "agents-narrow")):
+        phone.goto(f"{stack.api.url}{path}")
+        assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), f"{path} scrolls sideways"
+        screenshot(phone, name)
     csrf = auditor.locator("input[name=csrf]").first.get_attribute("value")
     revision = auditor.locator("#revision").inner_text()
     scope = auditor.request.post(

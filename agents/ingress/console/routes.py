@@ -241,8 +241,9 @@ async def agents_live(keel: Keel, who: Who) -> AsyncIterator[ServerSentEvent]:
     allowed = await _live(keel, who)
     with keel.listener.subscribe(ANY_AGENT) as sub:
         while not keel.listener.stopped:
-            sub.clear()
-            if await sub.wait(15.0):
+            woken = await sub.wait(15.0)
+            sub.clear()  # at once: what commits while the event goes out or the redraw pause lasts wakes it again
+            if woken:
                 if not await allowed():
                     return
                 yield ServerSentEvent(event="changed", data={})

@@ -5,11 +5,15 @@ function liveStatus(text) {
   document.querySelectorAll("[data-live-status]").forEach((el) => { el.textContent = text; });
 }
 
+let drawn = 0;  // the latest redraw asked for: an older answer arriving late must not overwrite a newer one
+
 async function swap(target, url) {
+  const mine = ++drawn;
   const response = await fetch(url, { headers: { Accept: "text/html" }, credentials: "same-origin" });
   if (response.status === 401 || response.redirected) { liveStatus("Signed out: reload to sign in."); return; }
   if (!response.ok) { return; }
-  target.innerHTML = await response.text();
+  const html = await response.text();
+  if (mine === drawn) { target.innerHTML = html; }
 }
 
 function follow(url, onEvent) {
