@@ -37,6 +37,8 @@ def test_sign_in_sets_a_strict_http_only_session_and_sign_out_ends_it(api: Api, 
     assert "Secure" not in cookie  # KEEL_ENVIRONMENT defaults to development: plain http on 127.0.0.1
     page = client.get("/agents")
     assert page.status_code == 200 and "alice" in page.text and "Agents" in page.text
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy  # nothing from elsewhere
     out = client.post("/signout", data={"csrf": csrf_of(page)})
     assert out.status_code == 303
     again = client.get("/agents")
