@@ -136,6 +136,8 @@ def test_reject_with_a_reason_and_the_phase_filter(api: Api, browsers: Browsers)
     assert 'data-agent="commenter"' in waiting and 'data-agent="resting"' not in waiting
     idle = client.get("/agents?phase=idle").text
     assert 'data-agent="resting"' in idle and 'data-agent="commenter"' not in idle
+    bogus = client.get("/agents?phase=sleeping")
+    assert bogus.status_code == 400 and "There is no phase &#39;sleeping&#39;: the phases are idle" in bogus.text
     page = client.get(f"/agents/{state['id']}")
     done = client.post(
         f"/agents/{state['id']}/reject",

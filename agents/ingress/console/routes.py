@@ -226,17 +226,28 @@ def _agents(keel: Ingress, who: Viewer, phase: str | None) -> list[AgentState]:
     return views.by_urgency(page.agents)
 
 
+PHASES = [p.value for p in Phase]
+
+
+def _unknown_phase(who: Viewer, phase: str | None) -> HTMLResponse | None:
+    if not phase or phase in PHASES:
+        return None
+    message = f"There is no phase {phase[:60]!r}: the phases are {', '.join(PHASES)}."
+    return _page("message.html", who, status=400, title="Unknown phase", message=message)
+
+
 @router.get("/agents")
 def agents_page(keel: Keel, who: Who, phase: Annotated[str | None, Query()] = None) -> HTMLResponse:
-    chosen = phase if phase in {p.value for p in Phase} else None
-    return _page("agents.html", who, agents=_agents(keel, who, chosen), phase=chosen, phases=[p.value for p in Phase])
+    refused = _unknown_phase(who, phase)
+    if refused is not None:
+        return refused
+    return _page("agents.html", who, agents=_agents(keel, who, phase or None), phase=phase or None, phases=PHASES)
 
 
 @router.get("/agents/rows")
 def agents_rows(keel: Keel, who: Who, phase: Annotated[str | None, Query()] = None) -> HTMLResponse:
     """The list's rows alone: what the live script swaps in."""
-    chosen = phase if phase in {p.value for p in Phase} else None
-    return _page("agents_rows.html", who, agents=_agents(keel, who, chosen))
+    return _unknown_phase(who, phase) or _page("agents_rows.html", who, agents=_agents(keel, who, phase or None))
 
 
 async def _live(keel: Ingress, who: Viewer) -> Callable[[], Awaitable[bool]]:
