@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -198,6 +198,27 @@ def counters_txn(conn: psycopg.Connection[Any], since: timedelta | None = None) 
         else:
             cur.execute(_WINDOW, {"since": since})
         return {(r["name"], r["label"]): Decimal(r["value"]) for r in cur.fetchall()}
+
+
+_PER_MINUTE = """
+SELECT bucket, name, sum(value) AS value FROM kpi_rollups
+WHERE name = ANY(%(names)s) AND bucket > '-infinity' AND bucket >= date_trunc('minute', now() - %(since)s, 'UTC')
+GROUP BY bucket, name ORDER BY bucket
+"""
+
+
+def per_minute(db: Database, names: Iterable[str], since: timedelta) -> dict[str, list[tuple[datetime, float]]]:
+    """Each counter's per-minute sums (all its labels together) over the last ``since``, oldest first: minutes in
+    which nothing was counted are left out. What the console draws its charts from."""
+    wanted = list(names)
+    out: dict[str, list[tuple[datetime, float]]] = {name: [] for name in wanted}
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_PER_MINUTE, {"names": wanted, "since": since})
+        rows = cur.fetchall()
+        conn.rollback()
+    for row in rows:
+        out[row["name"]].append((row["bucket"], float(row["value"])))
+    return out
 
 
 def totals(db: Database) -> Kpis:

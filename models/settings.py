@@ -197,6 +197,9 @@ class Settings(BaseSettings):
     # beats each serve it on a port of their own, 0 = not served (several on one host need distinct ports).
     api_metrics: bool = True
     api_metrics_token: SecretStr | None = None
+    #: Signs the operator console's session cookies (at least 32 characters). None: a random key per API process,
+    #: so sessions end when it restarts and do not carry over between processes (set it with KEEL_API_WORKERS > 1).
+    console_session_key: SecretStr | None = None
     metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     beat_metrics_port: int = Field(default=0, ge=0, le=65535)
@@ -276,6 +279,7 @@ class Settings(BaseSettings):
         "llm_api_key",
         "otlp_endpoint",
         "api_metrics_token",
+        "console_session_key",
         mode="before",
     )
     @classmethod
@@ -289,6 +293,13 @@ class Settings(BaseSettings):
     def _metrics_token_is_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters (Prometheus sends it as a Bearer token)")
+        return value
+
+    @field_validator("console_session_key")
+    @classmethod
+    def _session_key_is_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("must be at least 32 characters (it signs the console's session cookies)")
         return value
 
     @field_validator("notify_slack_channel", "alert_slack_channel")

@@ -62,6 +62,7 @@ _REVOKE = (
     f" WHERE {_WHICH} AND revoked_at IS NULL RETURNING {TOKEN_COLUMNS}"
 )
 _FIND = f"SELECT {TOKEN_COLUMNS} FROM api_tokens WHERE {_WHICH}"
+_BY_ID = f"SELECT {TOKEN_COLUMNS} FROM api_tokens WHERE id = %(id)s"
 
 
 def insert_token(
@@ -93,6 +94,13 @@ def is_live(db: Database, token_id: UUID) -> bool:
         cur.execute(_LIVE, {"id": token_id})
         row = cur.fetchone()
     return row is not None and bool(row["live"])
+
+
+def token_by_id(db: Database, token_id: UUID) -> TokenRow | None:
+    """The token with this id, revoked or not (its use is not noted); None when there is none."""
+    with db.autocommit() as plain, plain.connection.cursor(row_factory=class_row(TokenRow)) as cur:
+        cur.execute(_BY_ID, {"id": token_id})
+        return cur.fetchone()
 
 
 def list_tokens(db: Database) -> list[TokenRow]:

@@ -336,6 +336,28 @@ def _first_break(rows: Iterator[dict[str, Any]], head: _Head) -> tuple[int, Chai
     return count, None
 
 
+def verify_chain(db: Database, agent_id: UUID) -> ChainBreak | None:
+    """Walk one agent's chain (what :func:`verify` does for every agent): its first broken link, or None when the
+    chain is intact from genesis to its head. An agent with no head at all is a break too."""
+    with db.connection() as raw:
+        raw.rollback()
+        raw.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        raw.read_only = True
+        try:
+            with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
+                heads_cur.execute(f"SELECT * FROM ({_HEADS}) h WHERE h.agent_id = %s", (agent_id,))
+                head = heads_cur.fetchone()
+            if head is None:
+                return ChainBreak(agent_id, 0, None, "the agent has neither a row nor a tombstone")
+            with raw.cursor(row_factory=dict_row) as cur:
+                cur.execute(_CHAIN_QUERY, (agent_id,))
+                return _first_break(iter(cur), head)[1]
+        finally:
+            raw.rollback()
+            raw.isolation_level = None
+            raw.read_only = None
+
+
 def verify(db: Database) -> VerifyReport:
     """Walk every agent's chain from genesis to its head (a deleted agent's: to its tombstone's, which must be its
     delete event); report the first broken link of each broken chain, and chains that have no head at all.

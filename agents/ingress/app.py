@@ -24,6 +24,7 @@ from agents.core.observe import current_traceparent, observe
 from agents.core.redaction import register_settings
 from agents.ingress import problems
 from agents.ingress.auth import TokenGate
+from agents.ingress.console import routes as console
 from agents.ingress.events import JournalListener
 from agents.ingress.routes import agents, health, records, requests, tokens
 from agents.ingress.runtime import Ingress
@@ -209,4 +210,5 @@ def create_app(settings: Settings | None = None, *, publisher: Publisher | None 
     app.include_router(health.router)
     for router in api:
         app.include_router(router, responses=ERRORS)
+    console.install(app)  # the operator console's pages, under /
     return app

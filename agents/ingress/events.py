@@ -54,6 +54,8 @@ APPLICATION_NAME = "keel-journal-listener"
 MAX_SEQ = 2**63 - 1
 
 _DIGITS = re.compile(r"[0-9]+")
+#: Subscribe under this id to be woken by every agent's journal events (the console's list of agents).
+ANY_AGENT = UUID(int=0)
 
 
 class InvalidEventId(InvalidInput):
@@ -209,6 +211,8 @@ class JournalListener:
             return
         for sub in self._subscribers.get(agent_id, ()):
             sub.wake(seq)
+        for sub in self._subscribers.get(ANY_AGENT, ()):
+            sub.wake()
 
     async def _run(self) -> None:
         failures = 0

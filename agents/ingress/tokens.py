@@ -222,6 +222,13 @@ def is_live(db: Database, token_id: UUID) -> bool:
         return tokens_sql.is_live(db, token_id)
 
 
+def live_token(db: Database, token_id: UUID) -> ApiToken | None:
+    """The token with this id if it is live (not revoked): what a console session asks on every request."""
+    with store_errors():
+        row = tokens_sql.token_by_id(db, token_id)
+    return None if row is None or row.revoked_at is not None else ApiToken.of(row)
+
+
 def list_tokens(db: Database) -> list[ApiToken]:
     """Every token, revoked ones included, oldest first."""
     with store_errors():

@@ -181,3 +181,30 @@ def test_without_the_embedded_extra_one_server_left_to_the_default_is_the_same_l
             result = installed.keel(*args, cwd=tmp_path, env=env)
             assert (result.returncode, result.stdout, result.stderr) == (1, "", MISSING), (args, env)
     assert not (tmp_path / ".keel").exists()
+
+
+def test_the_wheel_ships_the_consoles_templates_and_static_files(installed: Installed, tmp_path: Path) -> None:
+    """Without them in the package data, `keel serve` from the wheel answers every console page with a 500."""
+    console = Path("agents") / "ingress" / "console"
+    shipped = {
+        p.relative_to(CHECKOUT / console)
+        for folder in ("templates", "static")
+        for p in (CHECKOUT / console / folder).iterdir()
+        if p.is_file()
+    }
+    assert shipped, "the checkout has no console files"
+    missing = sorted(str(p) for p in shipped if not (installed.site / console / p).is_file())
+    assert not missing, f"not in the wheel: {missing}"
+    rendered = subprocess.run(
+        [
+            str(installed.bin / "python"),
+            "-c",
+            "from agents.ingress.console.routes import templates;"
+            " print(templates.get_template('signin.html').render(csrf='x', next_url='/'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert 'name="token"' in rendered.stdout

@@ -32,3 +32,16 @@ def test_the_migrations_folder_stays_a_plain_folder() -> None:
     assert (ROOT / "alembic" / "env.py").is_file()
     assert not (ROOT / "alembic" / "__init__.py").exists()
     assert not (ROOT / "alembic" / "versions" / "__init__.py").exists()
+
+
+def test_the_consoles_templates_and_static_files_are_package_data() -> None:
+    """Every file the console serves is matched by a package-data pattern, so the wheel carries it."""
+    config = _setuptools()
+    patterns = config["package-data"]["agents.ingress.console"]  # type: ignore[index]
+    console = ROOT / "agents" / "ingress" / "console"
+    files = [p for folder in ("templates", "static") for p in (console / folder).iterdir() if p.is_file()]
+    assert any(p.suffix == ".html" for p in files) and any(p.suffix == ".js" for p in files)
+    unmatched = [
+        str(p.relative_to(console)) for p in files if not any(p.relative_to(console).match(g) for g in patterns)
+    ]
+    assert not unmatched, f"add to [tool.setuptools.package-data] in pyproject.toml: {unmatched}"

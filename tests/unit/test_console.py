@@ -1,0 +1,154 @@
+"""The console's pure parts: its session cookies and CSRF tokens, and what its pages compute (spend, time left,
+charts, the order of the agents)."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from uuid import uuid4
+
+import pytest
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from agents.ingress.console import sessions, views
+from agents.ingress.tokens import ApiToken, Scope
+from models.schemas import AgentState
+from models.settings import Settings
+
+KEY = b"k" * 32
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+def _token(*scopes: Scope, revoked: bool = False) -> ApiToken:
+    return ApiToken(
+        id=uuid4(),
+        name="alice",
+        scopes=scopes,
+        agent_prefix=None,
+        created_at=NOW,
+        created_by="test",
+        last_used_at=None,
+        revoked_at=NOW if revoked else None,
+    )
+
+
+def test_a_session_cookie_round_trips_and_any_tampering_is_refused() -> None:
+    session = sessions.new_session(_token(Scope.APPROVER))
+    cookie = sessions.encode_session(KEY, session)
+    assert sessions.decode_session(KEY, cookie) == session
+    assert session.csrf not in cookie.split(".")[1]  # the signature, not the CSRF token in the clear
+    body, mac = cookie.rsplit(".", 1)
+    assert sessions.decode_session(KEY, f"{body}x.{mac}") is None
+    assert sessions.decode_session(KEY, f"{body}.{'0' * len(mac)}") is None
+    assert sessions.decode_session(b"another key" * 3, cookie) is None
+    assert sessions.decode_session(KEY, "") is None and sessions.decode_session(KEY, "garbage") is None
+
+
+def test_a_session_ends_after_its_lifetime() -> None:
+    old = sessions.Session(uuid4(), int(time.time()) - sessions.SESSION_SECONDS - 1, "c")
+    assert sessions.decode_session(KEY, sessions.encode_session(KEY, old)) is None
+
+
+def test_a_session_cookie_is_not_a_sign_in_cookie_and_back() -> None:
+    nonce, signin = sessions.new_signin_nonce(KEY)
+    assert sessions.signin_nonce_ok(KEY, signin, nonce)
+    assert not sessions.signin_nonce_ok(KEY, signin, "other")
+    assert sessions.decode_session(KEY, signin) is None
+    session_cookie = sessions.encode_session(KEY, sessions.new_session(_token(Scope.OPERATOR)))
+    assert not sessions.signin_nonce_ok(KEY, session_cookie, nonce)
+
+
+def test_csrf_must_match_the_sessions() -> None:
+    session = sessions.new_session(_token(Scope.OPERATOR))
+    assert sessions.csrf_ok(session, session.csrf)
+    assert not sessions.csrf_ok(session, None) and not sessions.csrf_ok(session, session.csrf + "x")
+
+
+def test_who_may_sign_in() -> None:
+    assert sessions.may_sign_in(_token(Scope.APPROVER))
+    assert sessions.may_sign_in(_token(Scope.AUDITOR))
+    assert sessions.may_sign_in(_token(Scope.PRODUCER, Scope.OPERATOR))
+    assert not sessions.may_sign_in(_token(Scope.PRODUCER))
+    assert not sessions.may_sign_in(_token(Scope.OPERATOR, revoked=True))
+
+
+@pytest.mark.parametrize(("environment", "secure"), [("development", False), ("test", True), ("production", True)])
+def test_the_cookie_is_http_only_strict_and_secure_unless_development(environment: str, secure: bool) -> None:
+    settings = Settings(environment=environment, database_url="postgresql://h/db", broker_url="redis://h/0")  # type: ignore[arg-type]
+    response = Response()
+    sessions.set_cookie(response, settings, sessions.SESSION_COOKIE, "v", max_age=60)
+    header = response.headers["set-cookie"]
+    assert "HttpOnly" in header and "SameSite=strict" in header
+    assert ("Secure" in header) is secure
+
+
+def test_the_session_key_setting_must_be_long() -> None:
+    with pytest.raises(ValidationError, match="at least 32 characters"):
+        Settings(console_session_key="short")  # type: ignore[arg-type]
+    configured = Settings(console_session_key="s" * 32)  # type: ignore[arg-type]
+    assert sessions.session_key(configured) == b"s" * 32
+    assert sessions.session_key(Settings()) == sessions.session_key(Settings())  # one random key per process
+
+
+def _agent(phase: str, *, minutes_ago: int = 0, **fields: object) -> AgentState:
+    at = NOW - timedelta(minutes=minutes_ago)
+    return AgentState.model_validate(
+        {
+            "id": uuid4(),
+            "name": f"{phase}-{minutes_ago}",
+            "phase": phase,
+            "revision": 1,
+            "request_id": None,
+            "soft_deadline": None,
+            "hard_deadline": None,
+            "budget_tokens": None,
+            "budget_cost": None,
+            "spent_tokens": 0,
+            "spent_cost": Decimal(0),
+            "created_at": at,
+            "updated_at": at,
+            **fields,
+        }
+    )
+
+
+def test_agents_waiting_for_approval_come_first_longest_waiting_first() -> None:
+    agents = [_agent("done"), _agent("waiting_approval", minutes_ago=1), _agent("executing"),
+              _agent("waiting_approval", minutes_ago=9), _agent("idle")]  # fmt: skip
+    assert [a.name for a in views.by_urgency(agents)] == [
+        "waiting_approval-9",
+        "waiting_approval-1",
+        "executing-0",
+        "idle-0",
+        "done-0",
+    ]
+
+
+def test_spend_against_the_tighter_budget() -> None:
+    assert views.spend(_agent("idle", spent_tokens=50, budget_tokens=200)).percent == 25
+    both = views.spend(
+        _agent("idle", spent_tokens=50, budget_tokens=200, spent_cost=Decimal("0.9"), budget_cost=Decimal(1))
+    )
+    assert both.percent == 90 and not both.over
+    over = views.spend(_agent("idle", spent_tokens=300, budget_tokens=200))
+    assert over.percent == 100 and over.over and "300 / 200 tokens" in over.text
+    assert views.spend(_agent("idle", spent_tokens=7)).percent is None
+
+
+def test_time_left() -> None:
+    assert views.time_left(None, NOW) == ""
+    assert views.time_left(NOW + timedelta(minutes=4, seconds=10), NOW) == "4m 10s left"
+    assert views.time_left(NOW - timedelta(hours=2, minutes=5), NOW) == "passed 2h 5m ago"
+    assert views.time_left(NOW + timedelta(days=3, hours=1), NOW) == "3d 1h left"
+
+
+def test_a_chart_scales_its_bars_to_the_peak_and_places_them_by_minute() -> None:
+    points = [(NOW - timedelta(minutes=30), 2.0), (NOW - timedelta(minutes=1), 4.0), (NOW - timedelta(hours=2), 9.0)]
+    chart = views.chart("Requests", points, NOW, timedelta(hours=1), width=600)
+    assert chart.peak == 4.0  # the point before the span counts for nothing
+    assert len(chart.bars) == 2
+    (x1, _, _, h1, tip1), (x2, _, _, h2, _) = chart.bars
+    assert x1 == 300 and x2 == 590 and h2 == 2 * h1 and tip1 == "11:30 2"
+    assert views.chart("Nothing", [], NOW, timedelta(hours=1)).bars == ()
