@@ -3,10 +3,15 @@ once, on the database's clock), an approver may edit the arguments, and one inbo
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -14,10 +19,12 @@ import pytest
 from pydantic import BaseModel, Field
 
 import agents.runtime.loop as loop
-from agents.client import Client
+from agents.client import Client, HttpClient
 from agents.core.errors import InvalidInput
 from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
+from agents.outbox.relay import Backoff, Relay
+from agents.outbox.senders import GitHubSender, SlackSender
 from agents.runtime.approvals import enforce_timeouts
 from agents.runtime.tools import ToolContext, ToolOutput, tool
 from models.approvals_sql import calls_past_approval_timeout
@@ -25,7 +32,8 @@ from models.db import Database
 from models.jobs_sql import job_row
 from models.outbox_sql import message_row
 from models.settings import Settings
-from tests.support.api import Api, problem, waiting_agent
+from tests.support.api import COMMENT, Api, problem, waiting_agent
+from tests.support.fakes import FakeSlack
 from tests.support.runs import FAST_RULES, run_all
 
 pytestmark = pytest.mark.integration
@@ -121,6 +129,34 @@ def test_the_waiting_notice_is_sent_once_even_when_the_gate_is_delivered_twice(
     assert "approved by carol" in decided["payload"]["text"]
 
 
+def test_each_notice_reaches_slack_once(told: None, client: Client, db: Database) -> None:
+    slack = FakeSlack(token="xoxb-test-approvals-token")
+    slack.start()
+    relay = Relay(
+        db,
+        {
+            "slack": SlackSender("xoxb-test-approvals-token", f"{slack.url}/api/", timeout=2.0),
+            "github": GitHubSender("ghp_unused", "http://127.0.0.1:9", timeout=1.0),
+        },
+        lease=timedelta(seconds=10),
+        concurrency=2,
+        backoff=Backoff(0.05, 0.2, 6, 50),
+        pass_seconds=10,
+    )
+    try:
+        waiting = to_approval(client, db, "courier", "req-1", comment_script())
+        Runner(db, registry, worker="t2", lease=timedelta(seconds=30), rules=dict(FAST_RULES)).run(f"req-1:gate:{GATE}")
+        client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
+        for _ in range(3):
+            relay.run_pass()
+        delivered = slack.delivered_keys()
+        assert delivered[f"req-1:slack:approval:{GATE}"] == 1
+        assert delivered[f"req-1:slack:approval-decided:{GATE}"] == 1
+    finally:
+        relay.close()
+        slack.stop()
+
+
 def test_a_rejection_is_followed_up_and_no_channel_means_no_message(told: None, client: Client, db: Database) -> None:
     waiting = to_approval(client, db, "reviewer", "req-1", comment_script())
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="not on a Friday")
@@ -185,6 +221,56 @@ def test_an_edit_over_http_is_a_422_naming_the_field_and_changes_nothing(api: Ap
         assert done.status_code == 200, done.text
         assert done.json()["phase"] == "executing"
         assert job_row(api.db, "commenter-r1:tool:github_comment:1.call_0_0")["payload"]["arguments"] == edited  # type: ignore[index]
+
+
+def test_the_http_client_edits_and_lists_like_the_client(api: Api, client: Client) -> None:
+    secret = api.token("approver", "operator", name="frank")
+    with HttpClient(api.url, secret) as keel:
+        bot = keel.create_agent("http-editor")
+        keel.submit(bot.id, "http-r1", COMMENT)
+        run_all(api.db)
+        inbox = keel.approvals(tool="github_comment")
+        assert [(a.agent, a.revision) for a in inbox.approvals] == [("http-editor", keel.get_state(bot.id).revision)]
+        with pytest.raises(InvalidInput, match="issue"):
+            keel.approve(
+                bot.id,
+                expected_revision=inbox.approvals[0].revision,
+                arguments={"repository": "acme/api", "issue": -1, "body": "x"},
+            )
+        edited = {"repository": "acme/api", "issue": 9, "body": "Edited over HTTP"}
+        state = keel.approve(bot.id, expected_revision=inbox.approvals[0].revision, arguments=edited)
+        assert state.phase == "executing"
+        assert keel.approvals().approvals == ()
+    approve = [t for t in transitions(api.db, bot.id) if t[1] == "approve" and t[0] == "transition"]
+    assert approve[0][3]["edited_arguments"] == edited
+
+
+def test_the_command_line_lists_and_edits(db_url: str, client: Client, db: Database) -> None:
+    waiting = to_approval(client, db, "cli-editor", "req-1", comment_script())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env["KEEL_DATABASE_URL"] = db_url
+    keel = str(Path(sys.executable).parent / "keel")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([keel, *args], env=env, capture_output=True, text=True, timeout=180)
+
+    listed = run("approvals", "--agent-prefix", "cli-")
+    assert listed.returncode == 0, listed.stderr
+    assert (
+        "cli-editor" in listed.stdout and f"r{waiting.revision}" in listed.stdout and "github_comment" in listed.stdout
+    )
+    as_json = json.loads(run("approvals", "--json").stdout)
+    assert as_json["approvals"][0]["agent"] == "cli-editor"
+    revision = str(waiting.revision)
+    bad = run("approve", "cli-editor", "--revision", revision, "--arguments", '{"repository": "acme/api"}')
+    assert bad.returncode != 0 and "issue" in bad.stderr
+    assert run("approve", "cli-editor", "--revision", revision, "--arguments", "[1]").returncode != 0
+    assert client.get_state(waiting.id).revision == waiting.revision
+    edited = '{"repository": "acme/api", "issue": 7, "body": "From the shell"}'
+    done = run("approve", "cli-editor", "--revision", revision, "--arguments", edited)
+    assert done.returncode == 0, done.stderr
+    assert job_row(db, "req-1:tool:github_comment:1.call_0_0")["payload"]["arguments"]["body"] == "From the shell"  # type: ignore[index]
+    assert "no calls are waiting" in run("approvals").stdout
 
 
 # --- approval timeouts --------------------------------------------------------------------------------------------
