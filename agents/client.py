@@ -646,7 +646,7 @@ class Client:
         pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
         jobs = rejection_jobs(pending, reason or f"rejected by {actor}") if pending else ()
         details = {"call": pending.as_dict()} if pending else {}
-        outcome = "rejected" if reason is None else f"rejected ({reason[:300]})"
+        outcome = "rejected" if reason is None else f"rejected: {reason[:300]}"
         messages = pending.decided_messages(row.name, outcome, actor) if pending else ()
         return self._command(
             row.id,

@@ -50,7 +50,10 @@ def decided_notice(channel: str, target: str, *, agent: str, tool: str, outcome:
     """The follow-up once the call is decided: ``outcome`` is approved, approved with edited arguments, rejected,
     or rejected: timed out."""
     return MessageSpec(
-        "slack", channel, f"approval-decided:{target}", {"text": f"Agent {agent}'s call to {tool}: {outcome} by {by}."}
+        "slack",
+        channel,
+        f"approval-decided:{target}",
+        {"text": f"Agent {agent}'s call to {tool}: {outcome} (by {by})."},
     )
 
 

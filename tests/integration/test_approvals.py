@@ -126,7 +126,7 @@ def test_the_waiting_notice_is_sent_once_even_when_the_gate_is_delivered_twice(
     client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
     decided = message_row(db, f"req-1:slack:approval-decided:{GATE}")
     assert decided is not None and decided["destination"] == CHANNEL
-    assert "approved by carol" in decided["payload"]["text"]
+    assert "approved (by carol)" in decided["payload"]["text"]
 
 
 def test_each_notice_reaches_slack_once(told: None, client: Client, db: Database) -> None:
@@ -161,7 +161,7 @@ def test_a_rejection_is_followed_up_and_no_channel_means_no_message(told: None, 
     waiting = to_approval(client, db, "reviewer", "req-1", comment_script())
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="not on a Friday")
     decided = message_row(db, f"req-1:slack:approval-decided:{GATE}")
-    assert decided is not None and "rejected (not on a Friday) by dana" in decided["payload"]["text"]
+    assert decided is not None and "rejected: not on a Friday (by dana)" in decided["payload"]["text"]
 
 
 def test_without_a_channel_nobody_is_messaged(client: Client, db: Database) -> None:
@@ -407,3 +407,27 @@ def test_the_inbox_over_http_keeps_to_the_tokens_scopes_and_prefix(api: Api) -> 
     with api.http(api.token("auditor", name="filters")) as http:
         found = http.get("/v1/approvals", params={"tool": "github_comment", "min_age_seconds": 3600})
         assert found.status_code == 200 and found.json()["approvals"] == []
+
+
+def test_the_leading_beat_applies_approval_timeouts(
+    client: Client, db: Database, db_url: str, broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Celery
+
+    from tasks.app import celery_config
+    from tasks.dispatcher import KeelScheduler
+
+    waiting = to_approval(client, db, "beat-timed", "req-1", deploy_script())
+    _wait_until_past_timeout(db)
+    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+        monkeypatch.setenv(name, value)
+    app = Celery("approvals-test", set_as_current=False)
+    app.conf.update(celery_config(Settings()))
+    beat = KeelScheduler(app=app)
+    try:
+        beat.tick()
+    finally:
+        beat.close()
+    state = client.get_state(waiting.id)
+    assert state.phase == "planning" and state.pending_approval is None
+    assert [t[2] for t in transitions(db, waiting.id) if t[1] == "reject"] == ["approval_timed_out"]
