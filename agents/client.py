@@ -27,6 +27,7 @@ from agents.core.commands import (
     MAX_REASON_CHARS,
     Command,
     JobSpec,
+    MessageSpec,
     check_count,
     check_json_text,
     check_text,
@@ -41,6 +42,7 @@ from agents.core.errors import (
     IllegalTransition,
     InvalidDeadlines,
     InvalidInput,
+    InvalidJob,
     KeelError,
     MessageNotDead,
     MessageNotFound,
@@ -60,12 +62,14 @@ from agents.jobs import handlers
 from agents.outbox.relay import retry_dead
 from agents.runtime import tools
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
+from models.approvals_sql import waiting_calls
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs, request_jobs, unpublish
 from models.schemas import (
     AgentPage,
     AgentRow,
     AgentState,
+    ApprovalPage,
     DeletedAgent,
     JobView,
     JournalEvent,
@@ -73,6 +77,7 @@ from models.schemas import (
     RequestRecord,
     Submission,
     SubmittedRequest,
+    WaitingApproval,
 )
 from models.settings import Settings, check_imports
 from models.sql import request_record
@@ -531,14 +536,105 @@ class Client:
             revision=row["revision"],
         )
 
-    def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str) -> AgentState:
-        """Approve the pending tool call of an agent waiting for approval: the call runs next."""
+    def approve(
+        self,
+        agent_id: AgentRef,
+        *,
+        expected_revision: int,
+        actor: str,
+        arguments: Mapping[str, Any] | None = None,
+    ) -> AgentState:
+        """Approve the pending tool call of an agent waiting for approval: the call runs next. With ``arguments``
+        the call runs with those instead (a person's edit): they are checked against the tool's input model first
+        (:class:`InvalidInput` naming the field, nothing changes); the journal keeps both versions, and the model is
+        told what was changed."""
         _check_actor(actor)
         row = self._row(agent_id)
         pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
-        jobs = approval_jobs(pending) if pending else ()
-        details = {"call": pending.as_dict()} if pending else {}
-        return self._command(row.id, Event.APPROVE, expected_revision, actor, None, jobs=jobs, extra=details)
+        details: dict[str, Any] = {"call": pending.as_dict()} if pending else {}
+        outcome = "approved"
+        if arguments is not None and pending is not None:
+            arguments = self._edited_arguments(pending.tool, arguments)
+            if arguments != dict(pending.arguments):
+                details["edited_arguments"] = arguments
+                outcome = "approved with edited arguments"
+        jobs = approval_jobs(pending, arguments) if pending else ()
+        messages = pending.decided_messages(row.name, outcome, actor) if pending else ()
+        return self._command(
+            row.id, Event.APPROVE, expected_revision, actor, None, jobs=jobs, extra=details, messages=messages
+        )
+
+    def _edited_arguments(self, tool_name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A person's edit of a call's arguments, if the tool accepts them (else :class:`InvalidInput`)."""
+        if not isinstance(arguments, Mapping):
+            raise InvalidInput(f"arguments must be a JSON object, got {type(arguments).__name__}")
+        edited = dict(arguments)
+        check_json_text("arguments", edited)
+        self._import_handlers()
+        tool = tools.stored_tool(tool_name)
+        if tool is None:
+            raise InvalidInput(
+                f"tool {tool_name!r} is not known to this process, so edited arguments cannot be checked: list the"
+                " module that defines it in KEEL_IMPORTS"
+            )
+        try:
+            tool.validate(edited)
+        except InvalidJob as exc:
+            raise InvalidInput(f"edited arguments refused: {exc}") from None
+        return edited
+
+    def approvals(
+        self,
+        *,
+        tool: str | None = None,
+        min_age: timedelta | None = None,
+        agent_prefix: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> ApprovalPage:
+        """Every call waiting for approval across agents, oldest first: only those of ``tool``, waiting at least
+        ``min_age``, of agents whose name starts with ``agent_prefix``, if given. At most ``limit``; ``after`` is the
+        ``next`` cursor of the previous page."""
+        check_count("limit", limit, low=1, high=10_000)
+        if tool is not None:
+            check_text("tool", tool, limit=200)
+        if agent_prefix is not None:
+            check_text("agent_prefix", agent_prefix, limit=200)
+        if min_age is not None and min_age < timedelta(0):
+            raise InvalidInput(f"min_age must not be negative, got {min_age}")
+        keyset = None
+        if after is not None:
+            try:
+                keyset = _decode_cursor(after)
+            except InvalidInput:
+                raise InvalidInput(
+                    f"cursor {quoted(after)} is not the 'next' of a page of approvals (from `keel approvals` or the"
+                    " API)"
+                ) from None
+        with core.store_errors():
+            calls = waiting_calls(
+                self.db, tool=tool, min_age=min_age, agent_prefix=agent_prefix, after=keyset, limit=limit + 1
+            )
+        more = len(calls) > limit
+        calls = calls[:limit]
+        return ApprovalPage(
+            approvals=tuple(
+                WaitingApproval(
+                    agent_id=c.agent_id,
+                    agent=c.agent,
+                    revision=c.revision,
+                    request_id=c.request_id,
+                    tool=str(c.payload.get("tool")),
+                    call_id=str(c.payload.get("tool_call_id", c.payload.get("call_id"))),
+                    round=int(c.payload.get("round", 0)),
+                    arguments=dict(c.payload.get("arguments") or {}),
+                    since=c.since,
+                    waited_seconds=max(0.0, (c.now - c.since).total_seconds()),
+                )
+                for c in calls
+            ),
+            next=_encode_cursor(calls[-1].since, calls[-1].agent_id) if more else None,
+        )
 
     def reject(
         self, agent_id: AgentRef, *, expected_revision: int, actor: str, reason: str | None = None
@@ -550,6 +646,8 @@ class Client:
         pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
         jobs = rejection_jobs(pending, reason or f"rejected by {actor}") if pending else ()
         details = {"call": pending.as_dict()} if pending else {}
+        outcome = "rejected" if reason is None else f"rejected: {reason[:300]}"
+        messages = pending.decided_messages(row.name, outcome, actor) if pending else ()
         return self._command(
             row.id,
             Event.REJECT,
@@ -559,6 +657,7 @@ class Client:
             jobs=jobs,
             extra=details,
             effects=cancel_round_txn if pending else None,
+            messages=messages,
         )
 
     def cancel(
@@ -585,6 +684,7 @@ class Client:
         jobs: tuple[JobSpec, ...] = (),
         extra: dict[str, Any] | None = None,
         effects: core.EffectsTxn | None = None,
+        messages: tuple[MessageSpec, ...] = (),
     ) -> AgentState:
         if expected_revision is not None:
             check_count("expected_revision", expected_revision)
@@ -598,6 +698,7 @@ class Client:
             expected_revision=expected_revision,
             details=details,
             jobs=jobs,
+            messages=messages,
         )
         return self._state(core.transition(self.db, command, effects=effects).agent)
 
@@ -1052,9 +1153,37 @@ class HttpClient:
             replayed=response.headers.get("Idempotent-Replayed") == "true",
         )
 
-    def approve(self, agent_id: AgentRef, *, expected_revision: int, actor: str = "client") -> AgentState:
+    def approve(
+        self,
+        agent_id: AgentRef,
+        *,
+        expected_revision: int,
+        actor: str = "client",
+        arguments: Mapping[str, Any] | None = None,
+    ) -> AgentState:
         """As :meth:`Client.approve`; the journal's actor is the token's name."""
-        return self._decide(agent_id, "approve", expected_revision, None)
+        return self._decide(agent_id, "approve", expected_revision, None, arguments=arguments)
+
+    def approvals(
+        self,
+        *,
+        tool: str | None = None,
+        min_age: timedelta | None = None,
+        agent_prefix: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> ApprovalPage:
+        """As :meth:`Client.approvals`; a token limited to an agent prefix sees its agents' calls only."""
+        params: dict[str, Any] = {"limit": limit}
+        if tool is not None:
+            params["tool"] = tool
+        if min_age is not None:
+            params["min_age_seconds"] = min_age.total_seconds()
+        if agent_prefix is not None:
+            params["agent_prefix"] = agent_prefix
+        if after is not None:
+            params["cursor"] = after
+        return ApprovalPage.model_validate(self._call("GET", "/v1/approvals", params=params).json())
 
     def reject(
         self, agent_id: AgentRef, *, expected_revision: int, actor: str = "client", reason: str | None = None
@@ -1075,10 +1204,20 @@ class HttpClient:
         check_text("key", key, limit=600)
         self._call("POST", f"/v1/outbox/{quote(key, safe='')}/retry")
 
-    def _decide(self, agent: AgentRef, act: str, expected: int | None, reason: str | None) -> AgentState:
+    def _decide(
+        self,
+        agent: AgentRef,
+        act: str,
+        expected: int | None,
+        reason: str | None,
+        *,
+        arguments: Mapping[str, Any] | None = None,
+    ) -> AgentState:
         headers = {} if expected is None else {"If-Match": f'"r{expected}"'}
         path = f"/v1/agents/{_ref(agent)}/{act}"
-        body = None if act == "approve" else {"reason": reason}
+        body: dict[str, Any] | None = {"reason": reason}
+        if act == "approve":
+            body = None if arguments is None else {"arguments": dict(arguments)}
 
         def applied(response: httpx.Response) -> bool:
             # An earlier attempt may have been applied before its answer was lost; then the transition that moved

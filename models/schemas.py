@@ -143,6 +143,34 @@ class AgentPage(BaseModel):
     next: str | None = None
 
 
+class WaitingApproval(BaseModel):
+    """A call waiting for a person: which agent (at which revision: what an approval's If-Match names), which
+    tool with which arguments, which request and round, and since when (the database's clock)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    agent_id: UUID
+    agent: str
+    revision: int
+    request_id: str
+    tool: str
+    call_id: str
+    round: int
+    arguments: dict[str, Any]
+    since: datetime
+    waited_seconds: float
+
+
+class ApprovalPage(BaseModel):
+    """One page of the approvals inbox, oldest first; ``next`` is the cursor of the following page (None: the
+    last)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    approvals: tuple[WaitingApproval, ...]
+    next: str | None = None
+
+
 class JournalEvent(BaseModel):
     """One immutable journal event: who did what to which agent, and what the policy decided."""
 

@@ -141,6 +141,12 @@ class Settings(BaseSettings):
     http_timeout_seconds: float = Field(default=10.0, gt=0)
     # Where Keel tells people it stopped a request at its hard deadline (a Slack channel), if anywhere.
     notify_slack_channel: str | None = None
+    # Where people are told that a tool call waits for their approval, and how it was decided (a Slack channel), if
+    # anywhere; and where a call is escalated when its tool's approval timeout passes with on_timeout="escalate".
+    approval_slack_channel: str | None = None
+    approval_escalation_slack_channel: str | None = None
+    # How often the leading beat looks for calls that waited longer than their tool's approval timeout.
+    approval_check_seconds: float = Field(default=5.0, gt=0)
     outbox_interval_seconds: float = Field(default=0.5, gt=0)
     outbox_concurrency: int = Field(default=8, ge=1, le=128)  # destinations sent to at once
     outbox_lease_seconds: float = Field(default=60.0, gt=0)
@@ -274,6 +280,8 @@ class Settings(BaseSettings):
     @field_validator(
         "notify_slack_channel",
         "alert_slack_channel",
+        "approval_slack_channel",
+        "approval_escalation_slack_channel",
         "slack_token",
         "github_token",
         "llm_api_key",
@@ -302,7 +310,9 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 32 characters (it signs the console's session cookies)")
         return value
 
-    @field_validator("notify_slack_channel", "alert_slack_channel")
+    @field_validator(
+        "notify_slack_channel", "alert_slack_channel", "approval_slack_channel", "approval_escalation_slack_channel"
+    )
     @classmethod
     def _notify_channel_is_a_conversation_id(cls, value: str | None) -> str | None:
         if value is not None and not SLACK_CONVERSATION_ID.fullmatch(value):

@@ -14,6 +14,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
+from models.db import Database
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
@@ -271,3 +272,11 @@ def deleted_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> DeletedAgent 
         named.execute(f"SELECT {DELETED_AGENT_COLUMNS} FROM audit.deleted_agents WHERE agent_id = %s", (agent_id,))
         row = named.fetchone()
     return None if row is None else DeletedAgent(**row)
+
+
+def agent_name(db: Database, agent_id: UUID) -> str | None:
+    """The agent's name, or None if there is no such agent."""
+    with db.connection() as conn:
+        row = conn.execute("SELECT name FROM agents WHERE id = %s", (agent_id,)).fetchone()
+        conn.rollback()
+    return None if row is None else str(row[0])

@@ -101,6 +101,8 @@ agents = Table(
         name="soft_before_hard",
     ),
     Index("ix_agents_listing", "created_at", "id"),  # newest first, keyset-paginated (scanned backwards)
+    # The approvals inbox and the approval-timeout pass start from the agents waiting for a person.
+    Index("ix_agents_waiting", "id", postgresql_where=text("phase = 'waiting_approval'")),
 )
 
 #: Tables whose rows outlive a deleted agent (its story: the journal, and what its requests did). Instead of a
@@ -209,6 +211,13 @@ jobs = Table(
     Index("ix_jobs_due", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
     # An agent's live jobs: counted under every transition's lock, swept when it comes to rest.
     Index("ix_jobs_agent_live", "agent_id", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
+    # A request's gates, latest first: the call an agent waiting for approval waits on (models/approvals_sql.py).
+    Index(
+        "ix_jobs_gates",
+        "request_id",
+        "finished_at",
+        postgresql_where=text("operation = 'gate' AND status = 'succeeded'"),
+    ),
 )
 
 schedules = Table(

@@ -9,6 +9,9 @@ single beat leader anyway, and a beat that dies hands leadership over as soon as
 Each tick the leader also records its heartbeat and, at their own intervals, evaluates the alerts, runs the periodic
 audit verify and posts the daily KPI report (tasks/leader.py).
 
+Every ``KEEL_APPROVAL_CHECK_SECONDS`` it applies tools' approval timeouts (agents/runtime/approvals.py): a call
+that waited too long is rejected or escalated, once.
+
 Every ``KEEL_DEADLINE_CHECK_SECONDS`` the leader also enforces deadlines, in the beat process itself: a deadline
 must bite even when every worker is busy with the very job that overran it. Every ``KEEL_KPI_FOLD_SECONDS`` it folds
 the KPI counters' deltas into their rollups (models/kpi_sql.py); a fold that fails never stops dispatching.
@@ -32,6 +35,7 @@ from celery.beat import ScheduleEntry, Scheduler
 from agents.core.outage import Outage, is_outage
 from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
+from agents.runtime import approvals
 from models.db import Database
 from models.jobs_sql import take_due
 from models.kpi_sql import fold
@@ -145,6 +149,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
         self._next_deadline_check = 0.0
         self._next_fold = 0.0
+        self._next_approval_check = 0.0
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -195,6 +200,22 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                 if is_outage(exc):
                     return self.database.failed(exc)
                 log.exception("deadline pass failed; retrying next tick")
+        if started >= self._next_approval_check:
+            self._next_approval_check = started + self.settings.approval_check_seconds
+            try:
+                # Tools' approval timeouts, on the database's clock: reject (the model is told) or escalate (once).
+                timed_out = approvals.enforce_timeouts(self.db, self.settings)
+                if timed_out.rejected or timed_out.escalated or timed_out.failed:
+                    log.info(
+                        "approval timeouts: %d calls rejected, %d escalated, %d failed",
+                        len(timed_out.rejected),
+                        len(timed_out.escalated),
+                        len(timed_out.failed),
+                    )
+            except Exception as exc:  # the scan itself failed; dispatching goes on
+                if is_outage(exc):
+                    return self.database.failed(exc)
+                log.exception("approval timeout pass failed; retrying next tick")
         if started >= self._next_fold:
             self._next_fold = started + self.settings.kpi_fold_seconds
             self._fold_kpis()

@@ -384,19 +384,44 @@ def state_cmd(agent_ref: str, as_json: bool) -> None:
     emit(state, as_json, state_text(state))
 
 
+def _edited_arguments(text: str | None) -> dict[str, Any] | None:
+    """``--arguments JSON``: the edited arguments an approval runs the call with."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--arguments") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object of the tool's arguments", param_hint="--arguments")
+    return value
+
+
 def _decision_command(name: str, help_text: str) -> click.Command:
     @click.command(name, help=help_text)
     @click.argument("agent_ref", metavar="AGENT")
     @click.option("--revision", type=REVISION, required=name != "cancel", help="Expected revision.")
-    @click.option("--reason", help="Why (journaled).")
+    @click.option("--reason", help="Why (journaled).", hidden=name == "approve")
+    @click.option(
+        "--arguments",
+        "arguments_json",
+        metavar="JSON",
+        hidden=name != "approve",
+        help="Edit the call first: the arguments (a JSON object) it runs with instead; checked against the tool.",
+    )
     @actor_option
     @json_option
     @friendly
-    def command(agent_ref: str, revision: int | None, reason: str | None, actor: str, as_json: bool) -> None:
+    def command(
+        agent_ref: str, revision: int | None, reason: str | None, arguments_json: str | None, actor: str, as_json: bool
+    ) -> None:
+        if arguments_json is not None and name != "approve":
+            raise click.UsageError("--arguments is for approve only")
+        arguments = _edited_arguments(arguments_json)
         with open_client() as client:
             if name == "approve":
                 assert revision is not None
-                state = client.approve(agent_ref, expected_revision=revision, actor=actor)
+                state = client.approve(agent_ref, expected_revision=revision, actor=actor, arguments=arguments)
             elif name == "reject":
                 assert revision is not None
                 state = client.reject(agent_ref, expected_revision=revision, actor=actor, reason=reason)

@@ -26,7 +26,7 @@ from agents.ingress import problems
 from agents.ingress.auth import TokenGate
 from agents.ingress.console import routes as console
 from agents.ingress.events import JournalListener
-from agents.ingress.routes import agents, health, records, requests, tokens
+from agents.ingress.routes import agents, approvals, health, records, requests, tokens
 from agents.ingress.runtime import Ingress
 from agents.ingress.schemas import ERRORS
 from models.settings import Settings
@@ -202,7 +202,7 @@ def create_app(settings: Settings | None = None, *, publisher: Publisher | None 
     app.add_exception_handler(StarletteHTTPException, problems.on_http)
     app.add_exception_handler(Exception, problems.on_unexpected)
     app.add_middleware(BodyLimit, limit=settings.api_max_body_bytes)
-    api = (tokens.router, agents.router, requests.router, requests.by_id, records.router)
+    api = (tokens.router, agents.router, approvals.router, requests.router, requests.by_id, records.router)
     # Added last, so it runs first: token (401), rate (429) and scope (403) before BodyLimit or a route reads a body.
     app.add_middleware(TokenGate, routers=api)
     # Outermost: every request is observed, the refused ones too.

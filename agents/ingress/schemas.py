@@ -58,7 +58,13 @@ class SubmitRequest(Body):
 
 
 class Approval(Body):
-    """An approval carries nothing but its ``If-Match``: the call approved is the one waiting at that revision."""
+    """An approval carries its ``If-Match``: the call approved is the one waiting at that revision. ``arguments``
+    (optional) replace the call's arguments: checked against the tool's input model (422 naming the field), both
+    versions journaled, and the model told what changed."""
+
+    arguments: dict[str, Any] | None = Field(
+        default=None, description="Edited arguments the call runs with instead of the model's"
+    )
 
 
 class Decision(Body):

@@ -52,6 +52,7 @@ class Permission(StrEnum):
     READ_JOB = "read_job"  # one job by its key
     READ_OUTBOX = "read_outbox"  # outbox messages
     RETRY_OUTBOX = "retry_outbox"  # send a dead outbox message again
+    READ_APPROVALS = "read_approvals"  # the inbox: every call waiting for approval across agents
 
 
 _PRODUCER = frozenset({Permission.READ_STATE, Permission.READ_EVENTS, Permission.CREATE_AGENT, Permission.SUBMIT})
@@ -65,6 +66,7 @@ _READ_ONLY = frozenset(
         Permission.READ_STORY,
         Permission.READ_JOB,
         Permission.READ_OUTBOX,
+        Permission.READ_APPROVALS,
     }
 )
 
@@ -72,7 +74,14 @@ _READ_ONLY = frozenset(
 GRANTS: Mapping[Scope, frozenset[Permission]] = {
     Scope.PRODUCER: _PRODUCER,
     Scope.APPROVER: frozenset(
-        {Permission.READ_STATE, Permission.READ_EVENTS, Permission.READ_JOURNAL, Permission.APPROVE, Permission.REJECT}
+        {
+            Permission.READ_STATE,
+            Permission.READ_EVENTS,
+            Permission.READ_JOURNAL,
+            Permission.READ_APPROVALS,
+            Permission.APPROVE,
+            Permission.REJECT,
+        }
     ),
     Scope.OPERATOR: _PRODUCER | _READ_ONLY | {Permission.CANCEL, Permission.RETRY_OUTBOX},
     Scope.AUDITOR: _READ_ONLY,

@@ -14,17 +14,19 @@ unfinished step, and a finished model call or tool call is never made again.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import copy_context
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from agents.core.commands import JobSpec, Join
+from agents.core.commands import JobSpec, Join, MessageSpec
 from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
 from agents.core.observe import observe
 from agents.core.phases import Event
@@ -39,10 +41,12 @@ from agents.runtime.inference import (
     parse_script,
     tool_call_key,
 )
+from agents.runtime.notices import console_link, decided_notice, waiting_notice
 from agents.runtime.tools import ToolContext, by_name, registered, stored_tool
 from models.db import Database
 from models.jobs_sql import cancel_request_steps_txn, request_steps
 from models.settings import Settings
+from models.sql import agent_name
 
 
 @cache
@@ -130,7 +134,8 @@ def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, l
     for step in steps:
         if step["operation"] == "plan":
             for entry in (step["payload"] or {}).get("rejected", []):
-                rejected[(int(step["target"]) - 1, tool_call_key(entry["tool_call_id"]))] = entry["reason"]
+                said = "This call was rejected" if entry.get("timed_out") else "A person rejected this call"
+                rejected[(int(step["target"]) - 1, tool_call_key(entry["tool_call_id"]))] = f"{said}: {entry['reason']}"
     for n in range(1, upto_round):
         plan_step = by_key.get(f"{request_id}:plan:{n}")
         if plan_step is None or plan_step["result"] is None:
@@ -143,8 +148,11 @@ def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, l
             key = (n, tool_call_key(call["id"]))
             if done is not None and done["status"] == "succeeded" and done["result"] is not None:
                 content = done["result"]["content"]
+                edited = (done["payload"] or {}).get("edited_from")
+                if isinstance(edited, Mapping):  # the model must know it was not its own call that ran
+                    content = f"{edit_summary(edited, done['payload'].get('arguments') or {})}\n{content}"
             elif key in rejected:
-                content = f"A person rejected this call: {rejected[key]}"
+                content = rejected[key]
             else:
                 content = "This call was not run."
             # The model's own id, whatever its key is: that is how it pairs the result with its call.
@@ -188,7 +196,11 @@ def plan(ctx: JobContext) -> JobResult:
         }
         if tool.needs_approval and not gated:
             gated = True
-            jobs.append(JobSpec("gate", step_target(tool.name, round_, call.id), payload=payload))
+            gate_payload = dict(payload)
+            if tool.approval_timeout is not None:  # carried by the step: the beat that enforces it has no tools
+                gate_payload["approval_timeout_seconds"] = tool.approval_timeout.total_seconds()
+                gate_payload["on_timeout"] = tool.on_timeout
+            jobs.append(JobSpec("gate", step_target(tool.name, round_, call.id), payload=gate_payload))
         else:
             deferred = tool.needs_approval  # one approval at a time
             target = step_target(tool.name, round_, call.id)
@@ -246,8 +258,24 @@ def run_tool(ctx: JobContext) -> JobResult:
 
 @handler("gate", internal=True)
 def gate(ctx: JobContext) -> JobResult:
-    """Hold a call for a person: the agent waits; its state shows the call."""
-    return JobResult(output={"call": dict(ctx.payload)}, event=Event.REQUEST_APPROVAL)
+    """Hold a call for a person: the agent waits; its state shows the call. With ``KEEL_APPROVAL_SLACK_CHANNEL``
+    that channel is told, in the transition that starts the wait (keyed by this step: never twice)."""
+    settings = _settings()
+    channel = settings.approval_slack_channel
+    messages: tuple[MessageSpec, ...] = ()
+    if channel:
+        name = agent_name(ctx.db, ctx.agent_id) or str(ctx.agent_id)
+        notice = waiting_notice(
+            channel,
+            ctx.target,
+            agent=name,
+            tool=str(ctx.payload.get("tool")),
+            arguments=ctx.payload.get("arguments") or {},
+            link=console_link(settings, name),
+        )
+        messages = (notice,)
+    output = {"call": dict(ctx.payload), "notice_channel": channel}
+    return JobResult(output=output, event=Event.REQUEST_APPROVAL, messages=messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,9 +284,21 @@ class PendingApproval:
     call_id: str
     arguments: Mapping[str, Any]
     round: int
+    #: The gate step's target (``{tool}:{round}.{call_key}``): what the approval's messages are keyed by.
+    target: str = ""
+    #: When the call started waiting (the database's clock).
+    since: datetime | None = None
+    #: The channel told that the call waits (None: nobody was): the decision is followed up there.
+    notice_channel: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"tool": self.tool, "call_id": self.call_id, "arguments": dict(self.arguments), "round": self.round}
+
+    def decided_messages(self, agent: str, outcome: str, by: str) -> tuple[MessageSpec, ...]:
+        """The follow-up of the waiting notice, if one was sent."""
+        if not self.notice_channel or not self.target:
+            return ()
+        return (decided_notice(self.notice_channel, self.target, agent=agent, tool=self.tool, outcome=outcome, by=by),)
 
 
 def pending_approval(db: Database, request_id: str | None) -> PendingApproval | None:
@@ -280,26 +320,55 @@ def pending_approval(db: Database, request_id: str | None) -> PendingApproval | 
         round_, call_id = int(payload["round"]), str(payload.get("tool_call_id", payload["call_id"]))
         if f"{request_id}:tool:{step['target']}" in keys or (round_, tool_call_key(call_id)) in rejected:
             continue
-        return PendingApproval(str(payload["tool"]), call_id, payload.get("arguments", {}), round_)
+        output = (step["result"] or {}) if isinstance(step["result"], Mapping) else {}
+        channel = output.get("notice_channel")
+        return PendingApproval(
+            str(payload["tool"]),
+            call_id,
+            payload.get("arguments", {}),
+            round_,
+            target=str(step["target"]),
+            since=step["finished_at"],
+            notice_channel=channel if isinstance(channel, str) else None,
+        )
     return None
 
 
-def approval_jobs(pending: PendingApproval) -> tuple[JobSpec, ...]:
-    """What an approval schedules: the held call itself, marked approved."""
-    payload = {
-        "arguments": dict(pending.arguments),
+def edit_summary(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """What the model reads about a person's edit of its call: each argument changed, from → to."""
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    parts = [f"{k}: {_shown(before.get(k))} → {_shown(after.get(k))}" for k in changed]
+    return "A person edited this call's arguments before approving it (" + "; ".join(parts) + ")."
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 300 else text[:299] + "…"
+
+
+def approval_jobs(pending: PendingApproval, arguments: Mapping[str, Any] | None = None) -> tuple[JobSpec, ...]:
+    """What an approval schedules: the held call itself, marked approved; with ``arguments`` (a person's edit,
+    already validated), the call runs with those, and its result tells the model what was changed."""
+    edited = arguments is not None and dict(arguments) != dict(pending.arguments)
+    payload: dict[str, Any] = {
+        "arguments": dict(arguments if arguments is not None else pending.arguments),
         "round": pending.round,
         "call_id": tool_call_key(pending.call_id),
         "tool_call_id": pending.call_id,
         "tool": pending.tool,
         "approved": True,
     }
+    if edited:
+        payload["edited_from"] = dict(pending.arguments)
     return (JobSpec("tool", step_target(pending.tool, pending.round, pending.call_id), payload=payload),)
 
 
-def rejection_jobs(pending: PendingApproval, reason: str) -> tuple[JobSpec, ...]:
-    """What a rejection schedules: the model's next round, told why."""
-    rejected = [{"tool_call_id": pending.call_id, "reason": reason}]
+def rejection_jobs(pending: PendingApproval, reason: str, *, timed_out: bool = False) -> tuple[JobSpec, ...]:
+    """What a rejection schedules: the model's next round, told why (a person's reason, or that it timed out)."""
+    entry: dict[str, Any] = {"tool_call_id": pending.call_id, "reason": reason}
+    if timed_out:
+        entry["timed_out"] = True
+    rejected = [entry]
     return (JobSpec("plan", str(pending.round + 1), payload={"rejected": rejected}),)
 
 

@@ -16,6 +16,7 @@ import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from importlib.metadata import entry_points
 from typing import Any, get_type_hints
 
@@ -51,6 +52,11 @@ class Tool:
     needs_approval: bool
     timeout: float
     description: str
+    #: How long a call may wait for a person before ``on_timeout`` applies (None: as long as it takes).
+    approval_timeout: timedelta | None = None
+    #: ``reject`` (the model is told the call timed out) or ``escalate`` (the escalation channel is told, once; the
+    #: call keeps waiting).
+    on_timeout: str = "reject"
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI ``tools`` entry for this tool."""
@@ -75,11 +81,28 @@ class Tool:
 _TOOLS: dict[str, Tool] = {}
 
 
+ON_TIMEOUT = ("reject", "escalate")
+
+
 def tool(
-    name: str, *, needs_approval: bool = False, timeout: float = 30.0, description: str | None = None
+    name: str,
+    *,
+    needs_approval: bool = False,
+    timeout: float = 30.0,
+    description: str | None = None,
+    approval_timeout: timedelta | None = None,
+    on_timeout: str = "reject",
 ) -> Callable[[Callable[[Any, ToolContext], ToolOutput]], Callable[[Any, ToolContext], ToolOutput]]:
     """Register a tool called ``name`` (letters, digits, ``_``, ``-``; at most 64: the model calls it by this
-    name). Its first parameter's annotation is the pydantic model of its input."""
+    name). Its first parameter's annotation is the pydantic model of its input. A tool that ``needs_approval`` may
+    set ``approval_timeout``: a call waiting longer is rejected (``on_timeout="reject"``, the model is told) or
+    escalated (``"escalate"``: ``KEEL_APPROVAL_ESCALATION_SLACK_CHANNEL`` is told once, the call keeps waiting)."""
+    if approval_timeout is not None and not needs_approval:
+        raise ValueError(f"tool {name}: approval_timeout needs needs_approval=True")
+    if approval_timeout is not None and approval_timeout <= timedelta(0):
+        raise ValueError(f"tool {name}: approval_timeout must be positive, got {approval_timeout}")
+    if on_timeout not in ON_TIMEOUT:
+        raise ValueError(f"tool {name}: on_timeout must be 'reject' or 'escalate', got {on_timeout!r}")
     if not TOOL_NAME.fullmatch(name):
         raise ValueError(
             f"tool name {name!r} is invalid: 1-64 letters, digits, '_' or '-' (the model calls a tool by its name,"
@@ -93,7 +116,16 @@ def tool(
             raise TypeError(f"tool {name}: the first parameter must be annotated with a pydantic model")
         if name in _TOOLS and _TOOLS[name].fn is not fn:
             raise ValueError(f"a tool named {name!r} is registered already")
-        _TOOLS[name] = Tool(name, fn, model, needs_approval, timeout, description or (fn.__doc__ or name).strip())
+        _TOOLS[name] = Tool(
+            name,
+            fn,
+            model,
+            needs_approval,
+            timeout,
+            description or (fn.__doc__ or name).strip(),
+            approval_timeout,
+            on_timeout,
+        )
         return fn
 
     return register

@@ -159,6 +159,9 @@ MATRIX: dict[tuple[str, str], Op] = {
         Reach.AGENT,
         lambda t, n: Call("GET", f"/v1/agents/{t.agent}/journal"),
     ),
+    ("GET", "/v1/approvals"): Op(
+        frozenset({"approver", "operator", "auditor"}), Reach.LIST, lambda t, n: Call("GET", "/v1/approvals")
+    ),
     ("GET", "/v1/agents/{agent}/events"): Op(
         ANY, Reach.AGENT, lambda t, n: Call("GET", f"/v1/agents/{t.agent}/events", {"Last-Event-ID": "0"})
     ),
@@ -387,6 +390,8 @@ class Matrix:
         """A prefix leaves the other tenants out of lists; without one, both are in."""
         if key == ("GET", "/v1/agents"):
             names = [a["name"] for a in body["agents"]]
+        elif key == ("GET", "/v1/approvals"):
+            names = [a["agent"] for a in body["approvals"]]
         else:
             names = [m["request_id"] for m in body["messages"]]
         tenants = {name.split("-", 1)[0] + "-" for name in names}

@@ -36,13 +36,16 @@ def test_the_scopes_are_the_ones_the_database_accepts() -> None:
     ("scope", "expected"),
     [
         (Scope.PRODUCER, {P.CREATE_AGENT, P.SUBMIT, P.READ_STATE, P.READ_EVENTS}),
-        (Scope.APPROVER, {P.APPROVE, P.REJECT, P.READ_STATE, P.READ_EVENTS, P.READ_JOURNAL}),
+        (Scope.APPROVER, {P.APPROVE, P.REJECT, P.READ_STATE, P.READ_EVENTS, P.READ_JOURNAL, P.READ_APPROVALS}),
         (
             Scope.OPERATOR,
             {P.CREATE_AGENT, P.SUBMIT, P.READ_STATE, P.READ_EVENTS}  # what a producer may
-            | {P.CANCEL, P.RETRY_OUTBOX, P.READ_OUTBOX, P.READ_JOB, P.READ_JOURNAL, P.READ_STORY},
+            | {P.CANCEL, P.RETRY_OUTBOX, P.READ_OUTBOX, P.READ_JOB, P.READ_JOURNAL, P.READ_STORY, P.READ_APPROVALS},
         ),
-        (Scope.AUDITOR, {P.READ_JOURNAL, P.READ_STORY, P.READ_JOB, P.READ_OUTBOX, P.READ_STATE, P.READ_EVENTS}),
+        (
+            Scope.AUDITOR,
+            {P.READ_JOURNAL, P.READ_STORY, P.READ_JOB, P.READ_OUTBOX, P.READ_STATE, P.READ_EVENTS, P.READ_APPROVALS},
+        ),
     ],
 )
 def test_what_each_scope_grants(scope: Scope, expected: set[Permission]) -> None:

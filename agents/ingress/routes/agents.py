@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 from uuid import UUID
 
 from fastapi import APIRouter, Depends, Header, Query, Response
@@ -97,7 +97,15 @@ def get_agent(
 
 
 def _decide(
-    keel: Keel, token: ApiToken, agent: str, if_match: str | None, *, required: bool, act: str, reason: str | None
+    keel: Keel,
+    token: ApiToken,
+    agent: str,
+    if_match: str | None,
+    *,
+    required: bool,
+    act: str,
+    reason: str | None,
+    arguments: Mapping[str, Any] | None = None,
 ) -> AgentState:
     expected = if_match_revision(if_match, required=required)
     row = resolve(keel, token, agent)
@@ -106,7 +114,7 @@ def _decide(
     try:
         if act == "approve":
             assert expected is not None
-            return keel.client.approve(row.id, expected_revision=expected, actor=token.name)
+            return keel.client.approve(row.id, expected_revision=expected, actor=token.name, arguments=arguments)
         if act == "reject":
             assert expected is not None
             return keel.client.reject(row.id, expected_revision=expected, actor=token.name, reason=reason)
@@ -125,8 +133,10 @@ def approve(
     body: Approval | None = None,
 ) -> AgentState:
     """Requires ``If-Match`` (428 without): a stale revision is a 412 with the current state; an agent that is not
-    waiting for approval a 409 naming the events allowed in its phase."""
-    state = _decide(keel, token, agent, if_match, required=True, act="approve", reason=None)
+    waiting for approval a 409 naming the events allowed in its phase. ``arguments`` in the body edit the call
+    first: arguments its tool refuses are a 422 naming the field, and nothing changes."""
+    arguments = body.arguments if body else None
+    state = _decide(keel, token, agent, if_match, required=True, act="approve", reason=None, arguments=arguments)
     return _with_etag(state, response)
 
 

@@ -1,0 +1,55 @@
+"""``/v1/approvals``: the inbox, every call waiting for approval across the agents the token sees, oldest first."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from agents.ingress.auth import require
+from agents.ingress.runtime import Ingress, ingress
+from agents.ingress.tokens import ApiToken, Permission
+from models.schemas import ApprovalPage
+
+router = APIRouter(prefix="/v1/approvals", tags=["approvals"])
+
+Keel = Annotated[Ingress, Depends(ingress)]
+MAX_PAGE = 1000
+
+
+@router.get("", response_model=ApprovalPage, summary="Calls waiting for approval, oldest first")
+def approvals(
+    keel: Keel,
+    token: Annotated[ApiToken, Depends(require(Permission.READ_APPROVALS))],
+    tool: Annotated[str | None, Query(min_length=1, max_length=200, description="Only calls to this tool")] = None,
+    min_age_seconds: Annotated[
+        float | None, Query(ge=0, le=10 * 365 * 86400, description="Only calls waiting at least this long")
+    ] = None,
+    agent_prefix: Annotated[
+        str | None, Query(min_length=1, max_length=200, description="Only agents whose name starts with this")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    cursor: Annotated[str | None, Query(max_length=512, description="The `next` of the previous page")] = None,
+) -> ApprovalPage:
+    """Each call names its agent and the revision an approval's ``If-Match`` carries. A token limited to an agent
+    prefix sees its agents' calls only."""
+    prefix = _narrowest(token.agent_prefix, agent_prefix)
+    if prefix is None and token.agent_prefix is not None:
+        return ApprovalPage(approvals=())  # the two prefixes exclude each other: no agent has both
+    return keel.client.approvals(
+        tool=tool,
+        min_age=None if min_age_seconds is None else timedelta(seconds=min_age_seconds),
+        agent_prefix=prefix,
+        limit=limit,
+        after=cursor,
+    )
+
+
+def _narrowest(granted: str | None, asked: str | None) -> str | None:
+    """The prefix that satisfies both the token's and the query's (None: none does, or neither was given)."""
+    if granted is None or asked is None:
+        return asked if granted is None else granted
+    if asked.startswith(granted):
+        return asked
+    return granted if granted.startswith(asked) else None

@@ -1,0 +1,108 @@
+"""Approval timeouts: a call that waited longer than its tool's ``approval_timeout`` is rejected (the model is told
+it timed out) or escalated (``KEEL_APPROVAL_ESCALATION_SLACK_CHANNEL`` is told once; the call keeps waiting).
+
+Enforced by the leading beat on the database's clock, like deadlines. Each move is a transition made against the
+revision the pass read: two beats (or a beat and a person deciding) race on the agent's lock, and the loser's
+command is a stale revision, rejected and journaled, that changes nothing. An escalation is a ``progress`` event
+journaled as ``approval_escalated`` with the gate's key; the pass skips a call whose escalation is journaled, and its
+message is keyed by the gate, so a restart or a second beat never sends it twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from uuid import UUID
+
+from agents.core import transition as core
+from agents.core.commands import Command, MessageSpec
+from agents.core.errors import Rejected
+from agents.core.phases import Event
+from agents.runtime.loop import cancel_round_txn, pending_approval, rejection_jobs
+from agents.runtime.notices import console_link, escalation_notice
+from models.approvals_sql import WaitingCall, calls_past_approval_timeout
+from models.db import Database
+from models.settings import Settings
+
+log = logging.getLogger("keel.approvals")
+
+ACTOR = "approval-timeout"
+TIMED_OUT = "approval_timed_out"
+ESCALATED = "approval_escalated"
+
+
+@dataclass
+class TimeoutReport:
+    rejected: list[UUID] = field(default_factory=list)
+    escalated: list[UUID] = field(default_factory=list)
+    failed: list[UUID] = field(default_factory=list)
+
+
+def waited_text(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))
+
+
+def enforce_timeouts(db: Database, settings: Settings, *, actor: str = ACTOR) -> TimeoutReport:
+    """Apply every passed approval timeout, once (see the module's docstring). One agent's failure is logged and
+    the pass goes on with the others."""
+    report = TimeoutReport()
+    for call in calls_past_approval_timeout(db):
+        try:
+            command = _command(db, settings, call, actor)
+            if command is None:
+                continue
+            core.transition(db, command, effects=cancel_round_txn if command.event is Event.REJECT else None)
+        except Rejected as exc:  # decided (or moved on) since the pass read it: journaled, nothing changed
+            log.info("approval timeout on %s not applied: %s", call.agent, exc)
+        except Exception:
+            log.exception("approval timeout on %s failed; the pass goes on", call.agent)
+            report.failed.append(call.agent_id)
+        else:
+            (report.rejected if command.event is Event.REJECT else report.escalated).append(call.agent_id)
+    return report
+
+
+def _command(db: Database, settings: Settings, call: WaitingCall, actor: str) -> Command | None:
+    pending = pending_approval(db, call.request_id)
+    if pending is None or pending.target != call.target:
+        return None  # decided meanwhile: the agent's lock and revision would refuse it anyway
+    timeout = float(call.payload["approval_timeout_seconds"])
+    waited = waited_text((call.now - call.since).total_seconds())
+    details = {"call": pending.as_dict(), "gate": call.key, "approval_timeout_seconds": timeout}
+    if call.payload.get("on_timeout") == "escalate":
+        channel = settings.approval_escalation_slack_channel
+        messages: tuple[MessageSpec, ...] = ()
+        if channel:
+            notice = escalation_notice(
+                channel,
+                call.target,
+                agent=call.agent,
+                tool=pending.tool,
+                waited=waited,
+                arguments=pending.arguments,
+                link=console_link(settings, call.agent),
+            )
+            messages = (notice,)
+        else:
+            details["notice_not_sent"] = "KEEL_APPROVAL_ESCALATION_SLACK_CHANNEL is not set"
+        return Command(
+            call.agent_id,
+            Event.PROGRESS,
+            actor,
+            expected_revision=call.revision,
+            reason=ESCALATED,
+            details=details,
+            messages=messages,
+        )
+    reason = f"no one approved it within {waited_text(timeout)}: it timed out and was not run"
+    return Command(
+        call.agent_id,
+        Event.REJECT,
+        actor,
+        expected_revision=call.revision,
+        reason=TIMED_OUT,
+        details={**details, "reason": reason},
+        jobs=rejection_jobs(pending, reason, timed_out=True),
+        messages=pending.decided_messages(call.agent, "rejected: it timed out", actor),
+    )

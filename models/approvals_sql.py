@@ -1,0 +1,94 @@
+"""Calls waiting for approval across agents: the inbox, and the ones past their tool's approval timeout.
+
+An agent waiting for approval waits on the latest gate step of its request (the transition into
+waiting_approval recorded it). Both queries start from the waiting agents (``ix_agents_waiting``) and find each
+one's gate by ``ix_jobs_gates``; times are the database's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from psycopg.rows import class_row
+
+from models.db import Database
+
+_WAITING = """
+SELECT a.id AS agent_id, a.name AS agent, a.revision, a.request_id, g.key, g.target, g.payload,
+       g.finished_at AS since, clock_timestamp() AS now
+FROM agents a
+CROSS JOIN LATERAL (
+    SELECT j.key, j.target, j.payload, j.finished_at FROM jobs j
+    WHERE j.request_id = a.request_id AND j.operation = 'gate' AND j.status = 'succeeded'
+    ORDER BY j.finished_at DESC, j.key DESC LIMIT 1
+) g
+WHERE a.phase = 'waiting_approval'
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingCall:
+    agent_id: UUID
+    agent: str
+    revision: int
+    request_id: str
+    key: str  # the gate step's key
+    target: str
+    payload: dict[str, Any]
+    since: datetime
+    now: datetime  # the database's clock when read
+
+
+def waiting_calls(
+    db: Database,
+    *,
+    tool: str | None = None,
+    min_age: timedelta | None = None,
+    agent_prefix: str | None = None,
+    after: tuple[datetime, UUID] | None = None,
+    limit: int = 100,
+) -> list[WaitingCall]:
+    """Calls waiting for approval, oldest first (by when they started waiting, then agent id), at most ``limit``,
+    after the keyset ``after`` (``since``, ``agent_id``) of the previous page."""
+    sql = _WAITING
+    params: dict[str, Any] = {"limit": limit}
+    if tool is not None:
+        sql += " AND g.payload->>'tool' = %(tool)s"
+        params["tool"] = tool
+    if min_age is not None:
+        sql += " AND g.finished_at <= clock_timestamp() - %(min_age)s"
+        params["min_age"] = min_age
+    if agent_prefix:
+        sql += " AND starts_with(a.name, %(prefix)s)"
+        params["prefix"] = agent_prefix
+    if after is not None:
+        sql += " AND (g.finished_at, a.id) > (%(since)s, %(agent_id)s)"
+        params["since"], params["agent_id"] = after
+    sql += " ORDER BY g.finished_at, a.id LIMIT %(limit)s"
+    with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:
+        cur.execute(sql, params)
+        found = cur.fetchall()
+        conn.rollback()
+    return found
+
+
+def calls_past_approval_timeout(db: Database) -> list[WaitingCall]:
+    """Waiting calls whose tool has an approval timeout that has passed, oldest first; an escalated call whose
+    escalation is journaled already is not among them (it waits on, and is escalated once)."""
+    sql = (
+        _WAITING + " AND g.payload ? 'approval_timeout_seconds'"
+        " AND g.finished_at + make_interval(secs => (g.payload->>'approval_timeout_seconds')::float8)"
+        " <= clock_timestamp()"
+        " AND NOT (g.payload->>'on_timeout' = 'escalate' AND EXISTS ("
+        "   SELECT 1 FROM audit.journal e WHERE e.agent_id = a.id AND e.request_id = a.request_id"
+        "   AND e.decision = 'approval_escalated' AND e.details::jsonb->>'gate' = g.key))"
+        " ORDER BY g.finished_at, a.id"
+    )
+    with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:
+        cur.execute(sql)
+        found = cur.fetchall()
+        conn.rollback()
+    return found
