@@ -16,15 +16,17 @@ run and a message's send — in a worker, retried, redelivered — belong to the
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from contextvars import Token
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -87,8 +89,11 @@ def traces_endpoint(settings: Settings, environ: Mapping[str, str] = os.environ)
 
 
 def _traces_url(base: str) -> str:
-    base = base.rstrip("/")
-    return base if base.endswith(_TRACES_PATH) else base + _TRACES_PATH
+    """``base`` with ``/v1/traces`` at the end of its path (unless there already); its query (a collector's key,
+    say) and the rest kept as they are."""
+    parts = urlsplit(base)
+    path = parts.path.rstrip("/")
+    return urlunsplit(parts._replace(path=path if path.endswith(_TRACES_PATH) else path + _TRACES_PATH))
 
 
 def _shown(url: str) -> str:
@@ -174,6 +179,22 @@ class TracingObserver:
         return carrier.get("traceparent")
 
 
+#: How long a process that stops waits, at most, for its last spans to reach the collector (its exit handler,
+#: a prefork worker child's end): a collector that does not answer must not hold up a stop.
+SHUTDOWN_SECONDS = 5.0
+
+
+def _within(seconds: float, work: Callable[[], Any]) -> bool:
+    """Run ``work`` on a daemon thread and wait for it ``seconds`` at most: True if it finished in time (and did not
+    return False). The SDK's own flush ignores its timeout and waits for the exporter (its timeout, its retries);
+    left behind, the thread goes on exporting and never keeps the process alive."""
+    outcome: list[Any] = []
+    thread = threading.Thread(target=lambda: outcome.append(work()), name="keel-trace-flush", daemon=True)
+    thread.start()
+    thread.join(max(seconds, 0.0))
+    return bool(outcome) and outcome[0] is not False
+
+
 @dataclass(frozen=True)
 class Tracing:
     """Traces as configured in this process: :func:`configure_tracing` returns it."""
@@ -184,14 +205,17 @@ class Tracing:
     pid: int
 
     def flush(self, timeout_millis: int = 5_000) -> bool:
-        """Export the spans that ended so far (before a process ends without running its exit handlers)."""
-        return self.provider.force_flush(timeout_millis)
+        """Export the spans that ended so far (before a process ends without running its exit handlers), waiting
+        ``timeout_millis`` at most: False if they were not all exported by then (the export goes on in the
+        background)."""
+        return _within(timeout_millis / 1000, self.provider.force_flush)
 
-    def shutdown(self) -> None:
-        """Stop tracing in this process: no more spans; those that ended are exported first."""
+    def shutdown(self, timeout_millis: int = int(SHUTDOWN_SECONDS * 1000)) -> bool:
+        """Stop tracing in this process: no more spans; those that ended are exported first, waiting
+        ``timeout_millis`` at most. False if they were not all exported by then."""
         observe.unregister(self.observer)
         observe.set_trace_context(None)
-        self.provider.shutdown()
+        return _within(timeout_millis / 1000, self.provider.shutdown)
 
 
 _installed: Tracing | None = None
@@ -221,7 +245,9 @@ def configure_tracing(settings: Settings, service_name: str, exporter: SpanExpor
             "deployment.environment.name": settings.environment,
         }
     )
-    provider = TracerProvider(resource=resource)
+    # Its exit handler is this module's: the SDK's would wait for a collector that does not answer (its timeout,
+    # then its retries) before the process could end.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=endpoint)))
     # Not installed as OpenTelemetry's global provider: libraries that trace through it on their own (FastAPI's
     # native telemetry, say) stay off, and every span is one of Keel's units of work. The current span is global
@@ -239,8 +265,15 @@ def installed() -> Tracing | None:
     return _installed if _installed is not None and _installed.pid == os.getpid() else None
 
 
-def flush_tracing() -> None:
-    """Export what ended so far, if traces are on here: before ``os._exit`` (a worker child ending itself)."""
+def flush_tracing(seconds: float = SHUTDOWN_SECONDS) -> bool:
+    """Export what ended so far, if traces are on here, waiting ``seconds`` at most: before ``os._exit`` (a worker
+    child that ends). False if something may be left unexported."""
+    tracing = installed()
+    return True if tracing is None else tracing.flush(int(seconds * 1000))
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
     tracing = installed()
     if tracing is not None:
-        tracing.flush()
+        tracing.shutdown()
