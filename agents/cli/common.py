@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from agents.core.errors import KeelError
 from agents.core.redaction import register_settings
+from agents.observability.otlp import CLI
 from models.clock import rfc3339
 
 P = ParamSpec("P")
@@ -48,7 +49,7 @@ def open_client() -> Any:
     from agents.client import Client
     from models.migrations import check_schema
 
-    client = Client.from_settings(settings_or_exit())
+    client = Client.from_settings(settings_or_exit(), service_name=CLI)
     try:
         check_schema(client.db.engine)
     except BaseException:

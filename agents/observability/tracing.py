@@ -26,7 +26,6 @@ from contextvars import Token
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -35,18 +34,18 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from agents.core import observe
+from agents.observability.otlp import shown, traces_endpoint
 from models.settings import Settings
 
 log = logging.getLogger("keel.tracing")
 
-#: The ``service.name`` of each process role.
+#: The ``service.name`` of each process role (a ``keel`` command's and a producer's: :mod:`agents.observability.otlp`).
 API, WORKER, BEAT = "keel-api", "keel-worker", "keel-beat"
 
-_TRACES_PATH = "/v1/traces"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 _SPAN_KINDS = {
@@ -75,34 +74,6 @@ _FAILED = {
 }
 
 
-def traces_endpoint(settings: Settings, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The OTLP/HTTP URL spans are exported to, or None when traces are off (see the module's docstring)."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    if settings.otlp_endpoint:
-        return _traces_url(settings.otlp_endpoint)
-    full = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
-    if full:
-        return full
-    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
-    return _traces_url(base) if base else None
-
-
-def _traces_url(base: str) -> str:
-    """``base`` with ``/v1/traces`` at the end of its path (unless there already); its query (a collector's key,
-    say) and the rest kept as they are."""
-    parts = urlsplit(base)
-    path = parts.path.rstrip("/")
-    return urlunsplit(parts._replace(path=path if path.endswith(_TRACES_PATH) else path + _TRACES_PATH))
-
-
-def _shown(url: str) -> str:
-    """``url`` without what may be a credential (user info, query)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{'' if parts.port is None else f':{parts.port}'}{parts.path}"
-
-
 def span_name(op: observe.Op) -> str:
     """``keel.transition submit``, ``keel.job plan``, ``keel.model_call``, ``keel.tool_call search``,
     ``keel.outbox_send slack``, ``HTTP POST /v1/agents/{ref}/requests`` (the route template, once it is known)."""
@@ -122,6 +93,15 @@ def _attributes(context: Mapping[str, Any]) -> dict[str, str | int]:
             continue
         found[name] = int(value) if key == "status" and str(value).isdigit() else str(value)
     return found
+
+
+def _links(context: Mapping[str, Any]) -> list[Link]:
+    """The span link ``context`` names (:func:`agents.core.observe.link`), if it is a valid trace context."""
+    carried = context.get("link")
+    if not carried:
+        return []
+    linked = trace.get_current_span(_PROPAGATOR.extract({"traceparent": str(carried)})).get_span_context()
+    return [Link(linked)] if linked.is_valid else []
 
 
 class TracingObserver:
@@ -144,7 +124,11 @@ class TracingObserver:
         elif op.kind == "model_call":
             attributes["keel.provider"] = op.name
         span = self.tracer.start_span(
-            span_name(op), context=parent, kind=_SPAN_KINDS.get(op.kind, SpanKind.INTERNAL), attributes=attributes
+            span_name(op),
+            context=parent,
+            kind=_SPAN_KINDS.get(op.kind, SpanKind.INTERNAL),
+            attributes=attributes,
+            links=_links(op.context),
         )
         self._spans[id(op)] = span
         return span, otel_context.attach(trace.set_span_in_context(span))
@@ -154,6 +138,8 @@ class TracingObserver:
         if span is None:
             return
         span.set_attributes(_attributes(context))
+        for found in _links(context):
+            span.add_link(found.context)
         span.update_name(span_name(op))  # the route became known, or a transition was joined into another event
 
     def end(self, op: observe.Op, token: tuple[Span, Token[Context]]) -> None:
@@ -256,7 +242,7 @@ def configure_tracing(settings: Settings, service_name: str, exporter: SpanExpor
     observe.register(observer)
     observe.set_trace_context(observer)
     _installed = Tracing(provider, observer, endpoint, os.getpid())
-    log.info("traces: %s spans go to %s", service_name, _shown(endpoint))
+    log.info("traces: %s spans go to %s", service_name, shown(endpoint))
     return _installed
 
 

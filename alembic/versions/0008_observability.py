@@ -10,7 +10,8 @@ yet: cost grows with the counters and the time window read, never with history.
 the database holds (a partial unique index), so two beats can never open one episode twice.
 
 ``jobs.traceparent`` and ``outbox.traceparent``: the W3C trace context of the request that caused the row, so one
-trace follows a request across processes and retries.
+trace follows a request across processes and retries; ``requests.traceparent``: the submit's, which the rows a later
+transition of the request inserts carry when that transition runs in another trace (an approval).
 
 Revision ID: 0008
 Revises: 0007
@@ -68,9 +69,11 @@ def upgrade() -> None:
     )
     op.add_column("jobs", sa.Column("traceparent", sa.Text(), nullable=True))
     op.add_column("outbox", sa.Column("traceparent", sa.Text(), nullable=True))
+    op.add_column("requests", sa.Column("traceparent", sa.Text(), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column("requests", "traceparent")
     op.drop_column("outbox", "traceparent")
     op.drop_column("jobs", "traceparent")
     op.drop_index("ix_alert_episodes_open", table_name="alert_episodes")
