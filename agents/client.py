@@ -20,7 +20,6 @@ from pydantic import ValidationError
 from sqlalchemy import select, tuple_
 
 from agents.core import journal as journal_mod
-from agents.core import observe
 from agents.core import transition as core
 from agents.core.commands import (
     MAX_ACTOR_CHARS,
@@ -58,7 +57,6 @@ from agents.core.outage import Outage
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
 from agents.jobs import handlers
-from agents.observability.otlp import CLIENT, traces_endpoint
 from agents.outbox.relay import retry_dead
 from agents.runtime import tools
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
@@ -108,16 +106,8 @@ class Client:
         register_settings(self.settings)  # its secrets are masked in anything this process journals or logs
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None, *, service_name: str = CLIENT) -> Client:
-        """A client on ``settings``' database. When an OTLP endpoint is configured and this process traces nothing
-        yet, traces are turned on here first, as ``service_name``: the transitions it makes are spans, and the
-        jobs they schedule carry their trace (their exit handler exports the last spans, waiting 5 s at most)."""
+    def from_settings(cls, settings: Settings | None = None) -> Client:
         settings = settings or Settings()
-        if not observe.traced() and traces_endpoint(settings) is not None:
-            # Imported only when traces are on: the OpenTelemetry SDK takes a good part of a second to import.
-            from agents.observability.tracing import configure_tracing
-
-            configure_tracing(settings, service_name)
         return cls(Database.from_settings(settings), settings)
 
     def close(self) -> None:

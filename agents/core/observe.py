@@ -93,11 +93,6 @@ def set_trace_context(source: TraceContext | None) -> None:
     _trace_context = source
 
 
-def traced() -> bool:
-    """Whether traces are on in this process (a tracing observer is the source of :func:`current_traceparent`)."""
-    return _trace_context is not None
-
-
 def current_traceparent() -> str | None:
     """The W3C ``traceparent`` of the work in progress, to store with the jobs and messages it causes; None when
     traces are off or nothing is being traced."""

@@ -1,5 +1,5 @@
 """Where spans go, if anywhere: decided without importing OpenTelemetry (its SDK and exporter take a good part of a
-second to import), so a process with traces off — a ``keel`` command, a producer using ``Client`` — pays nothing.
+second to import), so a process with traces off — a ``keel`` command — pays nothing.
 See :mod:`agents.observability.tracing` for the rules."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from models.settings import Settings
 
 _TRACES_PATH = "/v1/traces"
 
-#: The ``service.name`` of a ``keel`` command's spans, and of a producer's process whose ``Client`` turned traces on.
-CLI, CLIENT = "keel-cli", "keel-client"
+#: The ``service.name`` of a ``keel`` command's spans.
+CLI = "keel-cli"
 
 
 def traces_endpoint(settings: Settings, environ: Mapping[str, str] = os.environ) -> str | None:

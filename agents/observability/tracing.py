@@ -43,7 +43,7 @@ from models.settings import Settings
 
 log = logging.getLogger("keel.tracing")
 
-#: The ``service.name`` of each process role (a ``keel`` command's and a producer's: :mod:`agents.observability.otlp`).
+#: The ``service.name`` of each process role (a ``keel`` command's: :data:`agents.observability.otlp.CLI`).
 API, WORKER, BEAT = "keel-api", "keel-worker", "keel-beat"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
