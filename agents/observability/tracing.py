@@ -255,11 +255,25 @@ def flush_tracing(seconds: float = SHUTDOWN_SECONDS) -> bool:
     """Export what ended so far, if traces are on here, waiting ``seconds`` at most: before ``os._exit`` (a worker
     child that ends). False if something may be left unexported."""
     tracing = installed()
-    return True if tracing is None else tracing.flush(int(seconds * 1000))
+    if tracing is None:
+        return True
+    if tracing.flush(int(seconds * 1000)):
+        return True
+    _not_exported(tracing, seconds)
+    return False
 
 
 @atexit.register
 def _shutdown_at_exit() -> None:
     tracing = installed()
-    if tracing is not None:
-        tracing.shutdown()
+    if tracing is not None and not tracing.shutdown():
+        _not_exported(tracing, SHUTDOWN_SECONDS)
+
+
+def _not_exported(tracing: Tracing, seconds: float) -> None:
+    log.warning(
+        "traces: the last spans were not exported within %g s (the collector at %s did not answer in time);"
+        " this process ends without them",
+        seconds,
+        shown(tracing.endpoint),
+    )

@@ -22,7 +22,7 @@ from agents.core import observe
 from agents.core.errors import TransientError
 from agents.core.redaction import clear_secrets, register_settings
 from agents.observability import logs
-from agents.observability.tracing import WORKER, TracingObserver, configure_tracing, traces_endpoint
+from agents.observability.tracing import WORKER, TracingObserver, configure_tracing, flush_tracing, traces_endpoint
 from models.settings import BadConfiguration, Settings, load_settings
 
 CALLER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -168,7 +168,7 @@ HUNG_EXPORT = {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "60"}
 
 
 def test_a_flush_and_a_shutdown_keep_their_bounds_when_the_collector_hangs(
-    blackhole: str, no_otel_variables: None, monkeypatch: pytest.MonkeyPatch
+    blackhole: str, no_otel_variables: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     for name, value in HUNG_EXPORT.items():
         monkeypatch.setenv(name, value)
@@ -178,6 +178,9 @@ def test_a_flush_and_a_shutdown_keep_their_bounds_when_the_collector_hangs(
         pass
     started = time.monotonic()
     assert tracing.flush(200) is False, "the span could not be exported: said so"
+    with caplog.at_level(logging.WARNING, "keel.tracing"):
+        assert flush_tracing(0.2) is False
+    assert "traces: the last spans were not exported within 0.2 s" in caplog.text
     assert tracing.shutdown(200) is False
     assert time.monotonic() - started < 20, "the collector's hang (60 s an export) held the caller"
 
