@@ -22,11 +22,13 @@ AGENT_COLUMNS = (
     " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority, archived_at"
 )
 
-# With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep, and the
-# database's clock read after the lock: the one time every event, due check and deadline is measured against.
+# With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep, the
+# database's clock read after the lock: the one time every event, due check and deadline is measured against, and the
+# trace context of the request in flight (a primary-key read), which the rows the transition inserts continue.
 _LOCK_AGENT = (
     f"SELECT {AGENT_COLUMNS}, (SELECT count(*) FROM jobs j WHERE j.agent_id = agents.id"
-    " AND j.status IN ('pending', 'enqueued', 'running')) AS live_jobs, clock_timestamp() AS at"
+    " AND j.status IN ('pending', 'enqueued', 'running')) AS live_jobs, clock_timestamp() AS at,"
+    " (SELECT r.traceparent FROM requests r WHERE r.request_id = agents.request_id) AS request_traceparent"
     " FROM agents WHERE id = %s FOR UPDATE OF agents"
 )
 
@@ -99,7 +101,8 @@ _INSERT_AGENT = (
 )
 
 _CLAIM_REQUEST = (
-    "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at) VALUES (%s, %s, %s, %s, %s)"
+    "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at, traceparent)"
+    " VALUES (%s, %s, %s, %s, %s, %s)"
     " ON CONFLICT (request_id) DO NOTHING RETURNING agent_id"
 )
 # A request id stays its agent's forever, a deleted agent's too (named "NAME (deleted)").
@@ -136,11 +139,13 @@ class RequestOwner:
 
 @dataclass(frozen=True, slots=True)
 class Locked:
-    """An agent row under its lock, the number of its live jobs, and the database's clock at the lock."""
+    """An agent row under its lock, the number of its live jobs, the database's clock at the lock, and the trace
+    context stored with the agent's request in flight (None: none, or traces were off at its submit)."""
 
     row: AgentRow
     live_jobs: int
     at: datetime
+    request_traceparent: str | None = None
 
 
 def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
@@ -152,8 +157,8 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
         row = named.fetchone()
     if row is None:
         return None
-    live_jobs, at = row.pop("live_jobs"), row.pop("at")
-    return Locked(AgentRow(**row), int(live_jobs), at)
+    live_jobs, at, traceparent = row.pop("live_jobs"), row.pop("at"), row.pop("request_traceparent")
+    return Locked(AgentRow(**row), int(live_jobs), at, traceparent)
 
 
 def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> bool:
@@ -198,10 +203,18 @@ def insert_agent_txn(
 
 
 def claim_request_txn(
-    cur: psycopg.Cursor[Any], *, request_id: str, agent_id: UUID, input_json: str, actor: str, at: datetime
+    cur: psycopg.Cursor[Any],
+    *,
+    request_id: str,
+    agent_id: UUID,
+    input_json: str,
+    actor: str,
+    at: datetime,
+    traceparent: str | None = None,
 ) -> RequestOwner | None:
-    """Record a new request for ``agent_id``. Returns None if it is new, else the agent that already owns it."""
-    cur.execute(_CLAIM_REQUEST, (request_id, agent_id, input_json, actor, at))
+    """Record a new request for ``agent_id`` (``traceparent``: the submit's trace context, None when traces are
+    off). Returns None if it is new, else the agent that already owns it."""
+    cur.execute(_CLAIM_REQUEST, (request_id, agent_id, input_json, actor, at, traceparent))
     if cur.fetchone() is not None:
         return None
     with cur.connection.cursor(row_factory=dict_row) as named:

@@ -119,6 +119,7 @@ requests = Table(
     Column("input", JSONB, nullable=False),
     Column("actor", Text, nullable=False),
     Column("submitted_at", DateTime(timezone=True), nullable=False),
+    Column("traceparent", Text),  # W3C trace context of the submit: the request's trace
 )
 
 journal = Table(

@@ -41,22 +41,15 @@ class ReportedOnce(logging.Filter):
 def log_config(level: str = "info", json: bool | None = None) -> dict[str, Any]:
     """uvicorn's ``log_config`` (``logging.config.dictConfig``): Keel's and uvicorn's lines (access lines included)
     on stderr as JSON lines or readable ones (``json``; None: :func:`~agents.observability.logs.choose_json` on
-    stderr), with the request's context, every one through the redaction filter."""
+    stderr), with the request's context, every one redacted by Keel's formatter."""
     level = level.upper()
     json = choose_json(None) if json is None else json
-    handler = {
-        "class": "logging.StreamHandler",
-        "stream": "ext://sys.stderr",
-        "formatter": "keel",
-        "filters": ["redact"],
-    }
+    # Keel's formatter redacts every line it writes: no redaction filter on the handler (a line is redacted once).
+    handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "keel"}
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {
-            "redact": {"()": "agents.core.redaction.RedactingFilter"},
-            "reported_once": {"()": "tasks.api.ReportedOnce"},
-        },
+        "filters": {"reported_once": {"()": "tasks.api.ReportedOnce"}},
         "formatters": {"keel": log_config_formatter("api", json)},
         "handlers": {"keel": handler},
         "loggers": {

@@ -93,7 +93,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 @after_setup_logger.connect(weak=False)  # type: ignore[untyped-decorator]
 def _quiet_housekeeping(**_: Any) -> None:
     # Worker and beat set up their logging after this module is imported, whichever command started them.
-    quiet_housekeeping(HOUSEKEEPING)
+    quiet_housekeeping(HOUSEKEEPING, job_task=RUN_JOB)
 
 
 # Traces (off without an OTLP endpoint): set up in the process that runs the tasks. A prefork worker's parent runs

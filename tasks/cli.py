@@ -36,6 +36,20 @@ def _structured_logs(settings: Settings, role: str) -> None:
     structured_logs(role, None if settings.log_format is None else settings.log_format == "json")
 
 
+def _json_from_the_start(settings: Settings, role: str) -> list[str]:
+    """When the lines are JSON (``KEEL_LOG_FORMAT``, or stderr is not a terminal), make every line Celery writes one
+    of them: Python's warnings go through logging, to a Keel handler until Celery sets up its own (Celery warns that
+    it runs as root before it sets up logging: a raw, multi-line warning on stderr), and Celery's banner (a
+    multi-line picture on stdout) stays off. Returns Celery's global options for that (``--quiet``)."""
+    from agents.observability.logs import choose_json, configure_logging
+
+    if not choose_json(settings.log_format):
+        return []
+    configure_logging(role, json=True)
+    logging.captureWarnings(True)
+    return ["--quiet"]
+
+
 def _filter_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
     install_log_redaction([logging.getLogger(), multiprocessing.util.get_logger(), *([logger] if logger else [])])
 
@@ -97,6 +111,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     _metrics_port_or_exit(settings, settings.worker_metrics_port, "KEEL_WORKER_METRICS_PORT")
     _redact_logs(settings)
     _structured_logs(settings, "worker")
+    quiet = _json_from_the_start(settings, "worker")
     from tasks.app import app
 
     processes = concurrency or settings.worker_concurrency
@@ -104,7 +119,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     # Celery's gossip step logs a traceback at every lost broker connection (it cleans up a connection it closed).
     without = ["--without-mingle", "--without-gossip"]
     app.worker_main(
-        ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, "-E", *without]
+        [*quiet, "worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, "-E", *without]
     )
 
 
@@ -119,9 +134,10 @@ def beat(loglevel: str) -> None:
     _metrics_port_or_exit(settings, settings.beat_metrics_port, "KEEL_BEAT_METRICS_PORT")
     _redact_logs(settings)
     _structured_logs(settings, "beat")
+    quiet = _json_from_the_start(settings, "beat")
     from tasks.app import app
 
-    app.start(["beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])
+    app.start([*quiet, "beat", "-S", "tasks.dispatcher:KeelScheduler", "-l", loglevel])
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

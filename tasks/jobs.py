@@ -11,7 +11,7 @@ import logging
 import os
 import random
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import shared_task
 from celery.signals import task_revoked
@@ -88,14 +88,24 @@ def _finish(self: Any, rt: Runtime, key: str, outcome: RunOutcome) -> str:
             rt.broker.recovered()
     log.info("job %s: %s %s", key, outcome.status, outcome.detail)
     if outcome.end_process:
-        # The handler left a thread running that nothing can stop (a tool past its timeout): its outcome is
-        # recorded, so end this process before that thread can do anything more. The worker replaces it; the
-        # message, handed back as a lost worker's, is suppressed as a duplicate when it comes again.
-        log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
-        logging.shutdown()
-        flush_tracing()
-        os._exit(70)
+        end_process(key)
     return outcome.status
+
+
+#: How long a worker process that ends itself (:func:`end_process`) waits for its last spans to be exported: every
+#: moment it waits, the work it ends itself to stop may still act.
+END_PROCESS_FLUSH_SECONDS = 0.5
+
+
+def end_process(key: str) -> NoReturn:
+    """End this worker process at once (status 70): job ``key``'s handler left a thread running that nothing can stop
+    (a tool past its timeout). Its outcome is recorded, so the process ends before that thread can do anything more;
+    the worker replaces it, and the message, handed back as a lost worker's, is suppressed as a duplicate when it
+    comes again. The spans that ended get :data:`END_PROCESS_FLUSH_SECONDS` to be exported, no more."""
+    log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
+    flush_tracing(END_PROCESS_FLUSH_SECONDS)
+    logging.shutdown()
+    os._exit(70)
 
 
 @task_revoked.connect  # type: ignore[untyped-decorator]

@@ -11,7 +11,9 @@ Celery's warning, at every lost broker connection, that ``worker_cancel_long_run
 default to True in Celery 6: Keel sets it to False on purpose (invariant 12), so the advice does not apply.
 
 And the lines' format: :func:`structured_logs` puts Keel's (JSON or readable lines with the job's context, see
-:mod:`agents.observability.logs`) on the handlers Celery sets up.
+:mod:`agents.observability.logs`) on the handlers Celery sets up. Celery's lines about a job's task ("Task
+keel.run_job[KEY] received", "succeeded", "retry", "raised") name it in their text only; :class:`NamesTheJob` adds
+``job_key`` and ``request_id`` to them, so a search by request finds them too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from celery.exceptions import Reject
 from celery.signals import after_setup_logger, after_setup_task_logger
 
+from agents.core.keys import split_key
 from agents.observability.logs import restyle, use_structlog
 
 #: Where Celery logs those lines: "Task … received", "Task … succeeded", "Scheduler: Sending due task".
@@ -60,6 +63,26 @@ class SettledWarningAtDebug(logging.Filter):
         return SETTLED not in record.getMessage() or _at_debug(record)
 
 
+class NamesTheJob(logging.Filter):
+    """Adds ``job_key`` (the task id: a job's key) and ``request_id`` (the key's first part) to Celery's lines about
+    the given task, which name the job only in their text."""
+
+    def __init__(self, task: str) -> None:
+        super().__init__()
+        self.task = task
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        key = args.get("id") if isinstance(args, Mapping) and args.get("name") == self.task else None
+        if isinstance(key, str):
+            record.job_key = key
+            try:
+                record.request_id = split_key(key)[0]
+            except ValueError:  # not a job key: the line keeps what it says
+                pass
+        return True
+
+
 def _at_debug(record: logging.LogRecord) -> bool:
     """Make ``record`` a DEBUG line without a traceback; False (drop it) unless its logger shows DEBUG."""
     if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
@@ -79,14 +102,17 @@ def _task_of(record: logging.LogRecord) -> str | None:
     return None
 
 
-def quiet_housekeeping(tasks: Iterable[str]) -> None:
-    """Install the filters on Celery's loggers and on its warnings' (once; later calls replace them)."""
+def quiet_housekeeping(tasks: Iterable[str], job_task: str | None = None) -> None:
+    """Install the filters on Celery's loggers and on its warnings' (once; later calls replace them); with
+    ``job_task``, :class:`NamesTheJob` for that task's lines."""
     quiet = HousekeepingAtDebug(tasks)
     for name in CELERY_LOGGERS:
         logger = logging.getLogger(name)
-        for old in [f for f in logger.filters if isinstance(f, HousekeepingAtDebug)]:
+        for old in [f for f in logger.filters if isinstance(f, HousekeepingAtDebug | NamesTheJob)]:
             logger.removeFilter(old)
         logger.addFilter(quiet)
+        if job_task is not None:
+            logger.addFilter(NamesTheJob(job_task))
     warnings_logger = logging.getLogger(WARNINGS_LOGGER)
     for stale in [f for f in warnings_logger.filters if isinstance(f, SettledWarningAtDebug)]:
         warnings_logger.removeFilter(stale)

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from agents.core.errors import KeelError
 from agents.core.redaction import register_settings
+from agents.observability.otlp import CLI, traces_endpoint
 from models.clock import rfc3339
 
 P = ParamSpec("P")
@@ -48,13 +49,27 @@ def open_client() -> Any:
     from agents.client import Client
     from models.migrations import check_schema
 
-    client = Client.from_settings(settings_or_exit())
+    settings = settings_or_exit()
+    trace_command(settings)
+    client = Client.from_settings(settings)
     try:
         check_schema(client.db.engine)
     except BaseException:
         client.close()
         raise
     return client
+
+
+def trace_command(settings: Any) -> None:
+    """Turn traces on in this command's process (``service.name`` ``keel-cli``) when an OTLP endpoint is configured:
+    the transitions it makes are spans, and what they schedule carries their trace. The spans are exported as the
+    process exits (5 s at most). Without an endpoint OpenTelemetry is not even imported."""
+    if traces_endpoint(settings) is None:
+        return
+    from agents.observability.tracing import configure_tracing, installed
+
+    if installed() is None:
+        configure_tracing(settings, CLI)
 
 
 def friendly(fn: Callable[P, R]) -> Callable[P, R]:

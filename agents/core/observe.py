@@ -6,7 +6,8 @@ context) see each one start and end; core, runtime, jobs and outbox never import
 with none registered ``observe`` costs a clock read.
 
 ``context`` names what the work is about — ``request_id``, ``agent_id``, ``job_key``, ``outbox_key``, ``actor``,
-``traceparent`` (a stored W3C trace context to continue) — with values as strings (``None`` values are left out).
+``traceparent`` (a stored W3C trace context to continue), ``link`` (one the work relates to without continuing it,
+see :func:`link`) — with values as strings (``None`` values are left out).
 The work may set ``op.outcome`` (e.g. ``applied``, ``rejected``, ``suppressed``); an exception that leaves the block
 makes the outcome the exception's class name unless one was set. An observer that fails never fails the work.
 """
@@ -118,6 +119,13 @@ def annotate(**context: Any) -> None:
     op = _current.get()
     if op is not None:
         op.add(**context)
+
+
+def link(traceparent: str) -> None:
+    """Relate the work in progress to the trace ``traceparent`` names without joining it (a span link, when traces
+    are on): an approval, in its HTTP request's trace, acts on the request it approves, whose trace the jobs it
+    schedules continue."""
+    annotate(link=traceparent)
 
 
 @contextmanager

@@ -5,17 +5,19 @@ One function, :func:`redact`, replaces with ``***`` the secrets Keel was configu
 OpenAI-style, AWS and Keel's own API keys, ``Bearer …`` and ``Authorization: …`` values, and the password in a
 URL's userinfo.
 :class:`RedactingFilter` applies it to log records; :func:`install_log_redaction` puts that filter on the root
-logger's handlers. Pure: no database, no network.
+logger's handlers (not on those whose formatter redacts itself). Every pattern takes time linear in the text's
+length, whatever the text: a log line may quote what an unauthenticated client sent. Pure: no database, no network.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 from models.settings import Settings
 
@@ -25,8 +27,13 @@ MASK = "***"
 MIN_SECRET_LENGTH = 8
 
 _SHAPES: tuple[tuple[re.Pattern[str], str], ...] = (
-    # A URL's userinfo password: scheme://user:PASSWORD@host (user may be empty, as in redis://:pw@host).
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^\s:/@]*:)[^\s@/]+(@)"), rf"\g<1>{MASK}\g<2>"),
+    # A URL's userinfo password: scheme://user:PASSWORD@host (user may be empty, as in redis://:pw@host). The scheme
+    # starts where a run of scheme characters starts and is at most 31 long: tried from every position of a long
+    # run ("a-a-a-…") an unbounded one would rescan the rest of the run each time (seconds for 40 KB).
+    (
+        re.compile(r"(?i)(?<![a-z0-9+.\-])([a-z][a-z0-9+.\-]{0,30}://[^\s:/@]*:)[^\s@/]+(@)"),
+        rf"\g<1>{MASK}\g<2>",
+    ),
     # Authorization headers, in text, JSON or a dict's repr; the scheme word (Bearer, Basic, …) goes too.
     (
         re.compile(r"(?i)\b((?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?)(?:[A-Za-z]+\s+)?[^\s\"',;]+"),
@@ -63,8 +70,17 @@ def clear_secrets() -> None:
         _known = ()
 
 
-def secrets_of(settings: Settings) -> list[str]:
-    """The secrets in ``settings``: its tokens and API key, and the passwords of its database and broker URLs."""
+#: The standard OpenTelemetry variables that may hold a collector's credentials: its URLs (a password, a query
+#: such as ``?api_key=…``) and the headers sent with every export (``x-api-key=…``, ``authorization=…``).
+OTLP_URL_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+OTLP_HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+
+
+def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The secrets in ``settings``: its tokens and API key, the passwords of its database and broker URLs, and the
+    OTLP collector's credentials — the password and query values of ``KEEL_OTLP_ENDPOINT`` and of the standard
+    endpoint variables, and the header values of ``OTEL_EXPORTER_OTLP_HEADERS`` /
+    ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and percent-decoded."""
     found = [
         value.get_secret_value()
         for value in (settings.slack_token, settings.github_token, settings.llm_api_key, settings.api_metrics_token)
@@ -74,12 +90,17 @@ def secrets_of(settings: Settings) -> list[str]:
         password = _url_password(url)
         if password:
             found.extend({password, unquote(password)})
+    for url in (settings.otlp_endpoint, *(environ.get(name) for name in OTLP_URL_VARIABLES)):
+        found.extend(_url_credentials(url))
+    for name in OTLP_HEADER_VARIABLES:
+        found.extend(_header_values(environ.get(name)))
     return found
 
 
-def register_settings(settings: Settings) -> None:
-    """Register every secret ``settings`` holds (see :func:`secrets_of`). Call it where a process reads them."""
-    register_secrets(*secrets_of(settings))
+def register_settings(settings: Settings, environ: Mapping[str, str] = os.environ) -> None:
+    """Register every secret ``settings`` and the OTLP variables of ``environ`` hold (see :func:`secrets_of`). Call
+    it where a process reads them."""
+    register_secrets(*secrets_of(settings, environ))
 
 
 def redact(text: str) -> str:
@@ -133,12 +154,43 @@ class RedactingFilter(logging.Filter):
 def install_log_redaction(loggers: Iterable[logging.Logger] | None = None) -> None:
     """Put a :class:`RedactingFilter` on every handler of ``loggers`` (default: the root logger); idempotent.
 
-    A filter on a handler sees every record the handler writes, including those propagated from child loggers.
+    A filter on a handler sees every record the handler writes, including those propagated from child loggers. A
+    handler whose formatter redacts its lines itself (a true ``redacts`` attribute: Keel's,
+    ``agents.observability.logs.Formatter``) gets none: each line is redacted once.
     """
     for logger in loggers if loggers is not None else (logging.getLogger(),):
         for handler in logger.handlers:
+            if getattr(handler.formatter, "redacts", False):
+                continue
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
                 handler.addFilter(RedactingFilter())
+
+
+def _url_credentials(url: str | None) -> set[str]:
+    """A URL's password and query values, as written and decoded."""
+    if not url:
+        return set()
+    try:
+        parts = urlsplit(url.strip())
+        password = parts.password
+    except ValueError:
+        return set()
+    found = {password, unquote(password)} if password else set()
+    for raw in parts.query.split("&"):
+        value = raw.partition("=")[2]
+        found.update({value, unquote_plus(value)})
+    return {value for value in found if value}
+
+
+def _header_values(variable: str | None) -> set[str]:
+    """The values of an ``OTEL_EXPORTER_OTLP_HEADERS``-style list (``key=value,key2=value2``, percent-encoded), as
+    written and decoded."""
+    found: set[str] = set()
+    for pair in (variable or "").split(","):
+        value = pair.partition("=")[2].strip()
+        if value:
+            found.update({value, unquote(value)})
+    return {value for value in found if value}
 
 
 def _url_password(url: str | None) -> str | None:

@@ -46,7 +46,7 @@ from agents.core.errors import (
     quoted,
 )
 from agents.core.keys import make_key
-from agents.core.observe import current, current_traceparent, observe
+from agents.core.observe import current, current_traceparent, link, observe
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
@@ -301,6 +301,7 @@ def _transition(
                     input_json=input_json,
                     actor=command.actor,
                     at=at,
+                    traceparent=current_traceparent(),  # the request's trace, for transitions traced elsewhere
                 )
             decision = decide(
                 row,
@@ -333,7 +334,9 @@ def _transition(
                 )
                 return Transitioned(replace(row, journal_seq=link.seq, journal_head=link.hash), link.seq, True)
             if isinstance(decision, Accept):
-                after, to_publish = _apply_txn(cur, row, decision.after, command, at, effects, publish_due, live_jobs)
+                after, to_publish = _apply_txn(
+                    cur, row, decision.after, command, at, effects, publish_due, live_jobs, locked.request_traceparent
+                )
                 return Transitioned(after, after.journal_seq, to_publish=to_publish)
             if command.outcome is not None and not holds(cur, command.outcome.key, command.outcome.fencing_token):
                 # The worker lost its job before the agent moved on: that is the story, not the rejection.
@@ -357,6 +360,7 @@ def _apply_txn(
     effects: EffectsTxn | None,
     publish_due: bool,
     live_jobs: int,
+    request_traceparent: str | None,
 ) -> tuple[AgentRow, tuple[Due, ...]]:
     # The journal event's hash covers what the effects did, so effects run before the event is written;
     # the row is written last, carrying the new chain head.
@@ -378,8 +382,8 @@ def _apply_txn(
         if summary:
             details["effects"] = dict(summary)
     to_publish: tuple[Due, ...] = ()
-    # The jobs and messages this transition causes continue its trace (None when traces are off: no cost then).
-    traceparent = current_traceparent() if command.jobs or command.messages else None
+    # The jobs and messages this transition causes continue the request's trace.
+    traceparent = _request_trace(before, after, request_traceparent) if command.jobs or command.messages else None
     if command.jobs:
         rows = new_jobs(after, command.jobs, at, publish_due=publish_due, traceparent=traceparent)
         inserted, suppressed = insert_jobs_txn(cur, rows, at)
@@ -420,6 +424,27 @@ def _apply_txn(
     if not update_agent_txn(cur, before, after, event):
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
     return after, to_publish
+
+
+def _request_trace(before: AgentRow, after: AgentRow, stored: str | None) -> str | None:
+    """The trace context the jobs and messages a transition inserts carry: their request's, so one request is one
+    trace. The transition's own (its span their parent) when it runs in that trace — a job's outcome — or when there
+    is no request in flight with a stored one (a submit: the request's trace starts here; None when traces are off).
+    Otherwise — an approval, a cancel, a deadline stop: work of a trace of its own acting on the request — the one
+    stored with the request, and the transition's span is linked to it."""
+    current = current_traceparent()
+    if stored is None or after.request_id is None or after.request_id != before.request_id:
+        return current
+    if current is not None and _trace_id(current) == _trace_id(stored):
+        return current
+    if current is not None:
+        link(stored)
+    return stored
+
+
+def _trace_id(traceparent: str) -> str:
+    """The trace id field of a W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``)."""
+    return traceparent.split("-")[1] if traceparent.count("-") >= 2 else traceparent
 
 
 def _name_observed(command: Command) -> None:

@@ -47,9 +47,11 @@ journal and each request's story, and follow an agent live.
 
 class Observed:
     """Each HTTP request is one observed unit of work (``observe("http", method)``): its route template and status
-    are named when it ends; the W3C ``traceparent`` it came with and its ``Idempotency-Key`` (the request id of a
-    submit) are named from the start. When traces are on, the answer carries a ``traceresponse`` header (W3C Trace
-    Context level 2): the trace the request is part of, to look it up by."""
+    are named when it ends; the W3C ``traceparent`` it came with is named from the start. Its request id is not
+    taken from a header here, before anything is authenticated or checked: the routes name it (``annotate``) once
+    they know it — the submit after the token and the ``Idempotency-Key`` passed, a decision from the request in
+    flight. When traces are on, the answer carries a ``traceresponse`` header (W3C Trace Context level 2): the trace
+    the request is part of, to look it up by."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -71,12 +73,8 @@ class Observed:
             await send(message)
 
         traceparent = headers.get(b"traceparent")
-        request_id = headers.get(b"idempotency-key")
         with observe(
-            "http",
-            scope["method"],
-            traceparent=None if traceparent is None else traceparent.decode("latin-1")[:128],
-            request_id=None if request_id is None else request_id.decode("latin-1")[:128],
+            "http", scope["method"], traceparent=None if traceparent is None else traceparent.decode("latin-1")[:128]
         ) as op:
             try:
                 await self.app(scope, receive, answered)

@@ -15,11 +15,14 @@ line is written, so what a unit learns later (its agent, once claimed; its actor
 later lines, even when it was learnt on another thread. Values bound with ``structlog.contextvars`` show too.
 
 Every value on a line goes through :func:`agents.core.redaction.redact` (tracebacks included) just before it is
-rendered, besides the :class:`~agents.core.redaction.RedactingFilter` on the handlers.
+rendered, once: a handler with this formatter needs no :class:`~agents.core.redaction.RedactingFilter` (and
+:func:`~agents.core.redaction.install_log_redaction` puts none on it). A JSON line is one line for any reader: the
+characters other than ``\n`` that some readers split lines on (U+0085, U+2028, U+2029) are written escaped.
 """
 
 from __future__ import annotations
 
+import json as jsonlib
 import logging
 import os
 import sys
@@ -132,7 +135,24 @@ _SHARED: tuple[Any, ...] = (
 )
 
 
-def formatter(role: str, json: bool) -> structlog.stdlib.ProcessorFormatter:
+#: Characters JSON leaves raw that ``str.splitlines()`` and other readers take for line ends (those below U+0020
+#: are always escaped).
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _dumps(value: Any, **options: Any) -> str:
+    """``json.dumps`` (UTF-8 kept readable) with the line-breaking characters escaped: one record, one line."""
+    return jsonlib.dumps(value, **options).translate(_LINE_BREAKS)
+
+
+class Formatter(structlog.stdlib.ProcessorFormatter):
+    """Keel's formatter (see :func:`formatter`). It redacts every value of the lines it writes (``redacts``), so its
+    handlers need no :class:`~agents.core.redaction.RedactingFilter` — each line is redacted once."""
+
+    redacts = True
+
+
+def formatter(role: str, json: bool) -> Formatter:
     """The formatter for a handler of a Keel process (``role``: api, worker, beat, cli …): JSON lines
     (``timestamp`` in UTC ISO 8601, ``level``, ``logger``, ``event``, ``role``, ``pid``, the work's context,
     ``exception``) or readable ones (local time, level, message, logger, then the context as ``key=value``).
@@ -142,14 +162,14 @@ def formatter(role: str, json: bool) -> structlog.stdlib.ProcessorFormatter:
     last: list[Any]
     if json:
         timestamps = structlog.processors.TimeStamper(fmt="iso", utc=True)
-        last = [_Process(role), structlog.processors.JSONRenderer(sort_keys=False, ensure_ascii=False)]
+        last = [_Process(role), structlog.processors.JSONRenderer(_dumps, sort_keys=False, ensure_ascii=False)]
     else:
         timestamps = structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False)
         console = structlog.dev.ConsoleRenderer(
             colors=False, exception_formatter=structlog.dev.plain_traceback, pad_event_to=0
         )
         last = [console]
-    return structlog.stdlib.ProcessorFormatter(
+    return Formatter(
         # A standard-library line may name its context itself: log.info(..., extra={"outbox_key": key}).
         foreign_pre_chain=[structlog.stdlib.ExtraAdder(allow=CONTEXT_KEYS), *_SHARED],
         processors=[
@@ -198,13 +218,14 @@ def use_structlog() -> None:
 
 
 def restyle(handlers: Iterable[logging.Handler], role: str, json: bool | None) -> None:
-    """Give ``handlers`` (set up by someone else: Celery) Keel's formatter and the redaction filter. ``json`` None:
-    chosen per handler from its stream (see :func:`choose_json`)."""
+    """Give ``handlers`` (set up by someone else: Celery) Keel's formatter, which redacts their lines (a redaction
+    filter put on them earlier goes: one redaction per line is enough). ``json`` None: chosen per handler from its
+    stream (see :func:`choose_json`)."""
     for handler in handlers:
         stream = getattr(handler, "stream", None)
         handler.setFormatter(formatter(role, choose_json(None, stream) if json is None else json))
-        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-            handler.addFilter(RedactingFilter())
+        for redacting in [f for f in handler.filters if isinstance(f, RedactingFilter)]:
+            handler.removeFilter(redacting)
 
 
 def configure_logging(
@@ -216,13 +237,13 @@ def configure_logging(
     setting: str | None = None,
 ) -> bool:
     """Set up this process's logging: one handler on the root logger, writing to ``stream`` (stderr) with
-    :func:`formatter`, every line redacted; structlog through it (:func:`use_structlog`). ``json`` None: from
-    ``setting`` (``KEEL_LOG_FORMAT``) or the stream (:func:`choose_json`). Returns whether lines are JSON."""
+    :func:`formatter`, every line redacted (by the formatter); structlog through it (:func:`use_structlog`). ``json``
+    None: from ``setting`` (``KEEL_LOG_FORMAT``) or the stream (:func:`choose_json`). Returns whether lines are
+    JSON."""
     stream = stream if stream is not None else sys.stderr
     as_json = choose_json(setting, stream) if json is None else json
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter(role, as_json))
-    handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -16,15 +16,16 @@ run and a message's send — in a worker, retried, redelivered — belong to the
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from contextvars import Token
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
-from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -33,18 +34,18 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from agents.core import observe
+from agents.observability.otlp import shown, traces_endpoint
 from models.settings import Settings
 
 log = logging.getLogger("keel.tracing")
 
-#: The ``service.name`` of each process role.
+#: The ``service.name`` of each process role (a ``keel`` command's: :data:`agents.observability.otlp.CLI`).
 API, WORKER, BEAT = "keel-api", "keel-worker", "keel-beat"
 
-_TRACES_PATH = "/v1/traces"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 _SPAN_KINDS = {
@@ -73,31 +74,6 @@ _FAILED = {
 }
 
 
-def traces_endpoint(settings: Settings, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The OTLP/HTTP URL spans are exported to, or None when traces are off (see the module's docstring)."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    if settings.otlp_endpoint:
-        return _traces_url(settings.otlp_endpoint)
-    full = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
-    if full:
-        return full
-    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
-    return _traces_url(base) if base else None
-
-
-def _traces_url(base: str) -> str:
-    base = base.rstrip("/")
-    return base if base.endswith(_TRACES_PATH) else base + _TRACES_PATH
-
-
-def _shown(url: str) -> str:
-    """``url`` without what may be a credential (user info, query)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{'' if parts.port is None else f':{parts.port}'}{parts.path}"
-
-
 def span_name(op: observe.Op) -> str:
     """``keel.transition submit``, ``keel.job plan``, ``keel.model_call``, ``keel.tool_call search``,
     ``keel.outbox_send slack``, ``HTTP POST /v1/agents/{ref}/requests`` (the route template, once it is known)."""
@@ -117,6 +93,15 @@ def _attributes(context: Mapping[str, Any]) -> dict[str, str | int]:
             continue
         found[name] = int(value) if key == "status" and str(value).isdigit() else str(value)
     return found
+
+
+def _links(context: Mapping[str, Any]) -> list[Link]:
+    """The span link ``context`` names (:func:`agents.core.observe.link`), if it is a valid trace context."""
+    carried = context.get("link")
+    if not carried:
+        return []
+    linked = trace.get_current_span(_PROPAGATOR.extract({"traceparent": str(carried)})).get_span_context()
+    return [Link(linked)] if linked.is_valid else []
 
 
 class TracingObserver:
@@ -139,7 +124,11 @@ class TracingObserver:
         elif op.kind == "model_call":
             attributes["keel.provider"] = op.name
         span = self.tracer.start_span(
-            span_name(op), context=parent, kind=_SPAN_KINDS.get(op.kind, SpanKind.INTERNAL), attributes=attributes
+            span_name(op),
+            context=parent,
+            kind=_SPAN_KINDS.get(op.kind, SpanKind.INTERNAL),
+            attributes=attributes,
+            links=_links(op.context),
         )
         self._spans[id(op)] = span
         return span, otel_context.attach(trace.set_span_in_context(span))
@@ -149,6 +138,8 @@ class TracingObserver:
         if span is None:
             return
         span.set_attributes(_attributes(context))
+        for found in _links(context):
+            span.add_link(found.context)
         span.update_name(span_name(op))  # the route became known, or a transition was joined into another event
 
     def end(self, op: observe.Op, token: tuple[Span, Token[Context]]) -> None:
@@ -174,6 +165,22 @@ class TracingObserver:
         return carrier.get("traceparent")
 
 
+#: How long a process that stops waits, at most, for its last spans to reach the collector (its exit handler,
+#: a prefork worker child's end): a collector that does not answer must not hold up a stop.
+SHUTDOWN_SECONDS = 5.0
+
+
+def _within(seconds: float, work: Callable[[], Any]) -> bool:
+    """Run ``work`` on a daemon thread and wait for it ``seconds`` at most: True if it finished in time (and did not
+    return False). The SDK's own flush ignores its timeout and waits for the exporter (its timeout, its retries);
+    left behind, the thread goes on exporting and never keeps the process alive."""
+    outcome: list[Any] = []
+    thread = threading.Thread(target=lambda: outcome.append(work()), name="keel-trace-flush", daemon=True)
+    thread.start()
+    thread.join(max(seconds, 0.0))
+    return bool(outcome) and outcome[0] is not False
+
+
 @dataclass(frozen=True)
 class Tracing:
     """Traces as configured in this process: :func:`configure_tracing` returns it."""
@@ -184,14 +191,17 @@ class Tracing:
     pid: int
 
     def flush(self, timeout_millis: int = 5_000) -> bool:
-        """Export the spans that ended so far (before a process ends without running its exit handlers)."""
-        return self.provider.force_flush(timeout_millis)
+        """Export the spans that ended so far (before a process ends without running its exit handlers), waiting
+        ``timeout_millis`` at most: False if they were not all exported by then (the export goes on in the
+        background)."""
+        return _within(timeout_millis / 1000, self.provider.force_flush)
 
-    def shutdown(self) -> None:
-        """Stop tracing in this process: no more spans; those that ended are exported first."""
+    def shutdown(self, timeout_millis: int = int(SHUTDOWN_SECONDS * 1000)) -> bool:
+        """Stop tracing in this process: no more spans; those that ended are exported first, waiting
+        ``timeout_millis`` at most. False if they were not all exported by then."""
         observe.unregister(self.observer)
         observe.set_trace_context(None)
-        self.provider.shutdown()
+        return _within(timeout_millis / 1000, self.provider.shutdown)
 
 
 _installed: Tracing | None = None
@@ -221,7 +231,9 @@ def configure_tracing(settings: Settings, service_name: str, exporter: SpanExpor
             "deployment.environment.name": settings.environment,
         }
     )
-    provider = TracerProvider(resource=resource)
+    # Its exit handler is this module's: the SDK's would wait for a collector that does not answer (its timeout,
+    # then its retries) before the process could end.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=endpoint)))
     # Not installed as OpenTelemetry's global provider: libraries that trace through it on their own (FastAPI's
     # native telemetry, say) stay off, and every span is one of Keel's units of work. The current span is global
@@ -230,7 +242,7 @@ def configure_tracing(settings: Settings, service_name: str, exporter: SpanExpor
     observe.register(observer)
     observe.set_trace_context(observer)
     _installed = Tracing(provider, observer, endpoint, os.getpid())
-    log.info("traces: %s spans go to %s", service_name, _shown(endpoint))
+    log.info("traces: %s spans go to %s", service_name, shown(endpoint))
     return _installed
 
 
@@ -239,8 +251,29 @@ def installed() -> Tracing | None:
     return _installed if _installed is not None and _installed.pid == os.getpid() else None
 
 
-def flush_tracing() -> None:
-    """Export what ended so far, if traces are on here: before ``os._exit`` (a worker child ending itself)."""
+def flush_tracing(seconds: float = SHUTDOWN_SECONDS) -> bool:
+    """Export what ended so far, if traces are on here, waiting ``seconds`` at most: before ``os._exit`` (a worker
+    child that ends). False if something may be left unexported."""
     tracing = installed()
-    if tracing is not None:
-        tracing.flush()
+    if tracing is None:
+        return True
+    if tracing.flush(int(seconds * 1000)):
+        return True
+    _not_exported(tracing, seconds)
+    return False
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    tracing = installed()
+    if tracing is not None and not tracing.shutdown():
+        _not_exported(tracing, SHUTDOWN_SECONDS)
+
+
+def _not_exported(tracing: Tracing, seconds: float) -> None:
+    log.warning(
+        "traces: the last spans were not exported within %g s (the collector at %s did not answer in time);"
+        " this process ends without them",
+        seconds,
+        shown(tracing.endpoint),
+    )

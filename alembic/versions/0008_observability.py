@@ -12,7 +12,8 @@ counter could read a hair lower after a fold than before it, which Prometheus ta
 the database holds (a partial unique index), so two beats can never open one episode twice.
 
 ``jobs.traceparent`` and ``outbox.traceparent``: the W3C trace context of the request that caused the row, so one
-trace follows a request across processes and retries.
+trace follows a request across processes and retries; ``requests.traceparent``: the submit's, which the rows a later
+transition of the request inserts carry when that transition runs in another trace (an approval).
 
 Revision ID: 0008
 Revises: 0007
@@ -70,9 +71,11 @@ def upgrade() -> None:
     )
     op.add_column("jobs", sa.Column("traceparent", sa.Text(), nullable=True))
     op.add_column("outbox", sa.Column("traceparent", sa.Text(), nullable=True))
+    op.add_column("requests", sa.Column("traceparent", sa.Text(), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column("requests", "traceparent")
     op.drop_column("outbox", "traceparent")
     op.drop_column("jobs", "traceparent")
     op.drop_index("ix_alert_episodes_open", table_name="alert_episodes")

@@ -58,6 +58,17 @@ def test_the_relay_is_quiet_at_info_and_jobs_are_not(stack: Stack, client: Clien
     assert any(re.match(r"Task keel\.run_job\[req-1:noop:1\] succeeded", event) for event in at_info)
     assert "keel.relay_outbox[" not in worker, "the relay's received/succeeded lines are DEBUG"
     assert "Sending due task relay-outbox" not in beat, "beat's half-second sends are DEBUG"
+    # Celery's lines about a job name it as fields too: a search by request finds them.
+    celery = [line for line in log_lines(worker) if line["event"].startswith("Task keel.run_job[req-1:noop:1]")]
+    assert len(celery) == 2 and all(
+        (line["job_key"], line["request_id"]) == ("req-1:noop:1", "req-1") for line in celery
+    )
+    # Every line either process wrote is a JSON line (the log is a file): no banner, no raw warning (Celery's
+    # SecurityWarning when it runs as root included).
+    for text in (worker, beat):
+        raw = [line for line in text.split("\n") if line.strip() and not line.startswith("{")]
+        assert not raw, "\n".join(raw[:20])
+        assert len(log_lines(text)) == len([line for line in text.split("\n") if line.strip()])
 
 
 def test_a_database_outage_is_one_line_going_and_one_coming_back(stack: Stack, client: Client) -> None:

@@ -9,12 +9,18 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 from agents.client import Client
 from models import migrations
@@ -26,8 +32,10 @@ PROMPT = '{"prompt": "hi"}'
 SCRATCH = tempfile.mkdtemp(prefix="keel-cli-")
 
 
-def keel(db_url: str, *args: str, check: bool = True, broker: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+def keel(
+    db_url: str, *args: str, check: bool = True, broker: str | None = None, **more: str
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))} | more
     env["KEEL_DATABASE_URL"] = db_url
     if broker:
         env["KEEL_BROKER_URL"] = broker
@@ -710,3 +718,54 @@ def test_long_values_are_shortened_in_errors(db_url: str, args: tuple[str, ...])
     assert result.returncode in (1, 2) and len(result.stderr.splitlines()) == 1, result.stderr
     assert len(result.stderr) < 300 and "x" * 61 not in result.stderr, result.stderr
     assert "…" in result.stderr or "at most 200 characters" in result.stderr, result.stderr
+
+
+class Collector:
+    """An OTLP/HTTP trace receiver on 127.0.0.1 that keeps the service name and trace id of each span it gets."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, str]] = []  # (service.name, span name, trace id)
+        received = self.spans
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["Content-Length"])))
+                for resource in body.resource_spans:
+                    (service,) = (a.value.string_value for a in resource.resource.attributes if a.key == "service.name")
+                    for scope in resource.scope_spans:
+                        received.extend((service, span.name, span.trace_id.hex()) for span in scope.spans)
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_command_traces_when_an_endpoint_is_configured(db_url: str) -> None:
+    collector = Collector()
+    try:
+        keel(db_url, "agent", "create", "traced-bot", KEEL_OTLP_ENDPOINT=collector.url)
+        keel(db_url, "submit", "traced-bot", "req-t", "--input", PROMPT, KEEL_OTLP_ENDPOINT=collector.url)
+        keel(db_url, "submit", "traced-bot", "req-u", "--input", PROMPT, check=False)  # no endpoint: no trace
+    finally:
+        collector.stop()
+    with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+        stored = dict(conn.execute("SELECT request_id, traceparent FROM requests").fetchall())
+        (job_trace,) = conn.execute("SELECT traceparent FROM jobs WHERE key = 'req-t:plan:1'").fetchone()  # type: ignore[misc]
+    assert job_trace is not None and stored["req-t"] is not None
+    trace_id = job_trace.split("-")[1]
+    # The command's exit exported its spans: the submit's transition, in the trace its job carries.
+    assert ("keel-cli", "keel.transition submit", trace_id) in collector.spans, collector.spans
+    assert stored.get("req-u", "missing") in (None, "missing")

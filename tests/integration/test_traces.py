@@ -261,3 +261,118 @@ def test_without_an_endpoint_nothing_is_traced_stored_or_exported(
     assert "traceresponse" not in submitted.headers
     assert set(stored(db).values()) == {None}
     assert exporter.get_finished_spans() == ()
+
+
+APPROVER_TRACE = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+APPROVER = f"00-{APPROVER_TRACE}-bbbbbbbbbbbbbbbb-01"
+NEEDS_APPROVAL = {
+    "prompt": "Comment on the issue",
+    "script": [
+        {"tool_calls": [{"name": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "Ok"}}]},
+        {"content": "Commented."},
+    ],
+}
+
+
+def call(app: Any, secret: str | None, steps: Callable[[httpx.AsyncClient], Any]) -> Any:
+    """Run ``steps`` against the app (its lifespan around them), as a client with ``secret`` (None: no token)."""
+
+    async def run() -> Any:
+        headers = {} if secret is None else {"Authorization": f"Bearer {secret}"}
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://keel.test", headers=headers
+            ) as http,
+        ):
+            return await steps(http)
+
+    return asyncio.run(run())
+
+
+def trace_of(traceparent: str | None) -> str | None:
+    return None if traceparent is None else traceparent.split("-")[1]
+
+
+def test_an_approval_in_a_trace_of_its_own_keeps_the_request_in_the_requests_trace(
+    db: Database, db_url: str, broker: Broker, exported: Callable[[], list[ReadableSpan]]
+) -> None:
+    _, secret = create_token(db, "person", ["producer", "approver"], actor="test")
+    app = create_app(broker.settings(database_url=db_url))
+
+    async def submit(http: httpx.AsyncClient) -> str:
+        agent = await http.post("/v1/agents", json={"name": "commenter"})
+        submitted = await http.post(
+            f"/v1/agents/{agent.json()['id']}/requests",
+            json={"input": NEEDS_APPROVAL},
+            headers={"Idempotency-Key": "req-a", "traceparent": TRACEPARENT},
+        )
+        assert submitted.status_code == 201, submitted.text
+        return str(agent.json()["id"])
+
+    agent_id = call(app, secret, submit)
+    assert run_all(db) == ["req-a:plan:1", "req-a:gate:github_comment:1.call_0_0"]
+
+    async def approve(http: httpx.AsyncClient) -> httpx.Response:
+        state = await http.get(f"/v1/agents/{agent_id}")
+        assert state.json()["phase"] == "waiting_approval"
+        return await http.post(
+            f"/v1/agents/{agent_id}/approve", headers={"If-Match": state.headers["ETag"], "traceparent": APPROVER}
+        )
+
+    approved = call(app, secret, approve)
+    assert approved.status_code == 200, approved.text
+    assert trace_of(approved.headers["traceresponse"]) == APPROVER_TRACE  # the approver's call is its own trace
+    run_all(db)
+
+    # The request's trace is stored with it; every job and message of the request carries it, those the approval
+    # scheduled too.
+    with psycopg.connect(db.libpq_url) as conn:
+        (request_trace,) = conn.execute("SELECT traceparent FROM requests WHERE request_id = 'req-a'").fetchone()  # type: ignore[misc]
+    assert trace_of(request_trace) == TRACE_ID
+    rows = stored(db)
+    assert "req-a:github:call_0_0" in rows and len(rows) >= 3, rows
+    assert {key: trace_of(value) for key, value in rows.items()} == dict.fromkeys(rows, TRACE_ID)
+
+    spans = exported()
+    (decision,) = (s for s in spans if s.name == "keel.transition approve")
+    assert f"{decision.context.trace_id:032x}" == APPROVER_TRACE
+    assert [f"{link.context.trace_id:032x}" for link in decision.links] == [TRACE_ID], "linked to the request"
+    (http,) = (s for s in spans if s.name == "HTTP POST /v1/agents/{agent}/approve")
+    assert http.attributes is not None and http.attributes["keel.request_id"] == "req-a"
+    runs = [s for s in spans if s.name.startswith("keel.job ")]
+    assert len(runs) >= 3 and {f"{s.context.trace_id:032x}" for s in runs} == {TRACE_ID}
+    later = [s for s in spans if s.start_time and decision.start_time and s.start_time > decision.start_time]
+    assert {f"{s.context.trace_id:032x}" for s in later if not s.name.startswith("HTTP ")} == {TRACE_ID}
+
+
+def test_an_idempotency_key_names_the_request_only_once_the_submit_checked_it(
+    db: Database, db_url: str, broker: Broker, exported: Callable[[], list[ReadableSpan]]
+) -> None:
+    _, secret = create_token(db, "producer", ["producer"], actor="test")
+    app = create_app(broker.settings(database_url=db_url))
+
+    async def unauthenticated(http: httpx.AsyncClient) -> list[int]:
+        health = await http.get("/healthz", headers={"Idempotency-Key": "victim-request"})
+        listed = await http.get("/v1/agents", headers={"Idempotency-Key": "victim-request"})
+        return [health.status_code, listed.status_code]
+
+    assert call(app, None, unauthenticated) == [200, 401]
+
+    async def malformed(http: httpx.AsyncClient) -> int:
+        agent = await http.post("/v1/agents", json={"name": "analyst"})
+        bad = await http.post(
+            f"/v1/agents/{agent.json()['id']}/requests",
+            json={"input": NEEDS_APPROVAL},
+            headers={"Idempotency-Key": "bad key!"},
+        )
+        return bad.status_code
+
+    assert call(app, secret, malformed) == 422  # the key is refused: it names no request
+    named = {s.name: (s.attributes or {}).get("keel.request_id") for s in exported() if s.name.startswith("HTTP ")}
+    assert named == {
+        "HTTP GET /healthz": None,
+        "HTTP GET unmatched": None,  # refused by the token gate, before routing
+        "HTTP POST /v1/agents": None,
+        "HTTP POST /v1/agents/{agent}/requests": None,
+    }

@@ -10,7 +10,7 @@ def log_lines(text: str) -> list[dict[str, Any]]:
     """The JSON log lines in ``text``, in order; other lines (Celery's banner, a traceback Python printed itself)
     are left out."""
     found = []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): a reader of JSON lines splits on "\n" alone
         if line.startswith("{"):
             try:
                 record = json.loads(line)

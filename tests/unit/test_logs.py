@@ -15,10 +15,12 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from agents.core import redaction
 from agents.core.observe import annotate, observe, observers, unregister
 from agents.core.redaction import clear_secrets, register_secrets
 from agents.observability import logs
 from models.settings import Settings
+from tests.support.logs import log_lines
 
 
 class Terminal(io.StringIO):
@@ -176,3 +178,46 @@ def test_secrets_are_masked_in_messages_values_and_tracebacks(out: io.StringIO) 
 def test_the_observer_is_registered_once(out: io.StringIO) -> None:
     logs.use_structlog()
     assert [o for o in observers() if o is logs.LOG_CONTEXT] == [logs.LOG_CONTEXT]
+
+
+def test_a_value_with_unicode_line_separators_stays_one_json_line(out: io.StringIO) -> None:
+    value = "a\u2028b\x85c\u2029d é"
+    log.warning("odd %s", value)
+    text = out.getvalue()
+    assert len(text.splitlines()) == 1, "a reader that splits on every line break still sees one line"
+    assert "\\u2028" in text and "é" in text  # escaped, while other text stays readable UTF-8
+    (line,) = log_lines(text)
+    assert line["event"] == f"odd {value}"
+
+
+def test_log_lines_splits_on_newlines_only() -> None:
+    text = '{"event": "a\u2028b"}\n{"event": "c"}\n'
+    assert [line["event"] for line in log_lines(text)] == ["a\u2028b", "c"]
+
+
+def test_each_line_is_redacted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    original = redaction.redact
+
+    def counted(text: str) -> str:
+        if "once-marker" in text:
+            calls.append(text)
+        return original(text)
+
+    monkeypatch.setattr(redaction, "redact", counted)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(redaction.RedactingFilter())  # as Celery's handlers have it before Keel restyles them
+    logs.restyle([handler], "test", json=True)
+    logger = logging.getLogger("keel.test.once")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        redaction.install_log_redaction([logger])  # Keel's formatter redacts: no filter is put back
+        assert not handler.filters
+        logger.info("once-marker %s", "Bearer abcdef123456")
+    finally:
+        logger.removeHandler(handler)
+    assert calls == ["once-marker Bearer abcdef123456"]
+    assert [line["event"] for line in lines(stream)] == ["once-marker Bearer ***"]

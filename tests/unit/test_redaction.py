@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -124,3 +125,60 @@ def test_the_log_filter_redacts_messages_arguments_and_tracebacks() -> None:
     out = stream.getvalue()
     assert "abcdef123456" not in out and "xoxb-123" not in out, out
     assert "Bearer ***" in out and "RuntimeError: upstream echoed ***" in out and "req-1:plan:1" in out
+
+
+#: Texts that made the URL-password pattern rescan the rest of the text from every position (13 s for 40 KB of
+#: "a-"): a log line quotes what an unauthenticated client sent (uvicorn's access line: the path).
+HOSTILE = ["a-", "xoxb-", "a://b:", " ", "authorization: "]
+
+
+def _seconds_to_redact(text: str) -> float:
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        redact(text)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@pytest.mark.parametrize("unit", HOSTILE)
+def test_redaction_time_grows_linearly_with_a_hostile_value(unit: str) -> None:
+    small = _seconds_to_redact(unit * (20_000 // len(unit)))
+    assert small < 1.0, f"20 KB of {unit!r} took {small:.2f} s to redact"  # linear: a few ms; quadratic: seconds
+    large = _seconds_to_redact(unit * (200_000 // len(unit)))
+    assert large < 2.0, f"200 KB of {unit!r} took {large:.2f} s to redact"
+    # Ten times the text, about ten times the time (a quadratic scan: a hundred times).
+    assert large < 40 * max(small, 0.001), (small, large)
+
+
+def test_url_passwords_are_still_masked_after_long_runs_of_scheme_characters() -> None:
+    text = "a-" * 5_000 + " postgresql://u:pw-secret-1@h/db and redis://:pw-secret-2@r:6379/0 x_https://u:pw-3@h"
+    cleaned = redact(text)
+    assert "postgresql://u:***@h/db" in cleaned and "redis://:***@r:6379/0" in cleaned
+    assert "https://u:***@h" in cleaned and "pw-" not in cleaned
+
+
+def test_the_otlp_collectors_credentials_are_secrets() -> None:
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        otlp_endpoint="https://otel:pass-word-5@collector:4318/?api_key=QUERY-secret%2B6&tenant=t",
+    )
+    environ = {
+        "OTEL_EXPORTER_OTLP_HEADERS": "x-api-key=HDR-secret-7%3D%3D, authorization=Bearer%20hdr-token-8",
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "x-honeycomb-team=trace-hdr-secret-9",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://c/v1/traces?key=env-query-secret-10",
+    }
+    assert set(secrets_of(settings, environ)) >= {
+        "pass-word-5",
+        "QUERY-secret%2B6",
+        "QUERY-secret+6",
+        "HDR-secret-7==",
+        "Bearer hdr-token-8",
+        "trace-hdr-secret-9",
+        "env-query-secret-10",
+    }
+    register_settings(settings, environ)
+    # An exception that quotes the exporter's headers, logged or stored as a job's last error.
+    text = "export failed: headers={'x-api-key': 'HDR-secret-7==', 'x-honeycomb-team': 'trace-hdr-secret-9'}"
+    assert redact(text) == "export failed: headers={'x-api-key': '***', 'x-honeycomb-team': '***'}"
+    assert "secret" not in redact("url https://c/v1/traces?key=env-query-secret-10 and QUERY-secret+6")

@@ -70,6 +70,7 @@ def submit(
             "send an Idempotency-Key header: it is the request id, and a retry under it is never run twice",
         )
     request_id = check_request_id(idempotency_key)
+    annotate(request_id=request_id)  # authenticated and checked: the request's lines and span name it from here
     expected = if_match_revision(if_match)
     # A token that sees every agent needs no read before the transition when given an id: the transition's locking
     # read finds the agent, or answers as for a missing one. A prefixed token's agent must be checked by name first.
