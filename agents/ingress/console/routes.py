@@ -67,8 +67,9 @@ templates = Environment(
 templates.filters["spend"] = views.spend
 
 
-class SignInRequired(Exception):
-    """No valid session: pages send the person to the sign-in form, scripts get a 401."""
+class SignInRequired(KeelError):
+    """Sign in to the console first: there is no valid session (pages send the person to the sign-in form, scripts
+    get a 401)."""
 
 
 @dataclass(frozen=True, slots=True)
