@@ -6,6 +6,7 @@ skipped with the reason and the fix (``-ra`` lists them), never silently."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -45,9 +46,11 @@ def _cannot_run(reason: str) -> None:
     pytest.skip(f"browser tests cannot run here: {reason}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
-    """A headless Chromium (Debian's package) under Playwright."""
+    """A headless Chromium (Debian's package) under Playwright. Module-scoped, not session-scoped: Playwright's sync
+    API leaves its event loop marked as running in this thread until it stops, and every later test that runs an
+    event loop (asyncio.run, the ASGI test client) would fail."""
     if shutil.which(CHROMIUM) is None:
         _cannot_run(f"{CHROMIUM} is missing: apt-get install chromium (or set KEEL_TEST_CHROMIUM)")
     try:
@@ -60,6 +63,11 @@ def chromium() -> Iterator[Any]:
             yield browser
         finally:
             browser.close()
+    try:  # the tests after these run event loops of their own: none may be left running in this thread
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise AssertionError("Playwright left its event loop running in the test thread")
 
 
 @dataclass
