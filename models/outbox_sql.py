@@ -300,6 +300,42 @@ def page_messages(
     return rows
 
 
+#: What the console's Outbox page lists: every message not sent (yet).
+UNSENT = ("pending", "sending", "dead")
+# Its pages, newest first: the WHERE clause names ix_outbox_unsent's predicate word for word, and the keyset
+# condition is added only when there is one (an "IS NULL OR" would keep it out of the index condition), so a page is a
+# bounded backward scan of that index.
+_UNSENT = f"SELECT {_PUBLIC} FROM outbox o WHERE o.status IN ('pending', 'sending', 'dead')"
+_UNSENT_STATUS = " AND o.status = %(status)s"
+_UNSENT_BEFORE = " AND o.seq < %(before)s::bigint"
+_UNSENT_PREFIX = """ AND o.agent_id IN (
+        SELECT id FROM agents WHERE starts_with(name, %(prefix)s)
+        UNION ALL SELECT agent_id FROM audit.deleted_agents WHERE starts_with(name, %(prefix)s))"""
+_UNSENT_ORDER = " ORDER BY o.seq DESC LIMIT %(limit)s"
+
+
+def unsent_page(
+    db: Database, *, status: str | None, before_seq: int | None, limit: int, name_prefix: str | None
+) -> list[dict[str, Any]]:
+    """Messages pending, sending or dead (only ``status`` if given), newest first, created before ``before_seq`` if
+    given, of agents named ``name_prefix…`` if given; at most ``limit``."""
+    if status is not None and status not in UNSENT:
+        raise ValueError(f"status {status!r} is not one of {UNSENT}")
+    sql = _UNSENT
+    if status is not None:
+        sql += _UNSENT_STATUS
+    if before_seq is not None:
+        sql += _UNSENT_BEFORE
+    if name_prefix is not None:
+        sql += _UNSENT_PREFIX
+    params = {"status": status, "before": before_seq, "limit": limit, "prefix": name_prefix}
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(sql + _UNSENT_ORDER, params)
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
+
+
 def request_messages(db: Database, request_id: str) -> list[dict[str, Any]]:
     """A request's outbox messages in the order they were emitted."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:

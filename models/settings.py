@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -203,9 +204,24 @@ class Settings(BaseSettings):
     # beats each serve it on a port of their own, 0 = not served (several on one host need distinct ports).
     api_metrics: bool = True
     api_metrics_token: SecretStr | None = None
+    #: The proxies ``keel serve`` believes the ``X-Forwarded-For`` and ``X-Forwarded-Proto`` headers of (addresses or
+    #: networks, e.g. ["10.0.0.0/8"]): the client address the console's sign-in limit counts by comes from them only
+    #: when the connection comes from one of these. Empty: believe no one, the connection's own address counts.
+    api_forwarded_allow_ips: list[str] = Field(default_factory=list)
     #: Signs the operator console's session cookies (at least 32 characters). None: a random key per API process,
     #: so sessions end when it restarts and do not carry over between processes (set it with KEEL_API_WORKERS > 1).
     console_session_key: SecretStr | None = None
+    #: Failed console sign-ins (an unknown or revoked token), counted in Redis like the API's rate limits: from one
+    #: client address at most ``burst`` at once, then one more every 60/``per_minute`` seconds; and over all addresses
+    #: together the ``global`` pair, so guessing from many addresses is slowed too. Over either, a sign-in is refused
+    #: (429) before its token is looked up — a correct token too — until the allowance comes back.
+    console_signin_limit_enabled: bool = True
+    console_signin_burst: int = Field(default=10, ge=1, le=1_000_000)
+    console_signin_per_minute: float = Field(default=5.0, gt=0, le=1_000_000, allow_inf_nan=False)
+    console_signin_global_burst: int = Field(default=100, ge=1, le=1_000_000)
+    console_signin_global_per_minute: float = Field(default=60.0, gt=0, le=1_000_000, allow_inf_nan=False)
+    #: Rows per page of the console's lists: the agents, the outbox's unsent messages, an agent's journal.
+    console_page_size: int = Field(default=100, ge=1, le=1000)
     metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     beat_metrics_port: int = Field(default=0, ge=0, le=65535)
@@ -302,6 +318,33 @@ class Settings(BaseSettings):
         if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters (Prometheus sends it as a Bearer token)")
         return value
+
+    @field_validator("api_forwarded_allow_ips")
+    @classmethod
+    def _forwarded_allow_ips_are_addresses(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if entry.strip() == "*":
+                raise ValueError(
+                    "name the proxies' addresses or networks (e.g. 10.0.0.0/8), not '*': with '*' any client could"
+                    " claim any address"
+                )
+            try:
+                ipaddress.ip_network(entry.strip(), strict=True)
+            except ValueError:
+                raise ValueError(
+                    f"{entry[:60]!r} is not an IP address or network (e.g. 10.0.0.7, 10.0.0.0/8, fd00::/8; a network"
+                    " without host bits set)"
+                ) from None
+        return [entry.strip() for entry in value]
+
+    @model_validator(mode="after")
+    def _signin_limits_fit_together(self) -> Settings:
+        if self.console_signin_global_burst < self.console_signin_burst:
+            raise ValueError(
+                "KEEL_CONSOLE_SIGNIN_GLOBAL_BURST: must not be below KEEL_CONSOLE_SIGNIN_BURST (the ceiling over every"
+                " address would be lower than one address's own limit)"
+            )
+        return self
 
     @field_validator("console_session_key")
     @classmethod

@@ -103,6 +103,15 @@ agents = Table(
     Index("ix_agents_listing", "created_at", "id"),  # newest first, keyset-paginated (scanned backwards)
     # The approvals inbox and the approval-timeout pass start from the agents waiting for a person.
     Index("ix_agents_waiting", "id", postgresql_where=text("phase = 'waiting_approval'")),
+    # The console's list, a page at a time (models/console_sql.py): those waiting longest first, then per phase
+    # newest first.
+    Index(
+        "ix_agents_waiting_since",
+        "updated_at",
+        "id",
+        postgresql_where=text("phase = 'waiting_approval' AND archived_at IS NULL"),
+    ),
+    Index("ix_agents_by_phase", "phase", "created_at", "id", postgresql_where=text("archived_at IS NULL")),
 )
 
 #: Tables whose rows outlive a deleted agent (its story: the journal, and what its requests did). Instead of a
@@ -274,6 +283,8 @@ outbox = Table(
     CheckConstraint(f"agent_id IS NOT NULL OR {_in('request_id', SYSTEM_REQUEST_IDS)}", name="system_message"),
     Index("ix_outbox_line", "destination", "seq", postgresql_where=text("status IN ('pending', 'sending')")),
     Index("ix_outbox_dead", "channel", postgresql_where=text("status = 'dead'")),  # dead letters per channel (KPIs)
+    # The console's Outbox page: what is not sent yet, newest first, a page at a time (sent messages are most rows).
+    Index("ix_outbox_unsent", "seq", postgresql_where=text("status IN ('pending', 'sending', 'dead')")),
 )
 
 #: Append-only: one row per confirmed delivery (sent, or found at the receiver by reconciliation).

@@ -193,7 +193,10 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
         # Keel's lines and uvicorn's (access lines too) with timestamps, every one redacted, in each worker process.
         log_config=log_config(loglevel, json=choose_json(settings.log_format)),
         log_level=loglevel,
-        proxy_headers=True,
+        # X-Forwarded-For / -Proto only from the proxies KEEL_API_FORWARDED_ALLOW_IPS names (none by default): the
+        # client address the console's sign-in limit counts by must not be whatever a client claims.
+        proxy_headers=bool(settings.api_forwarded_allow_ips),
+        forwarded_allow_ips=settings.api_forwarded_allow_ips or None,
         server_header=False,
         # Live event streams end as the shutdown begins (the app's lifespan sees the signal; clients resume with
         # Last-Event-ID); requests in flight get this long to finish.

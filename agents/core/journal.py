@@ -358,6 +358,113 @@ def verify_chain(db: Database, agent_id: UUID) -> ChainBreak | None:
             raw.read_only = None
 
 
+@dataclass(frozen=True, slots=True)
+class JournalPage:
+    """A window of one agent's chain (events ``first_seq``..``last_seq``, shown newest first) and what was checked of
+    it: each event's content against its hash, each one's link to the one before — the first one's to event
+    ``first_seq - 1``'s stored hash, or to the chain's start — and, when the window reaches the agent's head, that
+    the head is its last event and the agent's state its last transition's. Nothing before ``first_seq - 1`` was
+    read: only a full walk (:func:`verify_chain`, ``keel audit verify``) vouches for those."""
+
+    events: tuple[JournalEvent, ...]
+    first_seq: int
+    last_seq: int
+    head_seq: int
+    broken: ChainBreak | None
+
+    @property
+    def at_head(self) -> bool:
+        return self.last_seq == self.head_seq
+
+    @property
+    def older(self) -> int | None:
+        """Where the next (older) page ends: before the first event shown, if there is any before it."""
+        return self.first_seq if self.first_seq > 1 else None
+
+
+_WINDOW_QUERY = (
+    "SELECT *, details::text AS details_json FROM audit.journal WHERE agent_id = %s AND seq BETWEEN %s AND %s"
+    " ORDER BY seq"
+)
+
+
+def journal_page(db: Database, agent_id: UUID, *, before: int | None, limit: int) -> JournalPage | None:
+    """Up to ``limit`` of the agent's events before event ``before`` (None: its latest), checked as
+    :class:`JournalPage` says, in one snapshot with the agent's row; None when the agent has no row. The cost is
+    the window's, not the chain's: one index range read of ``limit + 1`` events."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    with db.connection() as raw:
+        raw.rollback()
+        raw.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        raw.read_only = True
+        try:
+            with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
+                heads_cur.execute(
+                    "SELECT id AS agent_id, journal_seq AS seq, journal_head AS hash, revision, phase, request_id,"
+                    " false AS deleted FROM agents WHERE id = %s",
+                    (agent_id,),
+                )
+                head = heads_cur.fetchone()
+            if head is None:
+                return None
+            last = head.seq if before is None else min(before - 1, head.seq)
+            first = max(1, last - limit + 1)
+            with raw.cursor(row_factory=dict_row) as cur:
+                # One event past the head too, if there is one: nothing may follow the head.
+                cur.execute(_WINDOW_QUERY, (agent_id, first - 1, last + 1 if last == head.seq else last))
+                rows = cur.fetchall()
+        finally:
+            raw.rollback()
+            raw.isolation_level = None
+            raw.read_only = None
+    shown = [row for row in rows if first <= row["seq"] <= last]
+    broken = _window_break(agent_id, rows, first, last, head)
+    events = tuple(JournalEvent.model_validate(row) for row in reversed(shown))
+    return JournalPage(events, first, last, head.seq, broken)
+
+
+def _window_break(agent_id: UUID, rows: list[dict[str, Any]], first: int, last: int, head: _Head) -> ChainBreak | None:
+    """The first broken link among events ``first``..``last`` (``rows`` may hold event ``first - 1``, read only for
+    its hash, and at the head event ``last + 1``, which must not exist)."""
+    if last < first:
+        return None
+    by_seq = {row["seq"]: row for row in rows}
+    expected_prev = GENESIS_HASH if first == 1 else None
+    if first > 1:
+        before = by_seq.get(first - 1)
+        if before is None:
+            return ChainBreak(agent_id, first - 1, None, f"event {first - 1} is missing")
+        expected_prev = before["hash"]
+    state: tuple[int, str | None, str | None] | None = None
+    for seq in range(first, last + 1):
+        row = by_seq.get(seq)
+        if row is None:
+            return ChainBreak(agent_id, seq, None, f"event {seq} is missing")
+        fields = {name: row[name] for name in _HASHED}
+        if fields["prev_hash"] != expected_prev:
+            return ChainBreak(agent_id, seq, row["id"], "prev_hash does not match the previous event's hash")
+        if event_hash(agent_id=agent_id, **fields) != row["hash"]:
+            return ChainBreak(agent_id, seq, row["id"], "the event's content does not match its hash")
+        if fields["kind"] == "transition":
+            state = (fields["revision"], fields["to_phase"], fields["request_id"])
+        expected_prev = row["hash"]
+    if last == head.seq:
+        if last + 1 in by_seq:
+            return ChainBreak(agent_id, last + 1, by_seq[last + 1]["id"], f"event {last + 1} follows the agent's head")
+        if expected_prev != head.hash:
+            return ChainBreak(agent_id, last, None, "the agent's head does not match its last event")
+        if state is not None and state != (head.revision, head.phase, head.request_id):
+            return ChainBreak(
+                agent_id,
+                last,
+                None,
+                f"the agent row says revision {head.revision} ({head.phase}, request {head.request_id}) but its last"
+                f" transition event says revision {state[0]} ({state[1]}, request {state[2]})",
+            )
+    return None
+
+
 def verify(db: Database) -> VerifyReport:
     """Walk every agent's chain from genesis to its head (a deleted agent's: to its tombstone's, which must be its
     delete event); report the first broken link of each broken chain, and chains that have no head at all.

@@ -65,6 +65,22 @@ redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.ceil((new_
 return {1, math.floor((now - allow_at) / interval), new_tat - now, 0}
 """
 
+# Give back one request's allowance counted by _GCRA (a request that turned out not to count): the TAT moves one
+# interval earlier, never before now (a full bucket stays full). KEYS and ARGV[1] as above. Returns nothing.
+_REFUND = """
+local interval = tonumber(ARGV[1])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+local new_tat = tat - interval
+if new_tat <= now then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.ceil((new_tat - now) / 1000))
+end
+return 0
+"""
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -153,6 +169,7 @@ class RateLimiter:
         self.prefix = prefix
         # EVALSHA, loading the script again when Redis lost it (a restart, SCRIPT FLUSH).
         self._script = client.register_script(_GCRA)
+        self._refund = client.register_script(_REFUND)
         self._outage = Outage("rate limiting: Redis", log)
 
     @classmethod
@@ -198,6 +215,18 @@ class RateLimiter:
             reset_seconds=int(reset_us) / 1_000_000,
             retry_after_seconds=None if allowed else int(retry_us) / 1_000_000,
         )
+
+    def refund(self, key: str, policy: Policy, decision: Decision) -> None:
+        """Give back the allowance :meth:`check` took for ``decision`` (it was allowed and enforced): what was
+        counted turned out not to count (a sign-in whose token was good). Nothing when Redis cannot be asked."""
+        if not (decision.allowed and decision.enforced) or self._outage.wait() > 0:
+            return
+        try:
+            self._refund(keys=[self.key(key)], args=[policy.interval_microseconds])
+        except redis.RedisError as exc:
+            self._outage.failed(exc)
+            return
+        self._outage.recovered()
 
     @staticmethod
     def _unenforced(policy: Policy) -> Decision:

@@ -1,4 +1,4 @@
-"""What one API process holds while it serves: settings, the database, the client, the rate limiter, the listener."""
+"""What one API process holds while it serves: settings, the database, the client, the rate limiters, the listener."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import redis
 from fastapi import Request
 
 from agents.client import Client, Publisher
+from agents.ingress.console.signin_limits import SignInLimits
 from agents.ingress.events import JournalListener
 from agents.ingress.ratelimit import Policy, RateLimiter, policy_for, scope_policies
 from agents.ingress.tokens import ApiToken
@@ -26,6 +27,8 @@ class Ingress:
     listener: JournalListener
     redis: redis.Redis | None = None
     policies: dict[str, Policy] = field(default_factory=dict)
+    #: The console's sign-in limits (None: KEEL_CONSOLE_SIGNIN_LIMIT_ENABLED=false, or no Redis to count in).
+    signin_limits: SignInLimits | None = None
 
     @classmethod
     def open(cls, settings: Settings, *, publisher: Publisher | None = None) -> Ingress:
@@ -34,10 +37,13 @@ class Ingress:
         broker_url = broker_url_for(settings)
         limiter = None
         connection = None
+        signin_limits = None
         if broker_url.startswith(("redis://", "rediss://", "unix://")):
             # Short timeouts and no retries: a readiness check or a rate check must not stall on a lost Redis.
             limiter = RateLimiter.connect(broker_url, settings.broker_prefix)
             connection = limiter.client
+            if settings.console_signin_limit_enabled:
+                signin_limits = SignInLimits.from_settings(settings, limiter)
             if not settings.api_rate_limit_enabled:
                 limiter = None
         return cls(
@@ -49,6 +55,7 @@ class Ingress:
             listener=JournalListener(db),
             redis=connection,
             policies=scope_policies(settings.api_rate_limits),
+            signin_limits=signin_limits,
         )
 
     def policy_for(self, token: ApiToken) -> Policy:

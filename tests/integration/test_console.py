@@ -4,13 +4,27 @@ CSRF and scopes. (tests/browser/ drives the same console in a real browser.)"""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from html import unescape
+from pathlib import Path
 
+import httpx
 import pytest
 
+from agents.audit.verify import verify_and_record
+from agents.client import Client
+from agents.core.errors import StaleRevision
 from agents.ingress.tokens import revoke_token
-from tests.support.api import Api, journal_count, waiting_agent
+from models.db import Database
+from tests.support.api import Api, journal_count, running_api, waiting_agent
+from tests.support.broker import Broker
 from tests.support.console import Browsers, csrf_of
+
+#: Starts ``keel serve`` with these KEEL_* settings on the test's database and Redis prefix; stopped after the test.
+Serve = Callable[[dict[str, str]], Api]
+Browse = Callable[[Api], Browsers]
 
 
 @pytest.fixture
@@ -18,6 +32,30 @@ def browsers(api: Api) -> Iterator[Browsers]:
     found = Browsers(api)
     yield found
     found.close()
+
+
+@pytest.fixture
+def serve(db: Database, db_url: str, broker: Broker, tmp_path: Path) -> Iterator[Serve]:
+    with ExitStack() as stack:
+
+        def start(env: dict[str, str]) -> Api:
+            return stack.enter_context(running_api(db, db_url, broker, tmp_path, env=env))
+
+        yield start
+
+
+@pytest.fixture
+def browse() -> Iterator[Browse]:
+    """Browsers of an API started by ``serve``, closed after the test."""
+    made: list[Browsers] = []
+
+    def of(api: Api) -> Browsers:
+        made.append(Browsers(api))
+        return made[-1]
+
+    yield of
+    for browsers in made:
+        browsers.close()
 
 
 def _journal(api: Api, agent_id: str) -> list[tuple[str, str, str, int]]:
@@ -155,3 +193,267 @@ def test_revoking_the_token_ends_its_console_sessions(api: Api, browsers: Browse
     revoke_token(api.db, "temp", actor="test")
     gone = client.get("/agents")
     assert gone.status_code == 303 and gone.headers["location"].startswith("/signin")
+
+
+# --- the sign-in limit --------------------------------------------------------------------------------------------
+
+
+def _token_used(api: Api, name: str) -> bool:
+    with api.db.connection() as conn:
+        row = conn.execute("SELECT last_used_at FROM api_tokens WHERE name = %s", (name,)).fetchone()
+        conn.rollback()
+    assert row is not None
+    return row[0] is not None
+
+
+def test_failed_sign_ins_from_one_address_are_refused_until_the_allowance_comes_back(
+    serve: Serve, browse: Browse
+) -> None:
+    # Three failures at once, then one more every 10 s; X-Forwarded-For believed from no one (the default).
+    api = serve({"KEEL_CONSOLE_SIGNIN_BURST": "3", "KEEL_CONSOLE_SIGNIN_PER_MINUTE": "6"})
+    browsers = browse(api)
+    alice, bob = api.token("approver", name="alice"), api.token("approver", name="bob")
+    guesser = browsers.new()  # from 127.0.0.1
+    for _ in range(3):
+        _, wrong = browsers.sign_in("keel_" + "x" * 43, client=guesser)
+        assert wrong.status_code == 401 and "unknown or revoked" in wrong.text
+    _, limited = browsers.sign_in("keel_" + "y" * 43, client=guesser)
+    assert limited.status_code == 429
+    wait = int(limited.headers["retry-after"])
+    assert 1 <= wait <= 10
+    assert f"Too many failed sign-ins from your address: wait {wait} seconds, then try again" in unescape(limited.text)
+    assert limited.headers["ratelimit-policy"] == '"console-signin-address";q=3;w=30'
+
+    # Over the limit a correct token is refused too, without being looked up (its last use is not noted).
+    _, refused = browsers.sign_in(alice, client=guesser)
+    assert refused.status_code == 429 and "keel_session" not in refused.headers.get("set-cookie", "")
+    assert not _token_used(api, "alice")
+    # Claiming another address is no way round it: no proxy is trusted.
+    _, spoofed = browsers.sign_in(alice, client=guesser, headers={"X-Forwarded-For": "203.0.113.9"})
+    assert spoofed.status_code == 429
+
+    # Someone at another address signs in as if nothing happened.
+    _, elsewhere = browsers.sign_in(bob, client=browsers.new(source="127.0.0.2"))
+    assert elsewhere.status_code == 303 and elsewhere.headers["location"] == "/agents"
+
+    time.sleep(int(refused.headers["retry-after"]))  # what the page told the person to do
+    _, back = browsers.sign_in(alice, client=guesser)
+    assert back.status_code == 303, back.text
+    assert guesser.get("/agents").status_code == 200
+
+
+def test_behind_a_trusted_proxy_each_forwarded_address_counts_and_all_of_them_together_too(
+    serve: Serve, browse: Browse
+) -> None:
+    api = serve(
+        {
+            "KEEL_API_FORWARDED_ALLOW_IPS": '["127.0.0.1"]',
+            "KEEL_CONSOLE_SIGNIN_BURST": "2",
+            "KEEL_CONSOLE_SIGNIN_PER_MINUTE": "1",
+            "KEEL_CONSOLE_SIGNIN_GLOBAL_BURST": "3",
+            "KEEL_CONSOLE_SIGNIN_GLOBAL_PER_MINUTE": "1",
+        }
+    )
+    browsers = browse(api)
+    secret = api.token("operator", name="olga")
+
+    def attempt(address: str, token: str) -> httpx.Response:
+        return browsers.sign_in(token, headers={"X-Forwarded-For": address})[1]
+
+    assert [attempt("203.0.113.5", "keel_" + "x" * 43).status_code for _ in range(2)] == [401, 401]
+    own = attempt("203.0.113.5", secret)
+    assert own.status_code == 429 and "from your address" in own.text
+    assert attempt("203.0.113.6", secret).status_code == 303  # its own bucket; a success counts nowhere
+    assert attempt("203.0.113.7", "keel_" + "x" * 43).status_code == 401  # the third failure over all addresses
+    everyone = attempt("203.0.113.8", secret)
+    assert everyone.status_code == 429 and int(everyone.headers["retry-after"]) >= 1
+    assert "Too many failed sign-ins from every address together" in everyone.text
+    assert everyone.headers["ratelimit-policy"].startswith('"console-signin-all";q=3')
+
+
+def test_console_posts_count_against_the_tokens_rate_like_its_api_calls(serve: Serve, browse: Browse) -> None:
+    api = serve({"KEEL_API_RATE_LIMITS": '{"approver": {"rate": 0.001, "burst": 2}}'})
+    with api.http(api.token("operator")) as http:
+        state = waiting_agent(api, http)
+    browsers = browse(api)
+    secret = api.token("approver", name="alice")
+    client = browsers.signed_in(secret)  # signing in and reading pages cost nothing
+    page = client.get(f"/agents/{state['id']}")
+    assert client.get("/agents").status_code == 200
+    drawn = str(state["revision"])
+    forged = [client.post(f"/agents/{state['id']}/approve", data={"csrf": "forged", "revision": drawn}) for _ in "ab"]
+    assert [f.status_code for f in forged] == [403, 403]  # refused, but counted: the API counts before it checks
+    before = journal_count(api.db)
+    over = client.post(f"/agents/{state['id']}/approve", data={"csrf": csrf_of(page), "revision": drawn})
+    assert over.status_code == 429 and int(over.headers["retry-after"]) > 1
+    assert "Token &#39;alice&#39; is over its rate" in over.text and "Nothing was changed" in over.text
+    assert journal_count(api.db) == before
+    for path in ("/outbox/retry", "/signout"):
+        assert client.post(path, data={"csrf": csrf_of(page), "key": "k"}).status_code == 429
+    with api.http(secret) as http:
+        assert http.get("/v1/agents").status_code == 429  # one bucket for the token, console and API alike
+    with api.http(api.token("operator")) as http:
+        assert http.get(f"/v1/agents/{state['id']}").json()["revision"] == state["revision"]
+
+
+# --- paging -------------------------------------------------------------------------------------------------------
+
+_ROW = re.compile(r'<tr class="phase-(\w+)" data-agent="([^"]+)"')
+_NEXT = re.compile(r'<a href="([^"]+)" rel="next"')
+
+
+def _walk(client: httpx.Client, url: str, row: re.Pattern[str]) -> list[tuple[list[tuple[str, ...]], str]]:
+    """Every page of a list from ``url`` by its "next" links: each page's rows and its text."""
+    pages = []
+    while True:
+        page = client.get(url)
+        assert page.status_code == 200, page.text
+        pages.append(([tuple(m) if isinstance(m, tuple) else (m,) for m in row.findall(page.text)], page.text))
+        found = _NEXT.search(page.text)
+        if found is None:
+            return pages
+        url = unescape(found.group(1))
+        assert len(pages) < 50, "the pages do not end"
+
+
+def test_the_agents_list_pages_through_every_agent_once_waiting_first_and_keeps_the_filter(
+    serve: Serve, browse: Browse
+) -> None:
+    api = serve({"KEEL_CONSOLE_PAGE_SIZE": "3"})
+    with api.http(api.token("operator")) as http:
+        for n in range(7):
+            assert http.post("/v1/agents", json={"name": f"idle-{n}"}).status_code == 201
+        waiting_agent(api, http, "waits-longest")
+        waiting_agent(api, http, "waits-less")
+    browsers = browse(api)
+    client = browsers.signed_in(api.token("approver"))
+
+    pages = _walk(client, "/agents", _ROW)
+    names = [name for rows, _ in pages for _, name in rows]
+    everyone = [f"idle-{n}" for n in range(7)] + ["waits-longest", "waits-less"]
+    assert len(pages) == 3 and sorted(names) == sorted(everyone)
+    assert len(set(names)) == len(names) == 9
+    assert names[:2] == ["waits-longest", "waits-less"]  # waiting first, longest waiting first
+    assert names[2:] == [f"idle-{n}" for n in reversed(range(7))]  # then newest first
+    first, *later = [text for _, text in pages]
+    assert "data-live-list" in first and 'id="paging-notice"' not in first
+    for text in later:
+        assert "data-live-list" not in text and "Not live: this is a later page" in text
+
+    idle = _walk(client, "/agents?phase=idle", _ROW)
+    assert [name for rows, _ in idle for _, name in rows] == [f"idle-{n}" for n in reversed(range(7))]
+    assert {phase for rows, _ in idle for phase, _ in rows} == {"idle"}
+    assert all("phase=idle" in unescape(link) for _, text in idle[:-1] for link in _NEXT.findall(text))
+    assert 'option value="idle" selected' in idle[1][1]
+
+    rows = client.get("/agents/rows")  # what the live script redraws: the first page, with its link onwards
+    assert [name for _, name in _ROW.findall(rows.text)] == names[:3] and _NEXT.search(rows.text)
+
+    bogus = client.get("/agents?cursor=garbage")
+    assert bogus.status_code == 400 and "The page cursor &#39;garbage&#39; is not one this list made" in bogus.text
+    from_idle = unescape(_NEXT.findall(idle[0][1])[0]).split("cursor=")[1]
+    other_filter = client.get(f"/agents?phase=waiting_approval&cursor={from_idle}")
+    assert other_filter.status_code == 400 and "from another list or filter" in other_filter.text
+
+
+_MESSAGE = re.compile(r'<tr class="status-(\w+)" data-key="([^"]+)"')
+
+
+def test_the_outbox_pages_through_every_unsent_message_once_and_keeps_the_status_filter(
+    serve: Serve, browse: Browse
+) -> None:
+    api = serve({"KEEL_CONSOLE_PAGE_SIZE": "3"})
+    agent = Client(api.db).create_agent("sender")
+    statuses = ["pending", "dead", "sent", "dead", "pending", "sending", "sent", "dead", "pending", "dead", "pending"]
+    with api.db.connection() as conn:
+        for n, status in enumerate(statuses):
+            conn.execute(
+                "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, status,"
+                " next_attempt_at, external_id) VALUES (%s, %s, 'r1', 'slack', %s, '{}', %s, now(), %s)",
+                (f"r1:slack:{n}", agent.id, f"C0{n % 2}", status, "ts" if status == "sent" else None),
+            )
+        conn.commit()
+    browsers = browse(api)
+    client = browsers.signed_in(api.token("operator"))
+    unsent = [(status, f"r1:slack:{n}") for n, status in enumerate(statuses) if status != "sent"]
+
+    pages = _walk(client, "/outbox", _MESSAGE)
+    shown = [row for rows, _ in pages for row in rows]
+    assert sorted(shown, key=lambda r: r[1]) == sorted(unsent, key=lambda r: r[1]) and len(shown) == len(unsent)
+    assert [len(rows) for rows, _ in pages] == [3, 3, 3]
+    newest = [key for _, key in unsent][::-1][:3]
+    assert sorted(key for _, key in pages[0][0]) == sorted(newest)  # newest first, page by page
+    assert "the counts below are of this page" in pages[0][1]
+
+    dead = _walk(client, "/outbox?status=dead", _MESSAGE)
+    assert sorted(key for rows, _ in dead for _, key in rows) == sorted(k for s, k in unsent if s == "dead")
+    assert {status for rows, _ in dead for status, _ in rows} == {"dead"}
+    assert all("status=dead" in unescape(link) for _, text in dead[:-1] for link in _NEXT.findall(text))
+
+    bogus = client.get("/outbox?cursor=x1")
+    assert bogus.status_code == 400 and "The page cursor &#39;x1&#39; is not one this list made" in bogus.text
+    sleeping = client.get("/outbox?status=sent")
+    assert sleeping.status_code == 400 and "lists pending, sending, dead" in sleeping.text
+
+
+_EVENT = re.compile(r'<span class="seq">#(\d+)</span>')
+
+
+def _tamper(api: Api, agent_id: str, seq: int) -> None:
+    with api.db.connection() as conn:
+        conn.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")
+        conn.execute("UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = %s", (agent_id, seq))
+        conn.execute("ALTER TABLE audit.journal ENABLE TRIGGER USER")
+        conn.commit()
+
+
+def _status(text: str) -> str:
+    found = re.search(r'<p class="notice[^"]*"[^>]*id="chain-status">(.*?)</p>', text, re.S)
+    assert found is not None, text
+    return re.sub(r"<[^>]+>", "", unescape(found.group(1)))
+
+
+def test_the_journal_pages_and_verifies_only_the_events_it_shows(serve: Serve, browse: Browse) -> None:
+    api = serve({"KEEL_CONSOLE_PAGE_SIZE": "5"})
+    client = Client(api.db)
+    agent = client.create_agent("chatty")
+    for _ in range(11):  # each stale approval is journaled as refused: events 2..12
+        with pytest.raises(StaleRevision):
+            client.approve(agent.id, expected_revision=99, actor="bob")
+    browsers = browse(api)
+    viewer = browsers.signed_in(api.token("auditor"))
+    url = f"/agents/{agent.id}"
+
+    pages = _walk(viewer, url, _EVENT)
+    assert [[int(seq) for (seq,) in rows] for rows, _ in pages] == [
+        [12, 11, 10, 9, 8], [7, 6, 5, 4, 3], [2, 1]
+    ]  # fmt: skip
+    latest, middle, oldest = (text for _, text in pages)
+    assert _status(latest) == (
+        "Chain verified for the events shown, #8 to #12: each matches its hash and links to the one before (#8 to"
+        " #7's stored hash); #12 is the agent's head. Events before #8 were not checked here. Full check: keel audit"
+        " verify."
+    )
+    assert "from the chain's start" in _status(oldest) and "Events before" not in _status(oldest)
+    assert "does not grow as events are added" in middle and 'data-panel="/agents/' in middle
+    assert "No full check of every chain has run yet." in latest
+
+    _tamper(api, str(agent.id), 2)  # outside the latest page: not claimed either way there
+    latest = viewer.get(url).text
+    assert _status(latest).startswith("Chain verified for the events shown, #8 to #12")
+    assert "Events before #8 were not checked here" in _status(latest)
+    oldest = viewer.get(f"{url}?cursor=3").text
+    assert _status(oldest) == "Chain broken at event 2: the event's content does not match its hash"
+    panel = viewer.get(f"{url}/panel?drawn=1&cursor=3").text  # the live redraw keeps the page it shows
+    assert _status(panel).startswith("Chain broken at event 2")
+
+    verify_and_record(api.db, "cli")
+    latest = viewer.get(url).text
+    assert "found 1 broken chain, this agent's among them, at event 2." in latest
+
+    _tamper(api, str(agent.id), 10)  # inside the latest page
+    assert _status(viewer.get(url).text) == "Chain broken at event 10: the event's content does not match its hash"
+
+    for bad in ("abc", "1", "-4"):
+        answer = viewer.get(f"{url}?cursor={bad}")
+        assert answer.status_code == 400 and f"The page cursor &#39;{bad}&#39; is not one this list made" in answer.text

@@ -79,6 +79,23 @@ def test_after_waiting_retry_after_the_next_request_is_allowed(broker: Broker, c
     assert limiter.check("token", policy).allowed
 
 
+def test_a_refund_gives_one_request_back_and_never_more_than_a_full_bucket(broker: Broker, connect: Connect) -> None:
+    limiter = connect(broker.url, broker.prefix)
+    policy = Policy(rate_per_second=SLOW, burst=2, name="console-signin-address")
+    first, second = limiter.check("address", policy), limiter.check("address", policy)
+    assert first.allowed and second.allowed and not limiter.check("address", policy).allowed
+    limiter.refund("address", policy, second)
+    again = limiter.check("address", policy)
+    assert again.allowed and again.remaining == 0, "exactly the one request given back"
+    assert not limiter.check("address", policy).allowed
+    for decision in (first, second, again, first):  # more refunds than were taken: the bucket is just full
+        limiter.refund("address", policy, decision)
+    assert [limiter.check("address", policy).allowed for _ in range(3)] == [True, True, False]
+    refused = limiter.check("address", policy)
+    limiter.refund("address", policy, refused)  # a refused request took nothing, so nothing is given back
+    assert not limiter.check("address", policy).allowed
+
+
 def test_two_api_processes_share_one_limit(broker: Broker, connect: Connect) -> None:
     # Two limiters on two connections, as two API processes have.
     first = connect(broker.url, broker.prefix)

@@ -25,17 +25,25 @@ class Browsers:
         self.api = api
         self.clients: list[httpx.Client] = []
 
-    def new(self) -> httpx.Client:
-        client = httpx.Client(base_url=self.api.url, timeout=30, headers={"Accept": "text/html"})
+    def new(self, *, source: str | None = None) -> httpx.Client:
+        """A client; with ``source`` its connections come from that local address (e.g. 127.0.0.2: another client
+        address on this machine, as the API sees it)."""
+        transport = None if source is None else httpx.HTTPTransport(local_address=source)
+        client = httpx.Client(base_url=self.api.url, timeout=30, headers={"Accept": "text/html"}, transport=transport)
         self.clients.append(client)
         return client
 
-    def sign_in(self, secret: str) -> tuple[httpx.Client, httpx.Response]:
-        """A client that filled in the sign-in form with ``secret``, and the answer to it (not followed)."""
-        client = self.new()
-        form = client.get("/signin")
+    def sign_in(
+        self, secret: str, *, client: httpx.Client | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[httpx.Client, httpx.Response]:
+        """A client (a new one, or ``client``) that filled in the sign-in form with ``secret`` (sending ``headers``
+        along), and the answer to it (not followed)."""
+        client = client or self.new()
+        form = client.get("/signin", headers=headers)
         assert form.status_code == 200, form.text
-        answer = client.post("/signin", data={"token": secret, "csrf": csrf_of(form), "next": "/agents"})
+        answer = client.post(
+            "/signin", data={"token": secret, "csrf": csrf_of(form), "next": "/agents"}, headers=headers
+        )
         return client, answer
 
     def signed_in(self, secret: str) -> httpx.Client:

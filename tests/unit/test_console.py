@@ -3,6 +3,7 @@ charts, the order of the agents)."""
 
 from __future__ import annotations
 
+import base64
 import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -12,8 +13,9 @@ import pytest
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from agents.ingress.console import sessions, views
+from agents.ingress.console import paging, sessions, signin_limits, views
 from agents.ingress.tokens import ApiToken, Scope
+from models.console_sql import AgentKey
 from models.schemas import AgentState
 from models.settings import Settings
 
@@ -92,6 +94,59 @@ def test_the_session_key_setting_must_be_long() -> None:
     assert sessions.session_key(Settings()) == sessions.session_key(Settings())  # one random key per process
 
 
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"api_forwarded_allow_ips": ["*"]}, "not '\\*': with '\\*' any client could claim any address"),
+        ({"api_forwarded_allow_ips": ["10.0.0.1/8"]}, "'10.0.0.1/8' is not an IP address or network"),
+        ({"api_forwarded_allow_ips": ["proxy.internal"]}, "'proxy.internal' is not an IP address or network"),
+        ({"console_signin_burst": 0}, "greater than or equal to 1"),
+        ({"console_signin_per_minute": 0}, "greater than 0"),
+        ({"console_signin_burst": 20, "console_signin_global_burst": 10}, "KEEL_CONSOLE_SIGNIN_GLOBAL_BURST: must not"),
+        ({"console_page_size": 0}, "greater than or equal to 1"),
+    ],
+)
+def test_the_sign_in_limit_proxy_and_paging_settings_refuse_bad_values(env: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings(**env)  # type: ignore[arg-type]
+
+
+def test_the_sign_in_limit_and_proxy_settings_have_safe_defaults() -> None:
+    settings = Settings()
+    assert settings.api_forwarded_allow_ips == []  # X-Forwarded-For believed from no one
+    assert settings.console_signin_limit_enabled
+    limits = signin_limits.SignInLimits.from_settings(settings, limiter=None)  # type: ignore[arg-type]
+    assert (limits.per_address.burst, limits.per_address.interval_microseconds) == (10, 12_000_000)
+    assert (limits.overall.burst, limits.overall.interval_microseconds) == (100, 1_000_000)
+    trusted = Settings(api_forwarded_allow_ips=[" 10.0.0.0/8", "192.168.1.7", "fd00::/8"])
+    assert trusted.api_forwarded_allow_ips == ["10.0.0.0/8", "192.168.1.7", "fd00::/8"]
+
+
+def test_sign_ins_count_per_address_and_ipv6_per_64_network() -> None:
+    assert signin_limits.client_key("203.0.113.5") == "203.0.113.5"
+    assert signin_limits.client_key("::ffff:203.0.113.5") == "203.0.113.5"
+    assert signin_limits.client_key("2001:db8:1:2:aaaa::1") == signin_limits.client_key("2001:db8:1:2:bbbb::9")
+    assert signin_limits.client_key("2001:db8:1:2::1") == "2001:db8:1:2::/64"
+    assert signin_limits.client_key("2001:db8:1:3::1") != signin_limits.client_key("2001:db8:1:2::1")
+    assert signin_limits.client_key(None) == signin_limits.client_key("/run/keel.sock") == "other"
+
+
+def test_page_cursors_round_trip_and_anything_else_is_refused() -> None:
+    key = AgentKey("idle", NOW, uuid4())
+    assert paging.agents_key(paging.agents_cursor(key)) == key
+    made = paging.agents_cursor(AgentKey("waiting_approval", NOW, key.id))
+    for bad in ("", "garbage", made[:-3], made + "x" * 300, paging.agents_cursor(AgentKey("sleeping", NOW, key.id))):
+        with pytest.raises(paging.BadCursor, match="is not one this list made"):
+            paging.agents_key(bad)
+    naive = base64.urlsafe_b64encode(f"idle|2026-12-01T12:00:00|{key.id}".encode()).decode()
+    with pytest.raises(paging.BadCursor):
+        paging.agents_key(naive)
+    assert paging.seq_cursor("57", low=2) == 57
+    for bad in ("1", "0", "-3", "5.0", "x", "٣", str(2**63)):
+        with pytest.raises(paging.BadCursor):
+            paging.seq_cursor(bad, low=2)
+
+
 def _agent(phase: str, *, minutes_ago: int = 0, **fields: object) -> AgentState:
     at = NOW - timedelta(minutes=minutes_ago)
     return AgentState.model_validate(
@@ -112,18 +167,6 @@ def _agent(phase: str, *, minutes_ago: int = 0, **fields: object) -> AgentState:
             **fields,
         }
     )
-
-
-def test_agents_waiting_for_approval_come_first_longest_waiting_first() -> None:
-    agents = [_agent("done"), _agent("waiting_approval", minutes_ago=1), _agent("executing"),
-              _agent("waiting_approval", minutes_ago=9), _agent("idle")]  # fmt: skip
-    assert [a.name for a in views.by_urgency(agents)] == [
-        "waiting_approval-9",
-        "waiting_approval-1",
-        "executing-0",
-        "idle-0",
-        "done-0",
-    ]
 
 
 def test_spend_against_the_tighter_budget() -> None:

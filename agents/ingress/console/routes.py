@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlencode
 from uuid import UUID
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -24,26 +24,26 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from agents.core.errors import AgentNotFound, KeelError, StaleRevision
-from agents.core.journal import agent_events_after, verify_chain
+from agents.core.journal import journal_page
 from agents.core.phases import Phase
 from agents.ingress.auth import resolve
-from agents.ingress.console import sessions, views
+from agents.ingress.console import paging, sessions, views
+from agents.ingress.console.paging import BadCursor
 from agents.ingress.console.sessions import Session
 from agents.ingress.events import ANY_AGENT, sse_events
 from agents.ingress.problems import kind_of
+from agents.ingress.ratelimit import headers as rate_headers
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.tokens import ApiToken, Permission, authenticate, live_token
-from models import alerts_sql, kpi_sql
+from models import alerts_sql, console_sql, kpi_sql
 from models.jobs_sql import job_row
-from models.outbox_sql import message_row, page_messages, request_messages
+from models.outbox_sql import UNSENT, message_row, request_messages, unsent_page
 from models.schemas import AgentState
 
 router = APIRouter(include_in_schema=False)
 Keel = Annotated[Ingress, Depends(ingress)]
 
 STATIC = Path(__file__).parent / "static"
-#: How many of an agent's latest journal events its page shows.
-JOURNAL_SHOWN = 200
 #: How many of the moves since a stale decision's revision its notice names.
 STALE_MOVES_SHOWN = 10
 #: How often the live list of agents redraws at most (seconds): a burst of transitions is one redraw.
@@ -72,6 +72,16 @@ class SignInRequired(KeelError):
     get a 401)."""
 
 
+class OverRate(KeelError):
+    """The signed-in token is over its rate (the API's per-token limit, which the console's POSTs count against
+    too): nothing was changed; wait and send it again."""
+
+    def __init__(self, viewer: Viewer, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.viewer = viewer
+        self.headers = headers
+
+
 @dataclass(frozen=True, slots=True)
 class Viewer:
     """The signed-in person: their API token and their session."""
@@ -91,7 +101,26 @@ async def viewer(request: Request, keel: Keel) -> Viewer:
     token = await run_in_threadpool(live_token, keel.db, session.token_id)
     if token is None or not sessions.may_sign_in(token):
         raise SignInRequired
-    return Viewer(token, session)
+    found = Viewer(token, session)
+    if request.method == "POST":  # every decision, retry and sign-out: in the token's bucket, as its API calls are
+        await _count_against_rate(keel, found)
+    return found
+
+
+async def _count_against_rate(keel: Ingress, who: Viewer) -> None:
+    if keel.limiter is None:
+        return
+    policy = keel.policy_for(who.token)
+    decision = await run_in_threadpool(keel.limiter.check, str(who.token.id), policy)
+    if not decision.allowed:
+        limits = rate_headers(decision, policy)
+        raise OverRate(
+            who,
+            f"Token {who.token.name!r} is over its rate ({policy.rate_per_second:g} requests a second, burst"
+            f" {policy.burst}, shared with its API calls): wait {limits['Retry-After']} seconds and send it again."
+            " Nothing was changed.",
+            limits,
+        )
 
 
 Who = Annotated[Viewer, Depends(viewer)]
@@ -106,9 +135,17 @@ async def on_sign_in_required(request: Request, exc: Exception) -> Response:
     return HTMLResponse(_render("message.html", None, title="Signed out", message="Sign in again."), status_code=401)
 
 
+async def on_over_rate(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OverRate)
+    return _page(
+        "message.html", exc.viewer, status=429, headers=exc.headers, title="Too many requests", message=str(exc)
+    )
+
+
 def install(app: FastAPI) -> None:
     """Serve the console from ``app``: its pages, its static files, its sign-in redirect."""
     app.add_exception_handler(SignInRequired, on_sign_in_required)
+    app.add_exception_handler(OverRate, on_over_rate)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.include_router(router)
 
@@ -129,8 +166,10 @@ PAGE_HEADERS = {
 }
 
 
-def _page(name: str, who: Viewer | None, *, status: int = 200, **context: Any) -> HTMLResponse:
-    return HTMLResponse(_render(name, who, **context), status_code=status, headers=PAGE_HEADERS)
+def _page(
+    name: str, who: Viewer | None, *, status: int = 200, headers: dict[str, str] | None = None, **context: Any
+) -> HTMLResponse:
+    return HTMLResponse(_render(name, who, **context), status_code=status, headers={**PAGE_HEADERS, **(headers or {})})
 
 
 def _refused(who: Viewer, message: str, status: int = 403) -> HTMLResponse:
@@ -161,9 +200,16 @@ def _checked(who: Viewer, form: dict[str, str], permission: Permission) -> HTMLR
 # --- signing in and out ------------------------------------------------------------------------------------------
 
 
-def _signin_page(keel: Ingress, next_url: str, *, error: str | None = None, status: int = 200) -> HTMLResponse:
+def _signin_page(
+    keel: Ingress,
+    next_url: str,
+    *,
+    error: str | None = None,
+    status: int = 200,
+    headers: dict[str, str] | None = None,
+) -> HTMLResponse:
     nonce, cookie = sessions.new_signin_nonce(sessions.session_key(keel.settings))
-    response = _page("signin.html", None, status=status, csrf=nonce, next_url=next_url, error=error)
+    response = _page("signin.html", None, status=status, headers=headers, csrf=nonce, next_url=next_url, error=error)
     sessions.set_cookie(response, keel.settings, sessions.SIGNIN_COOKIE, cookie, max_age=sessions.SIGNIN_SECONDS)
     return response
 
@@ -192,9 +238,27 @@ async def signin(request: Request, keel: Keel) -> Response:
     key = sessions.session_key(keel.settings)
     if not sessions.signin_nonce_ok(key, request.cookies.get(sessions.SIGNIN_COOKIE), form.get("csrf")):
         return _signin_page(keel, next_url, error="The sign-in form expired: try again.", status=403)
+    limits = keel.signin_limits
+    attempt = None
+    if limits is not None:
+        # Counted before the token is looked up: over the limit not even a correct token is tried.
+        attempt = await run_in_threadpool(limits.attempt, request.client.host if request.client else None)
+        if not attempt.allowed:
+            whose = "from every address together" if attempt.everyone else "from your address"
+            return _signin_page(
+                keel,
+                next_url,
+                error=f"Too many failed sign-ins {whose}: wait {attempt.retry_after} seconds, then try again (the"
+                " token was not checked).",
+                status=429,
+                headers=attempt.headers,
+            )
     token = await run_in_threadpool(authenticate, keel.db, form.get("token", "").strip())
     if token is None:
-        return _signin_page(keel, next_url, error="That token is unknown or revoked.", status=401)
+        headers = None if attempt is None else attempt.headers
+        return _signin_page(keel, next_url, error="That token is unknown or revoked.", status=401, headers=headers)
+    if limits is not None and attempt is not None:
+        await run_in_threadpool(limits.forgive, attempt)  # a real token: no failed guess
     if not sessions.may_sign_in(token):
         return _signin_page(
             keel,
@@ -219,12 +283,45 @@ async def signout(request: Request, keel: Keel, who: Who) -> Response:
     return response
 
 
+# --- paging ------------------------------------------------------------------------------------------------------
+
+
+def _link(path: str, **query: str | int | None) -> str:
+    """``path`` with the query parameters that have a value (a list's filter and cursor)."""
+    given = {name: value for name, value in query.items() if value is not None and value != ""}
+    return f"{path}?{urlencode(given)}" if given else path
+
+
+def _bad_cursor(who: Viewer, exc: BadCursor, first_page: str) -> HTMLResponse:
+    return _page(
+        "message.html",
+        who,
+        status=400,
+        title="Unknown page cursor",
+        message=f"The page cursor {exc.cursor[:80]!r} is not one this list made (mistyped, cut short, or from"
+        " another list or filter): start again from the first page.",
+        back=first_page,
+    )
+
+
 # --- agents ------------------------------------------------------------------------------------------------------
 
 
-def _agents(keel: Ingress, who: Viewer, phase: str | None) -> list[AgentState]:
-    page = keel.client.list_agents(phases=[phase] if phase else [], limit=500, name_prefix=who.token.agent_prefix)
-    return views.by_urgency(page.agents)
+def _agents(keel: Ingress, who: Viewer, phase: str | None, cursor: str | None) -> tuple[list[AgentState], str | None]:
+    """A page of the agents the viewer sees, in the order people handle them, and the next page's cursor."""
+    after = None if cursor is None else paging.agents_key(cursor)
+    try:
+        rows, next_key = console_sql.agents_page(
+            keel.db,
+            phases=[phase] if phase else [],
+            after=after,
+            limit=keel.settings.console_page_size,
+            name_prefix=who.token.agent_prefix,
+        )
+    except ValueError:  # a cursor from another filter's list
+        assert cursor is not None
+        raise BadCursor(cursor) from None
+    return [AgentState.of(row) for row in rows], None if next_key is None else paging.agents_cursor(next_key)
 
 
 PHASES = [p.value for p in Phase]
@@ -237,18 +334,39 @@ def _unknown_phase(who: Viewer, phase: str | None) -> HTMLResponse | None:
     return _page("message.html", who, status=400, title="Unknown phase", message=message)
 
 
+def _agents_list(keel: Ingress, who: Viewer, phase: str | None, cursor: str | None) -> dict[str, Any]:
+    agents, next_cursor = _agents(keel, who, phase, cursor)
+    return {
+        "agents": agents,
+        "phase": phase,
+        "cursor": cursor,
+        "next_url": next_cursor and _link("/agents", phase=phase, cursor=next_cursor),
+        "first_url": _link("/agents", phase=phase),
+    }
+
+
 @router.get("/agents")
-def agents_page(keel: Keel, who: Who, phase: Annotated[str | None, Query()] = None) -> HTMLResponse:
+def agents_page(
+    keel: Keel,
+    who: Who,
+    phase: Annotated[str | None, Query()] = None,
+    cursor: Annotated[str | None, Query()] = None,
+) -> HTMLResponse:
     refused = _unknown_phase(who, phase)
     if refused is not None:
         return refused
-    return _page("agents.html", who, agents=_agents(keel, who, phase or None), phase=phase or None, phases=PHASES)
+    try:
+        listed = _agents_list(keel, who, phase or None, cursor or None)
+    except BadCursor as exc:
+        return _bad_cursor(who, exc, _link("/agents", phase=phase))
+    return _page("agents.html", who, phases=PHASES, **listed)
 
 
 @router.get("/agents/rows")
 def agents_rows(keel: Keel, who: Who, phase: Annotated[str | None, Query()] = None) -> HTMLResponse:
-    """The list's rows alone: what the live script swaps in."""
-    return _unknown_phase(who, phase) or _page("agents_rows.html", who, agents=_agents(keel, who, phase or None))
+    """The list of the first page alone (its rows and its link to the next page): what the live script swaps in.
+    Later pages are not redrawn live."""
+    return _unknown_phase(who, phase) or _page("agents_rows.html", who, **_agents_list(keel, who, phase or None, None))
 
 
 async def _live(keel: Ingress, who: Viewer) -> Callable[[], Awaitable[bool]]:
@@ -284,10 +402,13 @@ def _found(keel: Ingress, who: Viewer, ref: str) -> tuple[UUID, AgentState] | No
     return found.id, keel.client.get_state(found.id)
 
 
-def _agent_context(keel: Ingress, who: Viewer, state: AgentState) -> dict[str, Any]:
-    """Everything the agent page shows besides the state: the journal, its verify status, the request's records."""
-    head = keel.client.agent_row(state.id).journal_seq
-    events = agent_events_after(keel.db, state.id, max(0, head - JOURNAL_SHOWN), limit=JOURNAL_SHOWN)
+def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | None = None) -> dict[str, Any]:
+    """Everything the agent page shows besides the state: a page of the journal (its latest events, or those before
+    event ``before``) and what was verified of it, the latest full verification, the request's records."""
+    journal = journal_page(keel.db, state.id, before=before, limit=keel.settings.console_page_size)
+    if journal is None:  # deleted since its state was read
+        raise AgentNotFound(str(state.id))
+    events = list(reversed(journal.events))  # oldest first
     request_id = state.request_id or next((e.request_id for e in reversed(events) if e.request_id), None)
     jobs: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
@@ -296,11 +417,18 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState) -> dict[str, A
         messages = request_messages(keel.db, request_id)
     waiting_since = None
     if state.phase == "waiting_approval":
-        waiting_since = next((e.at for e in reversed(events) if e.to_phase == "waiting_approval"), state.updated_at)
+        shown = reversed(events) if journal.at_head else iter(())  # an older page's move to waiting is an older wait
+        waiting_since = next((e.at for e in shown if e.to_phase == "waiting_approval"), state.updated_at)
+    path = f"/agents/{state.id}"
     return {
-        "events": list(reversed(events)),
-        "journal_head": head,
-        "chain_break": verify_chain(keel.db, state.id),
+        "events": list(journal.events),
+        "journal": journal,
+        "journal_head": journal.head_seq,
+        "chain_break": journal.broken,
+        "full_check": _full_check(keel, state.id),
+        "older_url": journal.older and _link(path, cursor=journal.older),
+        "newest_url": None if journal.at_head else path,
+        "journal_cursor": before,
         "request_id": request_id,
         "jobs": jobs,
         "messages": messages,
@@ -308,24 +436,64 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState) -> dict[str, A
     }
 
 
+@dataclass(frozen=True, slots=True)
+class FullCheck:
+    """The latest recorded ``keel audit verify`` (a walk of every chain) as the agent page tells it."""
+
+    verification: alerts_sql.Verification
+    #: The first broken event of this agent's chain it found, if it listed this agent (it lists 20 at most).
+    broken_at: int | None
+
+
+def _full_check(keel: Ingress, agent_id: UUID) -> FullCheck | None:
+    found = alerts_sql.last_verification(keel.db)
+    if found is None:
+        return None
+    breaks = found.details.get("breaks", []) if isinstance(found.details, dict) else []
+    mine = next((b.get("seq") for b in breaks if isinstance(b, dict) and b.get("agent_id") == str(agent_id)), None)
+    return FullCheck(found, mine if isinstance(mine, int) else None)
+
+
+def _journal_cursor(who: Viewer, cursor: str | None, path: str) -> int | HTMLResponse | None:
+    """The journal page's cursor (events before this seq), or the 400 page naming a bad one."""
+    if not cursor:
+        return None
+    try:
+        return paging.seq_cursor(cursor, low=2)
+    except BadCursor as exc:
+        return _bad_cursor(who, exc, path)
+
+
 @router.get("/agents/{ref}")
-def agent_page(ref: str, keel: Keel, who: Who) -> HTMLResponse:
+def agent_page(ref: str, keel: Keel, who: Who, cursor: Annotated[str | None, Query()] = None) -> HTMLResponse:
     found = _found(keel, who, ref)
     if found is None:
         return _page("message.html", who, status=404, title="No such agent", message=f"No agent is called {ref!r}.")
     _, state = found
-    return _page("agent.html", who, state=state, drawn=state.revision, **_agent_context(keel, who, state))
+    before = _journal_cursor(who, cursor, f"/agents/{state.id}")
+    if isinstance(before, HTMLResponse):
+        return before
+    return _page("agent.html", who, state=state, drawn=state.revision, **_agent_context(keel, who, state, before))
 
 
 @router.get("/agents/{ref}/panel")
-def agent_panel(ref: str, keel: Keel, who: Who, drawn: Annotated[int, Query(ge=0)] = 0) -> HTMLResponse:
+def agent_panel(
+    ref: str,
+    keel: Keel,
+    who: Who,
+    drawn: Annotated[int, Query(ge=0)] = 0,
+    cursor: Annotated[str | None, Query()] = None,
+) -> HTMLResponse:
     """The agent page's live part (state, journal, jobs, outbox), redrawn by the script; the decision forms stay
-    as they were drawn, at their revision."""
+    as they were drawn, at their revision, and the journal at the page it shows."""
     found = _found(keel, who, ref)
     if found is None:
         return _page("message.html", who, status=404, title="No such agent", message=f"No agent is called {ref!r}.")
     _, state = found
-    return _page("agent_panel.html", who, state=state, drawn=drawn, **_agent_context(keel, who, state))
+    before = _journal_cursor(who, cursor, f"/agents/{state.id}")
+    if isinstance(before, HTMLResponse):
+        return before
+    return _page("agent_panel.html", who, state=state, drawn=drawn, **_agent_context(keel, who, state, before))
 
 
 @router.get("/agents/{ref}/live", response_class=EventSourceResponse)
@@ -409,26 +577,51 @@ async def reject(ref: str, request: Request, keel: Keel, who: Who) -> Response:
 
 # --- outbox ------------------------------------------------------------------------------------------------------
 
-OUTBOX_STATUSES = ("pending", "sending", "dead")
+OUTBOX_STATUSES = UNSENT
 
 
-def _outbox(keel: Ingress, who: Viewer) -> dict[tuple[str, str], dict[str, list[dict[str, Any]]]]:
+def _outbox(keel: Ingress, who: Viewer, status: str | None = None, before: int | None = None) -> dict[str, Any]:
+    """A page of the messages not sent (newest first; only ``status`` if given; created before ``before`` if given),
+    grouped per channel and destination, and the link to the next page."""
+    size = keel.settings.console_page_size
+    rows = unsent_page(keel.db, status=status, before_seq=before, limit=size + 1, name_prefix=who.token.agent_prefix)
+    more = len(rows) > size
+    rows = rows[:size]
+    statuses = (status,) if status else OUTBOX_STATUSES
     groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
-    for status in OUTBOX_STATUSES:
-        rows = page_messages(
-            keel.db, status=status, channel=None, before_seq=None, limit=200, name_prefix=who.token.agent_prefix
-        )
-        for row in rows:
-            group = groups.setdefault((row["channel"], row["destination"]), {s: [] for s in OUTBOX_STATUSES})
-            group[status].append(row)
-    return dict(sorted(groups.items()))
+    for row in rows:
+        group = groups.setdefault((row["channel"], row["destination"]), {s: [] for s in statuses})
+        group[row["status"]].append(row)
+    return {
+        "groups": dict(sorted(groups.items())),
+        "statuses": statuses,
+        "all_statuses": OUTBOX_STATUSES,
+        "status_filter": status,
+        "cursor": before,
+        "paged": more or before is not None,
+        "next_url": _link("/outbox", status=status, cursor=rows[-1]["seq"]) if more else None,
+        "first_url": _link("/outbox", status=status),
+    }
 
 
 @router.get("/outbox")
-def outbox_page(keel: Keel, who: Who, notice: str | None = None) -> HTMLResponse:
+def outbox_page(
+    keel: Keel,
+    who: Who,
+    notice: str | None = None,
+    status: Annotated[str | None, Query()] = None,
+    cursor: Annotated[str | None, Query()] = None,
+) -> HTMLResponse:
     if not who.can(Permission.READ_OUTBOX):
         return _refused(who, f"Token {who.token.name!r} may not read the outbox.")
-    return _page("outbox.html", who, groups=_outbox(keel, who), statuses=OUTBOX_STATUSES, notice=notice)
+    if status and status not in OUTBOX_STATUSES:
+        message = f"There is no status {status[:60]!r} here: the Outbox page lists {', '.join(OUTBOX_STATUSES)}."
+        return _page("message.html", who, status=400, title="Unknown status", message=message, back="/outbox")
+    try:
+        before = paging.seq_cursor(cursor, low=1) if cursor else None
+    except BadCursor as exc:
+        return _bad_cursor(who, exc, _link("/outbox", status=status))
+    return _page("outbox.html", who, notice=notice, **_outbox(keel, who, status or None, before))
 
 
 @router.post("/outbox/retry")
@@ -441,14 +634,7 @@ async def outbox_retry(request: Request, keel: Keel, who: Who) -> Response:
     try:
         row = await run_in_threadpool(_retry, keel, who, key)
     except KeelError as exc:
-        return _page(
-            "outbox.html",
-            who,
-            status=kind_of(exc).status,
-            groups=_outbox(keel, who),
-            statuses=OUTBOX_STATUSES,
-            error=str(exc),
-        )
+        return _page("outbox.html", who, status=kind_of(exc).status, error=str(exc), **_outbox(keel, who))
     if row is None:
         return _page("message.html", who, status=404, title="No such message", message=f"No message has key {key!r}.")
     return RedirectResponse(f"/outbox?notice={quote('retrying ' + key, safe='')}", status_code=303)

@@ -9,20 +9,6 @@ from decimal import Decimal
 
 from models.schemas import AgentState
 
-#: The list of agents shows waiting_approval first, then the active phases, then those at rest.
-PHASE_ORDER = {"waiting_approval": 0, "executing": 1, "planning": 2, "failed": 3, "idle": 4, "done": 5}
-
-
-def by_urgency(agents: Sequence[AgentState]) -> list[AgentState]:
-    """Waiting for approval first (longest waiting first), then by phase; newest first within a phase."""
-
-    def rank(agent: AgentState) -> tuple[int, float]:
-        if agent.phase == "waiting_approval":
-            return (PHASE_ORDER[agent.phase], agent.updated_at.timestamp())
-        return (PHASE_ORDER.get(agent.phase, 9), -agent.created_at.timestamp())
-
-    return sorted(agents, key=rank)
-
 
 @dataclass(frozen=True, slots=True)
 class Spend:

@@ -1,0 +1,100 @@
+"""The console's list of agents, a page at a time, in the order people handle them.
+
+The order is one run per phase: waiting for approval first (longest waiting first: ``updated_at`` is when the agent
+last moved, and a waiting agent moves only when decided), then executing, planning, failed, idle and done, newest
+first within each. A page is read run by run with keyset conditions, each run by an index that holds it in order
+(migration 0012: ``ix_agents_waiting_since``, ``ix_agents_by_phase``), so a page costs a few index scans of at most
+a page's rows however many agents there are — never a sort of them all, never an OFFSET.
+
+The runs are read in one REPEATABLE READ snapshot, so an agent that moves between phases while a page is read is
+seen once, in one place. Between pages it may move, and then appear on two pages or on none; the first page is
+always current."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from psycopg.rows import class_row
+
+from models.db import Database
+from models.schemas import AgentRow
+from models.sql import AGENT_COLUMNS
+
+#: The runs of the list, in order.
+AGENT_ORDER = ("waiting_approval", "executing", "planning", "failed", "idle", "done")
+#: The one run ordered oldest first, by when its agents last moved.
+WAITING = "waiting_approval"
+
+_WAITING_RUN = f"SELECT {AGENT_COLUMNS} FROM agents WHERE archived_at IS NULL AND phase = 'waiting_approval'"
+_PHASE_RUN = f"SELECT {AGENT_COLUMNS} FROM agents WHERE archived_at IS NULL AND phase = %(phase)s"
+_PREFIX = " AND starts_with(name, %(prefix)s)"
+_WAITING_AFTER = " AND (updated_at, id) > (%(at)s, %(id)s)"
+_PHASE_AFTER = " AND (created_at, id) < (%(at)s, %(id)s)"
+_WAITING_ORDER = " ORDER BY updated_at, id LIMIT %(limit)s"
+_PHASE_ORDER = " ORDER BY created_at DESC, id DESC LIMIT %(limit)s"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentKey:
+    """Where a page of the list ends: its last agent's phase, its time in that run's order (``updated_at`` while
+    waiting for approval, ``created_at`` otherwise) and its id. The next page starts right after it."""
+
+    phase: str
+    at: datetime
+    id: UUID
+
+    @classmethod
+    def of(cls, row: AgentRow) -> AgentKey:
+        return cls(row.phase, row.updated_at if row.phase == WAITING else row.created_at, row.id)
+
+
+def _run_sql(phase: str, *, after: bool, prefix: bool) -> str:
+    waiting = phase == WAITING
+    sql = _WAITING_RUN if waiting else _PHASE_RUN
+    if prefix:
+        sql += _PREFIX
+    if after:
+        sql += _WAITING_AFTER if waiting else _PHASE_AFTER
+    return sql + (_WAITING_ORDER if waiting else _PHASE_ORDER)
+
+
+def agents_page(
+    db: Database,
+    *,
+    phases: Sequence[str] = (),
+    after: AgentKey | None = None,
+    limit: int,
+    name_prefix: str | None = None,
+) -> tuple[list[AgentRow], AgentKey | None]:
+    """At most ``limit`` agents not archived, in the list's order, from right after ``after`` (None: the first page);
+    only those in ``phases`` if given, whose name starts with ``name_prefix`` if given. With them, the key the next
+    page starts after (None: this is the last page). ``after.phase`` must be one of the phases listed."""
+    runs = [phase for phase in AGENT_ORDER if not phases or phase in phases]
+    if after is not None:
+        if after.phase not in runs:
+            raise ValueError(f"a page key in phase {after.phase!r} does not belong to a list of {runs}")
+        runs = runs[runs.index(after.phase) :]
+    found: list[AgentRow] = []
+    with db.connection() as conn, conn.cursor(row_factory=class_row(AgentRow)) as cur:
+        try:
+            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            for phase in runs:
+                keyed = after is not None and after.phase == phase
+                params: dict[str, Any] = {"phase": phase, "prefix": name_prefix, "limit": limit + 1 - len(found)}
+                if keyed:
+                    assert after is not None
+                    params.update(at=after.at, id=after.id)
+                cur.execute(_run_sql(phase, after=keyed, prefix=bool(name_prefix)), params)
+                found.extend(cur.fetchall())
+                if len(found) > limit:  # one more than a page: another page follows
+                    break
+        finally:
+            conn.rollback()
+    if len(found) > limit:
+        page = found[:limit]
+        return page, AgentKey.of(page[-1])
+    return found, None
