@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from urllib.parse import quote, unquote
@@ -62,7 +62,7 @@ from agents.jobs import handlers
 from agents.outbox.relay import retry_dead
 from agents.runtime import tools
 from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
-from models.approvals_sql import waiting_calls
+from models.approvals_sql import WaitingCall, waiting_calls
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs, request_jobs, unpublish
 from models.schemas import (
@@ -618,21 +618,7 @@ class Client:
         more = len(calls) > limit
         calls = calls[:limit]
         return ApprovalPage(
-            approvals=tuple(
-                WaitingApproval(
-                    agent_id=c.agent_id,
-                    agent=c.agent,
-                    revision=c.revision,
-                    request_id=c.request_id,
-                    tool=str(c.payload.get("tool")),
-                    call_id=str(c.payload.get("tool_call_id", c.payload.get("call_id"))),
-                    round=int(c.payload.get("round", 0)),
-                    arguments=dict(c.payload.get("arguments") or {}),
-                    since=c.since,
-                    waited_seconds=max(0.0, (c.now - c.since).total_seconds()),
-                )
-                for c in calls
-            ),
+            approvals=tuple(_waiting_approval(c) for c in calls),
             next=_encode_cursor(calls[-1].since, calls[-1].agent_id) if more else None,
         )
 
@@ -747,6 +733,29 @@ def _check_actor(actor: str) -> None:
 def _check_reason(reason: str | None) -> None:
     if reason is not None:
         check_text("reason", reason, limit=MAX_REASON_CHARS)
+
+
+def _waiting_approval(call: WaitingCall) -> WaitingApproval:
+    payload = call.payload
+    timeout = payload.get("approval_timeout_seconds")
+    seconds = float(timeout) if isinstance(timeout, int | float) else None
+    since = call.since.astimezone(UTC)
+    return WaitingApproval(
+        agent_id=call.agent_id,
+        agent=call.agent,
+        revision=call.revision,
+        request_id=call.request_id,
+        tool=str(payload.get("tool")),
+        call_id=str(payload.get("tool_call_id", payload.get("call_id"))),
+        round=int(payload.get("round", 0)),
+        arguments=dict(payload.get("arguments") or {}),
+        since=since,
+        waited_seconds=max(0.0, (call.now - call.since).total_seconds()),
+        approval_timeout_seconds=seconds,
+        on_timeout=str(payload.get("on_timeout", "reject")) if seconds is not None else None,
+        times_out_at=since + timedelta(seconds=seconds) if seconds is not None else None,
+        escalated=call.escalated,
+    )
 
 
 def _encode_cursor(created_at: datetime, agent_id: UUID) -> str:

@@ -16,9 +16,14 @@ from psycopg.rows import class_row
 
 from models.db import Database
 
-_WAITING = """
+# Whether the waiting call's escalation is journaled (an ``approval_escalated`` event naming its gate).
+_ESCALATED = """EXISTS (
+    SELECT 1 FROM audit.journal e WHERE e.agent_id = a.id AND e.request_id = a.request_id
+    AND e.decision = 'approval_escalated' AND e.details::jsonb->>'gate' = g.key)"""
+
+_WAITING = f"""
 SELECT a.id AS agent_id, a.name AS agent, a.revision, a.request_id, g.key, g.target, g.payload,
-       g.finished_at AS since, clock_timestamp() AS now
+       g.finished_at AS since, clock_timestamp() AS now, {_ESCALATED} AS escalated
 FROM agents a
 CROSS JOIN LATERAL (
     SELECT j.key, j.target, j.payload, j.finished_at FROM jobs j
@@ -40,6 +45,7 @@ class WaitingCall:
     payload: dict[str, Any]
     since: datetime
     now: datetime  # the database's clock when read
+    escalated: bool  # its approval timeout passed and it was escalated (it waits on)
 
 
 def waiting_calls(
@@ -82,9 +88,7 @@ def calls_past_approval_timeout(db: Database) -> list[WaitingCall]:
         _WAITING + " AND g.payload ? 'approval_timeout_seconds'"
         " AND g.finished_at + make_interval(secs => (g.payload->>'approval_timeout_seconds')::float8)"
         " <= clock_timestamp()"
-        " AND NOT (g.payload->>'on_timeout' = 'escalate' AND EXISTS ("
-        "   SELECT 1 FROM audit.journal e WHERE e.agent_id = a.id AND e.request_id = a.request_id"
-        "   AND e.decision = 'approval_escalated' AND e.details::jsonb->>'gate' = g.key))"
+        f" AND NOT (g.payload->>'on_timeout' = 'escalate' AND {_ESCALATED})"
         " ORDER BY g.finished_at, a.id"
     )
     with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:

@@ -145,7 +145,8 @@ class AgentPage(BaseModel):
 
 class WaitingApproval(BaseModel):
     """A call waiting for a person: which agent (at which revision: what an approval's If-Match names), which
-    tool with which arguments, which request and round, and since when (the database's clock)."""
+    tool with which arguments, which request and round, and since when (the database's clock); if its tool has an
+    approval timeout, how long, what then (``reject`` or ``escalate``), when, and whether it was escalated."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -159,6 +160,10 @@ class WaitingApproval(BaseModel):
     arguments: dict[str, Any]
     since: datetime
     waited_seconds: float
+    approval_timeout_seconds: float | None = None
+    on_timeout: str | None = None
+    times_out_at: datetime | None = None
+    escalated: bool = False
 
 
 class ApprovalPage(BaseModel):

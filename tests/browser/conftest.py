@@ -119,7 +119,7 @@ def stack(
         **FAST,
         "KEEL_GITHUB_TOKEN": GITHUB_TOKEN,
         "KEEL_GITHUB_API_URL": github.url,
-        "KEEL_IMPORTS": json.dumps(["tests.support.handlers"]),
+        "KEEL_IMPORTS": json.dumps(["tests.support.handlers", "tests.support.approval_tools"]),
     }
     child = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     child.update({"KEEL_DATABASE_URL": db_url, **broker.env, "PYTHONPATH": str(ROOT), **env})
@@ -146,3 +146,31 @@ def stack(
 def screenshot(page: Any, name: str) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=True)
+
+
+#: Milliseconds the browser waits for what a live update should bring (generous: two cores shared by many).
+LIVE = 60_000
+
+
+def sign_in(browser: Any, stack: Stack, secret: str) -> Any:
+    """A new browser session (its own cookies) signed in with ``secret``, on the agents page."""
+    page = browser.new_context().new_page()
+    page.goto(f"{stack.api.url}/signin")
+    page.get_by_label("API token").fill(secret)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url("**/agents")
+    return page
+
+
+def tab_to(page: Any, name: str) -> None:
+    """Press Tab until the control named ``name`` has the focus: it is reachable from the keyboard."""
+    for _ in range(40):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement && document.activeElement.textContent.trim()") == name:
+            return
+    raise AssertionError(f"{name!r} cannot be reached with Tab")
+
+
+def no_sideways_scroll(page: Any) -> bool:
+    """Whether the page fits its window's width (a narrow screen scrolls only up and down)."""
+    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"))

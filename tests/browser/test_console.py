@@ -7,31 +7,10 @@ from typing import Any
 
 import pytest
 
-from tests.browser.conftest import Stack, screenshot, wait_until
+from tests.browser.conftest import LIVE, Stack, screenshot, sign_in, tab_to, wait_until
 from tests.support.api import COMMENT
 
 pytestmark = pytest.mark.browser
-#: Milliseconds the browser waits for what a live update should bring (generous: two cores shared by many).
-LIVE = 60_000
-
-
-def sign_in(browser: Any, stack: Stack, secret: str) -> Any:
-    """A new browser session (its own cookies) signed in with ``secret``, on the agents page."""
-    page = browser.new_context().new_page()
-    page.goto(f"{stack.api.url}/signin")
-    page.get_by_label("API token").fill(secret)
-    page.get_by_role("button", name="Sign in").click()
-    page.wait_for_url("**/agents")
-    return page
-
-
-def tab_to(page: Any, name: str) -> None:
-    """Press Tab until the control named ``name`` has the focus: it is reachable from the keyboard."""
-    for _ in range(40):
-        page.keyboard.press("Tab")
-        if page.evaluate("document.activeElement && document.activeElement.textContent.trim()") == name:
-            return
-    raise AssertionError(f"{name!r} cannot be reached with Tab")
 
 
 def _approvals(stack: Stack, agent_id: str) -> list[tuple[str, str]]:

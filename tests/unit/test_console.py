@@ -16,7 +16,7 @@ from starlette.responses import Response
 from agents.ingress.console import paging, sessions, signin_limits, views
 from agents.ingress.tokens import ApiToken, Scope
 from models.console_sql import AgentKey
-from models.schemas import AgentState
+from models.schemas import AgentState, WaitingApproval
 from models.settings import Settings
 
 KEY = b"k" * 32
@@ -195,3 +195,103 @@ def test_a_chart_scales_its_bars_to_the_peak_and_places_them_by_minute() -> None
     (x1, _, _, h1, tip1), (x2, _, _, h2, _) = chart.bars
     assert x1 == 300 and x2 == 590 and h2 == 2 * h1 and tip1 == "11:30 2"
     assert views.chart("Nothing", [], NOW, timedelta(hours=1)).bars == ()
+
+
+# --- the inbox and edit-and-approve -------------------------------------------------------------------------------
+
+
+def test_the_inbox_minimum_age_is_a_number_with_a_unit() -> None:
+    assert views.parse_age(None) is None and views.parse_age("  ") is None
+    assert views.parse_age("90") == timedelta(seconds=90) == views.parse_age("90s")
+    assert views.parse_age(" 15m ") == timedelta(minutes=15)
+    assert views.parse_age("2H") == timedelta(hours=2)
+    assert views.parse_age("1.5d") == timedelta(hours=36)
+    for bad in ("soon", "-5m", "5 minutes", "1h30m", "1e3", "5w"):
+        with pytest.raises(ValueError, match=r"^min_age '.*' is not an age: give a number with s, m, h or d"):
+            views.parse_age(bad)
+    with pytest.raises(ValueError, match="min_age must be at most 3650 days, got 3651d"):
+        views.parse_age("3651d")
+    with pytest.raises(ValueError, match="…'"):  # a long value is shortened, not echoed whole
+        views.parse_age("x" * 500)
+
+
+def _call(**fields: object) -> WaitingApproval:
+    since = NOW - timedelta(minutes=10)
+    return WaitingApproval.model_validate(
+        {
+            "agent_id": uuid4(),
+            "agent": "deployer",
+            "revision": 4,
+            "request_id": "r1",
+            "tool": "deploy",
+            "call_id": "c1",
+            "round": 1,
+            "arguments": {"service": "api"},
+            "since": since,
+            "waited_seconds": 600.0,
+            **fields,
+        }
+    )
+
+
+def test_an_approval_timeout_reads_as_what_happens_and_when() -> None:
+    assert views.approval_timeout(_call()) is None
+    since = NOW - timedelta(minutes=10)
+    rejects = views.approval_timeout(
+        _call(approval_timeout_seconds=4 * 3600, on_timeout="reject", times_out_at=since + timedelta(hours=4))
+    )
+    assert rejects == views.Timeout("rejected in 3h 50m (limit 4h 0m)", due=False)
+    passed = views.approval_timeout(
+        _call(approval_timeout_seconds=300, on_timeout="escalate", times_out_at=since + timedelta(minutes=5))
+    )
+    assert passed == views.Timeout("limit 5m 0s passed 5m 0s ago: escalating at the beat's next check", due=True)
+    escalated = views.approval_timeout(
+        _call(approval_timeout_seconds=300, on_timeout="escalate", times_out_at=since, escalated=True)
+    )
+    assert escalated == views.Timeout("escalated after 5m 0s; still waiting for a person", due=True)
+    assert views.age(600.4) == "10m 0s" and views.age(-1) == "0s"
+
+
+def test_edited_arguments_must_be_a_json_object_and_the_error_says_where() -> None:
+    assert views.edited_arguments('{\n  "body": "Fixed ✓",\n  "issue": 7\n}') == {"body": "Fixed ✓", "issue": 7}
+    refusals = {
+        "": "arguments: give the call's arguments as a JSON object (the field is empty)",
+        '{"issue": 7,}': "not valid JSON: Expecting property name enclosed in double quotes (line 1, column 13)",
+        '{\n"issue": seven}': "arguments are not valid JSON: Expecting value (line 2, column 10)",
+        '{"issue": NaN}': "arguments are not valid JSON: NaN is not a JSON value",
+        '{"issue": -Infinity}': "arguments are not valid JSON: -Infinity is not a JSON value",
+        "[1]": "arguments must be a JSON object",
+        '"text"': "got a string",
+        "null": "got null",
+        "7": "got a number",
+        " " + "1" * views.MAX_ARGUMENTS_CHARS: f"arguments must be at most {views.MAX_ARGUMENTS_CHARS} characters",
+    }
+    for typed, message in refusals.items():
+        with pytest.raises(ValueError) as refused:
+            views.edited_arguments(typed)
+        assert message in str(refused.value), typed[:40]
+
+
+def test_an_approvals_edit_reads_as_each_argument_changed() -> None:
+    details = {
+        "call": {"tool": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "Fixed"}},
+        "edited_arguments": {"repository": "acme/api", "issue": 8, "body": "Fixed in v2.1", "draft": True},
+    }
+    assert views.argument_changes(details) == [
+        views.Change("body", '"Fixed"', '"Fixed in v2.1"'),
+        views.Change("draft", "(not given)", "true"),
+        views.Change("issue", "7", "8"),
+    ]
+    assert views.argument_changes({"call": details["call"]}) == []  # approved as the model asked
+    assert views.argument_changes({"reason": "x"}) == []
+    assert views.argument_changes({"call": "odd", "edited_arguments": {}}) == []
+
+
+def test_json_for_people_to_read() -> None:
+    value = {"body": "ünï <b>", "n": [1, 2]}
+    assert views.pretty(value) == '{\n  "body": "ünï <b>",\n  "n": [\n    1,\n    2\n  ]\n}'
+    assert views.compact(value) == '{"body": "ünï <b>", "n": [1, 2]}'
+    assert (
+        views.compact({"t": "x" * 100}, 20) == '{"t": "xxxxxxxxxxxx…' and len(views.compact({"t": "x" * 100}, 20)) == 20
+    )
+    assert views.text_rows("{}") == 4 and views.text_rows("\n" * 100) == 18 and views.text_rows("\n" * 7) == 9

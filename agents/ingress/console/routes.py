@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from agents.core.errors import AgentNotFound, KeelError, StaleRevision
+from agents.core.errors import AgentNotFound, InvalidInput, KeelError, StaleRevision
 from agents.core.journal import journal_page
 from agents.core.phases import Phase
 from agents.ingress.auth import resolve
@@ -33,6 +33,7 @@ from agents.ingress.console.sessions import Session
 from agents.ingress.events import ANY_AGENT, sse_events
 from agents.ingress.problems import kind_of
 from agents.ingress.ratelimit import headers as rate_headers
+from agents.ingress.routes.approvals import approvals_for
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.tokens import ApiToken, Permission, authenticate, live_token
 from models import alerts_sql, console_sql, kpi_sql
@@ -65,6 +66,8 @@ templates = Environment(
     lstrip_blocks=True,
 )
 templates.filters["spend"] = views.spend
+templates.filters["pretty"] = views.pretty
+templates.filters["compact"] = views.compact
 
 
 class SignInRequired(KeelError):
@@ -530,9 +533,17 @@ def _apply(keel: Ingress, who: Viewer, ref: str, act: str, form: dict[str, str])
     except ValueError:
         return _page("message.html", who, status=400, title="Bad form", message="The form names no revision.")
     reason = form.get("reason", "").strip() or None
+    # The edit form sends the arguments as typed; the plain Approve form sends none (the call runs as it is).
+    typed = form.get("arguments") if act == "approve" else None
+    arguments = None
+    if typed is not None:
+        try:
+            arguments = views.edited_arguments(typed)
+        except ValueError as exc:
+            return _edit_refused(keel, who, agent_id, drawn, typed, str(exc))
     try:
         if act == "approve":
-            keel.client.approve(agent_id, expected_revision=drawn, actor=who.token.name)
+            keel.client.approve(agent_id, expected_revision=drawn, actor=who.token.name, arguments=arguments)
         else:
             keel.client.reject(agent_id, expected_revision=drawn, actor=who.token.name, reason=reason)
     except StaleRevision as exc:
@@ -552,6 +563,8 @@ def _apply(keel: Ingress, who: Viewer, ref: str, act: str, form: dict[str, str])
             **context,
         )
     except KeelError as exc:
+        if typed is not None and isinstance(exc, InvalidInput):  # the tool refused the edit
+            return _edit_refused(keel, who, agent_id, drawn, typed, str(exc))
         state = keel.client.get_state(agent_id)
         return _page(
             "agent.html",
@@ -565,6 +578,27 @@ def _apply(keel: Ingress, who: Viewer, ref: str, act: str, form: dict[str, str])
     return RedirectResponse(f"/agents/{agent_id}", status_code=303)
 
 
+def _edit_refused(keel: Ingress, who: Viewer, agent_id: UUID, drawn: int, typed: str, error: str) -> HTMLResponse:
+    """The agent page again after an edit the tool (or JSON) refused: nothing was applied or journaled (as over the
+    API). The edit form keeps what was typed, at the revision it was drawn at, unless the agent has moved since:
+    then the forms are drawn anew for the call waiting now."""
+    state = keel.client.get_state(agent_id)
+    moved = state.revision != drawn
+    error = error if error.endswith(".") else error + "."
+    if moved:
+        error += f" The agent has moved since, to revision {state.revision} ({state.phase}): the forms are drawn anew."
+    return _page(
+        "agent.html",
+        who,
+        status=422,
+        state=state,
+        drawn=state.revision,
+        edit_error=error,
+        edited=None if moved else typed,
+        **_agent_context(keel, who, state),
+    )
+
+
 @router.post("/agents/{ref}/approve")
 async def approve(ref: str, request: Request, keel: Keel, who: Who) -> Response:
     return await _decide(request, ref, keel, who, "approve")
@@ -573,6 +607,108 @@ async def approve(ref: str, request: Request, keel: Keel, who: Who) -> Response:
 @router.post("/agents/{ref}/reject")
 async def reject(ref: str, request: Request, keel: Keel, who: Who) -> Response:
     return await _decide(request, ref, keel, who, "reject")
+
+
+# --- the inbox ---------------------------------------------------------------------------------------------------
+
+#: How many waiting calls one page of the inbox shows (``?limit=``: up to ``INBOX_MAX_PAGE``); a link pages on with
+#: the API's keyset cursor.
+INBOX_PAGE = 50
+INBOX_MAX_PAGE = 200
+
+
+@dataclass(frozen=True, slots=True)
+class InboxQuery:
+    """The inbox's filters as given in the page's address (the GET form's fields), unparsed."""
+
+    tool: str = ""
+    min_age: str = ""
+    agent_prefix: str = ""
+    limit: str = ""
+    cursor: str = ""
+
+    def url(self, path: str, *, cursor: str | None = None) -> str:
+        """``path`` with these filters (and ``cursor``) as its query."""
+        fields = {
+            "tool": self.tool,
+            "min_age": self.min_age,
+            "agent_prefix": self.agent_prefix,
+            "limit": self.limit,
+            "cursor": cursor,
+        }
+        query = urlencode({name: value for name, value in fields.items() if value})
+        return f"{path}?{query}" if query else path
+
+    def page_size(self) -> int:
+        if not self.limit:
+            return INBOX_PAGE
+        size = int(self.limit) if self.limit.isdecimal() and len(self.limit) <= 6 else 0
+        if not 1 <= size <= INBOX_MAX_PAGE:
+            shown = self.limit if len(self.limit) <= 20 else self.limit[:19] + "…"
+            raise ValueError(f"limit must be a whole number from 1 to {INBOX_MAX_PAGE}, got {shown!r}")
+        return size
+
+
+def inbox_query(
+    tool: Annotated[str | None, Query()] = None,
+    min_age: Annotated[str | None, Query()] = None,
+    agent_prefix: Annotated[str | None, Query()] = None,
+    limit: Annotated[str | None, Query()] = None,
+    cursor: Annotated[str | None, Query()] = None,
+) -> InboxQuery:
+    """A dependency: the inbox's filters, taken as text (checked by :func:`_inbox`, which names a bad one)."""
+    given = (tool, min_age, agent_prefix, limit, cursor)
+    return InboxQuery(*((value or "").strip() for value in given))
+
+
+Filters = Annotated[InboxQuery, Depends(inbox_query)]
+#: The inbox's filters by name: a refusal's message begins with the one it refuses.
+INBOX_FIELDS = ("tool", "min_age", "agent_prefix", "limit", "cursor")
+
+
+def _inbox(keel: Ingress, who: Viewer, q: InboxQuery) -> dict[str, Any]:
+    """One page of the calls waiting, through the API's own query; a bad filter is an ``error`` naming it."""
+    try:
+        page = approvals_for(
+            keel.client,
+            who.token,
+            tool=q.tool or None,
+            min_age=views.parse_age(q.min_age),
+            agent_prefix=q.agent_prefix or None,
+            limit=q.page_size(),
+            cursor=q.cursor or None,
+        )
+    except (InvalidInput, ValueError) as exc:
+        error = str(exc)
+        field = next((name for name in INBOX_FIELDS if error.startswith(name + " ")), None)
+        return {"q": q, "calls": (), "error": error, "error_field": field, "next_url": None, "first_url": None}
+    return {
+        "q": q,
+        "calls": page.approvals,
+        "error": None,
+        "error_field": None,
+        "next_url": q.url("/inbox", cursor=page.next) if page.next else None,
+        "first_url": q.url("/inbox") if q.cursor else None,
+    }
+
+
+@router.get("/inbox")
+def inbox_page(keel: Keel, who: Who, q: Filters) -> HTMLResponse:
+    """Every call waiting for approval across the agents the token sees, oldest first; live."""
+    if not who.can(Permission.READ_APPROVALS):
+        return _refused(who, f"Token {who.token.name!r} may not read the approvals inbox.")
+    context = _inbox(keel, who, q)
+    status = 400 if context["error"] else 200
+    return _page("inbox.html", who, status=status, rows_url=q.url("/inbox/rows", cursor=q.cursor), **context)
+
+
+@router.get("/inbox/rows")
+def inbox_rows(keel: Keel, who: Who, q: Filters) -> HTMLResponse:
+    """The inbox's list alone: what the live script swaps in."""
+    if not who.can(Permission.READ_APPROVALS):
+        return _refused(who, f"Token {who.token.name!r} may not read the approvals inbox.")
+    context = _inbox(keel, who, q)
+    return _page("inbox_list.html", who, status=400 if context["error"] else 200, **context)
 
 
 # --- outbox ------------------------------------------------------------------------------------------------------

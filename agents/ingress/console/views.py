@@ -1,13 +1,17 @@
-"""What the console's pages show, computed on the server: spend against budget, time left, SVG charts."""
+"""What the console's pages show, computed on the server: spend against budget, time left, SVG charts, the
+inbox's filters and approval timeouts, and the arguments a person edits."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
-from models.schemas import AgentState
+from models.schemas import AgentState, WaitingApproval
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,3 +106,136 @@ def chart(
             )
         )
     return Chart(title, width, height, tuple(bars), peak, f"{start:%H:%M}", f"{now:%H:%M}")
+
+
+# --- the inbox ---------------------------------------------------------------------------------------------------
+
+_AGE = re.compile(r"\s*(\d{1,9}(?:\.\d{1,6})?)\s*([smhd]?)\s*", re.IGNORECASE)
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+#: The longest minimum age a filter may ask for (as the API's ``min_age_seconds``).
+MAX_AGE = timedelta(days=3650)
+
+
+def parse_age(text: str | None) -> timedelta | None:
+    """The inbox's minimum-age filter as typed: ``90`` or ``90s`` (seconds), ``15m``, ``2h``, ``1d``; blank: none.
+    Anything else raises :class:`ValueError` naming the field and the rule."""
+    if text is None or not text.strip():
+        return None
+    found = _AGE.fullmatch(text)
+    if found is None:
+        shown = text if len(text) <= 40 else text[:39] + "…"
+        raise ValueError(
+            f"min_age {shown!r} is not an age: give a number with s, m, h or d (seconds if none), e.g. 15m or 2h"
+        )
+    age = timedelta(seconds=float(found.group(1)) * _UNIT_SECONDS[found.group(2).lower()])
+    if age > MAX_AGE:
+        raise ValueError(f"min_age must be at most {MAX_AGE.days} days, got {found.group(0).strip()}")
+    return age
+
+
+def age(seconds: float) -> str:
+    """How long something has waited, shortly: ``"4m 10s"``."""
+    return _span(timedelta(seconds=max(0.0, seconds)))
+
+
+@dataclass(frozen=True, slots=True)
+class Timeout:
+    """A waiting call's approval timeout as the inbox shows it; ``due``: it has passed, or the call was escalated."""
+
+    text: str
+    due: bool
+
+
+def approval_timeout(call: WaitingApproval) -> Timeout | None:
+    """What the call's approval timeout means now (on the database's clock, as read with the inbox); None: its tool
+    has none."""
+    if call.approval_timeout_seconds is None or call.times_out_at is None:
+        return None
+    limit = _span(timedelta(seconds=call.approval_timeout_seconds))
+    if call.escalated:
+        return Timeout(f"escalated after {limit}; still waiting for a person", True)
+    now = call.since + timedelta(seconds=call.waited_seconds)
+    left = call.times_out_at - now
+    then = "escalated" if call.on_timeout == "escalate" else "rejected"
+    if left > timedelta(0):
+        return Timeout(f"{then} in {_span(left)} (limit {limit})", False)
+    doing = "escalating" if call.on_timeout == "escalate" else "rejecting"
+    return Timeout(f"limit {limit} passed {_span(-left)} ago: {doing} at the beat's next check", True)
+
+
+# --- arguments -----------------------------------------------------------------------------------------------------
+
+
+def pretty(value: Any) -> str:
+    """JSON for a person to read or edit: indented, non-ASCII as it is."""
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def compact(value: Any, limit: int = 80) -> str:
+    """JSON on one line, cut at ``limit`` characters."""
+    text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def text_rows(text: str, *, least: int = 4, most: int = 18) -> int:
+    """How many rows a textarea needs to show ``text`` whole, within bounds."""
+    return max(least, min(most, text.count("\n") + 2))
+
+
+#: The longest arguments text the edit form takes.
+MAX_ARGUMENTS_CHARS = 100_000
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def edited_arguments(text: str) -> dict[str, Any]:
+    """The arguments a person typed into the edit form: a JSON object, else :class:`ValueError` naming the field and
+    the rule (where the JSON breaks, by line and column)."""
+    if not text.strip():
+        raise ValueError("arguments: give the call's arguments as a JSON object (the field is empty)")
+    if len(text) > MAX_ARGUMENTS_CHARS:
+        raise ValueError(f"arguments must be at most {MAX_ARGUMENTS_CHARS} characters, got {len(text)}")
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"arguments are not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except ValueError as exc:
+        raise ValueError(f"arguments are not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        kinds = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}
+        kind = kinds.get(type(value), "a number")
+        raise ValueError(f'arguments must be a JSON object ({{"name": value, …}}), got {kind}')
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One argument a person changed before approving: its name, the model's value and the person's (JSON)."""
+
+    name: str
+    before: str
+    after: str
+
+
+def argument_changes(details: Mapping[str, Any]) -> list[Change]:
+    """The arguments an approval edited, from its journal event's details (``call.arguments``, the model's;
+    ``edited_arguments``, the person's), by name; empty when it edited nothing."""
+    call = details.get("call")
+    edited = details.get("edited_arguments")
+    if not isinstance(call, Mapping) or not isinstance(edited, Mapping):
+        return []
+    before = call.get("arguments")
+    if not isinstance(before, Mapping):
+        return []
+    removed = "(not given)"
+    return [
+        Change(
+            name,
+            compact(before[name], 300) if name in before else removed,
+            compact(edited[name], 300) if name in edited else removed,
+        )
+        for name in sorted(set(before) | set(edited))
+        if (name in before) != (name in edited) or before.get(name) != edited.get(name)
+    ]

@@ -7,6 +7,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
+from agents.client import Client
+from agents.core.commands import check_text
 from agents.ingress.auth import require
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.tokens import ApiToken, Permission
@@ -34,16 +36,35 @@ def approvals(
 ) -> ApprovalPage:
     """Each call names its agent and the revision an approval's ``If-Match`` carries. A token limited to an agent
     prefix sees its agents' calls only."""
+    return approvals_for(
+        keel.client,
+        token,
+        tool=tool,
+        min_age=None if min_age_seconds is None else timedelta(seconds=min_age_seconds),
+        agent_prefix=agent_prefix,
+        limit=limit,
+        cursor=cursor,
+    )
+
+
+def approvals_for(
+    client: Client,
+    token: ApiToken,
+    *,
+    tool: str | None,
+    min_age: timedelta | None,
+    agent_prefix: str | None,
+    limit: int,
+    cursor: str | None,
+) -> ApprovalPage:
+    """The inbox as ``token`` sees it (the API's and the console's): only its agents' calls if it is limited to an
+    agent prefix. Bad filters raise :class:`~agents.core.errors.InvalidInput` naming the field."""
+    if agent_prefix is not None:
+        check_text("agent_prefix", agent_prefix, limit=200)  # checked whether or not the token's prefix overrides it
     prefix = _narrowest(token.agent_prefix, agent_prefix)
     if prefix is None and token.agent_prefix is not None:
         return ApprovalPage(approvals=())  # the two prefixes exclude each other: no agent has both
-    return keel.client.approvals(
-        tool=tool,
-        min_age=None if min_age_seconds is None else timedelta(seconds=min_age_seconds),
-        agent_prefix=prefix,
-        limit=limit,
-        after=cursor,
-    )
+    return client.approvals(tool=tool, min_age=min_age, agent_prefix=prefix, limit=limit, after=cursor)
 
 
 def _narrowest(granted: str | None, asked: str | None) -> str | None:

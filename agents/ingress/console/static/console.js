@@ -13,7 +13,14 @@ async function swap(target, url) {
   if (response.status === 401 || response.redirected) { liveStatus("Signed out: reload to sign in."); return; }
   if (!response.ok) { return; }
   const html = await response.text();
-  if (mine === drawn) { target.innerHTML = html; }
+  if (mine !== drawn) { return; }
+  // What the person opened stays open across a redraw (the same call keeps the same id).
+  const open = Array.from(target.querySelectorAll("details[open][id]"), (el) => el.id);
+  target.innerHTML = html;
+  open.forEach((id) => {
+    const again = document.getElementById(id);
+    if (again && target.contains(again)) { again.open = true; }
+  });
 }
 
 function follow(url, onEvent) {
@@ -37,6 +44,8 @@ document.addEventListener("DOMContentLoaded", () => {
   const rows = document.querySelector("[data-live-list]");
   if (rows) {
     follow(rows.dataset.liveList, () => swap(rows, rows.dataset.rows));
+    const every = Number(rows.dataset.every);  // ages and timeouts move on while nothing else does
+    if (every > 0) { setInterval(() => swap(rows, rows.dataset.rows), every * 1000); }
   }
   const panel = document.querySelector("[data-live-agent]");
   if (panel) {
