@@ -69,8 +69,10 @@ def create() -> FastAPI:
     install_log_redaction([logging.getLogger(), *map(logging.getLogger, UVICORN_LOGGERS)])
     use_structlog()  # structlog's lines through uvicorn's handlers; the request's context on every line
     configure_tracing(settings, API)  # in each API process (uvicorn starts its workers afresh): off without an endpoint
-    metrics = install_metrics("api", collectors=domain_collectors(settings))
-    app = create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS))
+    domain = domain_collectors(settings)
+    metrics = install_metrics("api", collectors=domain.collectors)
+    # The collectors' pool is closed with the app (a reloaded or in-process app leaves no connection behind).
+    app = create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS), on_close=(domain.close,))
     if settings.api_metrics:
         app.add_api_route(
             "/metrics", metrics_endpoint(metrics, settings.api_metrics_token), methods=["GET"], include_in_schema=False

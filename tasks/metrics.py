@@ -9,6 +9,7 @@ numbers at each scrape (see :mod:`agents.observability.metrics`). A beat is one 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from celery.signals import beat_init, celeryd_init, worker_process_shutdown
@@ -28,11 +29,23 @@ log = logging.getLogger(__name__)
 SCRAPE_CONNECT_TIMEOUT_SECONDS = 5
 
 
-def domain_collectors(settings: Settings) -> list[Collector]:
-    """The collectors of the domain KPIs (computed from PostgreSQL) that the API processes and the beats export: a
-    small pool of their own (each collector reads on one connection at a time), quick to give up on connecting."""
+@dataclass(frozen=True, slots=True)
+class DomainCollectors:
+    """The collectors of the domain KPIs (computed from PostgreSQL) that the API processes and the beats export, and
+    the small pool of their own they read on (each collector reads on one connection at a time): :meth:`close` it
+    when the process's app stops."""
+
+    db: Database
+    collectors: tuple[Collector, ...]
+
+    def close(self) -> None:
+        self.db.dispose()
+
+
+def domain_collectors(settings: Settings) -> DomainCollectors:
+    """The domain collectors on a pool of two connections, quick to give up on connecting."""
     db = Database.from_settings(settings, pool_size=2, connect_timeout_seconds=SCRAPE_CONNECT_TIMEOUT_SECONDS)
-    return [DomainCollector(db), AlertsCollector(db)]
+    return DomainCollectors(db, (DomainCollector(db), AlertsCollector(db)))
 
 
 def serve_metrics(metrics: Metrics, settings: Settings, port: int, variable: str) -> None:
@@ -67,5 +80,5 @@ def _worker_process_exited(pid: int | None = None, **_: Any) -> None:
 @beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _beat_starts(**_: Any) -> None:
     settings = Settings()
-    metrics = install_metrics("beat", collectors=domain_collectors(settings))
+    metrics = install_metrics("beat", collectors=domain_collectors(settings).collectors)
     serve_metrics(metrics, settings, settings.beat_metrics_port, "KEEL_BEAT_METRICS_PORT")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 from types import FrameType
@@ -166,9 +166,14 @@ def _end_streams_on_shutdown_signal(listener: JournalListener) -> Callable[[], N
     return restore
 
 
-def create_app(settings: Settings | None = None, *, publisher: Publisher | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    publisher: Publisher | None = None,
+    on_close: Sequence[Callable[[], None]] = (),
+) -> FastAPI:
     """The API app. ``publisher`` sends a submit's first job to the broker at once (``tasks.api`` passes Celery's);
-    without it the beat dispatcher picks the job up on its next pass."""
+    without it the beat dispatcher picks the job up on its next pass. ``on_close`` runs when the app stops."""
     settings = settings or Settings()
     register_settings(settings)
 
@@ -184,6 +189,8 @@ def create_app(settings: Settings | None = None, *, publisher: Publisher | None 
             restore()
             await keel.listener.stop()
             keel.close()
+            for close in on_close:
+                close()
 
     app = FastAPI(
         title="Keel",

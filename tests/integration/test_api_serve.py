@@ -3,6 +3,7 @@ submits while Redis is away, and a SIGTERM with live event streams open."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,11 +12,12 @@ import time
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from httpx_sse import connect_sse
 
 from agents.client import Client
-from models.db import Database
+from models.db import Database, libpq_url
 from tests.support.api import free_port, journal_count, problem, running_api, script
 from tests.support.broker import Broker
 
@@ -193,3 +195,38 @@ def test_an_unexpected_error_is_logged_once_with_its_incident_id_and_no_secret(t
     assert f"unexpected error {incident} on GET /boom" in text
     assert "Exception in ASGI application" not in text
     assert FAKE_SECRET not in text
+
+
+def test_the_api_app_closes_its_kpi_collectors_pool_when_it_stops(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape reads the domain KPIs on a pool of the collectors' own; stopping the app (a reload, an in-process
+    app) closes it with the rest, leaving no connection open to the database."""
+    from tasks.api import create
+
+    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+        monkeypatch.setenv(name, value)
+    dbname = db_url.rsplit("/", 1)[1]
+
+    def connections() -> int:
+        with psycopg.connect(libpq_url(db_url.rsplit("/", 1)[0] + "/postgres"), autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,)
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    app = create()
+
+    async def scrape() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://k") as http,
+        ):
+            scraped = await http.get("/metrics")
+            assert scraped.status_code == 200 and "keel_kpi_up 1.0" in scraped.text, scraped.text[-2000:]
+            assert connections() > 0
+
+    asyncio.run(scrape())
+    assert connections() == 0
