@@ -81,6 +81,16 @@ def waiting_calls(
     return found
 
 
+def waiting_call(db: Database, agent_id: UUID) -> WaitingCall | None:
+    """The call ``agent_id`` waits on, if it waits for approval: since when is when its gate finished, which stays
+    put while the agent moves within the wait (an escalation is a move: its ``updated_at`` is not the wait's start)."""
+    with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:
+        cur.execute(_WAITING + " AND a.id = %(agent_id)s", {"agent_id": agent_id})
+        found = cur.fetchone()
+        conn.rollback()
+    return found
+
+
 def calls_past_approval_timeout(db: Database) -> list[WaitingCall]:
     """Waiting calls whose tool has an approval timeout that has passed, oldest first; an escalated call whose
     escalation is journaled already is not among them (it waits on, and is escalated once)."""

@@ -98,3 +98,26 @@ def agents_page(
         page = found[:limit]
         return page, AgentKey.of(page[-1])
     return found, None
+
+
+# --- sign-outs ---------------------------------------------------------------------------------------------------
+
+
+def sign_out(db: Database, session_id: str, expires_at: datetime) -> None:
+    """Record that the session ``session_id`` was signed out (until it would have expired), and forget the
+    sign-outs of sessions that have expired since (the cookie's own lifetime refuses those)."""
+    with db.connection() as conn:
+        conn.execute(
+            "INSERT INTO console_signouts (session_id, expires_at) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+            (session_id, expires_at),
+        )
+        conn.execute("DELETE FROM console_signouts WHERE expires_at < now()")
+        conn.commit()
+
+
+def signed_out(db: Database, session_id: str) -> bool:
+    """Whether the session ``session_id`` was signed out."""
+    with db.connection() as conn:
+        row = conn.execute("SELECT 1 FROM console_signouts WHERE session_id = %s", (session_id,)).fetchone()
+        conn.rollback()
+    return row is not None

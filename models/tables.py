@@ -408,3 +408,13 @@ audit_verifications = Table(
     Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     CheckConstraint("source IN ('cli', 'beat')", name="source"),
 )
+
+# Console sessions signed out before they expired (the session cookie is signed, not stored: a copy of it would
+# otherwise work until it expires). Kept until the session would have expired; sign-outs purge the expired rows.
+console_signouts = Table(
+    "console_signouts",
+    metadata,
+    Column("session_id", Text, primary_key=True),  # sha256 of the session's random CSRF token, hex
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Index("ix_console_signouts_expires_at", "expires_at"),
+)

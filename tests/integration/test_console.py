@@ -754,3 +754,63 @@ def test_an_auditor_sees_no_edit_form_and_a_forged_edit_changes_nothing(api: Api
     assert journal_count(api.db) == before
     operator_only = browsers.signed_in(api.token("operator"))
     assert 'name="arguments"' not in operator_only.get(f"/agents/{state['id']}").text  # operators do not approve
+
+
+# --- found in review (issue 13) -----------------------------------------------------------------------------------
+
+
+def test_odd_characters_in_a_form_are_refused_naming_the_problem_not_an_internal_error(
+    api: Api, browsers: Browsers
+) -> None:
+    with api.http(api.token("operator")) as http:
+        state = waiting_agent(api, http)
+    before = journal_count(api.db)
+    # Before anyone signs in: a sign-in form whose CSRF token is not ASCII.
+    visitor = browsers.new()
+    visitor.get("/signin")
+    signin = visitor.post("/signin", data={"csrf": "é", "token": api.token("approver"), "next": "/agents"})
+    assert signin.status_code == 403 and "The sign-in form expired" in signin.text
+    client = browsers.signed_in(api.token("approver", "operator", name="alice"))
+    page = client.get(f"/agents/{state['id']}")
+    approve = client.post(f"/agents/{state['id']}/approve", data={"csrf": "é", "revision": str(state["revision"])})
+    assert approve.status_code == 403 and "CSRF" in approve.text
+    assert client.post("/signout", data={"csrf": "ü"}).status_code == 403
+    retry = client.post("/outbox/retry", data={"csrf": csrf_of(page), "key": "a\x00b"})
+    assert retry.status_code == 400 and "key" in retry.text
+    assert journal_count(api.db) == before
+    assert "unexpected error" not in api.log()
+
+
+def test_an_escalated_call_still_says_since_when_it_has_waited(
+    api: Api, browsers: Browsers, client: Client, db: Database
+) -> None:
+    paging = _to_approval(client, db, "pager", "console_page")
+    (call,) = client.approvals().approvals
+    deadline = time.monotonic() + 30
+    while not calls_past_approval_timeout(db):
+        assert time.monotonic() < deadline, "the approval timeout never passed"
+        time.sleep(0.2)
+    assert enforce_timeouts(db, Settings()).escalated == [paging.id]  # a move: the agent's updated_at is now
+    viewer = browsers.signed_in(api.token("approver"))
+    page = viewer.get(f"/agents/{paging.id}").text
+    since = re.search(r"<dt>Waiting since</dt><dd><time datetime=\"([^\"]+)\"", page)
+    assert since is not None and since.group(1) == call.since.isoformat(), (since, call.since)
+
+
+def test_signing_out_ends_the_session_even_for_a_copy_of_its_cookie(api: Api, browsers: Browsers) -> None:
+    with api.http(api.token("operator")) as http:
+        state = waiting_agent(api, http)
+    secret = api.token("approver", name="alice")
+    client = browsers.signed_in(secret)
+    elsewhere = browsers.signed_in(secret)  # the same token signed in on another machine
+    cookie = client.cookies["keel_session"]
+    page = client.get(f"/agents/{state['id']}")
+    assert client.post("/signout", data={"csrf": csrf_of(page)}).status_code == 303
+    copy = browsers.new()  # whoever kept the cookie (a shared machine, a proxy's log) after the person signed out
+    copy.cookies.set("keel_session", cookie)
+    again = copy.get("/agents")
+    assert again.status_code == 303 and again.headers["location"].startswith("/signin")
+    before = journal_count(api.db)
+    forged = copy.post(f"/agents/{state['id']}/approve", data={"csrf": csrf_of(page), "revision": "3"})
+    assert forged.status_code == 401 and journal_count(api.db) == before
+    assert elsewhere.get("/agents").status_code == 200  # signing out ends that session, not the token's others

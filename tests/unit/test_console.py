@@ -68,6 +68,15 @@ def test_csrf_must_match_the_sessions() -> None:
     assert not sessions.csrf_ok(session, None) and not sessions.csrf_ok(session, session.csrf + "x")
 
 
+def test_a_csrf_token_that_is_not_ascii_is_refused_not_an_error() -> None:
+    # hmac.compare_digest raises TypeError on str with non-ASCII characters: a forged form must be a refusal, not a
+    # 500 (the sign-in form's check runs before anyone is signed in).
+    session = sessions.new_session(_token(Scope.OPERATOR))
+    assert not sessions.csrf_ok(session, "é") and not sessions.csrf_ok(session, session.csrf + "\u00e9")
+    _, signin = sessions.new_signin_nonce(KEY)
+    assert not sessions.signin_nonce_ok(KEY, signin, "é")
+
+
 def test_who_may_sign_in() -> None:
     assert sessions.may_sign_in(_token(Scope.APPROVER))
     assert sessions.may_sign_in(_token(Scope.AUDITOR))

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from agents.core.commands import check_text
 from agents.core.errors import AgentNotFound, InvalidInput, KeelError, StaleRevision
 from agents.core.journal import journal_page
 from agents.core.phases import Phase
@@ -36,7 +37,7 @@ from agents.ingress.ratelimit import headers as rate_headers
 from agents.ingress.routes.approvals import approvals_for
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.tokens import ApiToken, Permission, authenticate, live_token
-from models import alerts_sql, console_sql, kpi_sql
+from models import alerts_sql, approvals_sql, console_sql, kpi_sql
 from models.jobs_sql import job_row
 from models.outbox_sql import UNSENT, message_row, request_messages, unsent_page
 from models.schemas import AgentState
@@ -101,13 +102,20 @@ async def viewer(request: Request, keel: Keel) -> Viewer:
     session = sessions.decode_session(sessions.session_key(keel.settings), request.cookies.get(sessions.SESSION_COOKIE))
     if session is None:
         raise SignInRequired
-    token = await run_in_threadpool(live_token, keel.db, session.token_id)
+    token = await run_in_threadpool(_signed_in_token, keel, session)
     if token is None or not sessions.may_sign_in(token):
         raise SignInRequired
     found = Viewer(token, session)
     if request.method == "POST":  # every decision, retry and sign-out: in the token's bucket, as its API calls are
         await _count_against_rate(keel, found)
     return found
+
+
+def _signed_in_token(keel: Ingress, session: Session) -> ApiToken | None:
+    """The session's token if it is live and the session was not signed out."""
+    if console_sql.signed_out(keel.db, sessions.session_id(session)):
+        return None
+    return live_token(keel.db, session.token_id)
 
 
 async def _count_against_rate(keel: Ingress, who: Viewer) -> None:
@@ -281,6 +289,10 @@ async def signout(request: Request, keel: Keel, who: Who) -> Response:
     form = await _form(request)
     if not sessions.csrf_ok(who.session, form.get("csrf")):
         return _refused(who, "The form was not sent from this session's console (CSRF check).")
+    # Ended here, not only in this browser: a copy of the cookie is refused from now on too.
+    await run_in_threadpool(
+        console_sql.sign_out, keel.db, sessions.session_id(who.session), sessions.expires_at(who.session)
+    )
     response = RedirectResponse("/signin", status_code=303)
     sessions.clear_cookie(response, keel.settings, sessions.SESSION_COOKIE)
     return response
@@ -419,9 +431,9 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
         jobs = [row for job in keel.client.request_jobs(request_id) if (row := job_row(keel.db, job.key))]
         messages = request_messages(keel.db, request_id)
     waiting_since = None
-    if state.phase == "waiting_approval":
-        shown = reversed(events) if journal.at_head else iter(())  # an older page's move to waiting is an older wait
-        waiting_since = next((e.at for e in shown if e.to_phase == "waiting_approval"), state.updated_at)
+    if state.phase == "waiting_approval":  # since its gate finished, as the inbox says (not its latest move)
+        call = approvals_sql.waiting_call(keel.db, state.id)
+        waiting_since = call.since if call is not None else state.updated_at
     path = f"/agents/{state.id}"
     return {
         "events": list(journal.events),
@@ -714,6 +726,8 @@ def inbox_rows(keel: Keel, who: Who, q: Filters) -> HTMLResponse:
 # --- outbox ------------------------------------------------------------------------------------------------------
 
 OUTBOX_STATUSES = UNSENT
+#: The longest message key a Retry form may name (a key is far shorter; the limit only bounds the lookup).
+MAX_KEY_CHARS = 2000
 
 
 def _outbox(keel: Ingress, who: Viewer, status: str | None = None, before: int | None = None) -> dict[str, Any]:
@@ -767,6 +781,10 @@ async def outbox_retry(request: Request, keel: Keel, who: Who) -> Response:
     if refused is not None:
         return refused
     key = form.get("key", "")
+    try:
+        check_text("key", key, limit=MAX_KEY_CHARS)
+    except InvalidInput as exc:
+        return _page("message.html", who, status=400, title="Bad form", message=f"{exc}: nothing was changed.")
     try:
         row = await run_in_threadpool(_retry, keel, who, key)
     except KeelError as exc:

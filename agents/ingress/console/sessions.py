@@ -3,8 +3,10 @@
 The cookie holds no secret of the API token: only its id, when the session began and a random CSRF token, signed
 with HMAC-SHA256 under the console's session key (``KEEL_CONSOLE_SESSION_KEY``; unset: a random key per process, so
 sessions end when the API restarts). Every request looks the token up again by id: a revoked token's sessions end
-at once. Every form carries the session's CSRF token and every POST is checked against it (a cross-site page cannot
-read it); the cookie is HttpOnly, SameSite=Strict, and Secure unless ``KEEL_ENVIRONMENT=development``.
+at once, and so does a session signed out: sign-out records it (``console_signouts``) until it would have expired,
+so a copy of the cookie kept elsewhere stops working too. Every form carries the session's CSRF token and every
+POST is checked against it (a cross-site page cannot read it); the cookie is HttpOnly, SameSite=Strict, and Secure
+unless ``KEEL_ENVIRONMENT=development``.
 
 Before sign-in there is no session yet, so the sign-in form is protected the same way by a short-lived signed
 pre-session cookie (the double-submit pattern)."""
@@ -18,6 +20,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Literal
 from uuid import UUID
 
@@ -81,6 +84,16 @@ def new_session(token: ApiToken) -> Session:
     return Session(token_id=token.id, issued_at=int(time.time()), csrf=secrets.token_urlsafe(24))
 
 
+def session_id(session: Session) -> str:
+    """What a signed-out session is recorded by: the sha256 of its random CSRF token (never the token itself)."""
+    return hashlib.sha256(session.csrf.encode()).hexdigest()
+
+
+def expires_at(session: Session) -> datetime:
+    """When the session ends by itself."""
+    return datetime.fromtimestamp(session.issued_at + SESSION_SECONDS, UTC)
+
+
 def encode_session(key: bytes, session: Session) -> str:
     payload = json.dumps({"t": str(session.token_id), "i": session.issued_at, "c": session.csrf}).encode()
     return _sign(key, "session", payload)
@@ -121,11 +134,17 @@ def signin_nonce_ok(key: bytes, cookie: str | None, submitted: str | None) -> bo
         nonce, issued = str(fields["n"]), int(fields["i"])
     except (ValueError, KeyError, TypeError):
         return False
-    return 0 <= time.time() - issued < SIGNIN_SECONDS and hmac.compare_digest(nonce, submitted)
+    return 0 <= time.time() - issued < SIGNIN_SECONDS and _same(nonce, submitted)
 
 
 def csrf_ok(session: Session, submitted: str | None) -> bool:
-    return submitted is not None and hmac.compare_digest(session.csrf, submitted)
+    return submitted is not None and _same(session.csrf, submitted)
+
+
+def _same(expected: str, submitted: str) -> bool:
+    """A constant-time comparison of what was sent with what was expected. As bytes: ``hmac.compare_digest`` raises
+    on text that is not ASCII, and a forged form must be a refusal, not an error."""
+    return hmac.compare_digest(expected.encode(), submitted.encode("utf-8", "surrogatepass"))
 
 
 def set_cookie(response: Response, settings: Settings, name: str, value: str, *, max_age: int) -> None:
