@@ -1,4 +1,8 @@
-"""Alembic environment: the URL comes from Keel's settings unless the caller put one in the config."""
+"""Alembic environment: the URL comes from Keel's settings unless the caller put one in the config.
+
+With roles (the caller's ``roles`` attribute; run by hand, the configured names) and the owner role in the cluster,
+the migrations run as the owner (``SET ROLE``) and end by bringing the application's and auditor's grants up to date
+in the same transaction (models/roles.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ from typing import Any
 from sqlalchemy import create_engine, pool
 
 from alembic import context
-from models.embedded import database_url_for
+from models import roles
+from models.embedded import migration_url_for
 from models.settings import Settings
 from models.tables import AUDIT_SCHEMA, metadata
 
@@ -17,7 +22,15 @@ OWN_SCHEMAS = {None, "public", AUDIT_SCHEMA}
 
 def _url() -> str:
     url = config.attributes.get("url") or config.get_main_option("sqlalchemy.url")
-    return str(url) if url else database_url_for(Settings())
+    return str(url) if url else migration_url_for(Settings())
+
+
+def _roles() -> roles.RoleNames | None:
+    if "roles" in config.attributes:  # Keel's own callers say (None: as whoever the URL logs in as)
+        found = config.attributes["roles"]
+        assert found is None or isinstance(found, roles.RoleNames)
+        return found
+    return roles.RoleNames.of(Settings())
 
 
 def _include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
@@ -40,7 +53,11 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     engine = create_engine(_url(), poolclass=pool.NullPool)
+    names = _roles()
     with engine.connect() as connection:
+        driver = connection.connection.driver_connection
+        as_owner = names is not None and roles.become_owner(driver, names)
+        driver.commit()  # a SET ROLE holds for the session once committed
         context.configure(
             connection=connection,
             target_metadata=metadata,
@@ -52,6 +69,9 @@ def run_migrations_online() -> None:
         )
         with context.begin_transaction():
             context.run_migrations()
+            if as_owner:
+                assert names is not None
+                roles.apply_grants(driver, names)
     engine.dispose()
 
 

@@ -208,6 +208,14 @@ def record_verification(
         )
 
 
+def may_record_verification(db: Database) -> bool:
+    """Whether this database role may record a verification (the auditor role reads only)."""
+    with db.connection() as conn:
+        row = conn.execute("SELECT has_table_privilege('audit_verifications', 'INSERT')").fetchone()
+        conn.rollback()
+    return bool(row and row[0])
+
+
 def last_verification(db: Database) -> Verification | None:
     """The latest recorded `keel audit verify`, whoever ran it."""
     with db.connection() as conn, conn.cursor(row_factory=class_row(Verification)) as cur:

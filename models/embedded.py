@@ -307,6 +307,14 @@ def database_url_for(settings: Settings) -> str:
     return sqlalchemy_url(start_postgres(settings.home))
 
 
+def migration_url_for(settings: Settings) -> str:
+    """What migrations and ``keel db roles`` connect with: ``KEEL_MIGRATION_DATABASE_URL``, else the database URL
+    (:func:`database_url_for`)."""
+    if settings.migration_database_url is not None:
+        return settings.migration_database_url
+    return database_url_for(settings)
+
+
 def broker_url_for(settings: Settings) -> str:
     """``KEEL_BROKER_URL``, or the embedded Redis (started if needed) when it is unset."""
     if settings.broker_url is not None:

@@ -17,6 +17,7 @@ from alembic.util import CommandError
 
 from alembic import command
 from models.errors import KeelError
+from models.roles import RoleNames
 
 MIGRATIONS_PACKAGE = "keel_migrations"
 #: A checkout run without installing it (its folder on PYTHONPATH): the migrations are next to the code.
@@ -45,12 +46,15 @@ def script_location() -> Path:
     )
 
 
-def alembic_config(url: str) -> Config:
-    """An Alembic config for Keel's migrations, aimed at ``url``."""
+def alembic_config(url: str, roles: RoleNames | None = None) -> Config:
+    """An Alembic config for Keel's migrations, aimed at ``url``. With ``roles``, the migrations run as the owner
+    role when it exists (and the application's and auditor's grants are brought up to date after them; see
+    models/roles.py); without, as whoever ``url`` logs in as."""
     config = Config()
     config.set_main_option("script_location", str(script_location()))
     config.set_main_option("path_separator", "os")
     config.attributes["url"] = url
+    config.attributes["roles"] = roles
     # Not set on the file's own logging: keep the caller's logging as it is.
     config.attributes["configure_logger"] = False
     return config
@@ -72,9 +76,9 @@ def head() -> str:
     return found
 
 
-def _run(action: str, url: str, revision: str) -> None:
+def _run(action: str, url: str, revision: str, roles: RoleNames | None) -> None:
     try:
-        getattr(command, action)(alembic_config(url), revision)
+        getattr(command, action)(alembic_config(url, roles), revision)
     except CommandError as exc:  # Alembic resolves both revisions before it changes anything
         at = revision_at(url)
         if at is not None and not set(at.split(", ")) <= set(revisions()):
@@ -86,12 +90,12 @@ def _run(action: str, url: str, revision: str) -> None:
         raise UnknownRevision(f"cannot {action} to {revision!r}: {reason} (known revisions: {known})") from None
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    _run("upgrade", url, revision)
+def upgrade(url: str, revision: str = "head", *, roles: RoleNames | None = None) -> None:
+    _run("upgrade", url, revision, roles)
 
 
-def downgrade(url: str, revision: str) -> None:
-    _run("downgrade", url, revision)
+def downgrade(url: str, revision: str, *, roles: RoleNames | None = None) -> None:
+    _run("downgrade", url, revision, roles)
 
 
 def check(url: str) -> None:
@@ -139,7 +143,7 @@ def schema_problem(engine: sqlalchemy.Engine) -> str | None:
     return _unknown_to_this_code(at)
 
 
-def prepare(url: str, *, migrate: bool) -> str | None:
+def prepare(url: str, *, migrate: bool, roles: RoleNames | None = None) -> str | None:
     """Make sure the database at ``url`` has this code's schema before a command starts processes on it.
 
     ``migrate``: upgrade it to head and return the line saying so (``database: migrated 0004 → 0006``; None when it
@@ -153,7 +157,7 @@ def prepare(url: str, *, migrate: bool) -> str | None:
     if not migrate:
         behind = f"database at {at}, code at {code}" if at else f"the database has no Keel schema (code at {code})"
         raise SchemaMismatch(f"{behind}: run 'keel db upgrade' first, or pass --migrate")
-    upgrade(url)
+    upgrade(url, roles=roles)
     return f"database: migrated {at or 'base'} → {code}"
 
 

@@ -23,6 +23,8 @@ _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
 #: What a broker prefix may hold: no spaces, and none of Redis's glob characters (``*?[]\\``), so that
 #: ``SCAN MATCH <prefix>*`` finds exactly one deployment's keys.
 _BROKER_PREFIX = re.compile(r"^[A-Za-z0-9_.:/-]{0,100}$")
+#: A database role name Keel creates and names in SQL: lower case, so that it reads the same quoted or not.
+_ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 #: The alerts Keel evaluates (agents/observability/alerts.py holds their rules; a unit test keeps the two equal).
 ALERT_NAMES = (
@@ -83,6 +85,17 @@ class Settings(BaseSettings):
     # None means "use the embedded default under home" (development only).
     database_url: str | None = None
     broker_url: str | None = None
+    # What `keel db upgrade`, `keel db downgrade` and `keel db roles` connect with: a superuser, or a member of the
+    # owning role (models/roles.py). None: KEEL_DATABASE_URL (development: the embedded server's superuser).
+    migration_database_url: str | None = None
+    # The database roles (models/roles.py): the owner of Keel's schema (migrations SET ROLE to it), the role the
+    # API, workers, beat and relay log in as (SELECT and INSERT on the journal, no more), and a read-only auditor.
+    db_owner_role: str = "keel_owner"
+    db_app_role: str = "keel_app"
+    db_auditor_role: str = "keel_auditor"
+    # Their passwords, set by `keel db roles` (None: the role gets no password; set one with ALTER ROLE … PASSWORD).
+    db_app_password: SecretStr | None = None
+    db_auditor_password: SecretStr | None = None
     # Put before every Redis key and pub/sub channel Keel's Celery uses (kombu's ``global_keyprefix``), so that
     # deployments (or test runs) sharing one Redis database never see each other's messages or broadcasts.
     broker_prefix: str = ""
@@ -304,6 +317,9 @@ class Settings(BaseSettings):
         "otlp_endpoint",
         "api_metrics_token",
         "console_session_key",
+        "migration_database_url",
+        "db_app_password",
+        "db_auditor_password",
         mode="before",
     )
     @classmethod
@@ -438,7 +454,27 @@ class Settings(BaseSettings):
             raise ValueError("KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai calls api.openai.com")
         return self
 
-    @field_validator("database_url")
+    @field_validator("db_owner_role", "db_app_role", "db_auditor_role")
+    @classmethod
+    def _role_name_is_plain(cls, value: str) -> str:
+        if not _ROLE_NAME.fullmatch(value):
+            raise ValueError(
+                f"{value[:70]!r} is not a role name Keel uses: lower-case letters, digits and _ (at most 63,"
+                " not starting with a digit), e.g. keel_app"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _roles_are_three(self) -> Settings:
+        names = [self.db_owner_role, self.db_app_role, self.db_auditor_role]
+        if len(set(names)) != 3:
+            raise ValueError(
+                "KEEL_DB_APP_ROLE: the owner, application and auditor roles must be three different roles"
+                f" (KEEL_DB_OWNER_ROLE={names[0]}, KEEL_DB_APP_ROLE={names[1]}, KEEL_DB_AUDITOR_ROLE={names[2]})"
+            )
+        return self
+
+    @field_validator("database_url", "migration_database_url")
     @classmethod
     def _database_url_is_postgres(cls, value: str | None) -> str | None:
         if value is None:

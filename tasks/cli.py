@@ -77,17 +77,20 @@ def _embedded_or_exit(settings: Settings, *, database: bool = True) -> None:
 
 
 def _schema_or_exit(settings: Settings) -> None:
-    """Refuse to start on a database whose schema is not this code's (one line: where each is, what to run). An
+    """Refuse to start on a database whose schema is not this code's (one line: where each is, what to run), and in
+    production as a database role that could rewrite the journal (a superuser, its owner: models/roles.py). An
     unreachable database is not refused: the worker and beat wait for it, as they do when it goes away later."""
     import sqlalchemy
 
     from models.db import Database
     from models.migrations import SchemaMismatch, check_schema
+    from models.roles import PrivilegedRole, refuse_privileged
 
     db = Database.from_settings(settings)
     try:
         check_schema(db.engine)
-    except SchemaMismatch as exc:
+        refuse_privileged(db.engine, settings)
+    except (SchemaMismatch, PrivilegedRole) as exc:
         raise click.ClickException(str(exc)) from None
     except sqlalchemy.exc.OperationalError:
         pass

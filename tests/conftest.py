@@ -24,11 +24,13 @@ for _name in [n for n in os.environ if n.startswith("KEEL_") and not n.startswit
     del os.environ[_name]
 
 from agents.client import Client  # noqa: E402
-from models import migrations  # noqa: E402
+from models import migrations, roles  # noqa: E402
 from models.db import Database  # noqa: E402
 from models.embedded import redis_executable  # noqa: E402
+from models.roles import RoleNames  # noqa: E402
 from models.urls import libpq_url, with_database  # noqa: E402
 from tests.support.broker import Broker, own_prefix  # noqa: E402
+from tests.support.roles import APP_PASSWORD, AUDITOR_PASSWORD, RoledDatabase, drop_roles, unique_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -91,6 +93,39 @@ def db_url(pg_server_url: str, template_db: str) -> Iterator[str]:
     """A fresh migrated database of this test's own."""
     with _scratch_database(pg_server_url, "keel_t", template_db) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def session_roles(pg_server_url: str) -> Iterator[RoleNames]:
+    """The owner, application and auditor roles of this test session: names nobody else uses, dropped at the end
+    (roles are cluster-wide; the cluster is shared). Created by :func:`roles_template_db`."""
+    names = unique_names()
+    try:
+        yield names
+    finally:  # after the databases that use them: their fixtures drop them first
+        drop_roles(pg_server_url, [names.app, names.auditor, names.owner])
+
+
+@pytest.fixture(scope="session")
+def roles_template_db(pg_server_url: str, session_roles: RoleNames) -> Iterator[str]:
+    """A database set up by `keel db roles` and migrated as the session's owner role: the template of
+    :func:`roles_db`."""
+    with _scratch_database(pg_server_url, "keel_rtpl") as url:
+        roles.set_up(url, session_roles, roles.Passwords(app=APP_PASSWORD, auditor=AUDITOR_PASSWORD))
+        migrations.upgrade(url, roles=session_roles)
+        name = make_url(url).database
+        assert name is not None
+        yield name
+
+
+@pytest.fixture
+def roles_db(pg_server_url: str, roles_template_db: str, session_roles: RoleNames) -> Iterator[RoledDatabase]:
+    """A fresh database of this test's own whose tables the session's owner role owns, with the application's and
+    the auditor's grants: ``url`` (a superuser's), ``app_url``, ``auditor_url``, ``names``."""
+    with _scratch_database(pg_server_url, "keel_r", roles_template_db) as url:
+        # A clone copies the tables and their grants, not the database's own privileges (who may create there).
+        roles.set_up(url, session_roles)
+        yield RoledDatabase(session_roles, url)
 
 
 @pytest.fixture

@@ -103,7 +103,7 @@ def agent_create(name: str, budget_tokens: int | None, budget_cost: str | None, 
 @friendly
 def agent_show(agent_ref: str, as_json: bool) -> None:
     """Show AGENT (id or name)."""
-    with open_client() as client:
+    with open_client(writes=False) as client:
         state = client.get_state(agent_ref)
     emit(state, as_json, state_text(state))
 
@@ -125,7 +125,7 @@ def agent_show(agent_ref: str, as_json: bool) -> None:
 @friendly
 def agent_list(phases: tuple[str, ...], archived: bool, limit: int, cursor: str | None, as_json: bool) -> None:
     """List agents, newest first, a page at a time."""
-    with open_client() as client:
+    with open_client(writes=False) as client:
         page = client.list_agents(phases=phases, archived=archived, limit=limit, after=cursor)
     if not page.agents:
         emit(page, as_json, "no agents")
@@ -364,7 +364,7 @@ def run(
 def wait_cmd(agent_ref: str, request_id: str | None, follow: bool, timeout: float | None, as_json: bool) -> None:
     """Wait until AGENT's request REQUEST_ID rests, without submitting anything (default: the agent's current or
     last request). Exit 0 done, 3 failed, 4 waiting for approval, 5 past --timeout (the request goes on)."""
-    with open_client() as client:
+    with open_client(writes=False) as client:
         state = client.get_state(agent_ref)
         if request_id is None:
             if state.request_id is None:
@@ -379,7 +379,7 @@ def wait_cmd(agent_ref: str, request_id: str | None, follow: bool, timeout: floa
 @friendly
 def state_cmd(agent_ref: str, as_json: bool) -> None:
     """Show AGENT's state: phase, revision, pending jobs and any call waiting for approval."""
-    with open_client() as client:
+    with open_client(writes=False) as client:
         state = client.get_state(agent_ref)
     emit(state, as_json, state_text(state))
 

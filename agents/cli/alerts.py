@@ -21,7 +21,7 @@ def alerts(show_all: bool, limit: int, as_json: bool) -> None:
     to KEEL_ALERT_SLACK_CHANNEL once; docs/runbook.md says what to do about each alert."""
     from models.alerts_sql import list_episodes
 
-    with open_client() as client:
+    with open_client(writes=False) as client:
         episodes = list_episodes(client.db, include_resolved=show_all, limit=limit)
     rows = [
         {

@@ -23,7 +23,7 @@ def approvals(
 ) -> None:
     """Every call waiting for approval, oldest first: agent, revision (approve with --revision), tool, how long
     it has waited, arguments."""
-    with open_client() as client:
+    with open_client(writes=False) as client:
         page = client.approvals(
             tool=tool,
             min_age=None if min_age is None else timedelta(seconds=min_age),

@@ -34,7 +34,7 @@ def journal_cmd(
     """Show journal events, oldest first: who did what to which agent, and what was decided."""
     if follow and limit is not None:
         raise click.UsageError("--limit and --follow do not go together")
-    with open_client() as client:
+    with open_client(writes=False) as client:
         if follow:
             names: dict[Any, str] = {}
 
@@ -73,12 +73,18 @@ def audit() -> None:
 @friendly
 def audit_verify(as_json: bool) -> None:
     """Walk every agent's hash chain; exit 1 at the first broken link of any chain. The outcome is recorded: the
-    audit_verify alert fires while the latest verify (this command's or the beat's periodic one) failed."""
+    audit_verify alert fires while the latest verify (this command's or the beat's periodic one) failed. The auditor
+    role reads only: run by it, the outcome is printed and not recorded."""
     from agents.audit.verify import verify_and_record
+    from agents.core.journal import verify
+    from models.alerts_sql import may_record_verification
 
-    with open_client() as client:
-        report = verify_and_record(client.db, "cli")
+    with open_client(writes=False) as client:
+        recorded = may_record_verification(client.db)
+        report = verify_and_record(client.db, "cli") if recorded else verify(client.db)
         names = client.agent_names(b.agent_id for b in report.breaks)
+    if not recorded:
+        click.echo("(not recorded: this database role may only read; the beat records its own runs)", err=True)
     if as_json:
         click.echo(
             to_json(
@@ -143,7 +149,7 @@ def kpi(since: str | None, include_demo: bool, as_json: bool) -> None:
                 " minute, so a shorter one holds almost nothing; use 1m or more",
                 param_hint="--since",
             )
-    with open_client() as client:
+    with open_client(writes=False) as client:
         if span is not None:
             kept = timedelta(days=client.settings.kpi_retention_days)
             if span > kept:

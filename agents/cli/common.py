@@ -43,17 +43,23 @@ def settings_or_exit(*, imports: bool = False) -> Any:
     return settings
 
 
-def open_client() -> Any:
+def open_client(*, writes: bool = True) -> Any:
     """A :class:`~agents.client.Client` on the checked settings (use it as a context manager), once the database's
-    schema is known to be this code's (else one line: where the database is, where the code is, what to run)."""
+    schema is known to be this code's (else one line: where the database is, where the code is, what to run). A
+    command that ``writes`` is refused in production as a database role that could rewrite the journal (a superuser,
+    its owner: models/roles.py); one that only reads may run as any role (an auditor, a superuser after an
+    incident)."""
     from agents.client import Client
     from models.migrations import check_schema
+    from models.roles import refuse_privileged
 
     settings = settings_or_exit()
     trace_command(settings)
     client = Client.from_settings(settings)
     try:
         check_schema(client.db.engine)
+        if writes:
+            refuse_privileged(client.db.engine, settings)
     except BaseException:
         client.close()
         raise

@@ -1,6 +1,8 @@
-"""``keel db``: deploy and revert the schema (Alembic migrations)."""
+"""``keel db``: deploy and revert the schema (Alembic migrations), and the database roles Keel runs under."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import click
 
@@ -9,19 +11,36 @@ from agents.cli.common import friendly, settings_or_exit
 
 @click.group()
 def db() -> None:
-    """Database schema (Alembic migrations)."""
+    """Database schema (Alembic migrations) and roles."""
+
+
+def _migration(settings: Any) -> tuple[str, Any]:
+    """Where migrations connect (KEEL_MIGRATION_DATABASE_URL, else KEEL_DATABASE_URL) and the roles they run under.
+    In production the owner role must exist: `keel db roles` creates it."""
+    from models import roles
+    from models.embedded import migration_url_for
+
+    url = migration_url_for(settings)
+    names = roles.RoleNames.of(settings)
+    if settings.environment == "production" and (absent := roles.missing(url, names)):
+        raise roles.RolesError(
+            f"the database roles {', '.join(absent)} do not exist: run 'keel db roles' first (as a superuser,"
+            " KEEL_MIGRATION_DATABASE_URL); in production migrations run as the owner role"
+        )
+    return url, names
 
 
 @db.command("upgrade")
 @click.option("--revision", default="head", show_default=True, help="Target migration.")
 @friendly
 def db_upgrade(revision: str) -> None:
-    """Apply migrations up to REVISION."""
-    from models import migrations
-    from models.embedded import database_url_for
+    """Apply migrations up to REVISION, as the owner role (KEEL_DB_OWNER_ROLE) when it exists.
 
-    url = database_url_for(settings_or_exit())
-    migrations.upgrade(url, revision)
+    Connects with KEEL_MIGRATION_DATABASE_URL (else KEEL_DATABASE_URL)."""
+    from models import migrations
+
+    url, names = _migration(settings_or_exit())
+    migrations.upgrade(url, revision, roles=names)
     click.echo(_where(url))
 
 
@@ -29,13 +48,36 @@ def db_upgrade(revision: str) -> None:
 @click.argument("revision")
 @friendly
 def db_downgrade(revision: str) -> None:
-    """Revert migrations down to REVISION ('base' removes everything)."""
+    """Revert migrations down to REVISION ('base' removes everything), as the owner role when it exists."""
     from models import migrations
-    from models.embedded import database_url_for
 
-    url = database_url_for(settings_or_exit())
-    migrations.downgrade(url, revision)
+    url, names = _migration(settings_or_exit())
+    migrations.downgrade(url, revision, roles=names)
     click.echo(_where(url))
+
+
+@db.command("roles")
+@friendly
+def db_roles() -> None:
+    """Create or repair the database roles: the owner of Keel's schema (KEEL_DB_OWNER_ROLE, no login), the role
+    Keel's processes log in as (KEEL_DB_APP_ROLE: on the journal SELECT and INSERT only) and a read-only auditor
+    (KEEL_DB_AUDITOR_ROLE); hand Keel's tables and functions to the owner; set the grants and the passwords
+    (KEEL_DB_APP_PASSWORD, KEEL_DB_AUDITOR_PASSWORD).
+
+    Run it as a superuser (KEEL_MIGRATION_DATABASE_URL), before 'keel db upgrade'. Idempotent: it prints what it
+    changed, one line each, and changes nothing when all is as it should be."""
+    from models import roles
+    from models.embedded import migration_url_for
+
+    settings = settings_or_exit()
+    names = roles.RoleNames.of(settings)
+    lines = roles.set_up(migration_url_for(settings), names, roles.Passwords.of(settings))
+    for line in lines:
+        click.echo(line)
+    if not lines:
+        click.echo(
+            f"nothing to change: {names.owner} owns Keel's schema; {names.app} and {names.auditor} hold their grants"
+        )
 
 
 def _where(url: str) -> str:

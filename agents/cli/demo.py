@@ -111,7 +111,8 @@ def up(
         say,
     )
     from models import migrations
-    from models.embedded import broker_url_for, database_url_for, port_is_free
+    from models.embedded import broker_url_for, database_url_for, migration_url_for, port_is_free
+    from models.roles import RoleNames
 
     settings = settings_or_exit(imports=True)
     api_port = api_port or settings.api_port
@@ -133,7 +134,11 @@ def up(
         env["KEEL_OTLP_ENDPOINT"] = settings.otlp_endpoint
     # The children write to a pipe, not a terminal: readable lines for the person watching, unless asked otherwise.
     env["KEEL_LOG_FORMAT"] = settings.log_format or "console"
-    if (migrated := migrations.prepare(database_url, migrate=migrate or settings.database_url is None)) is not None:
+    embedded = settings.database_url is None
+    migrated = migrations.prepare(
+        migration_url_for(settings), migrate=migrate or embedded, roles=RoleNames.of(settings)
+    )
+    if migrated is not None:
         say(migrated)
     keel = [sys.executable, "-m", "agents"]
     children = [

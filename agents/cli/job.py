@@ -16,7 +16,7 @@ def job_show(key: str, as_json: bool) -> None:
     """Show one job by its key ({request_id}:{operation}:{target})."""
     from models.jobs_sql import job_row
 
-    with open_client() as client:
+    with open_client(writes=False) as client:
         row = job_row(client.db, key)
     if row is None:
         raise click.ClickException(f"no job has the key {quoted(key)}")

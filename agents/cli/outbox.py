@@ -32,7 +32,7 @@ def outbox_list(status: str | None, limit: int, as_json: bool) -> None:
     """Newest messages first."""
     from models.outbox_sql import list_messages
 
-    with open_client() as client:
+    with open_client(writes=False) as client:
         rows = list_messages(client.db, status, limit)
     lines = [
         f"{r['key']:<44} {r['channel']:<7} {r['destination']:<24} {r['status']:<8} attempts {r['attempts']}"
@@ -50,7 +50,7 @@ def outbox_show(key: str, as_json: bool) -> None:
     """One message: status, attempts, last error, the receiver's id."""
     from models.outbox_sql import message_row
 
-    with open_client() as client:
+    with open_client(writes=False) as client:
         row = message_row(client.db, key)
     if row is None:
         raise click.ClickException(f"no outbox message has the key {quoted(key)}")
@@ -77,7 +77,7 @@ def outbox_stats(as_json: bool) -> None:
     """KPIs: deliveries per key (must be 1), duplicate rate, reconciled and dead counts."""
     from models.outbox_sql import stats
 
-    with open_client() as client:
+    with open_client(writes=False) as client:
         data = stats(client.db)
     text = fields_text({**data, "duplicate_rate": percent(data["duplicate_rate"])})
     emit({**data, "duplicate_rate": rounded(data["duplicate_rate"])}, as_json, text)

@@ -63,7 +63,7 @@ def token_list(as_json: bool) -> None:
     """Every token, oldest first, revoked ones included; never a secret."""
     from agents.ingress.tokens import list_tokens
 
-    with open_client() as client:
+    with open_client(writes=False) as client:
         tokens = list_tokens(client.db)
     if not tokens:
         emit({"tokens": []}, as_json, "no tokens")

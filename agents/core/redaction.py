@@ -77,16 +77,24 @@ OTLP_HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACE
 
 
 def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The secrets in ``settings``: its tokens and API key, the passwords of its database and broker URLs, and the
-    OTLP collector's credentials — the password and query values of ``KEEL_OTLP_ENDPOINT`` and of the standard
-    endpoint variables, and the header values of ``OTEL_EXPORTER_OTLP_HEADERS`` /
-    ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and percent-decoded."""
+    """The secrets in ``settings``: its tokens and API key, the database roles' passwords, the passwords of its
+    database, migration and broker URLs, and the OTLP collector's credentials — the password and query values of
+    ``KEEL_OTLP_ENDPOINT`` and of the standard endpoint variables, and the header values of
+    ``OTEL_EXPORTER_OTLP_HEADERS`` / ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and
+    percent-decoded."""
     found = [
         value.get_secret_value()
-        for value in (settings.slack_token, settings.github_token, settings.llm_api_key, settings.api_metrics_token)
+        for value in (
+            settings.slack_token,
+            settings.github_token,
+            settings.llm_api_key,
+            settings.api_metrics_token,
+            settings.db_app_password,
+            settings.db_auditor_password,
+        )
         if value is not None
     ]
-    for url in (settings.database_url, settings.broker_url):
+    for url in (settings.database_url, settings.migration_database_url, settings.broker_url):
         password = _url_password(url)
         if password:
             found.extend({password, unquote(password)})

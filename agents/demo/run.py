@@ -38,8 +38,9 @@ from agents.demo.fake_servers import FakeGitHub, FakeSlack
 from agents.ingress.tokens import Scope, create_token, revoke_token
 from models import migrations
 from models.db import Database
-from models.embedded import broker_url_for, free_port
+from models.embedded import broker_url_for, free_port, migration_url_for
 from models.kpi_sql import agent_kpis, request_outcomes
+from models.roles import RoleNames, refuse_privileged
 from models.settings import Settings
 from models.urls import libpq_url
 
@@ -271,7 +272,10 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
         db = Database.from_settings(settings)
         held.enter_context(only_demo_on(db.url, settings.home if settings.database_url is None else None))
         # First: an unreachable database, or one at another revision, stops the demo before anything is started.
-        migrated = migrations.prepare(db.url, migrate=migrate or settings.database_url is None)
+        migrated = migrations.prepare(
+            migration_url_for(settings), migrate=migrate or settings.database_url is None, roles=RoleNames.of(settings)
+        )
+        refuse_privileged(db.engine, settings)  # in production, not as a role that could rewrite the journal
         broker = broker_url_for(settings)
     if migrated is not None:
         out.line(migrated)

@@ -16,7 +16,11 @@ down_revision = None
 branch_labels = None
 depends_on = None
 
-# The journal is append-only: UPDATE, DELETE and TRUNCATE are refused for everyone, owner included.
+# The journal is append-only: these triggers refuse UPDATE, DELETE and TRUNCATE from every role while they fire. They
+# do not bind the table's owner or a superuser, who can switch them off (ALTER TABLE … DISABLE TRIGGER,
+# SET session_replication_role = replica), drop them or replace their function. So Keel's processes run as a role that
+# neither owns the journal nor holds more than SELECT and INSERT on it (models/roles.py, `keel db roles`), and refuse
+# in production to run as one that could; the owner's credentials are for migrations only.
 JOURNAL_APPEND_ONLY = """
 CREATE FUNCTION audit.refuse_change() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

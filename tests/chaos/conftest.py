@@ -65,8 +65,11 @@ def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 30.0, e
 class Stack:
     """Starts keel worker/beat/flower processes for one test and kills exactly those (and their children)."""
 
-    def __init__(self, db_url: str, broker: Broker, logs: Path) -> None:
+    def __init__(self, db_url: str, broker: Broker, logs: Path, *, admin_url: str | None = None) -> None:
+        """The processes connect with ``db_url``; the test itself (its helper table, :meth:`query`) with
+        ``admin_url`` (a superuser's; default: ``db_url``)."""
         self.db_url = db_url
+        self.admin_url = admin_url or db_url
         self.broker = broker
         self.logs = logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -81,7 +84,7 @@ class Stack:
                 "FLOWER_UNAUTHENTICATED_API": "true",
             }
         )
-        with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as conn:
             conn.execute(EXECUTIONS_DDL)
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -133,7 +136,7 @@ class Stack:
         return (self.logs / f"{name}.log").read_text(errors="replace")
 
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-        with psycopg.connect(libpq_url(self.db_url), autocommit=True) as conn:
+        with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as conn:
             return conn.execute(sql, params).fetchall()
 
 

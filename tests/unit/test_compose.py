@@ -35,6 +35,7 @@ OBSERVABILITY = {"prometheus", "grafana"}
 #: What a filled-in .env adds to .env.example: the secrets it leaves empty.
 SECRETS = {
     "POSTGRES_PASSWORD": "s3cret-for-tests",
+    "KEEL_DB_APP_PASSWORD": "app-s3cret-for-tests",
     "FLOWER_BASIC_AUTH": "admin:s3cret-for-tests",
     "GRAFANA_ADMIN_PASSWORD": "s3cret-for-tests",
 }
@@ -123,6 +124,9 @@ def test_compose_has_the_stack_with_health_checks() -> None:
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert _command(services["migrate"]) == ["keel", "db", "upgrade"], "the installed package migrates, not alembic"
+    assert _command(services["roles"]) == ["keel", "db", "roles"]
+    assert services["roles"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["migrate"]["depends_on"]["roles"]["condition"] == "service_completed_successfully"
     assert services["beat"]["deploy"]["replicas"] == 2
 
 
@@ -241,7 +245,9 @@ def test_no_password_is_written_in_compose() -> None:
     raw = _raw()
     text = (ROOT / "compose.yaml").read_text()
     for password in re.findall(r"://[^:/@\s]+:([^@\s]+)@", text):
-        assert password.startswith("${POSTGRES_PASSWORD"), f"a password in a URL is written out: {password}"
+        assert password.startswith(("${POSTGRES_PASSWORD", "${KEEL_DB_APP_PASSWORD")), (
+            f"a password is written: {password}"
+        )
     for name, service in raw["services"].items():
         environment = service.get("environment", {})
         if isinstance(environment, dict):
@@ -252,7 +258,9 @@ def test_no_password_is_written_in_compose() -> None:
     example = _example()
     assert example["POSTGRES_PASSWORD"] == "" and example["FLOWER_BASIC_AUTH"] == ""
     assert example["GRAFANA_ADMIN_PASSWORD"] == ""
-    assert SECRETS["POSTGRES_PASSWORD"] in _compose()["x-keel-env"]["KEEL_DATABASE_URL"]
+    assert example["KEEL_DB_APP_PASSWORD"] == "" and example["KEEL_DB_AUDITOR_PASSWORD"] == ""
+    assert SECRETS["KEEL_DB_APP_PASSWORD"] in _compose()["x-keel-env"]["KEEL_DATABASE_URL"]
+    assert SECRETS["POSTGRES_PASSWORD"] in _compose()["x-keel-migrate-env"]["KEEL_MIGRATION_DATABASE_URL"]
     assert _compose()["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == SECRETS["POSTGRES_PASSWORD"]
 
 
@@ -260,7 +268,7 @@ def test_compose_takes_its_variables_from_env_example() -> None:
     example = _example()
     assert _variables(_raw()) <= set(example), f"not in .env.example: {sorted(_variables(_raw()) - set(example))}"
     _compose()  # .env.example with the secrets filled in interpolates cleanly
-    with pytest.raises(Unset, match=r"^POSTGRES_PASSWORD: set POSTGRES_PASSWORD in \.env \(cp \.env\.example \.env\)"):
+    with pytest.raises(Unset, match=r"^(\w+_PASSWORD): set \1 in \.env \(cp \.env\.example \.env\)"):
         _interpolate(_raw(), example)  # the example as committed: compose refuses, naming what to set
     assert ".env" in (ROOT / ".gitignore").read_text().split(), ".env holds the secrets: git must ignore it"
 
@@ -385,3 +393,25 @@ def test_grafana_refuses_to_start_without_its_admin_password() -> None:
         timeout=30,
     )
     assert started.returncode == 0 and started.stdout == "/run.sh\n", started.stderr
+
+
+def test_keel_runs_as_the_application_role_and_only_migrations_as_the_superuser() -> None:
+    """The superuser `keel` (POSTGRES_USER) is in the one-shot roles and migrate services' KEEL_MIGRATION_DATABASE_URL
+    only; every long-running Keel process logs in as the default application role, in production (where it refuses
+    to run as anything more privileged), and the roles it names are Keel's defaults."""
+    compose = _compose()
+    services = compose["services"]
+    defaults = Settings(_env_file=None)  # type: ignore[call-arg]
+    superuser = services["postgres"]["environment"]["POSTGRES_USER"]
+    for name, service in services.items():
+        if "build" not in service:
+            continue
+        environment = service["environment"]
+        assert environment["KEEL_ENVIRONMENT"] == "production", name
+        assert environment["KEEL_DATABASE_URL"].startswith(f"postgresql://{defaults.db_app_role}:"), name
+        if name in ("roles", "migrate"):
+            assert environment["KEEL_MIGRATION_DATABASE_URL"].startswith(f"postgresql://{superuser}:"), name
+            assert environment["KEEL_DB_APP_PASSWORD"] == SECRETS["KEEL_DB_APP_PASSWORD"]
+        else:
+            assert "KEEL_MIGRATION_DATABASE_URL" not in environment, f"{name} must not hold the superuser's password"
+    assert defaults.db_app_password is None, "the password comes from .env, not a default"

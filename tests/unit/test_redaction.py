@@ -87,6 +87,9 @@ def test_settings_register_their_tokens_and_url_passwords() -> None:
         llm_api_key=SecretStr("opaque-llm-value-3"),
         database_url="postgresql://keel:db%2Fpass%40word@db:5432/keel",
         broker_url="redis://:broker-pass-4@redis:6379/0",
+        migration_database_url="postgresql://postgres:migration-pass-5@db:5432/keel",
+        db_app_password=SecretStr("app-role-pass-6"),
+        db_auditor_password=SecretStr("auditor-role-pass-7"),
     )
     assert set(secrets_of(settings)) >= {
         "opaque-slack-value-1",
@@ -94,6 +97,9 @@ def test_settings_register_their_tokens_and_url_passwords() -> None:
         "opaque-llm-value-3",
         "db/pass@word",
         "broker-pass-4",
+        "migration-pass-5",
+        "app-role-pass-6",
+        "auditor-role-pass-7",
     }
     register_settings(settings)
     text = "a b opaque-slack-value-1 opaque-github-value-2 opaque-llm-value-3 'db/pass@word' broker-pass-4"

@@ -33,8 +33,27 @@ def test_nothing_set_means_embedded() -> None:
         ({"broker_url": "amqp://guest@localhost//"}, "must be a redis:// URL"),
         ({"environment": "production"}, "production needs KEEL_DATABASE_URL and KEEL_BROKER_URL"),
         ({"db_pool_size": 0}, "greater than or equal to 1"),
+        ({"migration_database_url": "mysql://root@localhost/db"}, "Keel needs PostgreSQL"),
+        ({"db_app_role": "Keel App"}, "not a role name Keel uses"),
+        ({"db_owner_role": "keel; DROP TABLE agents"}, "not a role name Keel uses"),
+        ({"db_auditor_role": "keel_app"}, "must be three different roles"),
     ],
 )
 def test_unsafe_or_malformed_settings_are_refused(env: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         Settings(**env)  # type: ignore[arg-type]
+
+
+def test_roles_have_defaults_and_empty_passwords_mean_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_DB_APP_PASSWORD", "")  # compose passes an unset variable on as ""
+    monkeypatch.setenv("KEEL_MIGRATION_DATABASE_URL", " ")
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert (settings.db_owner_role, settings.db_app_role, settings.db_auditor_role) == (
+        "keel_owner",
+        "keel_app",
+        "keel_auditor",
+    )
+    assert settings.db_app_password is None and settings.db_auditor_password is None
+    assert settings.migration_database_url is None
+    monkeypatch.setenv("KEEL_MIGRATION_DATABASE_URL", "postgresql://postgres@db/keel")
+    assert Settings(_env_file=None).migration_database_url == "postgresql+psycopg://postgres@db/keel"  # type: ignore[call-arg]

@@ -1,0 +1,620 @@
+"""The database roles Keel runs under, so that the journal holds against someone with the application's credentials.
+
+Three roles, named by settings (``KEEL_DB_OWNER_ROLE``, ``KEEL_DB_APP_ROLE``, ``KEEL_DB_AUDITOR_ROLE``):
+
+- the **owner** (``keel_owner``, NOLOGIN) owns every table, sequence and function of Keel's schemas (``public`` and
+  ``audit``) and the ``audit`` schema itself. Migrations run as it (``alembic/env.py`` SETs ROLE to it), so only it and
+  superusers may alter or drop a table, turn a trigger off, replace a trigger function or TRUNCATE.
+- the **application** role (``keel_app``, LOGIN) is what the API, workers, beat, relay and the CLI log in as. It holds
+  exactly :data:`APP_PRIVILEGES`: on ``audit.journal`` SELECT and INSERT and nothing more, on the other tables what
+  the code does to them. It is no superuser, owns nothing, cannot create roles, and cannot set
+  ``session_replication_role`` (which would turn every trigger off for its session).
+- the **auditor** (``keel_auditor``, LOGIN) may SELECT every table of Keel's schemas and nothing else.
+
+Grants are one table here, applied at the end of every migration run and by ``keel db roles``, rather than default
+privileges or a GRANT in each migration: default privileges give every new table the same set (an append-only table
+would get UPDATE with the rest), and grants spread over migrations cannot be read in one place or repaired. A privilege
+beyond the table is revoked, from the roles and from PUBLIC, and tests/integration/test_roles.py fails on a table of
+``models/tables.py`` that the table does not name.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import sqlalchemy
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from models.errors import KeelError
+from models.settings import Settings
+from models.urls import libpq_url
+
+#: The schemas whose objects are Keel's (README: Keel's database is its own).
+SCHEMAS = ("public", "audit")
+
+#: What the application role may do, table by table: exactly what the code in agents/, tasks/ and models/ does.
+#: ``SELECT … FOR UPDATE/SHARE`` needs UPDATE; ``RETURNING`` and ``ON CONFLICT DO UPDATE`` need SELECT; the KPI
+#: triggers run as the role whose statement fires them (hence INSERT on kpi_deltas). Identity columns need no
+#: privilege on their sequence; ``job_fencing_token_seq`` is called with nextval().
+APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
+    "audit.journal": ("SELECT", "INSERT"),  # append-only: no UPDATE, DELETE, TRUNCATE, TRIGGER or REFERENCES
+    "audit.deleted_agents": ("SELECT", "INSERT"),  # tombstones, insert-only like the journal
+    "public.agents": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: `keel agent delete`, with its tombstone
+    "public.requests": ("SELECT", "INSERT"),
+    "public.jobs": ("SELECT", "INSERT", "UPDATE"),
+    "public.schedules": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "public.outbox": ("SELECT", "INSERT", "UPDATE"),
+    "public.delivery_log": ("SELECT", "INSERT"),
+    "public.api_tokens": ("SELECT", "INSERT", "UPDATE"),  # UPDATE: last use, revocation (a trigger allows no more)
+    "public.kpi_deltas": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # the fold locks a batch FOR UPDATE, deletes it
+    "public.kpi_rollups": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: rollups past the retention
+    "public.alert_episodes": ("SELECT", "INSERT", "UPDATE"),
+    "public.beat_terms": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "public.beat_chores": ("SELECT", "INSERT", "UPDATE"),
+    "public.audit_verifications": ("SELECT", "INSERT"),
+    "public.console_signouts": ("SELECT", "INSERT", "DELETE"),  # DELETE: sign-outs past their session's expiry
+    "public.alembic_version": ("SELECT",),  # the schema check every process makes
+    "public.job_fencing_token_seq": ("USAGE",),  # a sequence: nextval() for each claim's fencing token
+}
+
+#: Privileges on audit.journal that would let a role rewrite or remove what it holds.
+JOURNAL_TAMPER_PRIVILEGES = ("UPDATE", "DELETE", "TRUNCATE", "TRIGGER", "REFERENCES")
+
+_TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
+_SEQUENCE_PRIVILEGES = ("SELECT", "UPDATE", "USAGE")
+_RELATION_KINDS = ("r", "p", "v", "m", "f", "S")  # tables, partitioned tables, views, materialized, foreign, sequences
+_ALTER = {"r": "TABLE", "p": "TABLE", "f": "FOREIGN TABLE", "v": "VIEW", "m": "MATERIALIZED VIEW", "S": "SEQUENCE"}
+
+
+class RolesError(KeelError):
+    """The database roles could not be set up as Keel needs them."""
+
+
+class PrivilegedRole(KeelError):
+    """In production Keel does not run as a database role that could rewrite the journal."""
+
+
+@dataclass(frozen=True)
+class RoleNames:
+    owner: str
+    app: str
+    auditor: str
+
+    @classmethod
+    def of(cls, settings: Settings) -> RoleNames:
+        return cls(settings.db_owner_role, settings.db_app_role, settings.db_auditor_role)
+
+
+Conn = psycopg.Connection[Any]
+
+
+def _rows(
+    conn: Conn, query: str | sql.SQL | sql.Composed, params: dict[str, Any] | Sequence[Any] = ()
+) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+
+def _one(
+    conn: Conn, query: str | sql.SQL | sql.Composed, params: dict[str, Any] | Sequence[Any] = ()
+) -> dict[str, Any]:
+    rows = _rows(conn, query, params)
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def _run(conn: Conn, statement: sql.Composed) -> None:
+    conn.execute(statement)
+
+
+def _role_oid(conn: Conn, name: str) -> int | None:
+    rows = _rows(conn, "SELECT oid FROM pg_roles WHERE rolname = %s", (name,))
+    return int(rows[0]["oid"]) if rows else None
+
+
+def _listed(words: Iterable[str]) -> str:
+    return ", ".join(words)
+
+
+# --- the owner, for migrations -----------------------------------------------------------------------------------
+
+
+def become_owner(conn: Conn, names: RoleNames) -> bool:
+    """``SET ROLE`` this session to the owner, so that what the migrations create is the owner's. False, and nothing
+    done, when the owner role does not exist (a database set up before roles, or the embedded development server);
+    :class:`RolesError` when it exists but this login may not act as it, or Keel's tables belong to another role
+    (``keel db roles`` hands them over)."""
+    owner = _role_oid(conn, names.owner)
+    if owner is None:
+        return False
+    me = _one(
+        conn,
+        "SELECT session_user AS name, pg_has_role(session_user, %(owner)s::oid, 'MEMBER') AS member,"
+        " (SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = to_regclass('audit.journal')) AS journal_owner,"
+        " current_database() AS database, has_database_privilege(%(owner)s::oid, current_database(), 'CREATE')"
+        " AND has_schema_privilege(%(owner)s::oid, 'public', 'CREATE') AS may_create",
+        {"owner": owner},
+    )
+    if not me["member"]:
+        raise RolesError(
+            f"database role {me['name']!r} may not act as {names.owner!r}, which owns Keel's schema: migrate as a"
+            f" superuser or a member of it (KEEL_MIGRATION_DATABASE_URL), or GRANT {names.owner} TO {me['name']}"
+        )
+    if me["journal_owner"] is not None and me["journal_owner"] != names.owner:
+        raise RolesError(
+            f"Keel's tables belong to {me['journal_owner']!r}, not to {names.owner!r}: run 'keel db roles' as a"
+            " superuser first (it hands them over), then migrate"
+        )
+    if not me["may_create"]:
+        raise RolesError(
+            f"role {names.owner!r} may not create Keel's schema in database {me['database']!r}: run 'keel db roles'"
+            " on it first (as a superuser)"
+        )
+    _run(conn, sql.SQL("SET ROLE {}").format(sql.Identifier(names.owner)))
+    return True
+
+
+# --- grants --------------------------------------------------------------------------------------------------------
+
+
+def _relations(conn: Conn) -> list[dict[str, Any]]:
+    """Every table, view and sequence of Keel's schemas that no extension owns, with its kind."""
+    return _rows(
+        conn,
+        "SELECT n.nspname AS schema, c.relname AS name, c.relkind AS kind, c.oid"
+        " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = ANY(%(schemas)s) AND c.relkind = ANY(%(kinds)s)"
+        " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid"
+        "                 AND d.deptype = 'e')"
+        " ORDER BY 1, 2",
+        {"schemas": list(SCHEMAS), "kinds": list(_RELATION_KINDS)},
+    )
+
+
+def _held(conn: Conn, grantee: int) -> dict[int, set[str]]:
+    """The table-level privileges granted to ``grantee`` (0: PUBLIC) on Keel's relations, by relation oid."""
+    held: dict[int, set[str]] = {}
+    for row in _rows(
+        conn,
+        "SELECT c.oid, a.privilege_type AS privilege FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,"
+        " aclexplode(c.relacl) a WHERE n.nspname = ANY(%(schemas)s) AND a.grantee = %(grantee)s::oid",
+        {"schemas": list(SCHEMAS), "grantee": grantee},
+    ):
+        held.setdefault(int(row["oid"]), set()).add(str(row["privilege"]))
+    return held
+
+
+def _column_grants(conn: Conn, grantee: int) -> list[dict[str, Any]]:
+    """Column-level privileges granted to ``grantee`` (0: PUBLIC) on Keel's tables: Keel grants none."""
+    return _rows(
+        conn,
+        "SELECT n.nspname AS schema, c.relname AS name, att.attname AS column, a.privilege_type AS privilege"
+        " FROM pg_attribute att JOIN pg_class c ON c.oid = att.attrelid"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(att.attacl) a"
+        " WHERE n.nspname = ANY(%(schemas)s) AND a.grantee = %(grantee)s::oid ORDER BY 1, 2, 3, 4",
+        {"schemas": list(SCHEMAS), "grantee": grantee},
+    )
+
+
+def _grantee(role: str | None) -> sql.Composable:
+    return sql.SQL("PUBLIC") if role is None else sql.Identifier(role)
+
+
+def _privileges(words: Iterable[str]) -> sql.Composable:
+    return sql.SQL(", ").join(sql.SQL(word) for word in words)  # from fixed tables above, never from input
+
+
+def apply_grants(conn: Conn, names: RoleNames) -> list[str]:
+    """Make the application's and the auditor's privileges on Keel's relations exactly :data:`APP_PRIVILEGES` and
+    SELECT on every table, revoking anything else they (or PUBLIC) hold there. Run as the owner or a superuser,
+    inside the caller's transaction. Returns one line per role that changed."""
+    relations = _relations(conn)
+    targets: list[tuple[str | None, dict[int, tuple[str, ...]]]] = []
+    app, auditor = _role_oid(conn, names.app), _role_oid(conn, names.auditor)
+    if app is not None:
+        by_name = {f"{r['schema']}.{r['name']}": int(r["oid"]) for r in relations}
+        targets.append((names.app, {by_name[n]: p for n, p in APP_PRIVILEGES.items() if n in by_name}))
+    if auditor is not None:
+        targets.append((names.auditor, {int(r["oid"]): ("SELECT",) for r in relations if r["kind"] != "S"}))
+    targets.append((None, {}))  # PUBLIC: nothing on Keel's relations
+    oids = {None: 0, names.app: app or 0, names.auditor: auditor or 0}
+    lines = []
+    for reader in [r for r, oid in ((names.app, app), (names.auditor, auditor)) if oid is not None]:
+        for schema in _rows(
+            conn,
+            "SELECT nspname FROM pg_namespace WHERE nspname = ANY(%s) AND NOT has_schema_privilege(%s, oid, 'USAGE')"
+            " ORDER BY 1",
+            (list(SCHEMAS), reader),
+        ):
+            name = schema["nspname"]
+            _run(conn, sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(name), sql.Identifier(reader)))
+            lines.append(f"granted USAGE on schema {name} to {reader}")
+    for role, wanted in targets:
+        held = _held(conn, oids[role])
+        granted, revoked = 0, []
+        for relation in relations:
+            oid, kind = int(relation["oid"]), relation["kind"]
+            target = sql.Identifier(relation["schema"], relation["name"])
+            on = sql.SQL("SEQUENCE ") if kind == "S" else sql.SQL("TABLE ")
+            want = set(wanted.get(oid, ()))
+            has = held.get(oid, set())
+            if want - has:
+                order = _SEQUENCE_PRIVILEGES if kind == "S" else _TABLE_PRIVILEGES
+                _run(
+                    conn,
+                    sql.SQL("GRANT {} ON {}{} TO {}").format(
+                        _privileges(p for p in order if p in want - has), on, target, _grantee(role)
+                    ),
+                )
+                granted += 1
+            if has - want:
+                extra = sorted(has - want)
+                _run(
+                    conn,
+                    sql.SQL("REVOKE {} ON {}{} FROM {}").format(_privileges(extra), on, target, _grantee(role)),
+                )
+                revoked.append(f"{_listed(extra)} on {relation['schema']}.{relation['name']}")
+        for column in _column_grants(conn, oids[role]):
+            _run(
+                conn,
+                sql.SQL("REVOKE {} ({}) ON TABLE {} FROM {}").format(
+                    _privileges([column["privilege"]]),
+                    sql.Identifier(column["column"]),
+                    sql.Identifier(column["schema"], column["name"]),
+                    _grantee(role),
+                ),
+            )
+            revoked.append(f"{column['privilege']} ({column['column']}) on {column['schema']}.{column['name']}")
+        who = role or "PUBLIC"
+        if granted:
+            lines.append(f"granted {who} its privileges on {granted} tables and sequences (models/roles.py)")
+        if revoked:
+            lines.append(f"revoked from {who}: {'; '.join(revoked)}")
+    return lines
+
+
+# --- keel db roles -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Passwords:
+    app: str | None = None
+    auditor: str | None = None
+
+    @classmethod
+    def of(cls, settings: Settings) -> Passwords:
+        def plain(value: Any) -> str | None:
+            return None if value is None else str(value.get_secret_value())
+
+        return cls(plain(settings.db_app_password), plain(settings.db_auditor_password))
+
+
+def set_up(url: str, names: RoleNames, passwords: Passwords = Passwords()) -> list[str]:
+    """``keel db roles`` on the database at ``url`` (a superuser's, or a role that may create roles and act as the
+    tables' owners), in one transaction: all of it or, on an error, nothing. Idempotent: returns one line per thing
+    it changed, and none when everything was as it should be."""
+
+    with psycopg.connect(libpq_url(url)) as conn:
+        try:
+            lines = _set_up(conn, names, passwords)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise RolesError(
+                f"cannot set up the roles: {exc.diag.message_primary or exc}: run 'keel db roles' as a superuser"
+                " (KEEL_MIGRATION_DATABASE_URL)"
+            ) from None
+    return lines
+
+
+def _set_up(conn: Conn, names: RoleNames, passwords: Passwords) -> list[str]:
+    me = _one(
+        conn,
+        "SELECT session_user AS name, rolsuper AS superuser, rolcreaterole AS createrole,"
+        " current_database() AS database FROM pg_roles WHERE rolname = session_user",
+    )
+    lines: list[str] = []
+    missing = [n for n in (names.owner, names.app, names.auditor) if _role_oid(conn, n) is None]
+    if missing and not (me["superuser"] or me["createrole"]):
+        raise RolesError(
+            f"database role {me['name']!r} cannot create roles (missing: {_listed(missing)}): run 'keel db roles'"
+            " as a superuser (KEEL_MIGRATION_DATABASE_URL)"
+        )
+    lines += _roles(conn, names, passwords, missing)
+    lines += _memberships(conn, names, me)
+    lines += _database(conn, names, str(me["database"]))
+    lines += _ownership(conn, names)
+    lines += apply_grants(conn, names)
+    for role in (names.app, names.auditor):
+        problems = role_problems(conn, role, names.owner)
+        if problems:
+            raise RolesError(f"role {role!r} still {'; '.join(problems)}: fix it by hand, then run 'keel db roles'")
+    return lines
+
+
+def _roles(conn: Conn, names: RoleNames, passwords: Passwords, missing: list[str]) -> list[str]:
+    lines = []
+    if names.owner in missing:
+        _run(conn, sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(names.owner)))
+        lines.append(f"created role {names.owner} (NOLOGIN): it owns Keel's schema; migrations act as it")
+    for role, password, variable in (
+        (names.app, passwords.app, "KEEL_DB_APP_PASSWORD"),
+        (names.auditor, passwords.auditor, "KEEL_DB_AUDITOR_PASSWORD"),
+    ):
+        if role in missing:
+            _run(conn, sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+            lines.append(
+                f"created role {role} (LOGIN)"
+                + ("" if password else f", without a password: set {variable} and run again, or ALTER ROLE … PASSWORD")
+            )
+        else:
+            lines += _plain_login(conn, role)
+        if password and not _password_is(conn, role, password):
+            encrypted = conn.pgconn.encrypt_password(password.encode(), role.encode())
+            _run(
+                conn,
+                sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(role), sql.Literal(encrypted.decode())),
+            )
+            lines.append(f"set the password of {role} ({variable})")
+    return lines
+
+
+def _password_is(conn: Conn, role: str, password: str) -> bool:
+    """Whether ``role``'s stored password is ``password`` (a SCRAM-SHA-256 or MD5 verifier recomputed with its own
+    salt); False when it differs, is unset, or cannot be read (only superusers read pg_authid)."""
+    try:
+        with conn.transaction():
+            rows = _rows(conn, "SELECT rolpassword FROM pg_authid WHERE rolname = %s", (role,))
+    except psycopg.errors.InsufficientPrivilege:
+        return False
+    stored = rows[0]["rolpassword"] if rows else None
+    if not stored:
+        return False
+    if stored.startswith("md5"):
+        return hmac.compare_digest(stored, "md5" + hashlib.md5((password + role).encode()).hexdigest())
+    scram = re.fullmatch(r"SCRAM-SHA-256\$(\d+):([^$]+)\$([^:]+):(.+)", stored)
+    if scram is None:
+        return False
+    iterations, salt, stored_key, server_key = scram.groups()
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), base64.b64decode(salt), int(iterations))
+    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
+    mine = base64.b64encode(hashlib.sha256(client_key).digest()).decode()
+    server = base64.b64encode(hmac.new(salted, b"Server Key", "sha256").digest()).decode()
+    return hmac.compare_digest(mine, stored_key) and hmac.compare_digest(server, server_key)
+
+
+_POWERS = {
+    "rolsuper": "SUPERUSER",
+    "rolcreaterole": "CREATEROLE",
+    "rolcreatedb": "CREATEDB",
+    "rolreplication": "REPLICATION",
+    "rolbypassrls": "BYPASSRLS",
+}
+
+
+def _plain_login(conn: Conn, role: str) -> list[str]:
+    """An existing application or auditor role: LOGIN, and none of the powers that would reach past its grants."""
+    row = _one(conn, f"SELECT rolcanlogin, {_listed(_POWERS)} FROM pg_roles WHERE rolname = %s", (role,))
+    drop = [word for column, word in _POWERS.items() if row[column]]
+    options = [f"NO{word}" for word in drop] + ([] if row["rolcanlogin"] else ["LOGIN"])
+    if not options:
+        return []
+    _run(conn, sql.SQL("ALTER ROLE {} {}").format(sql.Identifier(role), _privileges(options)))
+    return [f"role {role}: {_listed(options)}"]
+
+
+def _memberships(conn: Conn, names: RoleNames, me: dict[str, Any]) -> list[str]:
+    lines = []
+    for role in (names.app, names.auditor):
+        for granted in _rows(
+            conn,
+            "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid"
+            " JOIN pg_roles r ON r.oid = m.member WHERE r.rolname = %s AND g.rolname = ANY(%s)",
+            (role, [names.owner, names.app, names.auditor]),
+        ):
+            _run(conn, sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(granted["rolname"]), sql.Identifier(role)))
+            lines.append(f"revoked membership of {granted['rolname']} from {role}")
+    if not me["superuser"]:
+        member = _one(conn, "SELECT pg_has_role(session_user, %s, 'MEMBER') AS yes", (names.owner,))
+        if not member["yes"]:
+            _run(conn, sql.SQL("GRANT {} TO {}").format(sql.Identifier(names.owner), sql.Identifier(me["name"])))
+            lines.append(f"granted {names.owner} to {me['name']} (to run migrations as it)")
+    return lines
+
+
+def _database(conn: Conn, names: RoleNames, database: str) -> list[str]:
+    """The database and schema privileges: the owner may create in the database (the audit schema) and in public;
+    nobody else creates anything there, nor temporary tables (which would shadow Keel's tables inside its triggers:
+    a trigger function finds ``pg_temp`` first)."""
+    lines = []
+    db = sql.Identifier(database)
+    owner = sql.Identifier(names.owner)
+
+    def has(role: str, privilege: str, on: str = "database", name: str = database) -> bool:
+        check = "has_database_privilege" if on == "database" else "has_schema_privilege"
+        return bool(_one(conn, f"SELECT {check}(%s, %s, %s) AS yes", (role, name, privilege))["yes"])
+
+    if not has(names.owner, "CREATE"):
+        _run(conn, sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(db, owner))
+        lines.append(f"granted CREATE on database {database} to {names.owner}")
+    for role in (names.app, names.auditor):
+        if not has(role, "CONNECT"):
+            _run(conn, sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(db, sql.Identifier(role)))
+            lines.append(f"granted CONNECT on database {database} to {role}")
+    public = "public"
+    if not (has(names.owner, "USAGE", "schema", public) and has(names.owner, "CREATE", "schema", public)):
+        _run(conn, sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(owner))
+        lines.append(f"granted USAGE, CREATE on schema public to {names.owner}")
+    audit = _rows(conn, "SELECT pg_get_userbyid(nspowner) AS owner FROM pg_namespace WHERE nspname = 'audit'")
+    if audit and audit[0]["owner"] != names.owner:
+        _run(conn, sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(owner))
+        lines.append(f"schema audit: owner {audit[0]['owner']} → {names.owner}")
+    schemas = ["public"] + (["audit"] if audit else [])
+    # What PUBLIC, the application and the auditor hold directly: CREATE and TEMPORARY on the database, CREATE on
+    # Keel's schemas (PostgreSQL before 15 gave PUBLIC CREATE on public).
+    grantees = [0] + [oid for oid in (_role_oid(conn, names.app), _role_oid(conn, names.auditor)) if oid is not None]
+    excess = _rows(
+        conn,
+        "SELECT 'DATABASE' AS kind, d.datname AS name, a.grantee, a.privilege_type AS privilege"
+        " FROM pg_database d, aclexplode(coalesce(d.datacl, acldefault('d', d.datdba))) a"
+        " WHERE d.datname = current_database() AND a.privilege_type IN ('CREATE', 'TEMPORARY')"
+        " AND a.grantee = ANY(%(grantees)s::oid[])"
+        " UNION ALL SELECT 'SCHEMA', n.nspname, a.grantee, a.privilege_type"
+        " FROM pg_namespace n, aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a"
+        " WHERE n.nspname = ANY(%(schemas)s) AND a.privilege_type = 'CREATE' AND a.grantee = ANY(%(grantees)s::oid[])"
+        " ORDER BY 1, 2, 4",
+        {"grantees": grantees, "schemas": schemas},
+    )
+    for row in excess:
+        who = (
+            None
+            if int(row["grantee"]) == 0
+            else _one(conn, "SELECT %s::oid::regrole::text AS n", (row["grantee"],))["n"]
+        )
+        _run(
+            conn,
+            sql.SQL("REVOKE {} ON {} {} FROM {}").format(
+                sql.SQL(row["privilege"]), sql.SQL(row["kind"]), sql.Identifier(row["name"]), _grantee(who)
+            ),
+        )
+        lines.append(f"revoked {row['privilege']} on {row['kind'].lower()} {row['name']} from {who or 'PUBLIC'}")
+    return lines
+
+
+def _ownership(conn: Conn, names: RoleNames) -> list[str]:
+    """Hand every relation and function of Keel's schemas to the owner (a database migrated before roles: they
+    belong to whoever ran the migrations). Indexes and the sequences of identity columns follow their tables."""
+    relations = _rows(
+        conn,
+        "SELECT n.nspname AS schema, c.relname AS name, c.relkind AS kind, pg_get_userbyid(c.relowner) AS owner"
+        " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = ANY(%(schemas)s) AND c.relkind = ANY(%(kinds)s)"
+        " AND pg_get_userbyid(c.relowner) <> %(owner)s"
+        " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid"
+        "                 AND (d.deptype = 'e' OR (c.relkind = 'S' AND d.refclassid = 'pg_class'::regclass"
+        "                                          AND d.deptype IN ('a', 'i'))))"
+        " ORDER BY 1, 2",
+        {"schemas": list(SCHEMAS), "kinds": list(_RELATION_KINDS), "owner": names.owner},
+    )
+    functions = _rows(
+        conn,
+        "SELECT p.oid::regprocedure::text AS signature, pg_get_userbyid(p.proowner) AS owner"
+        " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+        " WHERE n.nspname = ANY(%(schemas)s) AND pg_get_userbyid(p.proowner) <> %(owner)s"
+        " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid"
+        "                 AND d.deptype = 'e')"
+        " ORDER BY 1",
+        {"schemas": list(SCHEMAS), "owner": names.owner},
+    )
+    owner = sql.Identifier(names.owner)
+    moved: dict[str, list[int]] = {}
+    for relation in relations:
+        _run(
+            conn,
+            sql.SQL("ALTER {} {} OWNER TO {}").format(
+                sql.SQL(_ALTER[relation["kind"]]), sql.Identifier(relation["schema"], relation["name"]), owner
+            ),
+        )
+        counts = moved.setdefault(relation["owner"], [0, 0, 0])
+        counts[1 if relation["kind"] == "S" else 0] += 1
+    for function in functions:
+        # regprocedure's text is the catalog's own, quoted and qualified where needed.
+        _run(conn, sql.SQL("ALTER ROUTINE {} OWNER TO {}").format(sql.SQL(function["signature"]), owner))
+        moved.setdefault(function["owner"], [0, 0, 0])[2] += 1
+    lines = []
+    for previous, (tables, sequences, routines) in sorted(moved.items()):
+        what = [
+            f"{n} {word}{'' if n == 1 else 's'}"
+            for n, word in ((tables, "table"), (sequences, "sequence"), (routines, "function"))
+            if n
+        ]
+        lines.append(f"handed {_listed(what)} from {previous} to {names.owner}")
+    return lines
+
+
+# --- who may run Keel in production -------------------------------------------------------------------------------
+
+
+def role_problems(conn: Conn, role: str, owner: str) -> list[str]:
+    """What ``role`` could do to the journal beyond reading and appending to it, as phrases (``is a superuser``);
+    empty when it can do no more."""
+    row = _one(
+        conn,
+        "SELECT r.rolsuper AS superuser, r.rolcreaterole AS createrole,"
+        " j.oid IS NOT NULL AS journal, pg_get_userbyid(j.relowner) AS journal_owner,"
+        " j.oid IS NOT NULL AND pg_has_role(r.oid, j.relowner, 'MEMBER') AS owns_journal,"
+        " o.oid IS NOT NULL AND pg_has_role(r.oid, o.oid, 'MEMBER') AS in_owner,"
+        " current_setting('server_version_num')::int >= 150000 AS has_parameter_acl"
+        " FROM pg_roles r LEFT JOIN pg_class j ON j.oid = to_regclass('audit.journal')"
+        " LEFT JOIN pg_roles o ON o.rolname = %(owner)s WHERE r.rolname = %(role)s",
+        {"role": role, "owner": owner},
+    )
+    if row["superuser"]:
+        return ["is a superuser"]
+    problems = []
+    if row["owns_journal"]:
+        via = "" if row["journal_owner"] == role else f" (as a member of {row['journal_owner']!r})"
+        problems.append(f"owns audit.journal{via}")
+    elif row["in_owner"]:
+        problems.append(f"is a member of {owner!r}, the owner of Keel's schema")
+    if row["createrole"]:
+        problems.append("can create roles (and so grant itself the owner's)")
+    if row["journal"] and not row["owns_journal"]:  # an owner may do anything to it: said already
+        extra = [
+            p
+            for p in JOURNAL_TAMPER_PRIVILEGES
+            if _one(
+                conn,
+                "SELECT has_table_privilege(%(role)s, 'audit.journal', %(p)s)"
+                " OR has_any_column_privilege(%(role)s, 'audit.journal', %(p)s) AS yes"
+                if p in ("UPDATE", "REFERENCES")
+                else "SELECT has_table_privilege(%(role)s, 'audit.journal', %(p)s) AS yes",
+                {"role": role, "p": p},
+            )["yes"]
+        ]
+        if extra:
+            problems.append(f"may {_listed(extra)} audit.journal")
+    if (
+        row["has_parameter_acl"]
+        and _one(conn, "SELECT has_parameter_privilege(%s, 'session_replication_role', 'SET') AS yes", (role,))["yes"]
+    ):
+        problems.append("may set session_replication_role (which turns the journal's triggers off)")
+    return problems
+
+
+def refuse_privileged(engine: sqlalchemy.Engine, settings: Settings) -> None:
+    """In production, raise :class:`PrivilegedRole` (one line: the role, what it could do, what to do instead) unless
+    the role ``engine`` logs in as can do no more to the journal than read it and append to it. Elsewhere, nothing:
+    development runs as the embedded server's superuser."""
+    if settings.environment != "production":
+        return
+    with engine.connect() as connection:
+        conn = connection.connection.driver_connection
+        assert isinstance(conn, psycopg.Connection)
+        role = str(_one(conn, "SELECT session_user AS name")["name"])
+        problems = role_problems(conn, role, settings.db_owner_role)
+        connection.rollback()
+    if problems:
+        raise PrivilegedRole(
+            f"refusing to run in production as database role {role!r}: it {'; it '.join(problems)}. Keel's API,"
+            f" workers, beat and the commands that write connect as the application role ({settings.db_app_role}),"
+            " which may only read the journal and append to it: create it with 'keel db roles' (which also takes"
+            " back what it should not hold) and put its credentials in KEEL_DATABASE_URL; migrations connect with"
+            " KEEL_MIGRATION_DATABASE_URL"
+        )
+
+
+def missing(url: str, names: RoleNames) -> list[str]:
+    """Which of the three roles do not exist in the cluster at ``url``."""
+
+    wanted = [names.owner, names.app, names.auditor]
+    with psycopg.connect(libpq_url(url)) as conn:
+        found = {r["rolname"] for r in _rows(conn, "SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", (wanted,))}
+    return [name for name in wanted if name not in found]

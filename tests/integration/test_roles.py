@@ -1,0 +1,454 @@
+"""The database roles (models/roles.py, `keel db roles`): migrations run as the owner; the application role may
+read the journal and append to it and nothing more, whatever route it tries; the auditor reads only; in production
+Keel refuses to run as a role that could rewrite the journal. The roles have names of this session's own
+(tests/support/roles.py) and are dropped at its end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+from agents.client import Client
+from models import migrations, roles
+from models.db import Database
+from models.roles import APP_PRIVILEGES, RoleNames
+from models.tables import metadata
+from models.urls import libpq_url
+from tests.support.broker import Broker
+from tests.support.roles import RoledDatabase, as_role, drop_roles, unique_names
+
+pytestmark = pytest.mark.integration
+
+KEEL = str(Path(sys.executable).parent / "keel")
+
+
+def keel(url: str, *args: str, names: RoleNames | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``keel`` on ``url`` (KEEL_DATABASE_URL) with the roles ``names``, in a directory of its own."""
+    child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
+    child["KEEL_DATABASE_URL"] = url
+    if names is not None:
+        child |= {
+            "KEEL_DB_OWNER_ROLE": names.owner,
+            "KEEL_DB_APP_ROLE": names.app,
+            "KEEL_DB_AUDITOR_ROLE": names.auditor,
+        }
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "keel-roles-tests"
+    scratch.mkdir(exist_ok=True)
+    return subprocess.run(
+        [KEEL, *args], env=child | env, capture_output=True, text=True, timeout=120, cwd=scratch, check=False
+    )
+
+
+def connect(url: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(libpq_url(url), autocommit=True)
+
+
+def journal_digest(url: str) -> tuple[Any, ...]:
+    """The journal as it is: its rows, their order and contents (and whether the table is there at all)."""
+    with connect(url) as conn:
+        row = conn.execute("SELECT count(*), md5(string_agg(j::text, '|' ORDER BY id)) FROM audit.journal j").fetchone()
+        assert row is not None
+        return tuple(row)
+
+
+@pytest.fixture
+def journaled(roles_db: RoledDatabase) -> RoledDatabase:
+    """A journal with events in it, written through the client as the application role."""
+    db = Database(roles_db.app_url, pool_size=2)
+    try:
+        client = Client(db)
+        agent = client.create_agent("ledger", actor="alice")
+        client.submit(agent.id, "r-1", {"prompt": "Summarise open incidents"}, actor="alice")
+        client.cancel(agent.id, actor="alice", reason="changed my mind")
+    finally:
+        db.dispose()
+    assert journal_digest(roles_db.url)[0] == 3
+    return roles_db
+
+
+#: Every route the issue names (and a few more) by which a role could rewrite, remove or stop guarding the journal.
+TAMPER_ROUTES = {
+    "update": "UPDATE audit.journal SET actor = 'mallory'",
+    "delete": "DELETE FROM audit.journal",
+    "truncate": "TRUNCATE audit.journal",
+    "disable the trigger": "ALTER TABLE audit.journal DISABLE TRIGGER journal_no_update_delete",
+    "disable every trigger": "ALTER TABLE audit.journal DISABLE TRIGGER ALL",
+    "drop the trigger": "DROP TRIGGER journal_no_update_delete ON audit.journal",
+    "drop the table": "DROP TABLE audit.journal CASCADE",
+    "take the table": "ALTER TABLE audit.journal OWNER TO {app}",
+    "session_replication_role": "SET session_replication_role = replica",
+    "replace the trigger function": (
+        "CREATE OR REPLACE FUNCTION audit.refuse_change() RETURNS trigger LANGUAGE plpgsql"
+        " AS $$ BEGIN RETURN COALESCE(NEW, OLD); END $$"
+    ),
+    "take the trigger function": "ALTER FUNCTION audit.refuse_change() OWNER TO {app}",
+    "add a trigger": (
+        "CREATE TRIGGER sneak BEFORE INSERT ON audit.journal FOR EACH ROW EXECUTE FUNCTION audit.refuse_change()"
+    ),
+    "join the owner role": "GRANT {owner} TO {app}",
+    "become the owner": "SET ROLE {owner}",
+    "shadow a table in its triggers": "CREATE TEMP TABLE agents (id uuid)",
+    "create a function": "CREATE FUNCTION public.keel_sneak() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+}
+
+
+def _statement(route: str, names: RoleNames) -> sql.Composed:
+    return sql.SQL(TAMPER_ROUTES[route]).format(app=sql.Identifier(names.app), owner=sql.Identifier(names.owner))
+
+
+@pytest.mark.parametrize("route", list(TAMPER_ROUTES))
+def test_every_tamper_route_is_refused_for_the_application_role(journaled: RoledDatabase, route: str) -> None:
+    statement = _statement(route, journaled.names)
+    before = journal_digest(journaled.url)
+    # The route is real: a superuser takes it (with the triggers switched off, as the outside review did), in a
+    # transaction rolled back here.
+    with psycopg.connect(libpq_url(journaled.url)) as superuser:
+        superuser.execute("SET LOCAL session_replication_role = replica")
+        superuser.execute(statement)
+        superuser.rollback()
+    with connect(journaled.app_url) as app:
+        assert app.execute("SELECT current_user").fetchone() == (journaled.names.app,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege) as refused:
+            app.execute(statement)
+    # Refused by what the role may do, not by the journal's own triggers (which a superuser can switch off).
+    assert "append-only" not in str(refused.value)
+    assert journal_digest(journaled.url) == before
+
+
+def test_granting_itself_more_grants_nothing(journaled: RoledDatabase) -> None:
+    app_role = journaled.names.app
+    with connect(journaled.app_url) as app:
+        notices: list[str] = []
+        app.add_notice_handler(lambda diag: notices.append(str(diag.message_primary)))
+        app.execute(sql.SQL("GRANT ALL ON audit.journal TO {}").format(sql.Identifier(app_role)))
+        assert notices == ['no privileges were granted for "journal"']
+        held = app.execute(
+            "SELECT p FROM unnest(ARRAY['UPDATE', 'DELETE', 'TRUNCATE', 'TRIGGER', 'REFERENCES']) p"
+            " WHERE has_table_privilege('audit.journal', p)"
+        ).fetchall()
+        assert held == []
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for table journal"):
+            app.execute("UPDATE audit.journal SET actor = 'mallory'")
+
+
+def test_the_application_role_is_no_superuser_owns_nothing_and_holds_exactly_its_grants(
+    roles_db: RoledDatabase,
+) -> None:
+    names = roles_db.names
+    with connect(roles_db.url) as conn:
+        role = conn.execute(
+            "SELECT rolsuper, rolcreaterole, rolcreatedb, rolbypassrls, rolreplication, rolcanlogin"
+            " FROM pg_roles WHERE rolname = %s",
+            (names.app,),
+        ).fetchone()
+        assert role == (False, False, False, False, False, True)
+        owners = conn.execute(
+            "SELECT DISTINCT pg_get_userbyid(c.relowner) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname IN ('public', 'audit') AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'i')"
+            " UNION SELECT DISTINCT pg_get_userbyid(p.proowner) FROM pg_proc p"
+            " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname IN ('public', 'audit')"
+            " UNION SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'audit'"
+        ).fetchall()
+        assert owners == [(names.owner,)], "migrations run as the owner: it owns every object of Keel's schemas"
+        granted = conn.execute(
+            "SELECT n.nspname || '.' || c.relname, array_agg(a.privilege_type::text ORDER BY a.privilege_type)"
+            " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) a"
+            " WHERE n.nspname IN ('public', 'audit') AND a.grantee = %s::regrole GROUP BY 1",
+            (names.app,),
+        ).fetchall()
+        assert dict(granted) == {name: sorted(privileges) for name, privileges in APP_PRIVILEGES.items()}
+        assert conn.execute(
+            "SELECT has_parameter_privilege(%s, 'session_replication_role', 'SET')", (names.app,)
+        ).fetchone() == (False,)
+
+
+def test_every_table_has_an_entry_in_the_grants(roles_db: RoledDatabase) -> None:
+    """A table added by a migration without an entry in models/roles.APP_PRIVILEGES would be out of the
+    application's reach (every privilege not listed is revoked): name it there, with what the code does to it."""
+    with connect(roles_db.url) as conn:
+        tables = {
+            row[0]
+            for row in conn.execute(
+                "SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname IN ('public', 'audit') AND c.relkind IN ('r', 'p') AND NOT c.relispartition"
+            ).fetchall()
+        }
+        sequences = {
+            row[0]
+            for row in conn.execute(
+                "SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.relkind = 'S'"
+            ).fetchall()
+        }
+    modelled = {f"{t.schema or 'public'}.{t.name}" for t in metadata.tables.values()} | {"public.alembic_version"}
+    assert tables == modelled
+    assert tables == set(APP_PRIVILEGES) - sequences, "tables without an entry, or entries without a table"
+
+
+def test_the_auditor_reads_every_table_and_writes_none(journaled: RoledDatabase) -> None:
+    with connect(journaled.url) as conn:
+        tables = conn.execute(
+            "SELECT n.nspname, c.relname, (SELECT attname FROM pg_attribute WHERE attrelid = c.oid AND attnum > 0"
+            "  AND attidentity = '' AND NOT attisdropped ORDER BY attnum LIMIT 1)"
+            " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname IN ('public', 'audit') AND c.relkind IN ('r', 'p') ORDER BY 1, 2"
+        ).fetchall()
+    assert len(tables) == len(metadata.tables) + 1
+    with connect(journaled.auditor_url) as auditor:
+        for schema, name, column in tables:
+            table, first = sql.Identifier(schema, name), sql.Identifier(column)
+            auditor.execute(sql.SQL("SELECT * FROM {} LIMIT 1").format(table))
+            for write in (
+                sql.SQL("INSERT INTO {} DEFAULT VALUES").format(table),
+                sql.SQL("UPDATE {} SET {} = {}").format(table, first, first),
+                sql.SQL("DELETE FROM {}").format(table),
+                sql.SQL("TRUNCATE {}").format(table),
+            ):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    auditor.execute(write)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            auditor.execute("SET session_replication_role = replica")
+    assert journal_digest(journaled.url)[0] == 3
+
+
+def test_the_auditor_verifies_the_journal_without_recording(journaled: RoledDatabase) -> None:
+    result = keel(journaled.auditor_url, "audit", "verify", names=journaled.names)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ok: 3 events in 1 agent chains verified\n"
+    assert "not recorded: this database role may only read" in result.stderr
+    listed = keel(journaled.auditor_url, "journal", "--agent", "ledger", names=journaled.names)
+    assert listed.returncode == 0 and "changed my mind" not in listed.stderr
+
+
+# --- keel db roles -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_roles(pg_server_url: str, db_url: str) -> Iterator[RoleNames]:
+    """Role names nobody created yet; dropped afterwards with what they hold in this test's database."""
+    names = unique_names("f")
+    yield names
+    drop_roles(pg_server_url, [names.app, names.auditor, names.owner], [str(make_url(db_url).database)])
+
+
+def test_keel_db_roles_sets_up_an_existing_deployment_once(db_url: str, fresh_roles: RoleNames) -> None:
+    """A database migrated before roles (everything belongs to the superuser who migrated it): `keel db roles` creates
+    the roles, hands the schema to the owner and sets the grants, saying each; run again, it changes nothing."""
+    names = fresh_roles
+    first = keel(db_url, "db", "roles", names=names, KEEL_DB_APP_PASSWORD="first-app-password")
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[:4] == [
+        f"created role {names.owner} (NOLOGIN): it owns Keel's schema; migrations act as it",
+        f"created role {names.app} (LOGIN)",
+        f"set the password of {names.app} (KEEL_DB_APP_PASSWORD)",
+        f"created role {names.auditor} (LOGIN), without a password: set KEEL_DB_AUDITOR_PASSWORD and run again,"
+        " or ALTER ROLE … PASSWORD",
+    ]
+    assert "schema audit: owner postgres → " + names.owner in lines
+    with connect(db_url) as conn:
+        functions = conn.execute(
+            "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE n.nspname IN ('public', 'audit')"
+        ).fetchone()
+    assert functions is not None
+    tables = len(metadata.tables) + 1  # and alembic_version
+    assert f"handed {tables} tables, 1 sequence, {functions[0]} functions from postgres to {names.owner}" in lines
+    assert (
+        f"granted {names.app} its privileges on {len(APP_PRIVILEGES)} tables and sequences (models/roles.py)" in lines
+    )
+    again = keel(db_url, "db", "roles", names=names, KEEL_DB_APP_PASSWORD="first-app-password")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == (
+        f"nothing to change: {names.owner} owns Keel's schema; {names.app} and {names.auditor} hold their grants\n"
+    )
+    # The application role can log in with its password and do its work; the tamper routes are closed to it.
+    app_url = as_role(db_url, names.app, "first-app-password")
+    with connect(app_url) as app:
+        app.execute(
+            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details)"
+            " VALUES ('cli', true, 0, 0, 0, '{}')"
+        )
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            app.execute("ALTER TABLE audit.journal DISABLE TRIGGER ALL")
+    # Migrations now run as the owner (a superuser connects; what they create is the owner's).
+    previous = migrations.revisions()[-2]
+    downgraded = keel(db_url, "db", "downgrade", previous, names=names)
+    upgraded = keel(db_url, "db", "upgrade", names=names)
+    assert (downgraded.returncode, upgraded.returncode) == (0, 0), downgraded.stderr + upgraded.stderr
+    with connect(db_url) as conn:
+        owners = conn.execute(
+            "SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname IN ('public', 'audit') AND relkind IN ('r', 'i', 'S')"
+        ).fetchall()
+    assert owners == [(names.owner,)]
+    assert keel(db_url, "db", "roles", names=names).stdout.startswith("nothing to change")
+
+
+def test_keel_db_roles_takes_back_what_the_roles_should_not_hold(journaled: RoledDatabase) -> None:
+    names = journaled.names
+    app, owner = sql.Identifier(names.app), sql.Identifier(names.owner)
+    with connect(journaled.url) as conn:
+        conn.execute(sql.SQL("GRANT UPDATE, TRUNCATE ON audit.journal TO {}").format(app))
+        conn.execute(sql.SQL("GRANT {} TO {}").format(owner, app))
+        conn.execute(sql.SQL("ALTER ROLE {} CREATEROLE").format(app))
+        conn.execute(sql.SQL("GRANT INSERT ON audit.journal TO {}").format(sql.Identifier(names.auditor)))
+        conn.execute("GRANT DELETE ON audit.journal TO PUBLIC")
+    result = keel(journaled.url, "db", "roles", names=names)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"role {names.app}: NOCREATEROLE",
+        f"revoked membership of {names.owner} from {names.app}",
+        f"revoked from {names.app}: TRUNCATE, UPDATE on audit.journal",
+        f"revoked from {names.auditor}: INSERT on audit.journal",
+        "revoked from PUBLIC: DELETE on audit.journal",
+    ]
+    before = journal_digest(journaled.url)
+    with connect(journaled.app_url) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute("UPDATE audit.journal SET actor = 'mallory'")
+    assert journal_digest(journaled.url) == before
+
+
+def test_keel_db_roles_needs_a_role_that_may_create_roles(roles_db: RoledDatabase) -> None:
+    names = unique_names("n")
+    result = keel(roles_db.app_url, "db", "roles", names=names)
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"keel: error: database role {roles_db.names.app!r} cannot create roles (missing: {names.owner},"
+        f" {names.app}, {names.auditor}): run 'keel db roles' as a superuser (KEEL_MIGRATION_DATABASE_URL)\n"
+    )
+
+
+def test_migrations_refuse_a_role_that_may_not_act_as_the_owner(roles_db: RoledDatabase) -> None:
+    result = keel(roles_db.app_url, "db", "downgrade", "0010", names=roles_db.names)
+    assert result.returncode == 1
+    assert result.stderr.startswith(
+        f"keel: error: database role {roles_db.names.app!r} may not act as {roles_db.names.owner!r}, which owns"
+        " Keel's schema: migrate as a superuser or a member of it (KEEL_MIGRATION_DATABASE_URL)"
+    )
+    assert migrations.revision_at(roles_db.url) == migrations.head()
+
+
+def test_the_migration_cycle_runs_as_the_owner(empty_db_url: str, session_roles: RoleNames) -> None:
+    """upgrade → alembic check → downgrade → upgrade, as the owner role: every object it creates is the owner's
+    and the grants follow each upgrade."""
+    roles.set_up(empty_db_url, session_roles)
+    migrations.upgrade(empty_db_url, roles=session_roles)
+    migrations.check(empty_db_url)
+    migrations.downgrade(empty_db_url, "base", roles=session_roles)
+    migrations.upgrade(empty_db_url, roles=session_roles)
+    migrations.check(empty_db_url)
+    with connect(empty_db_url) as conn:
+        owners = conn.execute(
+            "SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname IN ('public', 'audit')"
+        ).fetchall()
+        journal = conn.execute(
+            "SELECT has_table_privilege(%s, 'audit.journal', 'INSERT'),"
+            " has_table_privilege(%s, 'audit.journal', 'UPDATE')",
+            (session_roles.app, session_roles.app),
+        ).fetchone()
+    assert owners == [(session_roles.owner,)]
+    assert journal == (True, False)
+
+
+def test_migrations_refuse_a_database_the_roles_were_not_set_up_in(empty_db_url: str, session_roles: RoleNames) -> None:
+    """The roles are the cluster's; what the owner may do in a database is that database's: `keel db roles` there."""
+    with pytest.raises(roles.RolesError, match=r"may not create Keel's schema in database .*: run 'keel db roles'"):
+        migrations.upgrade(empty_db_url, roles=session_roles)
+    assert migrations.revision_at(empty_db_url) is None
+
+
+def test_production_migrations_need_the_roles(roles_db: RoledDatabase) -> None:
+    names = unique_names("m")
+    result = keel(
+        roles_db.url, "db", "upgrade", names=names, KEEL_ENVIRONMENT="production", KEEL_BROKER_URL="redis://x"
+    )
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"keel: error: the database roles {names.owner}, {names.app}, {names.auditor} do not exist: run 'keel db"
+        " roles' first (as a superuser, KEEL_MIGRATION_DATABASE_URL); in production migrations run as the owner role\n"
+    )
+    ok = keel(
+        roles_db.app_url,
+        "db",
+        "upgrade",
+        names=roles_db.names,
+        KEEL_ENVIRONMENT="production",
+        KEEL_BROKER_URL="redis://x",
+        KEEL_MIGRATION_DATABASE_URL=roles_db.url,
+    )
+    assert (ok.returncode, ok.stdout) == (0, f"database at {migrations.head()} (head)\n"), ok.stderr
+
+
+# --- production refuses privileged roles ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def member_of_owner(pg_server_url: str, roles_db: RoledDatabase) -> Iterator[str]:
+    """A login role that is a member of the owner role (a migration account), dropped afterwards."""
+    name = f"keel_tm{uuid.uuid4().hex[:8]}_migrator"
+    with connect(roles_db.url) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(roles_db.names.owner), sql.Identifier(name)))
+    yield as_role(roles_db.url, name)
+    drop_roles(pg_server_url, [name])
+
+
+WRITERS = [
+    ("worker",),
+    ("beat",),
+    ("serve",),
+    ("agent", "create", "x"),
+    ("token", "create", "t", "--scope", "producer"),
+]
+
+
+@pytest.mark.parametrize("command", WRITERS, ids=" ".join)
+def test_production_refuses_to_start_as_a_superuser(
+    roles_db: RoledDatabase, broker: Broker, command: tuple[str, ...]
+) -> None:
+    result = keel(roles_db.url, *command, names=roles_db.names, KEEL_ENVIRONMENT="production", **broker.env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.startswith(
+        "keel: error: refusing to run in production as database role 'postgres': it is a superuser. Keel's API,"
+        f" workers, beat and the commands that write connect as the application role ({roles_db.names.app}), which"
+        " may only read the journal and append to it: create it with 'keel db roles'"
+    ), result.stderr
+    assert result.stderr.count("\n") == 1, "one line, no traceback"
+
+
+def test_production_refuses_the_owner_and_a_role_that_may_rewrite_the_journal(
+    roles_db: RoledDatabase, broker: Broker, member_of_owner: str
+) -> None:
+    def refusal(url: str, *command: str) -> str:
+        result = keel(url, *command, names=roles_db.names, KEEL_ENVIRONMENT="production", **broker.env)
+        assert result.returncode == 1, result.stdout + result.stderr
+        return result.stderr.split(": it ", 1)[1].split(". Keel's", 1)[0]
+
+    owner = roles_db.names.owner
+    assert refusal(member_of_owner, "worker") == f"owns audit.journal (as a member of {owner!r})"
+    with connect(roles_db.url) as conn:
+        conn.execute(sql.SQL("GRANT UPDATE ON audit.journal TO {}").format(sql.Identifier(roles_db.names.app)))
+    assert refusal(roles_db.app_url, "beat") == "may UPDATE audit.journal"
+    assert refusal(roles_db.app_url, "agent", "create", "x") == "may UPDATE audit.journal"
+
+
+def test_production_reads_and_development_run_as_anyone(roles_db: RoledDatabase, broker: Broker) -> None:
+    production = {"KEEL_ENVIRONMENT": "production", **broker.env}
+    listed = keel(roles_db.url, "agent", "list", names=roles_db.names, **production)
+    assert (listed.returncode, listed.stdout) == (0, "no agents\n"), listed.stderr
+    created = keel(roles_db.app_url, "agent", "create", "ops-bot", names=roles_db.names, **production)
+    assert created.returncode == 0, created.stderr
+    developing = keel(roles_db.url, "agent", "create", "dev-bot", names=roles_db.names, **broker.env)
+    assert developing.returncode == 0, developing.stderr
