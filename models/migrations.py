@@ -16,6 +16,7 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 
 from alembic import command
+from models.audit_keys import AuditKeys
 from models.errors import KeelError
 
 MIGRATIONS_PACKAGE = "keel_migrations"
@@ -29,6 +30,10 @@ class UnknownRevision(KeelError):
 
 class SchemaMismatch(KeelError):
     """The database's schema is missing, or is not the one this code was written for."""
+
+
+class DowngradeRefused(KeelError):
+    """A migration cannot be reverted on this database without losing or misreading what it holds."""
 
 
 def script_location() -> Path:
@@ -45,12 +50,14 @@ def script_location() -> Path:
     )
 
 
-def alembic_config(url: str) -> Config:
-    """An Alembic config for Keel's migrations, aimed at ``url``."""
+def alembic_config(url: str, audit_keys: AuditKeys | None = None) -> Config:
+    """An Alembic config for Keel's migrations, aimed at ``url``; ``audit_keys``: the key ring a migration that
+    needs one uses (0013 seals the chains it finds), else the one the settings give."""
     config = Config()
     config.set_main_option("script_location", str(script_location()))
     config.set_main_option("path_separator", "os")
     config.attributes["url"] = url
+    config.attributes["audit_keys"] = audit_keys
     # Not set on the file's own logging: keep the caller's logging as it is.
     config.attributes["configure_logger"] = False
     return config
@@ -72,9 +79,9 @@ def head() -> str:
     return found
 
 
-def _run(action: str, url: str, revision: str) -> None:
+def _run(action: str, url: str, revision: str, audit_keys: AuditKeys | None = None) -> None:
     try:
-        getattr(command, action)(alembic_config(url), revision)
+        getattr(command, action)(alembic_config(url, audit_keys), revision)
     except CommandError as exc:  # Alembic resolves both revisions before it changes anything
         at = revision_at(url)
         if at is not None and not set(at.split(", ")) <= set(revisions()):
@@ -86,8 +93,10 @@ def _run(action: str, url: str, revision: str) -> None:
         raise UnknownRevision(f"cannot {action} to {revision!r}: {reason} (known revisions: {known})") from None
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    _run("upgrade", url, revision)
+def upgrade(url: str, revision: str = "head", *, audit_keys: AuditKeys | None = None) -> None:
+    """Migrate up to ``revision``. ``audit_keys``: the journal's key ring (0013 seals the chains it finds with it);
+    None: the one the ``KEEL_*`` settings give."""
+    _run("upgrade", url, revision, audit_keys)
 
 
 def downgrade(url: str, revision: str) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote, unquote_plus, urlsplit
 
+from models.audit_keys import audit_key_secrets
 from models.settings import Settings
 
 MASK = "***"
@@ -77,7 +78,8 @@ OTLP_HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACE
 
 
 def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The secrets in ``settings``: its tokens and API key, the passwords of its database and broker URLs, and the
+    """The secrets in ``settings``: its tokens and API key, the journal's audit keys (the configured ring's, or the
+    development key under ``KEEL_HOME``), the passwords of its database and broker URLs, and the
     OTLP collector's credentials — the password and query values of ``KEEL_OTLP_ENDPOINT`` and of the standard
     endpoint variables, and the header values of ``OTEL_EXPORTER_OTLP_HEADERS`` /
     ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and percent-decoded."""
@@ -86,6 +88,7 @@ def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> l
         for value in (settings.slack_token, settings.github_token, settings.llm_api_key, settings.api_metrics_token)
         if value is not None
     ]
+    found.extend(audit_key_secrets(settings))
     for url in (settings.database_url, settings.broker_url):
         password = _url_password(url)
         if password:

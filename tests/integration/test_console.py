@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
+import psycopg
 import pytest
 
+from agents.client import Client
 from agents.ingress.tokens import revoke_token
+from models.urls import libpq_url
 from tests.support.api import Api, journal_count, waiting_agent
+from tests.support.audit import as_superuser
 from tests.support.console import Browsers, csrf_of
 
 
@@ -115,6 +120,32 @@ def test_an_auditor_sees_no_buttons_and_forged_posts_change_nothing(api: Api, br
     )
     assert wrong_csrf.status_code == 403
     assert journal_count(api.db) == before
+
+
+def test_the_agent_page_says_whether_its_keyed_chain_holds(api: Api, browsers: Browsers, db_url: str) -> None:
+    client = Client(api.db)
+    intact = client.create_agent("intact")
+    edited = client.create_agent("edited")
+    foreign = client.create_agent("foreign")
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as raw:
+        as_superuser(
+            raw,
+            ("UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s", (edited.id,)),
+            ("UPDATE audit.journal SET key_id = 'mallory-1' WHERE agent_id = %s", (foreign.id,)),
+        )
+    auditor = browsers.signed_in(api.token("auditor"))
+
+    def status(agent_id: Any) -> str:
+        page = auditor.get(f"/agents/{agent_id}")
+        found = re.search(r'id="chain-status">([^<]*)</p>', page.text)
+        assert page.status_code == 200 and found, page.text
+        return found.group(1)
+
+    assert status(intact.id) == "Chain verified: 1 events, intact from genesis to head."
+    assert status(edited.id).startswith("Chain broken at event 1: the event&#39;s content does not match its HMAC")
+    assert status(foreign.id) == (
+        "Chain not checked: 1 events from event 1 on are linked with audit key mallory-1, which this API does not hold."
+    )
 
 
 def test_the_outbox_and_kpi_pages_render_for_an_operator(api: Api, browsers: Browsers) -> None:

@@ -300,7 +300,7 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState) -> dict[str, A
     return {
         "events": list(reversed(events)),
         "journal_head": head,
-        "chain_break": verify_chain(keel.db, state.id),
+        "chain": verify_chain(keel.db, state.id),
         "request_id": request_id,
         "jobs": jobs,
         "messages": messages,
