@@ -46,6 +46,7 @@ from agents.cli.progress import Progress
 from agents.client import Client
 from agents.ingress.tokens import create_token
 from models import migrations
+from models.audit_keys import audit_keys_for
 from models.db import Database
 from models.embedded import broker_url_for, database_url_for
 from models.settings import Settings
@@ -168,7 +169,7 @@ class Bench:
         migrations.upgrade(self.db_url)
         own = Settings(database_url=self.db_url, broker_url=self.broker_url, broker_prefix=self.prefix)
         self.celery = make_app(own)
-        self.db = Database(self.db_url, pool_size=args.threads + 2)
+        self.db = Database(self.db_url, pool_size=args.threads + 2, audit_keys=audit_keys_for(Settings()))
         self.client = Client(self.db, own, publisher=publisher(self.celery))
         _, self.secret = create_token(self.db, "bench-producer", ["producer"], actor="bench")
         self.agent_seq = 0

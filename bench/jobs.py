@@ -35,6 +35,7 @@ from agents.cli.progress import Progress
 from agents.cli.progress import Step as ProgressStep
 from agents.client import Client
 from models import migrations
+from models.audit_keys import audit_keys_for
 from models.db import Database
 from models.embedded import broker_url_for, database_url_for
 from models.settings import Settings
@@ -113,7 +114,7 @@ class Bench:
             "KEEL_IMPORTS": json.dumps(["bench.handlers"]),
         }
         self.bare_env = {**base, "BENCH_BROKER_URL": self.broker_url, "BENCH_BROKER_PREFIX": self.prefix}
-        self.db = Database(self.db_url, pool_size=4)
+        self.db = Database(self.db_url, pool_size=4, audit_keys=audit_keys_for(Settings()))
         self.poll = psycopg.connect(libpq_url(self.db_url), autocommit=True)
         self.client = Client(self.db)
         self.agent_seq = 0

@@ -26,6 +26,7 @@ from agents.jobs.handlers import registry
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
 from models import migrations
+from models.audit_keys import audit_keys_for
 from models.db import Database
 from models.embedded import database_url_for
 from models.settings import Settings
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     assert isinstance(fake, FakeSlack)
     try:
         migrations.upgrade(url)
-        db = Database(url, pool_size=12)
+        db = Database(url, pool_size=12, audit_keys=audit_keys_for(Settings()))
         client = Client(db)
         raw_rate(fake, 100)  # warm-up
         raws, relays, wide = [], [], []

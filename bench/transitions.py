@@ -41,6 +41,7 @@ from agents.core.phases import Event, Phase
 from agents.core.transition import create_agent, transition
 from agents.observability.metrics import MetricsObserver
 from models import migrations
+from models.audit_keys import audit_keys_for
 from models.db import Database
 from models.embedded import database_url_for
 from models.kpi_sql import fold
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     url = with_database(server, name)
     try:
         migrations.upgrade(url)
-        db = Database(url, pool_size=args.threads + 2)
+        db = Database(url, pool_size=args.threads + 2, audit_keys=audit_keys_for(Settings()))
         OUT.line(f"transition benchmark on {name}: {args.duration}s runs, {args.rounds} rounds, threads={args.threads}")
         with OUT.task(f"seeding {2 * args.agents + 4} agents", total=2 * args.agents + 4) as seeding:
             keel_many, raw_many = make_agents(db, "k", args.agents, seeding), make_agents(db, "r", args.agents, seeding)

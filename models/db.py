@@ -10,13 +10,15 @@ from typing import Any
 import psycopg
 from sqlalchemy import Engine, create_engine
 
+from models.audit_keys import AuditKeys, audit_keys_for
 from models.embedded import database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, sqlalchemy_url
 
 
 class Database:
-    """A PostgreSQL database: a SQLAlchemy engine for reads and migrations, raw psycopg for the hot path."""
+    """A PostgreSQL database: a SQLAlchemy engine for reads and migrations, raw psycopg for the hot path, and the
+    journal's key ring (``audit_keys``: None, and every journal write is refused and verify checks no keyed link)."""
 
     def __init__(
         self,
@@ -25,8 +27,10 @@ class Database:
         pool_size: int = 10,
         statement_timeout_ms: int = 30_000,
         connect_timeout_seconds: int | None = None,
+        audit_keys: AuditKeys | None = None,
     ) -> None:
         self.url = sqlalchemy_url(url)
+        self.audit_keys = audit_keys
         connect_args: dict[str, Any] = {"options": f"-c statement_timeout={statement_timeout_ms}"}
         if connect_timeout_seconds is not None:
             connect_args["connect_timeout"] = connect_timeout_seconds
@@ -45,12 +49,14 @@ class Database:
     def from_settings(
         cls, settings: Settings, *, pool_size: int | None = None, connect_timeout_seconds: int | None = None
     ) -> Database:
-        """The configured database, or the embedded one when ``KEEL_DATABASE_URL`` is unset."""
+        """The configured database, or the embedded one when ``KEEL_DATABASE_URL`` is unset, with the configured
+        audit key ring (or the development key: see models/audit_keys.py)."""
         return cls(
             database_url_for(settings),
             pool_size=pool_size or settings.db_pool_size,
             statement_timeout_ms=settings.statement_timeout_ms,
             connect_timeout_seconds=connect_timeout_seconds,
+            audit_keys=audit_keys_for(settings),
         )
 
     @property

@@ -16,6 +16,7 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 
 from alembic import command
+from models.audit_keys import AuditKeys
 from models.errors import KeelError
 from models.roles import RoleNames
 
@@ -32,6 +33,10 @@ class SchemaMismatch(KeelError):
     """The database's schema is missing, or is not the one this code was written for."""
 
 
+class DowngradeRefused(KeelError):
+    """A migration cannot be reverted on this database without losing or misreading what it holds."""
+
+
 def script_location() -> Path:
     """The folder that holds ``env.py`` and ``versions/``: the installed ``keel_migrations`` package (a wheel, or the
     checkout's ``alembic/`` through an editable install), else the checkout's ``alembic/``."""
@@ -46,15 +51,17 @@ def script_location() -> Path:
     )
 
 
-def alembic_config(url: str, roles: RoleNames | None = None) -> Config:
+def alembic_config(url: str, roles: RoleNames | None = None, audit_keys: AuditKeys | None = None) -> Config:
     """An Alembic config for Keel's migrations, aimed at ``url``. With ``roles``, the migrations run as the owner
     role when it exists (and the application's and auditor's grants are brought up to date after them; see
-    models/roles.py); without, as whoever ``url`` logs in as."""
+    models/roles.py); without, as whoever ``url`` logs in as. ``audit_keys``: the key ring a migration that needs one
+    uses (0015 seals the chains it finds), else the one the settings give."""
     config = Config()
     config.set_main_option("script_location", str(script_location()))
     config.set_main_option("path_separator", "os")
     config.attributes["url"] = url
     config.attributes["roles"] = roles
+    config.attributes["audit_keys"] = audit_keys
     # Not set on the file's own logging: keep the caller's logging as it is.
     config.attributes["configure_logger"] = False
     return config
@@ -76,9 +83,9 @@ def head() -> str:
     return found
 
 
-def _run(action: str, url: str, revision: str, roles: RoleNames | None) -> None:
+def _run(action: str, url: str, revision: str, roles: RoleNames | None, audit_keys: AuditKeys | None = None) -> None:
     try:
-        getattr(command, action)(alembic_config(url, roles), revision)
+        getattr(command, action)(alembic_config(url, roles, audit_keys), revision)
     except CommandError as exc:  # Alembic resolves both revisions before it changes anything
         at = revision_at(url)
         if at is not None and not set(at.split(", ")) <= set(revisions()):
@@ -90,8 +97,12 @@ def _run(action: str, url: str, revision: str, roles: RoleNames | None) -> None:
         raise UnknownRevision(f"cannot {action} to {revision!r}: {reason} (known revisions: {known})") from None
 
 
-def upgrade(url: str, revision: str = "head", *, roles: RoleNames | None = None) -> None:
-    _run("upgrade", url, revision, roles)
+def upgrade(
+    url: str, revision: str = "head", *, roles: RoleNames | None = None, audit_keys: AuditKeys | None = None
+) -> None:
+    """Migrate up to ``revision``. ``roles``: run as the owner role (see :func:`alembic_config`). ``audit_keys``: the
+    journal's key ring (0015 seals the chains it finds with it); None: the one the ``KEEL_*`` settings give."""
+    _run("upgrade", url, revision, roles, audit_keys)
 
 
 def downgrade(url: str, revision: str, *, roles: RoleNames | None = None) -> None:

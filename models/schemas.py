@@ -198,6 +198,8 @@ class JournalEvent(BaseModel):
     at: datetime
     prev_hash: str
     hash: str
+    #: The audit key ``hash`` is an HMAC under; None: a legacy event, from before the journal was keyed.
+    key_id: str | None = None
 
 
 class RequestRecord(BaseModel):

@@ -25,6 +25,10 @@ _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
 _BROKER_PREFIX = re.compile(r"^[A-Za-z0-9_.:/-]{0,100}$")
 #: A database role name Keel creates and names in SQL: lower case, so that it reads the same quoted or not.
 _ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+#: What an audit key's id may be: it is stored on every journal event it keys, and printed by `keel audit verify`.
+AUDIT_KEY_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: The shortest secret the journal's HMAC takes: 32 bytes, SHA-256's own output size (RFC 2104 §3).
+MIN_AUDIT_SECRET_BYTES = 32
 
 #: The alerts Keel evaluates (agents/observability/alerts.py holds their rules; a unit test keeps the two equal).
 ALERT_NAMES = (
@@ -235,6 +239,13 @@ class Settings(BaseSettings):
     console_signin_global_per_minute: float = Field(default=60.0, gt=0, le=1_000_000, allow_inf_nan=False)
     #: Rows per page of the console's lists: the agents, the outbox's unsent messages, an agent's journal.
     console_page_size: int = Field(default=100, ge=1, le=1000)
+
+    # The journal's key ring (models/audit_keys.py): key id -> secret (at least 32 bytes), as JSON, e.g.
+    # {"2025-06": "…"}; every journal event is linked to the previous one with an HMAC under one of them, and stores
+    # its id. KEEL_AUDIT_KEY_ID names the key new events use (optional when the ring holds one key); the others stay
+    # in the ring to check older events. Unset outside production: a key generated once under KEEL_HOME.
+    audit_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    audit_key_id: str | None = None
     metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     beat_metrics_port: int = Field(default=0, ge=0, le=65535)
@@ -320,6 +331,7 @@ class Settings(BaseSettings):
         "migration_database_url",
         "db_app_password",
         "db_auditor_password",
+        "audit_key_id",
         mode="before",
     )
     @classmethod
@@ -368,6 +380,55 @@ class Settings(BaseSettings):
         if value is not None and len(value.get_secret_value()) < 32:
             raise ValueError("must be at least 32 characters (it signs the console's session cookies)")
         return value
+
+    @field_validator("audit_keys")
+    @classmethod
+    def _audit_keys_are_named_and_long_enough(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        # Ids are not secret (every event stores one); secrets are never echoed, not even their length's digits.
+        for key_id, secret in value.items():
+            if not AUDIT_KEY_ID.fullmatch(key_id):
+                raise ValueError(
+                    f"key id {key_id[:70]!r}: use 1 to 64 letters, digits and . _ - (e.g. 2025-06); it is stored on"
+                    " every event the key links"
+                )
+            if len(secret.get_secret_value().encode()) < MIN_AUDIT_SECRET_BYTES:
+                raise ValueError(
+                    f"key {key_id!r}: its secret must be at least {MIN_AUDIT_SECRET_BYTES} bytes, e.g. the output of"
+                    ' python3 -c "import secrets; print(secrets.token_urlsafe(48))"'
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _audit_key_id_is_in_the_ring(self) -> Settings:
+        ring = sorted(self.audit_keys)
+        if self.audit_key_id is not None and not self.audit_keys:
+            raise ValueError(
+                "KEEL_AUDIT_KEY_ID: set, but KEEL_AUDIT_KEYS is empty: give the key ring as JSON, key id -> secret"
+            )
+        if self.audit_key_id is not None and self.audit_key_id not in self.audit_keys:
+            raise ValueError(
+                f"KEEL_AUDIT_KEY_ID: {self.audit_key_id[:70]!r} is not a key of KEEL_AUDIT_KEYS"
+                f" (its keys: {', '.join(ring)})"
+            )
+        if self.audit_key_id is None and len(ring) > 1:
+            raise ValueError(
+                f"KEEL_AUDIT_KEY_ID: required when KEEL_AUDIT_KEYS holds several keys ({', '.join(ring)}): name the one"
+                " new journal events are linked with"
+            )
+        if self.environment == "production" and not self.audit_keys:
+            raise ValueError(
+                "KEEL_AUDIT_KEYS: production needs the journal's key ring (key id -> secret of at least"
+                f" {MIN_AUDIT_SECRET_BYTES} bytes, as JSON), kept outside the database: without it anyone who can"
+                " write the database could rewrite the journal undetected"
+            )
+        return self
+
+    @property
+    def current_audit_key_id(self) -> str | None:
+        """The id of the key new journal events are linked with: KEEL_AUDIT_KEY_ID, or the ring's only key."""
+        if self.audit_key_id is not None:
+            return self.audit_key_id
+        return next(iter(self.audit_keys), None)
 
     @field_validator(
         "notify_slack_channel", "alert_slack_channel", "approval_slack_channel", "approval_escalation_slack_channel"

@@ -34,7 +34,7 @@ _LOCK_AGENT = (
 
 _EVENT_COLUMNS = (
     "agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details, at,"
-    " prev_hash, hash"
+    " prev_hash, hash, key_id"
 )
 #: The channel every appended journal event is announced on, with the payload ``"<agent id>:<seq>"``. A notification
 #: is only a wake-up (listeners read the events from the journal), and PostgreSQL delivers it when the transaction
@@ -43,7 +43,7 @@ JOURNAL_CHANNEL = "keel_journal"
 # Every journal append goes through this one INSERT, and its RETURNING sends the announcement: same statement, same
 # transaction, no extra round trip.
 _EVENT_CTE = (
-    f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 14)})"
+    f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)})"
     f" RETURNING pg_notify('{JOURNAL_CHANNEL}', agent_id::text || ':' || seq::text)) "
 )
 
@@ -70,7 +70,8 @@ _SET_ARCHIVED = (
 
 @dataclass(frozen=True, slots=True)
 class NewEvent:
-    """A journal event ready to insert (its hash already computed over these very values)."""
+    """A journal event ready to insert (its hash already computed over these very values, an HMAC under the audit
+    key ``key_id``)."""
 
     agent_id: UUID
     seq: int
@@ -86,11 +87,13 @@ class NewEvent:
     at: datetime
     prev_hash: str
     hash: str
+    key_id: str
 
     def params(self) -> tuple[Any, ...]:
         return (
             self.agent_id, self.seq, self.kind, self.event, self.actor, self.request_id, self.from_phase,
             self.to_phase, self.revision, self.decision, self.details_json, self.at, self.prev_hash, self.hash,
+            self.key_id,
         )  # fmt: skip
 
 

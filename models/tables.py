@@ -154,7 +154,10 @@ journal = Table(
     Column("details", JSON, nullable=False),
     Column("at", DateTime(timezone=True), nullable=False),
     Column("prev_hash", Text, nullable=False),
+    # An HMAC-SHA256 (agents/core/journal.py) under the audit key ``key_id``; a legacy event, written before the
+    # journal was keyed (migration 0015), has no key id and a plain sha256 here.
     Column("hash", Text, nullable=False),
+    Column("key_id", Text),
     UniqueConstraint("agent_id", "seq"),
     CheckConstraint(_in("kind", JOURNAL_KINDS), name="kind"),
     CheckConstraint("seq >= 1", name="seq_positive"),
@@ -178,6 +181,20 @@ deleted_agents = Table(
     Column("request_id", Text),
     Column("journal_seq", BigInteger, nullable=False),
     Column("journal_head", Text, nullable=False),
+    schema=AUDIT_SCHEMA,
+)
+
+#: The chains that had events when the journal was keyed (migration 0015): each one's length and head then, sealed
+#: with an HMAC under the audit key ``key_id``. Those events, and no others, may be unkeyed (legacy). Written once, by
+#: that migration; triggers refuse any change after it.
+legacy_chains = Table(
+    "legacy_chains",
+    metadata,
+    Column("agent_id", UUID(as_uuid=True), primary_key=True),
+    Column("seq", BigInteger, nullable=False),
+    Column("head", Text, nullable=False),
+    Column("key_id", Text, nullable=False),
+    Column("seal", Text, nullable=False),
     schema=AUDIT_SCHEMA,
 )
 

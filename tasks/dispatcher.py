@@ -33,6 +33,7 @@ from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler
 
 from agents.core.outage import Outage, is_outage
+from agents.core.redaction import register_settings
 from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
 from agents.runtime import approvals
@@ -143,6 +144,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.settings = Settings()
         self.db = Database.from_settings(self.settings)
+        register_settings(self.settings)  # again: opening the database may have generated the development audit key
         self.leadership = Leadership(self.db.libpq_url)
         self.duties = LeaderDuties(self.db, self.settings)
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)

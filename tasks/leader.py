@@ -101,4 +101,9 @@ class LeaderDuties:
         if result.ok:
             log.info("audit verify: %d events in %d chains verified", result.events, result.agents)
         else:
-            log.error("audit verify: %d broken chains (keel audit verify names them)", len(result.breaks))
+            log.error(
+                "audit verify: %d broken chains, %d events not checked (their key is not in KEEL_AUDIT_KEYS);"
+                " keel audit verify names them",
+                len(result.breaks),
+                sum(u.events for u in result.unchecked),
+            )

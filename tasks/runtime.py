@@ -11,6 +11,7 @@ from functools import cache
 
 from agents.core.outage import Outage
 from agents.core.policies import rules_with
+from agents.core.redaction import register_settings
 from agents.jobs.handlers import Registry, load
 from agents.jobs.runner import Runner
 from agents.runtime.tools import load_entry_points
@@ -35,6 +36,7 @@ def _runtime(pid: int) -> Runtime:
     # Keyed by pid: a forked pool child must not share its parent's connections.
     settings = Settings()
     db = Database.from_settings(settings)
+    register_settings(settings)  # again: opening the database may have generated the development audit key
     # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
     registry: Registry = load(["agents.runtime.loop", *settings.imports])
     load_entry_points()

@@ -23,6 +23,11 @@ from sqlalchemy.engine import make_url
 for _name in [n for n in os.environ if n.startswith("KEEL_") and not n.startswith("KEEL_TEST_")]:
     del os.environ[_name]
 
+from tests.support.audit import TEST_ENV, TEST_KEYS  # noqa: E402
+
+# ... except the journal's audit key, which the tests set explicitly: every process they start links with it.
+os.environ.update(TEST_ENV)
+
 from agents.client import Client  # noqa: E402
 from models import migrations, roles  # noqa: E402
 from models.db import Database  # noqa: E402
@@ -137,7 +142,7 @@ def empty_db_url(pg_server_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def db(db_url: str) -> Iterator[Database]:
-    database = Database(db_url, pool_size=12)
+    database = Database(db_url, pool_size=12, audit_keys=TEST_KEYS)
     yield database
     database.dispose()
 

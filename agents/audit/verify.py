@@ -11,8 +11,9 @@ from models.db import Database
 
 
 def verify_and_record(db: Database, source: Literal["cli", "beat"]) -> VerifyReport:
-    """Walk every chain (:func:`agents.core.journal.verify`, a full pass) and record whether it held, and where not
-    (agent ids and event numbers, never event contents)."""
+    """Walk every chain (:func:`agents.core.journal.verify`, a full pass, with ``db``'s audit keys) and record whether
+    it held, and where not (agent ids, event numbers and key ids, never event contents). Events whose key the ring
+    lacks make it fail too: they were not checked."""
     report = journal.verify(db)
     record_verification(
         db,
@@ -21,6 +22,14 @@ def verify_and_record(db: Database, source: Literal["cli", "beat"]) -> VerifyRep
         agents=report.agents,
         events=report.events,
         breaks=len(report.breaks),
-        details={"breaks": [{"agent_id": str(b.agent_id), "seq": b.seq} for b in report.breaks[:20]]},
+        details={
+            "breaks": [{"agent_id": str(b.agent_id), "seq": b.seq} for b in report.breaks[:20]],
+            "unchecked_events": sum(u.events for u in report.unchecked),
+            "unchecked": [
+                {"agent_id": str(u.agent_id), "key_id": u.key_id, "seq": u.seq, "events": u.events}
+                for u in report.unchecked[:20]
+            ],
+            "legacy_events": sum(p.events for p in report.legacy),
+        },
     )
     return report

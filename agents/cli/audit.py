@@ -72,13 +72,19 @@ def audit() -> None:
     """Check the journal's integrity; export a request's events for an auditor."""
 
 
+#: Chains listed per kind of finding in the text output (--json lists every one).
+SHOWN = 20
+
+
 @audit.command("verify")
 @json_option
 @friendly
 def audit_verify(as_json: bool) -> None:
-    """Walk every agent's hash chain; exit 1 at the first broken link of any chain. The outcome is recorded: the
-    audit_verify alert fires while the latest verify (this command's or the beat's periodic one) failed. The auditor
-    role reads only: run by it, the outcome is printed and not recorded."""
+    """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link of any
+    chain, or when events linked with a key the ring lacks could not be checked. Says how many events of each chain
+    are legacy (from before the journal was keyed). The outcome is recorded: the audit_verify alert fires while the
+    latest verify (this command's or the beat's periodic one) failed. The auditor role reads only: run by it, the
+    outcome is printed and not recorded."""
     from agents.audit.verify import verify_and_record
     from agents.core.journal import verify
     from models.alerts_sql import may_record_verification
@@ -86,7 +92,13 @@ def audit_verify(as_json: bool) -> None:
     with open_client(writes=False) as client:
         recorded = may_record_verification(client.db)
         report = verify_and_record(client.db, "cli") if recorded else verify(client.db)
-        names = client.agent_names(b.agent_id for b in report.breaks)
+        names = client.agent_names(
+            {
+                *(b.agent_id for b in report.breaks),
+                *(u.agent_id for u in report.unchecked),
+                *(p.agent_id for p in report.legacy),
+            }
+        )
     if not recorded:
         click.echo("(not recorded: this database role may only read; the beat records its own runs)", err=True)
     if as_json:
@@ -106,17 +118,62 @@ def audit_verify(as_json: bool) -> None:
                         }
                         for b in report.breaks
                     ],
+                    "unchecked": [
+                        {
+                            "agent_id": str(u.agent_id),
+                            "agent": names.get(u.agent_id),
+                            "key_id": u.key_id,
+                            "seq": u.seq,
+                            "events": u.events,
+                        }
+                        for u in report.unchecked
+                    ],
+                    "legacy": [
+                        {"agent_id": str(p.agent_id), "agent": names.get(p.agent_id), "events": p.events}
+                        for p in report.legacy
+                    ],
+                    "key_ids": list(report.key_ids),
                 }
             )
         )
-    elif report.ok:
+        if not report.ok:
+            sys.exit(1)
+        return
+
+    def agent(agent_id: Any) -> str:
+        return f"{quoted(names[agent_id])} ({agent_id})" if agent_id in names else str(agent_id)
+
+    if report.legacy:
+        events = sum(p.events for p in report.legacy)
+        click.echo(
+            f"legacy: {events} events in {len(report.legacy)} chains were written before the journal was keyed"
+            " (plain sha256; sealed with the key at the upgrade, so protected from then on, not before):"
+        )
+        for part in report.legacy[:SHOWN]:
+            click.echo(f"  agent {agent(part.agent_id)}: events 1-{part.events}")
+        if len(report.legacy) > SHOWN:
+            click.echo(f"  … and {len(report.legacy) - SHOWN} more chains (--json lists them all)")
+    for b in report.breaks:
+        where = f"journal id {b.journal_id}" if b.journal_id is not None else "chain head"
+        click.echo(f"BROKEN agent {agent(b.agent_id)} at event {b.seq} ({where}): {b.reason}", err=True)
+    by_key: dict[str, list[Any]] = {}
+    for u in report.unchecked:
+        by_key.setdefault(u.key_id, []).append(u)
+    held = f"it holds {', '.join(repr(k) for k in report.key_ids)}" if report.key_ids else "no audit key is configured"
+    for key_id, chains in by_key.items():
+        events = sum(u.events for u in chains)
+        click.echo(
+            f"NOT CHECKED: {events} events in {len(chains)} chains are linked with key {key_id!r}, which"
+            f" KEEL_AUDIT_KEYS does not hold ({held}): their links could not be checked",
+            err=True,
+        )
+        for u in chains[:SHOWN]:
+            click.echo(f"  agent {agent(u.agent_id)}: {u.events} events, the first at event {u.seq}", err=True)
+        if len(chains) > SHOWN:
+            click.echo(f"  … and {len(chains) - SHOWN} more chains (--json lists them all)", err=True)
+    if report.ok:
         click.echo(f"ok: {report.events} events in {report.agents} agent chains verified")
     else:
-        for b in report.breaks:
-            where = f"journal id {b.journal_id}" if b.journal_id is not None else "chain head"
-            agent = f"{quoted(names[b.agent_id])} ({b.agent_id})" if b.agent_id in names else str(b.agent_id)
-            click.echo(f"BROKEN agent {agent} at event {b.seq} ({where}): {b.reason}", err=True)
-    if not report.ok:
         sys.exit(1)
 
 

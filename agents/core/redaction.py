@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import unquote, unquote_plus, urlsplit
 
+from models.audit_keys import audit_key_secrets
 from models.settings import Settings
 
 MASK = "***"
@@ -77,11 +78,11 @@ OTLP_HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACE
 
 
 def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The secrets in ``settings``: its tokens and API key, the database roles' passwords, the passwords of its
-    database, migration and broker URLs, and the OTLP collector's credentials — the password and query values of
-    ``KEEL_OTLP_ENDPOINT`` and of the standard endpoint variables, and the header values of
-    ``OTEL_EXPORTER_OTLP_HEADERS`` / ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and
-    percent-decoded."""
+    """The secrets in ``settings``: its tokens and API key, the journal's audit keys (the configured ring's, or the
+    development key under ``KEEL_HOME``), the database roles' passwords, the passwords of its database, migration and
+    broker URLs, and the OTLP collector's credentials — the password and query values of ``KEEL_OTLP_ENDPOINT`` and of
+    the standard endpoint variables, and the header values of ``OTEL_EXPORTER_OTLP_HEADERS`` /
+    ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and percent-decoded."""
     found = [
         value.get_secret_value()
         for value in (
@@ -94,6 +95,7 @@ def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> l
         )
         if value is not None
     ]
+    found.extend(audit_key_secrets(settings))
     for url in (settings.database_url, settings.migration_database_url, settings.broker_url):
         password = _url_password(url)
         if password:

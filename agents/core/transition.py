@@ -51,6 +51,7 @@ from agents.core.observe import current, current_traceparent, link, observe
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
 from agents.core.redaction import redact
+from models.audit_keys import AuditKeys
 from models.clock import rfc3339
 from models.db import Database
 from models.jobs_sql import (
@@ -124,6 +125,7 @@ def _message(exc: BaseException | None) -> str:
 
 def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str) -> AgentRow:
     """Insert a new idle agent at revision 0 and start its journal chain with a ``created`` event."""
+    keys = journal.signing_keys(db)
     with store_errors(), db.transaction() as cur:
         row = insert_agent_txn(cur, name=name, budget_tokens=budget_tokens, budget_cost=budget_cost)
         if row is None:
@@ -134,7 +136,15 @@ def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_c
             "budget_cost": None if budget_cost is None else str(budget_cost),
         }
         link = journal.append_side_event_txn(
-            cur, row, kind="created", event="create", actor=actor, decision="accepted", details=details, at=at
+            cur,
+            row,
+            keys=keys,
+            kind="created",
+            event="create",
+            actor=actor,
+            decision="accepted",
+            details=details,
+            at=at,
         )
     return replace(row, journal_seq=link.seq, journal_head=link.hash)
 
@@ -145,6 +155,7 @@ def set_archived(db: Database, agent_id: UUID, *, archived: bool, actor: str) ->
     ``unarchive``); archiving an agent with a request in flight is refused with :class:`AgentBusy` and journaled
     as ``rejected``. Archiving an archived agent (or unarchiving one in use) changes nothing and journals nothing."""
     event = "archive" if archived else "unarchive"
+    keys = journal.signing_keys(db)
     with store_errors(), db.transaction() as cur:
         locked = lock_agent_txn(cur, agent_id)
         if locked is None:
@@ -155,7 +166,7 @@ def set_archived(db: Database, agent_id: UUID, *, archived: bool, actor: str) ->
         if archived and Phase(row.phase) not in RESTING:
             busy = AgentBusy(agent_id=row.id, name=row.name, phase=row.phase)
             journal.append_side_event_txn(
-                cur, row, kind="rejected", event=event, actor=actor, decision="agent_busy",
+                cur, row, keys=keys, kind="rejected", event=event, actor=actor, decision="agent_busy",
                 details={"error": str(busy)}, at=at,
             )  # fmt: skip
             refused: AgentBusy | None = busy
@@ -163,6 +174,7 @@ def set_archived(db: Database, agent_id: UUID, *, archived: bool, actor: str) ->
             refused = None
             appended = journal.new_event(
                 row,
+                keys=keys,
                 kind="operator",
                 event=event,
                 actor=actor,
@@ -193,6 +205,7 @@ def delete_agent(
 
     A stale ``expected_revision`` (:class:`StaleRevision`), an agent that is not archived or not at rest
     (:class:`AgentInUse`) is refused, journaled as ``rejected``, and nothing else changes."""
+    keys = journal.signing_keys(db)
     with store_errors(), db.transaction() as cur:
         locked = lock_agent_txn(cur, agent_id)
         if locked is None:
@@ -214,7 +227,15 @@ def delete_agent(
             if expected_revision is not None:
                 details["expected_revision"] = expected_revision
             journal.append_side_event_txn(
-                cur, row, kind="rejected", event="delete", actor=actor, decision=decision, details=details, at=at
+                cur,
+                row,
+                keys=keys,
+                kind="rejected",
+                event="delete",
+                actor=actor,
+                decision=decision,
+                details=details,
+                at=at,
             )
         else:
             schedules = agent_schedules_txn(cur, row.id)
@@ -222,7 +243,15 @@ def delete_agent(
             if schedules:
                 details["schedules_removed"] = schedules
             link = journal.append_side_event_txn(
-                cur, row, kind="operator", event="delete", actor=actor, decision="deleted", details=details, at=at
+                cur,
+                row,
+                keys=keys,
+                kind="operator",
+                event="delete",
+                actor=actor,
+                decision="deleted",
+                details=details,
+                at=at,
             )
             tombstone = DeletedAgent(
                 id=row.id,
@@ -285,6 +314,7 @@ def _transition(
     effects: EffectsTxn | None,
     publish_due: bool,
 ) -> Transitioned:
+    keys = journal.signing_keys(db)
     with store_errors():
         with db.transaction() as cur:
             locked = lock_agent_txn(cur, command.agent_id)
@@ -327,6 +357,7 @@ def _transition(
                 link = journal.append_side_event_txn(
                     cur,
                     row,
+                    keys=keys,
                     kind="suppressed",
                     event=command.event.value,
                     actor=command.actor,
@@ -338,7 +369,16 @@ def _transition(
                 return Transitioned(replace(row, journal_seq=link.seq, journal_head=link.hash), link.seq, True)
             if isinstance(decision, Accept):
                 after, to_publish = _apply_txn(
-                    cur, row, decision.after, command, at, effects, publish_due, live_jobs, locked.request_traceparent
+                    cur,
+                    keys,
+                    row,
+                    decision.after,
+                    command,
+                    at,
+                    effects,
+                    publish_due,
+                    live_jobs,
+                    locked.request_traceparent,
                 )
                 return Transitioned(after, after.journal_seq, to_publish=to_publish)
             if command.outcome is not None and not holds(cur, command.outcome.key, command.outcome.fencing_token):
@@ -348,7 +388,7 @@ def _transition(
             cur.connection.rollback()
         assert isinstance(decision, Reject)
         try:
-            _journal_rejection(db, command, decision, row)
+            _journal_rejection(db, keys, command, decision, row)
         except StoreError as exc:  # the caller still learns why its command was refused
             raise decision.error from exc
     raise decision.error
@@ -356,6 +396,7 @@ def _transition(
 
 def _apply_txn(
     cur: psycopg.Cursor[Any],
+    keys: AuditKeys,
     before: AgentRow,
     after: AgentRow,
     command: Command,
@@ -417,6 +458,7 @@ def _apply_txn(
             details["jobs_demoted"] = demoted
     event = journal.new_event(
         before,
+        keys=keys,
         kind="transition",
         event=command.event.value,
         actor=command.actor,
@@ -548,6 +590,7 @@ def record_side_event(
 ) -> None:
     """Journal something that happened to an agent without changing its state (a suppressed duplicate delivery,
     a fenced-off outcome), in a transaction of its own, with optional effects on other tables."""
+    keys = journal.signing_keys(db)
     with store_errors(), db.transaction() as cur:
         locked = lock_agent_txn(cur, agent_id)
         if locked is None:
@@ -555,11 +598,19 @@ def record_side_event(
         if effects is not None:
             effects(cur)
         journal.append_side_event_txn(
-            cur, locked.row, kind=kind, event=event, actor=actor, decision=decision, details=details, at=locked.at
+            cur,
+            locked.row,
+            keys=keys,
+            kind=kind,
+            event=event,
+            actor=actor,
+            decision=decision,
+            details=details,
+            at=locked.at,
         )
 
 
-def _journal_rejection(db: Database, command: Command, decision: Reject, judged: AgentRow) -> None:
+def _journal_rejection(db: Database, keys: AuditKeys, command: Command, decision: Reject, judged: AgentRow) -> None:
     """Record a rejected command in its own transaction, leaving the agent's state as it is. Other writers may
     have moved the agent in between: the event records the state the command was judged against too."""
     details: dict[str, Any] = {
@@ -585,6 +636,7 @@ def _journal_rejection(db: Database, command: Command, decision: Reject, judged:
         journal.append_side_event_txn(
             cur,
             locked.row,
+            keys=keys,
             kind="rejected",
             event=command.event.value,
             actor=command.actor,

@@ -316,6 +316,9 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
             "KEEL_RETRY_POLICY": json.dumps({"transient": {"base_seconds": 0.3, "max_seconds": 2}}),
         }
     )
+    if settings.audit_keys:  # the journal's key ring, as given; without one the processes share the home's key
+        env["KEEL_AUDIT_KEYS"] = json.dumps({k: v.get_secret_value() for k, v in settings.audit_keys.items()})
+        env["KEEL_AUDIT_KEY_ID"] = settings.current_audit_key_id or ""
     stack = shutdown.stack = Stack(env, logs)
     shutdown.tidy = lambda: _forget_broker_keys(broker, prefix)
     client = Client(db, settings)

@@ -57,6 +57,7 @@ class Measures:
     beat_leader_gap_seconds: float | None = None  # the longest time without a leader before a term begun in the window
     audit_verify_breaks: int | None = None  # of the latest `keel audit verify`; None: never run
     audit_verify_ok: bool | None = None
+    audit_verify_unchecked: int = 0  # events the latest verify could not check (their key not in its ring)
 
 
 def _default(name: str) -> Any:
@@ -154,6 +155,15 @@ def audit_verify(m: Measures, t: Thresholds) -> Verdict:
     breaks = float(m.audit_verify_breaks or 0)
     if m.audit_verify_ok:
         return Verdict("audit_verify", False, breaks, 0, "the latest keel audit verify passed")
+    if not breaks:
+        return Verdict(
+            "audit_verify",
+            True,
+            breaks,
+            0,
+            f"the latest keel audit verify could not check {m.audit_verify_unchecked} events: their audit key is not"
+            " in its KEEL_AUDIT_KEYS",
+        )
     return Verdict("audit_verify", True, breaks, 0, f"the latest keel audit verify found {breaks:g} broken chains")
 
 
@@ -333,6 +343,7 @@ def measure(db: Database, window: timedelta) -> Measures:
         beat_leader_gap_seconds=alerts_sql.longest_leader_gap(db, window),
         audit_verify_breaks=None if verified is None else verified.breaks,
         audit_verify_ok=None if verified is None else verified.ok,
+        audit_verify_unchecked=0 if verified is None else int(verified.details.get("unchecked_events") or 0),
     )
 
 

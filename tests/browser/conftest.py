@@ -24,6 +24,7 @@ import pytest
 from agents.demo.fake_servers import FakeGitHub
 from models.db import Database
 from tests.support.api import Api, running_api
+from tests.support.audit import clean_env
 from tests.support.broker import Broker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +122,7 @@ def stack(
         "KEEL_GITHUB_API_URL": github.url,
         "KEEL_IMPORTS": json.dumps(["tests.support.handlers", "tests.support.approval_tools"]),
     }
-    child = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    child = clean_env()
     child.update({"KEEL_DATABASE_URL": db_url, **broker.env, "PYTHONPATH": str(ROOT), **env})
     procs = [
         _start("worker", ["worker", "-c", "1", "-n", "browser@%h", "-l", "info"], child, tmp_path),

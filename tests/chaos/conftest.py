@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import psycopg
 import pytest
 
 from models.urls import libpq_url
+from tests.support.audit import clean_env
 from tests.support.broker import Broker
 from tests.support.handlers import EXECUTIONS_DDL
 from tests.support.logs import log_lines
@@ -73,7 +73,7 @@ class Stack:
         self.broker = broker
         self.logs = logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+        self.env = clean_env()
         self.env.update(FAST)
         self.env.update(
             {

@@ -18,6 +18,7 @@ from agents.demo.fake_servers import FakeLLM
 from models.db import Database
 from tests.chaos.conftest import Stack, wait_until
 from tests.support.api import Api, running_api
+from tests.support.audit import TEST_SECRET
 from tests.support.broker import Broker
 from tests.support.fakes import FakeGitHub, FakeSlack
 from tests.support.logs import log_lines
@@ -111,7 +112,13 @@ def run_one_request(
     stack.stop_all()
     texts = {name: stack.log(name) for name in ("worker", "relay", "beat")}
     texts["api"] = api.log()
-    secrets = {"Slack token": SLACK_TOKEN, "GitHub token": GITHUB_TOKEN, "LLM key": LLM_KEY, "API token": token}
+    secrets = {
+        "Slack token": SLACK_TOKEN,
+        "GitHub token": GITHUB_TOKEN,
+        "LLM key": LLM_KEY,
+        "API token": token,
+        "audit key": TEST_SECRET,
+    }
     if db_password:
         secrets["database password"] = db_password
     return Run(agent_id, {name: log_lines(text) for name, text in texts.items()}, texts, secrets)

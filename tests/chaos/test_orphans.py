@@ -4,7 +4,6 @@ beat and API, then exits)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import psutil
 import pytest
 
 from tests.chaos.conftest import free_port, wait_until
+from tests.support.audit import clean_env
 from tests.support.broker import Broker
 
 pytestmark = pytest.mark.chaos
@@ -21,7 +21,7 @@ KEEL = str(Path(sys.executable).parent / "keel")
 
 
 def _start(db_url: str, broker: Broker, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env.update({"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_HOME": str(log.parent / ".keel")})
     with open(log, "wb") as out:
         return subprocess.Popen([KEEL, *args], env=env, stdout=out, stderr=out, cwd=log.parent)

@@ -15,6 +15,7 @@ from models.db import Database
 from tests.chaos.conftest import Stack, wait_until
 from tests.integration.test_roles import keel
 from tests.support.api import running_api
+from tests.support.audit import TEST_ENV, TEST_KEYS
 from tests.support.broker import Broker
 from tests.support.fakes import FakeSlack
 from tests.support.roles import RoledDatabase
@@ -45,9 +46,10 @@ def test_the_whole_stack_runs_as_the_application_role(roles_db: RoledDatabase, b
         "KEEL_KPI_FOLD_SECONDS": "0.5",
         "KEEL_ALERT_INTERVAL_SECONDS": "1",
         "KEEL_AUDIT_VERIFY_INTERVAL_SECONDS": "1",
+        **TEST_ENV,
     }
     stack.env.update(production)
-    db = Database(roles_db.app_url, pool_size=2)
+    db = Database(roles_db.app_url, pool_size=2, audit_keys=TEST_KEYS)
     try:
         stack.worker("jobs", queues="keel.jobs,keel.jobs.low")
         stack.worker("relay", queues="keel.outbox")

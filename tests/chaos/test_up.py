@@ -4,7 +4,6 @@ line, and gives up when a server stays away."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -21,6 +20,7 @@ import pytest
 from models import migrations
 from models.embedded import redis_executable
 from tests.chaos.conftest import free_port, unless_kombu_crashed_the_worker, wait_until
+from tests.support.audit import clean_env
 from tests.support.broker import Broker
 
 pytestmark = pytest.mark.chaos
@@ -35,7 +35,7 @@ def keel_up(db_url: str, broker_env: dict[str, str], log: Path, *args: str) -> I
         args = ("--api-port", str(free_port()), *args)
     if "--worker-metrics-port" not in args and "--no-metrics" not in args:
         args = ("--worker-metrics-port", str(free_port()), "--beat-metrics-port", str(free_port()), *args)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env.update({"KEEL_DATABASE_URL": db_url, **broker_env, "FLOWER_UNAUTHENTICATED_API": "true"})
     with open(log, "wb") as out:
         up = subprocess.Popen([KEEL, "up", *args], env=env, stdout=out, stderr=out, cwd=log.parent)

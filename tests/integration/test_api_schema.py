@@ -12,6 +12,7 @@ import pytest
 
 from agents.client import Client
 from tests.support.api import Api, script
+from tests.support.audit import clean_env
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,7 @@ def test_no_5xx_and_every_response_matches_the_schema(api: Api, client: Client, 
     client.submit(agent.id, "fuzz-1", script({"content": "hi"}))
     client.create_agent("idle-one")
     secret = api.token("producer", "approver", "operator", "auditor", name="fuzzer")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env["HOME"] = str(tmp_path)  # schemathesis keeps its own state under the home directory
     found = subprocess.run(
         [

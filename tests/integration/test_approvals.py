@@ -4,7 +4,6 @@ once, on the database's clock), an approver may edit the arguments, and one inbo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from models.jobs_sql import job_row
 from models.outbox_sql import message_row
 from models.settings import Settings
 from tests.support.api import COMMENT, Api, problem, waiting_agent
+from tests.support.audit import clean_env
 from tests.support.fakes import FakeSlack
 from tests.support.runs import FAST_RULES, run_all
 
@@ -248,7 +248,7 @@ def test_the_http_client_edits_and_lists_like_the_client(api: Api, client: Clien
 
 def test_the_command_line_lists_and_edits(db_url: str, client: Client, db: Database) -> None:
     waiting = to_approval(client, db, "cli-editor", "req-1", comment_script())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
     keel = str(Path(sys.executable).parent / "keel")
 

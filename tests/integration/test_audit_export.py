@@ -23,6 +23,7 @@ from models.clock import rfc3339
 from models.db import Database
 from models.roles import RoleNames
 from models.urls import libpq_url
+from tests.support.audit import TEST_ENV, TEST_KEYS
 from tests.support.roles import RoledDatabase
 
 pytestmark = pytest.mark.integration
@@ -46,6 +47,7 @@ def keel(url: str, *args: str, names: RoleNames | None = None, **env: str) -> su
     """Run ``keel`` on ``url`` (KEEL_DATABASE_URL), in a directory of its own, with nothing of the caller's KEEL_*."""
     child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
     child["KEEL_DATABASE_URL"] = url
+    child |= TEST_ENV  # the journal's key ring (production refuses to start without one)
     if names is not None:
         child |= {
             "KEEL_DB_OWNER_ROLE": names.owner,
@@ -190,7 +192,7 @@ def test_export_streams_through_a_server_side_cursor(told: Client, db: Database,
 
 
 def test_the_auditor_exports(roles_db: RoledDatabase) -> None:
-    app = Database(roles_db.app_url, pool_size=2)
+    app = Database(roles_db.app_url, pool_size=2, audit_keys=TEST_KEYS)
     try:
         story(Client(app))
     finally:

@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from agents.client import Client
 from models import migrations
+from tests.support.audit import TEST_ENV, clean_env
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +36,7 @@ SCRATCH = tempfile.mkdtemp(prefix="keel-cli-")
 def keel(
     db_url: str, *args: str, check: bool = True, broker: str | None = None, **more: str
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))} | more
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))} | TEST_ENV | more
     env["KEEL_DATABASE_URL"] = db_url
     if broker:
         env["KEEL_BROKER_URL"] = broker
@@ -75,7 +76,15 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
     assert [e["event"] for e in by_request] == ["submit", "cancel"]
     assert "planning -> failed" in keel(db_url, "journal", "--agent", "ops-bot").stdout
     verified = json.loads(keel(db_url, "audit", "verify", "--json").stdout)
-    assert verified == {"ok": True, "agents": 1, "events": 3, "breaks": []}
+    assert verified == {
+        "ok": True,
+        "agents": 1,
+        "events": 3,
+        "breaks": [],
+        "unchecked": [],
+        "legacy": [],
+        "key_ids": ["test-1"],
+    }
 
 
 @pytest.mark.parametrize(
@@ -297,7 +306,7 @@ def test_version_comes_from_the_installed_package() -> None:
     [("bash", "complete -o nosort -F _keel_completion keel"), ("zsh", "#compdef keel"), ("fish", "complete")],
 )
 def test_shell_completion_scripts_are_produced(shell: str, marker: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     script = subprocess.run(
         [KEEL], env={**env, "_KEEL_COMPLETE": f"{shell}_source"}, capture_output=True, text=True, timeout=60
     )
@@ -396,6 +405,9 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
         "agents": 2,
         "events": 8,
         "breaks": [],
+        "unchecked": [],
+        "legacy": [],
+        "key_ids": ["test-1"],
     }
 
 

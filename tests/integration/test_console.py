@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from pydantic import BaseModel, Field
 
@@ -30,7 +31,9 @@ from models.db import Database
 from models.jobs_sql import job_row
 from models.schemas import AgentState
 from models.settings import Settings
+from models.urls import libpq_url
 from tests.support.api import Api, journal_count, running_api, script, waiting_agent
+from tests.support.audit import as_superuser
 from tests.support.broker import Broker
 from tests.support.console import Browsers, csrf_of
 from tests.support.runs import run_all
@@ -166,6 +169,33 @@ def test_an_auditor_sees_no_buttons_and_forged_posts_change_nothing(api: Api, br
     )
     assert wrong_csrf.status_code == 403
     assert journal_count(api.db) == before
+
+
+def test_the_agent_page_says_whether_its_keyed_chain_holds(api: Api, browsers: Browsers, db_url: str) -> None:
+    client = Client(api.db)
+    intact = client.create_agent("intact")
+    edited = client.create_agent("edited")
+    foreign = client.create_agent("foreign")
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as raw:
+        as_superuser(
+            raw,
+            ("UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s", (edited.id,)),
+            ("UPDATE audit.journal SET key_id = 'mallory-1' WHERE agent_id = %s", (foreign.id,)),
+        )
+    auditor = browsers.signed_in(api.token("auditor"))
+
+    def status(agent_id: Any) -> str:
+        page = auditor.get(f"/agents/{agent_id}")
+        found = re.search(r'id="chain-status">(.*?)</p>', page.text, re.S)
+        assert page.status_code == 200 and found, page.text
+        return found.group(1)
+
+    assert status(intact.id).startswith("Chain verified for the events shown, #1 to #1: each matches its hash")
+    assert status(edited.id).startswith("Chain broken at event 1: the event&#39;s content does not match its HMAC")
+    assert status(foreign.id).startswith(
+        "Chain not checked for 1 of the events shown, #1 to #1: they are linked with an audit key this API does not"
+        " hold"
+    )
 
 
 def test_the_outbox_and_kpi_pages_render_for_an_operator(api: Api, browsers: Browsers) -> None:
@@ -456,7 +486,7 @@ def test_the_journal_pages_and_verifies_only_the_events_it_shows(serve: Serve, b
     assert _status(latest).startswith("Chain verified for the events shown, #8 to #12")
     assert "Events before #8 were not checked here" in _status(latest)
     oldest = viewer.get(f"{url}?cursor=3").text
-    assert _status(oldest) == "Chain broken at event 2: the event's content does not match its hash"
+    assert _status(oldest) == "Chain broken at event 2: the event's content does not match its HMAC under key 'test-1'"
     panel = viewer.get(f"{url}/panel?drawn=1&cursor=3").text  # the live redraw keeps the page it shows
     assert _status(panel).startswith("Chain broken at event 2")
 
@@ -465,7 +495,10 @@ def test_the_journal_pages_and_verifies_only_the_events_it_shows(serve: Serve, b
     assert "found 1 broken chain, this agent's among them, at event 2." in latest
 
     _tamper(api, str(agent.id), 10)  # inside the latest page
-    assert _status(viewer.get(url).text) == "Chain broken at event 10: the event's content does not match its hash"
+    assert (
+        _status(viewer.get(url).text)
+        == "Chain broken at event 10: the event's content does not match its HMAC under key 'test-1'"
+    )
 
     for bad in ("abc", "1", "-4"):
         answer = viewer.get(f"{url}?cursor={bad}")

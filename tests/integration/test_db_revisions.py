@@ -3,7 +3,6 @@ on a database that is behind this code, or ahead of it."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from models import migrations
 from models.urls import libpq_url
+from tests.support.audit import clean_env
 from tests.support.broker import Broker
 
 pytestmark = pytest.mark.integration
@@ -21,7 +21,7 @@ KEEL = str(Path(sys.executable).parent / "keel")
 
 
 def keel(db_url: str, *args: str, cwd: Path, broker: Broker | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
     env["KEEL_HOME"] = str(cwd / ".keel")
     env.update(broker.env if broker else {"KEEL_BROKER_URL": "redis://127.0.0.1:1/0"})

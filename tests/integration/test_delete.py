@@ -14,7 +14,6 @@ from typing import Any
 
 import psycopg
 import pytest
-import sqlalchemy.exc
 
 from agents.client import Client
 from agents.core import journal
@@ -31,8 +30,10 @@ from agents.outbox.senders import SlackSender
 from models import migrations
 from models.db import Database
 from models.kpi_sql import totals
+from models.migrations import DowngradeRefused
 from models.outbox_sql import message_row
 from models.sql import lock_agent_txn
+from tests.support.audit import TEST_KEYS, clean_env
 from tests.support.fakes import FakeSlack
 
 pytestmark = pytest.mark.integration
@@ -193,7 +194,7 @@ def _forged_event_after(client: Client, agent_id: Any) -> tuple[str, tuple[Any, 
         ("cut_delete_event", True, "the chain ends at event 4 but the agent's head is event 5"),
         ("cut_delete_event_and_rewind_tombstone", False, "but that is not its delete event"),
         ("remove_tombstone", False, "neither a row nor a tombstone"),
-        ("rewrite_delete_event", True, "the event's content does not match its hash"),
+        ("rewrite_delete_event", True, "the event's content does not match its HMAC"),
         ("append_after_delete", False, "event 6 follows the agent's delete event 5"),
     ],
 )
@@ -273,7 +274,15 @@ def test_the_database_refuses_a_tombstone_without_the_deletion(client: Client, d
         locked = lock_agent_txn(cur, agent.id)
         assert locked is not None
         link = journal.append_side_event_txn(
-            cur, locked.row, kind="operator", event="delete", actor="m", decision="deleted", details={}, at=locked.at
+            cur,
+            locked.row,
+            keys=TEST_KEYS,
+            kind="operator",
+            event="delete",
+            actor="m",
+            decision="deleted",
+            details={},
+            at=locked.at,
         )
         row = locked.row
         cur.execute(
@@ -288,15 +297,17 @@ def test_the_database_refuses_a_tombstone_without_the_deletion(client: Client, d
     assert journal.verify(db).ok
 
 
-def test_no_downgrade_below_0006_once_agents_were_deleted(empty_db_url: str) -> None:
+def test_no_downgrade_once_agents_were_deleted(empty_db_url: str) -> None:
+    """0006 refuses to go below itself once an agent was deleted; with a keyed journal (0015) the downgrade stops
+    even earlier, at 0015, and changes nothing either way."""
     migrations.upgrade(empty_db_url)
-    db = Database(empty_db_url)
+    db = Database(empty_db_url, audit_keys=TEST_KEYS)
     try:
         client = Client(db)
         client.create_agent("gone")
         client.archive("gone", actor="carol")
         client.delete_agent("gone", actor="dave")
-        with pytest.raises(sqlalchemy.exc.DBAPIError, match="cannot downgrade below 0006: 1 agents were deleted"):
+        with pytest.raises(DowngradeRefused, match="cannot downgrade below 0015: the journal holds 3 events linked"):
             migrations.downgrade(empty_db_url, "0005")
         assert client.journal(agent_id="gone")[-1].event == "delete"
         with db.engine.connect() as conn:
@@ -367,7 +378,7 @@ SCRATCH = tempfile.mkdtemp(prefix="keel-delete-")
 
 
 def _env(db_url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
     return env
 
@@ -434,4 +445,7 @@ def test_keel_agent_delete_asks_first_and_the_journal_stays_readable(db_url: str
         "agents": 2,
         "events": len(events) + 3,
         "breaks": [],
+        "unchecked": [],
+        "legacy": [],
+        "key_ids": ["test-1"],
     }

@@ -21,6 +21,7 @@ from agents.cli.supervisor import where
 from agents.demo.run import DEMO_LOCK
 from models import embedded
 from models.urls import libpq_url
+from tests.support.audit import clean_env
 from tests.support.broker import Broker
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,7 @@ TAKE = "import sys; from agents.demo.run import only_demo_on\nwith only_demo_on(
 
 
 def demo_env(home: Path, db_url: str | None, broker: Broker) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env.update({**broker.env, "KEEL_HOME": str(home)})
     if db_url is not None:
         env["KEEL_DATABASE_URL"] = db_url

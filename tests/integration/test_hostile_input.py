@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
+from tests.support.audit import clean_env
 
 pytestmark = pytest.mark.integration
 
@@ -112,7 +112,7 @@ def test_commands_refuse_unstorable_details(client: Client) -> None:
 
 
 def keel(db_url: str, *args: str | bytes) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
     return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=120, cwd=SCRATCH)
 

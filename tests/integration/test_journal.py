@@ -60,7 +60,7 @@ def test_verify_passes_on_an_intact_journal(client: Client, db: Database) -> Non
 
 
 def _tamper(raw: psycopg.Connection[Any], sql: str, *params: Any) -> None:
-    # A superuser can switch the triggers off; the hash chain still tells.
+    # A superuser can switch the triggers off; the keyed chain still tells.
     raw.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")
     raw.execute(sql, params)
     raw.execute("ALTER TABLE audit.journal ENABLE TRIGGER USER")
@@ -72,7 +72,7 @@ def _tamper(raw: psycopg.Connection[Any], sql: str, *params: Any) -> None:
         (
             "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 3",
             3,
-            "content does not match",
+            "content does not match its HMAC",
         ),
         (
             'UPDATE audit.journal SET details = \'{"model":"m","ratio":0.2}\' WHERE agent_id = %s AND seq = 3',
@@ -104,7 +104,8 @@ def test_verify_reports_the_first_broken_link(
 def test_verify_catches_a_rewritten_event_with_a_recomputed_hash(
     client: Client, db: Database, raw: psycopg.Connection[Any]
 ) -> None:
-    """Re-hashing a forged event is not enough: the next event's prev_hash still points at the original."""
+    """Re-hashing a forged event is not enough: its link is an HMAC under a key the forger does not hold (and the
+    next event's prev_hash still points at the original)."""
     agent = _history(client)
     events = client.journal(agent_id=agent.id)
     forged = events[2]
@@ -125,7 +126,9 @@ def test_verify_catches_a_rewritten_event_with_a_recomputed_hash(
     )
     _tamper(raw, "UPDATE audit.journal SET actor = 'mallory', hash = %s WHERE id = %s", new_hash, forged.id)
     report = journal.verify(db)
-    assert [(b.seq, b.reason) for b in report.breaks] == [(4, "prev_hash does not match the previous event's hash")]
+    assert [(b.seq, b.reason.split(":")[0]) for b in report.breaks] == [
+        (3, "the event's content does not match its HMAC under key 'test-1'")
+    ]
 
 
 def test_the_database_refuses_a_revision_that_skips_or_repeats(client: Client, raw: psycopg.Connection[Any]) -> None:

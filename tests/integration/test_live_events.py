@@ -31,6 +31,7 @@ from models.db import Database
 from models.schemas import JournalEvent
 from models.sql import JOURNAL_CHANNEL, lock_agent_txn
 from models.urls import libpq_url
+from tests.support.audit import TEST_KEYS
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -131,8 +132,8 @@ async def test_an_append_that_rolls_back_announces_nothing_and_streams_nothing(
                 locked = lock_agent_txn(cur, agent_id)
                 assert locked is not None
                 journal.append_side_event_txn(
-                    cur, locked.row, kind="suppressed", event="phantom", actor="ghost", decision="phantom",
-                    details={}, at=locked.at,
+                    cur, locked.row, keys=TEST_KEYS, kind="suppressed", event="phantom", actor="ghost",
+                    decision="phantom", details={}, at=locked.at,
                 )  # fmt: skip
                 raise Phantom
             _progress(client.db, agent_id, 2)

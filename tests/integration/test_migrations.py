@@ -35,6 +35,7 @@ def test_upgrade_check_downgrade_upgrade(empty_db_url: str) -> None:
         "public.beat_chores",
         "public.audit_verifications",
         "audit.journal",
+        "audit.legacy_chains",
     } <= _tables(empty_db_url)
     migrations.check(empty_db_url)  # raises if models/tables.py and the migrated schema differ
     migrations.downgrade(empty_db_url, "base")
@@ -80,6 +81,8 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "deleted_agents_with_deletion",
         "deleted_agents_no_update_delete",
         "deleted_agents_no_truncate",
+        "legacy_chains_frozen",
+        "legacy_chains_no_truncate",
         "api_tokens_guard",
         "api_tokens_no_truncate",
         "journal_kpis",

@@ -22,6 +22,7 @@ from agents.outbox.relay import Backoff, Relay, retry_dead
 from agents.outbox.senders import GitHubSender, SlackSender
 from models.db import Database
 from models.outbox_sql import message_row, stats
+from tests.support.audit import clean_env
 from tests.support.fakes import FakeGitHub, FakeSlack
 
 pytestmark = pytest.mark.integration
@@ -314,7 +315,6 @@ def test_outbox_commands_and_kpis(
     client: Client, db: Database, slack: FakeSlack, github: FakeGitHub, db_url: str
 ) -> None:
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -323,7 +323,7 @@ def test_outbox_commands_and_kpis(
     emit(client, "bot", slack_msg("C1", "ok"), slack_msg("CMISSING3", "bad"))
     slack.faults = lambda dest, key, attempt: "apply_then_drop" if key.endswith(":ok") and attempt == 1 else None
     drain(relay(db, slack, github), pause=0.3)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
     keel = str(Path(sys.executable).parent / "keel")
 

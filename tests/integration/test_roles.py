@@ -24,6 +24,7 @@ from models.db import Database
 from models.roles import APP_PRIVILEGES, RoleNames
 from models.tables import metadata
 from models.urls import libpq_url
+from tests.support.audit import TEST_ENV, TEST_KEYS
 from tests.support.broker import Broker
 from tests.support.roles import RoledDatabase, as_role, drop_roles, unique_names
 
@@ -36,6 +37,7 @@ def keel(url: str, *args: str, names: RoleNames | None = None, **env: str) -> su
     """Run ``keel`` on ``url`` (KEEL_DATABASE_URL) with the roles ``names``, in a directory of its own."""
     child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
     child["KEEL_DATABASE_URL"] = url
+    child |= TEST_ENV  # the journal's key ring (production refuses to start without one)
     if names is not None:
         child |= {
             "KEEL_DB_OWNER_ROLE": names.owner,
@@ -64,7 +66,7 @@ def journal_digest(url: str) -> tuple[Any, ...]:
 @pytest.fixture
 def journaled(roles_db: RoledDatabase) -> RoledDatabase:
     """A journal with events in it, written through the client as the application role."""
-    db = Database(roles_db.app_url, pool_size=2)
+    db = Database(roles_db.app_url, pool_size=2, audit_keys=TEST_KEYS)
     try:
         client = Client(db)
         agent = client.create_agent("ledger", actor="alice")

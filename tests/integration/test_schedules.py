@@ -16,6 +16,7 @@ from agents.core.commands import Command
 from agents.core.phases import Event
 from agents.jobs import schedules
 from models.db import Database
+from tests.support.audit import TEST_KEYS
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,7 @@ def berlin_db(db_url: str, raw: psycopg.Connection[tuple[object, ...]]) -> Itera
     name = raw.execute("SELECT current_database()").fetchone()
     assert name is not None
     raw.execute(f"ALTER DATABASE \"{name[0]}\" SET timezone = 'Europe/Berlin'")
-    database = Database(db_url, pool_size=4)
+    database = Database(db_url, pool_size=4, audit_keys=TEST_KEYS)
     with database.connection() as conn:
         assert conn.execute("SHOW timezone").fetchone() == ("Europe/Berlin",)
         conn.rollback()
@@ -112,7 +113,7 @@ def test_two_beats_in_different_zones_name_one_fire_once(
     beats = []
     for zone in ("America/New_York", "Asia/Kolkata"):  # libpq sets each session's TimeZone from PGTZ
         monkeypatch.setenv("PGTZ", zone)
-        beat = Database(db_url, pool_size=1)
+        beat = Database(db_url, pool_size=1, audit_keys=TEST_KEYS)
         with beat.connection() as conn:
             assert conn.execute("SHOW timezone").fetchone() == (zone,)
             conn.rollback()

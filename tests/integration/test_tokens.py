@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import pytest
 from agents.core.errors import InvalidInput, KeelError, TokenExists, TokenNotFound
 from agents.ingress.tokens import Permission, Scope, authenticate, create_token, list_tokens, revoke_token
 from models.db import Database
+from tests.support.audit import clean_env
 
 pytestmark = pytest.mark.integration
 
@@ -207,7 +207,7 @@ def test_the_database_keeps_a_token_as_created_and_a_revocation_for_good(
 
 
 def keel(db_url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
     result = subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=180, cwd=SCRATCH)
     if check:

@@ -17,6 +17,7 @@ import httpx
 
 from agents.ingress.tokens import create_token
 from models.db import Database
+from tests.support.audit import clean_env
 from tests.support.broker import Broker
 from tests.support.runs import run_all
 
@@ -71,7 +72,7 @@ def running_api(
     """Start ``keel serve`` and wait until ``ready`` (``/readyz``: ready to serve) answers 200; stop it (by pid,
     SIGTERM then SIGKILL) after."""
     port = free_port()
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
+    child_env = clean_env()
     child_env.update(
         {
             "KEEL_DATABASE_URL": db_url,

@@ -137,7 +137,7 @@ def spend(ctx: JobContext) -> JobResult:
 
 
 #: The settings that hold secrets, for :func:`spill`.
-SECRET_SETTINGS = ("KEEL_SLACK_TOKEN", "KEEL_GITHUB_TOKEN", "KEEL_LLM_API_KEY", "KEEL_DATABASE_URL")
+SECRET_SETTINGS = ("KEEL_SLACK_TOKEN", "KEEL_GITHUB_TOKEN", "KEEL_LLM_API_KEY", "KEEL_DATABASE_URL", "KEEL_AUDIT_KEYS")
 
 
 @handler("spill")

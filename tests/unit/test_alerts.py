@@ -66,6 +66,16 @@ def test_a_rule_within_bounds_does_not_fire(name: str, measures: Measures) -> No
     assert not verdict(name, measures).firing
 
 
+def test_a_verify_that_could_not_check_every_link_fires_and_says_so() -> None:
+    """Events linked with a key the verifier's ring lacks are not intact: the alert fires, without calling them
+    broken."""
+    fired = verdict("audit_verify", Measures(audit_verify_ok=False, audit_verify_breaks=0, audit_verify_unchecked=12))
+    assert fired.firing
+    assert fired.summary == (
+        "the latest keel audit verify could not check 12 events: their audit key is not in its KEEL_AUDIT_KEYS"
+    )
+
+
 def test_thresholds_come_from_the_settings_and_disabled_alerts_never_fire() -> None:
     settings = load_settings(alert_dead_letters_max=5, alert_disabled=["oldest_due_job"])
     t = Thresholds.from_settings(settings)

@@ -38,6 +38,7 @@ SECRETS = {
     "KEEL_DB_APP_PASSWORD": "app-s3cret-for-tests",
     "FLOWER_BASIC_AUTH": "admin:s3cret-for-tests",
     "GRAFANA_ADMIN_PASSWORD": "s3cret-for-tests",
+    "KEEL_AUDIT_KEYS": '{"compose-1": "s3cret-for-tests-s3cret-for-tests-s3cret"}',
 }
 
 _VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>\w+)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|(?P<bare>\w+))")
@@ -257,7 +258,7 @@ def test_no_password_is_written_in_compose() -> None:
     # The example leaves the secrets empty: nobody runs on a password that is in the repository.
     example = _example()
     assert example["POSTGRES_PASSWORD"] == "" and example["FLOWER_BASIC_AUTH"] == ""
-    assert example["GRAFANA_ADMIN_PASSWORD"] == ""
+    assert example["GRAFANA_ADMIN_PASSWORD"] == "" and example["KEEL_AUDIT_KEYS"] == ""
     assert example["KEEL_DB_APP_PASSWORD"] == "" and example["KEEL_DB_AUDITOR_PASSWORD"] == ""
     assert SECRETS["KEEL_DB_APP_PASSWORD"] in _compose()["x-keel-env"]["KEEL_DATABASE_URL"]
     assert SECRETS["POSTGRES_PASSWORD"] in _compose()["x-keel-migrate-env"]["KEEL_MIGRATION_DATABASE_URL"]
@@ -303,7 +304,9 @@ def test_a_missing_flower_basic_auth_stops_only_flower() -> None:
     assert flower["environment"]["FLOWER_BASIC_AUTH"] == ""
 
 
-def test_every_keel_variable_in_compose_is_a_setting() -> None:
+def test_every_keel_variable_in_compose_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("KEEL_AUDIT_KEYS", "KEEL_AUDIT_KEY_ID"):  # the test suite's own key ring stays out of this one
+        monkeypatch.delenv(name)
     fields = {f"KEEL_{name.upper()}" for name in Settings.model_fields}
     compose = _compose()
     for name, service in compose["services"].items():
@@ -312,10 +315,12 @@ def test_every_keel_variable_in_compose_is_a_setting() -> None:
                 assert variable in fields, f"{name}: {variable} is not a Keel setting"
     env = {k[5:].lower(): v for k, v in compose["x-keel-env"].items() if v != ""}
     env["imports"] = yaml.safe_load(env["imports"])
+    env["audit_keys"] = yaml.safe_load(env["audit_keys"])
     production = Settings(**env)
     assert production.environment == "production"
     assert production.database_url is not None and production.database_url.startswith("postgresql+psycopg://")
     assert production.broker_url == "redis://redis:6379/0"
+    assert production.current_audit_key_id == "compose-1"
 
 
 def _port_of(service: dict[str, Any], name: str, variables: dict[str, str]) -> int:

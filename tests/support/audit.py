@@ -1,0 +1,34 @@
+"""The audit key ring the tests link journal events with, and tampering as a database superuser would."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+
+from models.audit_keys import AuditKeys
+
+#: The test suite's key: conftest puts it in KEEL_AUDIT_KEYS / KEEL_AUDIT_KEY_ID, so every process a test starts
+#: (worker, beat, API, CLI) links with it, and the ``db`` fixture's Database carries it.
+TEST_KEY_ID = "test-1"
+TEST_SECRET = "keel-test-suite-audit-key-0123456789abcdefghijklmnop"
+TEST_KEYS = AuditKeys.of({TEST_KEY_ID: TEST_SECRET}, TEST_KEY_ID)
+TEST_ENV = {"KEEL_AUDIT_KEYS": json.dumps({TEST_KEY_ID: TEST_SECRET}), "KEEL_AUDIT_KEY_ID": TEST_KEY_ID}
+
+
+def as_superuser(raw: psycopg.Connection[Any], *statements: tuple[str, tuple[Any, ...]]) -> None:
+    """Run ``statements`` in one transaction with every user trigger off (``session_replication_role = replica``),
+    as someone holding the database's superuser would to get past the journal's append-only triggers."""
+    with raw.transaction():
+        raw.execute("SET LOCAL session_replication_role = replica")
+        for sql, params in statements:
+            raw.execute(sql, params)
+
+
+def clean_env() -> dict[str, str]:
+    """``os.environ`` without any ``KEEL_*`` setting, but with the test suite's audit key: for a process a test
+    starts and configures itself, whose journal events the test's own verify must be able to check."""
+    import os
+
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}, **TEST_ENV}
