@@ -1,3 +1,3 @@
-"""Reserved for the audit trail beyond ``keel audit verify``: shipping sealed, signed journal segments to a separate
-store, archiving and export. Empty until its issue lands; it may import ``agents.core`` and ``models``.
+"""The audit trail beyond the journal itself: ``keel audit verify`` with its outcome recorded (``verify``) and one
+request's story for an auditor (``export``). It may import ``agents.core`` and ``models``.
 """

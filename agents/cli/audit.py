@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import click
 
@@ -66,7 +69,7 @@ def journal_cmd(
 
 @click.group()
 def audit() -> None:
-    """Check the journal's integrity; ship it to a separate store."""
+    """Check the journal's integrity; ship it to a separate store; export a request's events for an auditor."""
 
 
 @audit.command("verify")
@@ -242,6 +245,58 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
         )
     elif not report.segments:
         click.echo(f"nothing to ship: {report.destination} holds the journal to id {report.last_id}")
+
+
+@audit.command("export")
+@click.option("--request-id", required=True, help="The request whose events to export.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "csv"]),
+    required=True,
+    help="jsonl: one JSON object per event, exact. csv: a header row, then one row per event; a cell a spreadsheet"
+    " would run as a formula (starting with =, +, -, @, tab or CR) and one starting with ' get a leading '.",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Write to FILE (replaced only once the whole export is written) instead of standard output.",
+)
+@friendly
+def audit_export(request_id: str, fmt: str, output: Path | None) -> None:
+    """One request's story for an auditor: every journal event with this request id, across agents, oldest first,
+    with every stored field (the agent's name after its id; details as stored; times in UTC, RFC 3339). Read in one
+    snapshot through a server-side cursor, so a request of any size streams. Exit 1 when no event has the id. Reads
+    only: any database role may run it, the auditor's included."""
+    from agents.audit.export import request_events, write_export
+
+    as_csv = fmt == "csv"
+    with open_client(writes=False) as client, request_events(client.db, request_id) as (columns, rows):
+        if output is None:
+            write_export(sys.stdout, "csv" if as_csv else "jsonl", columns, rows)
+            return
+        written = _write_file(output, lambda out: write_export(out, "csv" if as_csv else "jsonl", columns, rows))
+    click.echo(f"exported {written} events of request {quoted(request_id)} to {output}")
+
+
+def _write_file(path: Path, write: Callable[[IO[str]], int]) -> int:
+    """Run ``write`` on a new file next to ``path`` and put it in ``path``'s place once it is whole: a failed export
+    leaves ``path`` as it was."""
+    try:
+        handle, scratch = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".partial")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with open(handle, "w", encoding="utf-8", newline="") as out:
+            written = write(out)
+        os.replace(scratch, path)
+    except BaseException as exc:
+        Path(scratch).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise
+    return written
 
 
 @click.command("kpi")
