@@ -21,6 +21,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from agents.audit.ship import (
     ShipError,
@@ -500,3 +502,40 @@ def test_an_id_taken_by_a_transaction_still_open_is_never_skipped(
         slow.commit()
     ship_all(db, store, "file:///x")
     assert_shipped_once(store, raw)
+
+
+def test_signed_manifests_verify_with_the_public_key_alone(client: Client, db_url: str, tmp_path: Path) -> None:
+    history(client, agents=2)
+    signing = Ed25519PrivateKey.generate()
+    pem = signing.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()).decode()
+    public = tmp_path / "public.pem"
+    public.write_bytes(signing.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+    stranger = tmp_path / "stranger.pem"
+    stranger.write_bytes(
+        Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    )
+    url = f"file://{tmp_path}/store"
+    env = {"KEEL_DATABASE_URL": db_url, "KEEL_AUDIT_SIGNING_KEY": pem, "KEEL_AUDIT_SEGMENT_EVENTS": "3"}
+    shipped = keel("audit", "ship", "--flush", "--url", url, env=env)
+    assert shipped.returncode == 0, shipped.stderr
+    # Someone without the audit key ring (here: a ring that lacks the manifests' key) and with the public key.
+    outsider = {"KEEL_DATABASE_URL": db_url, "KEEL_HOME": str(tmp_path / "home")}
+    child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
+
+    def verify(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [KEEL, "audit", "verify", "--against", url, *args],
+            env=child | outsider,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    fine = verify("--public-key", str(public))
+    assert fine.returncode == 0, fine.stderr
+    wrong = verify("--public-key", str(stranger))
+    assert wrong.returncode == 1 and "its Ed25519 signature does not verify with the public key" in wrong.stderr
+    unvouched = verify()
+    assert unvouched.returncode == 1
+    assert "keyed with audit key 'test-1', which is not in the key ring" in unvouched.stderr, unvouched.stderr
