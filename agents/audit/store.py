@@ -141,7 +141,16 @@ class S3Store:
         self.lock_mode = lock_mode
         self.retain_until = retain_until
         self._conditional = True
-        self.client = client or boto3.session.Session().client(
+        self.client = client or self._client(endpoint_url, timeout_seconds, max_attempts)
+
+    def _client(self, endpoint_url: str | None, timeout_seconds: float, max_attempts: int) -> Any:
+        try:
+            return self._make_client(endpoint_url, timeout_seconds, max_attempts)
+        except (BotoCoreError, ValueError) as exc:  # a bad endpoint or region: botocore says ValueError
+            raise StoreError(f"{self.describe()}: cannot set up the S3 client: {exc}") from None
+
+    def _make_client(self, endpoint_url: str | None, timeout_seconds: float, max_attempts: int) -> Any:
+        return boto3.session.Session().client(
             "s3",
             endpoint_url=endpoint_url,
             config=Config(
