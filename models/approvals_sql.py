@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import psycopg
 from psycopg.rows import class_row
 
 from models.db import Database
@@ -79,6 +80,27 @@ def waiting_calls(
         found = cur.fetchall()
         conn.rollback()
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """The gate step an agent waiting for approval waits on."""
+
+    key: str
+    target: str
+    tool: str
+
+
+def waited_gate_txn(cur: psycopg.Cursor[Any], request_id: str) -> Gate | None:
+    """The gate the request's wait for approval is on: its latest finished gate (``ix_jobs_gates``)."""
+    with cur.connection.cursor(row_factory=class_row(Gate)) as named:
+        named.execute(
+            "SELECT key, target, coalesce(payload->>'tool', '') AS tool FROM jobs"
+            " WHERE request_id = %s AND operation = 'gate' AND status = 'succeeded'"
+            " ORDER BY finished_at DESC, key DESC LIMIT 1",
+            (request_id,),
+        )
+        return named.fetchone()
 
 
 def waiting_call(db: Database, agent_id: UUID) -> WaitingCall | None:

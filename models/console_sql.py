@@ -1,10 +1,12 @@
 """The console's list of agents, a page at a time, in the order people handle them.
 
-The order is one run per phase: waiting for approval first (longest waiting first: ``updated_at`` is when the agent
-last moved, and a waiting agent moves only when decided), then executing, planning, failed, idle and done, newest
-first within each. A page is read run by run with keyset conditions, each run by an index that holds it in order
-(migration 0012: ``ix_agents_waiting_since``, ``ix_agents_by_phase``), so a page costs a few index scans of at most
-a page's rows however many agents there are — never a sort of them all, never an OFFSET.
+The order is one run per phase: waiting for approval first (longest waiting first: by when the wait began,
+``waiting_since``, the inbox's "since" — not by the agent's last move, since an escalation or another step of the
+round finishing moves it within the wait), then executing, planning, failed, idle and done, newest first within each.
+A wait that began before migration 0015 has no ``waiting_since`` and is placed by ``updated_at`` instead. A page is
+read run by run with keyset conditions, each run by an index that holds it in order (``ix_agents_waiting_since``,
+migration 0015; ``ix_agents_by_phase``, 0012), so a page costs a few index scans of at most a page's rows however
+many agents there are — never a sort of them all, never an OFFSET.
 
 The runs are read in one REPEATABLE READ snapshot, so an agent that moves between phases while a page is read is
 seen once, in one place. Between pages it may move, and then appear on two pages or on none; the first page is
@@ -26,22 +28,24 @@ from models.sql import AGENT_COLUMNS
 
 #: The runs of the list, in order.
 AGENT_ORDER = ("waiting_approval", "executing", "planning", "failed", "idle", "done")
-#: The one run ordered oldest first, by when its agents last moved.
+#: The one run ordered oldest first, by when its agents' waits began.
 WAITING = "waiting_approval"
+#: That run's order, as its index (``ix_agents_waiting_since``) holds it.
+_WAITED = "coalesce(waiting_since, updated_at)"
 
 _WAITING_RUN = f"SELECT {AGENT_COLUMNS} FROM agents WHERE archived_at IS NULL AND phase = 'waiting_approval'"
 _PHASE_RUN = f"SELECT {AGENT_COLUMNS} FROM agents WHERE archived_at IS NULL AND phase = %(phase)s"
 _PREFIX = " AND starts_with(name, %(prefix)s)"
-_WAITING_AFTER = " AND (updated_at, id) > (%(at)s, %(id)s)"
+_WAITING_AFTER = f" AND ({_WAITED}, id) > (%(at)s, %(id)s)"
 _PHASE_AFTER = " AND (created_at, id) < (%(at)s, %(id)s)"
-_WAITING_ORDER = " ORDER BY updated_at, id LIMIT %(limit)s"
+_WAITING_ORDER = f" ORDER BY {_WAITED}, id LIMIT %(limit)s"
 _PHASE_ORDER = " ORDER BY created_at DESC, id DESC LIMIT %(limit)s"
 
 
 @dataclass(frozen=True, slots=True)
 class AgentKey:
-    """Where a page of the list ends: its last agent's phase, its time in that run's order (``updated_at`` while
-    waiting for approval, ``created_at`` otherwise) and its id. The next page starts right after it."""
+    """Where a page of the list ends: its last agent's phase, its time in that run's order (when its wait began
+    while waiting for approval, ``created_at`` otherwise) and its id. The next page starts right after it."""
 
     phase: str
     at: datetime
@@ -49,7 +53,9 @@ class AgentKey:
 
     @classmethod
     def of(cls, row: AgentRow) -> AgentKey:
-        return cls(row.phase, row.updated_at if row.phase == WAITING else row.created_at, row.id)
+        if row.phase == WAITING:
+            return cls(row.phase, row.waiting_since or row.updated_at, row.id)
+        return cls(row.phase, row.created_at, row.id)
 
 
 def _run_sql(phase: str, *, after: bool, prefix: bool) -> str:

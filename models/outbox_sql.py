@@ -247,6 +247,13 @@ def revive_txn(cur: psycopg.Cursor[Any], key: str) -> bool:
     return cur.rowcount == 1
 
 
+def destinations_txn(cur: psycopg.Cursor[Any], keys: Sequence[str]) -> dict[str, str]:
+    """Where each of the messages ``keys`` that is in the outbox goes, by key (primary-key reads)."""
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        named.execute("SELECT key, destination FROM outbox WHERE key = ANY(%s)", (list(keys),))
+        return {row["key"]: row["destination"] for row in named.fetchall()}
+
+
 def message_row(db: Database, key: str) -> dict[str, Any] | None:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute("SELECT * FROM outbox WHERE key = %s", (key,))

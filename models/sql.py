@@ -19,7 +19,7 @@ from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
     "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
-    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority, archived_at"
+    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority, archived_at, waiting_since"
 )
 
 # With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep, the
@@ -52,7 +52,7 @@ _EVENT_CTE = (
 _UPDATE_AGENT = (
     _EVENT_CTE + "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s,"
     " hard_deadline = %s, updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s,"
-    " priority = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
+    " priority = %s, waiting_since = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
 )
 
 # Rejections and suppressions leave the agent's state alone; only its journal chain advances.
@@ -179,6 +179,7 @@ def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow
             after.spent_tokens,
             after.spent_cost,
             after.priority,
+            after.waiting_since,
             before.id,
             before.revision,
         ),

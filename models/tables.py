@@ -88,6 +88,10 @@ agents = Table(
     Column("priority", Text, nullable=False, server_default="normal"),
     # Set while the agent is archived: hidden from `keel agent list`, refusing new requests; row and journal kept.
     Column("archived_at", DateTime(timezone=True)),
+    # While waiting_approval: when the wait began (the transition into it, which is when its gate finished); moves
+    # within the wait (an escalation, a step of the round finishing) leave it. NULL otherwise, and for a wait that
+    # began before migration 0015 (the console then orders it by updated_at).
+    Column("waiting_since", DateTime(timezone=True)),
     CheckConstraint(_in("phase", PHASES), name="phase"),
     CheckConstraint(_in("priority", AGENT_PRIORITIES), name="priority"),
     CheckConstraint("revision >= 0", name="revision_non_negative"),
@@ -100,14 +104,15 @@ agents = Table(
         "soft_deadline IS NULL OR hard_deadline IS NULL OR soft_deadline <= hard_deadline",
         name="soft_before_hard",
     ),
+    CheckConstraint("waiting_since IS NULL OR phase = 'waiting_approval'", name="waiting_since_only_while_waiting"),
     Index("ix_agents_listing", "created_at", "id"),  # newest first, keyset-paginated (scanned backwards)
     # The approvals inbox and the approval-timeout pass start from the agents waiting for a person.
     Index("ix_agents_waiting", "id", postgresql_where=text("phase = 'waiting_approval'")),
-    # The console's list, a page at a time (models/console_sql.py): those waiting longest first, then per phase
-    # newest first.
+    # The console's list, a page at a time (models/console_sql.py): those waiting longest first (by when their wait
+    # began), then per phase newest first.
     Index(
         "ix_agents_waiting_since",
-        "updated_at",
+        text("coalesce(waiting_since, updated_at)"),
         "id",
         postgresql_where=text("phase = 'waiting_approval' AND archived_at IS NULL"),
     ),

@@ -276,6 +276,14 @@ class Reject:
 Decision = Accept | Suppress | Reject
 
 
+def _waiting_since(row: AgentRow, phase: Phase, target: Phase, now: datetime) -> datetime | None:
+    """When the agent's wait for approval began: now, on entering it; unchanged by moves within it (an escalation,
+    another step of the round finishing), which change ``updated_at``; None once it is over."""
+    if target is not Phase.WAITING_APPROVAL:
+        return None
+    return row.waiting_since if phase is Phase.WAITING_APPROVAL else now
+
+
 def is_repeat_submit(row: AgentRow, command: Command) -> bool:
     """A submit of the request the agent is already on: a producer's retry."""
     return command.event is Event.SUBMIT and command.request_id == row.request_id
@@ -327,6 +335,7 @@ def decide(
         spent_tokens=row.spent_tokens + command.spend.tokens,
         spent_cost=row.spent_cost + command.spend.cost,
         priority=command.priority or row.priority,
+        waiting_since=_waiting_since(row, phase, target, now),
     )
     if command.event is Event.SUBMIT:
         soft, hard = resolve_deadline(command.soft_deadline, now), resolve_deadline(command.hard_deadline, now)

@@ -18,12 +18,13 @@ from uuid import UUID
 import psycopg
 import sqlalchemy.exc
 
-from agents.core import journal
+from agents.core import approval_notices, journal
 from agents.core.commands import (
     LOW,
     Accept,
     Command,
     JobOutcome,
+    MessageSpec,
     Reject,
     Suppress,
     as_given,
@@ -264,7 +265,9 @@ def transition(
 
     In the same transaction it inserts ``command.jobs`` (an existing key is a suppressed duplicate, journaled in the
     event's details), cancels the agent's live jobs when it comes to rest (done/failed; running ones are fenced off),
-    demotes them to the low queue when ``command.priority`` is low, and runs ``effects``.
+    demotes them to the low queue when ``command.priority`` is low, runs ``effects``, and inserts ``command.messages``
+    — with, when it ends a wait for approval undecided, the follow-ups of that wait's notices
+    (:mod:`agents.core.approval_notices`).
     """
     with observe(
         "transition", command.event.value, request_id=command.request_id, agent_id=command.agent_id, actor=command.actor
@@ -382,8 +385,13 @@ def _apply_txn(
         if summary:
             details["effects"] = dict(summary)
     to_publish: tuple[Due, ...] = ()
+    messages = command.messages
+    if approval_notices.ends_undecided(before, after, command):
+        # Whoever was told the call waits is told it waits no more, however the wait ended (a cancel, a deadline, a
+        # failure): every way out is this transition, so no caller can forget it.
+        messages += approval_notices.ended_notices_txn(cur, before, command)
     # The jobs and messages this transition causes continue the request's trace.
-    traceparent = _request_trace(before, after, request_traceparent) if command.jobs or command.messages else None
+    traceparent = _request_trace(before, after, request_traceparent) if command.jobs or messages else None
     if command.jobs:
         rows = new_jobs(after, command.jobs, at, publish_due=publish_due, traceparent=traceparent)
         inserted, suppressed = insert_jobs_txn(cur, rows, at)
@@ -392,8 +400,8 @@ def _apply_txn(
             details["jobs_suppressed"] = suppressed
         fresh = set(inserted)
         to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in fresh and r.status == "enqueued")
-    if command.messages:
-        details.update(_emit_messages_txn(cur, after, command, at, traceparent))
+    if messages:
+        details.update(_emit_messages_txn(cur, after, messages, traceparent))
     # Coming to rest cancels the agent's live jobs (an empty sweep costs a statement: skip it when there are none).
     if (
         Phase(after.phase) in RESTING
@@ -465,9 +473,9 @@ def _joined(command: Command, row: AgentRow, live_jobs: int) -> Command:
 
 
 def _emit_messages_txn(
-    cur: psycopg.Cursor[Any], agent: AgentRow, command: Command, at: datetime, traceparent: str | None
+    cur: psycopg.Cursor[Any], agent: AgentRow, messages: tuple[MessageSpec, ...], traceparent: str | None
 ) -> dict[str, Any]:
-    """Put the command's messages in the outbox, in order; a key already there is a suppressed duplicate."""
+    """Put the transition's messages in the outbox, in order; a key already there is a suppressed duplicate."""
     if agent.request_id is None:
         raise InvalidInput("messages need a request in flight: their keys start with its id")
     rows = [
@@ -480,7 +488,7 @@ def _emit_messages_txn(
             dict(m.payload),
             traceparent,
         )
-        for m in command.messages
+        for m in messages
     ]
     inserted, suppressed = insert_messages_txn(cur, rows)
     summary: dict[str, Any] = {"messages": inserted}

@@ -26,8 +26,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from agents.core import approval_notices
 from agents.core.commands import JobSpec, Join, MessageSpec
 from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
+from agents.core.keys import make_key
 from agents.core.observe import observe
 from agents.core.phases import Event
 from agents.jobs.handlers import JobContext, JobResult, handler
@@ -45,6 +47,7 @@ from agents.runtime.notices import console_link, decided_notice, waiting_notice
 from agents.runtime.tools import ToolContext, by_name, registered, stored_tool
 from models.db import Database
 from models.jobs_sql import cancel_request_steps_txn, request_steps
+from models.outbox_sql import message_row
 from models.settings import Settings
 from models.sql import agent_name
 
@@ -290,15 +293,24 @@ class PendingApproval:
     since: datetime | None = None
     #: The channel told that the call waits (None: nobody was): the decision is followed up there.
     notice_channel: str | None = None
+    #: The channel told that the call was escalated (None: it was not, or nobody was): followed up there too.
+    escalation_channel: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"tool": self.tool, "call_id": self.call_id, "arguments": dict(self.arguments), "round": self.round}
 
     def decided_messages(self, agent: str, outcome: str, by: str) -> tuple[MessageSpec, ...]:
-        """The follow-up of the waiting notice, if one was sent."""
-        if not self.notice_channel or not self.target:
+        """The follow-ups of the waiting notice and of the escalation notice, for those that were sent."""
+        if not self.target:
             return ()
-        return (decided_notice(self.notice_channel, self.target, agent=agent, tool=self.tool, outcome=outcome, by=by),)
+        told = ((self.notice_channel, False), (self.escalation_channel, True))
+        return tuple(
+            decided_notice(
+                channel, self.target, agent=agent, tool=self.tool, outcome=outcome, by=by, escalation=escalation
+            )
+            for channel, escalation in told
+            if channel
+        )
 
 
 def pending_approval(db: Database, request_id: str | None) -> PendingApproval | None:
@@ -322,14 +334,18 @@ def pending_approval(db: Database, request_id: str | None) -> PendingApproval | 
             continue
         output = (step["result"] or {}) if isinstance(step["result"], Mapping) else {}
         channel = output.get("notice_channel")
+        target = str(step["target"])
+        escalation = approval_notices.target(approval_notices.ESCALATED, target)
+        escalated = message_row(db, make_key(request_id, "slack", escalation))
         return PendingApproval(
             str(payload["tool"]),
             call_id,
             payload.get("arguments", {}),
             round_,
-            target=str(step["target"]),
+            target=target,
             since=step["finished_at"],
             notice_channel=channel if isinstance(channel, str) else None,
+            escalation_channel=None if escalated is None else str(escalated["destination"]),
         )
     return None
 

@@ -1,9 +1,10 @@
 """What people are told about a call that waits for approval: Slack messages sent through the outbox.
 
-Each message is keyed by the gate step it is about (``{request_id}:slack:approval:{target}``,
-``…:approval-decided:{target}``, ``…:approval-escalated:{target}``): a gate delivered twice, a decision replayed
-or two beats escalating at once still send each one once. Arguments are redacted and bounded: the channel is read
-by more people than the journal.
+Each message is keyed by the gate step it is about (the kinds are in :mod:`agents.core.approval_notices`, which also
+sends the follow-up of a wait that ends undecided): a gate delivered twice, a decision replayed or two beats
+escalating at once still send each one once. A decision is followed up on every channel that was told of the call:
+the approval channel, and the escalation channel if it was escalated. Arguments are redacted and bounded: the channel
+is read by more people than the journal.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
+from agents.core import approval_notices as kinds
 from agents.core.commands import MessageSpec
 from agents.core.redaction import redact_value
 from models.settings import Settings
@@ -43,16 +45,18 @@ def waiting_notice(
         f"Agent {agent} waits for approval to call {tool} with {shown_arguments(arguments)}.\n"
         f"Approve or reject it: {link}"
     )
-    return MessageSpec("slack", channel, f"approval:{target}", {"text": text})
+    return MessageSpec("slack", channel, kinds.target(kinds.WAITING, target), {"text": text})
 
 
-def decided_notice(channel: str, target: str, *, agent: str, tool: str, outcome: str, by: str) -> MessageSpec:
-    """The follow-up once the call is decided: ``outcome`` is approved, approved with edited arguments, rejected,
-    or rejected: timed out."""
+def decided_notice(
+    channel: str, target: str, *, agent: str, tool: str, outcome: str, by: str, escalation: bool = False
+) -> MessageSpec:
+    """The follow-up once the call is decided, on the approval channel (or, with ``escalation``, the escalation
+    channel): ``outcome`` is approved, approved with edited arguments, rejected, or rejected: timed out."""
     return MessageSpec(
         "slack",
         channel,
-        f"approval-decided:{target}",
+        kinds.target(kinds.ESCALATION_DECIDED if escalation else kinds.DECIDED, target),
         {"text": f"Agent {agent}'s call to {tool}: {outcome} (by {by})."},
     )
 
@@ -65,4 +69,4 @@ def escalation_notice(
         f"Escalated: agent {agent} has waited {waited} for approval to call {tool} with"
         f" {shown_arguments(arguments)}.\nApprove or reject it: {link}"
     )
-    return MessageSpec("slack", channel, f"approval-escalated:{target}", {"text": text})
+    return MessageSpec("slack", channel, kinds.target(kinds.ESCALATED, target), {"text": text})

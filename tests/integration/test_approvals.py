@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 import agents.runtime.loop as loop
 from agents.client import Client, HttpClient
 from agents.core.errors import InvalidInput
+from agents.jobs import deadlines
 from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
 from agents.outbox.relay import Backoff, Relay
@@ -431,3 +432,83 @@ def test_the_leading_beat_applies_approval_timeouts(
     state = client.get_state(waiting.id)
     assert state.phase == "planning" and state.pending_approval is None
     assert [t[2] for t in transitions(db, waiting.id) if t[1] == "reject"] == ["approval_timed_out"]
+
+
+# --- a wait's notices are followed up, however it ends --------------------------------------------------------------
+
+PAGE_GATE = "page_oncall:1.call_0_0"
+
+
+def _escalated(client: Client, db: Database, name: str) -> Any:
+    """An agent whose call to page_oncall waited past its approval timeout and was escalated to ESCALATION."""
+    waiting = to_approval(client, db, name, "req-1", deploy_script("page_oncall"))
+    _wait_until_past_timeout(db)
+    assert enforce_timeouts(db, Settings(approval_escalation_slack_channel=ESCALATION)).escalated == [waiting.id]
+    return client.get_state(waiting.id)
+
+
+def test_a_decision_after_an_escalation_is_followed_up_on_both_channels(
+    told: None, client: Client, db: Database
+) -> None:
+    state = _escalated(client, db, "pager")
+    client.approve(state.id, expected_revision=state.revision, actor="oncall-lead")
+    first = message_row(db, f"req-1:slack:approval-decided:{PAGE_GATE}")
+    second = message_row(db, f"req-1:slack:approval-escalation-decided:{PAGE_GATE}")
+    assert first is not None and first["destination"] == CHANNEL
+    assert second is not None and second["destination"] == ESCALATION
+    assert "pager's call to page_oncall: approved (by oncall-lead)" in second["payload"]["text"]
+    approve = [t for t in transitions(db, state.id) if t[0] == "transition" and t[1] == "approve"]
+    assert sorted(approve[0][3]["messages"]) == sorted([first["key"], second["key"]])
+
+
+def test_a_decision_without_an_escalation_is_followed_up_on_the_first_channel_only(
+    told: None, client: Client, db: Database
+) -> None:
+    waiting = to_approval(client, db, "reviewer", "req-1", comment_script())
+    client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
+    assert [k for k in slack_messages(db) if "decided" in k] == [f"req-1:slack:approval-decided:{GATE}"]
+
+
+def test_a_cancel_while_waiting_tells_both_channels_the_wait_ended(told: None, client: Client, db: Database) -> None:
+    state = _escalated(client, db, "pager")
+    client.cancel(state.id, expected_revision=state.revision, actor="dana", reason="wrong service")
+    first = message_row(db, f"req-1:slack:approval-ended:{PAGE_GATE}")
+    second = message_row(db, f"req-1:slack:approval-escalation-ended:{PAGE_GATE}")
+    assert first is not None and first["destination"] == CHANNEL
+    assert second is not None and second["destination"] == ESCALATION
+    text = first["payload"]["text"]
+    assert text == second["payload"]["text"]
+    assert "pager's call to page_oncall" in text and "no longer waits for approval" in text
+    assert "the request was cancelled: wrong service (by dana)" in text and "Approve" not in text
+    assert not [k for k in slack_messages(db) if "decided" in k]
+    cancel = [t for t in transitions(db, state.id) if t[0] == "transition" and t[1] == "cancel"]
+    assert sorted(cancel[0][3]["messages"]) == sorted([first["key"], second["key"]])
+
+
+def test_a_stop_at_the_hard_deadline_while_waiting_is_followed_up_once(
+    told: None, client: Client, db: Database
+) -> None:
+    agent = client.create_agent("late")
+    client.submit(agent.id, "req-1", comment_script(), hard_deadline=timedelta(hours=1))
+    run_all(db)
+    assert client.get_state(agent.id).phase == "waiting_approval"
+    with db.connection() as conn:
+        later = conn.execute("SELECT now() + interval '2 hours'").fetchone()[0]  # type: ignore[index]
+        conn.rollback()
+    assert deadlines.enforce(db, later).stopped == [agent.id]
+    assert deadlines.enforce(db, later).stopped == []
+    ended = message_row(db, f"req-1:slack:approval-ended:{GATE}")
+    assert ended is not None and ended["destination"] == CHANNEL
+    assert "the request passed its hard deadline and was stopped (by deadline-enforcer)" in ended["payload"]["text"]
+    assert [k for k in slack_messages(db) if "approval" in k] == [
+        f"req-1:slack:approval:{GATE}",
+        f"req-1:slack:approval-ended:{GATE}",
+    ]
+    assert message_row(db, f"req-1:slack:approval-escalation-ended:{GATE}") is None  # it was never escalated
+
+
+def test_a_cancel_without_a_notice_sends_nothing(client: Client, db: Database) -> None:
+    loop._settings.cache_clear()
+    waiting = to_approval(client, db, "quiet", "req-1", comment_script())
+    client.cancel(waiting.id, expected_revision=waiting.revision, actor="dana")
+    assert slack_messages(db) == {}

@@ -24,6 +24,7 @@ from agents.core.errors import StaleRevision
 from agents.ingress.tokens import revoke_token
 from agents.runtime.approvals import enforce_timeouts
 from agents.runtime.tools import ToolContext, ToolOutput, tool
+from models import console_sql
 from models.approvals_sql import calls_past_approval_timeout
 from models.db import Database
 from models.jobs_sql import job_row
@@ -814,3 +815,130 @@ def test_signing_out_ends_the_session_even_for_a_copy_of_its_cookie(api: Api, br
     forged = copy.post(f"/agents/{state['id']}/approve", data={"csrf": csrf_of(page), "revision": "3"})
     assert forged.status_code == 401 and journal_count(api.db) == before
     assert elsewhere.get("/agents").status_code == 200  # signing out ends that session, not the token's others
+
+
+# --- found in review, follow-up (issue 13) ------------------------------------------------------------------------
+
+
+def test_an_escalated_call_keeps_its_place_in_the_agents_list(serve: Serve, browse: Browse, db: Database) -> None:
+    api = serve({"KEEL_CONSOLE_PAGE_SIZE": "1"})
+    client = Client(db)
+    paging = _to_approval(client, db, "pager", "console_page")  # waits longest; its tool escalates after 1s
+    _to_approval(client, db, "releaser", "console_release")
+    client.create_agent("idle-one")
+    deadline = time.monotonic() + 30
+    while not calls_past_approval_timeout(db):
+        assert time.monotonic() < deadline, "the approval timeout never passed"
+        time.sleep(0.2)
+    assert enforce_timeouts(db, Settings()).escalated == [paging.id]  # a move within the wait
+    assert client.get_state(paging.id).updated_at > client.get_state("releaser").updated_at
+    viewer = browse(api).signed_in(api.token("approver"))
+    pages = _walk(viewer, "/agents", _ROW)
+    assert [name for rows, _ in pages for _, name in rows] == ["pager", "releaser", "idle-one"]  # a page each
+    assert [name for rows, _ in _walk(viewer, "/agents?phase=waiting_approval", _ROW) for _, name in rows] == [
+        "pager",
+        "releaser",
+    ]
+    inbox = [call.agent for call in client.approvals().approvals]
+    assert inbox == ["pager", "releaser"]  # the same order as the inbox: by when the call started waiting
+
+
+def test_the_waiting_run_of_the_agents_list_is_read_by_its_index(db: Database) -> None:
+    """A few thousand agents, most of them waiting: a page after a cursor is an index scan, never a sort."""
+    with db.connection() as conn:
+        conn.execute(
+            "INSERT INTO agents (name, phase, request_id, revision, created_at, updated_at, waiting_since)"
+            " SELECT 'w-' || n, 'waiting_approval', 'r-' || n, 3, now() - interval '1 day', now(),"
+            " now() - n * interval '1 second' FROM generate_series(1, 3000) n"
+        )
+        conn.execute(
+            "INSERT INTO agents (name, phase, created_at, updated_at)"
+            " SELECT 'i-' || n, 'idle', now(), now() FROM generate_series(1, 2000) n"
+        )
+        conn.execute("ANALYZE agents")
+        conn.commit()
+    rows, key = console_sql.agents_page(db, limit=50)
+    assert len(rows) == 50 and key is not None
+    assert [r.name for r in rows[:3]] == ["w-3000", "w-2999", "w-2998"]  # longest waiting first
+    sql = console_sql._run_sql(console_sql.WAITING, after=True, prefix=False)
+    params = {"at": key.at, "id": key.id, "limit": 51, "phase": key.phase, "prefix": None}
+    with db.connection() as conn:
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, params))
+        conn.rollback()
+    assert "ix_agents_waiting_since" in plan and "Sort" not in plan, plan
+    later, _ = console_sql.agents_page(db, after=key, limit=50)
+    assert [r.name for r in later[:2]] == ["w-2950", "w-2949"]
+
+
+def test_the_outbox_notice_is_one_the_server_made_for_this_session(api: Api, browsers: Browsers) -> None:
+    agent = Client(api.db).create_agent("sender")
+    with api.db.connection() as conn:
+        conn.execute(
+            "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, status, next_attempt_at)"
+            " VALUES ('r1:slack:dead', %s, 'r1', 'slack', 'C01', '{\"text\": \"hi\"}', 'dead', now())",
+            (agent.id,),
+        )
+        conn.commit()
+    operator = browsers.signed_in(api.token("operator", name="olga"))
+    crafted = operator.get("/outbox", params={"notice": "Your session ended: sign in again at https://evil.example"})
+    assert crafted.status_code == 200 and "evil.example" not in crafted.text and "outbox-notice" not in crafted.text
+
+    page = operator.get("/outbox")
+    retried = operator.post("/outbox/retry", data={"csrf": csrf_of(page), "key": "r1:slack:dead"})
+    assert retried.status_code == 303, retried.text
+    shown = operator.get(retried.headers["location"])
+    notice = re.search(r'<p class="notice ok" role="status" id="outbox-notice">([^<]*)</p>', shown.text)
+    assert notice is not None and notice.group(1) == "Retrying r1:slack:dead: it is back in line to be sent.", (
+        shown.text
+    )
+
+    # The same link in another session, or with another key, shows nothing.
+    other = browsers.signed_in(api.token("operator", name="otto"))
+    assert "outbox-notice" not in other.get(retried.headers["location"]).text
+    forged = retried.headers["location"].replace("r1%3Aslack%3Adead", "r1%3Aslack%3Aother")
+    assert forged != retried.headers["location"] and "outbox-notice" not in operator.get(forged).text
+
+
+#: What every console answer carries, error pages included.
+_SECURITY_HEADERS = {
+    "content-security-policy": "frame-ancestors 'none'",
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+}
+
+
+def _secured(answer: httpx.Response) -> None:
+    for name, value in _SECURITY_HEADERS.items():
+        assert value in answer.headers.get(name, ""), (answer.status_code, answer.request.url, name, answer.headers)
+
+
+def test_every_console_answer_carries_the_security_headers_errors_included(serve: Serve, browse: Browse) -> None:
+    api = serve({"KEEL_API_RATE_LIMITS": '{"approver": {"rate": 0.001, "burst": 1}}'})
+    browsers = browse(api)
+    signed_out = browsers.new()
+    unauthorized = signed_out.post("/agents/x/approve", data={"csrf": "c", "revision": "1"})
+    assert unauthorized.status_code == 401 and "Sign in again" in unauthorized.text
+    _secured(unauthorized)
+    _secured(signed_out.get("/agents"))  # the redirect to the sign-in form
+    _secured(signed_out.get("/signin"))
+    client = browsers.signed_in(api.token("approver"))
+    page = client.get("/agents")
+    _secured(page)
+    for path, status in (
+        ("/agents?cursor=garbage", 400),
+        ("/agents?phase=sleeping", 400),
+        ("/agents/nobody", 404),
+        ("/agents/nobody/panel?drawn=-1", 422),  # refused by the query's own validation (a problem document)
+        ("/agents/a/b/c", 404),  # no such console page
+        ("/static/console.css", 200),
+    ):
+        answer = client.get(path)
+        assert answer.status_code == status, (path, answer.text)
+        _secured(answer)
+    assert client.post("/signout", data={"csrf": "forged"}).status_code == 403  # counted: the token's burst is spent
+    over = client.post("/signout", data={"csrf": csrf_of(page)})
+    assert over.status_code == 429
+    _secured(over)
+    with api.http() as http:  # the API's docs are not the console's: Swagger UI loads its assets from elsewhere
+        assert "content-security-policy" not in http.get("/docs").headers

@@ -108,3 +108,23 @@ def test_0005_downgrade_restores_the_agents_guard_it_replaced(empty_db_url: str)
     assert "must be journaled" in guard() and "NEW.priority" in guard()
     migrations.downgrade(empty_db_url, "0004")
     assert guard() == before
+
+
+def test_0015_guards_waiting_since_and_its_downgrade_restores_the_guard_it_replaced(empty_db_url: str) -> None:
+    def guard() -> str:
+        with psycopg.connect(libpq_url(empty_db_url)) as conn:
+            row: Any = conn.execute("SELECT pg_get_functiondef('keel_agents_revision_guard'::regproc)").fetchone()
+        return str(row[0])
+
+    migrations.upgrade(empty_db_url, "0013")
+    before = guard()
+    migrations.upgrade(empty_db_url)
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        conn.execute("INSERT INTO agents (name) VALUES ('guarded')")
+        with pytest.raises(psycopg.errors.RaiseException, match="must bump the revision"):
+            conn.execute("UPDATE agents SET waiting_since = now()")  # state: only a transition changes it
+        conn.rollback()
+        with pytest.raises(psycopg.errors.CheckViolation, match="waiting_since_only_while_waiting"):
+            conn.execute("INSERT INTO agents (name, waiting_since) VALUES ('odd', now())")
+    migrations.downgrade(empty_db_url, "0013")
+    assert guard() == before

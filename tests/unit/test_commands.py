@@ -200,3 +200,16 @@ def test_times_are_written_in_one_format_and_compared_as_instants() -> None:
     assert differences(legacy, retry, '{"prompt": "hi"}') == []
     later = replace(retry, hard_deadline=datetime(2030, 1, 1, 0, 0, 1, tzinfo=UTC))
     assert differences(legacy, later, '{"prompt": "hi"}') == ["hard_deadline"]
+
+
+def test_waiting_since_is_when_the_wait_began_and_stays_put_while_it_lasts() -> None:
+    gated = decide(row("executing", 4, "r"), cmd(Event.REQUEST_APPROVAL), NOW)
+    assert isinstance(gated, Accept) and gated.after.waiting_since == NOW
+    later = NOW + timedelta(minutes=5)
+    escalated = decide(gated.after, cmd(Event.PROGRESS), later)  # a move within the wait (an escalation)
+    assert isinstance(escalated, Accept)
+    assert (escalated.after.updated_at, escalated.after.waiting_since) == (later, NOW)
+    for event in (Event.APPROVE, Event.REJECT, Event.CANCEL, Event.FAIL):
+        out = decide(escalated.after, cmd(event), later)
+        assert isinstance(out, Accept) and out.after.waiting_since is None, event
+    assert decide(row("planning", 1, "r"), cmd(Event.PLAN), NOW).after.waiting_since is None  # type: ignore[union-attr]

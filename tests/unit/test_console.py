@@ -3,17 +3,23 @@ charts, the order of the agents)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from uuid import uuid4
 
+import httpx
 import pytest
 from pydantic import ValidationError
-from starlette.responses import Response
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
 from agents.ingress.console import paging, sessions, signin_limits, views
+from agents.ingress.console.headers import NOT_CACHED, SECURITY_HEADERS, ConsoleHeaders
 from agents.ingress.tokens import ApiToken, Scope
 from models.console_sql import AgentKey
 from models.schemas import AgentState, WaitingApproval
@@ -304,3 +310,45 @@ def test_json_for_people_to_read() -> None:
         views.compact({"t": "x" * 100}, 20) == '{"t": "xxxxxxxxxxxx…' and len(views.compact({"t": "x" * 100}, 20)) == 20
     )
     assert views.text_rows("{}") == 4 and views.text_rows("\n" * 100) == 18 and views.text_rows("\n" * 7) == 9
+
+
+def test_a_notice_proof_holds_for_its_session_and_notice_only() -> None:
+    session = sessions.new_session(_token(Scope.OPERATOR))
+    proof = sessions.notice_proof(KEY, session, "r1:slack:dead")
+    assert sessions.notice_ok(KEY, session, "r1:slack:dead", proof)
+    other = sessions.new_session(_token(Scope.OPERATOR))
+    assert not sessions.notice_ok(KEY, other, "r1:slack:dead", proof)
+    assert not sessions.notice_ok(KEY, session, "r1:slack:other", proof)
+    assert not sessions.notice_ok(b"another key" * 3, session, "r1:slack:dead", proof)
+    for missing in (None, "", "é"):
+        assert not sessions.notice_ok(KEY, session, "r1:slack:dead", missing)
+    assert not sessions.notice_ok(KEY, session, None, proof)
+
+
+def _headers_app() -> Starlette:
+    async def boom(request: Request) -> Response:
+        raise RuntimeError("a bug")
+
+    async def fine(request: Request) -> Response:
+        return PlainTextResponse("ok", headers={"Cache-Control": "max-age=60"})
+
+    app = Starlette(routes=[Route("/agents/boom", boom), Route("/v1/boom", boom), Route("/static/app.css", fine)])
+    app.add_middleware(ConsoleHeaders, sections={"agents"})
+    return app
+
+
+def test_console_answers_carry_the_security_headers_an_internal_error_too(caplog: pytest.LogCaptureFixture) -> None:
+    async def get_all(*paths: str) -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=_headers_app(), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://keel.test") as http:
+            return [await http.get(path) for path in paths]
+
+    boom, static, api, elsewhere = asyncio.run(get_all("/agents/boom", "/static/app.css", "/v1/boom", "/elsewhere"))
+    assert boom.status_code == 500 and boom.json()["incident"] in caplog.text
+    assert "a bug" not in boom.text
+    for name, value in {**SECURITY_HEADERS, **NOT_CACHED}.items():
+        assert boom.headers[name] == value
+    assert static.headers["cache-control"] == "max-age=60"  # its own kept; never no-store added
+    assert static.headers["x-frame-options"] == "DENY"
+    assert api.status_code == 500 and "content-security-policy" not in api.headers  # not the console's
+    assert elsewhere.status_code == 404 and "content-security-policy" not in elsewhere.headers

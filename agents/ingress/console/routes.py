@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, quote, urlencode
 from uuid import UUID
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.routing import APIRoute
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
@@ -29,6 +30,7 @@ from agents.core.journal import journal_page
 from agents.core.phases import Phase
 from agents.ingress.auth import resolve
 from agents.ingress.console import paging, sessions, views
+from agents.ingress.console.headers import STATIC_PATH, ConsoleHeaders
 from agents.ingress.console.paging import BadCursor
 from agents.ingress.console.sessions import Session
 from agents.ingress.events import ANY_AGENT, sse_events
@@ -154,33 +156,25 @@ async def on_over_rate(request: Request, exc: Exception) -> Response:
 
 
 def install(app: FastAPI) -> None:
-    """Serve the console from ``app``: its pages, its static files, its sign-in redirect."""
+    """Serve the console from ``app``: its pages, its static files, its sign-in redirect, and its headers on every
+    answer under its paths."""
     app.add_exception_handler(SignInRequired, on_sign_in_required)
     app.add_exception_handler(OverRate, on_over_rate)
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.mount(STATIC_PATH, StaticFiles(directory=STATIC), name="static")
     app.include_router(router)
+    sections = {route.path.split("/")[1] for route in router.routes if isinstance(route, APIRoute)} - {""}
+    app.add_middleware(ConsoleHeaders, sections=sections)
 
 
 def _render(name: str, who: Viewer | None, **context: Any) -> str:
     return templates.get_template(name).render(who=who, now=datetime.now(UTC), views=views, **context)
 
 
-#: Every page: nothing loaded from elsewhere, no inline script, never framed by another site, never cached.
-PAGE_HEADERS = {
-    "Cache-Control": "no-store",
-    "Content-Security-Policy": (
-        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none';"
-        " base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "same-origin",
-}
-
-
 def _page(
     name: str, who: Viewer | None, *, status: int = 200, headers: dict[str, str] | None = None, **context: Any
 ) -> HTMLResponse:
-    return HTMLResponse(_render(name, who, **context), status_code=status, headers={**PAGE_HEADERS, **(headers or {})})
+    """A page (its security headers are added on the way out, as to every console answer: :class:`ConsoleHeaders`)."""
+    return HTMLResponse(_render(name, who, **context), status_code=status, headers=headers)
 
 
 def _refused(who: Viewer, message: str, status: int = 403) -> HTMLResponse:
@@ -758,10 +752,13 @@ def _outbox(keel: Ingress, who: Viewer, status: str | None = None, before: int |
 def outbox_page(
     keel: Keel,
     who: Who,
-    notice: str | None = None,
     status: Annotated[str | None, Query()] = None,
     cursor: Annotated[str | None, Query()] = None,
+    retried: Annotated[str | None, Query()] = None,
+    proof: Annotated[str | None, Query()] = None,
 ) -> HTMLResponse:
+    """The messages not sent yet; after a Retry, a notice naming the message — only for the session that retried it
+    (``proof``, see :func:`sessions.notice_proof`): a crafted link shows no text of its own."""
     if not who.can(Permission.READ_OUTBOX):
         return _refused(who, f"Token {who.token.name!r} may not read the outbox.")
     if status and status not in OUTBOX_STATUSES:
@@ -771,6 +768,9 @@ def outbox_page(
         before = paging.seq_cursor(cursor, low=1) if cursor else None
     except BadCursor as exc:
         return _bad_cursor(who, exc, _link("/outbox", status=status))
+    notice = None
+    if sessions.notice_ok(sessions.session_key(keel.settings), who.session, retried, proof):
+        notice = f"Retrying {retried}: it is back in line to be sent."
     return _page("outbox.html", who, notice=notice, **_outbox(keel, who, status or None, before))
 
 
@@ -791,7 +791,8 @@ async def outbox_retry(request: Request, keel: Keel, who: Who) -> Response:
         return _page("outbox.html", who, status=kind_of(exc).status, error=str(exc), **_outbox(keel, who))
     if row is None:
         return _page("message.html", who, status=404, title="No such message", message=f"No message has key {key!r}.")
-    return RedirectResponse(f"/outbox?notice={quote('retrying ' + key, safe='')}", status_code=303)
+    proof = sessions.notice_proof(sessions.session_key(keel.settings), who.session, key)
+    return RedirectResponse(_link("/outbox", retried=key, proof=proof), status_code=303)
 
 
 def _retry(keel: Ingress, who: Viewer, key: str) -> dict[str, Any] | None:

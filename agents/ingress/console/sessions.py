@@ -137,6 +137,16 @@ def signin_nonce_ok(key: bytes, cookie: str | None, submitted: str | None) -> bo
     return 0 <= time.time() - issued < SIGNIN_SECONDS and _same(nonce, submitted)
 
 
+def notice_proof(key: bytes, session: Session, notice: str) -> str:
+    """What a redirect after a POST carries with the ``notice`` it asks the next page to show: a MAC over the notice
+    and this session, so a link someone else made (or this one, in another session) shows nothing."""
+    return hmac.new(key, f"notice.{session_id(session)}.{notice}".encode(), hashlib.sha256).hexdigest()
+
+
+def notice_ok(key: bytes, session: Session, notice: str | None, proof: str | None) -> bool:
+    return bool(notice) and proof is not None and _same(notice_proof(key, session, notice or ""), proof)
+
+
 def csrf_ok(session: Session, submitted: str | None) -> bool:
     return submitted is not None and _same(session.csrf, submitted)
 

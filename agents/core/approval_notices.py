@@ -1,0 +1,90 @@
+"""The Slack messages about a wait for approval: their keys, and the follow-up of a wait that ends undecided.
+
+Each message is keyed by the gate step the wait is on (``{request_id}:slack:{kind}:{gate target}``; a request waits
+on a gate once), one kind per message and channel: :data:`WAITING` (the call waits: the approval channel),
+:data:`ESCALATED` (it waited past its tool's approval timeout: the escalation channel), then, on each channel that
+was told, :data:`DECIDED` / :data:`ESCALATION_DECIDED` once a person or the timeout decides it, or :data:`ENDED` /
+:data:`ESCALATION_ENDED` when the wait ends without a decision. So a redelivered gate, a replayed decision or two
+beats at once still send each message once, and nobody is left reading "Approve or reject it" about a call that no
+longer waits.
+
+The runtime sends the others (agents/runtime/notices.py). The undecided end is sent here, by ``transition()``:
+cancelling the request, stopping it at its hard deadline or a worker failing it are all transitions out of
+waiting_approval, whoever makes them, so none of them can forget it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from agents.core.commands import ACCEPTED, Command, MessageSpec
+from agents.core.keys import make_key
+from agents.core.phases import Event, Phase
+from agents.core.redaction import redact
+from models.approvals_sql import waited_gate_txn
+from models.outbox_sql import destinations_txn
+from models.schemas import AgentRow
+
+WAITING = "approval"
+ESCALATED = "approval-escalated"
+DECIDED = "approval-decided"
+ESCALATION_DECIDED = "approval-escalation-decided"
+ENDED = "approval-ended"
+ESCALATION_ENDED = "approval-escalation-ended"
+
+#: How much of a reason a follow-up quotes.
+MAX_QUOTED_CHARS = 300
+
+
+def target(kind: str, gate_target: str) -> str:
+    """The message target (its key's last part) of the ``kind`` message about the wait on gate ``gate_target``."""
+    return f"{kind}:{gate_target}"
+
+
+def ends_undecided(before: AgentRow, after: AgentRow, command: Command) -> bool:
+    """Whether this move ends a wait for approval without deciding the call (a cancel, a failure)."""
+    return (
+        before.phase == Phase.WAITING_APPROVAL.value
+        and after.phase != Phase.WAITING_APPROVAL.value
+        and command.event not in (Event.APPROVE, Event.REJECT)
+    )
+
+
+def how_it_ended(command: Command) -> str:
+    """What ended the wait, for the people told of it: the person's reason (a cancel's, redacted: the channel is read
+    by more people than the journal), else the policy's."""
+    said = command.details.get("reason")
+    reason = redact(said.strip()) if isinstance(said, str) and said.strip() else None
+    if reason is None and command.reason != ACCEPTED:
+        reason = command.reason
+    if reason is not None and len(reason) > MAX_QUOTED_CHARS:
+        reason = reason[: MAX_QUOTED_CHARS - 1] + "…"
+    if command.event is Event.CANCEL:
+        return "the request was cancelled" + (f": {reason}" if reason else "")
+    if reason == "hard_deadline_passed":
+        return "the request passed its hard deadline and was stopped"
+    return "the request failed" + (f": {reason}" if reason else "")
+
+
+def ended_notices_txn(cur: psycopg.Cursor[Any], before: AgentRow, command: Command) -> tuple[MessageSpec, ...]:
+    """The follow-ups of a wait that ends undecided, one to each channel told of it (none if none was), read
+    under the agent's lock in the transition that ends it."""
+    if before.request_id is None:
+        return ()
+    gate = waited_gate_txn(cur, before.request_id)
+    if gate is None:
+        return ()
+    told = {kind: make_key(before.request_id, "slack", target(kind, gate.target)) for kind in (WAITING, ESCALATED)}
+    found = destinations_txn(cur, list(told.values()))
+    text = (
+        f"Agent {before.name}'s call to {gate.tool or 'its tool'} no longer waits for approval:"
+        f" {how_it_ended(command)} (by {command.actor}). There is nothing to approve."
+    )
+    follow_ups = ((WAITING, ENDED), (ESCALATED, ESCALATION_ENDED))
+    return tuple(
+        MessageSpec("slack", found[told[sent]], target(kind, gate.target), {"text": text})
+        for sent, kind in follow_ups
+        if told[sent] in found
+    )
