@@ -39,7 +39,7 @@ class AgentRow:
     journal_head: str
     priority: str = "normal"
     archived_at: datetime | None = None
-    #: While waiting_approval: when the wait began (None otherwise, or for a wait older than migration 0015).
+    #: While waiting_approval: when the wait began (None otherwise, or for a wait older than migration 0014).
     waiting_since: datetime | None = None
 
 

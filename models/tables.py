@@ -90,7 +90,7 @@ agents = Table(
     Column("archived_at", DateTime(timezone=True)),
     # While waiting_approval: when the wait began (the transition into it, which is when its gate finished); moves
     # within the wait (an escalation, a step of the round finishing) leave it. NULL otherwise, and for a wait that
-    # began before migration 0015 (the console then orders it by updated_at).
+    # began before migration 0014 (the console then orders it by updated_at).
     Column("waiting_since", DateTime(timezone=True)),
     CheckConstraint(_in("phase", PHASES), name="phase"),
     CheckConstraint(_in("priority", AGENT_PRIORITIES), name="priority"),

@@ -110,7 +110,7 @@ def test_0005_downgrade_restores_the_agents_guard_it_replaced(empty_db_url: str)
     assert guard() == before
 
 
-def test_0015_guards_waiting_since_and_its_downgrade_restores_the_guard_it_replaced(empty_db_url: str) -> None:
+def test_0014_guards_waiting_since_and_its_downgrade_restores_the_guard_it_replaced(empty_db_url: str) -> None:
     def guard() -> str:
         with psycopg.connect(libpq_url(empty_db_url)) as conn:
             row: Any = conn.execute("SELECT pg_get_functiondef('keel_agents_revision_guard'::regproc)").fetchone()

@@ -6,7 +6,7 @@ transition writes agent rows — and is placed by its last move, as before, unti
 
 The agents guard now counts ``waiting_since`` as state: it changes only with a revision, like the phase.
 
-Revision ID: 0015
+Revision ID: 0014
 Revises: 0013
 Create Date: 2026-12-10
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0015"
+revision = "0014"
 down_revision = "0013"
 branch_labels = None
 depends_on = None
