@@ -3,7 +3,7 @@ note of its progress. The store is the authority: a shipper resuming reads the s
 look and tells people how far shipping has got.
 
 Revision ID: 0016
-Revises: 0015
+Revises: 0014
 Create Date: 2026-12-10
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0016"
-down_revision = "0015"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 
