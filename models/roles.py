@@ -61,6 +61,7 @@ APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "public.beat_terms": ("SELECT", "INSERT", "UPDATE", "DELETE"),
     "public.beat_chores": ("SELECT", "INSERT", "UPDATE"),
     "public.audit_verifications": ("SELECT", "INSERT"),
+    "public.audit_shipments": ("SELECT", "INSERT"),  # the shipper's progress, insert-only
     "public.console_signouts": ("SELECT", "INSERT", "DELETE"),  # DELETE: sign-outs past their session's expiry
     "public.alembic_version": ("SELECT",),  # the schema check every process makes
     "public.job_fencing_token_seq": ("USAGE",),  # a sequence: nextval() for each claim's fencing token

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from models.audit_destination import load_signing_key, parse_store_url
 from models.errors import KeelError
 from models.urls import sqlalchemy_url
 
@@ -23,12 +24,12 @@ _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
 #: What a broker prefix may hold: no spaces, and none of Redis's glob characters (``*?[]\\``), so that
 #: ``SCAN MATCH <prefix>*`` finds exactly one deployment's keys.
 _BROKER_PREFIX = re.compile(r"^[A-Za-z0-9_.:/-]{0,100}$")
-#: A database role name Keel creates and names in SQL: lower case, so that it reads the same quoted or not.
-_ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 #: What an audit key's id may be: it is stored on every journal event it keys, and printed by `keel audit verify`.
 AUDIT_KEY_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 #: The shortest secret the journal's HMAC takes: 32 bytes, SHA-256's own output size (RFC 2104 §3).
 MIN_AUDIT_SECRET_BYTES = 32
+#: A database role name Keel creates and names in SQL: lower case, so that it reads the same quoted or not.
+_ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 #: The alerts Keel evaluates (agents/observability/alerts.py holds their rules; a unit test keeps the two equal).
 ALERT_NAMES = (
@@ -198,6 +199,23 @@ class Settings(BaseSettings):
     alert_beat_leader_gap_max_seconds: float = Field(default=120.0, gt=0)
     # The leading beat runs `keel audit verify` (a full pass, in a thread of its own) this often; 0: never.
     audit_verify_interval_seconds: float = Field(default=3600.0, ge=0)
+    # Shipping the journal to a separate store (agents/audit/ship.py, `keel audit ship`): sealed segments of JSON
+    # Lines to s3://bucket/prefix or file:///path; unset, nothing is shipped. The leading beat ships this often
+    # (0: only `keel audit ship` does).
+    audit_ship_url: str | None = None
+    audit_ship_interval_seconds: float = Field(default=60.0, ge=0)
+    # A segment closes at this many events, or once its oldest event is this many minutes old.
+    audit_segment_events: int = Field(default=1000, ge=1, le=100_000)
+    audit_segment_minutes: float = Field(default=10.0, gt=0, le=7 * 24 * 60)
+    # An S3-compatible store other than AWS (MinIO, Ceph...); credentials and region come from boto3's own
+    # environment variables and config files.
+    audit_s3_endpoint_url: str | None = None
+    # S3 Object Lock on every shipped object: retained this many days (0: no retention headers), in this mode.
+    audit_object_lock_days: int = Field(default=0, ge=0, le=36_500)
+    audit_object_lock_mode: Literal["COMPLIANCE", "GOVERNANCE"] = "COMPLIANCE"
+    # An Ed25519 private key (PEM, PKCS#8: `openssl genpkey -algorithm ed25519`): each segment's manifest is also
+    # signed with it, so a holder of the public key can check the shipped copy without any secret.
+    audit_signing_key: SecretStr | None = None
     # The daily KPI report (the last 24 h) goes to KEEL_ALERT_SLACK_CHANNEL at this time of day, UTC ("HH:MM");
     # "off": no report.
     kpi_report_at: str = "08:00"
@@ -228,6 +246,13 @@ class Settings(BaseSettings):
     #: Signs the operator console's session cookies (at least 32 characters). None: a random key per API process,
     #: so sessions end when it restarts and do not carry over between processes (set it with KEEL_API_WORKERS > 1).
     console_session_key: SecretStr | None = None
+
+    # The journal's key ring (models/audit_keys.py): key id -> secret (at least 32 bytes), as JSON, e.g.
+    # {"2025-06": "…"}; every journal event is linked to the previous one with an HMAC under one of them, and stores
+    # its id. KEEL_AUDIT_KEY_ID names the key new events use (optional when the ring holds one key); the others stay
+    # in the ring to check older events. Unset outside production: a key generated once under KEEL_HOME.
+    audit_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    audit_key_id: str | None = None
     #: Failed console sign-ins (an unknown or revoked token), counted in Redis like the API's rate limits: from one
     #: client address at most ``burst`` at once, then one more every 60/``per_minute`` seconds; and over all addresses
     #: together the ``global`` pair, so guessing from many addresses is slowed too. Over either, a sign-in is refused
@@ -240,12 +265,6 @@ class Settings(BaseSettings):
     #: Rows per page of the console's lists: the agents, the outbox's unsent messages, an agent's journal.
     console_page_size: int = Field(default=100, ge=1, le=1000)
 
-    # The journal's key ring (models/audit_keys.py): key id -> secret (at least 32 bytes), as JSON, e.g.
-    # {"2025-06": "…"}; every journal event is linked to the previous one with an HMAC under one of them, and stores
-    # its id. KEEL_AUDIT_KEY_ID names the key new events use (optional when the ring holds one key); the others stay
-    # in the ring to check older events. Unset outside production: a key generated once under KEEL_HOME.
-    audit_keys: dict[str, SecretStr] = Field(default_factory=dict)
-    audit_key_id: str | None = None
     metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(default=0, ge=0, le=65535)
     beat_metrics_port: int = Field(default=0, ge=0, le=65535)
@@ -328,10 +347,14 @@ class Settings(BaseSettings):
         "otlp_endpoint",
         "api_metrics_token",
         "console_session_key",
+        "audit_key_id",
         "migration_database_url",
         "db_app_password",
         "db_auditor_password",
         "audit_key_id",
+        "audit_ship_url",
+        "audit_s3_endpoint_url",
+        "audit_signing_key",
         mode="before",
     )
     @classmethod
@@ -552,6 +575,20 @@ class Settings(BaseSettings):
     def _broker_url_is_redis(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("redis://", "rediss://", "redis+socket://")):
             raise ValueError(f"must be a redis:// URL, got scheme {value.split(':', 1)[0][:20]!r}")
+        return value
+
+    @field_validator("audit_ship_url")
+    @classmethod
+    def _ship_url_is_a_store(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_store_url(value)  # ValueError names the rule
+        return value
+
+    @field_validator("audit_signing_key")
+    @classmethod
+    def _signing_key_is_ed25519(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            load_signing_key(value.get_secret_value())  # ValueError names the rule, never the key
         return value
 
     @field_validator("broker_prefix")

@@ -431,6 +431,21 @@ audit_verifications = Table(
     CheckConstraint("source IN ('cli', 'beat')", name="source"),
 )
 
+#: One row per journal segment confirmed in the separate store (`keel audit ship`), per destination: how far shipping
+#: has got. Written only after the store holds the segment and its manifest; the store is the authority on resume.
+audit_shipments = Table(
+    "audit_shipments",
+    metadata,
+    Column("destination", Text, primary_key=True),
+    Column("first_id", BigInteger, nullable=False),
+    Column("last_id", BigInteger, primary_key=True),
+    Column("events", BigInteger, nullable=False),
+    Column("segment", Text, nullable=False),  # the body's object name
+    Column("manifest_sha256", Text, nullable=False),
+    Column("shipped_at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
+    CheckConstraint("first_id <= last_id", name="range"),
+)
+
 # Console sessions signed out before they expired (the session cookie is signed, not stored: a copy of it would
 # otherwise work until it expires). Kept until the session would have expired; sign-outs purge the expired rows.
 console_signouts = Table(

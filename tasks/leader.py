@@ -1,9 +1,10 @@
-"""What the leading beat does besides dispatching: its heartbeat, alert evaluation, the periodic audit verify and
-the daily KPI report. Called from the dispatcher's tick (tasks/dispatcher.py) only while this beat leads.
+"""What the leading beat does besides dispatching: its heartbeat, alert evaluation, the periodic audit verify,
+shipping the journal to its separate store and the daily KPI report. Called from the dispatcher's tick
+(tasks/dispatcher.py) only while this beat leads.
 
 Each chore is due on the database's clock (``beat_chores``): two beats, or a beat restarted, never run one more
-often than its interval. The audit verify is a full pass over the journal, so it runs in a thread of its own and
-the dispatcher never waits for it.
+often than its interval. The audit verify is a full pass over the journal and shipping waits on an object store, so
+each runs in a thread of its own and the dispatcher never waits for them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from agents.audit.ship import ShipperBusy, ship_configured
 from agents.audit.verify import verify_and_record
 from agents.core.outage import is_outage
 from agents.observability import alerts, report
@@ -28,6 +30,7 @@ log = logging.getLogger("keel.leader")
 
 ALERTS_CHORE = "alerts"
 AUDIT_VERIFY_CHORE = "audit_verify"
+AUDIT_SHIP_CHORE = "audit_ship"
 
 
 class LeaderDuties:
@@ -41,6 +44,7 @@ class LeaderDuties:
         self._ask_every = min(1.0, settings.alert_interval_seconds / 4)
         self._next_ask = 0.0
         self._verifying: threading.Thread | None = None
+        self._shipping: threading.Thread | None = None
 
     def stand_down(self) -> None:
         """This beat no longer leads: the next time it does is a new term."""
@@ -62,6 +66,7 @@ class LeaderDuties:
         self._next_ask = now + self._ask_every
         self._chore("alert evaluation", self._alerts)
         self._chore("audit verify", self._audit_verify)
+        self._chore("audit ship", self._audit_ship)
 
     def _chore(self, what: str, run: Callable[[], None]) -> None:
         try:
@@ -107,3 +112,26 @@ class LeaderDuties:
                 len(result.breaks),
                 sum(u.events for u in result.unchecked),
             )
+
+    def _audit_ship(self) -> None:
+        seconds = self.settings.audit_ship_interval_seconds
+        if not seconds or self.settings.audit_ship_url is None:
+            return
+        if self._shipping is not None and self._shipping.is_alive():
+            return
+        if alerts_sql.claim_chore(self.db, AUDIT_SHIP_CHORE, timedelta(seconds=seconds)) is None:
+            return
+        self._shipping = threading.Thread(target=self._ship, name="keel-audit-ship", daemon=True)
+        self._shipping.start()
+
+    def _ship(self) -> None:
+        try:
+            report = ship_configured(self.db, self.settings)
+        except ShipperBusy:
+            log.info("audit ship: another shipper (keel audit ship?) is shipping; trying again at the next interval")
+            return
+        except Exception:
+            log.exception("audit ship failed; trying again at its next interval (keel audit ship says why)")
+            return
+        for s in report.segments:
+            log.info("audit ship: %s, %d events (ids %d..%d)", s.segment, s.events, s.first_id, s.last_id)

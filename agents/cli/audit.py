@@ -69,7 +69,7 @@ def journal_cmd(
 
 @click.group()
 def audit() -> None:
-    """Check the journal's integrity; export a request's events for an auditor."""
+    """Check the journal's integrity; ship it to a separate store; export a request's events for an auditor."""
 
 
 #: Chains listed per kind of finding in the text output (--json lists every one).
@@ -77,14 +77,34 @@ SHOWN = 20
 
 
 @audit.command("verify")
+@click.option(
+    "--against",
+    "against",
+    metavar="URL",
+    help="Instead: compare the journal with the copy shipped to URL (s3://bucket/prefix or file:///path) and name"
+    " every divergence.",
+)
+@click.option(
+    "--public-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="With --against: an Ed25519 public key (PEM) the shipped manifests must be signed with.",
+)
 @json_option
 @friendly
-def audit_verify(as_json: bool) -> None:
+def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> None:
     """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link of any
     chain, or when events linked with a key the ring lacks could not be checked. Says how many events of each chain
     are legacy (from before the journal was keyed). The outcome is recorded: the audit_verify alert fires while the
     latest verify (this command's or the beat's periodic one) failed. The auditor role reads only: run by it, the
-    outcome is printed and not recorded."""
+    outcome is printed and not recorded.
+
+    With --against URL: compare the journal with its shipped copy instead (nothing is recorded); exit 1 on any event
+    changed, removed or inserted after shipping, any chain re-forged, any segment missing or manifest that fails."""
+    if against is not None:
+        _verify_against(against, public_key, as_json)
+        return
+    if public_key is not None:
+        raise click.UsageError("--public-key goes with --against")
     from agents.audit.verify import verify_and_record
     from agents.core.journal import verify
     from models.alerts_sql import may_record_verification
@@ -175,6 +195,113 @@ def audit_verify(as_json: bool) -> None:
         click.echo(f"ok: {report.events} events in {report.agents} agent chains verified")
     else:
         sys.exit(1)
+
+
+def _verify_against(url: str, public_key_path: str | None, as_json: bool) -> None:
+    from agents.audit.ship import destination_of, open_configured_store, verify_against
+    from models.audit_destination import load_public_key
+    from models.audit_keys import AuditKeyMissing, audit_keys_for
+
+    public_key = None
+    if public_key_path is not None:
+        try:
+            public_key = load_public_key(Path(public_key_path).read_bytes())
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--public-key") from None
+    with open_client(writes=False) as client:
+        destination = destination_of(client.settings, url)
+        try:
+            keys = audit_keys_for(client.settings)
+        except AuditKeyMissing:
+            if public_key is None:
+                raise
+            keys = None
+        store = open_configured_store(client.db, client.settings, destination)
+        report = verify_against(client.db, store, keys, destination=str(destination), public_key=public_key)
+    if as_json:
+        click.echo(
+            to_json(
+                {
+                    "ok": report.ok,
+                    "destination": report.destination,
+                    "segments": report.segments,
+                    "events": report.events,
+                    "last_id": report.last_id,
+                    "unshipped": report.unshipped,
+                    "divergences": [{"kind": d.kind, "text": d.text} for d in report.divergences],
+                    "notes": list(report.notes),
+                }
+            )
+        )
+    else:
+        for note in report.notes:
+            click.echo(f"note: {note}", err=True)
+        for d in report.divergences:
+            click.echo(f"DIVERGED ({d.kind}): {d.text}", err=True)
+        if report.ok:
+            click.echo(
+                f"ok: {report.events} events in {report.segments} segments at {report.destination} match the journal"
+                f" (to id {report.last_id}; {report.unshipped} events not shipped yet)"
+            )
+    if not report.ok:
+        sys.exit(1)
+
+
+@audit.command("ship")
+@click.option(
+    "--url", metavar="URL", help="Ship here instead of KEEL_AUDIT_SHIP_URL (s3://bucket/prefix, file:///path)."
+)
+@click.option(
+    "--flush",
+    is_flag=True,
+    help="Also seal the segment still open (its events are fewer than KEEL_AUDIT_SEGMENT_EVENTS and younger than"
+    " KEEL_AUDIT_SEGMENT_MINUTES): everything committed is shipped.",
+)
+@json_option
+@friendly
+def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
+    """Ship the journal's closed segments to the separate store, each as JSON Lines with a keyed (and, with
+    KEEL_AUDIT_SIGNING_KEY, signed) manifest; resumes where the store's last segment ends. The leading beat does
+    the same every KEEL_AUDIT_SHIP_INTERVAL_SECONDS."""
+    from agents.audit.ship import ship_configured
+
+    with open_client() as client:
+        report = ship_configured(client.db, client.settings, url=url, flush=flush)
+    if as_json:
+        emit(
+            {
+                "destination": report.destination,
+                "last_id": report.last_id,
+                "waiting": report.waiting,
+                "unsettled": report.unsettled,
+                "segments": [
+                    {
+                        "segment": s.segment,
+                        "manifest": s.manifest,
+                        "first_id": s.first_id,
+                        "last_id": s.last_id,
+                        "events": s.events,
+                        "resumed": s.resumed,
+                    }
+                    for s in report.segments
+                ],
+            },
+            True,
+            "",
+        )
+        return
+    for s in report.segments:
+        how = " (its body was already there: completed)" if s.resumed else ""
+        click.echo(f"shipped {s.segment}: {s.events} events, ids {s.first_id}..{s.last_id}{how}")
+    if report.unsettled:
+        click.echo("waiting: a transaction writing the journal is still open; the rest ships next time")
+    elif report.waiting:
+        click.echo(
+            f"{report.waiting} events wait for their segment to close (KEEL_AUDIT_SEGMENT_EVENTS or"
+            " KEEL_AUDIT_SEGMENT_MINUTES; --flush ships them now)"
+        )
+    elif not report.segments:
+        click.echo(f"nothing to ship: {report.destination} holds the journal to id {report.last_id}")
 
 
 @audit.command("export")

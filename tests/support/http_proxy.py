@@ -6,7 +6,12 @@ that request's method and path, acts it out instead of a plain forward:
 - ``reset``: the connection is reset before the request is forwarded (the server never sees it);
 - ``lose``: the request is forwarded and the server's whole answer read, then the connection is closed without a
   byte of it reaching the client (the server applied it; the client cannot know);
-- ``503``: a 503 problem answer from the proxy itself, without forwarding (a load balancer with no backend).
+- ``503``: a 503 problem answer from the proxy itself, without forwarding (a load balancer with no backend);
+  ``500``: the same with 500 (a server error before the upstream saw it);
+- ``stall``: the request is forwarded and the answer read, then nothing is sent back until the client gives up
+  (its read times out) or 30 s pass: a timeout after the server applied the request;
+- ``hold``: the request is not forwarded and nothing is answered until the client gives up or 30 s pass (a
+  request that never reached the server, its client left waiting).
 
 Everything else is forwarded as it comes, streams included (Server-Sent Events go through chunk by chunk), and
 ``cut()`` closes every open client connection, as a network that drops does. ``seen`` records each request: its
@@ -29,7 +34,7 @@ import httpx
 # Hop-by-hop headers, and those the forwarding itself sets again.
 _DROP_REQUEST = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"content-length"}
 _DROP_RESPONSE = {b"connection", b"keep-alive", b"transfer-encoding"}
-FAULTS = ("reset", "lose", "503")
+FAULTS = ("reset", "lose", "503", "500", "stall", "hold")
 
 
 @dataclass(frozen=True)
@@ -118,16 +123,21 @@ class FaultyProxy:
                     return
                 method, path = request.method.decode(), request.target.decode()
                 fault = self._fault_for(method, path)
-                if fault in ("reset", "503"):
+                if fault in ("reset", "503", "500", "hold"):
                     self._note(method, path, fault)
                 if fault == "reset":
                     return
-                if fault == "503":
+                if fault == "hold":
+                    _wait_for_close(client)
+                    return
+                if fault in ("503", "500"):
                     headers = [(b"content-type", b"application/problem+json"), _length(_UNAVAILABLE)]
-                    _send(conn, client, 503, headers, [_UNAVAILABLE])
+                    _send(conn, client, int(fault), headers, [_UNAVAILABLE])
                 else:
-                    self._forward(conn, client, request, body, lose=fault == "lose")
-                    if fault == "lose":
+                    self._forward(conn, client, request, body, lose=fault in ("lose", "stall"))
+                    if fault == "stall":
+                        _wait_for_close(client)
+                    if fault in ("lose", "stall"):
                         return
                 if conn.our_state is h11.MUST_CLOSE:
                     return
@@ -173,6 +183,8 @@ def _read_request(conn: h11.Connection, client: socket.socket) -> tuple[h11.Requ
             conn.receive_data(client.recv(65536))
         elif isinstance(event, h11.Request):
             request = event
+            if conn.they_are_waiting_for_100_continue:  # S3 clients send Expect: 100-continue with a body
+                client.sendall(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
         elif isinstance(event, h11.Data):
             body += bytes(event.data)
         elif isinstance(event, h11.EndOfMessage):
@@ -198,6 +210,13 @@ def _send(
         if chunk:
             client.sendall(conn.send(h11.Data(data=chunk)) or b"")
     client.sendall(conn.send(h11.EndOfMessage()) or b"")
+
+
+def _wait_for_close(client: socket.socket) -> None:
+    client.settimeout(30)
+    with contextlib.suppress(OSError):
+        while client.recv(65536):  # until the client closes its end (or dies)
+            pass
 
 
 def _reset(sock: socket.socket) -> None:
