@@ -221,7 +221,8 @@ def last_verification(db: Database) -> Verification | None:
     with db.connection() as conn, conn.cursor(row_factory=class_row(Verification)) as cur:
         cur.execute(
             "SELECT id, at, source, ok, agents, events, breaks, details FROM audit_verifications"
-            " ORDER BY at DESC, id DESC LIMIT 1"
+            # By id, not by the time written in the row: a row may not back- or forward-date itself to the top.
+            " ORDER BY id DESC LIMIT 1"
         )
         row = cur.fetchone()
         conn.rollback()

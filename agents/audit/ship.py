@@ -296,7 +296,9 @@ def _shipper_lock(db: Database, destination: str) -> Iterator[psycopg.Connection
 _IN_FLIGHT = (
     "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{}') FROM pg_locks"
     " WHERE locktype = 'relation' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    " AND relation = 'audit.journal'::regclass AND mode = 'RowExclusiveLock' AND pid <> pg_backend_pid()"
+    " AND relation = 'audit.journal'::regclass AND mode = 'RowExclusiveLock'"
+    # A prepared transaction's locks have no pid: IS DISTINCT FROM keeps them (<> would drop a NULL).
+    " AND pid IS DISTINCT FROM pg_backend_pid()"
 )
 _STILL_IN_FLIGHT = (
     "SELECT count(*) FROM pg_locks WHERE locktype = 'relation' AND relation = 'audit.journal'::regclass"
@@ -747,6 +749,14 @@ def _compare(
                 Divergence(
                     "changed",
                     f"{_describe(line)} was changed after it was shipped ({segment}): {', '.join(content)} differ",
+                )
+            )
+        relinked = [k for k in differ if k in _LINK_FIELDS and k != "hash"]
+        if relinked and "hash" not in differ:  # a changed hash is reported with its whole chain, as re-forged
+            found.append(
+                Divergence(
+                    "changed",
+                    f"{_describe(line)} was re-linked after it was shipped ({segment}): {', '.join(relinked)} differ",
                 )
             )
         if "hash" in differ:

@@ -79,10 +79,12 @@ OTLP_HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACE
 
 def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
     """The secrets in ``settings``: its tokens and API key, the journal's audit keys (the configured ring's, or the
-    development key under ``KEEL_HOME``), the database roles' passwords, the passwords of its database, migration and
-    broker URLs, and the OTLP collector's credentials — the password and query values of ``KEEL_OTLP_ENDPOINT`` and of
-    the standard endpoint variables, and the header values of ``OTEL_EXPORTER_OTLP_HEADERS`` /
-    ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and percent-decoded."""
+    development key under ``KEEL_HOME``), the manifests' signing key, the console's session key, the S3 secret key
+    (``AWS_SECRET_ACCESS_KEY`` in ``environ``), the database roles' passwords, the passwords of its database,
+    migration and broker URLs, and the OTLP collector's credentials — the password and query values of
+    ``KEEL_OTLP_ENDPOINT`` and of the standard endpoint variables, and the header values of
+    ``OTEL_EXPORTER_OTLP_HEADERS`` / ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and
+    percent-decoded."""
     found = [
         value.get_secret_value()
         for value in (
@@ -96,6 +98,14 @@ def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> l
         if value is not None
     ]
     found.extend(audit_key_secrets(settings))
+    if settings.console_session_key is not None:
+        found.append(settings.console_session_key.get_secret_value())
+    if settings.audit_signing_key is not None:  # a PEM: the whole of it, and each line of its base64 body
+        pem = settings.audit_signing_key.get_secret_value()
+        found.append(pem)
+        found.extend(line.strip() for line in pem.splitlines() if line.strip() and not line.startswith("-----"))
+    if environ.get("AWS_SECRET_ACCESS_KEY"):  # the shipper's S3 credentials, which boto3 reads itself
+        found.append(environ["AWS_SECRET_ACCESS_KEY"])
     for url in (settings.database_url, settings.migration_database_url, settings.broker_url):
         password = _url_password(url)
         if password:

@@ -351,3 +351,16 @@ def test_a_dead_alert_message_can_be_retried_though_it_has_no_agent(
     drain(relay)
     assert alert_rows(raw)[0][4] == "sent" and slack.delivered_keys()[key] == 1
     assert raw.execute("SELECT count(*) FROM audit.journal").fetchone() == (0,)  # no agent's chain to journal on
+
+
+def test_a_forward_dated_verification_row_does_not_hide_a_later_failed_verify(db: Database) -> None:
+    """The latest verification is the last one written (by id), not the one whose own `at` says latest: a row the
+    application role inserted with a far-future time must not stand in front of every later failed verify."""
+    with db.autocommit() as cur:
+        cur.execute(
+            "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details)"
+            " VALUES ('9999-01-01T00:00:00Z', 'beat', true, 0, 0, 0, '{}')"
+        )
+    alerts_sql.record_verification(db, source="beat", ok=False, agents=1, events=3, breaks=1, details={})
+    latest = alerts_sql.last_verification(db)
+    assert latest is not None and latest.ok is False and latest.breaks == 1

@@ -306,6 +306,10 @@ def _tamper(raw: psycopg.Connection[Any], how: str) -> str:
             (jid,),
         )
         return r"\(inserted\): journal id 3 \(agent .* event 99\) was inserted into the database after"
+    if how == "relink":
+        # Only the event's link fields: its key id claimed by another key, its hash left as it was.
+        raw.execute("UPDATE audit.journal SET key_id = 'mallory-1' WHERE id = %s", (jid,))
+        return rf"\(changed\): journal id {jid} \(agent {agent} event 2\) was re-linked after it was shipped .*: key_id"
     assert how == "reforge"
     raw.execute("UPDATE audit.journal SET actor = 'mallory' WHERE id = %s", (jid,))
     prev = "0" * 64
@@ -330,7 +334,7 @@ def keel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("how", ["edit", "delete", "insert", "reforge"])
+@pytest.mark.parametrize("how", ["edit", "delete", "insert", "relink", "reforge"])
 def test_verify_against_names_each_divergence(
     client: Client, db: Database, db_url: str, raw: psycopg.Connection[Any], s3: MotoS3, how: str
 ) -> None:

@@ -188,3 +188,22 @@ def test_the_otlp_collectors_credentials_are_secrets() -> None:
     text = "export failed: headers={'x-api-key': 'HDR-secret-7==', 'x-honeycomb-team': 'trace-hdr-secret-9'}"
     assert redact(text) == "export failed: headers={'x-api-key': '***', 'x-honeycomb-team': '***'}"
     assert "secret" not in redact("url https://c/v1/traces?key=env-query-secret-10 and QUERY-secret+6")
+
+
+def test_the_signing_key_the_session_key_and_the_s3_secret_are_secrets() -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    pem = (
+        Ed25519PrivateKey.generate()
+        .private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        .decode()
+    )
+    body = next(line for line in pem.splitlines() if not line.startswith("-----"))
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        audit_signing_key=SecretStr(pem),
+        console_session_key=SecretStr("console-session-key-0123456789abcdef"),
+    )
+    found = set(secrets_of(settings, {"AWS_SECRET_ACCESS_KEY": "aws-secret-value-0123456789"}))
+    assert {pem, body, "console-session-key-0123456789abcdef", "aws-secret-value-0123456789"} <= found
