@@ -202,11 +202,15 @@ def test_the_api_app_closes_its_kpi_collectors_pool_when_it_stops(
 ) -> None:
     """A scrape reads the domain KPIs on a pool of the collectors' own; stopping the app (a reload, an in-process
     app) closes it with the rest, leaving no connection open to the database."""
+    from agents.core import observe
+    from agents.observability import metrics
     from tasks.api import create
 
     for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
         monkeypatch.setenv(name, value)
     dbname = db_url.rsplit("/", 1)[1]
+    before = observe.observers()
+    monkeypatch.setattr(metrics, "_observer", None)
 
     def connections() -> int:
         with psycopg.connect(libpq_url(db_url.rsplit("/", 1)[0] + "/postgres"), autocommit=True) as conn:
@@ -228,5 +232,10 @@ def test_the_api_app_closes_its_kpi_collectors_pool_when_it_stops(
             assert scraped.status_code == 200 and "keel_kpi_up 1.0" in scraped.text, scraped.text[-2000:]
             assert connections() > 0
 
-    asyncio.run(scrape())
+    try:
+        asyncio.run(scrape())
+    finally:  # the app registered this process's metrics observer: later tests expect none
+        for observer in observe.observers():
+            if observer not in before:
+                observe.unregister(observer)
     assert connections() == 0
