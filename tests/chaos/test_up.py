@@ -234,8 +234,15 @@ def test_up_says_when_redis_goes_and_comes_back_and_gives_up_when_it_stays_away(
         assert not alive, f"left running: {[(p.pid, p.cmdline()) for p in alive]}"
     unless_kombu_crashed_the_worker(log.read_text())
     lines = log.read_text().splitlines()
-    # (Where the metrics are is said once at the start; it is not about Redis.)
-    ours = [line for line in lines if line.startswith("keel") and not line.startswith("keel up: metrics at")]
+    # (Where the metrics are is said once at the start, and a child slow to stop on a loaded machine is named before
+    # it is killed — nothing is left running either way, checked above: neither is about Redis.)
+    ours = [
+        line
+        for line in lines
+        if line.startswith("keel")
+        and not line.startswith("keel up: metrics at")
+        and not re.fullmatch(r"keel up: \w+ did not stop within \d+s", line)
+    ]
     assert [line.split(" (")[0].split(";")[0] for line in ours] == [
         "keel up: worker, beat, api running",
         f"keel up: Redis at 127.0.0.1:{port}/0 is unreachable",
