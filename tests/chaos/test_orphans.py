@@ -37,6 +37,17 @@ def _commands(family: list[psutil.Process]) -> set[str]:
     return {line[line.index("agents") + 1] for line in lines if "agents" in line[:-1]}
 
 
+def _named(alive: list[psutil.Process]) -> list[str]:
+    """Who outlived the supervisor: pid and command line, so a failure says which child lingered."""
+    named = []
+    for proc in alive:
+        try:
+            named.append(f"{proc.pid} {' '.join(proc.cmdline())} ({proc.status()})")
+        except psutil.NoSuchProcess:
+            named.append(f"{proc.pid} (gone since)")
+    return named
+
+
 def _cleanup(proc: subprocess.Popen[bytes], family: list[psutil.Process]) -> None:
     """Only if the test failed: leave nothing behind."""
     if proc.poll() is None:
@@ -62,7 +73,7 @@ def test_a_sigkilled_keel_up_leaves_no_orphans(db_url: str, broker: Broker, tmp_
         up.kill()  # no handler runs: only the kernel can tell the children
         up.wait()
         _gone, alive = psutil.wait_procs(family, timeout=60)
-        assert alive == [], f"outlived a SIGKILLed keel up: {[p.pid for p in alive]}"
+        assert alive == [], f"outlived a SIGKILLed keel up: {_named(alive)}"
     finally:
         _cleanup(up, family)
 
@@ -88,7 +99,7 @@ def test_a_stopped_demo_stops_its_worker_and_beat(
         assert demo.wait(timeout=90) == 128 + sig, log.read_text()
         assert f"stopped by {sig.name}" in log.read_text()
         _gone, alive = psutil.wait_procs(family, timeout=30)
-        assert alive == [], f"outlived the demo: {[p.pid for p in alive]}"
+        assert alive == [], f"outlived the demo: {_named(alive)}"
     finally:
         _cleanup(demo, family)
 
@@ -109,6 +120,6 @@ def test_a_sigkilled_demo_leaves_no_orphans(db_url: str, broker: Broker, tmp_pat
         demo.kill()
         demo.wait()
         _gone, alive = psutil.wait_procs(family, timeout=60)
-        assert alive == [], f"outlived a SIGKILLed demo: {[p.pid for p in alive]}"
+        assert alive == [], f"outlived a SIGKILLed demo: {_named(alive)}"
     finally:
         _cleanup(demo, family)
