@@ -62,8 +62,9 @@ def _faketime_env(clock_file: Path) -> dict[str, str]:
 
 
 @contextmanager
-def time_travel_postgres(start: datetime) -> Iterator[TimeTravelServer]:
-    """Start a private server whose clock reads ``start``; stop it and remove its files afterwards."""
+def time_travel_postgres(start: datetime, *settings: str) -> Iterator[TimeTravelServer]:
+    """Start a private server whose clock reads ``start``, with ``settings`` (``name=value``) on top of the
+    defaults; stop it and remove its files afterwards."""
     home = Path(tempfile.mkdtemp(prefix="keel-timepg-"))
     home.chmod(0o755)
     pgdata = home / "data"
@@ -82,7 +83,9 @@ def time_travel_postgres(start: datetime) -> Iterator[TimeTravelServer]:
     started = False
     try:
         pgserver.initdb(["--auth=trust", "--encoding=utf8", "-U", "postgres"], pgdata=pgdata, user=user, env=env)
-        options = f"-p {server.port} -c listen_addresses=127.0.0.1 -k {home} -c fsync=off"
+        options = " ".join(
+            [f"-p {server.port} -c listen_addresses=127.0.0.1 -k {home} -c fsync=off", *(f"-c {s}" for s in settings)]
+        )
         pgserver.pg_ctl(
             ["-w", "-o", options, "-l", str(home / "log"), "start"], pgdata=pgdata, user=user, env=env, timeout=60
         )
