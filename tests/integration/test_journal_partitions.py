@@ -75,20 +75,19 @@ def verified(db: Database) -> None:
 
 def test_the_migration_keeps_every_row_and_the_downgrade_restores_the_table(empty_db_url: str) -> None:
     migrations.upgrade(empty_db_url, "0016")
-    # Events written before the journal was partitioned (as 0016 stood), then partitioned.
-    migrations.upgrade(empty_db_url)
-    migrations.downgrade(empty_db_url, "0016")
     db = Database(empty_db_url, pool_size=2, audit_keys=TEST_KEYS)
     try:
         with connect(empty_db_url) as conn:
             assert conn.execute("SELECT relkind FROM pg_class WHERE oid = 'audit.journal'::regclass").fetchone() == (
                 "r",
             )
+        # Events in several chains (a deleted agent's included), written at head, then down to 0016 and back: the
+        # rows of the plain table are the rows the partitioned one starts with.
         migrations.upgrade(empty_db_url)
         ids = history(db)
         migrations.downgrade(empty_db_url, "0016")
         before = digest(empty_db_url)
-        assert before[0] >= 13
+        assert before[0] == 12
         with connect(empty_db_url) as conn:
             constraints = {
                 r[0] for r in conn.execute("SELECT conname FROM pg_constraint WHERE conrelid = 'audit.journal'::regclass")
@@ -136,7 +135,7 @@ def test_the_downgrade_copies_monthly_rows_back(empty_db_url: str) -> None:
                 sql.SQL(
                     "INSERT INTO audit.journal SELECT nextval('audit.journal_id_seq'), agent_id, seq + 100, kind, event,"
                     " actor, request_id, from_phase, to_phase, revision, decision, details, lower_bound, prev_hash,"
-                    " hash, key_id FROM audit.journal j, (SELECT {} AS lower_bound) b ORDER BY id DESC LIMIT 1"
+                    " hash, key_id FROM audit.journal j, (SELECT {}::timestamptz AS lower_bound) b ORDER BY id DESC LIMIT 1"
                 ).format(sql.Literal(_lower(partitions(empty_db_url)[month])))
             )
         assert conn.execute(sql.SQL("SELECT count(*) FROM audit.{}").format(sql.Identifier(month))).fetchone() == (1,)
@@ -315,7 +314,7 @@ def test_every_append_path_passes_the_guards_as_the_application_role(roles_db: R
 def test_an_agent_and_its_created_event_in_one_statement(roles_db: RoledDatabase) -> None:
     """Data-modifying CTEs do not see each other's rows; the guards' lookups run as the triggers fire, after the
     agent's row went in — so an agent and its first event may still be written in one statement."""
-    with connect(roles_db.app_url) as app:
+    with connect(roles_db.app_url, autocommit=False) as app, app.transaction():
         row = app.execute(
             "WITH a AS (INSERT INTO agents (name, journal_seq, journal_head) VALUES ('one-shot', 0, 'h0')"
             " RETURNING id), ev AS (INSERT INTO audit.journal (agent_id, seq, kind, event, actor, revision, decision,"
@@ -351,8 +350,8 @@ def test_the_application_cannot_truncate_detach_or_drop_a_partition(chain: tuple
         for name in names:
             with pytest.raises(psycopg.errors.InsufficientPrivilege, match="append-only"):
                 owner.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier("audit", name)))
-            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="append-only"):
-                owner.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier("audit", name)))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="append-only"):
+            owner.execute("DELETE FROM audit.journal_legacy")  # the partition with rows: the cloned trigger holds
     assert digest(rdb.url) == before
 
 
