@@ -154,6 +154,34 @@ END $$;
 REVOKE ALL ON FUNCTION audit.keel_ensure_partitions(integer) FROM PUBLIC;
 """
 
+# 0006's check that a row's agent exists, naming the table a partition belongs to ("journal", not "journal_legacy")
+# when it refuses. _AGENT_EXISTS_0006 is the function as 0006 wrote it, restored by the downgrade.
+_AGENT_EXISTS = """
+CREATE OR REPLACE FUNCTION keel_agent_exists() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM agents WHERE id = NEW.agent_id FOR KEY SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION '%: agent % does not exist (or was deleted)',
+            (SELECT c.relname FROM pg_class c WHERE c.oid = coalesce(pg_partition_root(TG_RELID), TG_RELID)),
+            NEW.agent_id USING ERRCODE = 'foreign_key_violation';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+"""
+_AGENT_EXISTS_0006 = """
+CREATE OR REPLACE FUNCTION keel_agent_exists() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM agents WHERE id = NEW.agent_id FOR KEY SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION '%: agent % does not exist (or was deleted)', TG_TABLE_NAME, NEW.agent_id
+            USING ERRCODE = 'foreign_key_violation';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+"""
+
 _REFUSE_ARCHIVED = """
 SELECT CASE WHEN to_regclass('audit.archived_partitions') IS NULL THEN 0
             ELSE (xpath('/row/n/text()', query_to_xml('SELECT count(*) AS n FROM audit.archived_partitions',
@@ -203,6 +231,7 @@ def _swap(bind: sa.Connection, bound: str) -> None:
         " FOR EACH ROW EXECUTE FUNCTION keel_agent_exists()",
         "CREATE TRIGGER journal_kpis AFTER INSERT ON audit.journal FOR EACH ROW"
         " WHEN (NEW.kind IN ('transition', 'suppressed')) EXECUTE FUNCTION keel_kpi_journal()",
+        _AGENT_EXISTS,
         _APPEND_GUARD,
         _WITHIN_HEAD,
         # No scan: the validated bound proves the partition constraint.
@@ -257,6 +286,7 @@ def downgrade() -> None:
         "DROP FUNCTION audit.keel_ensure_partitions(integer)",
         "DROP FUNCTION audit.keel_journal_append_guard()",
         "DROP FUNCTION audit.keel_journal_within_head()",
+        _AGENT_EXISTS_0006,
         "ALTER TABLE audit.journal_legacy RENAME TO journal",
         "ALTER TABLE audit.journal DROP CONSTRAINT journal_legacy_pkey, ADD CONSTRAINT pk_journal PRIMARY KEY (id)",
         "ALTER TABLE audit.journal ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY"

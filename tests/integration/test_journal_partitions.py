@@ -90,7 +90,8 @@ def test_the_migration_keeps_every_row_and_the_downgrade_restores_the_table(empt
         assert before[0] == 12
         with connect(empty_db_url) as conn:
             constraints = {
-                r[0] for r in conn.execute("SELECT conname FROM pg_constraint WHERE conrelid = 'audit.journal'::regclass")
+                r[0]
+                for r in conn.execute("SELECT conname FROM pg_constraint WHERE conrelid = 'audit.journal'::regclass")
             }
             assert {"pk_journal", "uq_journal_agent_id_seq", "ck_journal_kind"} <= constraints
             identity = conn.execute(
@@ -133,9 +134,10 @@ def test_the_downgrade_copies_monthly_rows_back(empty_db_url: str) -> None:
             conn.execute("SET LOCAL session_replication_role = replica")
             conn.execute(
                 sql.SQL(
-                    "INSERT INTO audit.journal SELECT nextval('audit.journal_id_seq'), agent_id, seq + 100, kind, event,"
-                    " actor, request_id, from_phase, to_phase, revision, decision, details, lower_bound, prev_hash,"
-                    " hash, key_id FROM audit.journal j, (SELECT {}::timestamptz AS lower_bound) b ORDER BY id DESC LIMIT 1"
+                    "INSERT INTO audit.journal SELECT nextval('audit.journal_id_seq'), agent_id, seq + 100, kind,"
+                    " event, actor, request_id, from_phase, to_phase, revision, decision, details, lower_bound,"
+                    " prev_hash, hash, key_id FROM audit.journal j, (SELECT {}::timestamptz AS lower_bound) b"
+                    " ORDER BY id DESC LIMIT 1"
                 ).format(sql.Literal(_lower(partitions(empty_db_url)[month])))
             )
         assert conn.execute(sql.SQL("SELECT count(*) FROM audit.{}").format(sql.Identifier(month))).fetchone() == (1,)
@@ -368,9 +370,7 @@ def test_the_application_creates_only_future_months_of_the_fixed_shape(roles_db:
     after = partitions(roles_db.url)
     assert set(after) - set(before) == set(created)
     with connect(roles_db.url) as conn:
-        start = conn.execute(
-            "SELECT date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
-        ).fetchone()
+        start = conn.execute("SELECT date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'").fetchone()
         assert start is not None
         for name in created:
             lower = conn.execute("SELECT %s::timestamptz", (_lower(after[name]),)).fetchone()
