@@ -335,11 +335,15 @@ def audit_partitions(create: bool, months: int | None, as_json: bool) -> None:
         ahead = partitions_sql.months_ahead(client.db)
     rows = [{"partition": p.name, "from": p.from_at, "to": p.to_at, "events": p.events} for p in found]
     lines = [f"created audit.{name}" for name in created]
-    width = max((len(p.name) for p in found), default=9) + 2
-    lines.append(f"{'partition':<{width}}{'from':<27}{'to':<27}events")
+    table = [
+        (p.name, text_value(p.from_at, none="(everything before)"), text_value(p.to_at), str(p.events)) for p in found
+    ]
+    widths = [
+        max(len(cell) for cell in column) + 2 for column in zip(("partition", "from", "to", ""), *table, strict=True)
+    ]
     lines += [
-        f"{p.name:<{width}}{text_value(p.from_at, none='(everything before)'):<27}{text_value(p.to_at):<27}{p.events}"
-        for p in found
+        "".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=False)) + row[3]
+        for row in [("partition", "from", "to", "events"), *table]
     ]
     lines.append(f"{ahead} whole month(s) after this one have a partition")
     emit({"created": created, "partitions": rows, "months_ahead": ahead}, as_json, "\n".join(lines))

@@ -4,8 +4,13 @@ across months whoever inserts; the application role may create future months of 
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -15,16 +20,20 @@ from psycopg import sql
 
 from agents.audit.verify import verify_and_record
 from agents.client import Client
-from models import migrations
+from agents.observability import alerts
+from models import migrations, partitions_sql
 from models.db import Database
 from models.migrations import DowngradeRefused
+from models.settings import Settings
 from models.urls import libpq_url
-from tests.support.audit import TEST_KEYS
+from tasks.leader import LeaderDuties
+from tests.support.audit import TEST_KEYS, clean_env
 from tests.support.roles import RoledDatabase
 
 pytestmark = pytest.mark.integration
 
 PARTITION = re.compile(r"^journal_\d{4}_\d{2}$")
+KEEL = str(Path(sys.executable).parent / "keel")
 
 
 def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection[Any]:
@@ -398,3 +407,75 @@ def test_the_guards_hold_inside_a_new_month(roles_db: RoledDatabase) -> None:
             " ON i.inhrelid = c.oid WHERE i.inhparent = 'audit.journal'::regclass AND t.tgname = 'journal_append_guard'"
         ).fetchone()
         assert triggers == (len(partitions(roles_db.url)),)
+
+
+# --- who keeps the months ahead, and who notices when nobody does ----------------------------------------------
+
+
+def test_the_leading_beat_keeps_the_months_ahead_from_its_first_tick(
+    db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    assert partitions_sql.months_ahead(db) == 3  # the migration's
+    duties = LeaderDuties(
+        db, Settings(audit_partition_months_ahead=5, audit_verify_interval_seconds=0), name="test-beat"
+    )
+    duties.tick(1)
+    assert partitions_sql.months_ahead(db) == 5
+    assert raw.execute("SELECT count(*) FROM beat_chores WHERE name = 'journal_partitions'").fetchone() == (1,)
+
+
+def test_the_alert_fires_when_fewer_than_two_months_ahead_have_a_partition(
+    db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    assert alerts.measure(db, timedelta(minutes=5)).journal_months_ahead == 3
+    last = sorted(n for n in partitions(_url(db)) if PARTITION.match(n))[-1]
+    # Two months ahead dropped by the owner (as an archive never would: months ahead are empty and never archived).
+    for name in sorted(n for n in partitions(_url(db)) if PARTITION.match(n))[1:]:
+        raw.execute(sql.SQL("DROP TABLE audit.{}").format(sql.Identifier(name)))
+    measured = alerts.measure(db, timedelta(minutes=5))
+    assert measured.journal_months_ahead == 1
+    verdict = alerts.journal_partitions(measured, alerts.Thresholds())
+    assert verdict.firing and "partitions for 1 month(s) after this one" in verdict.summary
+    assert partitions_sql.ensure_partitions(db, 3)[-1] == last  # what the runbook says to do
+    assert not alerts.journal_partitions(alerts.measure(db, timedelta(minutes=5)), alerts.Thresholds()).firing
+
+
+def _url(db: Database) -> str:
+    return db.engine.url.render_as_string(hide_password=False)
+
+
+def test_keel_audit_partitions_lists_bounds_and_counts_and_creates_months(client: Client, db_url: str) -> None:
+    agent = client.create_agent("counted", actor="alice")
+    client.submit(agent.id, "r-1", {"prompt": "go"}, actor="alice")
+    env = {**clean_env(), "KEEL_DATABASE_URL": db_url}
+    listed = subprocess.run([KEEL, "audit", "partitions"], env=env, capture_output=True, text=True, check=False)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0].split() == ["partition", "from", "to", "events"]
+    assert lines[1].startswith("journal_legacy") and "(everything before)" in lines[1] and lines[1].endswith(" 2")
+    assert [line.split()[0] for line in lines[2:5]] == sorted(n for n in partitions(db_url) if PARTITION.match(n))
+    assert all(line.endswith(" 0") for line in lines[2:5])
+    assert lines[-1] == "3 whole month(s) after this one have a partition"
+    made = subprocess.run(
+        [KEEL, "audit", "partitions", "--create", "--months", "4", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    report = json.loads(made.stdout)
+    assert len(report["created"]) == 1 and report["months_ahead"] == 4
+    assert report["partitions"][0] == {
+        "partition": "journal_legacy",
+        "from": None,
+        "to": report["partitions"][1]["from"],
+        "events": 2,
+    }
+    bad = subprocess.run([KEEL, "audit", "partitions", "--months", "4"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--months goes with --create" in bad.stderr
+
+
+def test_keel_db_roles_ends_idle_transactions_of_the_application_role(roles_db: RoledDatabase) -> None:
+    with connect(roles_db.app_url) as app:
+        assert app.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("5min",)
