@@ -78,8 +78,11 @@ BEGIN
             NEW.seq, NEW.agent_id, head USING ERRCODE = 'unique_violation';
     END IF;
     -- Twice the same seq in one transaction, before the head moved: only this transaction's months can hold it.
-    IF EXISTS (SELECT 1 FROM audit.journal j WHERE j.agent_id = NEW.agent_id AND j.seq = NEW.seq
-               AND j.at >= transaction_timestamp()) THEN
+    -- Within one month (UTC) they are one partition, whose unique (agent_id, seq) index refuses the second; only a
+    -- transaction that began in an earlier month needs the look across partitions.
+    IF date_trunc('month', transaction_timestamp(), 'UTC') <> date_trunc('month', NEW.at, 'UTC')
+       AND EXISTS (SELECT 1 FROM audit.journal j WHERE j.agent_id = NEW.agent_id AND j.seq = NEW.seq
+                   AND j.at >= transaction_timestamp()) THEN
         RAISE EXCEPTION 'audit.journal: event % of agent % exists already', NEW.seq, NEW.agent_id
             USING ERRCODE = 'unique_violation';
     END IF;
