@@ -14,7 +14,7 @@ from alembic import context
 from models import roles
 from models.embedded import migration_url_for
 from models.settings import Settings
-from models.tables import AUDIT_SCHEMA, metadata
+from models.tables import AUDIT_SCHEMA, JOURNAL_PARTITION, metadata
 
 config = context.config
 OWN_SCHEMAS = {None, "public", AUDIT_SCHEMA}
@@ -35,7 +35,11 @@ def _roles() -> roles.RoleNames | None:
 
 def _include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
     if type_ == "table":
-        return getattr(obj, "schema", None) in OWN_SCHEMAS
+        schema = getattr(obj, "schema", None)
+        # The journal's partitions are the parent's (migration 0017): the model describes the parent only.
+        if reflected and schema == AUDIT_SCHEMA and JOURNAL_PARTITION.match(str(name)):
+            return False
+        return schema in OWN_SCHEMAS
     return True
 
 

@@ -1,7 +1,7 @@
 """Benchmark: transitions through ``agents.core.transition()`` beside a raw psycopg baseline, in the same run.
 
 The baseline runs the same statements with no Keel code around them — ``SELECT … FOR UPDATE`` on the agent row,
-``UPDATE`` it, ``INSERT`` one journal event, ``COMMIT`` — on its own connections and its own agents, with the same
+``INSERT`` one journal event, ``UPDATE`` the row, ``COMMIT`` — on its own connections and its own agents, with the same
 threads. Keel's transitions run twice per round: with metrics on (the KPI triggers of migration 0009 counting in
 every transaction, the leading beat's fold every ``KEEL_KPI_FOLD_SECONDS``, and the observers in
 :data:`OBSERVERS`) and with metrics off (those triggers disabled in the benchmark's own database, no observer, no
@@ -161,8 +161,9 @@ def raw_step(conn: psycopg.Connection[Any], agents: list[UUID], *, flip: bool) -
             target, event = FLIP[phase] if flip else (phase, "progress")
             digest = hashlib.sha256(f"{head}{seq + 1}".encode()).hexdigest()
             at = datetime.now(UTC)
-            cur.execute(RAW_UPDATE, (target, revision + 1, at, seq + 1, digest, agent_id))
+            # The event first, then the head (as Keel's CTE does): the journal's guard wants the head one behind.
             cur.execute(RAW_INSERT, (agent_id, seq + 1, event, phase, target, revision + 1, at, head, digest))
+            cur.execute(RAW_UPDATE, (target, revision + 1, at, seq + 1, digest, agent_id))
         conn.commit()
 
     return step

@@ -65,7 +65,14 @@ APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "public.console_signouts": ("SELECT", "INSERT", "DELETE"),  # DELETE: sign-outs past their session's expiry
     "public.alembic_version": ("SELECT",),  # the schema check every process makes
     "public.job_fencing_token_seq": ("USAGE",),  # a sequence: nextval() for each claim's fencing token
+    # A function (named with its argument types): the beat creates the journal's future months, of a fixed shape, as
+    # the owner (SECURITY DEFINER). Partitions themselves get no grant: access goes through audit.journal.
+    "audit.keel_ensure_partitions(integer)": ("EXECUTE",),
 }
+
+#: How long a session of the application role may sit idle inside a transaction before the server ends it (``keel db
+#: roles``): an idle transaction would otherwise hold its locks on the journal, and on the agents it touched, for ever.
+APP_IDLE_IN_TRANSACTION_TIMEOUT = "5min"
 
 #: Privileges on audit.journal that would let a role rewrite or remove what it holds.
 JOURNAL_TAMPER_PRIVILEGES = ("UPDATE", "DELETE", "TRUNCATE", "TRIGGER", "REFERENCES")
@@ -172,7 +179,7 @@ def _relations(conn: Conn) -> list[dict[str, Any]]:
     """Every table, view and sequence of Keel's schemas that no extension owns, with its kind."""
     return _rows(
         conn,
-        "SELECT n.nspname AS schema, c.relname AS name, c.relkind AS kind, c.oid"
+        "SELECT n.nspname AS schema, c.relname AS name, c.relkind AS kind, c.oid, c.relispartition AS partition"
         " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
         " WHERE n.nspname = ANY(%(schemas)s) AND c.relkind = ANY(%(kinds)s)"
         " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid"
@@ -226,7 +233,9 @@ def apply_grants(conn: Conn, names: RoleNames) -> list[str]:
         by_name = {f"{r['schema']}.{r['name']}": int(r["oid"]) for r in relations}
         targets.append((names.app, {by_name[n]: p for n, p in APP_PRIVILEGES.items() if n in by_name}))
     if auditor is not None:
-        targets.append((names.auditor, {int(r["oid"]): ("SELECT",) for r in relations if r["kind"] != "S"}))
+        targets.append(
+            (names.auditor, {int(r["oid"]): ("SELECT",) for r in relations if r["kind"] != "S" and not r["partition"]})
+        )
     targets.append((None, {}))  # PUBLIC: nothing on Keel's relations
     oids = {None: 0, names.app: app or 0, names.auditor: auditor or 0}
     lines = []
@@ -277,11 +286,44 @@ def apply_grants(conn: Conn, names: RoleNames) -> list[str]:
             )
             revoked.append(f"{column['privilege']} ({column['column']}) on {column['schema']}.{column['name']}")
         who = role or "PUBLIC"
+        granted_functions, revoked_functions = _function_grants(conn, role, oids[role], names)
+        granted += granted_functions
+        revoked += revoked_functions
         if granted:
-            lines.append(f"granted {who} its privileges on {granted} tables and sequences (models/roles.py)")
+            lines.append(f"granted {who} its privileges on {granted} tables, sequences and functions (models/roles.py)")
         if revoked:
             lines.append(f"revoked from {who}: {'; '.join(revoked)}")
     return lines
+
+
+def _function_grants(conn: Conn, role: str | None, grantee: int, names: RoleNames) -> tuple[int, list[str]]:
+    """EXECUTE on Keel's SECURITY DEFINER functions (which act as their owner): exactly the application's entries
+    in :data:`APP_PRIVILEGES`, nothing for the auditor or PUBLIC (which PostgreSQL gives EXECUTE by default).
+    Returns how many it granted and what it revoked."""
+    functions = _rows(
+        conn,
+        "SELECT n.nspname || '.' || p.proname || '(' || oidvectortypes(p.proargtypes) || ')' AS name,"
+        " p.oid::regprocedure::text AS signature,"
+        " EXISTS (SELECT 1 FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a"
+        "         WHERE a.grantee = %(grantee)s::oid AND a.privilege_type = 'EXECUTE') AS held"
+        " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+        " WHERE n.nspname = ANY(%(schemas)s) AND p.prosecdef"
+        " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid"
+        "                 AND d.deptype = 'e')"
+        " ORDER BY 1",
+        {"schemas": list(SCHEMAS), "grantee": grantee},
+    )
+    granted, revoked = 0, []
+    for function in functions:
+        want = role is not None and role == names.app and "EXECUTE" in APP_PRIVILEGES.get(function["name"], ())
+        target = sql.SQL(function["signature"])  # regprocedure's text: the catalog's own, quoted where needed
+        if want and not function["held"]:
+            _run(conn, sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(target, _grantee(role)))
+            granted += 1
+        elif function["held"] and not want:
+            _run(conn, sql.SQL("REVOKE EXECUTE ON FUNCTION {} FROM {}").format(target, _grantee(role)))
+            revoked.append(f"EXECUTE on {function['name']}")
+    return granted, revoked
 
 
 # --- keel db roles -------------------------------------------------------------------------------------------------
@@ -334,6 +376,7 @@ def _set_up(conn: Conn, names: RoleNames, passwords: Passwords) -> list[str]:
     lines += _database(conn, names, str(me["database"]))
     lines += _ownership(conn, names)
     lines += apply_grants(conn, names)
+    lines += _idle_timeout(conn, names.app)
     for role in (names.app, names.auditor):
         problems = role_problems(conn, role, names.owner)
         if problems:
@@ -366,6 +409,27 @@ def _roles(conn: Conn, names: RoleNames, passwords: Passwords, missing: list[str
             )
             lines.append(f"set the password of {role} ({variable})")
     return lines
+
+
+def _idle_timeout(conn: Conn, role: str) -> list[str]:
+    """``idle_in_transaction_session_timeout`` for every session of ``role``: one left idle inside a transaction
+    cannot hold a lock on the journal (or an agent row) for ever."""
+    wanted = f"idle_in_transaction_session_timeout={APP_IDLE_IN_TRANSACTION_TIMEOUT}"
+    rows = _rows(
+        conn,
+        "SELECT s.setconfig FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole"
+        " WHERE r.rolname = %s AND s.setdatabase = 0",
+        (role,),
+    )
+    if rows and wanted in (rows[0]["setconfig"] or []):
+        return []
+    _run(
+        conn,
+        sql.SQL("ALTER ROLE {} SET idle_in_transaction_session_timeout = {}").format(
+            sql.Identifier(role), sql.Literal(APP_IDLE_IN_TRANSACTION_TIMEOUT)
+        ),
+    )
+    return [f"role {role}: idle_in_transaction_session_timeout = {APP_IDLE_IN_TRANSACTION_TIMEOUT}"]
 
 
 def _password_is(conn: Conn, role: str, password: str) -> bool:

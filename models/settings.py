@@ -41,6 +41,7 @@ ALERT_NAMES = (
     "oldest_due_job",
     "beat_leader_gap",
     "audit_verify",
+    "journal_partitions",
 )
 _TIME_OF_DAY = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]$")
 
@@ -213,6 +214,9 @@ class Settings(BaseSettings):
     # S3 Object Lock on every shipped object: retained this many days (0: no retention headers), in this mode.
     audit_object_lock_days: int = Field(default=0, ge=0, le=36_500)
     audit_object_lock_mode: Literal["COMPLIANCE", "GOVERNANCE"] = "COMPLIANCE"
+    # The journal is partitioned by month (docs/audit-retention.md): the leading beat keeps partitions for the current
+    # month and this many after it (daily, and when it starts leading). The journal_partitions alert fires below 2.
+    audit_partition_months_ahead: int = Field(default=3, ge=2, le=12)
     # An Ed25519 private key (PEM, PKCS#8: `openssl genpkey -algorithm ed25519`): each segment's manifest is also
     # signed with it, so a holder of the public key can check the shipped copy without any secret.
     audit_signing_key: SecretStr | None = None

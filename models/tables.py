@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -136,10 +138,14 @@ requests = Table(
     Column("traceparent", Text),  # W3C trace context of the submit: the request's trace
 )
 
+#: Partitioned by month of ``at`` (migration 0017, docs/audit-retention.md): the primary key must hold the partition
+#: key, and ``(agent_id, seq)`` is unique per partition only (each has its own index); the guards on the table keep
+#: both unique across months. ``id`` has no default: the append guard draws it from ``audit.journal_id_seq`` and
+#: refuses a row that brings its own.
 journal = Table(
     "journal",
     metadata,
-    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("id", BigInteger, primary_key=True, autoincrement=False),
     Column("agent_id", UUID(as_uuid=True), nullable=False),  # KEPT_AFTER_DELETE
     Column("seq", BigInteger, nullable=False),
     Column("kind", Text, nullable=False),
@@ -152,18 +158,22 @@ journal = Table(
     Column("decision", Text, nullable=False),
     # json, not jsonb: the stored text is exactly the text that was hashed.
     Column("details", JSON, nullable=False),
-    Column("at", DateTime(timezone=True), nullable=False),
+    Column("at", DateTime(timezone=True), primary_key=True),
     Column("prev_hash", Text, nullable=False),
     # An HMAC-SHA256 (agents/core/journal.py) under the audit key ``key_id``; a legacy event, written before the
     # journal was keyed (migration 0015), has no key id and a plain sha256 here.
     Column("hash", Text, nullable=False),
     Column("key_id", Text),
-    UniqueConstraint("agent_id", "seq"),
     CheckConstraint(_in("kind", JOURNAL_KINDS), name="kind"),
     CheckConstraint("seq >= 1", name="seq_positive"),
     Index(None, "request_id"),
     schema=AUDIT_SCHEMA,
+    postgresql_partition_by="RANGE (at)",
 )
+
+#: The journal's partitions: ``journal_legacy`` (everything before migration 0017's month boundary) and one per month,
+#: ``journal_YYYY_MM``, created by ``audit.keel_ensure_partitions``. Not in the metadata: they are the parent's.
+JOURNAL_PARTITION = re.compile(r"^journal_(legacy|\d{4}_\d{2})$")
 
 #: One tombstone per deleted agent, insert-only: the agent as it was deleted and the head of its journal chain (its
 #: ``operator``/``delete`` event), which `keel audit verify` checks the chain against. Written only together with the

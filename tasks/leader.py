@@ -1,6 +1,6 @@
 """What the leading beat does besides dispatching: its heartbeat, alert evaluation, the periodic audit verify,
-shipping the journal to its separate store and the daily KPI report. Called from the dispatcher's tick
-(tasks/dispatcher.py) only while this beat leads.
+shipping the journal to its separate store, the journal's partitions for the months ahead and the daily KPI
+report. Called from the dispatcher's tick (tasks/dispatcher.py) only while this beat leads.
 
 Each chore is due on the database's clock (``beat_chores``): two beats, or a beat restarted, never run one more
 often than its interval. The audit verify is a full pass over the journal and shipping waits on an object store, so
@@ -21,7 +21,7 @@ from agents.audit.ship import ShipperBusy, ship_configured
 from agents.audit.verify import verify_and_record
 from agents.core.outage import is_outage
 from agents.observability import alerts, report
-from models import alerts_sql
+from models import alerts_sql, partitions_sql
 from models.alerts_sql import Term
 from models.db import Database
 from models.settings import Settings
@@ -31,6 +31,9 @@ log = logging.getLogger("keel.leader")
 ALERTS_CHORE = "alerts"
 AUDIT_VERIFY_CHORE = "audit_verify"
 AUDIT_SHIP_CHORE = "audit_ship"
+JOURNAL_PARTITIONS_CHORE = "journal_partitions"
+#: How often the leading beat makes sure the journal has its months ahead (and each time it starts leading).
+JOURNAL_PARTITIONS_EVERY = timedelta(days=1)
 
 
 class LeaderDuties:
@@ -45,6 +48,7 @@ class LeaderDuties:
         self._next_ask = 0.0
         self._verifying: threading.Thread | None = None
         self._shipping: threading.Thread | None = None
+        self._partitions_now = True  # at the start of every term, whenever the chore last ran
 
     def stand_down(self) -> None:
         """This beat no longer leads: the next time it does is a new term."""
@@ -55,6 +59,7 @@ class LeaderDuties:
         if self.term is None or term_number != self._term_number:
             self.term = alerts_sql.start_term(self.db, self.name)
             self._term_number = term_number
+            self._partitions_now = True
             gap = self.term.gap_seconds
             if gap is not None and gap > self.settings.alert_beat_leader_gap_max_seconds:
                 log.warning("no beat led for %.0f s before this one", gap)
@@ -67,6 +72,7 @@ class LeaderDuties:
         self._chore("alert evaluation", self._alerts)
         self._chore("audit verify", self._audit_verify)
         self._chore("audit ship", self._audit_ship)
+        self._chore("journal partitions", self._journal_partitions)
 
     def _chore(self, what: str, run: Callable[[], None]) -> None:
         try:
@@ -112,6 +118,16 @@ class LeaderDuties:
                 len(result.breaks),
                 sum(u.events for u in result.unchecked),
             )
+
+    def _journal_partitions(self) -> None:
+        # Catalog changes only, on empty tables; the function waits at most seconds for its lock.
+        due = alerts_sql.claim_chore(self.db, JOURNAL_PARTITIONS_CHORE, JOURNAL_PARTITIONS_EVERY) is not None
+        if not (due or self._partitions_now):
+            return
+        self._partitions_now = False
+        created = partitions_sql.ensure_partitions(self.db, self.settings.audit_partition_months_ahead)
+        for name in created:
+            log.info("journal partitions: created audit.%s", name)
 
     def _audit_ship(self) -> None:
         seconds = self.settings.audit_ship_interval_seconds

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import click
 
-from agents.cli.common import emit, friendly, json_option, open_client, to_json
+from agents.cli.common import emit, friendly, json_option, open_client, text_value, to_json
 from agents.cli.watch import journal_header, journal_text, print_events
 from agents.core.commands import MAX_BIGINT
 from agents.core.errors import quoted
@@ -302,6 +302,51 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
         )
     elif not report.segments:
         click.echo(f"nothing to ship: {report.destination} holds the journal to id {report.last_id}")
+
+
+@audit.command("partitions")
+@click.option(
+    "--create",
+    is_flag=True,
+    help="First create the partitions missing for this month and the months ahead (empty, of the fixed shape, the"
+    " owner's), as the leading beat does daily.",
+)
+@click.option(
+    "--months",
+    type=click.IntRange(1, 12),
+    help="With --create: this many months after the current one (default KEEL_AUDIT_PARTITION_MONTHS_AHEAD).",
+)
+@json_option
+@friendly
+def audit_partitions(create: bool, months: int | None, as_json: bool) -> None:
+    """List the journal's monthly partitions with their bounds (UTC) and event counts, and how many months ahead
+    have one: an event whose month has no partition is refused, so the journal_partitions alert fires below two."""
+    from models import partitions_sql
+
+    if months is not None and not create:
+        raise click.UsageError("--months goes with --create")
+    with open_client(writes=create) as client:
+        created = (
+            partitions_sql.ensure_partitions(client.db, months or client.settings.audit_partition_months_ahead)
+            if create
+            else []
+        )
+        found = partitions_sql.partitions(client.db, count=True)
+        ahead = partitions_sql.months_ahead(client.db)
+    rows = [{"partition": p.name, "from": p.from_at, "to": p.to_at, "events": p.events} for p in found]
+    lines = [f"created audit.{name}" for name in created]
+    table = [
+        (p.name, text_value(p.from_at, none="(everything before)"), text_value(p.to_at), str(p.events)) for p in found
+    ]
+    widths = [
+        max(len(cell) for cell in column) + 2 for column in zip(("partition", "from", "to", ""), *table, strict=True)
+    ]
+    lines += [
+        "".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=False)) + row[3]
+        for row in [("partition", "from", "to", "events"), *table]
+    ]
+    lines.append(f"{ahead} whole month(s) after this one have a partition")
+    emit({"created": created, "partitions": rows, "months_ahead": ahead}, as_json, "\n".join(lines))
 
 
 @audit.command("export")

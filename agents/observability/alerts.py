@@ -29,7 +29,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from agents.core.keys import make_key
 from agents.observability.scrape import CACHE_SECONDS, READ_TIMEOUT, CachedRead
-from models import alerts_sql, kpi_sql
+from models import alerts_sql, kpi_sql, partitions_sql
 from models.alerts_sql import Episode
 from models.clock import database_now, rfc3339
 from models.db import Database
@@ -58,6 +58,7 @@ class Measures:
     audit_verify_breaks: int | None = None  # of the latest `keel audit verify`; None: never run
     audit_verify_ok: bool | None = None
     audit_verify_unchecked: int = 0  # events the latest verify could not check (their key not in its ring)
+    journal_months_ahead: int | None = None  # whole months after this one the journal's partitions cover
 
 
 def _default(name: str) -> Any:
@@ -167,6 +168,23 @@ def audit_verify(m: Measures, t: Thresholds) -> Verdict:
     return Verdict("audit_verify", True, breaks, 0, f"the latest keel audit verify found {breaks:g} broken chains")
 
 
+#: Fewer whole months ahead than this with a partition of the journal: the beat has not been creating them.
+JOURNAL_MONTHS_AHEAD_MIN = 2
+
+
+def journal_partitions(m: Measures, t: Thresholds) -> Verdict:
+    ahead = m.journal_months_ahead
+    if ahead is None:
+        return Verdict("journal_partitions", False, None, JOURNAL_MONTHS_AHEAD_MIN, "not measured")
+    summary = (
+        f"the journal has partitions for {ahead} month(s) after this one (at least {JOURNAL_MONTHS_AHEAD_MIN} wanted;"
+        " an event in a month without one is refused)"
+    )
+    return Verdict(
+        "journal_partitions", ahead < JOURNAL_MONTHS_AHEAD_MIN, float(ahead), JOURNAL_MONTHS_AHEAD_MIN, summary
+    )
+
+
 Rule = Callable[[Measures, Thresholds], Verdict]
 
 #: Every alert, by name: the order in which they are evaluated and listed.
@@ -179,6 +197,7 @@ RULES: dict[str, Rule] = {
     "oldest_due_job": oldest_due_job,
     "beat_leader_gap": beat_leader_gap,
     "audit_verify": audit_verify,
+    "journal_partitions": journal_partitions,
 }
 # (A unit test holds RULES equal to models.settings.ALERT_NAMES, and no alert named like a channel in CHANNELS:
 # such a name could make an alert's key equal an agent message's.)
@@ -344,6 +363,7 @@ def measure(db: Database, window: timedelta) -> Measures:
         audit_verify_breaks=None if verified is None else verified.breaks,
         audit_verify_ok=None if verified is None else verified.ok,
         audit_verify_unchecked=0 if verified is None else int(verified.details.get("unchecked_events") or 0),
+        journal_months_ahead=partitions_sql.months_ahead(db),
     )
 
 

@@ -491,6 +491,12 @@ def test_an_id_taken_by_a_transaction_still_open_is_never_skipped(
             " FROM audit.journal ORDER BY id DESC LIMIT 1",
             ("1" * 64,),
         )
+        # Its chain's head moves with it, in the same transaction (the journal's guards want that at commit).
+        slow.execute(
+            "UPDATE agents a SET journal_seq = j.seq, journal_head = j.hash FROM audit.journal j"
+            " WHERE j.hash = %s AND a.id = j.agent_id",
+            ("1" * 64,),
+        )
         history(client, agents=1)  # later ids, committed first
         waiting = ship(
             db,

@@ -70,6 +70,8 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
     expected_triggers = {
         "journal_no_update_delete",
         "journal_no_truncate",
+        "journal_append_guard",  # 0017: the journal's guards, on the parent and cloned to every partition
+        "journal_within_head",
         "agents_revision_guard",
         "agents_journaled",
         "jobs_guard",

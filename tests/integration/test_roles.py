@@ -168,7 +168,23 @@ def test_the_application_role_is_no_superuser_owns_nothing_and_holds_exactly_its
             " WHERE n.nspname IN ('public', 'audit') AND a.grantee = %s::regrole GROUP BY 1",
             (names.app,),
         ).fetchall()
-        assert dict(granted) == {name: sorted(privileges) for name, privileges in APP_PRIVILEGES.items()}
+        functions = conn.execute(
+            "SELECT n.nspname || '.' || p.proname || '(' || oidvectortypes(p.proargtypes) || ')',"
+            " array_agg(a.privilege_type::text ORDER BY a.privilege_type)"
+            " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace, aclexplode(p.proacl) a"
+            " WHERE n.nspname IN ('public', 'audit') AND a.grantee = %s::regrole GROUP BY 1",
+            (names.app,),
+        ).fetchall()
+        assert dict(granted) | dict(functions) == {
+            name: sorted(privileges) for name, privileges in APP_PRIVILEGES.items()
+        }
+        # A function that acts as the owner (SECURITY DEFINER) is for nobody else but the application's entries.
+        public = conn.execute(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE n.nspname IN ('public', 'audit') AND p.prosecdef"
+            " AND has_function_privilege('public', p.oid, 'EXECUTE')"
+        ).fetchall()
+        assert public == []
         assert conn.execute(
             "SELECT has_parameter_privilege(%s, 'session_replication_role', 'SET')", (names.app,)
         ).fetchone() == (False,)
@@ -194,7 +210,8 @@ def test_every_table_has_an_entry_in_the_grants(roles_db: RoledDatabase) -> None
         }
     modelled = {f"{t.schema or 'public'}.{t.name}" for t in metadata.tables.values()} | {"public.alembic_version"}
     assert tables == modelled
-    assert tables == set(APP_PRIVILEGES) - sequences, "tables without an entry, or entries without a table"
+    functions = {name for name in APP_PRIVILEGES if name.endswith(")")}
+    assert tables == set(APP_PRIVILEGES) - sequences - functions, "tables without an entry, or entries without a table"
 
 
 def test_the_auditor_reads_every_table_and_writes_none(journaled: RoledDatabase) -> None:
@@ -203,7 +220,8 @@ def test_the_auditor_reads_every_table_and_writes_none(journaled: RoledDatabase)
             "SELECT n.nspname, c.relname, (SELECT attname FROM pg_attribute WHERE attrelid = c.oid AND attnum > 0"
             "  AND attidentity = '' AND NOT attisdropped ORDER BY attnum LIMIT 1)"
             " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE n.nspname IN ('public', 'audit') AND c.relkind IN ('r', 'p') ORDER BY 1, 2"
+            " WHERE n.nspname IN ('public', 'audit') AND c.relkind IN ('r', 'p') AND NOT c.relispartition"
+            " ORDER BY 1, 2"
         ).fetchall()
     assert len(tables) == len(metadata.tables) + 1
     with connect(journaled.auditor_url) as auditor:
@@ -263,12 +281,15 @@ def test_keel_db_roles_sets_up_an_existing_deployment_once(db_url: str, fresh_ro
             "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
             " WHERE n.nspname IN ('public', 'audit')"
         ).fetchone()
-    assert functions is not None
-    tables = len(metadata.tables) + 1  # and alembic_version
+        partitions = conn.execute("SELECT count(*) FROM pg_class WHERE relispartition AND relkind = 'r'").fetchone()
+    assert functions is not None and partitions is not None
+    tables = len(metadata.tables) + 1 + partitions[0]  # and alembic_version, and the journal's partitions
     assert f"handed {tables} tables, 1 sequence, {functions[0]} functions from postgres to {names.owner}" in lines
     assert (
-        f"granted {names.app} its privileges on {len(APP_PRIVILEGES)} tables and sequences (models/roles.py)" in lines
+        f"granted {names.app} its privileges on {len(APP_PRIVILEGES)} tables, sequences and functions"
+        " (models/roles.py)" in lines
     )
+    assert f"role {names.app}: idle_in_transaction_session_timeout = 5min" in lines
     again = keel(db_url, "db", "roles", names=names, KEEL_DB_APP_PASSWORD="first-app-password")
     assert again.returncode == 0, again.stderr
     assert again.stdout == (

@@ -40,6 +40,7 @@ def test_quiet_measures_fire_nothing() -> None:
         ("oldest_due_job", Measures(oldest_due_job_age_seconds=301), 301),
         ("beat_leader_gap", Measures(beat_leader_gap_seconds=180), 180),
         ("audit_verify", Measures(audit_verify_ok=False, audit_verify_breaks=2), 2),
+        ("journal_partitions", Measures(journal_months_ahead=1), 1),
     ],
 )
 def test_each_rule_fires_past_its_threshold_with_the_value(name: str, measures: Measures, value: float) -> None:
@@ -60,6 +61,8 @@ def test_each_rule_fires_past_its_threshold_with_the_value(name: str, measures: 
         ("beat_leader_gap", Measures(beat_leader_gap_seconds=None)),
         ("audit_verify", Measures(audit_verify_ok=None)),  # never ran
         ("audit_verify", Measures(audit_verify_ok=True, audit_verify_breaks=0)),
+        ("journal_partitions", Measures(journal_months_ahead=2)),  # two months ahead is enough
+        ("journal_partitions", Measures(journal_months_ahead=None)),  # not measured
     ],
 )
 def test_a_rule_within_bounds_does_not_fire(name: str, measures: Measures) -> None:
