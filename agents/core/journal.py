@@ -447,6 +447,13 @@ def _is_delete(fields: Mapping[str, Any]) -> bool:
     return bool(fields["kind"] == "operator" and fields["event"] == "delete")
 
 
+def legacy_seals(conn: psycopg.Connection[Any], agent_ids: list[UUID]) -> dict[UUID, _Seal]:
+    """The legacy seals (migration 0015) of these agents' chains, in the caller's transaction."""
+    with conn.cursor(row_factory=class_row(_Seal)) as cur:
+        cur.execute(f"{_SEALS} WHERE agent_id = ANY(%s)", (agent_ids,))
+        return {seal.agent_id: seal for seal in cur}
+
+
 def _seal_holds(seal: _Seal, keys: AuditKeys) -> bool:
     return keys.verifies(seal.key_id, legacy_seal_parts(str(seal.agent_id), seal.seq, seal.head), seal.seal)
 
