@@ -572,3 +572,51 @@ def test_upgrading_a_journal_with_events_needs_the_key(empty_db_url: str, monkey
     with pytest.raises(BadConfiguration, match="KEEL_AUDIT_KEYS: production needs the journal's key ring"):
         migrations.upgrade(empty_db_url)
     assert migrations.revision_at(empty_db_url) == "0011"
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "intact",
+        "a legacy event edited, the legacy chain and the keyed link relinked",
+        "a keyed event relabelled as unkeyed",
+        "a keyed event edited",
+        "the seal removed",
+    ],
+)
+def test_the_console_window_judges_an_event_as_verify_does(legacy: tuple[str, UUID, UUID], how: str) -> None:
+    """The console's window over events 2-4 (legacy 2-3, sealed at 3; 4 the first keyed) and keel audit verify's full
+    walk give the same verdict, at the same event, in the same words: one check judges both."""
+    url, a, _ = legacy
+    db = Database(url, audit_keys=TEST_KEYS)
+    try:
+        Client(db).submit(a, "after-upgrade", ASK)  # event 4, the first keyed one, links onto the sealed head
+        with psycopg.connect(libpq_url(url), autocommit=True) as raw:
+            events = chain(raw, a)
+            if how == "a legacy event edited, the legacy chain and the keyed link relinked":
+                # Before, the window checked legacy events by their plain hash alone and passed this.
+                rewrite(
+                    raw, a, _edited(events, 2), lambda e: (journal.event_hash(**_fields(e)), e["key_id"]), from_seq=2
+                )
+            elif how == "a keyed event relabelled as unkeyed":
+                as_superuser(raw, ("UPDATE audit.journal SET key_id = NULL WHERE id = %s", (events[3]["id"],)))
+            elif how == "a keyed event edited":
+                as_superuser(raw, ("UPDATE audit.journal SET actor = 'mallory' WHERE id = %s", (events[3]["id"],)))
+            elif how == "the seal removed":
+                as_superuser(raw, ("DELETE FROM audit.legacy_chains WHERE agent_id = %s", (a,)))
+        full = journal.verify_chain(db, a)
+        # A window that starts at event 2, except where the break is event 1's (the seal's absence shows there).
+        first = 1 if how == "the seal removed" else 2
+        page = journal.journal_page(db, a, before=None, limit=5 - first)
+        assert page is not None and (page.first_seq, page.last_seq) == (first, 4)
+        if how == "intact":
+            assert full.broken is None and page.broken is None
+            return
+        assert full.broken is not None and page.broken is not None, (full.broken, page.broken)
+        assert (page.broken.seq, page.broken.journal_id, page.broken.reason) == (
+            full.broken.seq,
+            full.broken.journal_id,
+            full.broken.reason,
+        )
+    finally:
+        db.dispose()
