@@ -267,9 +267,8 @@ def sealed_record(
         "archived_by": archived_by,
         "archived_at": archived_at,
     }
-    record["key_id"] = keys.current
-    record["seal"] = keys.mac(keys.current, archive_seal_parts(key_id=keys.current, **record))
-    return record
+    seal = keys.mac(keys.current, archive_seal_parts(key_id=keys.current, **record))
+    return {**record, "key_id": keys.current, "seal": seal}
 
 
 def insert_record_txn(conn: psycopg.Connection[Any], record: dict[str, Any]) -> None:

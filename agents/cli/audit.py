@@ -153,6 +153,7 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
                         for p in report.legacy
                     ],
                     "key_ids": list(report.key_ids),
+                    "archive_problems": list(report.archive_problems),
                 }
             )
         )
@@ -173,6 +174,8 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
             click.echo(f"  agent {agent(part.agent_id)}: events 1-{part.events}")
         if len(report.legacy) > SHOWN:
             click.echo(f"  … and {len(report.legacy) - SHOWN} more chains (--json lists them all)")
+    for problem in report.archive_problems:
+        click.echo(f"BROKEN archive: {problem}", err=True)
     for b in report.breaks:
         where = f"journal id {b.journal_id}" if b.journal_id is not None else "chain head"
         click.echo(f"BROKEN agent {agent(b.agent_id)} at event {b.seq} ({where}): {b.reason}", err=True)
