@@ -297,6 +297,15 @@ def test_archive_is_refused_as_the_application_role_and_on_an_unpartitioned_jour
         assert conn.execute("SELECT count(*) FROM audit.archived_partitions").fetchone() == (0,)
 
 
+def test_keel_audit_archive_refuses_by_name(roles_db: RoledDatabase, bucket: str, s3: MotoS3) -> None:
+    as_app = keel(roles_db.app_url, "audit", "archive", "--against", destination(bucket), s3=s3)
+    assert as_app.returncode == 1
+    assert f"database role '{roles_db.names.app}' cannot detach partitions of audit.journal" in as_app.stderr
+    unpartitioned = keel(roles_db.url, "audit", "archive", "--against", destination(bucket), "--dry-run", s3=s3)
+    assert unpartitioned.returncode == 1 and "audit.journal is not partitioned" in unpartitioned.stderr
+    assert "Traceback" not in as_app.stderr + unpartitioned.stderr
+
+
 def test_archive_records_are_insert_only_and_the_application_cannot_write_one(roles_db: RoledDatabase) -> None:
     with psycopg.connect(libpq_url(roles_db.app_url)) as app:
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -322,7 +331,13 @@ def test_archive_records_are_insert_only_and_the_application_cannot_write_one(ro
 
 
 def keel(db_url: str, *args: str, s3: MotoS3 | None = None) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "KEEL_DATABASE_URL": db_url, **KEYS_ENV, **AWS_ENV}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "KEEL_DATABASE_URL": db_url,
+        "KEEL_MIGRATION_DATABASE_URL": db_url,
+        **KEYS_ENV,
+        **AWS_ENV,
+    }
     if s3 is not None:
         env["KEEL_AUDIT_S3_ENDPOINT_URL"] = s3.url
     return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=120)
