@@ -68,9 +68,9 @@ def downgrade() -> None:
     archived = op.get_bind().execute(sa.text("SELECT count(*) FROM audit.archived_partitions")).scalar_one()
     if archived:
         raise DowngradeRefused(
-            f"cannot downgrade below 0017: {archived} months of the journal were archived (their events are only in"
-            " the store now), and Keel before 0017 would call every chain that starts past its archived part broken;"
-            " stay on 0017 or later"
+            f"cannot downgrade below 0017: audit.archived_partitions records {archived} archived part(s) of the"
+            " journal (their events are only in the store now), and Keel before 0017 would call every chain that"
+            " starts past its archived part broken; stay on 0017 or later"
         )
     op.drop_table("archived_partitions", schema="audit")
     op.execute("DROP FUNCTION audit.keel_archived_partitions_insert_only()")

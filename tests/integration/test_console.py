@@ -502,10 +502,7 @@ def test_the_journal_pages_and_verifies_only_the_events_it_shows(serve: Serve, b
     assert "found 1 broken chain, this agent's among them, at event 2." in latest
 
     _tamper(api, str(agent.id), 10)  # inside the latest page
-    assert (
-        _status(viewer.get(url).text)
-        == f"Chain broken at event 10: {HMAC_BROKEN}"
-    )
+    assert _status(viewer.get(url).text) == f"Chain broken at event 10: {HMAC_BROKEN}"
 
     for bad in ("abc", "1", "-4"):
         answer = viewer.get(f"{url}?cursor={bad}")
