@@ -35,7 +35,6 @@ from psycopg.types.json import Jsonb
 
 from agents.audit.ship import (
     MANIFEST_SUFFIX,
-    Divergence,
     Manifest,
     ShipError,
     differing_fields,
@@ -150,15 +149,6 @@ def check_archivable(
     for index in covering:
         first, last, name = listed[index]
         segment = read_segment(store, name, (first, last), previous, keys, public_key)
-        if segment.manifest is not None and previous is None and segment.manifest.after_id > 0:
-            # The store holds nothing before this manifest: the ids it follows on from are not shipped.
-            segment.problems.append(
-                Divergence(
-                    "missing_segment",
-                    f"segment missing: {name} follows id {segment.manifest.after_id} but no manifest before it is in"
-                    " the store",
-                )
-            )
         if segment.problems:
             raise ArchiveRefused(f"{what}: " + "; ".join(p.text for p in segment.problems))
         assert segment.manifest is not None and segment.lines is not None
