@@ -48,6 +48,7 @@ APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "audit.journal": ("SELECT", "INSERT"),  # append-only: no UPDATE, DELETE, TRUNCATE, TRIGGER or REFERENCES
     "audit.deleted_agents": ("SELECT", "INSERT"),  # tombstones, insert-only like the journal
     "audit.legacy_chains": ("SELECT",),  # the seals migration 0015 wrote: verify reads them, nobody writes them again
+    "audit.archived_partitions": ("SELECT",),  # `keel audit archive` (the owner) writes them; verify reads them
     "public.agents": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: `keel agent delete`, with its tombstone
     "public.requests": ("SELECT", "INSERT"),
     "public.jobs": ("SELECT", "INSERT", "UPDATE"),

@@ -220,6 +220,8 @@ class Settings(BaseSettings):
     # An Ed25519 private key (PEM, PKCS#8: `openssl genpkey -algorithm ed25519`): each segment's manifest is also
     # signed with it, so a holder of the public key can check the shipped copy without any secret.
     audit_signing_key: SecretStr | None = None
+    # `keel audit archive` takes a month of the journal only once it ended more than this many days ago.
+    audit_archive_grace_days: int = Field(default=7, ge=0, le=3650)
     # The daily KPI report (the last 24 h) goes to KEEL_ALERT_SLACK_CHANNEL at this time of day, UTC ("HH:MM");
     # "off": no report.
     kpi_report_at: str = "08:00"

@@ -208,6 +208,29 @@ legacy_chains = Table(
     schema=AUDIT_SCHEMA,
 )
 
+#: One sealed row per month of the journal `keel audit archive` removed once every event in it was shipped and
+#: verified (agents/audit/archive.py): verify starts each chain from the newest record's head for it. Insert-only.
+archived_partitions = Table(
+    "archived_partitions",
+    metadata,
+    Column("partition", Text, primary_key=True),
+    Column("from_at", DateTime(timezone=True), nullable=True),  # NULL: from the journal's start (the legacy part)
+    Column("to_at", DateTime(timezone=True), nullable=False),
+    Column("first_id", BigInteger, nullable=True),
+    Column("last_id", BigInteger, nullable=True),
+    Column("events", BigInteger, nullable=False),
+    Column("manifests", JSONB, nullable=False),
+    Column("heads", JSONB, nullable=False),
+    Column("archived_by", Text, nullable=False),
+    Column("archived_at", DateTime(timezone=True), nullable=False),
+    Column("key_id", Text, nullable=False),
+    Column("seal", Text, nullable=False),
+    CheckConstraint(
+        "(events = 0 AND first_id IS NULL AND last_id IS NULL) OR (events > 0 AND first_id <= last_id)", name="range"
+    ),
+    schema=AUDIT_SCHEMA,
+)
+
 #: Every claim of a job takes the next value: a worker holding an older token can no longer write the job.
 fencing_tokens = Sequence("job_fencing_token_seq", metadata=metadata)
 

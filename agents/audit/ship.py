@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from psycopg.rows import dict_row
 
 from agents.audit.store import SegmentStore, open_store
-from agents.core.journal import canonical_json
+from agents.core.journal import ArchivedPart, archived_parts, canonical_json
 from models.audit_destination import StoreUrl, load_signing_key, parse_store_url
 from models.audit_keys import audit_keys_for
 from models.clock import rfc3339
@@ -336,7 +336,11 @@ def _unfollowed(conn: psycopg.Connection[Any], lines: Sequence[dict[str, Any]], 
     with conn.cursor() as cur:
         cur.execute(
             "SELECT x.agent_id::text FROM unnest(%s::uuid[], %s::bigint[]) AS x(agent_id, seq)"
-            " JOIN audit.journal j ON j.agent_id = x.agent_id AND j.seq = x.seq - 1 AND j.id <= %s",
+            " WHERE EXISTS (SELECT 1 FROM audit.journal j WHERE j.agent_id = x.agent_id AND j.seq = x.seq - 1"
+            " AND j.id <= %s)"
+            # An archived event was shipped (keel audit archive proved it) and is no longer in the journal.
+            " OR EXISTS (SELECT 1 FROM audit.archived_partitions a"
+            " WHERE (a.heads -> x.agent_id::text ->> 'last_seq')::bigint >= x.seq - 1)",
             (list(later), list(later.values()), after_id),
         )
         found = {str(r[0]) for r in cur.fetchall()}
@@ -531,7 +535,7 @@ def ship(
 class Divergence:
     """One difference between the database and the shipped copy, or a fault of the shipped copy itself."""
 
-    kind: str  # changed, removed, inserted, reforged, missing_segment, bad_manifest, bad_segment, store
+    kind: str  # changed, removed, inserted, reforged, missing_segment, bad_manifest, bad_segment, archive, store
     text: str
 
 
@@ -559,6 +563,95 @@ class _Reforged:
     first: dict[str, Any]
     count: int = 0
     last_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRead:
+    """One segment as read from the store and checked against its manifest: the manifest (None: unreadable), the
+    body's events (None: the body is missing or does not match the manifest's sha256 and bytes), what is wrong."""
+
+    manifest: Manifest | None
+    lines: list[dict[str, Any]] | None
+    problems: list[Divergence]
+
+
+def read_segment(
+    store: SegmentStore,
+    name: str,
+    named: tuple[int, int],
+    previous: Manifest | None,
+    keys: ManifestKeys | None,
+    public_key: Ed25519PublicKey | None = None,
+) -> SegmentRead:
+    """Read manifest ``name`` (whose object name says ids ``named``) and its segment, and check them: the manifest's
+    seal (HMAC and/or signature), that it follows ``previous`` (its ``after_id`` and ``previous`` link; None: it must
+    be the first), the body's sha256, bytes and event count."""
+    found: list[Divergence] = []
+    data = store.get(name)
+    if data is None:
+        return SegmentRead(None, None, [Divergence("store", f"{name} was listed but cannot be read")])
+    try:
+        manifest = parse_manifest(name, data)
+    except ShipError as exc:
+        return SegmentRead(None, None, [Divergence("bad_manifest", str(exc))])
+    found += [Divergence("bad_manifest", p) for p in manifest_problems(manifest, keys, public_key)]
+    if (manifest.first_id, manifest.last_id) != named:
+        found.append(
+            Divergence(
+                "bad_manifest",
+                f"manifest {name} describes ids {manifest.first_id}..{manifest.last_id}, not those its name says",
+            )
+        )
+    expected_after = 0 if previous is None else previous.last_id
+    link = manifest.data.get("previous")
+    if (
+        manifest.after_id != expected_after
+        or (previous is not None and (not isinstance(link, dict) or link.get("sha256") != previous.sha256))
+        or (previous is None and link is not None)
+    ):
+        missing_from = expected_after + 1
+        found.append(
+            Divergence(
+                "missing_segment",
+                f"segment missing: {name} follows id {manifest.after_id}"
+                f" ({'manifest ' + str(link.get('manifest')) if isinstance(link, dict) else 'no manifest'})"
+                f" but the store's previous segment ends at id {expected_after}: ids {missing_from}.."
+                f"{manifest.after_id} are not in the store",
+            )
+        )
+    body = store.get(manifest.segment)
+    if body is None:
+        found.append(
+            Divergence(
+                "missing_segment", f"segment missing: {manifest.segment} (its manifest is there, its body is not)"
+            )
+        )
+        return SegmentRead(manifest, None, found)
+    if hashlib.sha256(body).hexdigest() != manifest.data["sha256"] or (
+        "bytes" in manifest.data and len(body) != manifest.data["bytes"]
+    ):
+        found.append(
+            Divergence(
+                "bad_segment",
+                f"segment {manifest.segment} does not match the sha256 and size its manifest seals: the shipped copy"
+                " was changed in the store",
+            )
+        )
+        return SegmentRead(manifest, None, found)
+    lines = [json.loads(text) for text in body.decode().splitlines()]
+    if len(lines) != manifest.data["events"]:
+        found.append(
+            Divergence(
+                "bad_segment",
+                f"segment {manifest.segment} holds {len(lines)} events, its manifest says {manifest.data['events']}",
+            )
+        )
+    return SegmentRead(manifest, lines, found)
+
+
+def differing_fields(shipped: dict[str, Any], line: dict[str, Any]) -> list[str]:
+    """The fields in which a shipped event and the database's row of that id (as :func:`event_line`) differ."""
+    return sorted(k for k in shipped.keys() | line.keys() if shipped.get(k) != line.get(k))
 
 
 def verify_against(
@@ -590,76 +683,24 @@ def verify_against(
     previous: Manifest | None = None
     compared = 0
     last_id = 0
+    seen: dict[str, str] = {}  # manifest name -> its sha256, as the store holds it
     with db.connection() as raw:
         raw.rollback()
         raw.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         raw.read_only = True
         try:
+            archive = _ArchiveTally(archived_parts(raw))
             for first, last, name in manifests:
-                data = store.get(name)
-                if data is None:
-                    found.append(Divergence("store", f"{name} was listed but cannot be read"))
+                segment = read_segment(store, name, (first, last), previous, keys, public_key)
+                found += segment.problems
+                if segment.manifest is None:
                     continue
-                try:
-                    manifest = parse_manifest(name, data)
-                except ShipError as exc:
-                    found.append(Divergence("bad_manifest", str(exc)))
-                    continue
-                found += [Divergence("bad_manifest", p) for p in manifest_problems(manifest, keys, public_key)]
-                if (manifest.first_id, manifest.last_id) != (first, last):
-                    found.append(
-                        Divergence(
-                            "bad_manifest",
-                            f"manifest {name} describes ids {manifest.first_id}.."
-                            f"{manifest.last_id}, not those its name says",
-                        )
-                    )
-                expected_after = 0 if previous is None else previous.last_id
-                link = manifest.data.get("previous")
-                if (
-                    manifest.after_id != expected_after
-                    or (previous is not None and (not isinstance(link, dict) or link.get("sha256") != previous.sha256))
-                    or (previous is None and link is not None)
-                ):
-                    missing_from = expected_after + 1
-                    found.append(
-                        Divergence(
-                            "missing_segment",
-                            f"segment missing: {name} follows id {manifest.after_id}"
-                            f" ({'manifest ' + str(link.get('manifest')) if isinstance(link, dict) else 'no manifest'})"
-                            f" but the store's previous segment ends at id {expected_after}: ids {missing_from}.."
-                            f"{manifest.after_id} are not in the store",
-                        )
-                    )
-                previous = manifest
+                manifest = previous = segment.manifest
+                seen[manifest.name] = manifest.sha256
                 last_id = max(last_id, manifest.last_id)
-                body = store.get(manifest.segment)
-                if body is None:
-                    found.append(
-                        Divergence(
-                            "missing_segment",
-                            f"segment missing: {manifest.segment} (its manifest is there, its body is not)",
-                        )
-                    )
+                if segment.lines is None:
                     continue
-                if hashlib.sha256(body).hexdigest() != manifest.data["sha256"]:
-                    found.append(
-                        Divergence(
-                            "bad_segment",
-                            f"segment {manifest.segment} does not match the sha256"
-                            " its manifest seals: the shipped copy was changed in the store",
-                        )
-                    )
-                    continue
-                lines = [json.loads(text) for text in body.decode().splitlines()]
-                if len(lines) != manifest.data["events"]:
-                    found.append(
-                        Divergence(
-                            "bad_segment",
-                            f"segment {manifest.segment} holds {len(lines)} events,"
-                            f" its manifest says {manifest.data['events']}",
-                        )
-                    )
+                lines = segment.lines
                 for line in lines:
                     agent = str(line["agent_id"])
                     seq, prev_hash = heads.get(agent, (0, GENESIS_HASH))
@@ -673,7 +714,7 @@ def verify_against(
                         )
                     heads[agent] = (int(line["seq"]), str(line["hash"]))
                 rows = _read_events(raw, manifest.after_id, manifest.last_id, None)  # every row of the range
-                compared += _compare(manifest.segment, lines, rows, found, reforged)
+                compared += _compare(manifest.segment, lines, rows, found, reforged, archive)
             row = raw.execute("SELECT count(*) FROM audit.journal WHERE id > %s", (last_id,)).fetchone()
             unshipped = int(row[0]) if row else 0
             recorded = raw.execute(
@@ -685,6 +726,7 @@ def verify_against(
             raw.rollback()
             raw.isolation_level = None
             raw.read_only = None
+    found += archive.problems(seen)
     for agent, r in reforged.items():
         found.append(
             Divergence(
@@ -711,12 +753,86 @@ def verify_against(
     return AgainstReport(destination, len(manifests), compared, last_id, unshipped, tuple(found), tuple(notes))
 
 
+class _ArchiveTally:
+    """The archive records (audit.archived_partitions) checked against the store while it is walked: a shipped event
+    missing from the database inside an archived id range was archived, not removed; each record's event count,
+    heads and manifests must be what the store holds."""
+
+    def __init__(self, parts: list[ArchivedPart]) -> None:
+        self.parts = [p for p in parts if p.first_id is not None and p.last_id is not None]
+        self.empty = [p for p in parts if p.first_id is None]
+        self.counted = {p.partition: 0 for p in self.parts}
+        self.heads = {
+            (agent, int(head["last_seq"])): (p.partition, str(head["hash"]))
+            for p in self.parts
+            for agent, head in p.heads.items()
+        }
+        self.matched: set[tuple[str, int]] = set()
+        self.wrong: list[Divergence] = []
+
+    def holds(self, line: dict[str, Any]) -> bool:
+        """Whether ``line`` (shipped, not in the database) lies in an archived range: counted against that record."""
+        jid = int(line["id"])
+        for part in self.parts:
+            if part.first_id is not None and part.last_id is not None and part.first_id <= jid <= part.last_id:
+                self.counted[part.partition] += 1
+                key = (str(line["agent_id"]), int(line["seq"]))
+                if key in self.heads:
+                    partition, digest = self.heads[key]
+                    if digest == line["hash"]:
+                        self.matched.add(key)
+                    else:
+                        self.wrong.append(
+                            Divergence(
+                                "archive",
+                                f"archive record {partition} puts agent {key[0]}'s archived head at event {key[1]}"
+                                f" with another hash than the store's {_describe(line)}",
+                            )
+                        )
+                        self.matched.add(key)
+                return True
+        return False
+
+    def problems(self, seen: dict[str, str]) -> list[Divergence]:
+        found = list(self.wrong)
+        for part in self.parts:
+            for entry in part.manifests:
+                name, digest = str(entry.get("manifest")), entry.get("sha256")
+                if seen.get(name) != digest:
+                    there = "is not in the store" if name not in seen else "is in the store with another sha256"
+                    found.append(
+                        Divergence(
+                            "archive", f"archive record {part.partition} was covered by manifest {name}, which {there}"
+                        )
+                    )
+            if self.counted[part.partition] != part.events:
+                found.append(
+                    Divergence(
+                        "archive",
+                        f"archive record {part.partition} says {part.events} events (ids {part.first_id}.."
+                        f"{part.last_id}) left the database, but the store holds {self.counted[part.partition]} shipped"
+                        " events of that range that the database lacks",
+                    )
+                )
+        for (agent, seq), (partition, _) in self.heads.items():
+            if (agent, seq) not in self.matched:
+                found.append(
+                    Divergence(
+                        "archive",
+                        f"archive record {partition} puts agent {agent}'s archived head at event {seq}, which no"
+                        " shipped event of its range is",
+                    )
+                )
+        return found
+
+
 def _compare(
     segment: str,
     shipped: list[dict[str, Any]],
     rows: list[dict[str, Any]],
     found: list[Divergence],
     reforged: dict[str, _Reforged],
+    archive: _ArchiveTally,
 ) -> int:
     """Merge the shipped events of one segment with the database's rows of its id range, by id."""
     in_db = {int(r["id"]): r for r in rows}
@@ -725,6 +841,8 @@ def _compare(
         line, row = in_store.get(jid), in_db.get(jid)
         if row is None:
             assert line is not None
+            if archive.holds(line):
+                continue
             found.append(
                 Divergence(
                     "removed", f"{_describe(line)} was removed from the database after it was shipped ({segment})"
@@ -740,7 +858,7 @@ def _compare(
                 )
             )
             continue
-        differ = sorted(k for k in line.keys() | row.keys() if line.get(k) != row.get(k))
+        differ = differing_fields(line, row)
         if not differ:
             continue
         content = [k for k in differ if k not in _LINK_FIELDS]

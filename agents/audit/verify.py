@@ -30,6 +30,7 @@ def verify_and_record(db: Database, source: Literal["cli", "beat"]) -> VerifyRep
                 for u in report.unchecked[:20]
             ],
             "legacy_events": sum(p.events for p in report.legacy),
+            "archive_problems": len(report.archive_problems),
         },
     )
     return report

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import click
 
-from agents.cli.common import emit, friendly, json_option, open_client, text_value, to_json
+from agents.cli.common import emit, friendly, json_option, open_client, settings_or_exit, text_value, to_json
 from agents.cli.watch import journal_header, journal_text, print_events
 from agents.core.commands import MAX_BIGINT
 from agents.core.errors import quoted
@@ -153,6 +153,7 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
                         for p in report.legacy
                     ],
                     "key_ids": list(report.key_ids),
+                    "archive_problems": list(report.archive_problems),
                 }
             )
         )
@@ -173,6 +174,8 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
             click.echo(f"  agent {agent(part.agent_id)}: events 1-{part.events}")
         if len(report.legacy) > SHOWN:
             click.echo(f"  … and {len(report.legacy) - SHOWN} more chains (--json lists them all)")
+    for problem in report.archive_problems:
+        click.echo(f"BROKEN archive: {problem}", err=True)
     for b in report.breaks:
         where = f"journal id {b.journal_id}" if b.journal_id is not None else "chain head"
         click.echo(f"BROKEN agent {agent(b.agent_id)} at event {b.seq} ({where}): {b.reason}", err=True)
@@ -347,6 +350,61 @@ def audit_partitions(create: bool, months: int | None, as_json: bool) -> None:
     ]
     lines.append(f"{ahead} whole month(s) after this one have a partition")
     emit({"created": created, "partitions": rows, "months_ahead": ahead}, as_json, "\n".join(lines))
+@audit.command("archive")
+@click.option(
+    "--against",
+    required=True,
+    metavar="URL",
+    help="The store the journal is shipped to (s3://bucket/prefix or file:///path): every event of the month must be"
+    " there, in segments whose manifests verify, byte for byte as in the database.",
+)
+@click.option(
+    "--partition",
+    metavar="NAME",
+    help="The partition to archive (e.g. journal_2027_01); it must be the oldest attached one. Default: that one.",
+)
+@click.option("--dry-run", is_flag=True, help="Make every check and say what would be archived; change nothing.")
+@json_option
+@friendly
+def audit_archive(against: str, partition: str | None, dry_run: bool, as_json: bool) -> None:
+    """Remove the journal's oldest month from the database, once every event in it is proved shipped and verified
+    against the store, with a sealed record of what left (audit.archived_partitions): the only way journal rows
+    ever leave. Runs as the owner (KEEL_MIGRATION_DATABASE_URL), with the audit keys (KEEL_AUDIT_KEYS); only a month
+    that ended more than KEEL_AUDIT_ARCHIVE_GRACE_DAYS ago. Any check that fails refuses, names what is missing or
+    different, changes nothing and exits 1."""
+    from agents.audit.archive import archive_partition
+    from agents.audit.ship import destination_of
+    from agents.audit.store import open_store
+    from models.audit_keys import audit_keys_for
+    from models.embedded import migration_url_for
+
+    settings = settings_or_exit()
+    destination = destination_of(settings, against)
+    report = archive_partition(
+        migration_url_for(settings),
+        open_store(destination, endpoint_url=settings.audit_s3_endpoint_url),
+        audit_keys_for(settings),
+        destination=str(destination),
+        grace=timedelta(days=settings.audit_archive_grace_days),
+        partition=partition,
+        dry_run=dry_run,
+    )
+    done = "would archive" if report.dry_run else "archived"
+    ids = f"ids {report.first_id}..{report.last_id}" if report.events else "no events"
+    emit(
+        {
+            "partition": report.partition,
+            "dry_run": report.dry_run,
+            "first_id": report.first_id,
+            "last_id": report.last_id,
+            "events": report.events,
+            "manifests": report.manifests,
+            "agents": report.agents,
+        },
+        as_json,
+        f"{done} {report.partition}: {report.events} events ({ids}) of {report.agents} agent chains, shipped in"
+        f" {report.manifests} segments of {destination}",
+    )
 
 
 @audit.command("export")

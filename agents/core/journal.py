@@ -383,11 +383,14 @@ class VerifyReport:
     legacy: tuple[LegacyPart, ...] = ()
     #: The ids of the keys the verify held (empty: none, and no keyed link could be checked).
     key_ids: tuple[str, ...] = ()
+    #: What is wrong with the archive records (audit.archived_partitions): a seal, their order.
+    archive_problems: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """No broken link, and every link checked: events whose key was missing are not called intact."""
-        return not self.breaks and not self.unchecked
+        """No broken link, every link checked (events whose key was missing are not called intact), and every
+        archive record sound."""
+        return not self.breaks and not self.unchecked and not self.archive_problems
 
 
 # The linked fields, in _linked's keyword names; the chain query selects them after id, hash and key_id.
@@ -440,133 +443,376 @@ _HEADLESS = (
 )
 
 
-def _is_delete(fields: dict[str, Any]) -> bool:
+def _is_delete(fields: Mapping[str, Any]) -> bool:
     return bool(fields["kind"] == "operator" and fields["event"] == "delete")
+
+
+def legacy_seals(conn: psycopg.Connection[Any], agent_ids: list[UUID]) -> dict[UUID, _Seal]:
+    """The legacy seals (migration 0015) of these agents' chains, in the caller's transaction."""
+    with conn.cursor(row_factory=class_row(_Seal)) as cur:
+        cur.execute(f"{_SEALS} WHERE agent_id = ANY(%s)", (agent_ids,))
+        return {seal.agent_id: seal for seal in cur}
 
 
 def _seal_holds(seal: _Seal, keys: AuditKeys) -> bool:
     return keys.verifies(seal.key_id, legacy_seal_parts(str(seal.agent_id), seal.seq, seal.head), seal.seal)
 
 
-def _check_chain(rows: Iterator[dict[str, Any]], head: _Head, seal: _Seal | None, keys: AuditKeys | None) -> ChainCheck:
-    agent_id = head.agent_id
-    expected_prev, expected_seq, count, legacy = GENESIS_HASH, 1, 0, 0
-    state: tuple[int, str | None, str | None] = (0, "idle", None)  # revision, phase, request as the journal tells
-    deleted_at = 0  # the seq of the agent's delete event: nothing may follow it
-    keyed_at = 0  # the seq of the chain's first keyed event: no unkeyed event may follow it
-    unchecked: dict[str, list[int]] = {}  # key id -> [first seq, events]
+#: (revision, phase, request id) as a chain's last transition event left them.
+_State = tuple[int, str | None, str | None]
+_GENESIS_STATE: _State = (0, "idle", None)
 
-    def found(seq: int, jid: int | None, reason: str) -> ChainCheck:
-        missing = tuple(Unchecked(agent_id, k, first, n) for k, (first, n) in unchecked.items())
-        return ChainCheck(agent_id, count, ChainBreak(agent_id, seq, jid, reason), missing, legacy)
 
-    def not_checked(key_id: str, seq: int, events: int = 1) -> None:
-        entry = unchecked.setdefault(key_id, [seq, 0])
+@dataclass(frozen=True, slots=True)
+class ChainPosition:
+    """Where a walk along one chain stands: past event ``seq`` (0: none yet), whose hash is ``hash``; the state its
+    last transition event left (None: not known — a window that starts mid-chain), the seq of the chain's first keyed
+    event and of its delete event (0: none yet), and how many of its events so far are legacy (unkeyed).
+    ``archived``: the events up to ``seq`` left the database (`keel audit archive`); this is their archived head."""
+
+    seq: int = 0
+    hash: str = GENESIS_HASH
+    state: _State | None = _GENESIS_STATE
+    keyed_at: int = 0
+    deleted_at: int = 0
+    legacy: int = 0
+    archived: bool = False
+
+    def as_head(self) -> dict[str, Any]:
+        """The position as ``audit.archived_partitions.heads`` keeps it for one agent."""
+        revision, phase, request_id = self.state or _GENESIS_STATE
+        return {
+            "last_seq": self.seq,
+            "hash": self.hash,
+            "revision": revision,
+            "phase": phase,
+            "request_id": request_id,
+            "keyed_at": self.keyed_at,
+            "deleted_at": self.deleted_at,
+            "legacy": self.legacy,
+        }
+
+    @classmethod
+    def from_head(cls, head: Mapping[str, Any]) -> ChainPosition:
+        """An archived head (:meth:`as_head`) as the position a walk starts from."""
+        state = (int(head["revision"]), head["phase"], head["request_id"])
+        return cls(
+            int(head["last_seq"]),
+            str(head["hash"]),
+            state,
+            int(head.get("keyed_at", 0)),
+            int(head.get("deleted_at", 0)),
+            int(head.get("legacy", 0)),
+            archived=True,
+        )
+
+
+class ChainWalk:
+    """The one check of one chain's events, one at a time in seq order, from a :class:`ChainPosition`: seq continuity,
+    ``prev_hash``, the keyed link (or, for a legacy event, its plain hash and the upgrade's seal), nothing after the
+    delete event; then, at the end, that the head is the last event. `keel audit verify` walks from genesis or from
+    the chain's archived head, the console's window from the event before it, `keel audit archive` over a month:
+    every one judges an event the same way."""
+
+    def __init__(
+        self, agent_id: UUID, keys: AuditKeys | None, seal: _Seal | None, start: ChainPosition | None = None
+    ) -> None:
+        start = start or ChainPosition()
+        self.agent_id, self.keys, self.seal = agent_id, keys, seal
+        self.expected_prev, self.expected_seq, self.state = start.hash, start.seq + 1, start.state
+        self.keyed_at, self.deleted_at, self.legacy = start.keyed_at, start.deleted_at, start.legacy
+        self.archived_to = start.seq if start.archived else 0
+        self.events = 0
+        self.unchecked: dict[str, list[int]] = {}  # key id -> [first seq, events]
+
+    @property
+    def position(self) -> ChainPosition:
+        return ChainPosition(
+            self.expected_seq - 1, self.expected_prev, self.state, self.keyed_at, self.deleted_at, self.legacy
+        )
+
+    def unchecked_parts(self) -> tuple[Unchecked, ...]:
+        return tuple(Unchecked(self.agent_id, k, first, n) for k, (first, n) in self.unchecked.items())
+
+    def _break(self, seq: int, jid: int | None, reason: str) -> ChainBreak:
+        return ChainBreak(self.agent_id, seq, jid, reason)
+
+    def _not_checked(self, key_id: str, seq: int, events: int = 1) -> None:
+        entry = self.unchecked.setdefault(key_id, [seq, 0])
         entry[1] += events
 
-    if seal is not None:
+    def check_seal(self, *, count_unchecked: bool = True) -> ChainBreak | None:
+        """The legacy seal's HMAC (when the ring holds its key; otherwise its events count as not checked)."""
+        seal, keys = self.seal, self.keys
+        if seal is None:
+            return None
         if keys is None or seal.key_id not in keys:
-            not_checked(seal.key_id, 1, seal.seq)
-        elif not _seal_holds(seal, keys):
-            return found(
+            if count_unchecked:
+                self._not_checked(seal.key_id, 1, seal.seq)
+            return None
+        if not _seal_holds(seal, keys):
+            return self._break(
                 seal.seq,
                 None,
                 f"the seal on events 1-{seal.seq} (audit.legacy_chains) does not match its HMAC under key"
                 f" {seal.key_id!r}: it was not written by the upgrade that keyed the journal",
             )
-    for row in rows:
-        count += 1
-        jid, digest, key_id = row["id"], row["hash"], row["key_id"]
+        return None
+
+    def step(self, row: Mapping[str, Any]) -> ChainBreak | None:
+        """Check the next event (a row of the chain query: id, hash, key_id and the linked fields); None: intact."""
+        self.events += 1
+        jid, digest, key_id = row["id"], row["hash"], row.get("key_id")
         fields = {name: row[name] for name in _HASHED}
-        seq = fields["seq"]
-        if deleted_at:
-            return found(seq, jid, f"event {seq} follows the agent's delete event {deleted_at}")
-        if seq != expected_seq:
-            return found(expected_seq, jid, f"event {expected_seq} is missing (found {seq})")
-        if fields["prev_hash"] != expected_prev:
-            return found(seq, jid, "prev_hash does not match the previous event's hash")
+        seq, seal, keys, agent_id = fields["seq"], self.seal, self.keys, self.agent_id
+        if self.deleted_at:
+            return self._break(seq, jid, f"event {seq} follows the agent's delete event {self.deleted_at}")
+        if seq != self.expected_seq:
+            if self.archived_to and seq <= self.archived_to:
+                return self._break(
+                    seq,
+                    jid,
+                    f"event {seq} is at or below the head of the chain's archived part (event {self.archived_to}):"
+                    " it was inserted after that part was archived",
+                )
+            if self.expected_seq == 1 and seq > 1:
+                missing = "event 1 is" if seq == 2 else f"events 1..{seq - 1} are"
+                return self._break(1, jid, f"{missing} missing and no archive covers them")
+            return self._break(self.expected_seq, jid, f"event {self.expected_seq} is missing (found {seq})")
+        if fields["prev_hash"] != self.expected_prev:
+            if self.archived_to and seq == self.archived_to + 1:
+                return self._break(seq, jid, "prev_hash does not match the head of its archived part")
+            return self._break(seq, jid, "prev_hash does not match the previous event's hash")
         if key_id is None:
-            if keyed_at:
-                return found(
-                    seq,
-                    jid,
-                    f"event {seq} has no key but follows keyed event {keyed_at}: it was written without the key",
-                )
+            if self.keyed_at:
+                return self._break(
+                    seq, jid, f"event {seq} has no key but follows keyed event {self.keyed_at}: it was written without"
+                    " the key",
+                )  # fmt: skip
             if seal is None:
-                return found(
-                    seq,
-                    jid,
-                    f"event {seq} has no key, and this chain had no events when the journal was keyed: it was written"
-                    " without the key",
-                )
+                return self._break(
+                    seq, jid, f"event {seq} has no key, and this chain had no events when the journal was keyed: it"
+                    " was written without the key",
+                )  # fmt: skip
             if seq > seal.seq:
-                return found(
-                    seq,
-                    jid,
-                    f"event {seq} has no key, but only events 1-{seal.seq} of this chain were written before the"
-                    " journal was keyed: it was written without the key",
-                )
+                return self._break(
+                    seq, jid, f"event {seq} has no key, but only events 1-{seal.seq} of this chain were written before"
+                    " the journal was keyed: it was written without the key",
+                )  # fmt: skip
             if event_hash(agent_id=agent_id, **fields) != digest:
-                return found(seq, jid, "the event's content does not match its hash")
+                return self._break(seq, jid, "the event's content does not match its hash")
             if seq == seal.seq and digest != seal.head:
-                return found(
-                    seq,
-                    jid,
-                    f"events 1-{seq} were written before the journal was keyed, but they no longer end at the head"
-                    " sealed then: one of them was changed",
-                )
-            legacy += 1
+                return self._break(
+                    seq, jid, f"events 1-{seq} were written before the journal was keyed, but they no longer end at"
+                    " the head sealed then: one of them was changed",
+                )  # fmt: skip
+            self.legacy += 1
         else:
             if seal is not None and seq <= seal.seq:
-                return found(
-                    seq,
-                    jid,
-                    f"event {seq} has key {key_id!r}, but the upgrade that keyed the journal sealed events"
+                return self._break(
+                    seq, jid, f"event {seq} has key {key_id!r}, but the upgrade that keyed the journal sealed events"
                     f" 1-{seal.seq} as written without one",
-                )
-            keyed_at = keyed_at or seq
+                )  # fmt: skip
+            self.keyed_at = self.keyed_at or seq
             if keys is None or key_id not in keys:
-                not_checked(key_id, seq)
+                self._not_checked(key_id, seq)
             elif not keys.verifies(key_id, mac_parts(key_id, agent_id=agent_id, **fields), digest):
-                return found(
-                    seq,
-                    jid,
-                    f"the event's content does not match its HMAC under key {key_id!r}: it was changed or forged"
-                    " (or KEEL_AUDIT_KEYS holds another secret under that id)",
-                )
+                return self._break(
+                    seq, jid, f"the event's content does not match its HMAC under key {key_id!r}: it was changed or"
+                    " forged (or KEEL_AUDIT_KEYS holds another secret under that id)",
+                )  # fmt: skip
         if fields["kind"] == "transition":
-            state = (fields["revision"], fields["to_phase"], fields["request_id"])
+            self.state = (fields["revision"], fields["to_phase"], fields["request_id"])
         if _is_delete(fields):
-            deleted_at = seq
-        expected_prev, expected_seq = digest, seq + 1
-    last = expected_seq - 1
-    if last < head.seq:
-        reason = (
-            f"event {expected_seq} is missing: the chain ends at event {last} but the agent's head is event {head.seq}"
+            self.deleted_at = seq
+        self.expected_prev, self.expected_seq = digest, seq + 1
+        return None
+
+    def end(self, head: _Head) -> ChainBreak | None:
+        """Once every event up to the head was stepped: the head is the last event, and the agent's state is what its
+        last transition event says (when the walk knows it)."""
+        last, expected, seal = self.expected_seq - 1, self.expected_seq, self.seal
+        if last < head.seq:
+            reason = (
+                f"event {expected} is missing: the chain ends at event {last} but the agent's head is event {head.seq}"
+            )
+            return self._break(expected, None, reason)
+        if seal is not None and last < seal.seq:
+            reason = (
+                f"event {expected} is missing: the chain ends at event {last} but it had {seal.seq} events when the"
+                " journal was keyed"
+            )
+            return self._break(expected, None, reason)
+        if last > head.seq or self.expected_prev != head.hash:
+            if self.events == 0 and self.archived_to:
+                return self._break(
+                    last, None, f"the agent's head (event {head.seq}) is not the head of its archived part (event"
+                    f" {last}), and no event of it is left in the database",
+                )  # fmt: skip
+            return self._break(last, None, "the agent's head does not match its last event")
+        if head.deleted and not self.deleted_at:
+            reason = (
+                f"the agent was deleted (its tombstone's head is event {head.seq}) but that is not its delete event"
+            )
+            return self._break(last, None, reason)
+        if self.deleted_at and not head.deleted:
+            reason = f"event {self.deleted_at} deleted the agent, but its row is still there and it has no tombstone"
+            return self._break(last, None, reason)
+        state = self.state
+        if state is not None and state != (head.revision, head.phase, head.request_id):
+            reason = (
+                f"the agent row says revision {head.revision} ({head.phase}, request {head.request_id}) but its last"
+                f" transition event says revision {state[0]} ({state[1]}, request {state[2]})"
+            )
+            return self._break(last, None, reason)
+        return None
+
+
+def _check_chain(
+    rows: Iterator[Mapping[str, Any]],
+    head: _Head,
+    seal: _Seal | None,
+    keys: AuditKeys | None,
+    start: ChainPosition | None = None,
+) -> ChainCheck:
+    walk = ChainWalk(head.agent_id, keys, seal, start)
+    broken = walk.check_seal()
+    for row in rows:
+        if broken is not None:
+            break
+        broken = walk.step(row)
+    if broken is None:
+        broken = walk.end(head)
+    return ChainCheck(head.agent_id, walk.events, broken, walk.unchecked_parts(), walk.legacy)
+
+
+# --- archived parts of the journal (`keel audit archive`) ----------------------------------------------------------
+
+#: Starts what an archive record's seal covers, so no other use of the audit key shares its input.
+_ARCHIVE_TAG = "keel-archived-partition-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class ArchivedPart:
+    """One row of ``audit.archived_partitions``: a month of the journal that left the database, once shipped."""
+
+    partition: str
+    from_at: datetime | None
+    to_at: datetime
+    first_id: int | None
+    last_id: int | None
+    events: int
+    manifests: list[dict[str, Any]]
+    heads: dict[str, dict[str, Any]]
+    archived_by: str
+    archived_at: datetime
+    key_id: str
+    seal: str
+
+
+def _exact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def archive_seal_parts(
+    *,
+    key_id: str,
+    partition: str,
+    from_at: datetime | None,
+    to_at: datetime,
+    first_id: int | None,
+    last_id: int | None,
+    events: int,
+    manifests: list[dict[str, Any]],
+    heads: dict[str, dict[str, Any]],
+    archived_by: str,
+    archived_at: datetime,
+) -> list[str | int | None]:
+    """What an archive record's seal (an HMAC under key ``key_id``) covers: every other column of the row."""
+    return [
+        _ARCHIVE_TAG,
+        key_id,
+        partition,
+        None if from_at is None else rfc3339(from_at),
+        rfc3339(to_at),
+        first_id,
+        last_id,
+        events,
+        _exact(manifests),
+        _exact(heads),
+        archived_by,
+        rfc3339(archived_at),
+    ]
+
+
+def _archive_parts_of(part: ArchivedPart) -> list[str | int | None]:
+    return archive_seal_parts(
+        key_id=part.key_id, partition=part.partition, from_at=part.from_at, to_at=part.to_at,
+        first_id=part.first_id, last_id=part.last_id, events=part.events, manifests=part.manifests,
+        heads=part.heads, archived_by=part.archived_by, archived_at=part.archived_at,
+    )  # fmt: skip
+
+
+_ARCHIVED = "SELECT * FROM audit.archived_partitions ORDER BY to_at, partition"
+
+
+def archived_parts(conn: psycopg.Connection[Any]) -> list[ArchivedPart]:
+    """Every archive record, oldest month first, in the caller's transaction."""
+    with conn.cursor(row_factory=class_row(ArchivedPart)) as cur:
+        cur.execute(_ARCHIVED)
+        return cur.fetchall()
+
+
+def archive_seal_problem(part: ArchivedPart, keys: AuditKeys | None) -> str | None:
+    """What is wrong with the record's seal (None: it holds)."""
+    if keys is None or part.key_id not in keys:
+        return (
+            f"archive record {part.partition} is sealed with audit key {part.key_id!r}, which the key ring"
+            " (KEEL_AUDIT_KEYS) does not hold: the archived heads could not be checked"
         )
-        return found(expected_seq, None, reason)
-    if seal is not None and last < seal.seq:
-        reason = (
-            f"event {expected_seq} is missing: the chain ends at event {last} but it had {seal.seq} events when the"
-            " journal was keyed"
+    if not keys.verifies(part.key_id, _archive_parts_of(part), part.seal):
+        return (
+            f"archive record {part.partition} does not match its seal under key {part.key_id!r}: it was altered, or"
+            " not written by keel audit archive"
         )
-        return found(expected_seq, None, reason)
-    if last > head.seq or expected_prev != head.hash:
-        return found(last, None, "the agent's head does not match its last event")
-    if head.deleted and not deleted_at:
-        reason = f"the agent was deleted (its tombstone's head is event {head.seq}) but that is not its delete event"
-        return found(last, None, reason)
-    if deleted_at and not head.deleted:
-        reason = f"event {deleted_at} deleted the agent, but its row is still there and it has no tombstone"
-        return found(last, None, reason)
-    if state != (head.revision, head.phase, head.request_id):
-        reason = (
-            f"the agent row says revision {head.revision} ({head.phase}, request {head.request_id}) but its last"
-            f" transition event says revision {state[0]} ({state[1]}, request {state[2]})"
-        )
-        return found(last, None, reason)
-    missing = tuple(Unchecked(agent_id, k, first, n) for k, (first, n) in unchecked.items())
-    return ChainCheck(agent_id, count, None, missing, legacy)
+    return None
+
+
+def archived_heads(
+    parts: list[ArchivedPart], keys: AuditKeys | None
+) -> tuple[list[str], dict[UUID, tuple[ChainPosition, str]]]:
+    """The records' problems (seals, order) and, per agent, the head of its archived part (from the newest record
+    holding it) and that record's partition."""
+    problems: list[str] = []
+    heads: dict[UUID, tuple[ChainPosition, str]] = {}
+    previous: ArchivedPart | None = None
+    for part in parts:
+        problem = archive_seal_problem(part, keys)
+        if problem is not None:
+            problems.append(problem)
+        if previous is not None:
+            if part.from_at is None or part.from_at < previous.to_at:
+                problems.append(
+                    f"archive record {part.partition} does not start after {previous.partition}'s month: archived"
+                    " months leave in order"
+                )
+            if part.first_id is not None and previous.last_id is not None and part.first_id <= previous.last_id:
+                problems.append(
+                    f"archive record {part.partition} starts at id {part.first_id}, not after {previous.partition}'s"
+                    f" last id {previous.last_id}"
+                )
+        for agent, head in part.heads.items():
+            position = ChainPosition.from_head(head)
+            agent_id = UUID(agent)
+            before = heads.get(agent_id)
+            if before is not None and position.seq <= before[0].seq:
+                problems.append(
+                    f"archive record {part.partition} puts agent {agent}'s archived head at event {position.seq},"
+                    f" not past {before[1]}'s event {before[0].seq}"
+                )
+            heads[agent_id] = (position, part.partition)
+        previous = part
+    return problems, heads
 
 
 @contextmanager
@@ -588,9 +834,10 @@ def _snapshot(db: Database) -> Iterator[psycopg.Connection[Any]]:
 class JournalPage:
     """A window of one agent's chain (events ``first_seq``..``last_seq``, shown newest first) and what was checked of
     it: each event's content against its hash, each one's link to the one before — the first one's to event
-    ``first_seq - 1``'s stored hash, or to the chain's start — and, when the window reaches the agent's head, that
-    the head is its last event and the agent's state its last transition's. Nothing before ``first_seq - 1`` was
-    read: only a full walk (:func:`verify_chain`, ``keel audit verify``) vouches for those."""
+    ``first_seq - 1``'s stored hash, to the head of the chain's archived part, or to the chain's start — and, when the
+    window reaches the agent's head, that the head is its last event and the agent's state its last transition's.
+    Nothing before ``first_seq - 1`` was read: only a full walk (:func:`verify_chain`, ``keel audit verify``) vouches
+    for those. Each event is judged by :class:`ChainWalk`, as the full walk judges it."""
 
     events: tuple[JournalEvent, ...]
     first_seq: int
@@ -599,6 +846,8 @@ class JournalPage:
     broken: ChainBreak | None
     #: Events shown whose link is keyed with a key this process's ring lacks: their links were not checked.
     unchecked: int = 0
+    #: Events 1..archived_seq left the database (`keel audit archive`): there is nothing older to page to.
+    archived_seq: int = 0
 
     @property
     def at_head(self) -> bool:
@@ -607,12 +856,16 @@ class JournalPage:
     @property
     def older(self) -> int | None:
         """Where the next (older) page ends: before the first event shown, if there is any before it."""
-        return self.first_seq if self.first_seq > 1 else None
+        return self.first_seq if self.first_seq > self.archived_seq + 1 else None
 
 
 _WINDOW_QUERY = (
     "SELECT *, details::text AS details_json FROM audit.journal WHERE agent_id = %s AND seq BETWEEN %s AND %s"
     " ORDER BY seq"
+)
+# The newest archive record holding the agent: its head is where the agent's events in the database start.
+_ARCHIVED_OF = (
+    "SELECT * FROM audit.archived_partitions WHERE heads ? %s::text ORDER BY to_at DESC, partition DESC LIMIT 1"
 )
 
 
@@ -636,8 +889,16 @@ def journal_page(db: Database, agent_id: UUID, *, before: int | None, limit: int
                 head = heads_cur.fetchone()
             if head is None:
                 return None
+            with raw.cursor(row_factory=class_row(_Seal)) as seals_cur:
+                seals_cur.execute(f"{_SEALS} WHERE agent_id = %s", (agent_id,))
+                seal = seals_cur.fetchone()
+            with raw.cursor(row_factory=class_row(ArchivedPart)) as parts_cur:
+                parts_cur.execute(_ARCHIVED_OF, (str(agent_id),))
+                archived = parts_cur.fetchone()
+            archived_seq = 0 if archived is None else int(archived.heads[str(agent_id)]["last_seq"])
             last = head.seq if before is None else min(before - 1, head.seq)
-            first = max(1, last - limit + 1)
+            last = max(last, archived_seq)
+            first = max(1, archived_seq + 1, last - limit + 1)
             with raw.cursor(row_factory=dict_row) as cur:
                 # One event past the head too, if there is one: nothing may follow the head.
                 cur.execute(_WINDOW_QUERY, (agent_id, first - 1, last + 1 if last == head.seq else last))
@@ -647,83 +908,68 @@ def journal_page(db: Database, agent_id: UUID, *, before: int | None, limit: int
             raw.isolation_level = None
             raw.read_only = None
     shown = [row for row in rows if first <= row["seq"] <= last]
-    broken, unchecked = _window_break(agent_id, rows, first, last, head, db.audit_keys)
+    broken, unchecked = _window_break(agent_id, rows, first, last, head, seal, archived, db.audit_keys)
     events = tuple(JournalEvent.model_validate(row) for row in reversed(shown))
-    return JournalPage(events, first, last, head.seq, broken, unchecked)
+    return JournalPage(events, first, last, head.seq, broken, unchecked, archived_seq)
 
 
 def _window_break(
-    agent_id: UUID, rows: list[dict[str, Any]], first: int, last: int, head: _Head, keys: AuditKeys | None
+    agent_id: UUID,
+    rows: list[dict[str, Any]],
+    first: int,
+    last: int,
+    head: _Head,
+    seal: _Seal | None,
+    archived: ArchivedPart | None,
+    keys: AuditKeys | None,
 ) -> tuple[ChainBreak | None, int]:
     """The first broken link among events ``first``..``last`` (``rows`` may hold event ``first - 1``, read only for
-    its hash, and at the head event ``last + 1``, which must not exist), and how many of them are keyed with a key
-    ``keys`` lacks (their links are not checked: only that they follow on)."""
-    found = _window_link_break(agent_id, rows, first, last, head, keys)
-    if isinstance(found, ChainBreak):
-        return found, 0
-    return None, found or 0
-
-
-def _window_link_break(
-    agent_id: UUID, rows: list[dict[str, Any]], first: int, last: int, head: _Head, keys: AuditKeys | None
-) -> ChainBreak | int | None:
-    # The break, or (none found) how many events' keys the ring lacks.
-    unchecked = 0
-    keyed_at = 0
-    if last < first:
-        return None
+    its hash, and at the head event ``last + 1``, which must not exist), judged by :class:`ChainWalk` as the full
+    walk judges them; and how many of them are keyed with a key ``keys`` lacks (their links are not checked: only
+    that they follow on)."""
     by_seq = {row["seq"]: row for row in rows}
-    expected_prev = GENESIS_HASH if first == 1 else None
-    if first > 1:
+    archived_head = None if archived is None else archived.heads.get(str(agent_id))
+    if archived is not None and archived_head is not None and first == int(archived_head["last_seq"]) + 1:
+        problem = archive_seal_problem(archived, keys)
+        if problem is not None:
+            return ChainBreak(agent_id, first - 1, None, problem), 0
+        start = ChainPosition.from_head(archived_head)
+    elif first == 1:
+        start = ChainPosition()
+    else:
         before = by_seq.get(first - 1)
         if before is None:
-            return ChainBreak(agent_id, first - 1, None, f"event {first - 1} is missing")
-        expected_prev = before["hash"]
-    state: tuple[int, str | None, str | None] | None = None
+            return ChainBreak(agent_id, first - 1, None, f"event {first - 1} is missing"), 0
+        keyed = before.get("key_id") is not None
+        # What came before event first - 1 is not read: its state is not known, only its link and whether it is keyed.
+        start = ChainPosition(first - 1, before["hash"], None, first - 1 if keyed else 0, 0)
+    walk = ChainWalk(agent_id, keys, seal, start)
+    broken = walk.check_seal(count_unchecked=False)
     for seq in range(first, last + 1):
+        if broken is not None:
+            break
         row = by_seq.get(seq)
         if row is None:
-            return ChainBreak(agent_id, seq, None, f"event {seq} is missing")
-        fields = {name: row[name] for name in _HASHED}
-        if fields["prev_hash"] != expected_prev:
-            return ChainBreak(agent_id, seq, row["id"], "prev_hash does not match the previous event's hash")
-        key_id = row.get("key_id")
-        if key_id is None:
-            if keyed_at:
-                return ChainBreak(
-                    agent_id, seq, row["id"], f"event {seq} has no key but follows keyed event {keyed_at}"
-                )
-            if event_hash(agent_id=agent_id, **fields) != row["hash"]:
-                return ChainBreak(agent_id, seq, row["id"], "the event's content does not match its hash")
+            broken = ChainBreak(agent_id, seq, None, f"event {seq} is missing")
         else:
-            keyed_at = keyed_at or seq
-            if keys is None or key_id not in keys:
-                unchecked += 1
-            elif event_mac(keys, key_id, agent_id=agent_id, **fields) != row["hash"]:
-                reason = f"the event's content does not match its HMAC under key {key_id!r}"
-                return ChainBreak(agent_id, seq, row["id"], reason)
-        if fields["kind"] == "transition":
-            state = (fields["revision"], fields["to_phase"], fields["request_id"])
-        expected_prev = row["hash"]
-    if last == head.seq:
+            broken = walk.step(row)
+    if broken is None and last == head.seq:
         if last + 1 in by_seq:
-            return ChainBreak(agent_id, last + 1, by_seq[last + 1]["id"], f"event {last + 1} follows the agent's head")
-        if expected_prev != head.hash:
-            return ChainBreak(agent_id, last, None, "the agent's head does not match its last event")
-        if state is not None and state != (head.revision, head.phase, head.request_id):
-            return ChainBreak(
-                agent_id,
-                last,
-                None,
-                f"the agent row says revision {head.revision} ({head.phase}, request {head.request_id}) but its last"
-                f" transition event says revision {state[0]} ({state[1]}, request {state[2]})",
+            broken = ChainBreak(
+                agent_id, last + 1, by_seq[last + 1]["id"], f"event {last + 1} follows the agent's head"
             )
-    return unchecked or None
+        else:
+            broken = walk.end(head)
+    if broken is not None:
+        return broken, 0
+    return None, sum(n for _, n in walk.unchecked.values())
 
 
 def verify_chain(db: Database, agent_id: UUID) -> ChainCheck:
     """Walk one agent's chain (what :func:`verify` does for every agent) with ``db``'s key ring: its first broken
-    link, the events it could not check, its legacy events. An agent with no head at all is a break too."""
+    link, the events it could not check, its legacy events. An agent with no head at all is a break too. A chain
+    whose early events were archived starts at its archived head (the newest archive record holding it; the
+    records themselves are checked by :func:`verify`)."""
     with _snapshot(db) as raw:
         with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
             heads_cur.execute(f"SELECT * FROM ({_HEADS}) h WHERE h.agent_id = %s", (agent_id,))
@@ -733,15 +979,19 @@ def verify_chain(db: Database, agent_id: UUID) -> ChainCheck:
         with raw.cursor(row_factory=class_row(_Seal)) as seals_cur:
             seals_cur.execute(f"{_SEALS} WHERE agent_id = %s", (agent_id,))
             seal = seals_cur.fetchone()
+        _, archived = archived_heads(archived_parts(raw), db.audit_keys)
+        start = archived.get(agent_id)
         with raw.cursor(row_factory=dict_row) as cur:
             cur.execute(_CHAIN_QUERY, (agent_id,))
-            return _check_chain(iter(cur), head, seal, db.audit_keys)
+            return _check_chain(iter(cur), head, seal, db.audit_keys, None if start is None else start[0])
 
 
 def verify(db: Database) -> VerifyReport:
-    """Walk every agent's chain from genesis to its head (a deleted agent's: to its tombstone's, which must be its
-    delete event) with ``db``'s key ring; report the first broken link of each broken chain, chains that have no head
-    at all, the events whose key the ring lacks (not checked, so not ok), and each chain's legacy (unkeyed) events.
+    """Walk every agent's chain from genesis — or from the head of its archived part, as the newest archive record
+    holding it says — to its head (a deleted agent's: to its tombstone's, which must be its delete event) with
+    ``db``'s key ring; report the archive records' problems (seal, order), the first broken link of each broken
+    chain, chains that have no head at all, the events whose key the ring lacks (not checked, so not ok), and each
+    chain's legacy (unkeyed) events.
 
     Heads and chains are read in one snapshot, so transitions committing meanwhile cannot look like tampering.
     """
@@ -751,6 +1001,8 @@ def verify(db: Database) -> VerifyReport:
     legacy: list[LegacyPart] = []
     total = 0
     with _snapshot(db) as raw:
+        parts = archived_parts(raw)
+        archive_problems, archived = archived_heads(parts, keys)
         with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
             heads_cur.execute(_HEADS)
             heads = heads_cur.fetchall()
@@ -758,9 +1010,12 @@ def verify(db: Database) -> VerifyReport:
             seals_cur.execute(_SEALS)
             seals = {seal.agent_id: seal for seal in seals_cur}
         for head in heads:
+            start = archived.pop(head.agent_id, None)
             with raw.cursor(row_factory=dict_row) as cur:
                 cur.execute(_CHAIN_QUERY, (head.agent_id,))
-                checked = _check_chain(iter(cur), head, seals.pop(head.agent_id, None), keys)
+                checked = _check_chain(
+                    iter(cur), head, seals.pop(head.agent_id, None), keys, None if start is None else start[0]
+                )
             total += checked.events
             if checked.broken is not None:
                 breaks.append(checked.broken)
@@ -771,10 +1026,12 @@ def verify(db: Database) -> VerifyReport:
             cur.execute(_HEADLESS)
             for row in cur:
                 seals.pop(row["agent_id"], None)
+                archived.pop(row["agent_id"], None)
                 reason = "the agent has neither a row nor a tombstone: it was removed without keel agent delete"
                 breaks.append(ChainBreak(row["agent_id"], row["seq"], row["id"], reason))
-        # What is left: chains the upgrade sealed that have no head and no event any more.
+        # What is left: chains the upgrade sealed, or an archive holds, that have no head and no event any more.
         for seal in seals.values():
+            archived.pop(seal.agent_id, None)
             reason = (
                 f"the journal was keyed when this agent had {seal.seq} events, but it now has no event, no row and no"
                 " tombstone: its whole chain was removed"
@@ -782,6 +1039,12 @@ def verify(db: Database) -> VerifyReport:
             if keys is not None and seal.key_id in keys and not _seal_holds(seal, keys):
                 reason = "a seal in audit.legacy_chains does not match its HMAC: it was not written by the upgrade"
             breaks.append(ChainBreak(seal.agent_id, seal.seq, None, reason))
+        for agent_id, (position, partition) in archived.items():
+            reason = (
+                f"archive {partition} holds events 1-{position.seq} of this agent, but it now has no event, no row and"
+                " no tombstone: the rest of its chain was removed"
+            )
+            breaks.append(ChainBreak(agent_id, position.seq, None, reason))
     return VerifyReport(
         agents=len(heads),
         events=total,
@@ -789,4 +1052,5 @@ def verify(db: Database) -> VerifyReport:
         unchecked=tuple(unchecked),
         legacy=tuple(legacy),
         key_ids=keys.ids if keys is not None else (),
+        archive_problems=tuple(archive_problems),
     )

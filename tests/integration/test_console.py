@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from html import unescape
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,9 @@ import psycopg
 import pytest
 from pydantic import BaseModel, Field
 
+from agents.audit.archive import check_archivable, insert_record_txn, sealed_record
+from agents.audit.ship import ship
+from agents.audit.store import FileStore
 from agents.audit.verify import verify_and_record
 from agents.client import Client
 from agents.core.errors import StaleRevision
@@ -33,6 +36,7 @@ from models.schemas import AgentState
 from models.settings import Settings
 from models.urls import libpq_url
 from tests.support.api import Api, journal_count, running_api, script, waiting_agent
+from tests.support.audit import TEST_KEYS as KEYS
 from tests.support.audit import as_superuser
 from tests.support.broker import Broker
 from tests.support.console import Browsers, csrf_of
@@ -442,6 +446,12 @@ def test_the_outbox_pages_through_every_unsent_message_once_and_keeps_the_status
 _EVENT = re.compile(r'<span class="seq">#(\d+)</span>')
 
 
+HMAC_BROKEN = (
+    "the event's content does not match its HMAC under key 'test-1': it was changed or forged (or KEEL_AUDIT_KEYS"
+    " holds another secret under that id)"
+)
+
+
 def _tamper(api: Api, agent_id: str, seq: int) -> None:
     with api.db.connection() as conn:
         conn.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")
@@ -486,7 +496,8 @@ def test_the_journal_pages_and_verifies_only_the_events_it_shows(serve: Serve, b
     assert _status(latest).startswith("Chain verified for the events shown, #8 to #12")
     assert "Events before #8 were not checked here" in _status(latest)
     oldest = viewer.get(f"{url}?cursor=3").text
-    assert _status(oldest) == "Chain broken at event 2: the event's content does not match its HMAC under key 'test-1'"
+    # The window judges an event as keel audit verify does: the same check, the same words.
+    assert _status(oldest) == f"Chain broken at event 2: {HMAC_BROKEN}"
     panel = viewer.get(f"{url}/panel?drawn=1&cursor=3").text  # the live redraw keeps the page it shows
     assert _status(panel).startswith("Chain broken at event 2")
 
@@ -495,14 +506,55 @@ def test_the_journal_pages_and_verifies_only_the_events_it_shows(serve: Serve, b
     assert "found 1 broken chain, this agent's among them, at event 2." in latest
 
     _tamper(api, str(agent.id), 10)  # inside the latest page
-    assert (
-        _status(viewer.get(url).text)
-        == "Chain broken at event 10: the event's content does not match its HMAC under key 'test-1'"
-    )
+    assert _status(viewer.get(url).text) == f"Chain broken at event 10: {HMAC_BROKEN}"
 
     for bad in ("abc", "1", "-4"):
         answer = viewer.get(f"{url}?cursor={bad}")
         assert answer.status_code == 400 and f"The page cursor &#39;{bad}&#39; is not one this list made" in answer.text
+
+
+def test_a_chain_whose_early_events_were_archived_is_checked_from_its_archived_head(
+    serve: Serve, browse: Browse, tmp_path: Path
+) -> None:
+    api = serve({"KEEL_CONSOLE_PAGE_SIZE": "5"})
+    client = Client(api.db)
+    agent = client.create_agent("long-lived")
+    for _ in range(7):  # events 2..8
+        with pytest.raises(StaleRevision):
+            client.approve(agent.id, expected_revision=99, actor="bob")
+    store = FileStore(tmp_path / "store")
+    ship(api.db, store, KEYS, destination="here", segment_events=3, segment_age=timedelta(minutes=9), flush=True)
+    with api.db.connection() as conn:  # archive events 1..4 as a real archive leaves them: the record, rows gone
+        upto = conn.execute("SELECT id FROM audit.journal WHERE agent_id = %s AND seq = 4", (agent.id,)).fetchone()
+        assert upto is not None
+        proved = check_archivable(
+            conn, store, KEYS, what="test", destination="here", first_id=1, last_id=upto[0], events=4
+        )
+        now = datetime.now(UTC)
+        insert_record_txn(
+            conn,
+            sealed_record(
+                KEYS, proved, partition="journal_legacy", from_at=None, to_at=now, archived_by="t", archived_at=now
+            ),
+        )
+        conn.commit()
+    with api.db.connection() as conn:
+        as_superuser(conn, ("DELETE FROM audit.journal WHERE id <= %s", (upto[0],)))
+    viewer = browse(api).signed_in(api.token("auditor"))
+    url = f"/agents/{agent.id}"
+    pages = _walk(viewer, url, _EVENT)
+    assert [[int(seq) for (seq,) in rows] for rows, _ in pages] == [[8, 7, 6, 5]]  # nothing older to page to
+    assert _status(pages[0][1]) == (
+        "Chain verified for the events shown, #5 to #8: each matches its hash and links to the one before (#5 to the"
+        " head of the chain's archived part, events #1 to #4, as its sealed archive record says); #8 is the agent's"
+        " head. Full check: keel audit verify."
+    )
+    with api.db.connection() as conn:  # a forged record: the window says so, as verify does
+        as_superuser(conn, ("UPDATE audit.archived_partitions SET archived_by = 'mallory'", ()))
+    assert _status(viewer.get(url).text) == (
+        "Chain broken at event 4: archive record journal_legacy does not match its seal under key 'test-1': it was"
+        " altered, or not written by keel audit archive"
+    )
 
 
 # --- the inbox ----------------------------------------------------------------------------------------------------

@@ -451,4 +451,5 @@ def test_keel_agent_delete_asks_first_and_the_journal_stays_readable(db_url: str
         "unchecked": [],
         "legacy": [],
         "key_ids": ["test-1"],
+        "archive_problems": [],
     }

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -17,6 +18,9 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
+from agents.audit.archive import check_archivable, insert_record_txn, sealed_record
+from agents.audit.ship import ship
+from agents.audit.store import FileStore
 from agents.client import Client
 from agents.core import journal
 from agents.core.commands import Command
@@ -572,3 +576,89 @@ def test_upgrading_a_journal_with_events_needs_the_key(empty_db_url: str, monkey
     with pytest.raises(BadConfiguration, match="KEEL_AUDIT_KEYS: production needs the journal's key ring"):
         migrations.upgrade(empty_db_url)
     assert migrations.revision_at(empty_db_url) == "0011"
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "intact",
+        "a legacy event edited, the legacy chain and the keyed link relinked",
+        "a keyed event relabelled as unkeyed",
+        "a keyed event edited",
+        "the seal removed",
+    ],
+)
+def test_the_console_window_judges_an_event_as_verify_does(legacy: tuple[str, UUID, UUID], how: str) -> None:
+    """The console's window over events 2-4 (legacy 2-3, sealed at 3; 4 the first keyed) and keel audit verify's full
+    walk give the same verdict, at the same event, in the same words: one check judges both."""
+    url, a, _ = legacy
+    db = Database(url, audit_keys=TEST_KEYS)
+    try:
+        Client(db).submit(a, "after-upgrade", ASK)  # event 4, the first keyed one, links onto the sealed head
+        with psycopg.connect(libpq_url(url), autocommit=True) as raw:
+            events = chain(raw, a)
+            if how == "a legacy event edited, the legacy chain and the keyed link relinked":
+                # Before, the window checked legacy events by their plain hash alone and passed this.
+                rewrite(
+                    raw, a, _edited(events, 2), lambda e: (journal.event_hash(**_fields(e)), e["key_id"]), from_seq=2
+                )
+            elif how == "a keyed event relabelled as unkeyed":
+                as_superuser(raw, ("UPDATE audit.journal SET key_id = NULL WHERE id = %s", (events[3]["id"],)))
+            elif how == "a keyed event edited":
+                as_superuser(raw, ("UPDATE audit.journal SET actor = 'mallory' WHERE id = %s", (events[3]["id"],)))
+            elif how == "the seal removed":
+                as_superuser(raw, ("DELETE FROM audit.legacy_chains WHERE agent_id = %s", (a,)))
+        full = journal.verify_chain(db, a)
+        # A window that starts at event 2, except where the break is event 1's (the seal's absence shows there).
+        first = 1 if how == "the seal removed" else 2
+        page = journal.journal_page(db, a, before=None, limit=5 - first)
+        assert page is not None and (page.first_seq, page.last_seq) == (first, 4)
+        if how == "intact":
+            assert full.broken is None and page.broken is None
+            return
+        assert full.broken is not None and page.broken is not None, (full.broken, page.broken)
+        assert (page.broken.seq, page.broken.journal_id, page.broken.reason) == (
+            full.broken.seq,
+            full.broken.journal_id,
+            full.broken.reason,
+        )
+    finally:
+        db.dispose()
+
+
+def test_legacy_chains_verify_after_their_legacy_part_is_archived(
+    legacy: tuple[str, UUID, UUID], tmp_path: Path
+) -> None:
+    """Archiving legacy events (as a real archive leaves it: the sealed record, the rows gone) keeps their chains
+    verifying: each walk resumes from the archived head, legacy count, keyed boundary and seal included."""
+    url, a, b = legacy
+    db = Database(url, audit_keys=TEST_KEYS)
+    try:
+        Client(db).submit(a, "after-upgrade", ASK)  # a's event 4, keyed, after its 3 legacy ones
+        store = FileStore(tmp_path)
+        ship(db, store, TEST_KEYS, destination=str(tmp_path), segment_events=2, segment_age=timedelta(minutes=9),
+             flush=True)  # fmt: skip
+        with psycopg.connect(libpq_url(url), autocommit=True) as raw:
+            upto = raw.execute("SELECT max(id) FROM audit.journal WHERE key_id IS NULL").fetchone()[0]  # type: ignore[index]
+            with raw.transaction():
+                proved = check_archivable(
+                    raw, store, TEST_KEYS, what="legacy", destination=str(tmp_path), first_id=1, last_id=upto, events=5
+                )
+            assert proved.heads[str(a)]["legacy"] == 3 and proved.heads[str(b)]["last_seq"] == 2
+            now = datetime.now(UTC)
+            insert_record_txn(
+                raw,
+                sealed_record(TEST_KEYS, proved, partition="journal_legacy", from_at=None, to_at=now,
+                              archived_by="test", archived_at=now),
+            )  # fmt: skip
+            as_superuser(raw, ("DELETE FROM audit.journal WHERE id <= %s", (upto,)))
+        report = journal.verify(db)
+        assert report.ok, (report.breaks, report.archive_problems)
+        assert report.events == 1 and set(report.legacy) == {LegacyPart(a, 3), LegacyPart(b, 2)}
+        with psycopg.connect(libpq_url(url), autocommit=True) as raw:  # an unkeyed event after the keyed one
+            as_superuser(raw, ("UPDATE audit.journal SET key_id = NULL WHERE agent_id = %s AND seq = 4", (a,)))
+        broken = journal.verify(db).breaks
+        assert [(x.agent_id, x.seq) for x in broken] == [(a, 4)]
+        assert "event 4 has no key, but only events 1-3 of this chain" in broken[0].reason
+    finally:
+        db.dispose()

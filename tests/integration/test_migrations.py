@@ -7,6 +7,7 @@ import pytest
 import sqlalchemy as sa
 
 from models import migrations
+from models.migrations import DowngradeRefused
 from models.urls import libpq_url
 
 pytestmark = pytest.mark.integration
@@ -85,6 +86,8 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "deleted_agents_no_truncate",
         "legacy_chains_frozen",
         "legacy_chains_no_truncate",
+        "archived_partitions_no_update_delete",
+        "archived_partitions_no_truncate",
         "api_tokens_guard",
         "api_tokens_no_truncate",
         "journal_kpis",
@@ -133,3 +136,15 @@ def test_0014_guards_waiting_since_and_its_downgrade_restores_the_guard_it_repla
             conn.execute("INSERT INTO agents (name, waiting_since) VALUES ('odd', now())")
     migrations.downgrade(empty_db_url, "0013")
     assert guard() == before
+
+
+def test_0018_downgrade_is_refused_once_a_month_was_archived(empty_db_url: str) -> None:
+    migrations.upgrade(empty_db_url)
+    with psycopg.connect(libpq_url(empty_db_url), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO audit.archived_partitions (partition, to_at, events, manifests, heads, archived_by,"
+            " archived_at, key_id, seal) VALUES ('journal_legacy', now(), 0, '[]', '{}', 'test', now(), 'k', 's')"
+        )
+    with pytest.raises(DowngradeRefused, match=r"cannot downgrade below 0018: audit\.archived_partitions records 1"):
+        migrations.downgrade(empty_db_url, "0017")
+    assert migrations.revision_at(empty_db_url) == "0018"
