@@ -446,6 +446,44 @@ def test_production_refuses_the_owner_and_a_role_that_may_rewrite_the_journal(
     assert refusal(roles_db.app_url, "agent", "create", "x") == "may UPDATE audit.journal"
 
 
+def test_production_refuses_the_owner_of_the_audit_schema_or_of_the_database(
+    roles_db: RoledDatabase, broker: Broker, pg_server_url: str
+) -> None:
+    """The schema's owner may drop or rename the journal whatever the table's grants say, and the database's owner
+    may drop the schema: neither is the application role, and production says which it is and what it owns."""
+    name = f"keel_tm{uuid.uuid4().hex[:8]}_schemer"
+    database = str(make_url(roles_db.url).database)
+    with connect(roles_db.url) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(roles_db.names.app), sql.Identifier(name)))
+        row = conn.execute("SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = current_database()")
+        was = row.fetchone()
+    assert was is not None
+    try:
+
+        def refusal() -> str:
+            result = keel(
+                as_role(roles_db.url, name), "worker", names=roles_db.names, KEEL_ENVIRONMENT="production", **broker.env
+            )
+            assert result.returncode == 1, result.stdout + result.stderr
+            assert result.stderr.count("\n") == 1, "one line, no traceback"
+            assert result.stderr.startswith(f"keel: error: refusing to run in production as database role {name!r}")
+            return result.stderr.split(": it ", 1)[1].split(". Keel's", 1)[0]
+
+        with connect(roles_db.url) as conn:
+            conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(name)))
+        assert refusal() == "owns the schema audit (and so may drop or rename audit.journal)"
+        with connect(roles_db.url) as conn:
+            conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(roles_db.names.owner)))
+            conn.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(name)))
+        assert refusal() == f"owns the database {database!r} (and so may drop the schema audit)"
+    finally:
+        with connect(roles_db.url) as conn:
+            conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(roles_db.names.owner)))
+            conn.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(was[0])))
+        drop_roles(pg_server_url, [name])
+
+
 def test_production_reads_and_development_run_as_anyone(roles_db: RoledDatabase, broker: Broker) -> None:
     production = {"KEEL_ENVIRONMENT": "production", **broker.env}
     listed = keel(roles_db.url, "agent", "list", names=roles_db.names, **production)
