@@ -475,12 +475,16 @@ def test_production_refuses_the_owner_of_the_audit_schema_or_of_the_database(
         assert refusal() == "owns the schema audit (and so may drop or rename audit.journal)"
         with connect(roles_db.url) as conn:
             conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(roles_db.names.owner)))
-            conn.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(name)))
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(name))
+            )
         assert refusal() == f"owns the database {database!r} (and so may drop the schema audit)"
     finally:
         with connect(roles_db.url) as conn:
             conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(roles_db.names.owner)))
-            conn.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(was[0])))
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(was[0]))
+            )
         drop_roles(pg_server_url, [name])
 
 
