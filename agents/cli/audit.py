@@ -274,6 +274,7 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
                 "last_id": report.last_id,
                 "waiting": report.waiting,
                 "unsettled": report.unsettled,
+                "notes": list(report.notes),
                 "segments": [
                     {
                         "segment": s.segment,
@@ -290,6 +291,8 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
             "",
         )
         return
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
     for s in report.segments:
         how = " (its body was already there: completed)" if s.resumed else ""
         click.echo(f"shipped {s.segment}: {s.events} events, ids {s.first_id}..{s.last_id}{how}")

@@ -58,6 +58,7 @@ class Measures:
     audit_verify_breaks: int | None = None  # of the latest `keel audit verify`; None: never run
     audit_verify_ok: bool | None = None
     audit_verify_unchecked: int = 0  # events the latest verify could not check (their key not in its ring)
+    audit_verify_forged: str | None = None  # why the latest verify's record cannot be believed (its seal fails)
 
 
 def _default(name: str) -> Any:
@@ -150,6 +151,14 @@ def beat_leader_gap(m: Measures, t: Thresholds) -> Verdict:
 
 
 def audit_verify(m: Measures, t: Thresholds) -> Verdict:
+    if m.audit_verify_forged is not None:  # whatever it says: a record that is not Keel's says nothing
+        return Verdict(
+            "audit_verify",
+            True,
+            None,
+            0,
+            f"the latest recorded keel audit verify cannot be believed: {m.audit_verify_forged}; run keel audit verify",
+        )
     if m.audit_verify_ok is None:
         return Verdict("audit_verify", False, None, 0, "keel audit verify has not run yet")
     breaks = float(m.audit_verify_breaks or 0)
@@ -343,7 +352,12 @@ def measure(db: Database, window: timedelta) -> Measures:
         beat_leader_gap_seconds=alerts_sql.longest_leader_gap(db, window),
         audit_verify_breaks=None if verified is None else verified.breaks,
         audit_verify_ok=None if verified is None else verified.ok,
-        audit_verify_unchecked=0 if verified is None else int(verified.details.get("unchecked_events") or 0),
+        audit_verify_unchecked=(
+            int(verified.details.get("unchecked_events") or 0)
+            if verified is not None and verified.forged is None
+            else 0
+        ),
+        audit_verify_forged=None if verified is None else verified.forged,
     )
 
 

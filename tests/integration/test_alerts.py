@@ -358,8 +358,8 @@ def test_a_forward_dated_verification_row_does_not_hide_a_later_failed_verify(db
     application role inserted with a far-future time must not stand in front of every later failed verify."""
     with db.autocommit() as cur:
         cur.execute(
-            "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details)"
-            " VALUES ('9999-01-01T00:00:00Z', 'beat', true, 0, 0, 0, '{}')"
+            "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details, key_id, seal)"
+            " VALUES ('9999-01-01T00:00:00Z', 'beat', true, 0, 0, 0, '{}', 'test-1', 'not-a-seal')"
         )
     alerts_sql.record_verification(db, source="beat", ok=False, agents=1, events=3, breaks=1, details={})
     latest = alerts_sql.last_verification(db)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from agents.client import Client
-from models import migrations, roles
+from agents.observability import alerts
+from models import alerts_sql, migrations, roles
 from models.db import Database
 from models.roles import APP_PRIVILEGES, RoleNames
 from models.tables import metadata
@@ -278,8 +280,8 @@ def test_keel_db_roles_sets_up_an_existing_deployment_once(db_url: str, fresh_ro
     app_url = as_role(db_url, names.app, "first-app-password")
     with connect(app_url) as app:
         app.execute(
-            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details)"
-            " VALUES ('cli', true, 0, 0, 0, '{}')"
+            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details, key_id, seal)"
+            " VALUES ('cli', true, 0, 0, 0, '{}', 'test-1', 'not-a-seal')"
         )
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             app.execute("ALTER TABLE audit.journal DISABLE TRIGGER ALL")
@@ -391,6 +393,50 @@ def test_production_migrations_need_the_roles(roles_db: RoledDatabase) -> None:
         KEEL_MIGRATION_DATABASE_URL=roles_db.url,
     )
     assert (ok.returncode, ok.stdout) == (0, f"database at {migrations.head()} (head)\n"), ok.stderr
+
+
+# --- Keel's own audit records hold against the application's credentials ------------------------------------------
+
+
+def test_a_verification_forged_with_the_applications_credentials_does_not_silence_the_alert(
+    journaled: RoledDatabase,
+) -> None:
+    """Whoever holds keel_app's database credentials (but not the audit key ring) may insert into
+    audit_verifications: an "ok" row they make, or a copy of a genuine one, must not stand for a passing verify."""
+    db = Database(journaled.app_url, pool_size=2, audit_keys=TEST_KEYS)
+    window = timedelta(minutes=15)
+
+    def verdict() -> alerts.Verdict:
+        return alerts.audit_verify(alerts.measure(db, window), alerts.Thresholds())
+
+    try:
+        alerts_sql.record_verification(db, source="beat", ok=True, agents=1, events=3, breaks=0, details={})
+        assert not verdict().firing
+        alerts_sql.record_verification(db, source="beat", ok=False, agents=1, events=3, breaks=1, details={})
+        assert verdict().firing
+        with connect(journaled.app_url) as app:
+            app.execute(
+                "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details, key_id, seal)"
+                " VALUES ('beat', true, 1, 3, 0, '{}', %s, %s)",
+                (TEST_KEYS.current, "0" * 64),
+            )
+            forged = verdict()
+            assert forged.firing
+            assert forged.summary.startswith("the latest recorded keel audit verify cannot be believed: its seal does")
+            # A genuine "ok" copied in front of the failure: the copy's seal is the original's, which is unique.
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                app.execute(
+                    "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details, key_id, seal)"
+                    " SELECT at, source, ok, agents, events, breaks, details, key_id, seal FROM audit_verifications"
+                    " WHERE ok AND seal <> %s ORDER BY id LIMIT 1",
+                    ("0" * 64,),
+                )
+        assert verdict().firing
+        # A real verify run afterwards is believed again.
+        alerts_sql.record_verification(db, source="cli", ok=True, agents=1, events=3, breaks=0, details={})
+        assert not verdict().firing
+    finally:
+        db.dispose()
 
 
 # --- production refuses privileged roles ----------------------------------------------------------------------------
