@@ -373,11 +373,15 @@ class Recorded:
     forged: tuple[str, ...]  # one line per row whose seal does not hold, which is passed over
 
 
-def recorded_shipments(conn: psycopg.Connection[Any], destination: str, keys: ManifestKeys | None) -> Recorded:
+def recorded_shipments(
+    conn: psycopg.Connection[Any], destination: str, keys: ManifestKeys | None, *, every: bool = False
+) -> Recorded:
     """The latest row of ``audit_shipments`` for ``destination`` whose seal holds under ``keys``, and a line for
     each row after it that does not (a row inserted with the database's credentials but not the audit key: see
-    models/audit_records.py). Without ``keys`` no seal can be checked: the latest row is taken, and said unchecked."""
+    models/audit_records.py); with ``every``, for each such row of the destination. Without ``keys`` no seal can be
+    checked: the latest row is taken."""
     forged: list[str] = []
+    found: Recorded | None = None
     with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(
             "SELECT first_id, last_id, events, segment, manifest_sha256, key_id, seal FROM audit_shipments"
@@ -397,12 +401,18 @@ def recorded_shipments(conn: psycopg.Connection[Any], destination: str, keys: Ma
             )
             problem = seal_problem(keys, row["key_id"], parts, row["seal"])
             if problem is None:
-                return Recorded(str(row["segment"]), int(row["last_id"]), tuple(forged))
+                if found is None:
+                    found = Recorded(str(row["segment"]), int(row["last_id"]), ())
+                if not every:
+                    break
+                continue
             forged.append(
                 f"audit_shipments records {row['segment']} (ids {row['first_id']}..{row['last_id']}) as shipped to"
-                f" {destination}, but {problem}: passed over"
+                f" {destination}, but {problem}"
             )
-    return Recorded(None, None, tuple(forged))
+    if found is None:
+        return Recorded(None, None, tuple(forged))
+    return Recorded(found.segment, found.last_id, tuple(forged))
 
 
 def recorded_last_id(db: Database, destination: str) -> int | None:
@@ -495,7 +505,7 @@ def _find_tail(conn: psycopg.Connection[Any], store: SegmentStore, destination: 
             f"the store holds several segment bodies without manifests past id {after}:"
             f" {', '.join(segment_name(*r) for r in orphans)}; a shipper writes one at a time"
         )
-    return _Tail(manifest, orphans[0] if orphans else None, later, list(notes.forged))
+    return _Tail(manifest, orphans[0] if orphans else None, later, [f"{text}: passed over" for text in notes.forged])
 
 
 def ship(
@@ -620,10 +630,15 @@ def verify_against(
     *,
     destination: str,
     public_key: Ed25519PublicKey | None = None,
+    segment_events: int | None = None,
+    segment_age: timedelta | None = None,
 ) -> AgainstReport:
     """Compare the journal with the shipped copy in ``store``: every manifest's seal and chain, every segment's
     body against its manifest, and every shipped event against the database's row of that id; name each event
-    changed, removed or inserted after shipping, each chain whose links were recomputed, each segment missing."""
+    changed, removed or inserted after shipping, each chain whose links were recomputed, each segment missing.
+    The store's manifests are walked to its end, whatever ``audit_shipments`` says. A store holding no segment
+    while the journal holds a closed segment's worth of events (``segment_events``, or an event older than
+    ``segment_age``; without them: any event) is a divergence too: there is nothing to compare them with."""
     found: list[Divergence] = []
     notes: list[str] = []
     bodies: dict[tuple[int, int], str] = {}
@@ -726,9 +741,23 @@ def verify_against(
                     heads[agent] = (int(line["seq"]), str(line["hash"]))
                 rows = _read_events(raw, manifest.after_id, manifest.last_id, None)  # every row of the range
                 compared += _compare(manifest.segment, lines, rows, found, reforged)
-            row = raw.execute("SELECT count(*) FROM audit.journal WHERE id > %s", (last_id,)).fetchone()
-            unshipped = int(row[0]) if row else 0
-            recorded = recorded_shipments(raw, destination, keys)
+            with raw.cursor(row_factory=dict_row) as cur:
+                cur.execute(
+                    "SELECT count(*) AS events, min(id) AS first_id, max(id) AS last_id, min(at) AS oldest,"
+                    " clock_timestamp() AS now FROM audit.journal WHERE id > %s",
+                    (last_id,),
+                )
+                past = cur.fetchone()
+                assert past is not None
+                unshipped = int(past["events"])
+                first_end = None
+                if not manifests and unshipped:
+                    cur.execute(
+                        "SELECT id FROM audit.journal ORDER BY id OFFSET %s LIMIT 1", ((segment_events or 1) - 1,)
+                    )
+                    end = cur.fetchone()
+                    first_end = int(end["id"]) if end else int(past["last_id"])
+            recorded = recorded_shipments(raw, destination, keys, every=True)
         finally:
             raw.rollback()
             raw.isolation_level = None
@@ -741,6 +770,27 @@ def verify_against(
                 f" {r.first['id']}) to event {r.last_seq} carry other hashes than the shipped copy",
             )
         )
+    if first_end is not None:
+        shippable = (
+            segment_events is None
+            or unshipped >= segment_events
+            or (segment_age is not None and past["oldest"] <= past["now"] - segment_age)
+        )
+        if shippable:
+            found.append(
+                Divergence(
+                    "missing_segment",
+                    f"the store at {destination} holds no segments, but the journal holds {unshipped} events (ids"
+                    f" {past['first_id']}..{past['last_id']}) that should have been shipped:"
+                    f" {segment_name(int(past['first_id']), first_end)} onwards are missing (nothing was shipped"
+                    " there, or the store lost everything: is it the right URL?)",
+                )
+            )
+        else:
+            notes.append(
+                f"the store at {destination} holds no segments yet: the journal's {unshipped} events wait for their"
+                " first segment to close (KEEL_AUDIT_SEGMENT_EVENTS or KEEL_AUDIT_SEGMENT_MINUTES)"
+            )
     found += [Divergence("forged_record", text) for text in recorded.forged]
     if recorded.last_id is not None and recorded.last_id > last_id:
         unchecked = " (its seal not checked: no audit key ring)" if keys is None else ""

@@ -217,7 +217,15 @@ def _verify_against(url: str, public_key_path: str | None, as_json: bool) -> Non
                 raise
             keys = None
         store = open_configured_store(client.db, client.settings, destination)
-        report = verify_against(client.db, store, keys, destination=str(destination), public_key=public_key)
+        report = verify_against(
+            client.db,
+            store,
+            keys,
+            destination=str(destination),
+            public_key=public_key,
+            segment_events=client.settings.audit_segment_events,
+            segment_age=timedelta(minutes=client.settings.audit_segment_minutes),
+        )
     if as_json:
         click.echo(
             to_json(
