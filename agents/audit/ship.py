@@ -368,20 +368,23 @@ def _record(conn: psycopg.Connection[Any], destination: str, manifest: Manifest,
 class Recorded:
     """What ``audit_shipments`` says about a destination, believing only rows whose seal holds."""
 
-    segment: str | None  # the last genuine row's segment (None: none)
+    segment: str | None  # the last believed row's segment (None: none)
     last_id: int | None  # and the last journal id it covers
-    forged: tuple[str, ...]  # one line per row whose seal does not hold, which is passed over
+    forged: tuple[str, ...] = ()  # one line per row whose seal does not hold: passed over
+    unchecked: tuple[str, ...] = ()  # one line per row sealed with a key the ring lacks: passed over too
 
 
 def recorded_shipments(
     conn: psycopg.Connection[Any], destination: str, keys: ManifestKeys | None, *, every: bool = False
 ) -> Recorded:
     """The latest row of ``audit_shipments`` for ``destination`` whose seal holds under ``keys``, and a line for
-    each row after it that does not (a row inserted with the database's credentials but not the audit key: see
-    models/audit_records.py); with ``every``, for each such row of the destination. Without ``keys`` no seal can be
-    checked: the latest row is taken."""
+    each row after it whose seal does not (a row inserted with the database's credentials but not the audit key:
+    see models/audit_records.py) or cannot be checked (its key is not in the ring: taken for neither); with
+    ``every``, for each such row of the destination. Without ``keys`` no seal can be checked: the latest row is
+    taken, for what it is worth."""
     forged: list[str] = []
-    found: Recorded | None = None
+    unchecked: list[str] = []
+    found: tuple[str, int] | None = None
     with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(
             "SELECT first_id, last_id, events, segment, manifest_sha256, key_id, seal FROM audit_shipments"
@@ -390,7 +393,7 @@ def recorded_shipments(
         )
         for row in cur:
             if keys is None:
-                return Recorded(str(row["segment"]), int(row["last_id"]), ())
+                return Recorded(str(row["segment"]), int(row["last_id"]))
             parts = shipment_seal_parts(
                 destination=destination,
                 first_id=int(row["first_id"]),
@@ -402,17 +405,18 @@ def recorded_shipments(
             problem = seal_problem(keys, row["key_id"], parts, row["seal"])
             if problem is None:
                 if found is None:
-                    found = Recorded(str(row["segment"]), int(row["last_id"]), ())
+                    found = (str(row["segment"]), int(row["last_id"]))
                 if not every:
                     break
                 continue
-            forged.append(
+            line = (
                 f"audit_shipments records {row['segment']} (ids {row['first_id']}..{row['last_id']}) as shipped to"
                 f" {destination}, but {problem}"
             )
+            (unchecked if row["key_id"] and row["key_id"] not in keys else forged).append(line)
     if found is None:
-        return Recorded(None, None, tuple(forged))
-    return Recorded(found.segment, found.last_id, tuple(forged))
+        return Recorded(None, None, tuple(forged), tuple(unchecked))
+    return Recorded(found[0], found[1], tuple(forged), tuple(unchecked))
 
 
 def recorded_last_id(db: Database, destination: str) -> int | None:
@@ -505,7 +509,12 @@ def _find_tail(conn: psycopg.Connection[Any], store: SegmentStore, destination: 
             f"the store holds several segment bodies without manifests past id {after}:"
             f" {', '.join(segment_name(*r) for r in orphans)}; a shipper writes one at a time"
         )
-    return _Tail(manifest, orphans[0] if orphans else None, later, [f"{text}: passed over" for text in notes.forged])
+    return _Tail(
+        manifest,
+        orphans[0] if orphans else None,
+        later,
+        [f"{text}: passed over" for text in (*notes.forged, *notes.unchecked)],
+    )
 
 
 def ship(
@@ -792,6 +801,11 @@ def verify_against(
                 " first segment to close (KEEL_AUDIT_SEGMENT_EVENTS or KEEL_AUDIT_SEGMENT_MINUTES)"
             )
     found += [Divergence("forged_record", text) for text in recorded.forged]
+    if recorded.unchecked:
+        notes.append(
+            f"{len(recorded.unchecked)} audit_shipments rows are sealed with an audit key the ring does not hold:"
+            f" not checked, not used (the first: {recorded.unchecked[0]})"
+        )
     if recorded.last_id is not None and recorded.last_id > last_id:
         unchecked = " (its seal not checked: no audit key ring)" if keys is None else ""
         found.append(
