@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
+
+import psycopg
+from psycopg.rows import dict_row
 
 from models.clock import rfc3339
 
@@ -71,3 +75,80 @@ def seal_problem(
     if not keys.verifies(key_id, parts, seal):
         return "its seal does not match its content: Keel did not write it (forged with database credentials?)"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What ``audit_shipments`` says about a destination, believing only rows whose seal holds."""
+
+    segment: str | None  # the last believed row's segment (None: none)
+    last_id: int | None  # and the last journal id it covers
+    forged: tuple[str, ...] = ()  # one line per row whose seal does not hold: passed over
+    unchecked: tuple[str, ...] = ()  # one line per row sealed with a key the ring lacks: passed over too
+
+
+def recorded_shipments(
+    conn: psycopg.Connection[Any], destination: str, keys: SealKeys | None, *, every: bool = False
+) -> Recorded:
+    """The latest row of ``audit_shipments`` for ``destination`` whose seal holds under ``keys``, and a line for
+    each row after it whose seal does not (a row inserted with the database's credentials but not the audit key:
+    see models/audit_records.py) or cannot be checked (its key is not in the ring: taken for neither); with
+    ``every``, for each such row of the destination. Without ``keys`` no seal can be checked: the latest row is
+    taken, for what it is worth."""
+    forged: list[str] = []
+    unchecked: list[str] = []
+    found: tuple[str, int] | None = None
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            "SELECT first_id, last_id, events, segment, manifest_sha256, key_id, seal FROM audit_shipments"
+            " WHERE destination = %s ORDER BY last_id DESC, shipped_at DESC",
+            (destination,),
+        )
+        for row in cur:
+            if keys is None:
+                return Recorded(str(row["segment"]), int(row["last_id"]))
+            parts = shipment_seal_parts(
+                destination=destination,
+                first_id=int(row["first_id"]),
+                last_id=int(row["last_id"]),
+                events=int(row["events"]),
+                segment=str(row["segment"]),
+                manifest_sha256=str(row["manifest_sha256"]),
+            )
+            problem = seal_problem(keys, row["key_id"], parts, row["seal"])
+            if problem is None:
+                if found is None:
+                    found = (str(row["segment"]), int(row["last_id"]))
+                if not every:
+                    break
+                continue
+            line = (
+                f"audit_shipments records {row['segment']} (ids {row['first_id']}..{row['last_id']}) as shipped to"
+                f" {destination}, but {problem}"
+            )
+            (unchecked if row["key_id"] and row["key_id"] not in keys else forged).append(line)
+    if found is None:
+        return Recorded(None, None, tuple(forged), tuple(unchecked))
+    return Recorded(found[0], found[1], tuple(forged), tuple(unchecked))
+
+
+@dataclass(frozen=True, slots=True)
+class ShipLag:
+    """How far shipping to a destination is behind the journal, by the database's believed records and clock."""
+
+    last_id: int  # the last journal id recorded (sealed) as shipped; 0: none
+    unshipped: int  # events past it
+    oldest_age_seconds: float  # how old the oldest of them is (0: none)
+
+
+def ship_lag_txn(conn: psycopg.Connection[Any], destination: str, keys: SealKeys | None) -> ShipLag:
+    """The journal events not yet recorded as shipped to ``destination`` (rows whose seal fails do not count), and
+    the age of the oldest, measured on the database's clock."""
+    last_id = recorded_shipments(conn, destination, keys).last_id or 0
+    row = conn.execute(
+        "SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(at)), 0)::float8"
+        " FROM audit.journal WHERE id > %s",
+        (last_id,),
+    ).fetchone()
+    assert row is not None
+    return ShipLag(last_id, int(row[0]), max(0.0, float(row[1])))

@@ -436,7 +436,8 @@ audit_verifications = Table(
 )
 
 #: One row per journal segment confirmed in the separate store (`keel audit ship`), per destination: how far shipping
-#: has got (sealed: see models/audit_records.py). Written only after the store holds the segment and its manifest; the store is the authority on resume.
+#: has got (sealed: see models/audit_records.py). Written only after the store holds the segment and its manifest;
+#: the store is the authority on resume.
 audit_shipments = Table(
     "audit_shipments",
     metadata,

@@ -51,7 +51,7 @@ from agents.audit.store import SegmentStore, open_store
 from agents.core.journal import canonical_json
 from models.audit_destination import StoreUrl, load_signing_key, parse_store_url
 from models.audit_keys import audit_keys_for
-from models.audit_records import seal_problem, shipment_seal_parts
+from models.audit_records import recorded_shipments, shipment_seal_parts
 from models.clock import rfc3339
 from models.db import Database
 from models.errors import KeelError
@@ -362,61 +362,6 @@ def _record(conn: psycopg.Connection[Any], destination: str, manifest: Manifest,
         " VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
         (*parts[1:], keys.current, keys.mac(keys.current, parts)),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Recorded:
-    """What ``audit_shipments`` says about a destination, believing only rows whose seal holds."""
-
-    segment: str | None  # the last believed row's segment (None: none)
-    last_id: int | None  # and the last journal id it covers
-    forged: tuple[str, ...] = ()  # one line per row whose seal does not hold: passed over
-    unchecked: tuple[str, ...] = ()  # one line per row sealed with a key the ring lacks: passed over too
-
-
-def recorded_shipments(
-    conn: psycopg.Connection[Any], destination: str, keys: ManifestKeys | None, *, every: bool = False
-) -> Recorded:
-    """The latest row of ``audit_shipments`` for ``destination`` whose seal holds under ``keys``, and a line for
-    each row after it whose seal does not (a row inserted with the database's credentials but not the audit key:
-    see models/audit_records.py) or cannot be checked (its key is not in the ring: taken for neither); with
-    ``every``, for each such row of the destination. Without ``keys`` no seal can be checked: the latest row is
-    taken, for what it is worth."""
-    forged: list[str] = []
-    unchecked: list[str] = []
-    found: tuple[str, int] | None = None
-    with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(
-            "SELECT first_id, last_id, events, segment, manifest_sha256, key_id, seal FROM audit_shipments"
-            " WHERE destination = %s ORDER BY last_id DESC, shipped_at DESC",
-            (destination,),
-        )
-        for row in cur:
-            if keys is None:
-                return Recorded(str(row["segment"]), int(row["last_id"]))
-            parts = shipment_seal_parts(
-                destination=destination,
-                first_id=int(row["first_id"]),
-                last_id=int(row["last_id"]),
-                events=int(row["events"]),
-                segment=str(row["segment"]),
-                manifest_sha256=str(row["manifest_sha256"]),
-            )
-            problem = seal_problem(keys, row["key_id"], parts, row["seal"])
-            if problem is None:
-                if found is None:
-                    found = (str(row["segment"]), int(row["last_id"]))
-                if not every:
-                    break
-                continue
-            line = (
-                f"audit_shipments records {row['segment']} (ids {row['first_id']}..{row['last_id']}) as shipped to"
-                f" {destination}, but {problem}"
-            )
-            (unchecked if row["key_id"] and row["key_id"] not in keys else forged).append(line)
-    if found is None:
-        return Recorded(None, None, tuple(forged), tuple(unchecked))
-    return Recorded(found[0], found[1], tuple(forged), tuple(unchecked))
 
 
 def recorded_last_id(db: Database, destination: str) -> int | None:
