@@ -7,13 +7,15 @@ when an episode started, when a chore is due and how long nobody led.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 from psycopg.rows import class_row, dict_row
 
+from models.audit_keys import AuditKeyMissing
+from models.audit_records import seal_problem, verification_seal_parts
 from models.db import Database
 
 
@@ -195,16 +197,31 @@ class Verification:
     events: int
     breaks: int
     details: dict[str, Any]
+    key_id: str | None = None
+    seal: str | None = None
+    #: Why this row cannot be believed (its seal fails: see models/audit_records.py); None when it holds.
+    forged: str | None = None
 
 
 def record_verification(
     db: Database, *, source: str, ok: bool, agents: int, events: int, breaks: int, details: dict[str, Any]
 ) -> None:
+    """Record a verify's outcome, sealed with the current audit key (at the database's time, which the seal covers)."""
+    keys = db.audit_keys
+    if keys is None:
+        raise AuditKeyMissing()
     with db.autocommit() as cur:
+        cur.execute("SELECT clock_timestamp()")
+        row = cur.fetchone()
+        assert row is not None
+        at = row[0]
+        parts = verification_seal_parts(
+            at=at, source=source, ok=ok, agents=agents, events=events, breaks=breaks, details=details
+        )
         cur.execute(
-            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details)"
-            " VALUES (%s, %s, %s, %s, %s, %s)",
-            (source, ok, agents, events, breaks, json.dumps(details)),
+            "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details, key_id, seal)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            (at, source, ok, agents, events, breaks, json.dumps(details), keys.current, keys.mac(keys.current, parts)),
         )
 
 
@@ -217,16 +234,30 @@ def may_record_verification(db: Database) -> bool:
 
 
 def last_verification(db: Database) -> Verification | None:
-    """The latest recorded `keel audit verify`, whoever ran it."""
+    """The latest recorded `keel audit verify`, whoever ran it, with ``forged`` saying why it cannot be believed
+    when its seal does not hold under ``db``'s audit key ring (a row the application's database credentials alone
+    could have inserted). A forged latest row is not skipped: it stands for a verify that did not pass."""
     with db.connection() as conn, conn.cursor(row_factory=class_row(Verification)) as cur:
         cur.execute(
-            "SELECT id, at, source, ok, agents, events, breaks, details FROM audit_verifications"
+            "SELECT id, at, source, ok, agents, events, breaks, details, key_id, seal FROM audit_verifications"
             # By id, not by the time written in the row: a row may not back- or forward-date itself to the top.
             " ORDER BY id DESC LIMIT 1"
         )
         row = cur.fetchone()
         conn.rollback()
-    return row
+    if row is None:
+        return None
+    parts = verification_seal_parts(
+        at=row.at,
+        source=row.source,
+        ok=row.ok,
+        agents=row.agents,
+        events=row.events,
+        breaks=row.breaks,
+        details=row.details if isinstance(row.details, dict) else {},
+    )
+    problem = seal_problem(db.audit_keys, row.key_id, parts, row.seal)
+    return replace(row, forged=problem) if problem is not None else row
 
 
 def outbox_key_exists(db: Database, key: str) -> bool:

@@ -631,6 +631,29 @@ def role_problems(conn: Conn, role: str, owner: str) -> list[str]:
         problems.append(f"owns audit.journal{via}")
     elif row["in_owner"]:
         problems.append(f"is a member of {owner!r}, the owner of Keel's schema")
+    # Whoever owns the schema may drop or rename anything in it, and whoever owns the database may drop the schema,
+    # whatever the journal's own grants say. (Through the owner role: said above already.)
+    said = {row["journal_owner"], owner} if row["owns_journal"] or row["in_owner"] else set()
+    for held in _rows(
+        conn,
+        "SELECT n.nspname AS name, pg_get_userbyid(n.nspowner) AS owner FROM pg_namespace n"
+        " WHERE n.nspname = 'audit' AND pg_has_role(%(role)s, n.nspowner, 'MEMBER')",
+        {"role": role},
+    ):
+        if held["owner"] in said:
+            continue
+        via = "" if held["owner"] == role else f" (as a member of {held['owner']!r})"
+        problems.append(f"owns the schema audit{via} (and so may drop or rename audit.journal)")
+    for held in _rows(
+        conn,
+        "SELECT d.datname AS name, pg_get_userbyid(d.datdba) AS owner FROM pg_database d"
+        " WHERE d.datname = current_database() AND pg_has_role(%(role)s, d.datdba, 'MEMBER')",
+        {"role": role},
+    ):
+        if held["owner"] in said:
+            continue
+        via = "" if held["owner"] == role else f" (as a member of {held['owner']!r})"
+        problems.append(f"owns the database {held['name']!r}{via} (and so may drop the schema audit)")
     if row["createrole"]:
         problems.append("can create roles (and so grant itself the owner's)")
     if row["journal"] and not row["owns_journal"]:  # an owner may do anything to it: said already

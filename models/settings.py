@@ -42,6 +42,7 @@ ALERT_NAMES = (
     "beat_leader_gap",
     "audit_verify",
     "journal_partitions",
+    "audit_ship_lag",
 )
 _TIME_OF_DAY = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]$")
 
@@ -198,6 +199,8 @@ class Settings(BaseSettings):
     alert_retry_cost_share_max: float = Field(default=0.2, ge=0, le=1)
     alert_oldest_due_job_max_seconds: float = Field(default=300.0, gt=0)
     alert_beat_leader_gap_max_seconds: float = Field(default=120.0, gt=0)
+    # audit_ship_lag fires while KEEL_AUDIT_SHIP_URL is set and the oldest journal event not yet shipped there is older.
+    alert_audit_ship_lag_max_seconds: float = Field(default=3600.0, gt=0)
     # The leading beat runs `keel audit verify` (a full pass, in a thread of its own) this often; 0: never.
     audit_verify_interval_seconds: float = Field(default=3600.0, ge=0)
     # Shipping the journal to a separate store (agents/audit/ship.py, `keel audit ship`): sealed segments of JSON

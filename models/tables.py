@@ -461,11 +461,16 @@ audit_verifications = Table(
     Column("events", BigInteger, nullable=False),
     Column("breaks", BigInteger, nullable=False),
     Column("details", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    # An HMAC of the row under the audit key ring (models/audit_records.py): a row without a seal that holds was not
+    # written by Keel. Unique, so a genuine row cannot be inserted again in front of later ones.
+    Column("key_id", Text, nullable=False),
+    Column("seal", Text, nullable=False, unique=True),
     CheckConstraint("source IN ('cli', 'beat')", name="source"),
 )
 
 #: One row per journal segment confirmed in the separate store (`keel audit ship`), per destination: how far shipping
-#: has got. Written only after the store holds the segment and its manifest; the store is the authority on resume.
+#: has got (sealed: see models/audit_records.py). Written only after the store holds the segment and its manifest;
+#: the store is the authority on resume.
 audit_shipments = Table(
     "audit_shipments",
     metadata,
@@ -474,8 +479,12 @@ audit_shipments = Table(
     Column("last_id", BigInteger, primary_key=True),
     Column("events", BigInteger, nullable=False),
     Column("segment", Text, nullable=False),  # the body's object name
-    Column("manifest_sha256", Text, nullable=False),
+    # In the key, so that a forged row claiming a segment cannot take the place of the genuine one.
+    Column("manifest_sha256", Text, primary_key=True),
     Column("shipped_at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
+    # An HMAC of the row under the audit key ring (models/audit_records.py); readers pass over a row whose seal fails.
+    Column("key_id", Text, nullable=False),
+    Column("seal", Text, nullable=False),
     CheckConstraint("first_id <= last_id", name="range"),
 )
 

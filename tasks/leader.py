@@ -149,5 +149,7 @@ class LeaderDuties:
         except Exception:
             log.exception("audit ship failed; trying again at its next interval (keel audit ship says why)")
             return
+        for note in report.notes:
+            log.warning("audit ship: %s", note)
         for s in report.segments:
             log.info("audit ship: %s, %d events (ids %d..%d)", s.segment, s.events, s.first_id, s.last_id)

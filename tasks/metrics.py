@@ -15,7 +15,7 @@ from typing import Any
 from celery.signals import beat_init, celeryd_init, worker_process_shutdown
 from prometheus_client.registry import Collector
 
-from agents.observability.alerts import AlertsCollector
+from agents.observability.alerts import AlertsCollector, ship_destination
 from agents.observability.kpis import DomainCollector
 from agents.observability.metrics import Metrics, install_metrics, prepare_multiprocess, process_exited
 from models.db import Database
@@ -45,7 +45,7 @@ class DomainCollectors:
 def domain_collectors(settings: Settings) -> DomainCollectors:
     """The domain collectors on a pool of two connections, quick to give up on connecting."""
     db = Database.from_settings(settings, pool_size=2, connect_timeout_seconds=SCRAPE_CONNECT_TIMEOUT_SECONDS)
-    return DomainCollectors(db, (DomainCollector(db), AlertsCollector(db)))
+    return DomainCollectors(db, (DomainCollector(db), AlertsCollector(db, ship_to=ship_destination(settings))))
 
 
 def serve_metrics(metrics: Metrics, settings: Settings, port: int, variable: str) -> None:

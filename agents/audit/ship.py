@@ -51,6 +51,7 @@ from agents.audit.store import SegmentStore, open_store
 from agents.core.journal import ArchivedPart, archived_parts, canonical_json
 from models.audit_destination import StoreUrl, load_signing_key, parse_store_url
 from models.audit_keys import audit_keys_for
+from models.audit_records import recorded_shipments, shipment_seal_parts
 from models.clock import rfc3339
 from models.db import Database
 from models.errors import KeelError
@@ -350,27 +351,30 @@ def _unfollowed(conn: psycopg.Connection[Any], lines: Sequence[dict[str, Any]], 
     return None
 
 
-def _record(conn: psycopg.Connection[Any], destination: str, manifest: Manifest) -> None:
+def _record(conn: psycopg.Connection[Any], destination: str, manifest: Manifest, keys: ManifestKeys) -> None:
+    """Note the segment of ``manifest`` as shipped, sealed under the current audit key (models/audit_records.py)."""
+    parts = shipment_seal_parts(
+        destination=destination,
+        first_id=manifest.first_id,
+        last_id=manifest.last_id,
+        events=int(manifest.data["events"]),
+        segment=manifest.segment,
+        manifest_sha256=manifest.sha256,
+    )
     conn.execute(
-        "INSERT INTO audit_shipments (destination, first_id, last_id, events, segment, manifest_sha256)"
-        " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-        (destination, manifest.first_id, manifest.last_id, manifest.data["events"], manifest.segment, manifest.sha256),
+        "INSERT INTO audit_shipments (destination, first_id, last_id, events, segment, manifest_sha256, key_id, seal)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+        (*parts[1:], keys.current, keys.mac(keys.current, parts)),
     )
 
 
-def _recorded_tail(conn: psycopg.Connection[Any], destination: str) -> str | None:
-    row = conn.execute(
-        "SELECT segment FROM audit_shipments WHERE destination = %s ORDER BY last_id DESC LIMIT 1", (destination,)
-    ).fetchone()
-    return None if row is None else str(row[0])
-
-
 def recorded_last_id(db: Database, destination: str) -> int | None:
-    """The last journal id the database records as shipped to ``destination`` (None: nothing recorded)."""
+    """The last journal id the database records (in a row whose seal holds) as shipped to ``destination``."""
     with db.connection() as conn:
-        row = conn.execute("SELECT max(last_id) FROM audit_shipments WHERE destination = %s", (destination,)).fetchone()
-        conn.rollback()
-    return None if row is None or row[0] is None else int(row[0])
+        try:
+            return recorded_shipments(conn, destination, db.audit_keys).last_id
+        finally:
+            conn.rollback()
 
 
 # --- shipping -----------------------------------------------------------------------------------------------------
@@ -393,6 +397,7 @@ class ShipReport:
     last_id: int  # the last id shipped, after this run
     waiting: int  # committed events not in a closed segment yet
     unsettled: bool = False  # a transaction writing the journal stayed open: shipping waits for it
+    notes: tuple[str, ...] = ()  # what the shipper passed over (audit_shipments rows whose seal does not hold)
 
 
 @dataclass(slots=True)
@@ -400,6 +405,7 @@ class _Tail:
     manifest: Manifest | None
     orphan: tuple[int, int] | None  # (first id, last id) of a body written without its manifest
     found_after_record: list[Manifest] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def last_id(self) -> int:
@@ -407,7 +413,8 @@ class _Tail:
 
 
 def _find_tail(conn: psycopg.Connection[Any], store: SegmentStore, destination: str, keys: ManifestKeys) -> _Tail:
-    recorded = _recorded_tail(conn, destination)
+    notes = recorded_shipments(conn, destination, keys)
+    recorded = notes.segment
     manifest: Manifest | None = None
     start_after = ""
     if recorded is not None:
@@ -451,7 +458,12 @@ def _find_tail(conn: psycopg.Connection[Any], store: SegmentStore, destination: 
             f"the store holds several segment bodies without manifests past id {after}:"
             f" {', '.join(segment_name(*r) for r in orphans)}; a shipper writes one at a time"
         )
-    return _Tail(manifest, orphans[0] if orphans else None, later)
+    return _Tail(
+        manifest,
+        orphans[0] if orphans else None,
+        later,
+        [f"{text}: passed over" for text in (*notes.forged, *notes.unchecked)],
+    )
 
 
 def ship(
@@ -474,14 +486,15 @@ def ship(
     shipped: list[ShippedSegment] = []
     with _shipper_lock(db, destination) as conn:
         tail = _find_tail(conn, store, destination, keys)
+        notes = tuple(tail.notes)
         for found in tail.found_after_record:  # the store got further than the database heard
-            _record(conn, destination, found)
+            _record(conn, destination, found, keys)
         previous, orphan = tail.manifest, tail.orphan
         while max_segments is None or len(shipped) < max_segments:
             after_id = 0 if previous is None else previous.last_id
             settled = settled_id(conn, timeout=settle_timeout)
             if settled is None:
-                return ShipReport(destination, tuple(shipped), after_id, 0, unsettled=True)
+                return ShipReport(destination, tuple(shipped), after_id, 0, unsettled=True, notes=notes)
             if orphan is not None:
                 if orphan[1] > settled:
                     raise ShipError(
@@ -491,7 +504,7 @@ def ship(
             else:
                 lines = _read_events(conn, after_id, settled, segment_events)
                 if not lines:
-                    return ShipReport(destination, tuple(shipped), after_id, 0)
+                    return ShipReport(destination, tuple(shipped), after_id, 0, notes=notes)
                 row = conn.execute("SELECT clock_timestamp()").fetchone()
                 assert row is not None
                 oldest_at = datetime.fromisoformat(str(lines[0]["at"]).replace("Z", "+00:00"))
@@ -500,7 +513,9 @@ def ship(
                     waiting = conn.execute(
                         "SELECT count(*) FROM audit.journal WHERE id > %s AND id <= %s", (after_id, settled)
                     ).fetchone()
-                    return ShipReport(destination, tuple(shipped), after_id, int(waiting[0]) if waiting else 0)
+                    return ShipReport(
+                        destination, tuple(shipped), after_id, int(waiting[0]) if waiting else 0, notes=notes
+                    )
             if not lines:
                 raise ShipError(f"{segment_name(*orphan) if orphan else 'a segment'} covers no journal events")
             problem = _unfollowed(conn, lines, after_id)
@@ -518,14 +533,14 @@ def ship(
             )
             store.put_new(mname, mbytes)
             previous = parse_manifest(mname, mbytes)
-            _record(conn, destination, previous)
+            _record(conn, destination, previous, keys)
             shipped.append(
                 ShippedSegment(
                     name, mname, previous.first_id, previous.last_id, len(lines), resumed=body_written == "present"
                 )
             )
             orphan = None
-        return ShipReport(destination, tuple(shipped), 0 if previous is None else previous.last_id, 0)
+        return ShipReport(destination, tuple(shipped), 0 if previous is None else previous.last_id, 0, notes=notes)
 
 
 # --- comparing the database with the store ------------------------------------------------------------------------
@@ -535,7 +550,9 @@ def ship(
 class Divergence:
     """One difference between the database and the shipped copy, or a fault of the shipped copy itself."""
 
-    kind: str  # changed, removed, inserted, reforged, missing_segment, bad_manifest, bad_segment, archive, store
+    # changed, removed, inserted, reforged, missing_segment, bad_manifest, bad_segment, archive, store,
+    # forged_record
+    kind: str
     text: str
 
 
@@ -661,10 +678,15 @@ def verify_against(
     *,
     destination: str,
     public_key: Ed25519PublicKey | None = None,
+    segment_events: int | None = None,
+    segment_age: timedelta | None = None,
 ) -> AgainstReport:
     """Compare the journal with the shipped copy in ``store``: every manifest's seal and chain, every segment's
     body against its manifest, and every shipped event against the database's row of that id; name each event
-    changed, removed or inserted after shipping, each chain whose links were recomputed, each segment missing."""
+    changed, removed or inserted after shipping, each chain whose links were recomputed, each segment missing.
+    The store's manifests are walked to its end, whatever ``audit_shipments`` says. A store holding no segment
+    while the journal holds a closed segment's worth of events (``segment_events``, or an event older than
+    ``segment_age``; without them: any event) is a divergence too: there is nothing to compare them with."""
     found: list[Divergence] = []
     notes: list[str] = []
     bodies: dict[tuple[int, int], str] = {}
@@ -715,13 +737,23 @@ def verify_against(
                     heads[agent] = (int(line["seq"]), str(line["hash"]))
                 rows = _read_events(raw, manifest.after_id, manifest.last_id, None)  # every row of the range
                 compared += _compare(manifest.segment, lines, rows, found, reforged, archive)
-            row = raw.execute("SELECT count(*) FROM audit.journal WHERE id > %s", (last_id,)).fetchone()
-            unshipped = int(row[0]) if row else 0
-            recorded = raw.execute(
-                "SELECT max(last_id), (array_agg(segment ORDER BY last_id DESC))[1] FROM audit_shipments"
-                " WHERE destination = %s",
-                (destination,),
-            ).fetchone()
+            with raw.cursor(row_factory=dict_row) as cur:
+                cur.execute(
+                    "SELECT count(*) AS events, min(id) AS first_id, max(id) AS last_id, min(at) AS oldest,"
+                    " clock_timestamp() AS now FROM audit.journal WHERE id > %s",
+                    (last_id,),
+                )
+                past = cur.fetchone()
+                assert past is not None
+                unshipped = int(past["events"])
+                first_end = None
+                if not manifests and unshipped:
+                    cur.execute(
+                        "SELECT id FROM audit.journal ORDER BY id OFFSET %s LIMIT 1", ((segment_events or 1) - 1,)
+                    )
+                    end = cur.fetchone()
+                    first_end = int(end["id"]) if end else int(past["last_id"])
+            recorded = recorded_shipments(raw, destination, keys, every=True)
         finally:
             raw.rollback()
             raw.isolation_level = None
@@ -735,12 +767,40 @@ def verify_against(
                 f" {r.first['id']}) to event {r.last_seq} carry other hashes than the shipped copy",
             )
         )
-    if recorded is not None and recorded[0] is not None and int(recorded[0]) > last_id:
+    if first_end is not None:
+        shippable = (
+            segment_events is None
+            or unshipped >= segment_events
+            or (segment_age is not None and past["oldest"] <= past["now"] - segment_age)
+        )
+        if shippable:
+            found.append(
+                Divergence(
+                    "missing_segment",
+                    f"the store at {destination} holds no segments, but the journal holds {unshipped} events (ids"
+                    f" {past['first_id']}..{past['last_id']}) that should have been shipped:"
+                    f" {segment_name(int(past['first_id']), first_end)} onwards are missing (nothing was shipped"
+                    " there, or the store lost everything: is it the right URL?)",
+                )
+            )
+        else:
+            notes.append(
+                f"the store at {destination} holds no segments yet: the journal's {unshipped} events wait for their"
+                " first segment to close (KEEL_AUDIT_SEGMENT_EVENTS or KEEL_AUDIT_SEGMENT_MINUTES)"
+            )
+    found += [Divergence("forged_record", text) for text in recorded.forged]
+    if recorded.unchecked:
+        notes.append(
+            f"{len(recorded.unchecked)} audit_shipments rows are sealed with an audit key the ring does not hold:"
+            f" not checked, not used (the first: {recorded.unchecked[0]})"
+        )
+    if recorded.last_id is not None and recorded.last_id > last_id:
+        unchecked = " (its seal not checked: no audit key ring)" if keys is None else ""
         found.append(
             Divergence(
                 "missing_segment",
-                f"segment missing: the database records {recorded[1]} (to id {recorded[0]}) as shipped, but the"
-                f" store's segments end at id {last_id}",
+                f"segment missing: the database records {recorded.segment} (to id {recorded.last_id}) as shipped"
+                f"{unchecked}, but the store's segments end at id {last_id}",
             )
         )
     for (first, last), name in sorted(bodies.items()):

@@ -220,7 +220,15 @@ def _verify_against(url: str, public_key_path: str | None, as_json: bool) -> Non
                 raise
             keys = None
         store = open_configured_store(client.db, client.settings, destination)
-        report = verify_against(client.db, store, keys, destination=str(destination), public_key=public_key)
+        report = verify_against(
+            client.db,
+            store,
+            keys,
+            destination=str(destination),
+            public_key=public_key,
+            segment_events=client.settings.audit_segment_events,
+            segment_age=timedelta(minutes=client.settings.audit_segment_minutes),
+        )
     if as_json:
         click.echo(
             to_json(
@@ -277,6 +285,7 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
                 "last_id": report.last_id,
                 "waiting": report.waiting,
                 "unsettled": report.unsettled,
+                "notes": list(report.notes),
                 "segments": [
                     {
                         "segment": s.segment,
@@ -293,6 +302,8 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
             "",
         )
         return
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
     for s in report.segments:
         how = " (its body was already there: completed)" if s.resumed else ""
         click.echo(f"shipped {s.segment}: {s.events} events, ids {s.first_id}..{s.last_id}{how}")
@@ -350,6 +361,8 @@ def audit_partitions(create: bool, months: int | None, as_json: bool) -> None:
     ]
     lines.append(f"{ahead} whole month(s) after this one have a partition")
     emit({"created": created, "partitions": rows, "months_ahead": ahead}, as_json, "\n".join(lines))
+
+
 @audit.command("archive")
 @click.option(
     "--against",

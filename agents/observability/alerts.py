@@ -31,6 +31,8 @@ from agents.core.keys import make_key
 from agents.observability.scrape import CACHE_SECONDS, READ_TIMEOUT, CachedRead
 from models import alerts_sql, kpi_sql, partitions_sql
 from models.alerts_sql import Episode
+from models.audit_destination import parse_store_url
+from models.audit_records import ShipLag, ship_lag_txn
 from models.clock import database_now, rfc3339
 from models.db import Database
 from models.outbox_sql import NewMessage, insert_messages_txn
@@ -59,6 +61,8 @@ class Measures:
     audit_verify_ok: bool | None = None
     audit_verify_unchecked: int = 0  # events the latest verify could not check (their key not in its ring)
     journal_months_ahead: int | None = None  # whole months after this one the journal's partitions cover
+    audit_verify_forged: str | None = None  # why the latest verify's record cannot be believed (its seal fails)
+    audit_ship_lag_seconds: float | None = None  # age of the oldest event not shipped yet; None: shipping is off
 
 
 def _default(name: str) -> Any:
@@ -76,6 +80,7 @@ class Thresholds:
     retry_cost_share_max: float = _default("retry_cost_share_max")
     oldest_due_job_max_seconds: float = _default("oldest_due_job_max_seconds")
     beat_leader_gap_max_seconds: float = _default("beat_leader_gap_max_seconds")
+    audit_ship_lag_max_seconds: float = _default("audit_ship_lag_max_seconds")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Thresholds:
@@ -88,6 +93,7 @@ class Thresholds:
             retry_cost_share_max=settings.alert_retry_cost_share_max,
             oldest_due_job_max_seconds=settings.alert_oldest_due_job_max_seconds,
             beat_leader_gap_max_seconds=settings.alert_beat_leader_gap_max_seconds,
+            audit_ship_lag_max_seconds=settings.alert_audit_ship_lag_max_seconds,
         )
 
 
@@ -151,6 +157,14 @@ def beat_leader_gap(m: Measures, t: Thresholds) -> Verdict:
 
 
 def audit_verify(m: Measures, t: Thresholds) -> Verdict:
+    if m.audit_verify_forged is not None:  # whatever it says: a record that is not Keel's says nothing
+        return Verdict(
+            "audit_verify",
+            True,
+            None,
+            0,
+            f"the latest recorded keel audit verify cannot be believed: {m.audit_verify_forged}; run keel audit verify",
+        )
     if m.audit_verify_ok is None:
         return Verdict("audit_verify", False, None, 0, "keel audit verify has not run yet")
     breaks = float(m.audit_verify_breaks or 0)
@@ -185,6 +199,17 @@ def journal_partitions(m: Measures, t: Thresholds) -> Verdict:
     )
 
 
+def audit_ship_lag(m: Measures, t: Thresholds) -> Verdict:
+    if m.audit_ship_lag_seconds is None:
+        return Verdict("audit_ship_lag", False, None, t.audit_ship_lag_max_seconds, "the journal is not shipped")
+    return _above(
+        "audit_ship_lag",
+        m.audit_ship_lag_seconds,
+        t.audit_ship_lag_max_seconds,
+        "age of the oldest journal event not shipped yet (s)",
+    )
+
+
 Rule = Callable[[Measures, Thresholds], Verdict]
 
 #: Every alert, by name: the order in which they are evaluated and listed.
@@ -198,6 +223,7 @@ RULES: dict[str, Rule] = {
     "beat_leader_gap": beat_leader_gap,
     "audit_verify": audit_verify,
     "journal_partitions": journal_partitions,
+    "audit_ship_lag": audit_ship_lag,
 }
 # (A unit test holds RULES equal to models.settings.ALERT_NAMES, and no alert named like a channel in CHANNELS:
 # such a name could make an alert's key equal an agent message's.)
@@ -346,11 +372,31 @@ def _clear_since(episode: Episode | None) -> datetime | None:
 # --- measuring --------------------------------------------------------------------------------------------------
 
 
-def measure(db: Database, window: timedelta) -> Measures:
-    """The measures now: counters over the trailing ``window``, gauges as they are."""
+def ship_destination(settings: Settings) -> str | None:
+    """The destination the journal is shipped to, as the shipper records it (None: not shipped)."""
+    if settings.audit_ship_url is None:
+        return None
+    try:
+        return str(parse_store_url(settings.audit_ship_url))
+    except ValueError:
+        return None  # the shipper says what is wrong with it; there is no lag to measure
+
+
+def ship_lag(db: Database, destination: str) -> ShipLag:
+    with db.connection() as conn:
+        try:
+            return ship_lag_txn(conn, destination, db.audit_keys)
+        finally:
+            conn.rollback()
+
+
+def measure(db: Database, window: timedelta, ship_to: str | None = None) -> Measures:
+    """The measures now: counters over the trailing ``window``, gauges as they are; with ``ship_to``, how far
+    shipping there is behind."""
     k = kpi_sql.window(db, window)
     g = kpi_sql.gauges(db)
     verified = alerts_sql.last_verification(db)
+    lag = None if ship_to is None else ship_lag(db, ship_to).oldest_age_seconds
     return Measures(
         side_effect_duplicates=k.side_effect_duplicates,
         dead_letters=float(sum(g.dead_letters.values())),
@@ -362,7 +408,13 @@ def measure(db: Database, window: timedelta) -> Measures:
         beat_leader_gap_seconds=alerts_sql.longest_leader_gap(db, window),
         audit_verify_breaks=None if verified is None else verified.breaks,
         audit_verify_ok=None if verified is None else verified.ok,
-        audit_verify_unchecked=0 if verified is None else int(verified.details.get("unchecked_events") or 0),
+        audit_verify_unchecked=(
+            int(verified.details.get("unchecked_events") or 0)
+            if verified is not None and verified.forged is None
+            else 0
+        ),
+        audit_verify_forged=None if verified is None else verified.forged,
+        audit_ship_lag_seconds=lag,
         journal_months_ahead=partitions_sql.months_ahead(db),
     )
 
@@ -370,7 +422,7 @@ def measure(db: Database, window: timedelta) -> Measures:
 def evaluate_and_record(db: Database, settings: Settings) -> list[Change]:
     """One evaluation of every alert (the leading beat's, once per ``KEEL_ALERT_INTERVAL_SECONDS``)."""
     verdicts = evaluate(
-        measure(db, timedelta(seconds=settings.alert_window_seconds)),
+        measure(db, timedelta(seconds=settings.alert_window_seconds), ship_destination(settings)),
         Thresholds.from_settings(settings),
         settings.alert_disabled,
     )
@@ -418,9 +470,15 @@ class AlertsCollector:
     so Prometheus's own clock never enters the comparison."""
 
     def __init__(
-        self, db: Database, cache_seconds: float = CACHE_SECONDS, *, read_timeout: timedelta = READ_TIMEOUT
+        self,
+        db: Database,
+        cache_seconds: float = CACHE_SECONDS,
+        *,
+        read_timeout: timedelta = READ_TIMEOUT,
+        ship_to: str | None = None,
     ) -> None:
         self.db = db
+        self.ship_to = ship_to  # with it, also the shipping lag (KEEL_AUDIT_SHIP_URL's destination)
         self.read_timeout = read_timeout
         self._cached = CachedRead(self._read, lambda: [], cache_seconds=cache_seconds)
 
@@ -432,6 +490,7 @@ class AlertsCollector:
             with self.db.reading(statement_timeout=self.read_timeout) as conn:
                 open_names = alerts_sql.open_episode_names_txn(conn)
                 age = alerts_sql.leader_tick_age_txn(conn)
+                lag = None if self.ship_to is None else ship_lag_txn(conn, self.ship_to, self.db.audit_keys)
         except Exception as exc:  # a scrape must never fail because the database is away
             log.debug("alert metrics not read: %s", exc)
             return []
@@ -446,6 +505,21 @@ class AlertsCollector:
                     "keel_beat_leader_last_tick_age_seconds",
                     "Seconds since a beat leader last ticked, measured by the database",
                     value=age,
+                )
+            )
+        if lag is not None:
+            families.append(
+                GaugeMetricFamily(
+                    "keel_audit_unshipped_events",
+                    "Journal events not yet recorded as shipped to KEEL_AUDIT_SHIP_URL",
+                    value=lag.unshipped,
+                )
+            )
+            families.append(
+                GaugeMetricFamily(
+                    "keel_audit_oldest_unshipped_age_seconds",
+                    "Age of the oldest journal event not yet shipped, measured by the database (0: none)",
+                    value=lag.oldest_age_seconds,
                 )
             )
         return families

@@ -85,6 +85,9 @@ PROCESS_LOCAL: dict[str, MetricName] = {
 ALERTS: tuple[MetricName, ...] = (
     _m("keel_alerts_firing", "gauge", "alert"),
     _m("keel_beat_leader_last_tick_age_seconds", "gauge"),
+    # While KEEL_AUDIT_SHIP_URL is set (in compose: the beats only).
+    _m("keel_audit_unshipped_events", "gauge"),
+    _m("keel_audit_oldest_unshipped_age_seconds", "gauge"),
 )
 
 ALL: tuple[MetricName, ...] = (*DOMAIN, *PROCESS_LOCAL.values(), *ALERTS)

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from agents.audit.ship import ship_configured
 from agents.audit.verify import verify_and_record
 from agents.client import Client
 from agents.core.commands import Command, MessageSpec
@@ -358,9 +359,53 @@ def test_a_forward_dated_verification_row_does_not_hide_a_later_failed_verify(db
     application role inserted with a far-future time must not stand in front of every later failed verify."""
     with db.autocommit() as cur:
         cur.execute(
-            "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details)"
-            " VALUES ('9999-01-01T00:00:00Z', 'beat', true, 0, 0, 0, '{}')"
+            "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details, key_id, seal)"
+            " VALUES ('9999-01-01T00:00:00Z', 'beat', true, 0, 0, 0, '{}', 'test-1', 'not-a-seal')"
         )
     alerts_sql.record_verification(db, source="beat", ok=False, agents=1, events=3, breaks=1, details={})
     latest = alerts_sql.last_verification(db)
     assert latest is not None and latest.ok is False and latest.breaks == 1
+
+
+def test_shipping_lag_is_exported_and_alerted_while_a_ship_url_is_set(
+    client: Client, db: Database, db_url: str, raw: psycopg.Connection[Any], tmp_path: Any
+) -> None:
+    """While KEEL_AUDIT_SHIP_URL is set: how many journal events are not shipped yet and how old the oldest is
+    (database clock), as gauges; audit_ship_lag fires once that age passes its threshold, and clears once shipped.
+    A forged shipment row (no valid seal) does not count as shipped."""
+    url = f"file://{tmp_path}/store"
+    config = settings(db_url, audit_ship_url=url, alert_audit_ship_lag_max_seconds=60, alert_slack_channel=None)
+    destination = alerts.ship_destination(config)
+    assert destination == url
+    agent = client.create_agent("lagging")
+    client.submit(agent.id, "r-lag", None, operation="noop")
+    raw.execute("SET session_replication_role = replica")  # the events look two minutes old
+    raw.execute("UPDATE audit.journal SET at = at - interval '2 minutes'")
+    raw.execute("RESET session_replication_role")
+    events = raw.execute("SELECT count(*) FROM audit.journal").fetchone()
+    assert events is not None and events[0] > 0
+
+    def scrape(series: str) -> float | None:
+        registry = CollectorRegistry()
+        registry.register(alerts.AlertsCollector(db, cache_seconds=0, ship_to=destination))
+        for line in generate_latest(registry).decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.split(" ")[1])
+        return None
+
+    assert scraped(db, "keel_audit_unshipped_events") is None  # not shipping: not exported
+    assert scrape("keel_audit_unshipped_events") == events[0]
+    age = scrape("keel_audit_oldest_unshipped_age_seconds")
+    assert age is not None and 120 <= age < 300
+    raw.execute(
+        "INSERT INTO audit_shipments (destination, first_id, last_id, events, segment, manifest_sha256, key_id, seal)"
+        " SELECT %s, min(id), max(id), count(*), 'journal/x.jsonl', 'f', 'test-1', 'forged' FROM audit.journal",
+        (url,),
+    )
+    changes = alerts.evaluate_and_record(db, config)
+    assert [(c.name, c.what) for c in changes] == [("audit_ship_lag", "opened")]
+    assert "age of the oldest journal event not shipped yet (s) is" in changes[0].episode.details["summary"]
+    ship_configured(db, config, flush=True)
+    assert scrape("keel_audit_unshipped_events") == 0
+    assert scrape("keel_audit_oldest_unshipped_age_seconds") == 0
+    assert [(c.name, c.what) for c in alerts.evaluate_and_record(db, config)] == [("audit_ship_lag", "resolved")]

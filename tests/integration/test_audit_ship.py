@@ -549,3 +549,100 @@ def test_signed_manifests_verify_with_the_public_key_alone(client: Client, db_ur
     unvouched = verify()
     assert unvouched.returncode == 1
     assert "keyed with audit key 'test-1', which is not in the key ring" in unvouched.stderr, unvouched.stderr
+
+
+# --- what the database records cannot be forged with its credentials alone ----------------------------------------
+
+
+def test_shipment_rows_forged_with_the_applications_credentials_are_passed_over(
+    roles_db: RoledDatabase, tmp_path: Path
+) -> None:
+    """keel_app may INSERT into audit_shipments (the shipper runs as it). Rows it inserts without the audit key —
+    one claiming the rest of the journal shipped, one claiming a segment the store lacks — are passed over and
+    named: the shipper still ships every event exactly once, and verify --against tells the forgery, not a missing
+    segment."""
+    app = Database(roles_db.app_url, audit_keys=KEYS)
+    try:
+        history(Client(app), agents=3)
+        url = f"file://{tmp_path}/store"
+        store = FileStore(tmp_path / "store")
+        first = ship(
+            app, store, KEYS, destination=url, segment_events=3, segment_age=timedelta(hours=1), max_segments=1
+        )
+        assert len(first.segments) == 1
+    finally:
+        app.dispose()
+    with psycopg.connect(libpq_url(roles_db.url), autocommit=True) as raw:
+        ids = journal_ids(raw)
+        with psycopg.connect(libpq_url(roles_db.app_url), autocommit=True) as forger:
+            for first_id, last_id in [(ids[3], ids[-1]), (ids[-1] + 100, ids[-1] + 200)]:
+                forger.execute(
+                    "INSERT INTO audit_shipments (destination, first_id, last_id, events, segment, manifest_sha256,"
+                    " key_id, seal) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                    (
+                        url,
+                        first_id,
+                        last_id,
+                        last_id - first_id + 1,
+                        segment_name(first_id, last_id),
+                        "f" * 64,
+                        "test-1",
+                        "0" * 64,
+                    ),
+                )
+        env = {"KEEL_DATABASE_URL": roles_db.app_url, "KEEL_AUDIT_SEGMENT_EVENTS": "3"}
+        shipped = keel("audit", "ship", "--flush", "--url", url, env=env)
+        assert shipped.returncode == 0, shipped.stderr
+        for first_id, last_id in [(ids[3], ids[-1]), (ids[-1] + 100, ids[-1] + 200)]:
+            assert (
+                f"note: audit_shipments records {segment_name(first_id, last_id)} (ids {first_id}..{last_id}) as"
+                f" shipped to {url}, but its seal does not match its content" in shipped.stderr
+            ), shipped.stderr
+        assert_shipped_once(store, raw)
+        verified = keel("audit", "verify", "--against", url, env={**env, "KEEL_DATABASE_URL": roles_db.auditor_url})
+        assert verified.returncode == 1
+        assert "missing_segment" not in verified.stderr and "DIVERGED (changed" not in verified.stderr
+        assert verified.stderr.count("DIVERGED (forged_record): audit_shipments records") == 2, verified.stderr
+
+
+# --- the store's own end --------------------------------------------------------------------------------------------
+
+
+def test_verify_against_names_events_removed_after_shipping_with_their_shipment_rows(
+    client: Client, db: Database, db_url: str, raw: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """A superuser who removes the journal's last events and the audit_shipments rows that recorded them: the
+    store's own manifests still reach to its end, and every event there that the database lacks is named."""
+    history(client)
+    url = f"file://{tmp_path}/store"
+    report = ship_all(db, FileStore(tmp_path / "store"), url)
+    last = report.segments[-1]
+    raw.execute("SET session_replication_role = replica")
+    raw.execute("DELETE FROM audit.journal WHERE id >= %s", (last.first_id,))
+    raw.execute("DELETE FROM audit_shipments WHERE last_id >= %s", (last.first_id,))
+    raw.execute("RESET session_replication_role")
+    caught = keel("audit", "verify", "--against", url, env={"KEEL_DATABASE_URL": db_url})
+    assert caught.returncode == 1
+    removed = re.findall(r"DIVERGED \(removed\): journal id (\d+) .* was removed from the database", caught.stderr)
+    assert [int(i) for i in removed] == list(range(last.first_id, last.last_id + 1)), caught.stderr
+
+
+def test_verify_against_an_empty_store_is_not_ok(
+    client: Client, db_url: str, raw: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    history(client)
+    ids = journal_ids(raw)
+    url = f"file://{tmp_path}/nothing-here"
+    env = {"KEEL_DATABASE_URL": db_url, "KEEL_AUDIT_SEGMENT_EVENTS": "3"}
+    empty = keel("audit", "verify", "--against", url, env=env)
+    assert empty.returncode == 1, empty.stdout
+    assert "ok:" not in empty.stdout
+    assert (
+        f"DIVERGED (missing_segment): the store at {url} holds no segments, but the journal holds {len(ids)} events"
+        f" (ids {ids[0]}..{ids[-1]}) that should have been shipped: {segment_name(ids[0], ids[2])} onwards are"
+        " missing" in empty.stderr
+    ), empty.stderr
+    # Fewer events than a segment, none old enough: nothing should have been shipped yet.
+    young = keel("audit", "verify", "--against", url, env={**env, "KEEL_AUDIT_SEGMENT_EVENTS": "1000"})
+    assert young.returncode == 0, young.stderr
+    assert f"note: the store at {url} holds no segments yet: the journal's {len(ids)} events" in young.stderr

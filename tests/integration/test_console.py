@@ -504,6 +504,14 @@ def test_the_journal_pages_and_verifies_only_the_events_it_shows(serve: Serve, b
     verify_and_record(api.db, "cli")
     latest = viewer.get(url).text
     assert "found 1 broken chain, this agent's among them, at event 2." in latest
+    with api.db.autocommit() as cur:  # an "ok" inserted with the database's credentials, without the audit key
+        cur.execute(
+            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details, key_id, seal)"
+            " VALUES ('cli', true, 1, 12, 0, '{}', 'test-1', 'forged')"
+        )
+    latest = viewer.get(url).text
+    assert "found every chain intact" not in latest
+    assert "cannot be believed: its seal does not match its content" in latest
 
     _tamper(api, str(agent.id), 10)  # inside the latest page
     assert _status(viewer.get(url).text) == f"Chain broken at event 10: {HMAC_BROKEN}"

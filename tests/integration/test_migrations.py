@@ -6,9 +6,12 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from models import migrations
+from agents.audit.ship import recorded_last_id
+from models import alerts_sql, migrations
+from models.db import Database
 from models.migrations import DowngradeRefused
 from models.urls import libpq_url
+from tests.support.audit import TEST_KEYS
 
 pytestmark = pytest.mark.integration
 
@@ -148,3 +151,32 @@ def test_0018_downgrade_is_refused_once_a_month_was_archived(empty_db_url: str) 
     with pytest.raises(DowngradeRefused, match=r"cannot downgrade below 0018: audit\.archived_partitions records 1"):
         migrations.downgrade(empty_db_url, "0017")
     assert migrations.revision_at(empty_db_url) == "0018"
+
+
+def test_0019_seals_the_audit_records_written_before_it(empty_db_url: str) -> None:
+    """Rows of audit_verifications and audit_shipments from before 0019 are sealed by it with the current audit key
+    (the suite's, from KEEL_AUDIT_KEYS), so the alert and the shipper go on believing them; downgrading drops the
+    seals."""
+    migrations.upgrade(empty_db_url, "0018")
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        conn.execute(
+            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details)"
+            """ VALUES ('beat', false, 2, 9, 1, '{"breaks": [{"seq": 3, "agent_id": "a"}], "legacy_events": 0}')"""
+        )
+        conn.execute(
+            "INSERT INTO audit_shipments (destination, first_id, last_id, events, segment, manifest_sha256)"
+            " VALUES ('file:///store', 1, 5, 5, 'journal/00000000000000000001-00000000000000000005.jsonl', 'ab')"
+        )
+    migrations.upgrade(empty_db_url)
+    db = Database(empty_db_url, pool_size=1, audit_keys=TEST_KEYS)
+    try:
+        latest = alerts_sql.last_verification(db)
+        assert latest is not None and latest.forged is None and (latest.ok, latest.breaks) == (False, 1)
+        assert recorded_last_id(db, "file:///store") == 5
+    finally:
+        db.dispose()
+    migrations.downgrade(empty_db_url, "0018")
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        assert conn.execute("SELECT count(*) FROM audit_shipments").fetchone() == (1,)
+    migrations.upgrade(empty_db_url)
+    migrations.check(empty_db_url)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from agents.client import Client
-from models import migrations, roles
+from agents.observability import alerts
+from models import alerts_sql, migrations, roles
 from models.db import Database
 from models.roles import APP_PRIVILEGES, RoleNames
 from models.tables import metadata
@@ -299,8 +301,8 @@ def test_keel_db_roles_sets_up_an_existing_deployment_once(db_url: str, fresh_ro
     app_url = as_role(db_url, names.app, "first-app-password")
     with connect(app_url) as app:
         app.execute(
-            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details)"
-            " VALUES ('cli', true, 0, 0, 0, '{}')"
+            "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details, key_id, seal)"
+            " VALUES ('cli', true, 0, 0, 0, '{}', 'test-1', 'not-a-seal')"
         )
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             app.execute("ALTER TABLE audit.journal DISABLE TRIGGER ALL")
@@ -414,6 +416,50 @@ def test_production_migrations_need_the_roles(roles_db: RoledDatabase) -> None:
     assert (ok.returncode, ok.stdout) == (0, f"database at {migrations.head()} (head)\n"), ok.stderr
 
 
+# --- Keel's own audit records hold against the application's credentials ------------------------------------------
+
+
+def test_a_verification_forged_with_the_applications_credentials_does_not_silence_the_alert(
+    journaled: RoledDatabase,
+) -> None:
+    """Whoever holds keel_app's database credentials (but not the audit key ring) may insert into
+    audit_verifications: an "ok" row they make, or a copy of a genuine one, must not stand for a passing verify."""
+    db = Database(journaled.app_url, pool_size=2, audit_keys=TEST_KEYS)
+    window = timedelta(minutes=15)
+
+    def verdict() -> alerts.Verdict:
+        return alerts.audit_verify(alerts.measure(db, window), alerts.Thresholds())
+
+    try:
+        alerts_sql.record_verification(db, source="beat", ok=True, agents=1, events=3, breaks=0, details={})
+        assert not verdict().firing
+        alerts_sql.record_verification(db, source="beat", ok=False, agents=1, events=3, breaks=1, details={})
+        assert verdict().firing
+        with connect(journaled.app_url) as app:
+            app.execute(
+                "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details, key_id, seal)"
+                " VALUES ('beat', true, 1, 3, 0, '{}', %s, %s)",
+                (TEST_KEYS.current, "0" * 64),
+            )
+            forged = verdict()
+            assert forged.firing
+            assert forged.summary.startswith("the latest recorded keel audit verify cannot be believed: its seal does")
+            # A genuine "ok" copied in front of the failure: the copy's seal is the original's, which is unique.
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                app.execute(
+                    "INSERT INTO audit_verifications (at, source, ok, agents, events, breaks, details, key_id, seal)"
+                    " SELECT at, source, ok, agents, events, breaks, details, key_id, seal FROM audit_verifications"
+                    " WHERE ok AND seal <> %s ORDER BY id LIMIT 1",
+                    ("0" * 64,),
+                )
+        assert verdict().firing
+        # A real verify run afterwards is believed again.
+        alerts_sql.record_verification(db, source="cli", ok=True, agents=1, events=3, breaks=0, details={})
+        assert not verdict().firing
+    finally:
+        db.dispose()
+
+
 # --- production refuses privileged roles ----------------------------------------------------------------------------
 
 
@@ -465,6 +511,48 @@ def test_production_refuses_the_owner_and_a_role_that_may_rewrite_the_journal(
         conn.execute(sql.SQL("GRANT UPDATE ON audit.journal TO {}").format(sql.Identifier(roles_db.names.app)))
     assert refusal(roles_db.app_url, "beat") == "may UPDATE audit.journal"
     assert refusal(roles_db.app_url, "agent", "create", "x") == "may UPDATE audit.journal"
+
+
+def test_production_refuses_the_owner_of_the_audit_schema_or_of_the_database(
+    roles_db: RoledDatabase, broker: Broker, pg_server_url: str
+) -> None:
+    """The schema's owner may drop or rename the journal whatever the table's grants say, and the database's owner
+    may drop the schema: neither is the application role, and production says which it is and what it owns."""
+    name = f"keel_tm{uuid.uuid4().hex[:8]}_schemer"
+    database = str(make_url(roles_db.url).database)
+    with connect(roles_db.url) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(roles_db.names.app), sql.Identifier(name)))
+        row = conn.execute("SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = current_database()")
+        was = row.fetchone()
+    assert was is not None
+    try:
+
+        def refusal() -> str:
+            result = keel(
+                as_role(roles_db.url, name), "worker", names=roles_db.names, KEEL_ENVIRONMENT="production", **broker.env
+            )
+            assert result.returncode == 1, result.stdout + result.stderr
+            assert result.stderr.count("\n") == 1, "one line, no traceback"
+            assert result.stderr.startswith(f"keel: error: refusing to run in production as database role {name!r}")
+            return result.stderr.split(": it ", 1)[1].split(". Keel's", 1)[0]
+
+        with connect(roles_db.url) as conn:
+            conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(name)))
+        assert refusal() == "owns the schema audit (and so may drop or rename audit.journal)"
+        with connect(roles_db.url) as conn:
+            conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(roles_db.names.owner)))
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(name))
+            )
+        assert refusal() == f"owns the database {database!r} (and so may drop the schema audit)"
+    finally:
+        with connect(roles_db.url) as conn:
+            conn.execute(sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(sql.Identifier(roles_db.names.owner)))
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(database), sql.Identifier(was[0]))
+            )
+        drop_roles(pg_server_url, [name])
 
 
 def test_production_reads_and_development_run_as_anyone(roles_db: RoledDatabase, broker: Broker) -> None:

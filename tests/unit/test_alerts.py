@@ -41,6 +41,7 @@ def test_quiet_measures_fire_nothing() -> None:
         ("beat_leader_gap", Measures(beat_leader_gap_seconds=180), 180),
         ("audit_verify", Measures(audit_verify_ok=False, audit_verify_breaks=2), 2),
         ("journal_partitions", Measures(journal_months_ahead=1), 1),
+        ("audit_ship_lag", Measures(audit_ship_lag_seconds=3601), 3601),
     ],
 )
 def test_each_rule_fires_past_its_threshold_with_the_value(name: str, measures: Measures, value: float) -> None:
@@ -63,6 +64,8 @@ def test_each_rule_fires_past_its_threshold_with_the_value(name: str, measures: 
         ("audit_verify", Measures(audit_verify_ok=True, audit_verify_breaks=0)),
         ("journal_partitions", Measures(journal_months_ahead=2)),  # two months ahead is enough
         ("journal_partitions", Measures(journal_months_ahead=None)),  # not measured
+        ("audit_ship_lag", Measures(audit_ship_lag_seconds=None)),  # not shipped: nothing to lag behind
+        ("audit_ship_lag", Measures(audit_ship_lag_seconds=3600)),
     ],
 )
 def test_a_rule_within_bounds_does_not_fire(name: str, measures: Measures) -> None:
@@ -154,3 +157,8 @@ def test_alert_defaults() -> None:
     assert settings.kpi_report_at == "off"
     assert settings.alert_interval_seconds == 60
     assert settings.audit_verify_interval_seconds == 3600
+
+
+def test_a_forged_verification_record_fires_whatever_it_says() -> None:
+    fired = verdict("audit_verify", Measures(audit_verify_ok=True, audit_verify_breaks=0, audit_verify_forged="x"))
+    assert fired.firing and fired.summary.startswith("the latest recorded keel audit verify cannot be believed: x")

@@ -376,7 +376,8 @@ def test_prometheus_scrapes_every_keel_process_where_it_serves_metrics() -> None
     assert set(scraped) == {"api", "worker", "relay", "beat"}, "every API, worker, relay and beat is scraped"
     for name, port in scraped.items():
         service = services[name]
-        assert service["environment"] == variables, f"{name} runs with the shared settings"
+        shared = {k: v for k, v in service["environment"].items() if k not in SHIPPING}  # the beat ships too
+        assert shared == variables, f"{name} runs with the shared settings"
         assert _port_of(service, name, variables) == port, f"{name} serves metrics on another port than {port}"
         if name != "api":  # the API's port is published already
             assert service["expose"] == [str(port)], f"{name} does not expose {port}"
@@ -420,3 +421,28 @@ def test_keel_runs_as_the_application_role_and_only_migrations_as_the_superuser(
         else:
             assert "KEEL_MIGRATION_DATABASE_URL" not in environment, f"{name} must not hold the superuser's password"
     assert defaults.db_app_password is None, "the password comes from .env, not a default"
+
+
+#: What only the shipper needs: the store's credentials, its address and the manifests' signing key.
+SHIPPING = {
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_DEFAULT_REGION",
+    "KEEL_AUDIT_SHIP_URL",
+    "KEEL_AUDIT_S3_ENDPOINT_URL",
+    "KEEL_AUDIT_OBJECT_LOCK_DAYS",
+    "KEEL_AUDIT_SIGNING_KEY",
+}
+
+
+def test_only_the_beat_holds_the_stores_credentials_and_every_appender_the_audit_keys() -> None:
+    """The beat ships (and is where `keel audit ship` runs): a leaked API, worker, relay or Flower environment gives
+    no way to write to (or, without Object Lock, delete from) the separate store. Every process that appends to the
+    journal links with the audit key ring, and so holds it."""
+    services = _compose(AWS_ACCESS_KEY_ID="AKIA-for-tests", AWS_SECRET_ACCESS_KEY="aws-s3cret-for-tests")["services"]
+    holding = {name for name, service in services.items() if SHIPPING & set(service.get("environment") or {})}
+    assert holding == {"beat"}
+    beat = services["beat"]["environment"]
+    assert beat["AWS_SECRET_ACCESS_KEY"] == "aws-s3cret-for-tests"
+    for name in ("api", "worker", "relay", "beat", "migrate"):
+        assert services[name]["environment"]["KEEL_AUDIT_KEYS"] == SECRETS["KEEL_AUDIT_KEYS"], name

@@ -1,0 +1,154 @@
+"""Seals on Keel's own audit records: ``audit_verifications`` (the outcome of every `keel audit verify`, which the
+``audit_verify`` alert and the console read) and ``audit_shipments`` (how far the journal was shipped, which the
+shipper resumes from and the ship-lag measures read).
+
+The application role must be able to INSERT both (the beat and the CLI write them as it), so grants alone cannot
+keep someone holding only its database credentials from inserting an "ok" verification or a shipment that never
+happened. Each row therefore carries an HMAC under the journal's audit key ring (``key_id``, ``seal``), made of every
+field a reader acts on, and readers take a row whose seal does not hold for a forgery: a forged verification makes
+the alert fire, a forged shipment is passed over. What this stops, and what not: someone with the database
+credentials but not the key ring (a leaked ``KEEL_DATABASE_URL``, a SQL injection, a database-side compromise) can
+no longer make a record that is believed; someone who also holds the key ring — a compromised Keel process — can,
+as they can link journal events. Against them the separate store is the defence (its own credentials, Object Lock,
+and `keel audit verify --against` run by an auditor). A SECURITY DEFINER function would not help: the database
+cannot tell a real verification's result from a made-up one, since checking the chains needs the key it does not
+hold.
+
+Replays are closed by the tables: a verification's ``seal`` is unique (its time is sealed with it), so a genuine
+row cannot be inserted again under a newer id, and a shipment's key includes its manifest's sha256.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+import psycopg
+from psycopg.rows import dict_row
+
+from models.clock import rfc3339
+
+VERIFICATION_SEAL = "keel-audit-verification-v1"
+SHIPMENT_SEAL = "keel-audit-shipment-v1"
+
+
+def _details_text(details: Mapping[str, Any]) -> str:
+    # jsonb keeps neither key order nor spacing: seal a canonical text, the same before and after a round trip.
+    return json.dumps(details, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def verification_seal_parts(
+    *, at: datetime, source: str, ok: bool, agents: int, events: int, breaks: int, details: Mapping[str, Any]
+) -> list[str | int | None]:
+    """What a verification's seal is an HMAC of (every field the alert and the console read)."""
+    return [VERIFICATION_SEAL, rfc3339(at), source, int(ok), agents, events, breaks, _details_text(details)]
+
+
+def shipment_seal_parts(
+    *, destination: str, first_id: int, last_id: int, events: int, segment: str, manifest_sha256: str
+) -> list[str | int | None]:
+    """What a shipment's seal is an HMAC of (every field the shipper and the measures read)."""
+    return [SHIPMENT_SEAL, destination, first_id, last_id, events, segment, manifest_sha256]
+
+
+class SealKeys(Protocol):
+    """What checking a seal needs of the audit key ring (models/audit_keys.py)."""
+
+    def __contains__(self, key_id: object) -> bool: ...
+
+    def verifies(self, key_id: str, parts: list[str | int | None], digest: str) -> bool: ...
+
+
+def seal_problem(
+    keys: SealKeys | None, key_id: str | None, parts: list[str | int | None], seal: str | None
+) -> str | None:
+    """Why the record's seal cannot be believed, as a phrase; None when it holds."""
+    if keys is None:
+        return "no audit key ring to check its seal with (KEEL_AUDIT_KEYS)"
+    if not key_id or not seal:
+        return "it carries no seal"
+    if key_id not in keys:
+        return f"it is sealed with audit key {key_id!r}, which the key ring (KEEL_AUDIT_KEYS) does not hold"
+    if not keys.verifies(key_id, parts, seal):
+        return "its seal does not match its content: Keel did not write it (forged with database credentials?)"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What ``audit_shipments`` says about a destination, believing only rows whose seal holds."""
+
+    segment: str | None  # the last believed row's segment (None: none)
+    last_id: int | None  # and the last journal id it covers
+    forged: tuple[str, ...] = ()  # one line per row whose seal does not hold: passed over
+    unchecked: tuple[str, ...] = ()  # one line per row sealed with a key the ring lacks: passed over too
+
+
+def recorded_shipments(
+    conn: psycopg.Connection[Any], destination: str, keys: SealKeys | None, *, every: bool = False
+) -> Recorded:
+    """The latest row of ``audit_shipments`` for ``destination`` whose seal holds under ``keys``, and a line for
+    each row after it whose seal does not (a row inserted with the database's credentials but not the audit key:
+    see models/audit_records.py) or cannot be checked (its key is not in the ring: taken for neither); with
+    ``every``, for each such row of the destination. Without ``keys`` no seal can be checked: the latest row is
+    taken, for what it is worth."""
+    forged: list[str] = []
+    unchecked: list[str] = []
+    found: tuple[str, int] | None = None
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            "SELECT first_id, last_id, events, segment, manifest_sha256, key_id, seal FROM audit_shipments"
+            " WHERE destination = %s ORDER BY last_id DESC, shipped_at DESC",
+            (destination,),
+        )
+        for row in cur:
+            if keys is None:
+                return Recorded(str(row["segment"]), int(row["last_id"]))
+            parts = shipment_seal_parts(
+                destination=destination,
+                first_id=int(row["first_id"]),
+                last_id=int(row["last_id"]),
+                events=int(row["events"]),
+                segment=str(row["segment"]),
+                manifest_sha256=str(row["manifest_sha256"]),
+            )
+            problem = seal_problem(keys, row["key_id"], parts, row["seal"])
+            if problem is None:
+                if found is None:
+                    found = (str(row["segment"]), int(row["last_id"]))
+                if not every:
+                    break
+                continue
+            line = (
+                f"audit_shipments records {row['segment']} (ids {row['first_id']}..{row['last_id']}) as shipped to"
+                f" {destination}, but {problem}"
+            )
+            (unchecked if row["key_id"] and row["key_id"] not in keys else forged).append(line)
+    if found is None:
+        return Recorded(None, None, tuple(forged), tuple(unchecked))
+    return Recorded(found[0], found[1], tuple(forged), tuple(unchecked))
+
+
+@dataclass(frozen=True, slots=True)
+class ShipLag:
+    """How far shipping to a destination is behind the journal, by the database's believed records and clock."""
+
+    last_id: int  # the last journal id recorded (sealed) as shipped; 0: none
+    unshipped: int  # events past it
+    oldest_age_seconds: float  # how old the oldest of them is (0: none)
+
+
+def ship_lag_txn(conn: psycopg.Connection[Any], destination: str, keys: SealKeys | None) -> ShipLag:
+    """The journal events not yet recorded as shipped to ``destination`` (rows whose seal fails do not count), and
+    the age of the oldest, measured on the database's clock."""
+    last_id = recorded_shipments(conn, destination, keys).last_id or 0
+    row = conn.execute(
+        "SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(at)), 0)::float8"
+        " FROM audit.journal WHERE id > %s",
+        (last_id,),
+    ).fetchone()
+    assert row is not None
+    return ShipLag(last_id, int(row[0]), max(0.0, float(row[1])))
