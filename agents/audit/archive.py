@@ -335,6 +335,11 @@ def choose_partition(
             f"partition {requested} is not the oldest attached ({oldest.name} is): months leave in order, so the"
             " archived part of every chain stays a prefix"
         )
+    if oldest.to_at > now:
+        raise ArchiveRefused(
+            f"partition {oldest.name}: its month is not over (it ends at {rfc3339(oldest.to_at)}); it can be archived"
+            f" {grace.days} days after that (KEEL_AUDIT_ARCHIVE_GRACE_DAYS)"
+        )
     if oldest.to_at + grace > now:
         raise ArchiveRefused(
             f"partition {oldest.name}: its month ended at {rfc3339(oldest.to_at)}, less than {grace.days} days ago"

@@ -1,10 +1,10 @@
 """`keel audit archive` (agents/audit/archive.py) against a real S3-compatible server (moto), and `keel audit verify`
 once early events are archived.
 
-The journal is not partitioned on this branch, so the detach itself is not exercised here: the checks take an id
-range, and an archive is simulated on a plain journal — the sealed record made by the archive's own code inserted as
-a superuser, the archived rows then deleted with every trigger off — which is exactly what verify sees after a real
-archive."""
+The shared server's clock cannot move, so no month of a test database here is over: the checks take an id range, and
+an archive is simulated — the sealed record made by the archive's own code inserted as a superuser, the archived rows
+then deleted with every trigger off — which is exactly what verify sees after a real archive. The real detach and
+drop, months apart: test_audit_archive_months.py (a private server whose clock the test moves)."""
 
 from __future__ import annotations
 
@@ -277,6 +277,8 @@ def test_only_the_oldest_partition_whose_month_ended_past_the_grace_is_chosen() 
     assert choose_partition(PARTS, "journal_legacy", now=_month(2027, 2), grace=grace) == PARTS[0]
     with pytest.raises(ArchiveRefused, match=r"less than 7 days ago \(KEEL_AUDIT_ARCHIVE_GRACE_DAYS\)"):
         choose_partition(PARTS, None, now=_month(2027, 1) + timedelta(days=6), grace=grace)
+    with pytest.raises(ArchiveRefused, match=r"its month is not over \(it ends at 2027-01-01T00:00:00"):
+        choose_partition(PARTS, None, now=_month(2026, 12) + timedelta(days=20), grace=grace)
     with pytest.raises(ArchiveRefused, match=r"journal_2027_01 is not the oldest attached \(journal_legacy is\)"):
         choose_partition(PARTS, "journal_2027_01", now=_month(2027, 3), grace=grace)
     with pytest.raises(ArchiveRefused, match=r"audit\.journal has no partition 'journal_1999_01'"):
@@ -285,13 +287,14 @@ def test_only_the_oldest_partition_whose_month_ended_past_the_grace_is_chosen() 
         choose_partition([], None, now=_month(2027, 3), grace=grace)
 
 
-def test_archive_is_refused_as_the_application_role_and_on_an_unpartitioned_journal(
+def test_archive_is_refused_as_the_application_role_and_for_a_month_not_over(
     roles_db: RoledDatabase, store: S3Store, bucket: str
 ) -> None:
     with pytest.raises(ArchiveRefused) as refused:
         archive_partition(roles_db.app_url, store, KEYS, destination=destination(bucket), grace=timedelta(days=7))
     assert f"database role '{roles_db.names.app}' cannot detach partitions of audit.journal" in str(refused.value)
-    with pytest.raises(ArchiveRefused, match=r"audit\.journal is not partitioned"):
+    # The test database's oldest partition is journal_legacy: everything before the month after its migration.
+    with pytest.raises(ArchiveRefused, match=r"partition journal_legacy: its month is not over \(it ends at "):
         archive_partition(roles_db.url, store, KEYS, destination=destination(bucket), grace=timedelta(days=7))
     with psycopg.connect(libpq_url(roles_db.url)) as conn:
         assert conn.execute("SELECT count(*) FROM audit.archived_partitions").fetchone() == (0,)
@@ -301,9 +304,9 @@ def test_keel_audit_archive_refuses_by_name(roles_db: RoledDatabase, bucket: str
     as_app = keel(roles_db.app_url, "audit", "archive", "--against", destination(bucket), s3=s3)
     assert as_app.returncode == 1
     assert f"database role '{roles_db.names.app}' cannot detach partitions of audit.journal" in as_app.stderr
-    unpartitioned = keel(roles_db.url, "audit", "archive", "--against", destination(bucket), "--dry-run", s3=s3)
-    assert unpartitioned.returncode == 1 and "audit.journal is not partitioned" in unpartitioned.stderr
-    assert "Traceback" not in as_app.stderr + unpartitioned.stderr
+    not_over = keel(roles_db.url, "audit", "archive", "--against", destination(bucket), "--dry-run", s3=s3)
+    assert not_over.returncode == 1 and "its month is not over" in not_over.stderr
+    assert "Traceback" not in as_app.stderr + not_over.stderr
 
 
 def test_archive_records_are_insert_only_and_the_application_cannot_write_one(roles_db: RoledDatabase) -> None:
@@ -403,8 +406,9 @@ def _tamper(raw: psycopg.Connection[Any], archived: dict[str, Any], how: str) ->
     elif how == "an event inserted below the archived head":
         head = archived["proved"].heads[str(busy)]
         raw.execute(
-            "INSERT INTO audit.journal (agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision,"
-            " decision, details, at, prev_hash, hash, key_id) SELECT agent_id, %s, kind, event, actor, request_id,"
+            "INSERT INTO audit.journal (id, agent_id, seq, kind, event, actor, request_id, from_phase, to_phase,"
+            " revision, decision, details, at, prev_hash, hash, key_id) SELECT nextval('audit.journal_id_seq'),"
+            " agent_id, %s, kind, event, actor, request_id,"
             " from_phase, to_phase, revision, decision, details, at, prev_hash, hash, key_id FROM audit.journal"
             " WHERE agent_id = %s ORDER BY seq LIMIT 1",
             (head["last_seq"], busy),
