@@ -833,8 +833,17 @@ class _ArchiveTally:
     def holds(self, line: dict[str, Any]) -> bool:
         """Whether ``line`` (shipped, not in the database) lies in an archived range: counted against that record."""
         jid = int(line["id"])
+        # The month decides, by the event's time, not its id: two transactions on either side of a month's end can
+        # take their ids in the other order, so ids of neighbouring months may interleave there.
+        at = datetime.fromisoformat(str(line["at"]).replace("Z", "+00:00"))
         for part in self.parts:
-            if part.first_id is not None and part.last_id is not None and part.first_id <= jid <= part.last_id:
+            if (
+                part.first_id is not None
+                and part.last_id is not None
+                and part.first_id <= jid <= part.last_id
+                and (part.from_at is None or part.from_at <= at)
+                and at < part.to_at
+            ):
                 self.counted[part.partition] += 1
                 key = (str(line["agent_id"]), int(line["seq"]))
                 if key in self.heads:
