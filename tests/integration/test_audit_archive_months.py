@@ -27,10 +27,12 @@ from agents.audit.store import FileStore
 from agents.client import Client
 from agents.core import journal
 from agents.core.commands import Command
+from agents.core.journal import new_event
 from agents.core.phases import Event
 from agents.core.transition import transition
 from models import migrations
 from models.db import Database
+from models.sql import advance_chain_txn, lock_agent_txn
 from tests.support.audit import TEST_ENV, TEST_KEYS, clean_env
 from tests.support.timepg import TimeTravelServer, time_travel_postgres
 
@@ -155,5 +157,68 @@ def test_months_are_archived_oldest_first_once_shipped_and_every_chain_still_ver
         broken = journal.verify(db)
         assert not broken.ok
         assert any("no archive covers them" in b.reason for b in broken.breaks), broken
+    finally:
+        db.dispose()
+
+
+def test_ids_interleaved_at_a_months_end_are_archived_and_verified(server: TimeTravelServer, tmp_path: Path) -> None:
+    """A transaction that read its time on the last second of February inserts after one of March committed: its
+    event is February's with a later id than a March event. Both months archive, and everything still verifies."""
+    db = Database(server.url(), audit_keys=TEST_KEYS)
+    client = Client(db)
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    store = FileStore(store_dir)
+    destination = store_dir.as_uri()
+    try:
+        server.set_clock(datetime(2027, 2, 28, 23, 59, 50, tzinfo=UTC))
+        _months(server)
+        slow_agent = client.create_agent(f"slow-{uuid.uuid4().hex[:6]}")
+        quick_agent = client.create_agent(f"quick-{uuid.uuid4().hex[:6]}")
+        with psycopg.connect(server.url()) as slow:
+            with slow.cursor() as cur:
+                locked = lock_agent_txn(cur, slow_agent.id)  # February's last seconds: the event's time
+                assert locked is not None and locked.at.month == 2
+                server.set_clock(datetime(2027, 3, 1, 0, 0, 5, tzinfo=UTC))
+                client.submit(quick_agent.id, f"r-{quick_agent.id}", ASK)  # March, committed first, lower id
+                row = locked.row
+                event = new_event(
+                    row,
+                    keys=TEST_KEYS,
+                    kind="operator",
+                    event="note",
+                    actor="slow",
+                    request_id=row.request_id,
+                    from_phase=row.phase,
+                    to_phase=row.phase,
+                    revision=row.revision,
+                    decision="allowed",
+                    details={},
+                    at=locked.at,
+                )
+                assert advance_chain_txn(cur, event)
+        with psycopg.connect(server.url(), autocommit=True) as conn:
+            placed = {
+                str(r[0]): (int(r[1]), int(r[2]))
+                for r in conn.execute(
+                    "SELECT tableoid::regclass::text, min(id), max(id) FROM audit.journal"
+                    " WHERE tableoid::regclass::text <> 'audit.journal_legacy' GROUP BY 1"
+                )
+            }
+        assert placed["audit.journal_2027_02"][1] > placed["audit.journal_2027_03"][0], placed  # interleaved
+
+        server.set_clock(datetime(2027, 4, 20, tzinfo=UTC))
+        _months(server)
+        ship(db, store, TEST_KEYS, destination=destination, segment_events=2, segment_age=timedelta(0), flush=True)
+        archived = []
+        for _ in range(3):  # the legacy partition (empty), February, March
+            done = _archive(server, store_dir, "--json")
+            assert done.returncode == 0, done.stdout + done.stderr
+            archived.append(json.loads(done.stdout)["partition"])
+        assert archived == ["journal_legacy", "journal_2027_02", "journal_2027_03"]
+        report = journal.verify(db)
+        assert report.ok, report
+        against = verify_against(db, store, TEST_KEYS, destination=destination)
+        assert against.ok, against.divergences
     finally:
         db.dispose()
