@@ -84,6 +84,7 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         "unchecked": [],
         "legacy": [],
         "key_ids": ["test-1"],
+        "archive_problems": [],
     }
 
 
@@ -408,6 +409,7 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
         "unchecked": [],
         "legacy": [],
         "key_ids": ["test-1"],
+        "archive_problems": [],
     }
 
 
