@@ -187,7 +187,8 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
         events = sum(u.events for u in chains)
         click.echo(
             f"NOT CHECKED: {events} events in {len(chains)} chains are linked with key {key_id!r}, which"
-            f" KEEL_AUDIT_KEYS does not hold ({held}): their links could not be checked",
+            f" KEEL_AUDIT_KEYS does not hold ({held}): their links could not be checked; if no key of that id was"
+            " ever in use (a retired key kept elsewhere), treat these events as forged",
             err=True,
         )
         for u in chains[:SHOWN]:
