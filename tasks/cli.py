@@ -6,6 +6,7 @@ import logging
 import multiprocessing.util
 import signal
 import sys
+import time
 from types import FrameType
 from typing import Any
 
@@ -79,7 +80,8 @@ def _embedded_or_exit(settings: Settings, *, database: bool = True) -> None:
 def _schema_or_exit(settings: Settings) -> None:
     """Refuse to start on a database whose schema is not this code's (one line: where each is, what to run), and in
     production as a database role that could rewrite the journal (a superuser, its owner: models/roles.py). An
-    unreachable database is not refused: the worker and beat wait for it, as they do when it goes away later."""
+    unreachable database is not refused: in development the worker and beat start and wait for it, as they do when
+    it goes away later; in production they wait for it here, so that no process starts before its role is checked."""
     import sqlalchemy
 
     from models.db import Database
@@ -87,13 +89,29 @@ def _schema_or_exit(settings: Settings) -> None:
     from models.roles import PrivilegedRole, refuse_privileged
 
     db = Database.from_settings(settings)
+    said = False
+    pause = 1.0
     try:
-        check_schema(db.engine)
-        refuse_privileged(db.engine, settings)
-    except (SchemaMismatch, PrivilegedRole) as exc:
-        raise click.ClickException(str(exc)) from None
-    except sqlalchemy.exc.OperationalError:
-        pass
+        while True:
+            try:
+                check_schema(db.engine)
+                refuse_privileged(db.engine, settings)
+                return
+            except (SchemaMismatch, PrivilegedRole) as exc:
+                raise click.ClickException(str(exc)) from None
+            except sqlalchemy.exc.OperationalError as exc:
+                if settings.environment != "production":
+                    return
+                if not said:
+                    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+                    click.echo(
+                        f"keel: database unreachable ({reason}); waiting for it: in production the database role is"
+                        " checked before anything starts",
+                        err=True,
+                    )
+                    said = True
+                time.sleep(pause)
+                pause = min(pause * 2, 30.0)
     finally:
         db.dispose()
 

@@ -29,6 +29,7 @@ from agents.ingress.events import JournalListener
 from agents.ingress.routes import agents, approvals, health, records, requests, tokens
 from agents.ingress.runtime import Ingress
 from agents.ingress.schemas import ERRORS
+from models.roles import refuse_privileged
 from models.settings import Settings
 
 DESCRIPTION = """\
@@ -180,6 +181,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         keel = Ingress.open(settings, publisher=publisher)
+        try:
+            # Whoever starts the app (keel serve, or a bare uvicorn/gunicorn): in production, not as a database role
+            # that could rewrite the journal (models/roles.py).
+            refuse_privileged(keel.db.engine, settings)
+        except BaseException:
+            keel.close()
+            raise
         app.state.ingress = keel
         await keel.listener.start()
         restore = _end_streams_on_shutdown_signal(keel.listener)

@@ -28,6 +28,7 @@ from models.tables import metadata
 from models.urls import libpq_url
 from tests.support.audit import TEST_ENV, TEST_KEYS
 from tests.support.broker import Broker
+from tests.support.proxy import database_behind
 from tests.support.roles import RoledDatabase, as_role, drop_roles, unique_names
 
 pytestmark = pytest.mark.integration
@@ -495,6 +496,51 @@ def test_production_refuses_to_start_as_a_superuser(
         " may only read the journal and append to it: create it with 'keel db roles'"
     ), result.stderr
     assert result.stderr.count("\n") == 1, "one line, no traceback"
+
+
+def test_production_checks_the_role_of_a_database_that_was_unreachable_at_start(
+    roles_db: RoledDatabase, broker: Broker
+) -> None:
+    """A worker started while the database is away must not slip past the check: in production it waits for the
+    database, then refuses the superuser as if it had been there all along (review finding: it used to start)."""
+    proxy, url = database_behind(roles_db.url)
+    proxy.down()
+    child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
+    child |= TEST_ENV | broker.env | {"KEEL_DATABASE_URL": url, "KEEL_ENVIRONMENT": "production"}
+    child |= {"KEEL_DB_OWNER_ROLE": roles_db.names.owner, "KEEL_DB_APP_ROLE": roles_db.names.app}
+    child |= {"KEEL_DB_AUDITOR_ROLE": roles_db.names.auditor}
+    worker = subprocess.Popen(
+        [KEEL, "worker", "-c", "1"], env=child, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.stderr is not None
+        first = worker.stderr.readline()
+        assert first.startswith("keel: database unreachable ("), first
+        assert first.rstrip().endswith(
+            "waiting for it: in production the database role is checked before anything starts"
+        )
+        assert worker.poll() is None, "still waiting, not started and not gone"
+        proxy.up()
+        rest = worker.communicate(timeout=90)[1]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        proxy.down()
+    assert worker.returncode == 1, rest
+    assert rest.startswith("keel: error: refusing to run in production as database role 'postgres': it is a superuser")
+
+
+def test_production_refuses_a_bare_asgi_server_as_a_superuser(roles_db: RoledDatabase, broker: Broker) -> None:
+    """The API's own startup checks the role, whoever runs it: a plain `uvicorn tasks.api:create --factory` too."""
+    child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
+    child |= TEST_ENV | broker.env | {"KEEL_DATABASE_URL": roles_db.url, "KEEL_ENVIRONMENT": "production"}
+    child |= {"KEEL_DB_OWNER_ROLE": roles_db.names.owner, "KEEL_DB_APP_ROLE": roles_db.names.app}
+    uvicorn = [sys.executable, "-m", "uvicorn", "tasks.api:create", "--factory", "--port", "0"]
+    result = subprocess.run(uvicorn, env=child, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "refusing to run in production as database role 'postgres': it is a superuser" in result.stderr
+    assert "Application startup failed" in result.stderr
 
 
 def test_production_refuses_the_owner_and_a_role_that_may_rewrite_the_journal(
