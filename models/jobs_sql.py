@@ -311,30 +311,55 @@ def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
     cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
 
 
+#: Job priorities (agents/core/commands.py JobSpec checks 0-9), highest first: the due scan reads each one's range
+#: of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15 has no skip scan).
+PRIORITIES: tuple[int, ...] = tuple(range(9, -1, -1))
+
+# Each case reads at most ``limit`` rows of the partial index that serves it, so a pass costs the batch and not
+# the backlog: a hundred thousand jobs enqueued and waiting their turn are not read at all, they are not due.
+_TAKE_DUE = (
+    "WITH candidates AS ("
+    "  SELECT p.key, p.priority, p.run_at FROM unnest(%(priorities)s::smallint[]) AS prio(value),"
+    "   LATERAL (SELECT key, priority, run_at FROM jobs"
+    "    WHERE status = 'pending' AND priority = prio.value AND run_at <= clock_timestamp()"
+    "    ORDER BY run_at LIMIT %(limit)s) p"
+    "  UNION ALL"
+    "  (SELECT key, priority, run_at FROM jobs WHERE status = 'enqueued'"
+    "    AND enqueued_at < clock_timestamp() - %(stale)s AND run_at <= clock_timestamp()"
+    "    ORDER BY enqueued_at LIMIT %(limit)s)"
+    "  UNION ALL"
+    "  (SELECT key, priority, run_at FROM jobs WHERE status = 'running' AND lease_until < clock_timestamp()"
+    "    AND run_at <= clock_timestamp() ORDER BY lease_until LIMIT %(limit)s)"
+    "), batch AS (SELECT key FROM candidates ORDER BY priority DESC, run_at, key LIMIT %(limit)s),"
+    # Locked and checked again row by row: a row another dispatcher holds is skipped, and one that a claim or a
+    # dispatcher moved on since the candidates were read is no longer due.
+    " due AS ("
+    "  SELECT j.key, j.status FROM jobs j JOIN batch USING (key)"
+    "  WHERE j.run_at <= clock_timestamp()"
+    "    AND (j.status = 'pending'"
+    "         OR (j.status = 'running' AND j.lease_until < clock_timestamp())"
+    "         OR (j.status = 'enqueued' AND j.enqueued_at < clock_timestamp() - %(stale)s))"
+    "  FOR UPDATE OF j SKIP LOCKED)"
+    " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
+    " updated_at = clock_timestamp(),"
+    " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
+    " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous"
+)
+
+
 def take_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int) -> list[Due]:
-    """Mark due jobs enqueued (skipping rows another dispatcher holds) and return them for publishing.
+    """Mark at most ``limit`` due jobs enqueued (skipping rows another dispatcher holds) and return them for
+    publishing, highest priority first.
 
     Due, on the database's clock: pending and run_at has come; running with an expired lease (the worker died:
     counted as an ``unknown`` failure); enqueued longer than ``enqueue_timeout`` ago and still not claimed — the
     broker lost the message, a publish failed after commit, or it waits behind a backlog. Published again either
     way: under load too, so a lost message is never stranded behind a queue that is never empty (a copy that was
-    only waiting its turn is suppressed by the claim). All keep their key.
+    only waiting its turn is suppressed by the claim). All keep their key. Each case is read through its own
+    partial index, at most ``limit`` rows of it: the cost is the batch, not the backlog.
     """
     with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(
-            "WITH due AS ("
-            "  SELECT key, status FROM jobs j"
-            "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= clock_timestamp()"
-            "    AND (status = 'pending'"
-            "         OR (status = 'running' AND lease_until < clock_timestamp())"
-            "         OR (status = 'enqueued' AND enqueued_at < clock_timestamp() - %(stale)s))"
-            "  ORDER BY priority DESC, run_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
-            " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
-            " updated_at = clock_timestamp(),"
-            " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
-            " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous",
-            {"stale": enqueue_timeout, "limit": limit},
-        )
+        named.execute(_TAKE_DUE, {"stale": enqueue_timeout, "limit": limit, "priorities": list(PRIORITIES)})
         rows = named.fetchall()
     return [Due(key=r["key"], queue=r["queue"], recovered=r["previous"] != "pending") for r in rows]
 
@@ -385,6 +410,21 @@ def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, An
             (request_id,),
         )
         jobs = cur.fetchall()
+        conn.rollback()
+    return (None if found is None else found["input"]), jobs
+
+
+def request_steps_by_key(db: Database, request_id: str, keys: Sequence[str]) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """A request's input and those of its jobs named in ``keys`` (key, operation, target, status, payload, result),
+    by key: a plan step reads the steps it follows on from, not the whole request."""
+    with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
+        found = cur.fetchone()
+        cur.execute(
+            "SELECT key, operation, target, status, payload, result FROM jobs WHERE key = ANY(%s) AND request_id = %s",
+            (list(keys), request_id),
+        )
+        jobs = {row["key"]: row for row in cur.fetchall()}
         conn.rollback()
     return (None if found is None else found["input"]), jobs
 
