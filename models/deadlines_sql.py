@@ -41,6 +41,13 @@ _PAST_SOFT = (
 START = (datetime(1, 1, 1, tzinfo=UTC), UUID(int=0))
 
 
+def past_deadline_query(active: Iterable[str], *, hard: bool) -> sql.Composed:
+    """The statement of :func:`agents_past_deadline` (parameters ``at``, ``after_deadline``, ``after_id``,
+    ``limit``)."""
+    phases = sql.SQL("phase IN ({})").format(sql.SQL(", ").join(map(sql.Literal, sorted(active))))
+    return sql.SQL(_PAST_HARD if hard else _PAST_SOFT).format(active=phases)
+
+
 def agents_past_deadline(
     db: Database,
     active: Iterable[str],
@@ -52,10 +59,9 @@ def agents_past_deadline(
 ) -> list[PastDeadline]:
     """At most ``limit`` active agents past their hard deadline at ``at`` (``hard``), or past only their soft one
     while still at normal priority, in deadline order after ``after`` (a previous batch's last deadline and id)."""
-    phases = sql.SQL("phase IN ({})").format(sql.SQL(", ").join(map(sql.Literal, sorted(active))))
-    query = sql.SQL(_PAST_HARD if hard else _PAST_SOFT).format(active=phases)
+    query = past_deadline_query(active, hard=hard)
     with db.connection() as conn, conn.cursor(row_factory=class_row(PastDeadline)) as cur:
-        cur.execute(query, {"at": at, "after_deadline": after[0], "after_id": after[1], "limit": limit}, prepare=False)
+        cur.execute(query, {"at": at, "after_deadline": after[0], "after_id": after[1], "limit": limit})
         found = cur.fetchall()
         conn.rollback()
     return found

@@ -312,33 +312,38 @@ def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
 
 
 #: Job priorities (agents/core/commands.py JobSpec checks 0-9), highest first: the due scan reads each one's range
-#: of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15 has no skip scan).
+#: of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15 has no skip scan;
+#: the priorities are written into the statement, where the planner sees each range for what it is).
 PRIORITIES: tuple[int, ...] = tuple(range(9, -1, -1))
 
 # Each case reads at most ``limit`` rows of the partial index that serves it, so a pass costs the batch and not
-# the backlog: a hundred thousand jobs enqueued and waiting their turn are not read at all, they are not due.
-_TAKE_DUE = (
-    "WITH candidates AS ("
-    "  SELECT p.key, p.priority, p.run_at FROM unnest(%(priorities)s::smallint[]) AS prio(value),"
-    "   LATERAL (SELECT key, priority, run_at FROM jobs"
-    "    WHERE status = 'pending' AND priority = prio.value AND run_at <= clock_timestamp()"
-    "    ORDER BY run_at LIMIT %(limit)s) p"
-    "  UNION ALL"
-    "  (SELECT key, priority, run_at FROM jobs WHERE status = 'enqueued'"
-    "    AND enqueued_at < clock_timestamp() - %(stale)s AND run_at <= clock_timestamp()"
+# the backlog: a hundred thousand jobs enqueued and waiting their turn are not read at all, they are not due. The
+# database's clock is read once, in a subquery: ``clock_timestamp()`` itself is volatile, and a volatile comparison
+# can only filter rows already read, never bound an index scan.
+_NOW = "(SELECT at FROM clock)"
+TAKE_DUE = (
+    "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
+    " candidates AS ("
+    + "".join(
+        f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'pending' AND priority = {priority}"
+        f"    AND run_at <= {_NOW} ORDER BY run_at LIMIT %(limit)s) UNION ALL"
+        for priority in PRIORITIES
+    )
+    + "  (SELECT key, priority, run_at FROM jobs WHERE status = 'enqueued'"
+    f"    AND enqueued_at < {_NOW} - %(stale)s AND run_at <= {_NOW}"
     "    ORDER BY enqueued_at LIMIT %(limit)s)"
     "  UNION ALL"
-    "  (SELECT key, priority, run_at FROM jobs WHERE status = 'running' AND lease_until < clock_timestamp()"
-    "    AND run_at <= clock_timestamp() ORDER BY lease_until LIMIT %(limit)s)"
+    f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'running' AND lease_until < {_NOW}"
+    f"    AND run_at <= {_NOW} ORDER BY lease_until LIMIT %(limit)s)"
     "), batch AS (SELECT key FROM candidates ORDER BY priority DESC, run_at, key LIMIT %(limit)s),"
     # Locked and checked again row by row: a row another dispatcher holds is skipped, and one that a claim or a
     # dispatcher moved on since the candidates were read is no longer due.
     " due AS ("
     "  SELECT j.key, j.status FROM jobs j JOIN batch USING (key)"
-    "  WHERE j.run_at <= clock_timestamp()"
+    f"  WHERE j.run_at <= {_NOW}"
     "    AND (j.status = 'pending'"
-    "         OR (j.status = 'running' AND j.lease_until < clock_timestamp())"
-    "         OR (j.status = 'enqueued' AND j.enqueued_at < clock_timestamp() - %(stale)s))"
+    f"         OR (j.status = 'running' AND j.lease_until < {_NOW})"
+    f"         OR (j.status = 'enqueued' AND j.enqueued_at < {_NOW} - %(stale)s))"
     "  FOR UPDATE OF j SKIP LOCKED)"
     " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
     " updated_at = clock_timestamp(),"
@@ -359,7 +364,7 @@ def take_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int
     partial index, at most ``limit`` rows of it: the cost is the batch, not the backlog.
     """
     with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(_TAKE_DUE, {"stale": enqueue_timeout, "limit": limit, "priorities": list(PRIORITIES)})
+        named.execute(TAKE_DUE, {"stale": enqueue_timeout, "limit": limit})
         rows = named.fetchall()
     return [Due(key=r["key"], queue=r["queue"], recovered=r["previous"] != "pending") for r in rows]
 
@@ -399,16 +404,24 @@ def job_row(db: Database, key: str) -> dict[str, Any] | None:
     return row
 
 
+#: A request's jobs in order, through ``ix_jobs_request`` (a whole request: the approvals of a waiting agent).
+REQUEST_STEPS = (
+    "SELECT key, operation, target, status, payload, result, finished_at FROM jobs WHERE request_id = %(request_id)s"
+    " ORDER BY created_at, key"
+)
+#: Named jobs of a request, by primary key: what a plan step reads to continue the conversation.
+STEPS_BY_KEY = (
+    "SELECT key, operation, target, status, payload, result FROM jobs"
+    " WHERE key = ANY(%(keys)s) AND request_id = %(request_id)s"
+)
+
+
 def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, Any]]]:
     """A request's input and its jobs (key, operation, target, status, payload, result), oldest first."""
     with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
         found = cur.fetchone()
-        cur.execute(
-            "SELECT key, operation, target, status, payload, result, finished_at FROM jobs WHERE request_id = %s"
-            " ORDER BY created_at, key",
-            (request_id,),
-        )
+        cur.execute(REQUEST_STEPS, {"request_id": request_id})
         jobs = cur.fetchall()
         conn.rollback()
     return (None if found is None else found["input"]), jobs
@@ -420,10 +433,7 @@ def request_steps_by_key(db: Database, request_id: str, keys: Sequence[str]) -> 
     with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
         found = cur.fetchone()
-        cur.execute(
-            "SELECT key, operation, target, status, payload, result FROM jobs WHERE key = ANY(%s) AND request_id = %s",
-            (list(keys), request_id),
-        )
+        cur.execute(STEPS_BY_KEY, {"keys": list(keys), "request_id": request_id})
         jobs = {row["key"]: row for row in cur.fetchall()}
         conn.rollback()
     return (None if found is None else found["input"]), jobs

@@ -290,7 +290,9 @@ jobs = Table(
         "attempts >= 0 AND tokens >= 0 AND cost >= 0 AND failed_tokens >= 0 AND failed_cost >= 0", name="non_negative"
     ),
     CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
-    Index("ix_jobs_due", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
+    # Live jobs by status, then due time: the KPI scrape's counts and oldest due job (a scan by due time alone would
+    # walk every enqueued job waiting its turn).
+    Index("ix_jobs_due", "status", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
     # An agent's live jobs: counted under every transition's lock, swept when it comes to rest.
     Index("ix_jobs_agent_live", "agent_id", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
     # A request's gates, latest first: the call an agent waiting for approval waits on (models/approvals_sql.py).

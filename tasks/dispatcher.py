@@ -51,6 +51,9 @@ from tasks.passes import TimedPass
 log = logging.getLogger("keel.dispatcher")
 celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
 
+#: How long a closing beat waits for each of its passes under way.
+CLOSE_WAIT_SECONDS = 30.0
+
 #: pg_advisory_lock key of the beat leader ("keel" in ASCII).
 LEADER_LOCK = 0x6B65656C
 
@@ -321,6 +324,10 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.broker.recovered()
 
     def close(self) -> None:
+        # A pass under way finishes first (each of its moves is a transaction of its own: stopping it midway would
+        # be safe too, but would leave what it found for the next leader to find again).
+        for timed in self.passes:
+            timed.join(CLOSE_WAIT_SECONDS)
         self.leadership.release()
         self.db.dispose()
         super().close()

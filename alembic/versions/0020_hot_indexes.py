@@ -5,6 +5,8 @@ hold (issue 15):
   superseding a round) — before this, every such read scanned every job ever run;
 - ``ix_jobs_pending`` / ``ix_jobs_enqueued`` / ``ix_jobs_leased``: the dispatcher's three cases (due new jobs by
   priority, enqueued ones never claimed, running ones whose lease expired), each read a batch at a time;
+- ``ix_jobs_due`` leads with the status now: read by run_at alone, a scan for the jobs due walked every enqueued job
+  waiting its turn (the planner took it for the commonest priority, whose rows it cannot tell from history's);
 - ``ix_agents_hard_deadline`` / ``ix_agents_soft_deadline``: active agents by deadline (the deadline pass);
 - ``ix_schedules_due``: enabled schedules by next fire time.
 
@@ -26,7 +28,12 @@ depends_on = None
 _ACTIVE = "phase IN ('planning', 'executing', 'waiting_approval')"
 
 
+_LIVE = "status IN ('pending', 'enqueued', 'running')"
+
+
 def upgrade() -> None:
+    op.drop_index("ix_jobs_due", table_name="jobs")
+    op.create_index("ix_jobs_due", "jobs", ["status", "run_at"], unique=False, postgresql_where=sa.text(_LIVE))
     op.create_index("ix_jobs_request", "jobs", ["request_id", "created_at", "key"], unique=False)
     op.create_index(
         "ix_jobs_pending", "jobs", ["priority", "run_at"], unique=False, postgresql_where=sa.text("status = 'pending'")
@@ -64,3 +71,5 @@ def downgrade() -> None:
     op.drop_index("ix_jobs_enqueued", table_name="jobs")
     op.drop_index("ix_jobs_pending", table_name="jobs")
     op.drop_index("ix_jobs_request", table_name="jobs")
+    op.drop_index("ix_jobs_due", table_name="jobs")
+    op.create_index("ix_jobs_due", "jobs", ["run_at"], unique=False, postgresql_where=sa.text(_LIVE))
