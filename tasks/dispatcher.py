@@ -81,13 +81,14 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings, *, fire_sche
         if room <= 0:
             held = "per-tick cap"
             break
-        full = full_queue(celery, settings)
-        if full is not None:
-            held = full
-            break
         limit = min(settings.dispatch_batch, room)
         with store_errors(), db.transaction() as cur:
             due = take_due(cur, enqueue_timeout=timeout, limit=limit)
+            # Asked only with something to publish: a tick with nothing due does not touch the broker.
+            held = full_queue(celery, settings) if due else None
+            if held is not None:
+                cur.connection.rollback()  # they stay due, as they were
+                break
             # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
             # commit fails after publishing, the next pass publishes again and the claim suppresses the duplicate.
             publish(due, celery)
@@ -218,8 +219,9 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                 return self.database.failed(outage)
         try:
             report = dispatch_once(self.db, self.app, self.settings, fire_schedules=False)
-            if report.published:  # (a pass that published nothing did not reach the broker: it says nothing of it)
+            if report.published or report.held:  # (a pass with nothing due did not reach the broker: it says nothing)
                 self.broker.recovered()
+            if report.published:
                 log.info("dispatched %d jobs (%d recovered)", report.published, report.recovered)
             self._say_held(report.held)
         except Exception as exc:  # beat must outlive a database or broker outage; the rows stay due
