@@ -439,6 +439,23 @@ def request_steps_by_key(db: Database, request_id: str, keys: Sequence[str]) -> 
     return (None if found is None else found["input"]), jobs
 
 
+#: A request's finished gates, latest first, through ``ix_jobs_gates``.
+REQUEST_GATES = (
+    "SELECT key, target, payload, result, finished_at FROM jobs"
+    " WHERE request_id = %(request_id)s AND operation = 'gate' AND status = 'succeeded'"
+    " ORDER BY created_at DESC, key DESC"
+)
+
+
+def request_gates(db: Database, request_id: str) -> list[dict[str, Any]]:
+    """A request's gate steps that finished (each started a wait for a person), latest first."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(REQUEST_GATES, {"request_id": request_id})
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
+
+
 def request_jobs(db: Database, request_id: str) -> list[dict[str, Any]]:
     """Every job of a request, final ones included, oldest first (the fields of ``JobView``)."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:

@@ -47,7 +47,7 @@ from agents.runtime.inference import (
 from agents.runtime.notices import console_link, decided_notice, waiting_notice
 from agents.runtime.tools import ToolContext, by_name, registered, stored_tool
 from models.db import Database
-from models.jobs_sql import cancel_request_steps_txn, request_steps, request_steps_by_key
+from models.jobs_sql import cancel_request_steps_txn, request_gates, request_steps, request_steps_by_key
 from models.outbox_sql import message_row
 from models.settings import Settings
 from models.sql import agent_name
@@ -369,20 +369,17 @@ def pending_approval(db: Database, request_id: str | None) -> PendingApproval | 
     """The call the agent waits on: the latest gate of the request whose tool was neither scheduled nor rejected."""
     if request_id is None:
         return None
-    _, steps = request_steps(db, request_id)
-    keys = {s["key"] for s in steps}
-    rejected = {
-        (int(s["target"]) - 1, tool_call_key(e["tool_call_id"]))
-        for s in steps
-        if s["operation"] == "plan"
-        for e in (s["payload"] or {}).get("rejected", [])
-    }
-    for step in reversed(steps):
-        if step["operation"] != "gate" or step["status"] != "succeeded":
-            continue
+    gates = request_gates(db, request_id)
+    # What answered each gate, if anything did: its call scheduled as a tool step (approved), or the next round's
+    # plan step naming it rejected. Read by key: a waiting agent's view costs its gates, not its whole request.
+    answers = [f"{request_id}:tool:{g['target']}" for g in gates]
+    answers += [f"{request_id}:plan:{int(g['payload']['round']) + 1}" for g in gates]
+    _, found = request_steps_by_key(db, request_id, answers) if gates else (None, {})
+    rejected = _rejections([s for s in found.values() if s["operation"] == "plan"])
+    for step in gates:
         payload = step["payload"]
         round_, call_id = int(payload["round"]), str(payload.get("tool_call_id", payload["call_id"]))
-        if f"{request_id}:tool:{step['target']}" in keys or (round_, tool_call_key(call_id)) in rejected:
+        if f"{request_id}:tool:{step['target']}" in found or (round_, tool_call_key(call_id)) in rejected:
             continue
         output = (step["result"] or {}) if isinstance(step["result"], Mapping) else {}
         channel = output.get("notice_channel")

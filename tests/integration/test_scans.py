@@ -29,7 +29,7 @@ from agents.jobs.handlers import registry
 from agents.runtime.loop import conversation, rebuild_conversation
 from models.db import Database
 from models.deadlines_sql import START, past_deadline_query
-from models.jobs_sql import REQUEST_STEPS, STEPS_BY_KEY, TAKE_DUE, ClaimedJob, claim, take_due
+from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, TAKE_DUE, ClaimedJob, claim, take_due
 from models.schedules_sql import LOCK_DUE
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
@@ -169,13 +169,16 @@ def test_the_dispatcher_reads_its_batch_through_one_index_per_case_not_the_backl
     ]
 
 
-def test_a_plan_step_reads_its_steps_by_key_and_a_request_through_its_index(seeded: Raw) -> None:
+def test_a_plan_step_and_a_waiting_agents_view_read_by_key_and_through_the_request_index(seeded: Raw) -> None:
     keys = {"keys": ["old-400:plan:1", "old-401:plan:1"], "request_id": "old-100"}
     assert _served(_explain(seeded, STEPS_BY_KEY, keys), "jobs") & {"pk_jobs", "ix_jobs_request"}
     assert _rows_read(_explain(seeded, STEPS_BY_KEY, keys, analyze=True), "jobs") <= 4
     whole = {"request_id": "old-100"}
     assert "ix_jobs_request" in _served(_explain(seeded, REQUEST_STEPS, whole), "jobs")
     assert _rows_read(_explain(seeded, REQUEST_STEPS, whole, analyze=True), "jobs") <= 8
+    # A waiting agent's view (and every approve or reject) reads the request's gates, then what answered them by key.
+    assert _served(_explain(seeded, REQUEST_GATES, whole), "jobs") & {"ix_jobs_gates", "ix_jobs_request"}
+    assert _rows_read(_explain(seeded, REQUEST_GATES, whole, analyze=True), "jobs") <= 8
 
 
 def test_the_deadline_pass_reads_the_agents_past_a_deadline_not_every_agent(client: Client, seeded: Raw) -> None:
