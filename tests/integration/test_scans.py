@@ -29,7 +29,7 @@ from agents.jobs.handlers import registry
 from agents.runtime.loop import conversation, rebuild_conversation
 from models.db import Database
 from models.deadlines_sql import START, past_deadline_query
-from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, TAKE_DUE, ClaimedJob, claim, take_due
+from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, ClaimedJob, claim, take_due, take_due_statement
 from models.schedules_sql import LOCK_DUE
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
@@ -152,10 +152,10 @@ def test_the_dispatcher_reads_its_batch_through_one_index_per_case_not_the_backl
     expire_lease(db, "due-0:count:1")  # a worker died: recovered
     seeded.execute("UPDATE jobs SET enqueued_at = now() - interval '1 hour' WHERE key = 'wait-1:count:1'")
     seeded.commit()  # (one message the broker lost)
-    params = {"stale": timedelta(minutes=5), "limit": 50}
-    used = _served(_explain(seeded, TAKE_DUE, params), "jobs")
+    statement = take_due_statement(timedelta(minutes=5), 50)
+    used = _served(_explain(seeded, statement, {}), "jobs")
     assert {"ix_jobs_pending", "ix_jobs_enqueued", "ix_jobs_leased"} <= used, used
-    read = _rows_read(_explain(seeded, TAKE_DUE, params, analyze=True), "jobs")
+    read = _rows_read(_explain(seeded, statement, {}, analyze=True), "jobs")
     # The batch (4 due), each looked at a few times (candidates, the lock, the update) — not the 20,000 enqueued
     # rows waiting their turn, nor the 20,000 due later, nor the 120,000 finished.
     assert read < 100, read
