@@ -118,7 +118,7 @@ def _explain(raw: Raw, query: str | sql.Composable, params: dict[str, Any], *, a
 def _served(plan: dict[str, Any], table: str) -> set[str]:
     """The indexes ``plan`` reads ``table`` through; fails if it reads the table whole."""
     nodes = list(_nodes(plan))
-    seq = [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == table]
+    seq = [n for n in nodes if n["Node Type"].endswith("Seq Scan") and n.get("Relation Name") == table]  # parallel too
     assert not seq, f"{table} is read whole: {json.dumps(plan)[:2000]}"
     return {n["Index Name"] for n in nodes if "Index Name" in n}
 
