@@ -52,7 +52,7 @@ log = logging.getLogger("keel.dispatcher")
 celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
 
 #: How long a closing beat waits for each of its passes under way.
-CLOSE_WAIT_SECONDS = 30.0
+CLOSE_WAIT_SECONDS = 5.0
 
 #: pg_advisory_lock key of the beat leader ("keel" in ASCII).
 LEADER_LOCK = 0x6B65656C
@@ -326,8 +326,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.broker.recovered()
 
     def close(self) -> None:
-        # A pass under way finishes first (each of its moves is a transaction of its own: stopping it midway would
-        # be safe too, but would leave what it found for the next leader to find again).
+        # A pass under way gets a few seconds to finish; one that takes longer ends with the process, which is safe:
+        # each of its moves is a transaction of its own, and what it did not reach the next leader finds again.
         for timed in self.passes:
             timed.join(CLOSE_WAIT_SECONDS)
         self.leadership.release()
