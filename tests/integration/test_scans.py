@@ -425,6 +425,8 @@ def test_a_slow_deadline_pass_does_not_hold_up_dispatching(
         assert beat.passes[1].running(), "never two deadline passes at once"
     finally:
         release.set()
+        for timed in beat.passes:  # (on a loaded machine longer than a closing beat waits)
+            timed.join(60)
         beat.close()
 
 
