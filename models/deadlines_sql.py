@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
+from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
 from models.db import Database
@@ -17,20 +18,50 @@ from models.db import Database
 class PastDeadline:
     id: UUID
     hard: bool  # past the hard deadline (stop); otherwise past only the soft one while still at normal priority
+    deadline: datetime  # the deadline it passed: with ``id``, where the next batch of the same kind starts
 
 
-def agents_past_deadlines(db: Database, active: Iterable[str], at: datetime | None = None) -> list[PastDeadline]:
-    """Active agents past their hard deadline, and those past their soft one while still at normal priority,
-    oldest deadline first. ``at`` is the database's ``clock_timestamp()`` unless given (tests)."""
+# Each kind is a range of its own partial index (ix_agents_hard_deadline, ix_agents_soft_deadline), read from
+# where the previous batch ended: a pass costs the agents it moves, never the agents there are. The phases are
+# written into the statement (not bound) so that the planner can match the indexes' predicate.
+_PAST_HARD = (
+    "SELECT id, true AS hard, hard_deadline AS deadline FROM agents"
+    " WHERE {active} AND hard_deadline IS NOT NULL AND hard_deadline <= %(at)s"
+    " AND (hard_deadline, id) > (%(after_deadline)s, %(after_id)s)"
+    " ORDER BY hard_deadline, id LIMIT %(limit)s"
+)
+_PAST_SOFT = (
+    "SELECT id, false AS hard, soft_deadline AS deadline FROM agents"
+    " WHERE {active} AND priority = 'normal' AND soft_deadline IS NOT NULL AND soft_deadline <= %(at)s"
+    " AND (hard_deadline IS NULL OR hard_deadline > %(at)s)"
+    " AND (soft_deadline, id) > (%(after_deadline)s, %(after_id)s)"
+    " ORDER BY soft_deadline, id LIMIT %(limit)s"
+)
+#: Before every deadline and every id: where a pass starts.
+START = (datetime(1, 1, 1, tzinfo=UTC), UUID(int=0))
+
+
+def past_deadline_query(active: Iterable[str], *, hard: bool) -> sql.Composed:
+    """The statement of :func:`agents_past_deadline` (parameters ``at``, ``after_deadline``, ``after_id``,
+    ``limit``)."""
+    phases = sql.SQL("phase IN ({})").format(sql.SQL(", ").join(map(sql.Literal, sorted(active))))
+    return sql.SQL(_PAST_HARD if hard else _PAST_SOFT).format(active=phases)
+
+
+def agents_past_deadline(
+    db: Database,
+    active: Iterable[str],
+    *,
+    hard: bool,
+    at: datetime,
+    after: tuple[datetime, UUID] = START,
+    limit: int,
+) -> list[PastDeadline]:
+    """At most ``limit`` active agents past their hard deadline at ``at`` (``hard``), or past only their soft one
+    while still at normal priority, in deadline order after ``after`` (a previous batch's last deadline and id)."""
+    query = past_deadline_query(active, hard=hard)
     with db.connection() as conn, conn.cursor(row_factory=class_row(PastDeadline)) as cur:
-        cur.execute(
-            "WITH t AS (SELECT COALESCE(%(at)s::timestamptz, clock_timestamp()) AS at)"
-            " SELECT a.id, COALESCE(a.hard_deadline <= t.at, false) AS hard FROM agents a, t"
-            " WHERE a.phase = ANY(%(phases)s)"
-            " AND (a.hard_deadline <= t.at OR (a.priority = 'normal' AND a.soft_deadline <= t.at))"
-            " ORDER BY COALESCE(a.hard_deadline, a.soft_deadline), a.id",
-            {"at": at, "phases": list(active)},
-        )
+        cur.execute(query, {"at": at, "after_deadline": after[0], "after_id": after[1], "limit": limit})
         found = cur.fetchall()
         conn.rollback()
     return found

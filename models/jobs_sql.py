@@ -311,30 +311,68 @@ def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
     cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
 
 
+#: Job priorities (agents/core/commands.py JobSpec checks 0-9), highest first: the due scan reads each one's range
+#: of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15 has no skip scan;
+#: the priorities are written into the statement, where the planner sees each range for what it is).
+PRIORITIES: tuple[int, ...] = tuple(range(9, -1, -1))
+
+# Each case reads at most ``limit`` rows of the partial index that serves it, so a pass costs the batch and not
+# the backlog: a hundred thousand jobs enqueued and waiting their turn are not read at all, they are not due. The
+# database's clock is read once, in a subquery: ``clock_timestamp()`` itself is volatile, and a volatile comparison
+# can only filter rows already read, never bound an index scan.
+_NOW = "(SELECT at FROM clock)"
+TAKE_DUE = (
+    "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
+    " candidates AS ("
+    + "".join(
+        f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'pending' AND priority = {priority}"
+        f"    AND run_at <= {_NOW} ORDER BY run_at LIMIT %(limit)s) UNION ALL"
+        for priority in PRIORITIES
+    )
+    + "  (SELECT key, priority, run_at FROM jobs WHERE status = 'enqueued'"
+    f"    AND enqueued_at < {_NOW} - %(stale)s AND run_at <= {_NOW}"
+    "    ORDER BY enqueued_at LIMIT %(limit)s)"
+    "  UNION ALL"
+    f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'running' AND lease_until < {_NOW}"
+    f"    AND run_at <= {_NOW} ORDER BY lease_until LIMIT %(limit)s)"
+    "), batch AS (SELECT key FROM candidates ORDER BY priority DESC, run_at, key LIMIT %(limit)s),"
+    # Locked and checked again row by row: a row another dispatcher holds is skipped, and one that a claim or a
+    # dispatcher moved on since the candidates were read is no longer due.
+    " due AS ("
+    "  SELECT j.key, j.status FROM jobs j JOIN batch USING (key)"
+    f"  WHERE j.run_at <= {_NOW}"
+    "    AND (j.status = 'pending'"
+    f"         OR (j.status = 'running' AND j.lease_until < {_NOW})"
+    f"         OR (j.status = 'enqueued' AND j.enqueued_at < {_NOW} - %(stale)s))"
+    "  FOR UPDATE OF j SKIP LOCKED)"
+    " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
+    " updated_at = clock_timestamp(),"
+    " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
+    " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous"
+)
+
+
+def take_due_statement(enqueue_timeout: timedelta, limit: int) -> str:
+    """:data:`TAKE_DUE` with its two values written in (both numbers): a statement without parameters is planned
+    once per connection once psycopg prepares it, instead of on every tick (a dozen branches take a while to plan,
+    and a generic plan for a bound LIMIT would be a worse one)."""
+    seconds = float(enqueue_timeout.total_seconds())
+    return TAKE_DUE.replace("%(stale)s", f"interval '{seconds:.6f} seconds'").replace("%(limit)s", str(int(limit)))
+
+
 def take_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int) -> list[Due]:
-    """Mark due jobs enqueued (skipping rows another dispatcher holds) and return them for publishing.
+    """Mark at most ``limit`` due jobs enqueued (skipping rows another dispatcher holds) and return them for
+    publishing, highest priority first.
 
     Due, on the database's clock: pending and run_at has come; running with an expired lease (the worker died:
     counted as an ``unknown`` failure); enqueued longer than ``enqueue_timeout`` ago and still not claimed — the
     broker lost the message, a publish failed after commit, or it waits behind a backlog. Published again either
     way: under load too, so a lost message is never stranded behind a queue that is never empty (a copy that was
-    only waiting its turn is suppressed by the claim). All keep their key.
+    only waiting its turn is suppressed by the claim). All keep their key. Each case is read through its own
+    partial index, at most ``limit`` rows of it: the cost is the batch, not the backlog.
     """
     with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(
-            "WITH due AS ("
-            "  SELECT key, status FROM jobs j"
-            "  WHERE status IN ('pending', 'enqueued', 'running') AND run_at <= clock_timestamp()"
-            "    AND (status = 'pending'"
-            "         OR (status = 'running' AND lease_until < clock_timestamp())"
-            "         OR (status = 'enqueued' AND enqueued_at < clock_timestamp() - %(stale)s))"
-            "  ORDER BY priority DESC, run_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
-            " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
-            " updated_at = clock_timestamp(),"
-            " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
-            " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous",
-            {"stale": enqueue_timeout, "limit": limit},
-        )
+        named.execute(take_due_statement(enqueue_timeout, limit))
         rows = named.fetchall()
     return [Due(key=r["key"], queue=r["queue"], recovered=r["previous"] != "pending") for r in rows]
 
@@ -374,19 +412,56 @@ def job_row(db: Database, key: str) -> dict[str, Any] | None:
     return row
 
 
+#: A request's jobs in order, through ``ix_jobs_request`` (a whole request: the approvals of a waiting agent).
+REQUEST_STEPS = (
+    "SELECT key, operation, target, status, payload, result, finished_at FROM jobs WHERE request_id = %(request_id)s"
+    " ORDER BY created_at, key"
+)
+#: Named jobs of a request, by primary key: what a plan step reads to continue the conversation.
+STEPS_BY_KEY = (
+    "SELECT key, operation, target, status, payload, result FROM jobs"
+    " WHERE key = ANY(%(keys)s) AND request_id = %(request_id)s"
+)
+
+
 def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, Any]]]:
     """A request's input and its jobs (key, operation, target, status, payload, result), oldest first."""
     with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
         found = cur.fetchone()
-        cur.execute(
-            "SELECT key, operation, target, status, payload, result, finished_at FROM jobs WHERE request_id = %s"
-            " ORDER BY created_at, key",
-            (request_id,),
-        )
+        cur.execute(REQUEST_STEPS, {"request_id": request_id})
         jobs = cur.fetchall()
         conn.rollback()
     return (None if found is None else found["input"]), jobs
+
+
+def request_steps_by_key(db: Database, request_id: str, keys: Sequence[str]) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """A request's input and those of its jobs named in ``keys`` (key, operation, target, status, payload, result),
+    by key: a plan step reads the steps it follows on from, not the whole request."""
+    with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+        cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
+        found = cur.fetchone()
+        cur.execute(STEPS_BY_KEY, {"keys": list(keys), "request_id": request_id})
+        jobs = {row["key"]: row for row in cur.fetchall()}
+        conn.rollback()
+    return (None if found is None else found["input"]), jobs
+
+
+#: A request's finished gates, latest first, through ``ix_jobs_gates``.
+REQUEST_GATES = (
+    "SELECT key, target, payload, result, finished_at FROM jobs"
+    " WHERE request_id = %(request_id)s AND operation = 'gate' AND status = 'succeeded'"
+    " ORDER BY created_at DESC, key DESC"
+)
+
+
+def request_gates(db: Database, request_id: str) -> list[dict[str, Any]]:
+    """A request's gate steps that finished (each started a wait for a person), latest first."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(REQUEST_GATES, {"request_id": request_id})
+        rows = cur.fetchall()
+        conn.rollback()
+    return rows
 
 
 def request_jobs(db: Database, request_id: str) -> list[dict[str, Any]]:

@@ -129,7 +129,15 @@ class Settings(BaseSettings):
     enqueue_timeout_seconds: float = Field(default=300.0, gt=0)  # enqueued but never claimed → re-published
     dispatch_interval_seconds: float = Field(default=0.5, gt=0)
     dispatch_batch: int = Field(default=500, ge=1)
+    # Back-pressure: one dispatcher tick publishes at most this many jobs (the rest stay due in PostgreSQL for the
+    # next tick), and publishes none while a job queue on the broker already holds this many messages (0: never
+    # waits for the broker). Due jobs, recovered ones included, then wait in PostgreSQL, not in Redis.
+    dispatch_max_per_tick: int = Field(default=5000, ge=1)
+    dispatch_max_queue_depth: int = Field(default=20000, ge=0)
     deadline_check_seconds: float = Field(default=5.0, gt=0)
+    # The deadline pass and the schedule pass take this many due agents / schedules at a time.
+    deadline_batch: int = Field(default=200, ge=1)
+    schedule_batch: int = Field(default=100, ge=1)
     # The KPI counters (models/kpi_sql.py): the leading beat folds their deltas into per-minute rollups at most this
     # often, and keeps the per-minute rollups (what `keel kpi --since` and the alerts read) this many days.
     kpi_fold_seconds: float = Field(default=5.0, gt=0)

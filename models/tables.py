@@ -66,6 +66,10 @@ def _in(column: str, values: tuple[str, ...]) -> str:
 
 Money = Numeric(18, 6)
 
+#: Phases of an agent with a request in flight (agents/core/phases.py ACTIVE): the ones whose deadlines bite.
+ACTIVE_PHASES: tuple[str, ...] = ("planning", "executing", "waiting_approval")
+_ACTIVE_PHASES = _in("phase", ACTIVE_PHASES)
+
 agents = Table(
     "agents",
     metadata,
@@ -119,6 +123,19 @@ agents = Table(
         postgresql_where=text("phase = 'waiting_approval' AND archived_at IS NULL"),
     ),
     Index("ix_agents_by_phase", "phase", "created_at", "id", postgresql_where=text("archived_at IS NULL")),
+    # The deadline pass (models/deadlines_sql.py): active agents by the deadline they pass, a batch at a time.
+    Index(
+        "ix_agents_hard_deadline",
+        "hard_deadline",
+        "id",
+        postgresql_where=text(f"{_ACTIVE_PHASES} AND hard_deadline IS NOT NULL"),
+    ),
+    Index(
+        "ix_agents_soft_deadline",
+        "soft_deadline",
+        "id",
+        postgresql_where=text(f"{_ACTIVE_PHASES} AND priority = 'normal' AND soft_deadline IS NOT NULL"),
+    ),
 )
 
 #: Tables whose rows outlive a deleted agent (its story: the journal, and what its requests did). Instead of a
@@ -273,7 +290,9 @@ jobs = Table(
         "attempts >= 0 AND tokens >= 0 AND cost >= 0 AND failed_tokens >= 0 AND failed_cost >= 0", name="non_negative"
     ),
     CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
-    Index("ix_jobs_due", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
+    # Live jobs by status, then due time: the KPI scrape's counts and oldest due job (a scan by due time alone would
+    # walk every enqueued job waiting its turn).
+    Index("ix_jobs_due", "status", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
     # An agent's live jobs: counted under every transition's lock, swept when it comes to rest.
     Index("ix_jobs_agent_live", "agent_id", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
     # A request's gates, latest first: the call an agent waiting for approval waits on (models/approvals_sql.py).
@@ -283,6 +302,13 @@ jobs = Table(
         "finished_at",
         postgresql_where=text("operation = 'gate' AND status = 'succeeded'"),
     ),
+    # A request's jobs in order: a plan step's conversation, a waiting agent's approval, superseding a round.
+    Index("ix_jobs_request", "request_id", "created_at", "key"),
+    # The dispatcher's three cases, each read a batch at a time (models/jobs_sql.py take_due): new jobs due, by
+    # priority; enqueued ones never claimed; running ones whose lease expired.
+    Index("ix_jobs_pending", "priority", "run_at", postgresql_where=text("status = 'pending'")),
+    Index("ix_jobs_enqueued", "enqueued_at", postgresql_where=text("status = 'enqueued'")),
+    Index("ix_jobs_leased", "lease_until", postgresql_where=text("status = 'running'")),
 )
 
 schedules = Table(
@@ -302,6 +328,7 @@ schedules = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     CheckConstraint("(every_seconds IS NULL) <> (cron IS NULL)", name="interval_or_cron"),
     CheckConstraint("every_seconds IS NULL OR every_seconds > 0", name="every_positive"),
+    Index("ix_schedules_due", "next_fire_at", "name", postgresql_where=text("enabled")),
 )
 
 outbox = Table(

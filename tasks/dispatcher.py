@@ -1,20 +1,23 @@
 """The beat dispatcher: Postgres decides what is due, Redis only carries it.
 
-Every ``KEEL_DISPATCH_INTERVAL_SECONDS`` the beat leader fires due schedules and publishes due jobs (task id = key):
-new ones whose ``run_at`` has come, enqueued ones whose message never got claimed (the broker lost it), and running
-ones whose lease expired (the worker died). Nothing is ever put on Redis with an ETA. Claims use
-``FOR UPDATE SKIP LOCKED``, so two dispatchers never publish the same row at once; a Postgres advisory lock keeps a
-single beat leader anyway, and a beat that dies hands leadership over as soon as its connection closes.
+Every ``KEEL_DISPATCH_INTERVAL_SECONDS`` the beat leader publishes due jobs (task id = key): new ones whose
+``run_at`` has come, enqueued ones whose message never got claimed (the broker lost it), and running ones whose
+lease expired (the worker died). Nothing is ever put on Redis with an ETA. Each case is read through its own
+partial index a batch at a time, so a tick costs what it publishes, not what waits; a tick publishes at most
+``KEEL_DISPATCH_MAX_PER_TICK`` jobs and none while a job queue holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages
+(back-pressure: due jobs wait in PostgreSQL, not in Redis). Claims use ``FOR UPDATE SKIP LOCKED``, so two
+dispatchers never publish the same row at once; a Postgres advisory lock keeps a single beat leader anyway, and a
+beat that dies hands leadership over as soon as its connection closes.
 
 Each tick the leader also records its heartbeat and, at their own intervals, evaluates the alerts, runs the periodic
 audit verify and posts the daily KPI report (tasks/leader.py).
 
-Every ``KEEL_APPROVAL_CHECK_SECONDS`` it applies tools' approval timeouts (agents/runtime/approvals.py): a call
-that waited too long is rejected or escalated, once.
-
-Every ``KEEL_DEADLINE_CHECK_SECONDS`` the leader also enforces deadlines, in the beat process itself: a deadline
-must bite even when every worker is busy with the very job that overran it. Every ``KEEL_KPI_FOLD_SECONDS`` it folds
-the KPI counters' deltas into their rollups (models/kpi_sql.py); a fold that fails never stops dispatching.
+Due schedules (every dispatch interval), approval timeouts (``KEEL_APPROVAL_CHECK_SECONDS``: a call that waited too
+long is rejected or escalated, once; agents/runtime/approvals.py) and deadlines (``KEEL_DEADLINE_CHECK_SECONDS``)
+run in the beat process too, each on a thread of its own (tasks/passes.py), so a slow one never delays dispatching:
+a deadline must bite even when every worker is busy with the very job that overran it. Every
+``KEEL_KPI_FOLD_SECONDS`` it folds the KPI counters' deltas into their rollups (models/kpi_sql.py); a fold that
+fails never stops dispatching.
 
 When the database (or the broker) cannot be reached, beat says so once ("database down: …; retrying with
 backoff"), tries again with exponential backoff, and says so once more when it is back: no traceback per tick.
@@ -41,11 +44,15 @@ from models.db import Database
 from models.jobs_sql import take_due
 from models.kpi_sql import fold
 from models.settings import Settings
-from tasks.app import broker_error, is_broker_outage, publish
+from tasks.app import JOB_QUEUES, broker_error, is_broker_outage, publish, queue_depths
 from tasks.leader import LeaderDuties
+from tasks.passes import TimedPass
 
 log = logging.getLogger("keel.dispatcher")
 celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
+
+#: How long a closing beat waits for each of its passes under way.
+CLOSE_WAIT_SECONDS = 5.0
 
 #: pg_advisory_lock key of the beat leader ("keel" in ASCII).
 LEADER_LOCK = 0x6B65656C
@@ -56,33 +63,65 @@ class DispatchReport:
     published: int
     recovered: int
     fired: int
+    #: Why the pass stopped publishing with jobs still due, if it did: "per-tick cap" or "queue keel.jobs: N".
+    held: str | None = None
 
 
-def dispatch_once(db: Database, celery: Celery, settings: Settings) -> DispatchReport:
-    """One pass: fire due schedules, then publish due jobs in batches until none are left (on the database's
-    clock, whatever this host's says)."""
-    try:
-        fired = schedules.fire_due(db)
-    except Exception as exc:  # schedules must never stop the jobs from moving
-        if is_outage(exc):
-            raise  # neither can the jobs, then
-        log.exception("firing schedules failed; jobs are dispatched anyway")
-        fired = []
+def dispatch_once(db: Database, celery: Celery, settings: Settings, *, fire_schedules: bool = True) -> DispatchReport:
+    """One pass: fire due schedules (unless ``fire_schedules`` is False: the beat fires them on a thread of its
+    own), then publish due jobs in batches (on the database's clock, whatever this host's says) until none are
+    left, ``KEEL_DISPATCH_MAX_PER_TICK`` are published, or a job queue on the broker holds
+    ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages. What is not published stays due in PostgreSQL."""
+    fired = fire_schedules_once(db, settings) if fire_schedules else []
     published = recovered = 0
+    held: str | None = None
     timeout = timedelta(seconds=settings.enqueue_timeout_seconds)
     while True:
+        room = settings.dispatch_max_per_tick - published
+        if room <= 0:
+            held = "per-tick cap"
+            break
+        limit = min(settings.dispatch_batch, room)
         with store_errors(), db.transaction() as cur:
-            due = take_due(cur, enqueue_timeout=timeout, limit=settings.dispatch_batch)
+            due = take_due(cur, enqueue_timeout=timeout, limit=limit)
+            # Asked only with something to publish: a tick with nothing due does not touch the broker.
+            held = full_queue(celery, settings) if due else None
+            if held is not None:
+                cur.connection.rollback()  # they stay due, as they were
+                break
             # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
             # commit fails after publishing, the next pass publishes again and the claim suppresses the duplicate.
             publish(due, celery)
         published += len(due)
         recovered += sum(1 for d in due if d.recovered)
-        if len(due) < settings.dispatch_batch:
+        if len(due) < limit:
             break
     if recovered:
         log.warning("recovered %d jobs whose worker died or whose message was lost", recovered)
-    return DispatchReport(published, recovered, len(fired))
+    return DispatchReport(published, recovered, len(fired), held)
+
+
+def fire_schedules_once(db: Database, settings: Settings) -> list[str]:
+    """Fire the due schedules; a failure is logged (the jobs move anyway), an outage raised."""
+    try:
+        return schedules.fire_due(db, batch=settings.schedule_batch)
+    except Exception as exc:  # schedules must never stop the jobs from moving
+        if is_outage(exc):
+            raise  # neither can the jobs, then
+        log.exception("firing schedules failed; jobs are dispatched anyway")
+        return []
+
+
+def full_queue(celery: Celery, settings: Settings) -> str | None:
+    """The first job queue on the broker that holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages or more, as
+    "queue NAME: N", or None (also when the limit is 0: off)."""
+    limit = settings.dispatch_max_queue_depth
+    if not limit:
+        return None
+    for name, depth in queue_depths(celery, JOB_QUEUES).items():
+        if depth >= limit:
+            return f"queue {name}: {depth}"
+    return None
 
 
 class Leadership:
@@ -149,9 +188,15 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.duties = LeaderDuties(self.db, self.settings)
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
-        self._next_deadline_check = 0.0
         self._next_fold = 0.0
-        self._next_approval_check = 0.0
+        self._held: str | None = None
+        # Each on a thread of its own (tasks/passes.py): a slow pass never holds up dispatching, nor the others.
+        settings = self.settings
+        self.passes = (
+            TimedPass("schedules", settings.dispatch_interval_seconds, self._fire_schedules),
+            TimedPass("deadlines", settings.deadline_check_seconds, self._enforce_deadlines),
+            TimedPass("approval-timeouts", settings.approval_check_seconds, self._enforce_approval_timeouts),
+        )
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -168,56 +213,23 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             self.duties.stand_down()
             return interval
         started = time.monotonic()
+        for timed in self.passes:  # started only by a tick that has just confirmed this beat leads
+            outage = timed.poke(started)
+            if outage is not None:
+                return self.database.failed(outage)
         try:
-            report = dispatch_once(self.db, self.app, self.settings)
-            if report.published:  # (a pass that published nothing did not reach the broker: it says nothing of it)
+            report = dispatch_once(self.db, self.app, self.settings, fire_schedules=False)
+            if report.published or report.held:  # (a pass with nothing due did not reach the broker: it says nothing)
                 self.broker.recovered()
-            if report.published or report.fired:
-                log.info(
-                    "dispatched %d jobs (%d recovered), fired %d schedules",
-                    report.published,
-                    report.recovered,
-                    report.fired,
-                )
+            if report.published:
+                log.info("dispatched %d jobs (%d recovered)", report.published, report.recovered)
+            self._say_held(report.held)
         except Exception as exc:  # beat must outlive a database or broker outage; the rows stay due
             if is_outage(exc):
                 return self.database.failed(exc)
             if is_broker_outage(exc):
                 return self.broker.failed(broker_error(exc) or exc)
             log.exception("dispatch pass failed; retrying next tick")
-        if started >= self._next_deadline_check:
-            self._next_deadline_check = started + self.settings.deadline_check_seconds
-            try:
-                # On the database's clock, not this host's; each agent on its own (one failure is journaled on
-                # that agent and the others go on).
-                enforced = deadlines.enforce(self.db, notify_slack_channel=self.settings.notify_slack_channel)
-                if enforced.demoted or enforced.stopped or enforced.failed:
-                    log.info(
-                        "deadlines: %d agents demoted, %d stopped, %d failed",
-                        len(enforced.demoted),
-                        len(enforced.stopped),
-                        len(enforced.failed),
-                    )
-            except Exception as exc:  # the scan itself failed: nobody was skipped for another's sake
-                if is_outage(exc):
-                    return self.database.failed(exc)
-                log.exception("deadline pass failed; retrying next tick")
-        if started >= self._next_approval_check:
-            self._next_approval_check = started + self.settings.approval_check_seconds
-            try:
-                # Tools' approval timeouts, on the database's clock: reject (the model is told) or escalate (once).
-                timed_out = approvals.enforce_timeouts(self.db, self.settings)
-                if timed_out.rejected or timed_out.escalated or timed_out.failed:
-                    log.info(
-                        "approval timeouts: %d calls rejected, %d escalated, %d failed",
-                        len(timed_out.rejected),
-                        len(timed_out.escalated),
-                        len(timed_out.failed),
-                    )
-            except Exception as exc:  # the scan itself failed; dispatching goes on
-                if is_outage(exc):
-                    return self.database.failed(exc)
-                log.exception("approval timeout pass failed; retrying next tick")
         if started >= self._next_fold:
             self._next_fold = started + self.settings.kpi_fold_seconds
             self._fold_kpis()
@@ -241,6 +253,44 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             return self.broker.failed(cause)
         next_periodic: float = super().tick(*args, **kwargs)
         return max(0.01, min(next_periodic, interval - spent))
+
+    def _say_held(self, held: str | None) -> None:
+        """Back-pressure is said once when it starts holding jobs back and once when it stops."""
+        if held is not None and self._held is None:
+            log.warning("dispatch held back (%s); due jobs wait in PostgreSQL", held)
+        elif held is None and self._held is not None:
+            log.info("dispatch no longer held back")
+        self._held = held
+
+    def _fire_schedules(self) -> None:
+        fired = fire_schedules_once(self.db, self.settings)
+        if fired:
+            log.info("fired %d schedules", len(fired))
+
+    def _enforce_deadlines(self) -> None:
+        # On the database's clock, not this host's; each agent on its own (one failure is journaled on that agent
+        # and the others go on).
+        enforced = deadlines.enforce(
+            self.db, notify_slack_channel=self.settings.notify_slack_channel, batch=self.settings.deadline_batch
+        )
+        if enforced.demoted or enforced.stopped or enforced.failed:
+            log.info(
+                "deadlines: %d agents demoted, %d stopped, %d failed",
+                len(enforced.demoted),
+                len(enforced.stopped),
+                len(enforced.failed),
+            )
+
+    def _enforce_approval_timeouts(self) -> None:
+        # Tools' approval timeouts, on the database's clock: reject (the model is told) or escalate (once).
+        timed_out = approvals.enforce_timeouts(self.db, self.settings)
+        if timed_out.rejected or timed_out.escalated or timed_out.failed:
+            log.info(
+                "approval timeouts: %d calls rejected, %d escalated, %d failed",
+                len(timed_out.rejected),
+                len(timed_out.escalated),
+                len(timed_out.failed),
+            )
 
     def _fold_kpis(self) -> None:
         """Fold the KPI counters' deltas (the readers count unfolded ones too: a fold that fails only waits)."""
@@ -276,6 +326,10 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.broker.recovered()
 
     def close(self) -> None:
+        # A pass under way gets a few seconds to finish; one that takes longer ends with the process, which is safe:
+        # each of its moves is a transaction of its own, and what it did not reach the next leader finds again.
+        for timed in self.passes:
+            timed.join(CLOSE_WAIT_SECONDS)
         self.leadership.release()
         self.db.dispose()
         super().close()

@@ -16,8 +16,9 @@ from agents.core import transition as core
 from agents.core.commands import LOW, Command, MessageSpec
 from agents.core.errors import InvalidInput, Rejected
 from agents.core.phases import ACTIVE, Event
+from models.clock import database_now
 from models.db import Database
-from models.deadlines_sql import agents_past_deadlines, last_event
+from models.deadlines_sql import START, PastDeadline, agents_past_deadline, last_event
 
 log = logging.getLogger("keel.deadlines")
 
@@ -34,37 +35,69 @@ class EnforceReport:
     failed: list[UUID] = field(default_factory=list)  # the move raised; logged and journaled on the agent
 
 
+#: How many due agents one query of a pass takes (``KEEL_DEADLINE_BATCH`` in the beat).
+DEFAULT_BATCH = 200
+
+
 def enforce(
     db: Database,
     at: datetime | None = None,
     *,
     actor: str = "deadline-enforcer",
     notify_slack_channel: str | None = None,
+    batch: int = DEFAULT_BATCH,
 ) -> EnforceReport:
-    """Apply both deadlines to every active agent that has passed one, as of the database's clock (``at``
-    overrides it, for tests). Safe to run from several places at once: each move is a transition under the agent's
-    lock, and one that lost a race is simply rejected. A stop is announced on ``notify_slack_channel`` through the
-    outbox, in the same transaction; a channel that cannot be used never prevents the stop."""
+    """Apply both deadlines to every active agent that has passed one, as of the database's clock when the pass
+    starts (``at`` overrides it, for tests): hard deadlines first (oldest first), then soft ones, ``batch`` agents
+    per query, each batch read on from where the last one ended — an agent whose move failed is not read again in
+    the same pass, and the pass ends. Safe to run from several places at once: each move is a transition under the
+    agent's lock, and one that lost a race is simply rejected. A stop is announced on ``notify_slack_channel``
+    through the outbox, in the same transaction; a channel that cannot be used never prevents the stop."""
+    if batch < 1:
+        raise InvalidInput(f"batch must be at least 1, got {batch}")
     report = EnforceReport()
     notice, notice_problem = _notice_template(notify_slack_channel)
-    for past in agents_past_deadlines(db, [p.value for p in ACTIVE], at):
-        if past.hard:
-            command = _stop(past.id, actor, notice, notice_problem)
-            done = report.stopped
-        else:
-            command = Command(past.id, Event.PROGRESS, actor, reason="soft_deadline_passed", priority=LOW)
-            done = report.demoted
-        try:
-            core.transition(db, command)
-        except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
-            log.info("deadline move on %s not applied: %s", past.id, exc)
-        except Exception as exc:  # one agent's failure must not leave the others past their deadlines
-            log.exception("deadline move on %s failed; the pass goes on", past.id)
-            report.failed.append(past.id)
-            _journal_failure(db, command, exc)
-        else:
-            done.append(past.id)
+    phases = [p.value for p in ACTIVE]
+    if at is None:
+        with db.connection() as conn, conn.cursor() as cur:
+            at = database_now(cur)
+            conn.rollback()
+    for hard in (True, False):
+        after = START
+        while True:
+            found = agents_past_deadline(db, phases, hard=hard, at=at, after=after, limit=batch)
+            for past in found:
+                _move(db, past, actor, notice, notice_problem, report)
+            if len(found) < batch:
+                break
+            after = (found[-1].deadline, found[-1].id)
     return report
+
+
+def _move(
+    db: Database,
+    past: PastDeadline,
+    actor: str,
+    notice: str | None,
+    notice_problem: str | None,
+    report: EnforceReport,
+) -> None:
+    if past.hard:
+        command = _stop(past.id, actor, notice, notice_problem)
+        done = report.stopped
+    else:
+        command = Command(past.id, Event.PROGRESS, actor, reason="soft_deadline_passed", priority=LOW)
+        done = report.demoted
+    try:
+        core.transition(db, command)
+    except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
+        log.info("deadline move on %s not applied: %s", past.id, exc)
+    except Exception as exc:  # one agent's failure must not leave the others past their deadlines
+        log.exception("deadline move on %s failed; the pass goes on", past.id)
+        report.failed.append(past.id)
+        _journal_failure(db, command, exc)
+    else:
+        done.append(past.id)
 
 
 def _notice_template(channel: str | None) -> tuple[str | None, str | None]:

@@ -127,34 +127,52 @@ def ensure_schedule(
     return Schedule.from_row(row), changed
 
 
-def fire_due(db: Database, at: datetime | None = None, *, actor: str = "scheduler") -> list[str]:
-    """Fire every schedule whose time has come on the database's clock (``at`` overrides it, for tests) — once,
-    even if several fires were missed — and move it on. Returns the request ids submitted. Rows another dispatcher
-    holds are skipped. The fires' jobs are left pending for the dispatcher's next pass."""
+#: How many due schedules one transaction of a pass locks and fires (``KEEL_SCHEDULE_BATCH`` in the beat).
+DEFAULT_BATCH = 100
+
+
+def fire_due(
+    db: Database, at: datetime | None = None, *, actor: str = "scheduler", batch: int = DEFAULT_BATCH
+) -> list[str]:
+    """Fire every schedule whose time has come on the database's clock when the pass starts (``at`` overrides it,
+    for tests) — once, even if several fires were missed — and move it on. Returns the request ids submitted.
+    Schedules are taken ``batch`` at a time, oldest fire first, each batch in a transaction of its own (its locks
+    held only while it fires); rows another dispatcher holds are skipped. A fired schedule moves past the pass's
+    time, so no batch takes it again. The fires' jobs are left pending for the dispatcher's next pass."""
+    if batch < 1:
+        raise InvalidInput(f"batch must be at least 1, got {batch}")
     fired: list[str] = []
-    with core.store_errors(), db.transaction() as cur:
-        now = database_now(cur) if at is None else utc(at)
-        for schedule in map(Schedule.from_row, lock_due_schedules_txn(cur, now)):
-            request_id = fire_request_id(schedule.name, schedule.next_fire_at)
-            try:
-                if agent_archived_txn(cur, schedule.agent_id):  # moved on, nothing journaled: it is out of use
-                    outcome = "skipped (the agent is archived)"
-                else:
-                    outcome = _submit(db, schedule, request_id, actor)
-            except KeelError as exc:  # one bad schedule must not stop the others
-                log.warning("schedule %s: fire %s failed: %s", schedule.name, request_id, exc)
-                outcome = f"failed ({exc})"
-            if outcome == "submitted":
-                fired.append(request_id)
-            following = _following(schedule, now)
-            record_fire_txn(
-                cur,
-                schedule.name,
-                fired_at=schedule.next_fire_at,
-                next_fire_at=following,
-                outcome=f"{request_id}: {outcome}",
-            )
-    return fired
+    now = None if at is None else utc(at)
+    while True:
+        with core.store_errors(), db.transaction() as cur:
+            if now is None:
+                now = database_now(cur)
+            due = lock_due_schedules_txn(cur, now, limit=batch)
+            for schedule in map(Schedule.from_row, due):
+                fired.extend(_fire_txn(cur, db, schedule, now, actor))
+        if len(due) < batch:
+            return fired
+
+
+def _fire_txn(cur: Any, db: Database, schedule: Schedule, now: datetime, actor: str) -> list[str]:
+    """Fire one locked schedule and move it on; the request id submitted, if it was."""
+    request_id = fire_request_id(schedule.name, schedule.next_fire_at)
+    try:
+        if agent_archived_txn(cur, schedule.agent_id):  # moved on, nothing journaled: it is out of use
+            outcome = "skipped (the agent is archived)"
+        else:
+            outcome = _submit(db, schedule, request_id, actor)
+    except KeelError as exc:  # one bad schedule must not stop the others
+        log.warning("schedule %s: fire %s failed: %s", schedule.name, request_id, exc)
+        outcome = f"failed ({exc})"
+    record_fire_txn(
+        cur,
+        schedule.name,
+        fired_at=schedule.next_fire_at,
+        next_fire_at=_following(schedule, now),
+        outcome=f"{request_id}: {outcome}",
+    )
+    return [request_id] if outcome == "submitted" else []
 
 
 def _following(schedule: Schedule, now: datetime) -> datetime:

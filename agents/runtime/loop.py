@@ -8,8 +8,9 @@ The last tool result of a round sends the conversation back to the model (``plan
 tool Keel does not have fails the request (``unknown_tool``), naming the tool and the tools there are. A call to a
 tool that needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
 ``reject`` asks the model to revise. Every step's result is stored on its job, in the transition that schedules the
-next step, and the conversation is rebuilt from those results: after a crash the request resumes at the first
-unfinished step, and a finished model call or tool call is never made again.
+next step; a plan step's result also carries the conversation it sent the model, so the next one reads that, the
+reply and the round's tool results (a few rows by key, not the whole request). After a crash the request resumes at
+the first unfinished step, and a finished model call or tool call is never made again.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from agents.runtime.inference import (
 from agents.runtime.notices import console_link, decided_notice, waiting_notice
 from agents.runtime.tools import ToolContext, by_name, registered, stored_tool
 from models.db import Database
-from models.jobs_sql import cancel_request_steps_txn, request_steps
+from models.jobs_sql import cancel_request_steps_txn, request_gates, request_steps, request_steps_by_key
 from models.outbox_sql import message_row
 from models.settings import Settings
 from models.sql import agent_name
@@ -126,41 +127,90 @@ def step_target(tool_name: str, round_: int, call_id: str) -> str:
 
 
 def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
-    """The messages of rounds 1..upto_round-1, rebuilt from the stored step results."""
+    """The messages of rounds 1..upto_round-1: the conversation the previous plan step was sent (stored with its
+    result), its reply, and the results of that reply's calls — a few rows by key, however long the request. A
+    request whose previous step stored no conversation (recorded by an earlier version) is rebuilt from its steps."""
+    previous = upto_round - 1
+    this_key, plan_key = f"{request_id}:plan:{upto_round}", f"{request_id}:plan:{previous}"
+    request_input, found = request_steps_by_key(db, request_id, [this_key, plan_key])
+    if previous < 1:
+        return request_input, _opening(request_input)
+    prior = (found.get(plan_key) or {}).get("result")
+    if not (isinstance(prior, Mapping) and isinstance(prior.get("conversation"), list) and "reply" in prior):
+        return rebuild_conversation(db, request_id, upto_round)
+    reply = prior["reply"]
+    calls = reply.get("tool_calls") or []
+    _, steps = request_steps_by_key(db, request_id, [_tool_key(request_id, previous, call) for call in calls])
+    # This step's own payload says which calls of the round before it a person (or a timeout) rejected.
+    rejected = _rejections([found[this_key]] if this_key in found else [])
+    messages = [*prior["conversation"], reply, *_results(request_id, previous, calls, steps, rejected)]
+    return request_input, messages
+
+
+def rebuild_conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
+    """The messages of rounds 1..upto_round-1, rebuilt from every stored step result of the request."""
     request_input, steps = request_steps(db, request_id)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": _settings().llm_system_prompt},
-        {"role": "user", "content": prompt_of(request_input)},
-    ]
+    messages = _opening(request_input)
     by_key = {s["key"]: s for s in steps}
-    rejected: dict[tuple[int, str], str] = {}
-    for step in steps:
-        if step["operation"] == "plan":
-            for entry in (step["payload"] or {}).get("rejected", []):
-                said = "This call was rejected" if entry.get("timed_out") else "A person rejected this call"
-                rejected[(int(step["target"]) - 1, tool_call_key(entry["tool_call_id"]))] = f"{said}: {entry['reason']}"
+    rejected = _rejections(steps)
     for n in range(1, upto_round):
         plan_step = by_key.get(f"{request_id}:plan:{n}")
         if plan_step is None or plan_step["result"] is None:
             break
         reply = plan_step["result"]["reply"]
         messages.append(reply)
-        for call in reply.get("tool_calls") or []:
-            tool = by_name(call["function"]["name"])
-            done = by_key.get(f"{request_id}:tool:{step_target(tool.name if tool else 'unknown', n, call['id'])}")
-            key = (n, tool_call_key(call["id"]))
-            if done is not None and done["status"] == "succeeded" and done["result"] is not None:
-                content = done["result"]["content"]
-                edited = (done["payload"] or {}).get("edited_from")
-                if isinstance(edited, Mapping):  # the model must know it was not its own call that ran
-                    content = f"{edit_summary(edited, done['payload'].get('arguments') or {})}\n{content}"
-            elif key in rejected:
-                content = rejected[key]
-            else:
-                content = "This call was not run."
-            # The model's own id, whatever its key is: that is how it pairs the result with its call.
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        messages.extend(_results(request_id, n, reply.get("tool_calls") or [], by_key, rejected))
     return request_input, messages
+
+
+def _opening(request_input: Any) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": _settings().llm_system_prompt},
+        {"role": "user", "content": prompt_of(request_input)},
+    ]
+
+
+def _rejections(steps: list[dict[str, Any]]) -> dict[tuple[int, str], str]:
+    """What the model is told about each rejected call, by (round, call key): a plan step's payload names the calls
+    of the round before it that were rejected."""
+    rejected: dict[tuple[int, str], str] = {}
+    for step in steps:
+        if step["operation"] == "plan":
+            for entry in (step["payload"] or {}).get("rejected", []):
+                said = "This call was rejected" if entry.get("timed_out") else "A person rejected this call"
+                rejected[(int(step["target"]) - 1, tool_call_key(entry["tool_call_id"]))] = f"{said}: {entry['reason']}"
+    return rejected
+
+
+def _tool_key(request_id: str, round_: int, call: Mapping[str, Any]) -> str:
+    tool = by_name(call["function"]["name"])
+    return f"{request_id}:tool:{step_target(tool.name if tool else 'unknown', round_, call['id'])}"
+
+
+def _results(
+    request_id: str,
+    round_: int,
+    calls: list[dict[str, Any]],
+    steps: Mapping[str, dict[str, Any]],
+    rejected: Mapping[tuple[int, str], str],
+) -> list[dict[str, Any]]:
+    """The tool messages answering a round's calls, in the order the model made them."""
+    messages: list[dict[str, Any]] = []
+    for call in calls:
+        done = steps.get(_tool_key(request_id, round_, call))
+        key = (round_, tool_call_key(call["id"]))
+        if done is not None and done["status"] == "succeeded" and done["result"] is not None:
+            content = done["result"]["content"]
+            edited = (done["payload"] or {}).get("edited_from")
+            if isinstance(edited, Mapping):  # the model must know it was not its own call that ran
+                content = f"{edit_summary(edited, done['payload'].get('arguments') or {})}\n{content}"
+        elif key in rejected:
+            content = rejected[key]
+        else:
+            content = "This call was not run."
+        # The model's own id, whatever its key is: that is how it pairs the result with its call.
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+    return messages
 
 
 @handler("plan", input=PlanInput)
@@ -176,8 +226,10 @@ def plan(ctx: JobContext) -> JobResult:
             reply = provider.complete(messages, [t.schema() for t in tools.values()], attempt=ctx.attempt)
         ctx.checkpoint(reply.checkpoint())
     message = reply.as_message()
+    # What the model was sent, stored with its reply: the next step reads this one row and the round's results.
+    sent = {"reply": message, "conversation": messages}
     if not reply.tool_calls:
-        return JobResult(output={"reply": message, "answer": reply.content}, usage=reply.usage, event=Event.FINISH)
+        return JobResult(output={**sent, "answer": reply.content}, usage=reply.usage, event=Event.FINISH)
     ids = [call.id for call in reply.tool_calls]
     keys = [tool_call_key(call_id) for call_id in ids]
     if len(set(ids)) != len(ids) or len(set(keys)) != len(keys):
@@ -208,7 +260,7 @@ def plan(ctx: JobContext) -> JobResult:
             deferred = tool.needs_approval  # one approval at a time
             target = step_target(tool.name, round_, call.id)
             jobs.append(JobSpec("tool", target, payload={**payload, "deferred": deferred}))
-    return JobResult(output={"reply": message}, usage=reply.usage, event=Event.PLAN, jobs=tuple(jobs))
+    return JobResult(output=sent, usage=reply.usage, event=Event.PLAN, jobs=tuple(jobs))
 
 
 def _next_round(payload: Mapping[str, Any]) -> Join:
@@ -317,20 +369,17 @@ def pending_approval(db: Database, request_id: str | None) -> PendingApproval | 
     """The call the agent waits on: the latest gate of the request whose tool was neither scheduled nor rejected."""
     if request_id is None:
         return None
-    _, steps = request_steps(db, request_id)
-    keys = {s["key"] for s in steps}
-    rejected = {
-        (int(s["target"]) - 1, tool_call_key(e["tool_call_id"]))
-        for s in steps
-        if s["operation"] == "plan"
-        for e in (s["payload"] or {}).get("rejected", [])
-    }
-    for step in reversed(steps):
-        if step["operation"] != "gate" or step["status"] != "succeeded":
-            continue
+    gates = request_gates(db, request_id)
+    # What answered each gate, if anything did: its call scheduled as a tool step (approved), or the next round's
+    # plan step naming it rejected. Read by key: a waiting agent's view costs its gates, not its whole request.
+    answers = [f"{request_id}:tool:{g['target']}" for g in gates]
+    answers += [f"{request_id}:plan:{int(g['payload']['round']) + 1}" for g in gates]
+    _, found = request_steps_by_key(db, request_id, answers) if gates else (None, {})
+    rejected = _rejections([s for s in found.values() if s["operation"] == "plan"])
+    for step in gates:
         payload = step["payload"]
         round_, call_id = int(payload["round"]), str(payload.get("tool_call_id", payload["call_id"]))
-        if f"{request_id}:tool:{step['target']}" in keys or (round_, tool_call_key(call_id)) in rejected:
+        if f"{request_id}:tool:{step['target']}" in found or (round_, tool_call_key(call_id)) in rejected:
             continue
         output = (step["result"] or {}) if isinstance(step["result"], Mapping) else {}
         channel = output.get("notice_channel")

@@ -1,0 +1,476 @@
+"""The hot passes cost the batch, not the history (issue 15): each is served by its index on a database seeded with
+enough rows for the planner to care, reads about as many rows as it takes, and batching neither skips nor repeats:
+two dispatchers racing, a dispatcher killed between publishing and committing, deadlines and schedules a batch at a
+time, the beat's passes on their own threads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from agents.client import Client
+from agents.core import transition as core
+from agents.core.commands import Command, JobSpec
+from agents.core.phases import ACTIVE, Event
+from agents.core.transition import now, transition
+from agents.jobs import deadlines, schedules
+from agents.jobs.handlers import registry
+from agents.runtime.loop import conversation, rebuild_conversation
+from models.db import Database
+from models.deadlines_sql import START, past_deadline_query
+from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, ClaimedJob, claim, take_due, take_due_statement
+from models.schedules_sql import LOCK_DUE
+from tests.support.broker import Broker
+from tests.support.db import expire_lease
+from tests.support.runs import run_all
+
+pytestmark = pytest.mark.integration
+
+for _operation in ("count",):
+    registry.declare(_operation)
+
+Raw = psycopg.Connection[Any]
+
+# --- a database with history ---------------------------------------------------------------------------------------
+
+FINISHED_JOBS = 120_000
+WAITING_JOBS = 20_000  # enqueued a moment ago, waiting their turn: not due
+LATER_JOBS = 20_000  # pending, due in an hour, across every priority
+IDLE_AGENTS = 40_000
+BUSY_AGENTS = 10_000  # active, deadlines ahead
+SCHEDULES = 10_000
+
+
+def _seed(raw: Raw) -> None:
+    """History the passes must not read: finished jobs, a queue's worth of enqueued ones, jobs due later, agents at
+    rest and agents whose deadlines are ahead, schedules not due."""
+    raw.execute(
+        "INSERT INTO agents (name, phase) SELECT 'idle-' || g, 'idle' FROM generate_series(1, %s) g", (IDLE_AGENTS,)
+    )
+    raw.execute(
+        "INSERT INTO agents (name, phase, request_id, soft_deadline, hard_deadline)"
+        " SELECT 'busy-' || g, 'planning', 'busy-' || g, now() + interval '1 hour', now() + interval '1 day'"
+        " FROM generate_series(1, %s) g",
+        (BUSY_AGENTS,),
+    )
+    (owner,) = raw.execute("SELECT id FROM agents WHERE name = 'idle-1'").fetchone()  # type: ignore[misc]
+    common = "agent_id, request_id, operation, target, status, queue, priority, run_at, created_at, updated_at"
+    raw.execute(
+        f"INSERT INTO jobs (key, {common}, finished_at, result)"
+        " SELECT 'old-' || g || ':plan:1', %(owner)s, 'old-' || (g / 4), 'plan', '1', 'succeeded', 'keel.jobs', 5,"
+        " now() - interval '1 day', now() - interval '1 day' + g * interval '1 ms', now(), now(),"
+        ' \'{"reply": {"role": "assistant", "content": "done"}}\'::jsonb'
+        " FROM generate_series(1, %(n)s) g",
+        {"owner": owner, "n": FINISHED_JOBS},
+    )
+    raw.execute(
+        f"INSERT INTO jobs (key, {common}, enqueued_at)"
+        " SELECT 'wait-' || g || ':count:1', %(owner)s, 'wait-' || g, 'count', '1', 'enqueued', 'keel.jobs', 5,"
+        " now() - interval '1 minute', now(), now(), now() FROM generate_series(1, %(n)s) g",
+        {"owner": owner, "n": WAITING_JOBS},
+    )
+    raw.execute(
+        f"INSERT INTO jobs (key, {common})"
+        " SELECT 'later-' || g || ':count:1', %(owner)s, 'later-' || g, 'count', '1', 'pending', 'keel.jobs', g %% 10,"
+        " now() + interval '1 hour', now(), now() FROM generate_series(1, %(n)s) g",
+        {"owner": owner, "n": LATER_JOBS},
+    )
+    raw.execute(
+        "INSERT INTO schedules (name, agent_id, every_seconds, operation, input, next_fire_at)"
+        " SELECT 'sched-' || g, %(owner)s, 3600, 'count', 'null', now() + interval '1 hour'"
+        " FROM generate_series(1, %(n)s) g",
+        {"owner": owner, "n": SCHEDULES},
+    )
+    for table in ("agents", "jobs", "schedules"):
+        raw.execute(f"ANALYZE {table}")
+
+
+def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _explain(raw: Raw, query: str | sql.Composable, params: dict[str, Any], *, analyze: bool = False) -> Any:
+    options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
+    statement = sql.SQL("EXPLAIN ({}) ").format(sql.SQL(options)) + (
+        sql.SQL(query) if isinstance(query, str) else query  # type: ignore[arg-type]
+    )
+    try:
+        row = raw.execute(statement, params).fetchone()
+    finally:
+        raw.rollback()  # EXPLAIN ANALYZE of an UPDATE runs it: nothing of it stays
+    assert row is not None
+    return row[0][0]["Plan"]
+
+
+def _served(plan: dict[str, Any], table: str) -> set[str]:
+    """The indexes ``plan`` reads ``table`` through; fails if it reads the table whole."""
+    nodes = list(_nodes(plan))
+    seq = [n for n in nodes if n["Node Type"].endswith("Seq Scan") and n.get("Relation Name") == table]  # parallel too
+    assert not seq, f"{table} is read whole: {json.dumps(plan)[:2000]}"
+    return {n["Index Name"] for n in nodes if "Index Name" in n}
+
+
+def _rows_read(plan: dict[str, Any], table: str) -> int:
+    """How many rows of ``table`` (or of its indexes) the executed plan looked at, kept or filtered out."""
+    read = 0
+    for n in _nodes(plan):
+        if n.get("Relation Name") == table or n["Node Type"] == "Bitmap Index Scan":
+            kept = (
+                n.get("Actual Rows", 0) + n.get("Rows Removed by Filter", 0) + n.get("Rows Removed by Index Recheck", 0)
+            )
+            read += int(kept * n.get("Actual Loops", 1))
+    return read
+
+
+@pytest.fixture
+def seeded(db: Database) -> Iterator[Raw]:
+    with psycopg.connect(db.libpq_url) as raw:
+        _seed(raw)
+        raw.commit()
+        yield raw
+
+
+def test_the_dispatcher_reads_its_batch_through_one_index_per_case_not_the_backlog(
+    client: Client, db: Database, seeded: Raw
+) -> None:
+    for n in range(3):
+        client.submit(client.create_agent(f"due-{n}").id, f"due-{n}", None, operation="count")
+    claim(db, "due-0:count:1", "dead", timedelta(seconds=1))
+    expire_lease(db, "due-0:count:1")  # a worker died: recovered
+    seeded.execute("UPDATE jobs SET enqueued_at = now() - interval '1 hour' WHERE key = 'wait-1:count:1'")
+    seeded.commit()  # (one message the broker lost)
+    statement = take_due_statement(timedelta(minutes=5), 50)
+    used = _served(_explain(seeded, statement, {}), "jobs")
+    assert {"ix_jobs_pending", "ix_jobs_enqueued", "ix_jobs_leased"} <= used, used
+    read = _rows_read(_explain(seeded, statement, {}, analyze=True), "jobs")
+    # The batch (4 due), each looked at a few times (candidates, the lock, the update) — not the 20,000 enqueued
+    # rows waiting their turn, nor the 20,000 due later, nor the 120,000 finished.
+    assert read < 100, read
+    with db.transaction() as cur:
+        due = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=50)
+    assert sorted((d.key, d.recovered) for d in due) == [
+        ("due-0:count:1", True),
+        ("due-1:count:1", False),
+        ("due-2:count:1", False),
+        ("wait-1:count:1", True),
+    ]
+
+
+def test_a_plan_step_and_a_waiting_agents_view_read_by_key_and_through_the_request_index(seeded: Raw) -> None:
+    keys = {"keys": ["old-400:plan:1", "old-401:plan:1"], "request_id": "old-100"}
+    assert _served(_explain(seeded, STEPS_BY_KEY, keys), "jobs") & {"pk_jobs", "ix_jobs_request"}
+    assert _rows_read(_explain(seeded, STEPS_BY_KEY, keys, analyze=True), "jobs") <= 4
+    whole = {"request_id": "old-100"}
+    assert "ix_jobs_request" in _served(_explain(seeded, REQUEST_STEPS, whole), "jobs")
+    assert _rows_read(_explain(seeded, REQUEST_STEPS, whole, analyze=True), "jobs") <= 8
+    # A waiting agent's view (and every approve or reject) reads the request's gates, then what answered them by key.
+    assert _served(_explain(seeded, REQUEST_GATES, whole), "jobs") & {"ix_jobs_gates", "ix_jobs_request"}
+    assert _rows_read(_explain(seeded, REQUEST_GATES, whole, analyze=True), "jobs") <= 8
+
+
+def test_the_deadline_pass_reads_the_agents_past_a_deadline_not_every_agent(client: Client, seeded: Raw) -> None:
+    late = client.create_agent("late")
+    client.submit(late.id, "req-late", None, operation="count", hard_deadline=timedelta(seconds=60))
+    at = now() + timedelta(seconds=61)
+    phases = [p.value for p in ACTIVE]
+    for hard, index in ((True, "ix_agents_hard_deadline"), (False, "ix_agents_soft_deadline")):
+        query = past_deadline_query(phases, hard=hard)
+        params = {"at": at, "after_deadline": START[0], "after_id": START[1], "limit": 200}
+        assert index in _served(_explain(seeded, query, params), "agents")
+        assert _rows_read(_explain(seeded, query, params, analyze=True), "agents") <= 2
+
+
+def test_the_schedule_pass_reads_the_due_schedules_not_every_schedule(seeded: Raw) -> None:
+    params = {"at": now(), "limit": 100}
+    assert "ix_schedules_due" in _served(_explain(seeded, LOCK_DUE, params), "schedules")
+    assert _rows_read(_explain(seeded, LOCK_DUE, params, analyze=True), "schedules") == 0
+
+
+# --- batching neither skips nor repeats ----------------------------------------------------------------------------
+
+
+def _due_of_every_kind(client: Client, db: Database, n: int) -> set[str]:
+    """``n`` jobs of each case: new ones across priorities, lost messages, expired leases."""
+    keys = set()
+    for i in range(n):
+        for kind in ("new", "lost", "dead"):
+            agent = client.create_agent(f"{kind}-{i}")
+            client.submit(agent.id, f"{kind}-{i}", None, operation="count")
+            keys.add(f"{kind}-{i}:count:1")
+            if kind == "dead":
+                claim(db, f"{kind}-{i}:count:1", "dead", timedelta(seconds=1))
+                expire_lease(db, f"{kind}-{i}:count:1")
+            else:
+                # The submit's job, at another priority: the dispatcher's order is priority first.
+                spec = JobSpec("count", "2", priority=i % 10)
+                transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=(spec,)))
+                keys.add(f"{kind}-{i}:count:2")
+    with psycopg.connect(db.libpq_url, autocommit=True) as raw:
+        raw.execute(
+            "UPDATE jobs SET status = 'enqueued', enqueued_at = now() - interval '1 hour' WHERE key LIKE 'lost-%'"
+        )
+    return keys
+
+
+def test_four_dispatchers_in_small_batches_take_every_due_job_once(client: Client, db: Database) -> None:
+    keys = _due_of_every_kind(client, db, 12)
+    taken: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(4)
+
+    def dispatcher() -> None:
+        barrier.wait()
+        while True:
+            with db.transaction() as cur:
+                due = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=3)
+            if not due:
+                return
+            with lock:
+                taken.extend(d.key for d in due)
+
+    threads = [threading.Thread(target=dispatcher) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(taken) == len(set(taken)), "a job taken twice"
+    assert set(taken) == keys, "a due job left behind"
+
+
+def test_a_batch_is_the_highest_priorities_due(client: Client, db: Database) -> None:
+    agent = client.create_agent("prio")
+    client.submit(agent.id, "req-1", None, operation="count")
+    specs = tuple(JobSpec("count", f"p{p}", priority=p) for p in (0, 9, 3, 7))
+    transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=specs))
+    with db.transaction() as cur:
+        first = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=2)
+    assert sorted(d.key for d in first) == ["req-1:count:p7", "req-1:count:p9"]
+
+
+def _messages(broker: Broker, queue: str = "keel.jobs") -> list[str]:
+    with broker.redis() as redis:
+        raw = redis.lrange(broker.key(queue), 0, -1)
+    return [json.loads(m)["headers"]["id"] for m in raw]
+
+
+def test_a_dispatcher_killed_between_publishing_and_committing_leaves_one_claim_per_job(
+    client: Client, db: Database, db_url: str, broker: Broker
+) -> None:
+    """SIGKILL after the first batch reached Redis and before its transaction committed: the rows are still due, the
+    next pass publishes them again, and the duplicate message finds its job claimed (run once per key)."""
+    from tasks.app import make_app
+    from tasks.dispatcher import dispatch_once
+
+    for n in range(7):
+        client.submit(client.create_agent(f"k{n}").id, f"k{n}", None, operation="count")
+    killer = textwrap.dedent(
+        """
+        import os, signal
+        import tasks.dispatcher as d
+        from models.db import Database
+        from models.settings import Settings
+        from tasks.app import make_app, publish
+
+        def publish_then_die(due, celery):
+            publish(due, celery)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        d.publish = publish_then_die
+        settings = Settings(dispatch_batch=3)
+        d.dispatch_once(Database.from_settings(settings), make_app(settings), settings)
+        """
+    )
+    env = {**os.environ, "KEEL_DATABASE_URL": db_url, **broker.env}
+    done = subprocess.run([sys.executable, "-c", killer], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    first = _messages(broker)
+    assert len(first) == 3
+    with psycopg.connect(db.libpq_url) as raw:
+        (pending,) = raw.execute("SELECT count(*) FROM jobs WHERE status = 'pending'").fetchone()  # type: ignore[misc]
+    assert pending == 7, "the killed pass committed nothing"
+    settings = broker.settings(database_url=db_url, dispatch_batch=3)
+    celery = make_app(settings)
+    try:
+        assert dispatch_once(db, celery, settings).published == 7
+    finally:
+        celery.close()
+    messages = _messages(broker)
+    assert len(messages) == 10 and set(messages) == {f"k{n}:count:1" for n in range(7)}
+    claims = [claim(db, key, "w", timedelta(seconds=30)) for key in messages]
+    claimed = [c.key for c in claims if isinstance(c, ClaimedJob)]
+    assert sorted(claimed) == sorted(set(messages)), "each job claimed exactly once; the copies are suppressed"
+
+
+def test_back_pressure_caps_a_tick_and_waits_for_a_full_queue(client: Client, db: Database, broker: Broker) -> None:
+    from tasks.app import make_app
+    from tasks.dispatcher import dispatch_once
+
+    for n in range(5):
+        client.submit(client.create_agent(f"b{n}").id, f"b{n}", None, operation="count")
+    settings = broker.settings(database_url=db.url, dispatch_max_per_tick=2, dispatch_max_queue_depth=4)
+    celery = make_app(settings)
+    try:
+        capped = dispatch_once(db, celery, settings)
+        assert (capped.published, capped.held) == (2, "per-tick cap")
+        assert dispatch_once(db, celery, settings).published == 2
+        assert len(_messages(broker)) == 4
+        held = dispatch_once(db, celery, settings)  # the queue holds 4: nothing more until workers take some
+        assert (held.published, held.held) == (0, "queue keel.jobs: 4")
+        with psycopg.connect(db.libpq_url) as raw:
+            (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'b4:count:1'").fetchone()  # type: ignore[misc]
+        assert status == "pending", "a held job waits in PostgreSQL, still due"
+        with broker.redis() as redis:
+            redis.lpop(broker.key("keel.jobs"))  # a worker took one
+        drained = dispatch_once(db, celery, settings)
+        assert (drained.published, drained.held) == (1, None)
+    finally:
+        celery.close()
+
+
+def test_the_deadline_pass_goes_through_every_batch_past_an_agent_that_fails(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agents = [client.create_agent(f"late-{n}") for n in range(7)]
+    for n, agent in enumerate(agents):
+        client.submit(agent.id, f"req-{n}", None, operation="count", hard_deadline=timedelta(seconds=60 + n))
+    soft = client.create_agent("soft")
+    client.submit(soft.id, "req-soft", None, operation="count", soft_deadline=timedelta(seconds=30))
+    broken = agents[1].id  # in the first batch: the batches after it must still be read, and it not read again
+    real = core.transition
+
+    def failing(db: Database, command: Command, **kw: Any) -> Any:
+        if command.agent_id == broken:
+            raise RuntimeError("this agent's move breaks")
+        return real(db, command, **kw)
+
+    monkeypatch.setattr(core, "transition", failing)
+    report = deadlines.enforce(db, now() + timedelta(seconds=120), batch=2)
+    assert report.failed == [broken]
+    assert report.stopped == [a.id for a in agents if a.id != broken], "hard deadlines in order, each once"
+    assert report.demoted == [soft.id]
+    assert client.get_state(broken).phase == "planning"
+    assert client.journal(agent_id=broken)[-1].decision == "deadline_enforcement_failed"
+
+
+def test_schedules_fire_in_batches_each_once_with_two_beats_racing(client: Client, db: Database) -> None:
+    agents = [client.create_agent(f"s{n}") for n in range(9)]
+    t0 = now()
+    for n, agent in enumerate(agents):
+        schedules.ensure_schedule(db, f"every-{n}", agent.id, every=timedelta(minutes=1), operation="count", now=t0)
+    at = t0 + timedelta(minutes=1, seconds=1)
+    fired: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(2)
+
+    def beat() -> None:
+        barrier.wait()
+        got = schedules.fire_due(db, at, batch=2)
+        with lock:
+            fired.extend(got)
+
+    threads = [threading.Thread(target=beat) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(fired) == sorted(schedules.fire_request_id(f"every-{n}", t0 + timedelta(minutes=1)) for n in range(9))
+    assert schedules.fire_due(db, at, batch=2) == [], "moved on: not fired again at the same time"
+
+
+def test_a_slow_deadline_pass_does_not_hold_up_dispatching(
+    client: Client, db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Celery
+
+    from models.settings import Settings
+    from tasks.app import celery_config
+    from tasks.dispatcher import KeelScheduler
+
+    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+        monkeypatch.setenv(name, value)
+    entered, release = threading.Event(), threading.Event()
+    real = deadlines.enforce
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        entered.set()
+        release.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(deadlines, "enforce", slow)
+    app = Celery("passes-test", set_as_current=False)
+    app.conf.update(celery_config(Settings()))
+    beat = KeelScheduler(app=app)
+    try:
+        beat.tick()
+        assert entered.wait(30), "the deadline pass started"
+        agent = client.create_agent("a")
+        client.submit(agent.id, "r-1", None, operation="count")
+        beat.tick()  # returns while the deadline pass is still under way, and dispatches
+        assert _messages(broker) == ["r-1:count:1"]
+        assert beat.passes[1].running()
+        beat.tick()
+        assert beat.passes[1].running(), "never two deadline passes at once"
+    finally:
+        release.set()
+        for timed in beat.passes:  # (on a loaded machine longer than a closing beat waits)
+            timed.join(60)
+        beat.close()
+
+
+# --- the conversation a plan step reads ----------------------------------------------------------------------------
+
+
+def _script() -> dict[str, Any]:
+    comment = {"repository": "acme/api", "issue": 7, "body": "Fixed"}
+    return {
+        "prompt": "Deal with the incident",
+        "script": [
+            {"tool_calls": [{"name": "slack_post", "arguments": {"channel": "C1", "text": "looking"}}]},
+            {
+                "tool_calls": [
+                    {"name": "github_comment", "arguments": comment},
+                    {"name": "slack_post", "arguments": {"channel": "C1", "text": "commenting"}},
+                ]
+            },
+            {"tool_calls": [{"name": "github_comment", "arguments": comment}]},
+            {"content": "Done."},
+        ],
+    }
+
+
+def test_a_plan_step_continues_the_stored_conversation_exactly_as_a_rebuild_would(client: Client, db: Database) -> None:
+    agent = client.create_agent("talker")
+    client.submit(agent.id, "req-1", _script())
+    run_all(db)
+    waiting = client.get_state(agent.id)
+    edited = {"repository": "acme/api", "issue": 7, "body": "Fixed in 1.2"}
+    client.approve(waiting.id, expected_revision=waiting.revision, actor="ann", arguments=edited)
+    run_all(db)
+    waiting = client.get_state(agent.id)
+    client.reject(waiting.id, expected_revision=waiting.revision, actor="bob", reason="enough comments")
+    run_all(db)
+    assert client.get_state(agent.id).phase == "done"
+    for n in range(1, 5):
+        assert conversation(db, "req-1", n) == rebuild_conversation(db, "req-1", n), f"round {n}"
+    _, last = conversation(db, "req-1", 4)
+    roles = ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant", "tool"]
+    assert [m["role"] for m in last] == roles
+    assert last[-1]["content"] == "A person rejected this call: enough comments"
+    assert last[5]["content"].startswith("A person edited this call's arguments")
+    # Steps stored before plan results carried their conversation are rebuilt from the whole request.
+    with psycopg.connect(db.libpq_url, autocommit=True) as raw:
+        raw.execute("UPDATE jobs SET result = result - 'conversation' WHERE request_id = 'req-1'")
+    assert conversation(db, "req-1", 4) == (_script(), last)
