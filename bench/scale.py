@@ -286,7 +286,9 @@ def pct(samples: list[float], p: float) -> float:
 def run(beds: list[Bed], samples: int) -> dict[str, dict[str, list[float]]]:
     """Every measure on every bed, alternating in blocks so neither database always goes first."""
     results: dict[str, dict[str, list[float]]] = {}
-    with OUT.task(f"{len(MEASURES)} measures x {samples} samples on {len(beds)} databases", total=len(MEASURES)) as step:
+    with OUT.task(
+        f"{len(MEASURES)} measures x {samples} samples on {len(beds)} databases", total=len(MEASURES)
+    ) as step:
         for name, measure in MEASURES.items():
             results[name] = {bed.label: [] for bed in beds}
             for bed in beds:

@@ -171,8 +171,7 @@ def _history(k: int, t0: datetime, first_id: int) -> tuple[list[tuple[Any, ...]]
 
 
 _AGENT_COLUMNS = (
-    "id, name, phase, request_id, revision, spent_tokens, spent_cost, created_at, updated_at, journal_seq,"
-    " journal_head"
+    "id, name, phase, request_id, revision, spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head"
 )
 _REQUEST_COLUMNS = "request_id, agent_id, input, actor, submitted_at"
 _JOURNAL_COLUMNS = (
@@ -210,7 +209,8 @@ SELECT {_SQL_REQUEST} || CASE WHEN n %% 2 = 1 THEN ':plan:' || {_SQL_ROUND}
                               ELSE ':tool:' || {_SQL_TOOL} || ':' || {_SQL_ROUND} || '.call_' || {_SQL_ROUND} END,
        a.id, a.request_id,
        CASE WHEN n %% 2 = 1 THEN 'plan' ELSE 'tool' END,
-       CASE WHEN n %% 2 = 1 THEN {_SQL_ROUND}::text ELSE {_SQL_TOOL} || ':' || {_SQL_ROUND} || '.call_' || {_SQL_ROUND} END,
+       CASE WHEN n %% 2 = 1 THEN {_SQL_ROUND}::text
+            ELSE {_SQL_TOOL} || ':' || {_SQL_ROUND} || '.call_' || {_SQL_ROUND} END,
        CASE WHEN n %% 2 = 1 THEN '{{}}'::jsonb
             ELSE jsonb_build_object('name', {_SQL_TOOL}, 'round', {_SQL_ROUND}, 'call_id', 'call_' || {_SQL_ROUND},
                                     'arguments', jsonb_build_object('query', 'item ' || k)) END,
