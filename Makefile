@@ -1,7 +1,7 @@
 # Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
 PY ?= .venv/bin/python
 
-.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api docs demo
+.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-peers docs demo
 
 install:
 	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
@@ -31,6 +31,11 @@ bench-outbox:
 
 bench-api:
 	$(PY) -m bench.api
+
+# Installs the peers (the bench extra) first: procrastinate and DBOS Transact.
+bench-peers:
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.peers
 
 docs:
 	.venv/bin/keel docs phases
