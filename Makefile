@@ -1,7 +1,7 @@
 # Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
 PY ?= .venv/bin/python
 
-.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-scale docs demo
+.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-scale bench-peers docs demo
 
 install:
 	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
@@ -38,6 +38,11 @@ bench-scans:
 # Not part of `make bench`: the first run seeds 1M agents' history (minutes, several GB), later runs reuse it.
 bench-scale:
 	$(PY) -m bench.scale
+
+# Installs the peers (the bench extra) first: procrastinate and DBOS Transact.
+bench-peers:
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.peers
 
 docs:
 	.venv/bin/keel docs phases
