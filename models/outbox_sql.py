@@ -91,7 +91,8 @@ HEAD_PROBES = 256
 
 # A skip scan of ix_outbox_line: one index probe per destination that has a live message, taking its head (lowest
 # seq), from the first destination after ``after`` on (up to ``upto``), until ``limit`` due heads are found or
-# ``probes`` heads were looked at. ``found`` counts the due heads so far, ``n`` the probes.
+# ``probes`` heads were looked at (``found`` counts the due heads so far, ``n`` the probes); then the due heads are
+# locked, skipping those another relay is claiming, and the walk says where it stopped. One statement, one round trip.
 _HEADS = """
 WITH RECURSIVE head AS (
     (SELECT o.destination, o.key, {due}::int AS due, {due}::int AS found, 1 AS n FROM outbox o
@@ -103,9 +104,15 @@ WITH RECURSIVE head AS (
         WHERE o.status IN ('pending', 'sending') AND o.destination > l.destination{upto}
         ORDER BY o.destination, o.seq LIMIT 1) h
     WHERE l.found < %(limit)s AND l.n < %(probes)s
+), locked AS (
+    SELECT o.destination, o.seq FROM outbox o WHERE o.key IN (SELECT key FROM head WHERE due = 1) AND {due}
+    ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED
 )
-SELECT destination, key, due = 1 AS due, found, n FROM head ORDER BY n
+SELECT (SELECT array_agg(destination ORDER BY seq) FROM locked) AS due,
+       last.destination AS last, last.found, last.n
+FROM (SELECT 1) one LEFT JOIN (SELECT destination, found, n FROM head ORDER BY n DESC LIMIT 1) last ON true
 """
+
 
 def due_destinations(db: Database, limit: int, *, after: str = "", probes: int = HEAD_PROBES) -> tuple[list[str], str]:
     """Destinations whose line's head is due (pending and its time come, or sending with an expired lease: a relay
@@ -126,21 +133,12 @@ def _walk(db: Database, limit: int, after: str, upto: str | None, probes: int) -
     with db.transaction() as cur:
         cur.row_factory = dict_row
         cur.execute(sql, params)
-        heads = cur.fetchall()
-        due = [h["key"] for h in heads if h["due"]]
-        rows = []
-        if due:
-            cur.execute(
-                f"SELECT o.destination FROM outbox o WHERE o.key = ANY(%(keys)s) AND {_DUE}"
-                " ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED",
-                {"keys": due, "limit": limit},
-            )
-            rows = cur.fetchall()
+        walk = cur.fetchone()
+    assert walk is not None
     # Stopped early (enough due heads, or out of probes): the next pass goes on after the last line looked at.
     # Otherwise the walk reached the last line: the next starts again from the first.
-    last = heads[-1] if heads else None
-    stopped = last is not None and (last["n"] >= probes or last["found"] >= limit)
-    return [row["destination"] for row in rows], (last["destination"] if stopped and last else "")
+    stopped = walk["n"] is not None and (walk["n"] >= probes or walk["found"] >= limit)
+    return list(walk["due"] or []), (walk["last"] if stopped else "")
 
 
 def claim_run(db: Database, destination: str, lease: timedelta, limit: int) -> list[ClaimedMessage]:
