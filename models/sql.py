@@ -230,9 +230,7 @@ def claim_request_txn(
     return RequestOwner(owner["agent_id"], owner["name"])
 
 
-def request_as_submitted_txn(
-    cur: psycopg.Cursor[Any], request_id: str, input_json: str = "null"
-) -> Submitted | None:
+def request_as_submitted_txn(cur: psycopg.Cursor[Any], request_id: str, input_json: str = "null") -> Submitted | None:
     """The request ``request_id`` as first submitted, or None if there is no such request. Once pruned, its input
     is compared with ``input_json`` by the digest kept in its place (``same_input``)."""
     with cur.connection.cursor(row_factory=dict_row) as named:

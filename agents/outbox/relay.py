@@ -3,8 +3,9 @@
 A pass finds the lines whose head is due by a bounded skip scan of the line index (each pass going on from where the
 last one stopped: it costs the same with a backlog of ten or of a million), then works through each line in its own
 thread (bounded by ``KEEL_OUTBOX_CONCURRENCY``): a message is sent only after every earlier one to the same
-destination is settled, so nothing overtakes. Before re-sending a message whose previous attempt's outcome is unknown, the relay asks the
-receiver whether it already has it (by the key it carries) and, if so, records it as delivered without sending.
+destination is settled, so nothing overtakes. Before re-sending a message whose previous attempt's outcome is
+unknown, the relay asks the receiver whether it already has it (by the key it carries) and, if so, records it as
+delivered without sending.
 """
 
 from __future__ import annotations
