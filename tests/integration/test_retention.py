@@ -30,6 +30,7 @@ from models.db import Database
 from models.jobs_sql import NewJob, insert_jobs_txn, job_row
 from models.outbox_sql import NewMessage, insert_messages_txn, message_row
 from models.retention_sql import IN_FLIGHT, Retention, prune
+from models.urls import libpq_url
 from tests.support.fakes import FakeSlack
 
 pytestmark = pytest.mark.integration
@@ -278,3 +279,78 @@ def test_the_database_refuses_to_prune_live_work_or_rewrite_a_request(db: Databa
     prune(db, KEEP_30)
     with pytest.raises(psycopg.errors.InsufficientPrivilege):  # pruned once, for good
         sql(db, "UPDATE requests SET pruned_at = now() WHERE request_id = 'r-old'")
+
+
+def test_the_leading_beat_prunes_once_per_interval_whichever_beat_asks(db_url: str, db: Database, story: Any) -> None:
+    """The chore is due on the database's clock (``beat_chores``): of two beats asking, one prunes."""
+    from models.settings import Settings
+    from tasks.leader import LeaderDuties
+
+    story()
+    settings = Settings(database_url=db_url, jobs_retention_days=30, outbox_retention_days=30)
+    first, second = LeaderDuties(db, settings, "beat-1"), LeaderDuties(db, settings, "beat-2")
+    first._prune()
+    second._prune()
+    assert first._pruning is not None and second._pruning is None
+    first._pruning.join(30)
+    assert job_row(db, "r-old:answer:1") is None
+    kept = Settings(database_url=db_url, jobs_retention_days=0, outbox_retention_days=0, requests_retention_days=0)
+    idle = LeaderDuties(db, kept, "beat-3")
+    sql(db, "DELETE FROM beat_chores")
+    idle._prune()
+    assert idle._pruning is None  # retention 0 everywhere: nothing to do, no thread
+
+
+def test_keel_db_prune_prints_what_it_removed(db_url: str, story: Any) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.audit import clean_env
+
+    story()
+    env = {**clean_env(), "KEEL_DATABASE_URL": db_url, "KEEL_REQUESTS_RETENTION_DAYS": "0"}
+    keel = str(Path(sys.executable).parent / "keel")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([keel, "db", "prune", *args], env=env, capture_output=True, text=True, timeout=60)
+
+    dry = run("--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines() == [
+        "would prune 2 finished jobs, 1 sent outbox messages with 1 delivery log rows, 0 request inputs",
+        "kept for ever (retention 0 days): requests",
+    ]
+    done = json.loads(run("--json").stdout)
+    assert (done["jobs"], done["messages"], done["delivery_log"], done["dry_run"]) == (2, 1, 1, False)
+    assert json.loads(run("--json").stdout)["jobs"] == 0
+
+
+def test_the_application_role_prunes_without_delete_on_the_delivery_log(roles_db: Any) -> None:
+    """Least privilege: a confirmation goes with its message by the foreign key's cascade (run as the owner); the
+    application role itself may not delete one."""
+    from tests.support.audit import TEST_KEYS
+
+    app = Database(roles_db.app_url, pool_size=2, audit_keys=TEST_KEYS)
+    try:
+        client = Client(app)
+        agent = client.create_agent("ledger")
+        client.submit(agent.id, "r-1", None, operation="answer")
+        emit(app, agent.id, MessageSpec("slack", "C1", "note", {"text": "hi"}))
+        with psycopg.connect(libpq_url(roles_db.url), autocommit=True) as su:
+            su.execute("UPDATE outbox SET status = 'sent', external_id = '1.2', sent_at = now() - interval '40 days'")
+            su.execute(
+                "INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at)"
+                " VALUES ('r-1:slack:note', '1.2', 1, 'sent', now())"
+            )
+        client.cancel(agent.id, actor="alice", reason="done with it")  # at rest: not in flight
+        with psycopg.connect(libpq_url(roles_db.app_url), autocommit=True) as conn:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("DELETE FROM delivery_log")
+        pruned = prune(app, Retention(30, 30, 30))
+        assert (pruned.messages, pruned.confirmations) == (1, 1)
+        with psycopg.connect(libpq_url(roles_db.url)) as su:
+            assert su.execute("SELECT count(*) FROM delivery_log").fetchone() == (0,)
+            assert su.execute("SELECT kind, key FROM pruned_keys").fetchall() == [("message", "r-1:slack:note")]
+    finally:
+        app.dispose()
