@@ -117,7 +117,8 @@ def seed_backlog(db: Database, agent_id: uuid.UUID, n: int, lines: int) -> None:
     with psycopg.connect(db.libpq_url) as conn:
         conn.execute(
             "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, next_attempt_at)"
-            " SELECT 'rb:slack:' || %s || ':' || g, %s, 'rb', 'slack', 'L' || lpad((g %% %s)::text, 5, '0'), '{}'::jsonb, now()"
+            " SELECT 'rb:slack:' || %s || ':' || g, %s, 'rb', 'slack', 'L' || lpad((g %% %s)::text, 5, '0'),"
+            " '{}'::jsonb, now()"
             " FROM generate_series(1, %s) g",
             (n, agent_id, lines, n),
         )

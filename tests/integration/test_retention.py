@@ -194,7 +194,8 @@ def test_a_late_duplicate_of_a_pruned_key_is_suppressed_never_run_or_sent_again(
         note = NewMessage("r-old:slack:note", s["old"].id, "r-old", "slack", "C1", {"text": "hi"})
         assert insert_messages_txn(cur, [note]) == ([], ["r-old:slack:note"])
     assert job_row(db, "r-old:answer:1") is None and message_row(db, "r-old:slack:note") is None
-    # Through a transition of the agent on the request again (a replayed step's effects): suppressed and counted.
+    # Through a transition: no code path puts an agent back on a finished request, so the test does it behind the
+    # guards' back, to show the database refuses the pruned key to any emitter (counted as a suppressed duplicate).
     sql(db, "UPDATE agents SET phase = 'executing' WHERE id = %s", s["old"].id, triggers=False)
     emit(db, s["old"].id, MessageSpec("slack", "C1", "note", {"text": "hi"}))
     assert client.journal(agent_id=s["old"].id)[-1].details["messages_suppressed"] == ["r-old:slack:note"]
