@@ -182,6 +182,14 @@ def claim(db: Database, key: str, worker: str, lease: timedelta) -> ClaimedJob |
             return ClaimedJob(**row)
         cur.execute("SELECT key, agent_id, status, run_at, lease_until, traceparent FROM jobs WHERE key = %s", (key,))
         found = cur.fetchone()
+        if found is None:
+            # Finished and pruned by retention (its tombstone): a late copy, suppressed like any duplicate delivery.
+            cur.execute(
+                "SELECT key, agent_id, 'pruned' AS status, pruned_at AS run_at, NULL::timestamptz AS lease_until"
+                " FROM pruned_keys WHERE kind = 'job' AND key = %s",
+                (key,),
+            )
+            found = cur.fetchone()
         return None if found is None else JobStatus(**found)
 
 

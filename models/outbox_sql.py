@@ -61,10 +61,13 @@ def insert_messages_txn(cur: psycopg.Cursor[Any], messages: Sequence[NewMessage]
     duplicate) keys."""
     inserted: list[str] = []
     suppressed: list[str] = []
-    # seq is taken at insert, but a line is read in commit order only if no two transactions insert into one line
-    # at once: hold each destination's advisory lock until commit (sorted, so two emitters cannot deadlock).
-    for destination in sorted({m.destination for m in messages}):
-        cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 7))", ("keel-outbox:" + destination,))
+    # No lock on the destination's line (there was one, held to commit, until 0.x: it made every emitter to a busy
+    # channel wait for the one before it to commit). The order a line keeps is causal: a message is never sent before
+    # one emitted by a transaction that committed before its own began (successive transitions of one agent, which
+    # serialize on the agent row), nor before an earlier one of its own transaction (one seq after the other, one
+    # commit). Messages of transactions that were in flight together go in the order the relay finds them
+    # committed: neither came first. A key pruned by retention is refused here as an existing one (a trigger,
+    # migration 0021), so it counts as a suppressed duplicate too.
     for m in messages:
         cur.execute(
             "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, traceparent,"
@@ -82,18 +85,60 @@ _DUE = (
 )
 
 
-def due_destinations(db: Database, limit: int) -> list[str]:
+#: A pass looks at most this many lines' heads (one index probe each) before it stops; the next pass goes on from
+#: there, so each pass costs O(this), not O(lines) or O(backlog).
+HEAD_PROBES = 256
+
+# A skip scan of ix_outbox_line: one index probe per destination that has a live message, taking its head (lowest
+# seq), from the first destination after ``after`` on (up to ``upto``), until ``limit`` due heads are found or
+# ``probes`` heads were looked at (``found`` counts the due heads so far, ``n`` the probes); then the due heads are
+# locked, skipping those another relay is claiming, and the walk says where it stopped. One statement, one round trip.
+_HEADS = """
+WITH RECURSIVE head AS (
+    (SELECT o.destination, o.key, {due}::int AS due, {due}::int AS found, 1 AS n FROM outbox o
+     WHERE o.status IN ('pending', 'sending') AND o.destination > %(after)s{upto}
+     ORDER BY o.destination, o.seq LIMIT 1)
+  UNION ALL
+    SELECT h.destination, h.key, h.due, l.found + h.due, l.n + 1 FROM head l CROSS JOIN LATERAL (
+        SELECT o.destination, o.key, {due}::int AS due FROM outbox o
+        WHERE o.status IN ('pending', 'sending') AND o.destination > l.destination{upto}
+        ORDER BY o.destination, o.seq LIMIT 1) h
+    WHERE l.found < %(limit)s AND l.n < %(probes)s
+), locked AS (
+    SELECT o.destination, o.seq FROM outbox o WHERE o.key IN (SELECT key FROM head WHERE due = 1) AND {due}
+    ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED
+)
+SELECT (SELECT array_agg(destination ORDER BY seq) FROM locked) AS due,
+       last.destination AS last, last.found, last.n
+FROM (SELECT 1) one LEFT JOIN (SELECT destination, found, n FROM head ORDER BY n DESC LIMIT 1) last ON true
+"""
+
+
+def due_destinations(db: Database, limit: int, *, after: str = "", probes: int = HEAD_PROBES) -> tuple[list[str], str]:
     """Destinations whose line's head is due (pending and its time come, or sending with an expired lease: a relay
-    died mid-send), oldest head first. Heads another relay is claiming right now are skipped (``SKIP LOCKED``)."""
+    died mid-send), oldest head first, at most ``limit``: the heads of the lines after ``after`` in destination
+    order, wrapping around once, no more than ``probes`` of them looked at. Heads another relay is claiming right
+    now are skipped (``SKIP LOCKED``). Returns them and where the next pass goes on from (``""``: the first line)."""
+    found, cursor = _walk(db, limit, after, None, probes)
+    if cursor == "" and after != "" and len(found) < limit:
+        more, cursor = _walk(db, limit - len(found), "", after, probes)  # the lines before ``after``
+        found += [d for d in more if d not in found]
+    return found, cursor
+
+
+def _walk(db: Database, limit: int, after: str, upto: str | None, probes: int) -> tuple[list[str], str]:
+    params = {"after": after, "upto": upto, "limit": limit, "probes": probes}
+    # The upper bound is an index condition or nothing ("IS NULL OR" would make it a filter, scanned past).
+    sql = _HEADS.format(due=_DUE, upto="" if upto is None else " AND o.destination <= %(upto)s")
     with db.transaction() as cur:
-        cur.execute(
-            "WITH heads AS (SELECT DISTINCT ON (destination) key FROM outbox"
-            " WHERE status IN ('pending', 'sending') ORDER BY destination, seq)"
-            " SELECT o.destination FROM outbox o JOIN heads h ON h.key = o.key"
-            f" WHERE {_DUE} ORDER BY o.seq LIMIT %(limit)s FOR UPDATE OF o SKIP LOCKED",
-            {"limit": limit},
-        )
-        return [row[0] for row in cur.fetchall()]
+        cur.row_factory = dict_row
+        cur.execute(sql, params)
+        walk = cur.fetchone()
+    assert walk is not None
+    # Stopped early (enough due heads, or out of probes): the next pass goes on after the last line looked at.
+    # Otherwise the walk reached the last line: the next starts again from the first.
+    stopped = walk["n"] is not None and (walk["n"] >= probes or walk["found"] >= limit)
+    return list(walk["due"] or []), (walk["last"] if stopped else "")
 
 
 def claim_run(db: Database, destination: str, lease: timedelta, limit: int) -> list[ClaimedMessage]:

@@ -50,11 +50,14 @@ APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "audit.legacy_chains": ("SELECT",),  # the seals migration 0015 wrote: verify reads them, nobody writes them again
     "audit.archived_partitions": ("SELECT",),  # `keel audit archive` (the owner) writes them; verify reads them
     "public.agents": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: `keel agent delete`, with its tombstone
-    "public.requests": ("SELECT", "INSERT"),
-    "public.jobs": ("SELECT", "INSERT", "UPDATE"),
+    # UPDATE: retention's prune of a request (a trigger allows setting pruned_at, nothing else).
+    "public.requests": ("SELECT", "INSERT", "UPDATE"),
+    "public.jobs": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: retention (a trigger: final jobs only)
     "public.schedules": ("SELECT", "INSERT", "UPDATE", "DELETE"),
-    "public.outbox": ("SELECT", "INSERT", "UPDATE"),
+    "public.outbox": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: retention (a trigger: sent messages only)
+    # No DELETE: a confirmation goes with its pruned message by the foreign key's cascade, run as the owner.
     "public.delivery_log": ("SELECT", "INSERT"),
+    "public.pruned_keys": ("SELECT", "INSERT"),  # retention's tombstones, written by the DELETE's trigger
     "public.api_tokens": ("SELECT", "INSERT", "UPDATE"),  # UPDATE: last use, revocation (a trigger allows no more)
     "public.kpi_deltas": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # the fold locks a batch FOR UPDATE, deletes it
     "public.kpi_rollups": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: rollups past the retention

@@ -50,6 +50,9 @@ class Submitted:
 
     input: Any
     submit_details: dict[str, Any] | None
+    #: Once retention pruned the request its input is gone (``input`` is None): whether the input of the submit
+    #: being compared has the digest kept in its place. None while the input itself is kept.
+    same_input: bool | None = None
 
 
 class JobView(BaseModel):

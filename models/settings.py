@@ -142,6 +142,16 @@ class Settings(BaseSettings):
     # often, and keeps the per-minute rollups (what `keel kpi --since` and the alerts read) this many days.
     kpi_fold_seconds: float = Field(default=5.0, gt=0)
     kpi_retention_days: int = Field(default=35, ge=1, le=3650)
+    # Retention (models/retention_sql.py, `keel db prune`): finished jobs, sent outbox messages with their delivery
+    # log rows, and requests' inputs, this many days after they finished (a request: after its submit); 0 keeps
+    # them for ever. Nothing of a request in flight, no dead letter and nothing unsent is ever pruned; the journal
+    # is not (`keel audit archive`). The leading beat prunes this often (0: only `keel db prune` does), in
+    # transactions of at most ``prune_batch`` rows each.
+    jobs_retention_days: int = Field(default=30, ge=0, le=36500)
+    outbox_retention_days: int = Field(default=30, ge=0, le=36500)
+    requests_retention_days: int = Field(default=90, ge=0, le=36500)
+    prune_interval_seconds: float = Field(default=3600.0, ge=0)
+    prune_batch: int = Field(default=1000, ge=1, le=100_000)
     # Redis redelivers a message nobody acked after this long; every place that must agree reads this one value.
     visibility_timeout_seconds: int = Field(default=3600, ge=10)
     # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.

@@ -117,9 +117,11 @@ _REQUEST_OWNER = (
 # A request as it was first submitted: its input and the details of the submit's journal event (the job it scheduled,
 # the deadlines as given). Read only when a request id is submitted again.
 _REQUEST_AS_SUBMITTED = (
-    "SELECT r.input, (SELECT j.details FROM audit.journal j WHERE j.request_id = r.request_id"
+    "SELECT r.input, CASE WHEN r.pruned_at IS NOT NULL"
+    " THEN r.input_sha256 = encode(sha256(convert_to(%(input)s::jsonb::text, 'UTF8')), 'hex') END AS same_input,"
+    " (SELECT j.details FROM audit.journal j WHERE j.request_id = r.request_id"
     " AND j.agent_id = r.agent_id AND j.kind = 'transition' AND j.event = 'submit' ORDER BY j.id LIMIT 1) AS submit"
-    " FROM requests r WHERE r.request_id = %s"
+    " FROM requests r WHERE r.request_id = %(request_id)s"
 )
 
 
@@ -228,12 +230,17 @@ def claim_request_txn(
     return RequestOwner(owner["agent_id"], owner["name"])
 
 
-def request_as_submitted_txn(cur: psycopg.Cursor[Any], request_id: str) -> Submitted | None:
-    """The request ``request_id`` as first submitted, or None if there is no such request."""
+def request_as_submitted_txn(cur: psycopg.Cursor[Any], request_id: str, input_json: str = "null") -> Submitted | None:
+    """The request ``request_id`` as first submitted, or None if there is no such request. Once pruned, its input
+    is compared with ``input_json`` by the digest kept in its place (``same_input``)."""
     with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(_REQUEST_AS_SUBMITTED, (request_id,))
+        named.execute(_REQUEST_AS_SUBMITTED, {"request_id": request_id, "input": input_json})
         row = named.fetchone()
-    return None if row is None else Submitted(row["input"], row["submit"])
+    if row is None:
+        return None
+    if row["same_input"] is not None:
+        return Submitted(None, row["submit"], same_input=row["same_input"])
+    return Submitted(row["input"], row["submit"])
 
 
 def request_record(conn: psycopg.Connection[Any], request_id: str) -> dict[str, Any] | None:

@@ -153,6 +153,12 @@ requests = Table(
     Column("actor", Text, nullable=False),
     Column("submitted_at", DateTime(timezone=True), nullable=False),
     Column("traceparent", Text),  # W3C trace context of the submit: the request's trace
+    # Retention (migration 0021): once pruned the input is JSON null and its digest is what a repeated submit is
+    # compared with; a trigger allows that one change and no other.
+    Column("input_sha256", Text),
+    Column("pruned_at", DateTime(timezone=True)),
+    CheckConstraint("pruned_at IS NULL OR input_sha256 IS NOT NULL", name="pruned_keeps_digest"),
+    Index("ix_requests_unpruned", "submitted_at", postgresql_where=text("pruned_at IS NULL")),
 )
 
 #: Partitioned by month of ``at`` (migration 0017, docs/audit-retention.md): the primary key must hold the partition
@@ -293,6 +299,8 @@ jobs = Table(
     # Live jobs by status, then due time: the KPI scrape's counts and oldest due job (a scan by due time alone would
     # walk every enqueued job waiting its turn).
     Index("ix_jobs_due", "status", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
+    # Retention's batches, oldest first (models/retention_sql.py).
+    Index("ix_jobs_finished", "finished_at", postgresql_where=text(_in("status", JOB_FINAL))),
     # An agent's live jobs: counted under every transition's lock, swept when it comes to rest.
     Index("ix_jobs_agent_live", "agent_id", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),
     # A request's gates, latest first: the call an agent waiting for approval waits on (models/approvals_sql.py).
@@ -367,6 +375,7 @@ outbox = Table(
     Index("ix_outbox_dead", "channel", postgresql_where=text("status = 'dead'")),  # dead letters per channel (KPIs)
     # The console's Outbox page: what is not sent yet, newest first, a page at a time (sent messages are most rows).
     Index("ix_outbox_unsent", "seq", postgresql_where=text("status IN ('pending', 'sending', 'dead')")),
+    Index("ix_outbox_sent", "sent_at", postgresql_where=text("status = 'sent'")),  # retention's batches, oldest first
 )
 
 #: Append-only: one row per confirmed delivery (sent, or found at the receiver by reconciliation).
@@ -374,12 +383,25 @@ delivery_log = Table(
     "delivery_log",
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
-    Column("key", Text, ForeignKey("outbox.key"), nullable=False, index=True),
+    # A confirmation goes with its message when retention prunes it (and only then: a trigger, migration 0021).
+    Column("key", Text, ForeignKey("outbox.key", ondelete="CASCADE"), nullable=False, index=True),
     Column("external_id", Text, nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("how", Text, nullable=False),
     Column("confirmed_at", DateTime(timezone=True), nullable=False),
     CheckConstraint("how IN ('sent', 'reconciled')", name="how"),
+)
+
+#: What retention pruned: one row per job or message key (kind ``job`` / ``message``), written by a trigger on the
+#: DELETE. An insert of a key found here is skipped (another trigger), so it counts as a suppressed duplicate.
+pruned_keys = Table(
+    "pruned_keys",
+    metadata,
+    Column("kind", Text, primary_key=True),
+    Column("key", Text, primary_key=True),
+    Column("agent_id", UUID(as_uuid=True)),  # NULL for Keel's own messages; a redelivered job's suppression names it
+    Column("pruned_at", DateTime(timezone=True), nullable=False),
+    CheckConstraint("kind IN ('job', 'message')", name="kind"),
 )
 
 #: The HTTP ingress's API tokens. Only a hash of each secret is stored; a token is never deleted, only revoked (a

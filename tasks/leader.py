@@ -1,10 +1,11 @@
 """What the leading beat does besides dispatching: its heartbeat, alert evaluation, the periodic audit verify,
-shipping the journal to its separate store, the journal's partitions for the months ahead and the daily KPI
-report. Called from the dispatcher's tick (tasks/dispatcher.py) only while this beat leads.
+shipping the journal to its separate store, the journal's partitions for the months ahead, the daily KPI
+report and retention's prune. Called from the dispatcher's tick (tasks/dispatcher.py) only while this beat leads.
 
 Each chore is due on the database's clock (``beat_chores``): two beats, or a beat restarted, never run one more
 often than its interval. The audit verify is a full pass over the journal and shipping waits on an object store, so
-each runs in a thread of its own and the dispatcher never waits for them.
+each runs in a thread of its own and the dispatcher never waits for them; so does the prune (batches of short
+transactions, which may take a while the first time it runs on a large database).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from agents.audit.ship import ShipperBusy, ship_configured
 from agents.audit.verify import verify_and_record
 from agents.core.outage import is_outage
 from agents.observability import alerts, report
-from models import alerts_sql, partitions_sql
+from models import alerts_sql, partitions_sql, retention_sql
 from models.alerts_sql import Term
 from models.db import Database
 from models.settings import Settings
@@ -32,6 +33,7 @@ ALERTS_CHORE = "alerts"
 AUDIT_VERIFY_CHORE = "audit_verify"
 AUDIT_SHIP_CHORE = "audit_ship"
 JOURNAL_PARTITIONS_CHORE = "journal_partitions"
+PRUNE_CHORE = "prune"
 #: How often the leading beat makes sure the journal has its months ahead (and each time it starts leading).
 JOURNAL_PARTITIONS_EVERY = timedelta(days=1)
 
@@ -48,6 +50,7 @@ class LeaderDuties:
         self._next_ask = 0.0
         self._verifying: threading.Thread | None = None
         self._shipping: threading.Thread | None = None
+        self._pruning: threading.Thread | None = None
         self._partitions_now = True  # at the start of every term, whenever the chore last ran
 
     def stand_down(self) -> None:
@@ -73,6 +76,7 @@ class LeaderDuties:
         self._chore("audit verify", self._audit_verify)
         self._chore("audit ship", self._audit_ship)
         self._chore("journal partitions", self._journal_partitions)
+        self._chore("prune", self._prune)
 
     def _chore(self, what: str, run: Callable[[], None]) -> None:
         try:
@@ -128,6 +132,33 @@ class LeaderDuties:
         created = partitions_sql.ensure_partitions(self.db, self.settings.audit_partition_months_ahead)
         for name in created:
             log.info("journal partitions: created audit.%s", name)
+
+    def _prune(self) -> None:
+        seconds = self.settings.prune_interval_seconds
+        retention = retention_sql.Retention.of(self.settings)
+        if not seconds or retention.keeps_everything:
+            return
+        if self._pruning is not None and self._pruning.is_alive():
+            return
+        if alerts_sql.claim_chore(self.db, PRUNE_CHORE, timedelta(seconds=seconds)) is None:
+            return
+        self._pruning = threading.Thread(target=self._run_prune, args=(retention,), name="keel-prune", daemon=True)
+        self._pruning.start()
+
+    def _run_prune(self, retention: retention_sql.Retention) -> None:
+        try:
+            pruned = retention_sql.prune(self.db, retention)
+        except Exception:
+            log.exception("prune failed; trying again at its next interval (keel db prune --dry-run says what is due)")
+            return
+        if pruned.total:
+            log.info(
+                "prune: %d jobs, %d outbox messages with %d delivery log rows, %d request inputs",
+                pruned.jobs,
+                pruned.messages,
+                pruned.confirmations,
+                pruned.requests,
+            )
 
     def _audit_ship(self) -> None:
         seconds = self.settings.audit_ship_interval_seconds

@@ -1,4 +1,5 @@
-"""``keel db``: deploy and revert the schema (Alembic migrations), and the database roles Keel runs under."""
+"""``keel db``: deploy and revert the schema (Alembic migrations), the database roles Keel runs under, and retention's
+prune."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ from typing import Any
 
 import click
 
-from agents.cli.common import friendly, settings_or_exit
+from agents.cli.common import emit, friendly, json_option, open_client, settings_or_exit
 
 
 @click.group()
 def db() -> None:
-    """Database schema (Alembic migrations) and roles."""
+    """Database schema (Alembic migrations), roles, and retention's prune."""
 
 
 def _migration(settings: Any) -> tuple[str, Any]:
@@ -78,6 +79,50 @@ def db_roles() -> None:
         click.echo(
             f"nothing to change: {names.owner} owns Keel's schema; {names.app} and {names.auditor} hold their grants"
         )
+
+
+@db.command("prune")
+@click.option("--dry-run", is_flag=True, help="Count what would be pruned now; change nothing.")
+@json_option
+@friendly
+def db_prune(dry_run: bool, as_json: bool) -> None:
+    """Prune what retention allows now: finished jobs older than KEEL_JOBS_RETENTION_DAYS, sent outbox messages
+    (and their delivery log rows) older than KEEL_OUTBOX_RETENTION_DAYS, and the inputs of requests submitted more
+    than KEEL_REQUESTS_RETENTION_DAYS ago (0: keep that kind for ever), measured on the database's clock.
+
+    Nothing of a request in flight, no dead letter, nothing unsent and no journal event is pruned; a pruned key
+    stays taken. Batches of KEEL_PRUNE_BATCH rows, one short transaction each; safe beside the leading beat, which
+    runs the same prune every KEEL_PRUNE_INTERVAL_SECONDS. Prints what it removed (with --dry-run: would remove)."""
+    from models.retention_sql import Retention, prune
+
+    retention = Retention.of(settings_or_exit())
+    with open_client(writes=not dry_run) as client:
+        pruned = prune(client.db, retention, dry_run=dry_run)
+    kept = [
+        name
+        for name, days in (
+            ("jobs", retention.jobs_days),
+            ("outbox messages", retention.messages_days),
+            ("requests", retention.requests_days),
+        )
+        if not days
+    ]
+    verb = "would prune" if dry_run else "pruned"
+    lines = [
+        f"{verb} {pruned.jobs} finished jobs, {pruned.messages} sent outbox messages with {pruned.confirmations}"
+        f" delivery log rows, {pruned.requests} request inputs"
+    ]
+    if kept:
+        lines.append(f"kept for ever (retention 0 days): {', '.join(kept)}")
+    value = {
+        "dry_run": dry_run,
+        "jobs": pruned.jobs,
+        "messages": pruned.messages,
+        "delivery_log": pruned.confirmations,
+        "requests": pruned.requests,
+        "kept_forever": kept,
+    }
+    emit(value, as_json, "\n".join(lines))
 
 
 def _where(url: str) -> str:

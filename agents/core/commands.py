@@ -374,7 +374,10 @@ def differences(submitted: Submitted, command: Command, input_json: str) -> list
     ``operation``, ``soft_deadline``, ``hard_deadline``. Requests journaled before deadlines were recorded as given
     are compared on input and operation only."""
     differs = []
-    if json.loads(input_json) != submitted.input:
+    if submitted.same_input is not None:  # retention pruned the input and kept its digest
+        if not submitted.same_input:
+            differs.append("input")
+    elif json.loads(input_json) != submitted.input:
         differs.append("input")
     first = submitted.submit_details or {}
     keys = first.get("jobs") or []

@@ -346,7 +346,7 @@ def _transition(
             if isinstance(decision, Suppress) and command.event is Event.SUBMIT:
                 # A retry repeats the request as it was; one that asks for something else is not a retry.
                 assert command.request_id is not None
-                submitted = request_as_submitted_txn(cur, command.request_id)
+                submitted = request_as_submitted_txn(cur, command.request_id, input_json)
                 differs = [] if submitted is None else differences(submitted, command, input_json)
                 if differs:
                     conflict = RequestConflict(

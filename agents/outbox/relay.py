@@ -1,9 +1,11 @@
 """The outbox relay: the only place Slack and GitHub are called.
 
-A pass claims the due head of each destination's line, then works through each line in its own thread (bounded by
-``KEEL_OUTBOX_CONCURRENCY``): a message is sent only after every earlier one to the same destination is settled, so
-nothing overtakes. Before re-sending a message whose previous attempt's outcome is unknown, the relay asks the
-receiver whether it already has it (by the key it carries) and, if so, records it as delivered without sending.
+A pass finds the lines whose head is due by a bounded skip scan of the line index (each pass going on from where the
+last one stopped: it costs the same with a backlog of ten or of a million), then works through each line in its own
+thread (bounded by ``KEEL_OUTBOX_CONCURRENCY``): a message is sent only after every earlier one to the same
+destination is settled, so nothing overtakes. Before re-sending a message whose previous attempt's outcome is
+unknown, the relay asks the receiver whether it already has it (by the key it carries) and, if so, records it as
+delivered without sending.
 """
 
 from __future__ import annotations
@@ -136,6 +138,10 @@ class Relay:
         # must still fit in the lease renewed just before (the settings check the configured values).
         self.reconcile_seconds = reconcile_seconds if reconcile_seconds is not None else lease.total_seconds() / 3
         self.secrets = secrets
+        # Where the next pass's look at the lines' heads starts (destination order): each pass goes on from where
+        # the last one stopped, so every line gets its turn while a pass looks at a bounded number of them.
+        self._cursor = ""
+        self._cursor_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, db: Database, settings: Settings) -> Relay:
@@ -174,7 +180,8 @@ class Relay:
         """Relay what is due now: up to ``concurrency`` destinations at once, each line in order."""
         report = RelayReport()
         deadline = time.monotonic() + self.pass_seconds
-        destinations = due_destinations(self.db, self.concurrency)
+        with self._cursor_lock:
+            destinations, self._cursor = due_destinations(self.db, self.concurrency, after=self._cursor)
         if not destinations:
             return report
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="keel-relay") as pool:

@@ -79,8 +79,13 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "agents_revision_guard",
         "agents_journaled",
         "jobs_guard",
-        "delivery_log_no_update_delete",
+        "delivery_log_guard",  # 0021: a confirmation may go with its pruned message, and only so
         "delivery_log_no_truncate",
+        "jobs_prune_guard",  # 0021: retention prunes finished work only, leaving each key's tombstone
+        "outbox_prune_guard",
+        "jobs_pruned_key_skip",  # 0021: a pruned key stays taken
+        "outbox_pruned_key_skip",
+        "requests_guard",  # 0021: a request's row changes only to be pruned
         "agents_delete_guard",
         "agents_no_truncate",
         "deleted_agents_checked",
@@ -105,6 +110,20 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
     assert _guards(empty_db_url) == (set(), set())
     migrations.upgrade(empty_db_url)
     assert _guards(empty_db_url) == first
+
+
+def test_0021_downgrade_restores_the_append_only_delivery_log(empty_db_url: str) -> None:
+    """Down from 0021 the delivery log refuses every DELETE again and its foreign key no longer cascades."""
+    migrations.upgrade(empty_db_url)
+    migrations.downgrade(empty_db_url, "0020")
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        rule: Any = conn.execute(
+            "SELECT confdeltype FROM pg_constraint WHERE conname = 'fk_delivery_log_key_outbox'"
+        ).fetchone()
+        guard: Any = conn.execute(
+            "SELECT tgfoid::regproc::text FROM pg_trigger WHERE tgname = 'delivery_log_no_update_delete'"
+        ).fetchone()
+    assert rule == ("a",) and guard == ("keel_refuse_change",)
 
 
 def test_0005_downgrade_restores_the_agents_guard_it_replaced(empty_db_url: str) -> None:

@@ -21,7 +21,7 @@ from agents.jobs.handlers import registry
 from agents.outbox.relay import Backoff, Relay, retry_dead
 from agents.outbox.senders import GitHubSender, SlackSender
 from models.db import Database
-from models.outbox_sql import message_row, stats
+from models.outbox_sql import NewMessage, insert_messages_txn, message_row, stats
 from tests.support.audit import clean_env
 from tests.support.fakes import FakeGitHub, FakeSlack
 
@@ -371,26 +371,55 @@ def test_a_relay_whose_run_outlives_its_lease_stops_instead_of_racing_another(
     assert slack.order("C1") == [f"req-bot:slack:m{n:02d}" for n in range(12)]
 
 
-def test_emitters_to_one_destination_take_turns(client: Client, db: Database) -> None:
-    """Creation order is commit order: an emitter waits while another transaction holds the destination's line."""
+def test_an_emitter_does_not_wait_for_another_on_the_same_destination(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    """No lock on a line held to commit: a transaction still open with a message to C7 (an earlier seq) holds up
+    neither another emitter to C7 nor the relay; its message goes once it commits, after it, once each."""
     import threading
 
-    agent = client.create_agent("bot")
-    client.submit(agent.id, "req-1", None, operation="noop")
+    first, second = client.create_agent("first"), client.create_agent("second")
+    client.submit(first.id, "req-first", None, operation="noop")
+    client.submit(second.id, "req-second", None, operation="noop")
     done = threading.Event()
     with psycopg.connect(db.libpq_url) as holder:
-        holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('keel-outbox:C7', 7))")
+        early = NewMessage("req-first:slack:early", first.id, "req-first", "slack", "C7", {"text": "hi"})
+        assert insert_messages_txn(holder.cursor(), [early]) == (["req-first:slack:early"], [])
         thread = threading.Thread(
             target=lambda: (
-                transition(db, Command(agent.id, Event.PROGRESS, "w", messages=(slack_msg("C7", "m"),))),
+                transition(db, Command(second.id, Event.PROGRESS, "w", messages=(slack_msg("C7", "late"),))),
                 done.set(),
             )
         )
         thread.start()
-        assert not done.wait(0.8), "the emitter did not wait for the line"
-        holder.rollback()
-    assert done.wait(10)
-    thread.join(10)
+        assert done.wait(10), "the emitter waited for another transaction on its destination"
+        thread.join(10)
+        r = relay(db, slack, github)
+        r.run_pass()
+        assert slack.order("C7") == ["req-second:slack:late"], "the relay waited for a transaction in flight"
+        holder.commit()
+    drain(r)
+    assert slack.order("C7") == ["req-second:slack:late", "req-first:slack:early"]
+    assert set(slack.delivered_keys().values()) == {1}
+
+
+def test_a_pass_looks_at_a_bounded_number_of_lines_and_each_gets_its_turn(client: Client, db: Database) -> None:
+    """The relay's pass walks the lines' heads a bounded number at a time, going on from where the last pass
+    stopped: every due line comes up, a line whose head waits out a backoff never does (nor its followers)."""
+    from models.outbox_sql import due_destinations
+
+    client.create_agent("bot")
+    emit(client, "bot", *[slack_msg(f"C{n}", f"m{n}-{i}") for n in range(7) for i in range(3)])
+    sql(db, "UPDATE outbox SET next_attempt_at = now() + interval '1 hour' WHERE key = 'req-bot:slack:m3-0'")
+    seen: list[str] = []
+    cursor = ""
+    for _ in range(4):
+        found, cursor = due_destinations(db, 2, after=cursor, probes=3)
+        assert len(found) <= 2
+        seen += found
+    assert set(seen) == {"C0", "C1", "C2", "C4", "C5", "C6"}, seen
+    # A whole walk in one pass when it may look at every line: the due heads, oldest first.
+    assert due_destinations(db, 10) == (["C0", "C1", "C2", "C4", "C5", "C6"], "")
 
 
 # --- one clock, fencing, bounded reconciliation, rate limits ------------------------------------------------------

@@ -172,6 +172,20 @@ def test_a_resubmit_is_compared_with_the_request_as_it_was_first_given() -> None
     assert differences(legacy, cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec("plan", "1"),)), '{"prompt":"hi"}') == []
 
 
+def test_a_pruned_request_is_compared_by_the_digest_of_its_input() -> None:
+    """Retention replaced the input with its digest; the database compares it (``same_input``), the rest as before."""
+    from agents.core.commands import JobSpec, differences
+    from models.schemas import Submitted
+
+    command = cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec("plan", "1"),))
+    same = Submitted(None, {"jobs": ["r:plan:1"]}, same_input=True)
+    other = Submitted(None, {"jobs": ["r:plan:1"]}, same_input=False)
+    assert differences(same, command, "null") == []  # a pruned input is None, which is not what is compared
+    assert differences(other, command, '{"prompt": "hi"}') == ["input"]
+    summarise = cmd(Event.SUBMIT, request_id="r", jobs=(JobSpec("summarise", "1"),))
+    assert differences(same, summarise, "{}") == ["operation"]
+
+
 def test_times_are_written_in_one_format_and_compared_as_instants() -> None:
     from datetime import UTC, datetime, timezone
 
