@@ -3,8 +3,9 @@
 Every ``KEEL_DISPATCH_INTERVAL_SECONDS`` the beat leader fires due schedules and publishes due jobs (task id = key):
 new ones whose ``run_at`` has come, enqueued ones whose message never got claimed (the broker lost it), and running
 ones whose lease expired (the worker died). Nothing is ever put on Redis with an ETA. Claims use
-``FOR UPDATE SKIP LOCKED``, so two dispatchers never publish the same row at once; a Postgres advisory lock keeps a
-single beat leader anyway, and a beat that dies hands leadership over as soon as its connection closes.
+``FOR UPDATE SKIP LOCKED``, so two dispatchers never publish the same row at once; a lease on the database's clock
+keeps a single beat leader anyway (tasks/leadership.py): a beat that stops hands leadership over at once, one that
+dies within ``KEEL_BEAT_LEASE_SECONDS``.
 
 Each tick the leader also records its heartbeat and, at their own intervals, evaluates the alerts, runs the periodic
 audit verify and posts the daily KPI report (tasks/leader.py).
@@ -43,13 +44,10 @@ from models.kpi_sql import fold
 from models.settings import Settings
 from tasks.app import broker_error, is_broker_outage, publish
 from tasks.leader import LeaderDuties
+from tasks.leadership import Leadership
 
 log = logging.getLogger("keel.dispatcher")
 celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
-
-#: pg_advisory_lock key of the beat leader ("keel" in ASCII).
-LEADER_LOCK = 0x6B65656C
-
 
 @dataclass(frozen=True, slots=True)
 class DispatchReport:
@@ -85,56 +83,6 @@ def dispatch_once(db: Database, celery: Celery, settings: Settings) -> DispatchR
     return DispatchReport(published, recovered, len(fired))
 
 
-class Leadership:
-    """Holds the beat leader's advisory lock on a connection of its own. :meth:`held` raises the driver's error
-    when the database cannot be reached (the lock is gone with the connection)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.conn: psycopg.Connection[Any] | None = None
-        self.terms = 0  # how many times this beat acquired the lock: each is a new leadership term
-
-    def held(self) -> bool:
-        """Whether this beat is the leader; raises :class:`psycopg.Error` if the database cannot be asked."""
-        try:
-            if self.conn is None or self.conn.closed:
-                # Keepalives: after a network partition the server must notice the dead session (and free the
-                # lock for another beat) in seconds, not hours.
-                self.conn = psycopg.connect(
-                    self.url,
-                    autocommit=True,
-                    keepalives=1,
-                    keepalives_idle=10,
-                    keepalives_interval=5,
-                    keepalives_count=3,
-                    tcp_user_timeout=30_000,
-                    # The same on the server's side: only then does PostgreSQL itself end a vanished leader's
-                    # session (and free the lock) in seconds instead of after the kernel's two-hour default.
-                    options="-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
-                    " -c tcp_user_timeout=30000",
-                )
-                row = self.conn.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)).fetchone()
-                if not (row and row[0]):
-                    self.conn.close()
-                    self.conn = None
-                    return False
-                log.info("this beat is the leader")
-                self.terms += 1
-                return True
-            self.conn.execute("SELECT 1")  # still connected means still holding the lock
-            return True
-        except psycopg.Error:
-            if self.conn is not None:
-                self.conn.close()
-            self.conn = None
-            raise
-
-    def release(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-
 class KeelScheduler(Scheduler):  # type: ignore[misc]
     """Celery beat's scheduler plus the dispatcher. Only the leader dispatches or sends periodic tasks.
 
@@ -143,9 +91,9 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.settings = Settings()
-        self.db = Database.from_settings(self.settings)
+        self.db = Database.from_settings(self.settings, pool_size=self.settings.db_pool_size_beat)
         register_settings(self.settings)  # again: opening the database may have generated the development audit key
-        self.leadership = Leadership(self.db.libpq_url)
+        self.leadership = Leadership(self.db.libpq_url, self.settings)
         self.duties = LeaderDuties(self.db, self.settings)
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
