@@ -32,6 +32,14 @@ class Bouncer:
         """``database_url`` (any of the test server's databases and users) routed through this PgBouncer."""
         return make_url(database_url).set(host=self.host, port=self.port).render_as_string(hide_password=False)
 
+    def server_pids(self) -> set[int]:
+        """The PostgreSQL backend pids of PgBouncer's server connections now (its admin console's SHOW SERVERS)."""
+        admin = f"host={self.host} port={self.port} dbname=pgbouncer user=postgres"
+        with psycopg.connect(admin, autocommit=True, prepare_threshold=None) as conn:
+            cur = conn.execute("SHOW SERVERS")
+            columns = [c.name for c in cur.description or ()]
+            return {int(dict(zip(columns, row, strict=True))["remote_pid"]) for row in cur.fetchall()}
+
     def log(self) -> str:
         path = self.directory / "pgbouncer.log"
         return path.read_text(errors="replace") if path.exists() else ""
