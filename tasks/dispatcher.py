@@ -49,6 +49,7 @@ from tasks.leadership import Leadership
 log = logging.getLogger("keel.dispatcher")
 celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
 
+
 @dataclass(frozen=True, slots=True)
 class DispatchReport:
     published: int

@@ -25,6 +25,7 @@ def database_route(request: pytest.FixtureRequest) -> str:
     """Every scenario here also runs with the processes behind a PgBouncer in transaction mode."""
     return str(request.param)
 
+
 SLACK_TOKEN = "xoxb-chaos-slack-token-000"
 GITHUB_TOKEN = "ghp_chaosGithubToken000"
 

@@ -21,6 +21,7 @@ def database_route(request: pytest.FixtureRequest) -> str:
     """Every scenario here also runs with the processes behind a PgBouncer in transaction mode."""
     return str(request.param)
 
+
 API_KEY = "sk-chaos-test-key-0000"
 REPLIES = [
     {"tool_calls": [{"id": "call_a", "name": "test_wait", "arguments": '{"topic": "failover"}'}], "usage": (300, 40)},

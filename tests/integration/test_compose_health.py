@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from models.urls import libpq_url
 from models.settings import Settings
+from models.urls import libpq_url
 from tasks.leadership import Leadership
 
 pytestmark = pytest.mark.integration

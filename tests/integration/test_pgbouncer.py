@@ -60,9 +60,7 @@ def test_startup_options_are_refused_by_pgbouncer(pgbouncer: Bouncer, db_url: st
 
 
 def _behind(pgbouncer: Bouncer, db_url: str) -> Database:
-    return Database(
-        pgbouncer.url(db_url), pool_size=4, audit_keys=TEST_KEYS, pooler="transaction", direct_url=db_url
-    )
+    return Database(pgbouncer.url(db_url), pool_size=4, audit_keys=TEST_KEYS, pooler="transaction", direct_url=db_url)
 
 
 def test_the_hot_path_from_many_processes_works_behind_pgbouncer(pgbouncer: Bouncer, db_url: str) -> None:
@@ -83,9 +81,7 @@ def test_the_hot_path_from_many_processes_works_behind_pgbouncer(pgbouncer: Boun
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [
-            threading.Thread(target=produce, args=(clients[n % 2], agents[n::4])) for n in range(4)
-        ]
+        threads = [threading.Thread(target=produce, args=(clients[n % 2], agents[n::4])) for n in range(4)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -166,10 +162,8 @@ def test_a_leader_paused_past_its_lease_steps_down_and_the_new_term_is_higher(
         assert b.term == first + 1 and b.terms == 1
         with caplog.at_level(logging.WARNING, logger="keel.dispatcher"):
             assert not a.held(), "a resumed leader must step down: its term is over"
-        assert "this beat is no longer the leader (term %d): its lease was taken over (term %d, beat-b)" % (
-            first,
-            first + 1,
-        ) in caplog.text
+        said = f"this beat is no longer the leader (term {first}): its lease was taken over (term {first + 1}, beat-b)"
+        assert said in caplog.text
         assert a.term is None and not a.valid()
         a.release()  # a's release must not end b's term
         assert b.held() and b.term == first + 1

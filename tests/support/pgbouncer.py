@@ -53,15 +53,15 @@ def _free_port() -> int:
 
 
 def binary() -> str:
-    found = shutil.which("pgbouncer") or (
-        "/usr/sbin/pgbouncer" if Path("/usr/sbin/pgbouncer").exists() else None
-    )
+    found = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer" if Path("/usr/sbin/pgbouncer").exists() else None)
     assert found, "pgbouncer is not installed: apt-get install pgbouncer (.ci/run does it)"
     return found
 
 
 @contextmanager
-def running_pgbouncer(server_url: str, *, users: tuple[str, ...] = ("postgres",), pool_size: int = 20) -> Iterator[Bouncer]:
+def running_pgbouncer(
+    server_url: str, *, users: tuple[str, ...] = ("postgres",), pool_size: int = 20
+) -> Iterator[Bouncer]:
     """PgBouncer (``pool_mode = transaction``) in front of the PostgreSQL server of ``server_url``, every database
     of it (``*``), for ``users`` (trust: the server checks passwords), ``pool_size`` server connections per database
     and user."""
