@@ -206,6 +206,9 @@ def stack(
             for log in sorted(tmp_path.glob("*.log")):
                 print(f"\n----- {log.name} (last 60 lines) -----")
                 print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+            if database_route == "pgbouncer":
+                print("\n----- pgbouncer.log (last 60 lines) -----")
+                print("\n".join(request.getfixturevalue("pgbouncer").log().splitlines()[-60:]))
 
 
 @pytest.hookimpl(hookwrapper=True)
