@@ -91,15 +91,15 @@ def running_pgbouncer(
         for child in directory.iterdir():
             shutil.chown(child, "postgres")
         command += ["-u", "postgres"]
-    proc = subprocess.Popen(
-        [*command, str(directory / "pgbouncer.ini")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    # Not a pipe: PgBouncer writes every log line to stderr as well, and one nobody reads fills up and stops it.
+    with open(directory / "stderr.log", "ab") as stderr:
+        proc = subprocess.Popen([*command, str(directory / "pgbouncer.ini")], stdout=subprocess.DEVNULL, stderr=stderr)
     bouncer = Bouncer("127.0.0.1", port, proc.pid, directory)
     try:
         deadline = time.monotonic() + 15
         probe = f"host=127.0.0.1 port={port} dbname=postgres user={users[0]} connect_timeout=2"
         while True:
-            assert proc.poll() is None, f"pgbouncer exited: {proc.stderr.read() if proc.stderr else ''}"
+            assert proc.poll() is None, f"pgbouncer exited: {(directory / 'stderr.log').read_text(errors='replace')}"
             try:
                 with psycopg.connect(probe, prepare_threshold=None) as conn:
                     conn.execute("SELECT 1")
@@ -116,6 +116,4 @@ def running_pgbouncer(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-        if proc.stderr is not None:
-            proc.stderr.close()
         shutil.rmtree(directory, ignore_errors=True)
