@@ -1,4 +1,10 @@
-"""Engine and connection helpers. One pool per process; the hot path borrows raw psycopg connections from it."""
+"""Engine and connection helpers. One pool per process; the hot path borrows raw psycopg connections from it.
+
+Behind a transaction pooler (``pooler="transaction"``: PgBouncer ``pool_mode=transaction``) consecutive transactions
+of one client may run on different server connections, so nothing here relies on a session: no prepared statements
+(psycopg prepares a query after its fifth run by default, and the next transaction may land where it does not
+exist), no startup options (PgBouncer refuses them), settings only ``SET LOCAL``. What does need a session of its
+own (LISTEN, a session lock) opens :meth:`Database.session` on the direct URL."""
 
 from __future__ import annotations
 
@@ -28,10 +34,21 @@ class Database:
         statement_timeout_ms: int = 30_000,
         connect_timeout_seconds: int | None = None,
         audit_keys: AuditKeys | None = None,
+        pooler: str = "none",
+        direct_url: str | None = None,
     ) -> None:
         self.url = sqlalchemy_url(url)
+        self.direct_url = sqlalchemy_url(direct_url) if direct_url is not None else self.url
+        self.pooler = pooler
         self.audit_keys = audit_keys
-        connect_args: dict[str, Any] = {"options": f"-c statement_timeout={statement_timeout_ms}"}
+        self.pool_size = pool_size
+        self.statement_timeout_ms = statement_timeout_ms
+        connect_args: dict[str, Any]
+        if pooler == "transaction":
+            # The statement timeout is then the server's (ALTER ROLE … SET statement_timeout): README.
+            connect_args = {"prepare_threshold": None}
+        else:
+            connect_args = {"options": f"-c statement_timeout={statement_timeout_ms}"}
         if connect_timeout_seconds is not None:
             connect_args["connect_timeout"] = connect_timeout_seconds
         self.engine: Engine = create_engine(
@@ -57,11 +74,26 @@ class Database:
             statement_timeout_ms=settings.statement_timeout_ms,
             connect_timeout_seconds=connect_timeout_seconds,
             audit_keys=audit_keys_for(settings),
+            pooler=settings.database_pooler,
+            direct_url=settings.database_direct_url,
         )
 
     @property
     def libpq_url(self) -> str:
         return libpq_url(self.url)
+
+    @property
+    def direct_libpq_url(self) -> str:
+        """Where a connection that needs a session of its own goes: ``KEEL_DATABASE_DIRECT_URL``, else the URL."""
+        return libpq_url(self.direct_url)
+
+    @contextmanager
+    def session(self, **kwargs: Any) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of its own on the direct URL (not pooled, not through a transaction pooler), for session
+        state: a session lock, LISTEN. Closed at the end, which frees whatever the session held."""
+        kwargs.setdefault("options", f"-c statement_timeout={self.statement_timeout_ms}")
+        with psycopg.connect(self.direct_libpq_url, **kwargs) as conn:
+            yield conn
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:

@@ -64,6 +64,7 @@ APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "public.alert_episodes": ("SELECT", "INSERT", "UPDATE"),
     "public.beat_terms": ("SELECT", "INSERT", "UPDATE", "DELETE"),
     "public.beat_chores": ("SELECT", "INSERT", "UPDATE"),
+    "public.beat_leadership": ("SELECT", "INSERT", "UPDATE"),
     "public.audit_verifications": ("SELECT", "INSERT"),
     "public.audit_shipments": ("SELECT", "INSERT"),  # the shipper's progress, insert-only
     "public.console_signouts": ("SELECT", "INSERT", "DELETE"),  # DELETE: sign-outs past their session's expiry

@@ -111,7 +111,21 @@ class Settings(BaseSettings):
     #: terminal, JSON otherwise (agents/observability/logs.py).
     log_format: Literal["json", "console"] | None = None
 
+    # Whether KEEL_DATABASE_URL goes through a connection pooler in transaction mode (PgBouncer
+    # pool_mode=transaction): then Keel prepares no statements, sends no startup options (the statement timeout is
+    # the role's: README "Behind PgBouncer") and keeps what needs a session of its own on KEEL_DATABASE_DIRECT_URL.
+    database_pooler: Literal["none", "transaction"] = "none"
+    # A direct connection to PostgreSQL, for what a transaction pooler cannot carry: the API's live events (LISTEN)
+    # and the audit shipper's lock. None: KEEL_DATABASE_URL (required when KEEL_DATABASE_POOLER=transaction).
+    database_direct_url: str | None = None
+    # Connections per process (README "Connection budget"): each pool keeps up to its size open and opens as many
+    # again in a burst. KEEL_DB_POOL_SIZE is the API's (and any process not named below).
     db_pool_size: int = Field(default=10, ge=1, le=200)
+    db_pool_size_worker: int = Field(default=2, ge=1, le=200)  # each worker (and relay) pool child
+    db_pool_size_beat: int = Field(
+        default=4, ge=1, le=200
+    )  # besides its lease connection: dispatch, 3 passes, verify, ship, prune threads
+    db_pool_size_cli: int = Field(default=2, ge=1, le=200)
     statement_timeout_ms: int = Field(default=30_000, ge=0)
     # Largest accepted request input, as canonical JSON.
     max_input_bytes: int = Field(default=64 * 1024, ge=1)
@@ -128,6 +142,9 @@ class Settings(BaseSettings):
     job_lease_seconds: float = Field(default=60.0, gt=0)  # a running job's lease; heartbeats renew it
     enqueue_timeout_seconds: float = Field(default=300.0, gt=0)  # enqueued but never claimed → re-published
     dispatch_interval_seconds: float = Field(default=0.5, gt=0)
+    # The beat leader's lease (tasks/leadership.py), renewed every dispatch interval: a leader that dies is taken
+    # over at most this long after its last renewal (plus a dispatch interval); one that stops cleanly, at once.
+    beat_lease_seconds: float = Field(default=5.0, gt=0)
     dispatch_batch: int = Field(default=500, ge=1)
     # Back-pressure: one dispatcher tick publishes at most this many jobs (the rest stay due in PostgreSQL for the
     # next tick), and publishes none while a job queue on the broker already holds this many messages (0: never
@@ -554,6 +571,11 @@ class Settings(BaseSettings):
                 "KEEL_ENQUEUE_TIMEOUT_SECONDS: must be longer than KEEL_DISPATCH_INTERVAL_SECONDS, or every"
                 " dispatcher pass re-publishes every job still waiting in the queue"
             )
+        if self.beat_lease_seconds < 3 * self.dispatch_interval_seconds:
+            raise ValueError(
+                "KEEL_BEAT_LEASE_SECONDS: must be at least three times KEEL_DISPATCH_INTERVAL_SECONDS, or one slow"
+                " tick hands leadership to another beat"
+            )
         if self.outbox_backoff_max_seconds < self.outbox_backoff_seconds:
             raise ValueError("KEEL_OUTBOX_BACKOFF_MAX_SECONDS: must not be below KEEL_OUTBOX_BACKOFF_SECONDS")
         return self
@@ -585,7 +607,16 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("database_url", "migration_database_url")
+    @model_validator(mode="after")
+    def _pooler_needs_a_direct_url(self) -> Settings:
+        if self.database_pooler == "transaction" and self.database_direct_url is None:
+            raise ValueError(
+                "KEEL_DATABASE_DIRECT_URL: required with KEEL_DATABASE_POOLER=transaction (the API's live events"
+                " and the audit shipper's lock need a session of their own, which a transaction pooler does not keep)"
+            )
+        return self
+
+    @field_validator("database_url", "migration_database_url", "database_direct_url")
     @classmethod
     def _database_url_is_postgres(cls, value: str | None) -> str | None:
         if value is None:

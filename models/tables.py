@@ -498,6 +498,19 @@ beat_chores = Table(
     Column("last_run_at", DateTime(timezone=True), nullable=False),
 )
 
+#: The beat leader's lease (tasks/leadership.py): who holds it, its term (+1 on every change of hands: a fencing
+#: number) and until when, on the database's clock.
+beat_leadership = Table(
+    "beat_leadership",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("holder", Text, nullable=False),
+    Column("term", BigInteger, nullable=False),
+    Column("acquired_at", DateTime(timezone=True), nullable=False),
+    Column("lease_until", DateTime(timezone=True), nullable=False),
+    CheckConstraint("term > 0", name="term_positive"),
+)
+
 #: The outcome of every `keel audit verify`: the command's (source cli) and the leading beat's (source beat).
 audit_verifications = Table(
     "audit_verifications",

@@ -6,8 +6,9 @@ lease expired (the worker died). Nothing is ever put on Redis with an ETA. Each 
 partial index a batch at a time, so a tick costs what it publishes, not what waits; a tick publishes at most
 ``KEEL_DISPATCH_MAX_PER_TICK`` jobs and none while a job queue holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages
 (back-pressure: due jobs wait in PostgreSQL, not in Redis). Claims use ``FOR UPDATE SKIP LOCKED``, so two
-dispatchers never publish the same row at once; a Postgres advisory lock keeps a single beat leader anyway, and a
-beat that dies hands leadership over as soon as its connection closes.
+dispatchers never publish the same row at once; a lease on the database's clock keeps a single beat leader anyway
+(tasks/leadership.py): a beat that stops hands leadership over at once, one that dies within
+``KEEL_BEAT_LEASE_SECONDS``.
 
 Each tick the leader also records its heartbeat and, at their own intervals, evaluates the alerts, runs the periodic
 audit verify and posts the daily KPI report (tasks/leader.py).
@@ -46,6 +47,7 @@ from models.kpi_sql import fold
 from models.settings import Settings
 from tasks.app import JOB_QUEUES, broker_error, is_broker_outage, publish, queue_depths
 from tasks.leader import LeaderDuties
+from tasks.leadership import Leadership
 from tasks.passes import TimedPass
 
 log = logging.getLogger("keel.dispatcher")
@@ -53,9 +55,6 @@ celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" lin
 
 #: How long a closing beat waits for each of its passes under way.
 CLOSE_WAIT_SECONDS = 5.0
-
-#: pg_advisory_lock key of the beat leader ("keel" in ASCII).
-LEADER_LOCK = 0x6B65656C
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,56 +123,6 @@ def full_queue(celery: Celery, settings: Settings) -> str | None:
     return None
 
 
-class Leadership:
-    """Holds the beat leader's advisory lock on a connection of its own. :meth:`held` raises the driver's error
-    when the database cannot be reached (the lock is gone with the connection)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.conn: psycopg.Connection[Any] | None = None
-        self.terms = 0  # how many times this beat acquired the lock: each is a new leadership term
-
-    def held(self) -> bool:
-        """Whether this beat is the leader; raises :class:`psycopg.Error` if the database cannot be asked."""
-        try:
-            if self.conn is None or self.conn.closed:
-                # Keepalives: after a network partition the server must notice the dead session (and free the
-                # lock for another beat) in seconds, not hours.
-                self.conn = psycopg.connect(
-                    self.url,
-                    autocommit=True,
-                    keepalives=1,
-                    keepalives_idle=10,
-                    keepalives_interval=5,
-                    keepalives_count=3,
-                    tcp_user_timeout=30_000,
-                    # The same on the server's side: only then does PostgreSQL itself end a vanished leader's
-                    # session (and free the lock) in seconds instead of after the kernel's two-hour default.
-                    options="-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
-                    " -c tcp_user_timeout=30000",
-                )
-                row = self.conn.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)).fetchone()
-                if not (row and row[0]):
-                    self.conn.close()
-                    self.conn = None
-                    return False
-                log.info("this beat is the leader")
-                self.terms += 1
-                return True
-            self.conn.execute("SELECT 1")  # still connected means still holding the lock
-            return True
-        except psycopg.Error:
-            if self.conn is not None:
-                self.conn.close()
-            self.conn = None
-            raise
-
-    def release(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-
 class KeelScheduler(Scheduler):  # type: ignore[misc]
     """Celery beat's scheduler plus the dispatcher. Only the leader dispatches or sends periodic tasks.
 
@@ -182,9 +131,9 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.settings = Settings()
-        self.db = Database.from_settings(self.settings)
+        self.db = Database.from_settings(self.settings, pool_size=self.settings.db_pool_size_beat)
         register_settings(self.settings)  # again: opening the database may have generated the development audit key
-        self.leadership = Leadership(self.db.libpq_url)
+        self.leadership = Leadership(self.db.libpq_url, self.settings)
         self.duties = LeaderDuties(self.db, self.settings)
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)

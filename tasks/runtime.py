@@ -35,7 +35,7 @@ class Runtime:
 def _runtime(pid: int) -> Runtime:
     # Keyed by pid: a forked pool child must not share its parent's connections.
     settings = Settings()
-    db = Database.from_settings(settings)
+    db = Database.from_settings(settings, pool_size=settings.db_pool_size_worker)
     register_settings(settings)  # again: opening the database may have generated the development audit key
     # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
     registry: Registry = load(["agents.runtime.loop", *settings.imports])

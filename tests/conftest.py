@@ -101,6 +101,16 @@ def db_url(pg_server_url: str, template_db: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def pgbouncer(pg_server_url: str) -> Iterator[Any]:
+    """A PgBouncer of this session's own in transaction mode in front of the test server (tests/support/pgbouncer.py):
+    ``pgbouncer.url(db_url)`` routes a test's database through it."""
+    from tests.support.pgbouncer import running_pgbouncer
+
+    with running_pgbouncer(pg_server_url) as bouncer:
+        yield bouncer
+
+
+@pytest.fixture(scope="session")
 def session_roles(pg_server_url: str) -> Iterator[RoleNames]:
     """The owner, application and auditor roles of this test session: names nobody else uses, dropped at the end
     (roles are cluster-wide; the cluster is shared). Created by :func:`roles_template_db`."""

@@ -270,28 +270,25 @@ def _lock_key(destination: str) -> str:
 
 @contextmanager
 def _shipper_lock(db: Database, destination: str) -> Iterator[psycopg.Connection[Any]]:
-    """A connection holding the destination's shipper lock (one shipper per destination), in autocommit."""
-    with db.connection() as conn:
-        conn.rollback()
-        conn.autocommit = True
+    """A connection holding the destination's shipper lock (one shipper per destination), in autocommit. A session
+    of its own on the direct URL: behind a transaction pooler the lock would be taken on one server connection and
+    released on another (leaked for good), and :func:`settled_id` tells its own backend from the others' by pid."""
+    with db.session(autocommit=True, prepare_threshold=None) as conn:
+        row = conn.execute("SELECT has_table_privilege('audit_shipments', 'INSERT')").fetchone()
+        if not (row and row[0]):
+            raise ShipError(
+                "this database role may not record shipments (the auditor role reads only): ship as the"
+                " application role"
+            )
+        row = conn.execute(
+            "SELECT pg_try_advisory_lock(hashtextextended(%s, 13))", (_lock_key(destination),)
+        ).fetchone()
+        if not (row and row[0]):
+            raise ShipperBusy(f"another shipper is shipping the journal to {destination} right now")
         try:
-            row = conn.execute("SELECT has_table_privilege('audit_shipments', 'INSERT')").fetchone()
-            if not (row and row[0]):
-                raise ShipError(
-                    "this database role may not record shipments (the auditor role reads only): ship as the"
-                    " application role"
-                )
-            row = conn.execute(
-                "SELECT pg_try_advisory_lock(hashtextextended(%s, 13))", (_lock_key(destination),)
-            ).fetchone()
-            if not (row and row[0]):
-                raise ShipperBusy(f"another shipper is shipping the journal to {destination} right now")
-            try:
-                yield conn
-            finally:
-                conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 13))", (_lock_key(destination),))
+            yield conn
         finally:
-            conn.autocommit = False
+            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 13))", (_lock_key(destination),))
 
 
 _IN_FLIGHT = (

@@ -50,12 +50,13 @@ def open_client(*, writes: bool = True) -> Any:
     its owner: models/roles.py); one that only reads may run as any role (an auditor, a superuser after an
     incident)."""
     from agents.client import Client
+    from models.db import Database
     from models.migrations import check_schema
     from models.roles import refuse_privileged
 
     settings = settings_or_exit()
     trace_command(settings)
-    client = Client.from_settings(settings)
+    client = Client(Database.from_settings(settings, pool_size=settings.db_pool_size_cli), settings)
     try:
         check_schema(client.db.engine)
         if writes:

@@ -144,8 +144,8 @@ class DemoRunning(KeelError):
     """Another ``keel demo`` is running on the same database."""
 
 
-#: The demo's session advisory lock, ``pg_try_advisory_lock(int4, int4)``: "keel", "demo" in ASCII. (Beat's leader
-#: lock and the outbox's locks take a single bigint key: another key space, they never meet this one.)
+#: The demo's session advisory lock, ``pg_try_advisory_lock(int4, int4)``: "keel", "demo" in ASCII. (The outbox's
+#: locks take a single bigint key: another key space, they never meet this one. On the direct URL: a session lock.)
 DEMO_LOCK = (0x6B65656C, 0x64656D6F)
 _HOLDER = re.compile(r"keel demo: pid (?P<pid>\d+) on (?P<host>.+)")
 
@@ -270,7 +270,8 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     out.line(f"Keel demo on {servers}")
     with out.task("starting the database and the broker"):
         db = Database.from_settings(settings)
-        held.enter_context(only_demo_on(db.url, settings.home if settings.database_url is None else None))
+        # The direct URL: the lock is a session's, which a transaction pooler would not keep for this process.
+        held.enter_context(only_demo_on(db.direct_url, settings.home if settings.database_url is None else None))
         # First: an unreachable database, or one at another revision, stops the demo before anything is started.
         migrated = migrations.prepare(
             migration_url_for(settings), migrate=migrate or settings.database_url is None, roles=RoleNames.of(settings)

@@ -218,8 +218,10 @@ class JournalListener:
         failures = 0
         while True:
             try:
+                # The direct URL: behind a transaction pooler a LISTEN would stay on whichever server connection
+                # ran it, and its notifications would never reach this client.
                 async with await psycopg.AsyncConnection.connect(
-                    self.db.libpq_url, autocommit=True, application_name=APPLICATION_NAME
+                    self.db.direct_libpq_url, autocommit=True, application_name=APPLICATION_NAME
                 ) as conn:
                     await conn.execute(f"LISTEN {JOURNAL_CHANNEL}")
                     failures = 0

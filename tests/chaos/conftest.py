@@ -29,6 +29,7 @@ FAST = {
     "KEEL_JOB_LEASE_SECONDS": "3",
     "KEEL_ENQUEUE_TIMEOUT_SECONDS": "4",
     "KEEL_DISPATCH_INTERVAL_SECONDS": "0.2",
+    "KEEL_BEAT_LEASE_SECONDS": "3",
     "KEEL_DEADLINE_CHECK_SECONDS": "0.5",
     "KEEL_VISIBILITY_TIMEOUT_SECONDS": "10",
     "KEEL_RETRY_POLICY": json.dumps(
@@ -172,9 +173,30 @@ def clock_offset_in_log(stack: Stack, name: str) -> float:
     return (datetime.fromisoformat(stamps[-1]) - datetime.now(UTC)).total_seconds()
 
 
+#: The ways the processes a :class:`Stack` starts may reach the database: straight to PostgreSQL, or through a
+#: PgBouncer in transaction mode (the session's, tests/support/pgbouncer.py). A module runs its scenarios on both by
+#: overriding :func:`database_route` with ``params=ROUTES``.
+ROUTES = ["direct", "pgbouncer"]
+
+
 @pytest.fixture
-def stack(db_url: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    stack = Stack(db_url, broker, tmp_path)
+def database_route() -> str:
+    """How the stack's processes reach the database: straight, unless the module says otherwise (:data:`ROUTES`)."""
+    return "direct"
+
+
+@pytest.fixture
+def stack(
+    db_url: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRequest, database_route: str
+) -> Iterator[Stack]:
+    if database_route == "pgbouncer":
+        # The worker, beat and relay (and the producers a test starts with stack.env) go through PgBouncer; the
+        # test's own reads (stack.query) and its in-process client go straight to the database.
+        bouncer = request.getfixturevalue("pgbouncer")
+        stack = Stack(bouncer.url(db_url), broker, tmp_path, admin_url=db_url)
+        stack.env.update({"KEEL_DATABASE_POOLER": "transaction", "KEEL_DATABASE_DIRECT_URL": db_url})
+    else:
+        stack = Stack(db_url, broker, tmp_path)
     try:
         yield stack
     finally:
@@ -184,6 +206,9 @@ def stack(db_url: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRe
             for log in sorted(tmp_path.glob("*.log")):
                 print(f"\n----- {log.name} (last 60 lines) -----")
                 print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+            if database_route == "pgbouncer":
+                print("\n----- pgbouncer.log (last 60 lines) -----")
+                print("\n".join(request.getfixturevalue("pgbouncer").log().splitlines()[-60:]))
 
 
 @pytest.hookimpl(hookwrapper=True)

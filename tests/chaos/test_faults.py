@@ -16,10 +16,16 @@ import pytest
 import tests.support.tools  # noqa: F401 - the workers' tools: this process's submits are checked against them
 from agents.client import Client
 from models.urls import libpq_url
-from tests.chaos.conftest import Stack, clock_offset_in_log, skewed, wait_until
+from tests.chaos.conftest import ROUTES, Stack, clock_offset_in_log, skewed, wait_until
 from tests.support.broker import Broker, new_prefix
 
 pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture(params=ROUTES)
+def database_route(request: pytest.FixtureRequest) -> str:
+    """Every scenario here also runs with the processes behind a PgBouncer in transaction mode."""
+    return str(request.param)
 
 
 def executions(stack: Stack, phase: str = "start") -> dict[str, int]:

@@ -14,10 +14,17 @@ from agents.client import Client
 from agents.core.commands import Command, MessageSpec
 from agents.core.phases import Event
 from agents.core.transition import transition
-from tests.chaos.conftest import Stack, skewed, wait_until
+from tests.chaos.conftest import ROUTES, Stack, skewed, wait_until
 from tests.support.fakes import FakeGitHub, FakeSlack
 
 pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture(params=ROUTES)
+def database_route(request: pytest.FixtureRequest) -> str:
+    """Every scenario here also runs with the processes behind a PgBouncer in transaction mode."""
+    return str(request.param)
+
 
 SLACK_TOKEN = "xoxb-chaos-slack-token-000"
 GITHUB_TOKEN = "ghp_chaosGithubToken000"

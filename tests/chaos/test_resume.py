@@ -11,9 +11,16 @@ import pytest
 
 from agents.client import Client
 from agents.demo.fake_servers import FakeLLM
-from tests.chaos.conftest import Stack, wait_until
+from tests.chaos.conftest import ROUTES, Stack, wait_until
 
 pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture(params=ROUTES)
+def database_route(request: pytest.FixtureRequest) -> str:
+    """Every scenario here also runs with the processes behind a PgBouncer in transaction mode."""
+    return str(request.param)
+
 
 API_KEY = "sk-chaos-test-key-0000"
 REPLIES = [

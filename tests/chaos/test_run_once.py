@@ -10,9 +10,15 @@ from typing import Any
 import pytest
 
 from agents.client import Client
-from tests.chaos.conftest import ROOT, Stack, free_port, wait_until
+from tests.chaos.conftest import ROOT, ROUTES, Stack, free_port, wait_until
 
 pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture(params=ROUTES)
+def database_route(request: pytest.FixtureRequest) -> str:
+    """Every scenario here also runs with the processes behind a PgBouncer in transaction mode."""
+    return str(request.param)
 
 
 def executions(stack: Stack, phase: str = "start") -> dict[str, int]:

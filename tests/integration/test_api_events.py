@@ -106,3 +106,46 @@ def test_a_revoked_tokens_open_streams_end_without_any_event_committed_after_the
             # Nothing wakes this one: its periodic re-check of the token ends it (within 5 s).
             assert list(silent) == []
         problem(http.get(f"/v1/agents/{watched.id}/events"), 401, "unauthorized")
+
+
+def db_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    from models.urls import libpq_url
+
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def test_behind_pgbouncer_live_events_come_over_the_direct_connection(
+    pgbouncer: Any, db: Any, db_url: str, broker: Any, tmp_path: Any, client: Client
+) -> None:
+    """The API behind PgBouncer in transaction mode: its queries go through the pooler, its one LISTEN connection
+    to KEEL_DATABASE_DIRECT_URL (a LISTEN through the pooler would stay on a server connection nobody reads)."""
+    from tests.support.api import running_api
+
+    env = {
+        "KEEL_DATABASE_URL": pgbouncer.url(db_url),
+        "KEEL_DATABASE_POOLER": "transaction",
+        "KEEL_DATABASE_DIRECT_URL": db_url,
+    }
+    with running_api(db, db_url, broker, tmp_path, env=env) as api:
+        agent = client.create_agent("watched-through-pgbouncer")
+        with api.http(api.token("auditor")) as http:
+            with stream(http, f"/v1/agents/{agent.id}/events", **{"Last-Event-ID": "1"}) as events:
+                later = threading.Thread(target=ten_transitions, args=(client, agent.id, 1))
+                later.start()
+                live = [next(events) for _ in range(10)]
+                later.join()
+            assert [int(e.id) for e in live] == list(range(2, 12))
+            state = http.get(f"/v1/agents/{agent.id}")  # and a read through the pooler
+            assert state.status_code == 200, state.text
+        listening = {
+            pid
+            for (pid,) in db_rows(
+                db_url,
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'",
+            )
+        }
+        assert listening, "the API listens"
+        assert not listening & pgbouncer.server_pids(), "its LISTEN session is its own, not one of PgBouncer's"

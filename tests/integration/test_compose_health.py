@@ -1,5 +1,5 @@
 """compose.yaml's beat health check, run as Docker runs it, against a real PostgreSQL: healthy while a beat holds the
-leader lock, unhealthy (naming why) once none does."""
+leader lease, unhealthy (naming why) once none does."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from models.settings import Settings
 from models.urls import libpq_url
-from tasks.dispatcher import Leadership
+from tasks.leadership import Leadership
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +29,7 @@ def _beat_check(db_url: str) -> subprocess.CompletedProcess[str]:
 
 def test_beat_is_healthy_while_a_beat_leads_and_unhealthy_when_none_does(db_url: str) -> None:
     assert _beat_check(db_url).returncode == 1, "no beat runs yet"
-    leader = Leadership(libpq_url(db_url))
+    leader = Leadership(libpq_url(db_url), Settings())
     try:
         assert leader.held()  # what a running beat does on its first tick
         healthy = _beat_check(db_url)
@@ -37,4 +38,4 @@ def test_beat_is_healthy_while_a_beat_leads_and_unhealthy_when_none_does(db_url:
         leader.release()
     gone = _beat_check(db_url)
     assert gone.returncode == 1
-    assert gone.stderr == "no beat holds the leader lock\n"
+    assert gone.stderr == "no beat holds the leader lease\n", "a beat that stops hands its lease back at once"

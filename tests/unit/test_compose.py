@@ -24,7 +24,7 @@ from dotenv import dotenv_values
 
 from agents.cli import cli
 from models.settings import Settings
-from tasks.dispatcher import LEADER_LOCK
+from tasks.leadership import BEAT
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -235,11 +235,11 @@ def test_worker_health_checks_ping_the_worker_they_belong_to() -> None:
         assert check[1].endswith(f"-d {node.replace('%h', '$HOSTNAME')}"), check[1]
 
 
-def test_the_beat_health_check_asks_for_the_leader_lock_beat_takes() -> None:
+def test_the_beat_health_check_asks_for_the_leader_lease_beat_takes() -> None:
     check = _compose()["services"]["beat"]["healthcheck"]["test"]
     assert check[:3] == ["CMD", "python", "-c"]
-    assert f"classid = {LEADER_LOCK >> 32}" in check[3]
-    assert f"objid = {LEADER_LOCK & 0xFFFFFFFF}" in check[3]
+    assert f"FROM beat_leadership WHERE name = '{BEAT}'" in check[3]
+    assert "lease_until > clock_timestamp()" in check[3]
 
 
 def test_no_password_is_written_in_compose() -> None:

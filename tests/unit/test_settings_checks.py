@@ -50,6 +50,20 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ({"KEEL_OUTBOX_LEASE_SECONDS": "10"}, "KEEL_OUTBOX_LEASE_SECONDS: must be at least 3 x"),
         ({"KEEL_LLM_PROVIDER": "openai"}, "KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai"),
         ({"KEEL_DB_POOL_SIZE": "0"}, "KEEL_DB_POOL_SIZE: Input should be greater than or equal to 1"),
+        ({"KEEL_DB_POOL_SIZE_WORKER": "0"}, "KEEL_DB_POOL_SIZE_WORKER: Input should be greater than or equal to 1"),
+        (
+            {"KEEL_DATABASE_POOLER": "transaction"},
+            "KEEL_DATABASE_DIRECT_URL: required with KEEL_DATABASE_POOLER=transaction",
+        ),
+        ({"KEEL_DATABASE_POOLER": "session"}, "KEEL_DATABASE_POOLER: Input should be 'none' or 'transaction'"),
+        (
+            {"KEEL_DATABASE_DIRECT_URL": "mysql://u:s3cret@db/keel"},
+            "KEEL_DATABASE_DIRECT_URL: Keel needs PostgreSQL",
+        ),
+        (
+            {"KEEL_BEAT_LEASE_SECONDS": "1", "KEEL_DISPATCH_INTERVAL_SECONDS": "0.5"},
+            "KEEL_BEAT_LEASE_SECONDS: must be at least three times KEEL_DISPATCH_INTERVAL_SECONDS",
+        ),
         ({"KEEL_ENVIRONMENT": "prod"}, "KEEL_ENVIRONMENT: Input should be 'development', 'test' or 'production'"),
         ({"KEEL_BROKER_PREFIX": "keel *"}, "KEEL_BROKER_PREFIX: may hold only letters, digits and . _ : / -"),
         (

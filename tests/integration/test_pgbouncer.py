@@ -1,0 +1,190 @@
+"""Keel behind a real PgBouncer in transaction mode (Debian's pgbouncer, started by the test session): consecutive
+transactions of one client run on whichever server connection is free, so nothing may rely on a session."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from agents.client import Client
+from models.db import Database
+from models.settings import Settings
+from models.urls import libpq_url
+from tasks.leadership import Leadership
+from tests.support.api import script
+from tests.support.audit import TEST_KEYS
+from tests.support.pgbouncer import Bouncer
+
+pytestmark = pytest.mark.integration
+
+
+def _interleaved(connections: list[psycopg.Connection[Any]], rounds: int) -> None:
+    """Every connection runs the same parameterized queries in turn, one holding a transaction open meanwhile: the
+    pooler must hand the others other server connections."""
+    for n in range(rounds):
+        holder = connections[n % len(connections)]
+        with holder.transaction():
+            holder.execute("SELECT count(*) FROM agents WHERE name = %s", (f"x{n}",)).fetchone()
+            for conn in connections:
+                if conn is not holder:
+                    conn.execute("SELECT count(*) FROM agents WHERE name = %s", (f"y{n}",)).fetchone()
+
+
+def test_psycopgs_automatic_prepared_statements_break_behind_pgbouncer(pgbouncer: Bouncer, db_url: str) -> None:
+    """What the pooler setting is for: psycopg prepares a query from its fifth run on, on the server connection it
+    happens to have; behind a transaction pooler the next run lands on another one."""
+    url = libpq_url(pgbouncer.url(db_url))
+    connections = [psycopg.connect(url, autocommit=True) for _ in range(3)]
+    try:
+        with pytest.raises(psycopg.Error, match=r'prepared statement "_pg3_\d+"'):
+            _interleaved(connections, 20)
+    finally:
+        for conn in connections:
+            conn.close()
+
+
+def test_startup_options_are_refused_by_pgbouncer(pgbouncer: Bouncer, db_url: str) -> None:
+    """Without KEEL_DATABASE_POOLER=transaction Keel sends the statement timeout in the startup packet, which
+    PgBouncer refuses: a clear error at the first connection, not a silently lost timeout."""
+    db = Database(pgbouncer.url(db_url), pool_size=1)
+    try:
+        with pytest.raises(Exception, match="unsupported startup parameter: options"), db.connection():
+            pass
+    finally:
+        db.dispose()
+
+
+def _behind(pgbouncer: Bouncer, db_url: str) -> Database:
+    return Database(pgbouncer.url(db_url), pool_size=4, audit_keys=TEST_KEYS, pooler="transaction", direct_url=db_url)
+
+
+def test_the_hot_path_from_many_processes_works_behind_pgbouncer(pgbouncer: Bouncer, db_url: str) -> None:
+    """Two pools (two processes' worth) and four threads of producers, far more than five runs of every statement:
+    with prepared statements off, every command commits and the journal is whole."""
+    dbs = [_behind(pgbouncer, db_url), _behind(pgbouncer, db_url)]
+    errors: list[BaseException] = []
+    try:
+        clients = [Client(db) for db in dbs]
+        agents = [clients[0].create_agent(f"a{n}") for n in range(8)]
+
+        def produce(client: Client, mine: list[Any]) -> None:
+            try:
+                for round_ in range(6):
+                    for agent in mine:
+                        client.submit(agent.id, f"r{round_}-{agent.id}", script({"content": "hi"}), actor="producer")
+                        client.cancel(agent.id, actor="producer", reason="next")
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=produce, args=(clients[n % 2], agents[n::4])) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        with dbs[0].connection() as conn:
+            revisions = conn.execute("SELECT sum(revision) FROM agents").fetchone()
+            conn.rollback()
+        assert revisions == (8 * 12,), "every submit and cancel committed once"
+    finally:
+        for db in dbs:
+            db.dispose()
+
+
+def test_a_read_with_a_statement_timeout_works_behind_pgbouncer(pgbouncer: Bouncer, db_url: str) -> None:
+    """``Database.reading`` sets its timeout for its own transaction only (``set_config(…, true)``): behind a
+    transaction pooler it neither leaks to another client's transactions nor is lost."""
+    db = _behind(pgbouncer, db_url)
+    try:
+        from datetime import timedelta
+
+        with db.reading(statement_timeout=timedelta(milliseconds=200)) as conn:
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                conn.execute("SELECT pg_sleep(2)")
+        for _ in range(5):  # whichever server connection the next transaction gets, it has no such timeout
+            with db.connection() as conn:
+                assert conn.execute("SELECT current_setting('statement_timeout')").fetchone() != ("200ms",)
+                conn.rollback()
+    finally:
+        db.dispose()
+
+
+# --- the beat leader's lease ------------------------------------------------------------------------------------
+
+
+def _lease_settings(lease: float = 0.9) -> Settings:
+    return Settings(beat_lease_seconds=lease, dispatch_interval_seconds=0.2)
+
+
+@pytest.mark.parametrize("route", ["direct", "pgbouncer"])
+def test_two_beats_racing_for_the_lease_get_one_leader(route: str, pgbouncer: Bouncer, db_url: str) -> None:
+    url = libpq_url(db_url if route == "direct" else pgbouncer.url(db_url))
+    beats = [Leadership(url, _lease_settings(5.0), holder=f"beat-{n}") for n in range(6)]
+    try:
+        start = threading.Barrier(len(beats))
+        results: dict[str, bool] = {}
+
+        def race(beat: Leadership) -> None:
+            start.wait()
+            results[beat.holder] = beat.held()
+
+        threads = [threading.Thread(target=race, args=(beat,)) for beat in beats]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sum(results.values()) == 1, results
+        for _ in range(3):  # and it stays so, tick after tick
+            assert [beat.held() for beat in beats].count(True) == 1
+    finally:
+        for beat in beats:
+            beat.release()
+
+
+@pytest.mark.parametrize("route", ["direct", "pgbouncer"])
+def test_a_leader_paused_past_its_lease_steps_down_and_the_new_term_is_higher(
+    route: str, pgbouncer: Bouncer, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = libpq_url(db_url if route == "direct" else pgbouncer.url(db_url))
+    a = Leadership(url, _lease_settings(), holder="beat-a")
+    b = Leadership(url, _lease_settings(), holder="beat-b")
+    try:
+        assert a.held() and a.term is not None
+        first = a.term
+        assert not b.held(), "the lease is a's until it runs out"
+        time.sleep(1.2)  # a is paused (SIGSTOP, a long pause) past its lease
+        assert b.held(), "b takes the lease over once it ran out"
+        assert b.term == first + 1 and b.terms == 1
+        with caplog.at_level(logging.WARNING, logger="keel.dispatcher"):
+            assert not a.held(), "a resumed leader must step down: its term is over"
+        said = f"this beat is no longer the leader (term {first}): its lease was taken over (term {first + 1}, beat-b)"
+        assert said in caplog.text
+        assert a.term is None and not a.valid()
+        a.release()  # a's release must not end b's term
+        assert b.held() and b.term == first + 1
+        b.release()  # a clean stop hands over at once
+        assert a.held() and a.term == first + 2 and a.terms == 2, "a new term for a, counted"
+    finally:
+        a.release()
+        b.release()
+
+
+def test_a_leader_renewing_in_time_keeps_its_term(pgbouncer: Bouncer, db_url: str) -> None:
+    a = Leadership(libpq_url(pgbouncer.url(db_url)), _lease_settings(), holder="beat-a")
+    b = Leadership(libpq_url(pgbouncer.url(db_url)), _lease_settings(), holder="beat-b")
+    try:
+        assert a.held()
+        term = a.term
+        for _ in range(8):  # 1.6 s of ticks: longer than the lease, renewed every 0.2 s
+            time.sleep(0.2)
+            assert a.held() and a.term == term
+            assert not b.held()
+        assert a.terms == 1
+    finally:
+        a.release()
+        b.release()
