@@ -259,6 +259,32 @@ def events(
         return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
 
 
+def latest_events(
+    db: Database,
+    *,
+    agent_id: UUID | None = None,
+    request_id: str | None = None,
+    limit: int,
+    before: int | None = None,
+) -> list[JournalEvent]:
+    """Up to ``limit`` journal events, newest first, filtered by agent and/or request, older than ``before``: an
+    event ``seq`` of the agent's chain when ``agent_id`` is given (its unique (agent_id, seq) index is read
+    backwards), else a journal id (the primary key's, or a request's events by the request_id index). The cost is
+    the page's, not the journal's."""
+    if agent_id is not None:
+        query = select(journal).where(journal.c.agent_id == agent_id).order_by(journal.c.seq.desc())
+        if before is not None:
+            query = query.where(journal.c.seq < before)
+    else:
+        query = select(journal).order_by(journal.c.id.desc())
+        if before is not None:
+            query = query.where(journal.c.id < before)
+    if request_id is not None:
+        query = query.where(journal.c.request_id == request_id)
+    with db.engine.connect() as conn:
+        return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query.limit(limit))]
+
+
 # Per agent, the events past the position a follower has seen. An agent's chain is appended under its row's lock
 # and its head moves in the same transaction, so within one statement's snapshot "head > seen" finds exactly the
 # committed events a follower lacks: none skipped (a global id can commit out of order, a chain cannot), none twice.

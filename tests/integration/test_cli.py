@@ -66,14 +66,14 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
     assert missing.returncode == 1 and "no job has the key 'nope:plan:1'" in missing.stderr
     keel(db_url, "cancel", "ops-bot", "--revision", "1", "--reason", "wrong prompt", "--actor", "bob")
     events = json.loads(keel(db_url, "journal", "--agent", "ops-bot", "--json").stdout)["events"]
-    assert [(e["kind"], e["event"], e["actor"]) for e in events] == [
-        ("created", "create", "cli"),
-        ("transition", "submit", "alice"),
+    assert [(e["kind"], e["event"], e["actor"]) for e in events] == [  # newest first
         ("transition", "cancel", "bob"),
+        ("transition", "submit", "alice"),
+        ("created", "create", "cli"),
     ]
-    assert events[2]["details"] == {"reason": "wrong prompt", "jobs_cancelled": ["req-7:plan:1"]}
+    assert events[0]["details"] == {"reason": "wrong prompt", "jobs_cancelled": ["req-7:plan:1"]}
     by_request = json.loads(keel(db_url, "journal", "--request-id", "req-7", "--json").stdout)["events"]
-    assert [e["event"] for e in by_request] == ["submit", "cancel"]
+    assert [e["event"] for e in by_request] == ["cancel", "submit"]
     assert "planning -> failed" in keel(db_url, "journal", "--agent", "ops-bot").stdout
     verified = json.loads(keel(db_url, "audit", "verify", "--json").stdout)
     assert verified == {
@@ -85,6 +85,9 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         "legacy": [],
         "key_ids": ["test-1"],
         "archive_problems": [],
+        "mode": "incremental",
+        "read_events": 3,
+        "checkpoint_problems": [],
     }
 
 
@@ -387,13 +390,13 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
     assert "ARCHIVED" in keel(db_url, "agent", "show", "old-bot").stdout
 
     events = json.loads(keel(db_url, "journal", "--agent", "old-bot", "--json").stdout)["events"]
-    assert [(e["kind"], e["event"], e["decision"], e["actor"]) for e in events] == [
-        ("created", "create", "accepted", "cli"),
-        ("operator", "archive", "archived", "carol"),
+    assert [(e["kind"], e["event"], e["decision"], e["actor"]) for e in events] == [  # newest first
         ("rejected", "submit", "agent_archived", "cli"),
+        ("operator", "archive", "archived", "carol"),
+        ("created", "create", "accepted", "cli"),
     ]
     busy = json.loads(keel(db_url, "journal", "--agent", "busy-bot", "--json").stdout)["events"]
-    assert (busy[-1]["kind"], busy[-1]["event"], busy[-1]["decision"]) == ("rejected", "archive", "agent_busy")
+    assert (busy[0]["kind"], busy[0]["event"], busy[0]["decision"]) == ("rejected", "archive", "agent_busy")
     assert json.loads(keel(db_url, "audit", "verify", "--json").stdout)["ok"] is True
 
     keel(db_url, "agent", "unarchive", "old-bot")
@@ -410,6 +413,9 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
         "legacy": [],
         "key_ids": ["test-1"],
         "archive_problems": [],
+        "mode": "incremental",
+        "read_events": 2,  # the two events since the verify above: the rest is below the checkpoints
+        "checkpoint_problems": [],
     }
 
 
@@ -474,7 +480,7 @@ def test_one_timestamp_format_and_one_json_shape(db_url: str) -> None:
     for args, data in outputs.items():
         assert isinstance(data, dict), args  # one shape: an object; lists are named fields of it
     assert set(outputs[("agent", "list")]) == {"agents", "next"}
-    assert set(outputs[("journal",)]) == {"events"}
+    assert set(outputs[("journal",)]) == {"events", "next"}
     assert set(outputs[("outbox", "list")]) == {"messages"}
     times = [t for data in outputs.values() for t in _times(data)]
     assert len(times) >= 8 and all(RFC3339.match(t) for t in times), times
