@@ -1,7 +1,7 @@
 # Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
 PY ?= .venv/bin/python
 
-.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api docs demo
+.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-verify docs demo
 
 install:
 	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
@@ -18,7 +18,7 @@ types:
 test:
 	$(PY) -m pytest
 
-bench: bench-transitions bench-jobs bench-outbox bench-api
+bench: bench-transitions bench-jobs bench-outbox bench-api bench-verify
 
 bench-transitions:
 	$(PY) -m bench.transitions
@@ -31,6 +31,9 @@ bench-outbox:
 
 bench-api:
 	$(PY) -m bench.api
+
+bench-verify:
+	$(PY) -m bench.verify
 
 docs:
 	.venv/bin/keel docs phases
