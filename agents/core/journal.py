@@ -1052,7 +1052,45 @@ _CHUNK_HEADLESS = (
     " AND NOT EXISTS (SELECT 1 FROM audit.deleted_agents d WHERE d.agent_id = j.agent_id)"
     " GROUP BY j.agent_id ORDER BY j.agent_id"
 )
-_CHAIN_AFTER = f"{_CHAIN_QUERY.removesuffix(' ORDER BY seq')} AND seq > %s ORDER BY seq"
+_CHUNK_EVENTS = (
+    "SELECT j.agent_id, j.id, j.hash, j.key_id, j.prev_hash, j.seq, j.kind, j.event, j.actor, j.request_id,"
+    " j.from_phase, j.to_phase, j.revision, j.decision, j.details::text AS details_json, j.at"
+    " FROM unnest(%(ids)s::uuid[], %(after)s::bigint[]) AS w(agent_id, after)"
+    " JOIN audit.journal j ON j.agent_id = w.agent_id AND j.seq > w.after ORDER BY j.agent_id, j.seq"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One chain of a chunk to walk: from ``start`` (None: genesis), past its checkpoint ``cp`` if it is believed;
+    events 1..``base`` were archived."""
+
+    head: _Head
+    start: ChainPosition | None
+    cp: Checkpoint | None
+    seal: _Seal | None
+    base: int
+
+    @property
+    def walked(self) -> int:
+        return 0 if self.start is None else self.start.seq
+
+
+class _Rows:
+    """A chunk's events in (agent id, seq) order, handed out chain by chain."""
+
+    def __init__(self, rows: Iterator[dict[str, Any]]) -> None:
+        self._rows = rows
+        self._next = next(rows, None)
+
+    def of(self, agent_id: UUID) -> Iterator[dict[str, Any]]:
+        while self._next is not None and self._next["agent_id"] == agent_id:
+            row, self._next = self._next, next(self._rows, None)
+            yield row
+
+    def skip(self, agent_id: UUID) -> None:
+        for _ in self.of(agent_id):
+            pass
 
 
 @contextmanager
@@ -1139,6 +1177,7 @@ def verify(
         params = {"low": low, "limit": chunk_chains}
         op = ">=" if first else ">"
         saved: list[Checkpoint] = []
+        walks: list[_Planned] = []
         with _chunk(db) as raw:
             with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
                 heads_cur.execute(_CHUNK_HEADS.format(low=op), params)
@@ -1172,21 +1211,29 @@ def verify(
                     continue
                 if cp is not None and not full and cp.seq >= base:
                     start = _position_of(cp)
-                walked = 0 if start is None else start.seq
-                with raw.cursor(row_factory=dict_row) as cur:
-                    cur.execute(_CHAIN_AFTER, (head.agent_id, walked))
-                    checked, position = _check_chain_at(iter(cur), head, seals.pop(head.agent_id, None), keys, start)
-                chains += 1
-                read += checked.events
-                total += checked.events + (walked - base)
-                if checked.broken is not None:
-                    breaks.append(checked.broken)
-                unchecked.extend(checked.unchecked)
-                if checked.legacy:
-                    legacy.append(LegacyPart(head.agent_id, checked.legacy))
-                if save_checkpoints and keys is not None and checked.ok and position.seq > 0:
-                    if cp is None or position.seq != cp.seq:
-                        saved.append(_sealed(head.agent_id, position, keys))
+                walks.append(_Planned(head, start, cp, seals.pop(head.agent_id, None), base))
+            with raw.cursor(name="keel-verify-chunk", row_factory=dict_row) as cur:
+                # One read for the chunk's chains, each past where its walk starts, streamed in chain order.
+                cur.itersize = 2000
+                cur.execute(
+                    _CHUNK_EVENTS,
+                    {"ids": [w.head.agent_id for w in walks], "after": [w.walked for w in walks]},
+                )
+                rows = _Rows(iter(cur))
+                for w in walks:
+                    checked, position = _check_chain_at(rows.of(w.head.agent_id), w.head, w.seal, keys, w.start)
+                    rows.skip(w.head.agent_id)  # what a broken walk left unread
+                    chains += 1
+                    read += checked.events
+                    total += checked.events + (w.walked - w.base)
+                    if checked.broken is not None:
+                        breaks.append(checked.broken)
+                    unchecked.extend(checked.unchecked)
+                    if checked.legacy:
+                        legacy.append(LegacyPart(w.head.agent_id, checked.legacy))
+                    if save_checkpoints and keys is not None and checked.ok and position.seq > 0:
+                        if w.cp is None or position.seq != w.cp.seq:
+                            saved.append(_sealed(w.head.agent_id, position, keys))
             if full:
                 with raw.cursor(row_factory=dict_row) as cur:
                     cur.execute(_CHUNK_HEADLESS.format(low=op), bounds)
