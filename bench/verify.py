@@ -3,8 +3,8 @@ from its start) beside an incremental pass (each chain from its sealed checkpoin
 longest chunk of each (one chunk = one transaction = the longest any snapshot of the verify lives).
 
 Each database is seeded directly (COPY, triggers off, as history is: the links are real HMACs under the audit key,
-so the walk checks every one): 1k events = 100 agents x 10 events, 100k events = 1,000 agents x 100 events. A full
-pass with checkpoints saved comes first (it is also what sets them), then 10 chains get one event each and the
+so the walk checks every one): 1k events = 500 agents x 2 events, 100k events = 1,000 agents x 100 events, so a
+chunk of 500 chains is full in both. A full pass with checkpoints saved comes first (it is also what sets them), then 10 chains get one event each and the
 incremental pass is timed; medians of ``--rounds``. Run with ``make bench-verify`` (or ``python -m bench.verify``).
 Uses KEEL_DATABASE_URL's server, else the embedded one; it creates and drops databases of its own.
 """
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     server, keys = database_url_for(settings), audit_keys_for(settings)
     results = []
     with OUT.task("seed and verify 1k and 100k events", total=2) as step:
-        for agents, per_chain in ((100, 10), (1000, 100)):
+        for agents, per_chain in ((500, 2), (1000, 100)):
             results.append(measure(server, keys, agents, per_chain, args.rounds))
             step.advance()
     small, large = results

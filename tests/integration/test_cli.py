@@ -363,7 +363,8 @@ def test_agent_list_has_a_header_a_phase_filter_newest_first_and_pages(db_url: s
     assert archived[-1].startswith("next: keel agent list --archived --limit 1 --after ")
 
     bad = keel(db_url, "agent", "list", "--after", "nonsense", check=False)
-    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1  # a usage error, naming --after
+    assert "Invalid value for --after" in bad.stderr
     assert "cursor 'nonsense' is not the 'next' of a page of agents" in bad.stderr
     wrong_phase = keel(db_url, "agent", "list", "--phase", "sleeping", check=False)
     assert wrong_phase.returncode == 2 and "'sleeping' is not one of" in wrong_phase.stderr
@@ -505,7 +506,9 @@ def test_journal_shows_the_whole_actor_and_why_a_command_was_rejected(db_url: st
     assert actor in text
     assert "error: stale revision for agent" in text and "the agent is at revision 0" in text
     assert '"expected_revision": 3' in text and '"judged_phase": "idle"' in text
-    assert "details:" not in keel(db_url, "journal", "--agent", "ops", "--limit", "1").stdout
+    # Newest first: the page after the refusal holds the create event alone, which shows no details.
+    older = json.loads(keel(db_url, "journal", "--agent", "ops", "--limit", "1", "--json").stdout)["next"]
+    assert "details:" not in keel(db_url, "journal", "--agent", "ops", "--limit", "1", "--after", older).stdout
     assert "details: {" in keel(db_url, "journal", "--agent", "ops", "--details").stdout
 
 
