@@ -1075,6 +1075,11 @@ class _Planned:
     def walked(self) -> int:
         return 0 if self.start is None else self.start.seq
 
+    @property
+    def read_after(self) -> int:
+        # From an archived head the chain is read whole: an event inserted at or below that head is a break.
+        return 0 if self.start is None or self.start.archived else self.start.seq
+
 
 class _Rows:
     """A chunk's events in (agent id, seq) order, handed out chain by chain."""
@@ -1217,7 +1222,7 @@ def verify(
                 cur.itersize = 2000
                 cur.execute(
                     _CHUNK_EVENTS,
-                    {"ids": [w.head.agent_id for w in walks], "after": [w.walked for w in walks]},
+                    {"ids": [w.head.agent_id for w in walks], "after": [w.read_after for w in walks]},
                 )
                 rows = _Rows(iter(cur))
                 for w in walks:
