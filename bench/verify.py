@@ -4,9 +4,10 @@ longest chunk of each (one chunk = one transaction = the longest any snapshot of
 
 Each database is seeded directly (COPY, triggers off, as history is: the links are real HMACs under the audit key,
 so the walk checks every one): 1k events = 500 agents x 2 events, 100k events = 1,000 agents x 100 events, so a
-chunk of 500 chains is full in both. A full pass with checkpoints saved comes first (it is also what sets them), then 10 chains get one event each and the
-incremental pass is timed; medians of ``--rounds``. Run with ``make bench-verify`` (or ``python -m bench.verify``).
-Uses KEEL_DATABASE_URL's server, else the embedded one; it creates and drops databases of its own.
+chunk of 500 chains is full in both. A full pass with checkpoints saved comes first (it is also what sets them),
+then 10 chains get one event each and the incremental pass is timed; medians of ``--rounds``. Run with ``make
+bench-verify`` (or ``python -m bench.verify``). Uses KEEL_DATABASE_URL's server, else the embedded one; it
+creates and drops databases of its own.
 """
 
 from __future__ import annotations
