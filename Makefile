@@ -1,7 +1,7 @@
 # Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
 PY ?= .venv/bin/python
 
-.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-scale bench-peers docs demo
+.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-verify bench-scale bench-peers docs demo
 
 install:
 	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
@@ -18,7 +18,7 @@ types:
 test:
 	$(PY) -m pytest
 
-bench: bench-transitions bench-jobs bench-outbox bench-api bench-scans
+bench: bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-verify
 
 bench-transitions:
 	$(PY) -m bench.transitions
@@ -43,6 +43,9 @@ bench-scale:
 bench-peers:
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.peers
+
+bench-verify:
+	$(PY) -m bench.verify
 
 docs:
 	.venv/bin/keel docs phases

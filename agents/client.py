@@ -38,6 +38,7 @@ from agents.core.errors import (
     AgentExists,
     AgentInUse,
     AgentNotFound,
+    BadCursor,
     HardDeadlinePassed,
     IllegalTransition,
     InvalidDeadlines,
@@ -73,6 +74,7 @@ from models.schemas import (
     DeletedAgent,
     JobView,
     JournalEvent,
+    JournalEventPage,
     NewAgent,
     RequestRecord,
     Submission,
@@ -242,6 +244,32 @@ class Client:
         resolved = None if agent_id is None else self._chain_id(agent_id)
         with core.store_errors():
             return journal_mod.events(self.db, agent_id=resolved, request_id=request_id, limit=limit)
+
+    def journal_page(
+        self,
+        *,
+        agent_id: AgentRef | None = None,
+        request_id: str | None = None,
+        limit: int = 50,
+        after: str | None = None,
+    ) -> JournalEventPage:
+        """Journal events newest first, a page at a time, for an agent and/or a request: at most ``limit``; ``after``
+        is the ``next`` cursor of the previous page (the same filters). Keyset-paginated: a page costs its rows."""
+        check_count("limit", limit, low=1, high=MAX_BIGINT - 1)  # one more is read to tell whether more follow
+        if request_id is not None:
+            check_text("request_id", request_id, limit=200)
+        by = "seq" if agent_id is not None else "id"
+        before = None if after is None else _decode_journal_cursor(after, by)
+        resolved = None if agent_id is None else self._chain_id(agent_id)
+        with core.store_errors():
+            rows = journal_mod.latest_events(
+                self.db, agent_id=resolved, request_id=request_id, limit=limit + 1, before=before
+            )
+        if len(rows) <= limit:
+            return JournalEventPage(events=tuple(rows))
+        rows = rows[:limit]
+        last = rows[-1].seq if by == "seq" else rows[-1].id
+        return JournalEventPage(events=tuple(rows), next=_encode_journal_cursor(by, last))
 
     def follow_journal(
         self, *, agent_id: AgentRef | None = None, request_id: str | None = None, poll_seconds: float = 0.5
@@ -771,8 +799,28 @@ def _decode_cursor(cursor: str) -> tuple[datetime, UUID]:
             raise ValueError("naive time")
         return at, UUID(agent_id)
     except (ValueError, UnicodeDecodeError):
-        raise InvalidInput(
+        raise BadCursor(
             f"cursor {quoted(cursor)} is not the 'next' of a page of agents (from `keel agent list` or the API)"
+        ) from None
+
+
+def _encode_journal_cursor(by: str, before: int) -> str:
+    return base64.urlsafe_b64encode(f"journal|{by}|{before}".encode()).decode().rstrip("=")
+
+
+def _decode_journal_cursor(cursor: str, by: str) -> int:
+    # A cursor of one agent's chain counts events of that chain (seq); of the whole journal, journal ids.
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        kind, found, number = text.split("|")
+        value = int(number)
+        if kind != "journal" or found != by or not 1 <= value <= MAX_BIGINT:
+            raise ValueError(text)
+        return value
+    except (ValueError, UnicodeDecodeError):
+        scope = "one agent's journal (with --agent)" if by == "seq" else "the journal (without --agent)"
+        raise BadCursor(
+            f"cursor {quoted(cursor)} is not the 'next' of a page of {scope}, as `keel journal` printed it"
         ) from None
 
 

@@ -1,6 +1,7 @@
 """Seals on Keel's own audit records: ``audit_verifications`` (the outcome of every `keel audit verify`, which the
-``audit_verify`` alert and the console read) and ``audit_shipments`` (how far the journal was shipped, which the
-shipper resumes from and the ship-lag measures read).
+``audit_verify`` alert and the console read), ``audit_shipments`` (how far the journal was shipped, which the
+shipper resumes from and the ship-lag measures read) and ``audit_verified_chains`` (how far each chain was verified,
+which an incremental `keel audit verify` starts from).
 
 The application role must be able to INSERT both (the beat and the CLI write them as it), so grants alone cannot
 keep someone holding only its database credentials from inserting an "ok" verification or a shipment that never
@@ -14,6 +15,11 @@ and `keel audit verify --against` run by an auditor). A SECURITY DEFINER functio
 cannot tell a real verification's result from a made-up one, since checking the chains needs the key it does not
 hold.
 
+A forged checkpoint would be the worst of the three: it would make an incremental verify skip the events below it.
+So a checkpoint whose seal does not hold is reported as a problem (the verify fails) and its chain is walked from its
+start, as if it had none. Replaying a genuine older checkpoint of the same chain only makes the next pass read more;
+one of another chain does not verify (the agent id is sealed).
+
 Replays are closed by the tables: a verification's ``seal`` is unique (its time is sealed with it), so a genuine
 row cannot be inserted again under a newer id, and a shipment's key includes its manifest's sha256.
 """
@@ -22,17 +28,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Protocol
+from uuid import UUID
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import class_row, dict_row
 
 from models.clock import rfc3339
 
 VERIFICATION_SEAL = "keel-audit-verification-v1"
 SHIPMENT_SEAL = "keel-audit-shipment-v1"
+CHECKPOINT_SEAL = "keel-audit-checkpoint-v1"
 
 
 def _details_text(details: Mapping[str, Any]) -> str:
@@ -52,6 +60,84 @@ def shipment_seal_parts(
 ) -> list[str | int | None]:
     """What a shipment's seal is an HMAC of (every field the shipper and the measures read)."""
     return [SHIPMENT_SEAL, destination, first_id, last_id, events, segment, manifest_sha256]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """One row of ``audit_verified_chains``: chain ``agent_id`` was verified up to event ``seq``, whose link is
+    ``hash``; the walk there had seen the state (revision, phase, request id) of its last transition event, its first
+    keyed event ``keyed_at``, its delete event ``deleted_at`` (0: none) and ``legacy`` unkeyed events."""
+
+    agent_id: UUID
+    seq: int
+    hash: str
+    revision: int
+    phase: str | None
+    request_id: str | None
+    keyed_at: int
+    deleted_at: int
+    legacy: int
+    key_id: str
+    seal: str
+
+
+def checkpoint_seal_parts(
+    *,
+    agent_id: UUID,
+    seq: int,
+    hash: str,
+    revision: int,
+    phase: str | None,
+    request_id: str | None,
+    keyed_at: int,
+    deleted_at: int,
+    legacy: int,
+) -> list[str | int | None]:
+    """What a checkpoint's seal is an HMAC of (every field an incremental verify starts its walk from)."""
+    return [CHECKPOINT_SEAL, str(agent_id), seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy]
+
+
+def checkpoint_parts_of(cp: Checkpoint) -> list[str | int | None]:
+    return checkpoint_seal_parts(
+        agent_id=cp.agent_id, seq=cp.seq, hash=cp.hash, revision=cp.revision, phase=cp.phase,
+        request_id=cp.request_id, keyed_at=cp.keyed_at, deleted_at=cp.deleted_at, legacy=cp.legacy,
+    )  # fmt: skip
+
+
+_CHECKPOINTS = (
+    "SELECT agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal"
+    " FROM audit_verified_chains WHERE agent_id {low} %(low)s AND agent_id <= %(high)s ORDER BY agent_id"
+)
+
+
+def checkpoints_txn(conn: psycopg.Connection[Any], low: UUID, high: UUID, *, inclusive: bool) -> list[Checkpoint]:
+    """The checkpoints of the chains from ``low`` (excluded unless ``inclusive``) to ``high``, in the caller's
+    transaction (one index range read)."""
+    with conn.cursor(row_factory=class_row(Checkpoint)) as cur:
+        cur.execute(_CHECKPOINTS.format(low=">=" if inclusive else ">"), {"low": low, "high": high})
+        return cur.fetchall()
+
+
+_SAVE_CHECKPOINT = (
+    "INSERT INTO audit_verified_chains"
+    " (agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal)"
+    " VALUES (%(agent_id)s, %(seq)s, %(hash)s, %(revision)s, %(phase)s, %(request_id)s, %(keyed_at)s,"
+    " %(deleted_at)s, %(legacy)s, %(key_id)s, %(seal)s)"
+    " ON CONFLICT (agent_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash, revision = excluded.revision,"
+    " phase = excluded.phase, request_id = excluded.request_id, keyed_at = excluded.keyed_at,"
+    " deleted_at = excluded.deleted_at, legacy = excluded.legacy, key_id = excluded.key_id, seal = excluded.seal,"
+    " verified_at = clock_timestamp()"
+)
+
+
+def save_checkpoints_txn(cur: psycopg.Cursor[Any], checkpoints: list[Checkpoint]) -> None:
+    """Store (or move) these chains' checkpoints in the caller's transaction. A concurrent verify may move one back
+    to where its older snapshot stood: that only makes the next pass read a little more."""
+    if checkpoints:
+        cur.executemany(
+            _SAVE_CHECKPOINT,
+            [asdict(cp) for cp in checkpoints],
+        )
 
 
 class SealKeys(Protocol):

@@ -13,6 +13,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from models.db import Database
+from models.kpi_sql import counters_txn
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,30 +411,52 @@ def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str
     return rows
 
 
+# What is not sent yet, through the partial index the console's Outbox page reads (ix_outbox_unsent): sent messages
+# are most of the table and are counted by the KPI counters instead.
+_UNSENT_BY_STATUS = (
+    "SELECT status, count(*) AS n FROM outbox WHERE status IN ('pending', 'sending', 'dead') GROUP BY status"
+)
+# Reconciled deliveries are few: their partial index (ix_delivery_log_reconciled) counts them.
+_RECONCILED = "SELECT count(*) AS reconciled FROM delivery_log WHERE how = 'reconciled'"
+# Only when the counters say a key was confirmed more than once: which keys, and how often the worst one.
+_DUPLICATED_KEYS = (
+    "SELECT count(*) AS keys, coalesce(max(n), 0) AS worst"
+    " FROM (SELECT count(*) AS n FROM delivery_log GROUP BY key HAVING count(*) > 1) per_key"
+)
+
+
 def stats(db: Database) -> dict[str, Any]:
     """The outbox KPIs: deliveries per key (must be 1), reconciled and dead counts, messages by status. The duplicate
     rate is deliveries per key - 1 (ARCHITECTURE.md): confirmations beyond each key's first, per key confirmed — the
-    figure ``keel kpi`` and the dashboard show."""
+    figure ``keel kpi`` and the dashboard show.
+
+    Confirmations and duplicates come from the KPI counters (kept by the delivery log's trigger), messages not sent
+    yet and reconciled deliveries through partial indexes: nothing here reads every message or delivery, and a
+    delivered message that retention removed still counts. Only when the counters show a duplicate — the promise
+    broken — is the delivery log grouped by key to say how many keys and the worst one's count."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute("SELECT status, count(*) AS n FROM outbox GROUP BY status")
-        by_status = {r["status"]: r["n"] for r in cur.fetchall()}
-        cur.execute(
-            "SELECT count(*) AS delivered, coalesce(max(n), 0) AS max_per_key,"
-            " count(*) FILTER (WHERE n > 1) AS duplicated, coalesce(sum(n - 1), 0) AS extra"
-            " FROM (SELECT key, count(*) AS n FROM delivery_log GROUP BY key) per_key"
-        )
-        keys = cur.fetchone() or {"delivered": 0, "max_per_key": 0, "duplicated": 0, "extra": 0}
-        cur.execute("SELECT count(*) AS reconciled FROM delivery_log WHERE how = 'reconciled'")
+        counters = counters_txn(conn)
+        cur.execute(_UNSENT_BY_STATUS)
+        unsent = {r["status"]: r["n"] for r in cur.fetchall()}
+        cur.execute(_RECONCILED)
         reconciled = (cur.fetchone() or {"reconciled": 0})["reconciled"]
+        confirmations = int(sum(v for (name, _), v in counters.items() if name == "side_effect_confirmations"))
+        extra = int(sum(v for (name, _), v in counters.items() if name == "side_effect_duplicates"))
+        duplicated, worst = 0, 1 if confirmations else 0
+        if extra:
+            cur.execute(_DUPLICATED_KEYS)
+            row = cur.fetchone() or {"keys": 0, "worst": 0}
+            duplicated, worst = int(row["keys"]), max(worst, int(row["worst"]))
         conn.rollback()
-    delivered, duplicated, extra = keys["delivered"], keys["duplicated"], int(keys["extra"])
+    delivered = confirmations - extra
+    by_status = {**({"sent": delivered} if delivered else {}), **unsent}
     return {
         "by_status": by_status,
         "delivered_keys": delivered,
-        "max_deliveries_per_key": keys["max_per_key"],
+        "max_deliveries_per_key": worst,
         "keys_delivered_more_than_once": duplicated,
         "duplicate_deliveries": extra,
         "duplicate_rate": (extra / delivered) if delivered else 0.0,
         "reconciled": reconciled,
-        "dead": by_status.get("dead", 0),
+        "dead": unsent.get("dead", 0),
     }

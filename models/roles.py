@@ -67,6 +67,9 @@ APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "public.beat_leadership": ("SELECT", "INSERT", "UPDATE"),
     "public.audit_verifications": ("SELECT", "INSERT"),
     "public.audit_shipments": ("SELECT", "INSERT"),  # the shipper's progress, insert-only
+    # verify's checkpoints, replaced as a chain advances (INSERT ... ON CONFLICT DO UPDATE); sealed, so a row this
+    # role writes without the audit key is reported, not believed (models/audit_records.py)
+    "public.audit_verified_chains": ("SELECT", "INSERT", "UPDATE"),
     "public.console_signouts": ("SELECT", "INSERT", "DELETE"),  # DELETE: sign-outs past their session's expiry
     "public.alembic_version": ("SELECT",),  # the schema check every process makes
     "public.job_fencing_token_seq": ("USAGE",),  # a sequence: nextval() for each claim's fencing token

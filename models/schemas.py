@@ -139,6 +139,16 @@ class DeletedAgent(BaseModel):
     journal_head: str
 
 
+class JournalEventPage(BaseModel):
+    """One page of ``Client.journal_page``, newest first; ``next`` is the cursor of the following (older) page
+    (None: the last)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    events: tuple[JournalEvent, ...]
+    next: str | None = None
+
+
 class AgentPage(BaseModel):
     """One page of ``list_agents``, newest first; ``next`` is the cursor of the following page (None: the last)."""
 

@@ -236,8 +236,13 @@ class Settings(BaseSettings):
     alert_beat_leader_gap_max_seconds: float = Field(default=120.0, gt=0)
     # audit_ship_lag fires while KEEL_AUDIT_SHIP_URL is set and the oldest journal event not yet shipped there is older.
     alert_audit_ship_lag_max_seconds: float = Field(default=3600.0, gt=0)
-    # The leading beat runs `keel audit verify` (a full pass, in a thread of its own) this often; 0: never.
+    # The leading beat runs `keel audit verify` (in a thread of its own) this often, incrementally: each chain from its
+    # checkpoint; 0: never. Every audit_verify_full_interval_seconds that run is a full pass instead (every chain from
+    # its start: the only pass that sees an edit below a checkpoint); 0: never a full one.
     audit_verify_interval_seconds: float = Field(default=3600.0, ge=0)
+    audit_verify_full_interval_seconds: float = Field(default=7 * 86400.0, ge=0)
+    # Chains a verify walks per transaction: each chunk's snapshot ends with it, so vacuum is held back for one chunk.
+    audit_verify_chunk_chains: int = Field(default=500, ge=1, le=100_000)
     # Shipping the journal to a separate store (agents/audit/ship.py, `keel audit ship`): sealed segments of JSON
     # Lines to s3://bucket/prefix or file:///path; unset, nothing is shipped. The leading beat ships this often
     # (0: only `keel audit ship` does).

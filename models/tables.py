@@ -390,6 +390,8 @@ delivery_log = Table(
     Column("how", Text, nullable=False),
     Column("confirmed_at", DateTime(timezone=True), nullable=False),
     CheckConstraint("how IN ('sent', 'reconciled')", name="how"),
+    # `keel outbox stats` counts reconciled deliveries (few) without reading every delivery.
+    Index("ix_delivery_log_reconciled", "id", postgresql_where=text("how = 'reconciled'")),
 )
 
 #: What retention pruned: one row per job or message key (kind ``job`` / ``message``), written by a trigger on the
@@ -548,6 +550,28 @@ audit_shipments = Table(
     Column("key_id", Text, nullable=False),
     Column("seal", Text, nullable=False),
     CheckConstraint("first_id <= last_id", name="range"),
+)
+
+#: How far `keel audit verify` has verified each chain: its last verified event (``seq``) and that event's link
+#: (``hash``), with the state the walk had reached there, so an incremental pass reads only the events after it
+#: (agents/core/journal.py). One row per chain, replaced as it advances. Sealed like audit_verifications
+#: (models/audit_records.py): a row whose seal does not hold is reported and ignored, never trusted.
+audit_verified_chains = Table(
+    "audit_verified_chains",
+    metadata,
+    Column("agent_id", UUID(as_uuid=True), primary_key=True),
+    Column("seq", BigInteger, nullable=False),
+    Column("hash", Text, nullable=False),
+    Column("revision", BigInteger, nullable=False),
+    Column("phase", Text),
+    Column("request_id", Text),
+    Column("keyed_at", BigInteger, nullable=False),
+    Column("deleted_at", BigInteger, nullable=False),
+    Column("legacy", BigInteger, nullable=False),
+    Column("verified_at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
+    Column("key_id", Text, nullable=False),
+    Column("seal", Text, nullable=False),
+    CheckConstraint("seq >= 1", name="seq_positive"),
 )
 
 # Console sessions signed out before they expired (the session cookie is signed, not stored: a copy of it would

@@ -31,6 +31,7 @@ log = logging.getLogger("keel.leader")
 
 ALERTS_CHORE = "alerts"
 AUDIT_VERIFY_CHORE = "audit_verify"
+AUDIT_VERIFY_FULL_CHORE = "audit_verify_full"
 AUDIT_SHIP_CHORE = "audit_ship"
 JOURNAL_PARTITIONS_CHORE = "journal_partitions"
 PRUNE_CHORE = "prune"
@@ -109,12 +110,23 @@ class LeaderDuties:
 
     def _verify(self) -> None:
         try:
-            result = verify_and_record(self.db, "beat")
+            every = self.settings.audit_verify_full_interval_seconds
+            # Claimed as it starts: a full pass that fails to run waits for the next interval, as every chore does.
+            full = bool(every) and (
+                alerts_sql.claim_chore(self.db, AUDIT_VERIFY_FULL_CHORE, timedelta(seconds=every)) is not None
+            )
+            result = verify_and_record(self.db, "beat", full=full, chunk_chains=self.settings.audit_verify_chunk_chains)
         except Exception:
             log.exception("periodic audit verify failed to run")
             return
         if result.ok:
-            log.info("audit verify: %d events in %d chains verified", result.events, result.agents)
+            log.info(
+                "audit verify: %d events in %d chains verified (%s pass: %d events read)",
+                result.events,
+                result.agents,
+                "full" if result.full else "incremental",
+                result.read_events,
+            )
         else:
             log.error(
                 "audit verify: %d broken chains, %d events not checked (their key is not in KEEL_AUDIT_KEYS);"

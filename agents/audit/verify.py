@@ -10,11 +10,18 @@ from models.alerts_sql import record_verification
 from models.db import Database
 
 
-def verify_and_record(db: Database, source: Literal["cli", "beat"]) -> VerifyReport:
-    """Walk every chain (:func:`agents.core.journal.verify`, a full pass, with ``db``'s audit keys) and record whether
-    it held, and where not (agent ids, event numbers and key ids, never event contents). Events whose key the ring
-    lacks make it fail too: they were not checked."""
-    report = journal.verify(db)
+def verify_and_record(
+    db: Database,
+    source: Literal["cli", "beat"],
+    *,
+    full: bool = False,
+    chunk_chains: int = journal.VERIFY_CHUNK_CHAINS,
+) -> VerifyReport:
+    """Walk the chains (:func:`agents.core.journal.verify` with ``db``'s audit keys: incremental from each chain's
+    checkpoint, or ``full``), move the checkpoints of the chains found intact, and record whether every chain held,
+    and where not (agent ids, event numbers and key ids, never event contents). Events whose key the ring lacks make
+    it fail too: they were not checked. A pass that dies midway records nothing; the checkpoints it moved are true."""
+    report = journal.verify(db, full=full, save_checkpoints=True, chunk_chains=chunk_chains)
     record_verification(
         db,
         source=source,
@@ -23,6 +30,8 @@ def verify_and_record(db: Database, source: Literal["cli", "beat"]) -> VerifyRep
         events=report.events,
         breaks=len(report.breaks),
         details={
+            "mode": "full" if report.full else "incremental",
+            "read_events": report.read_events,
             "breaks": [{"agent_id": str(b.agent_id), "seq": b.seq} for b in report.breaks[:20]],
             "unchecked_events": sum(u.events for u in report.unchecked),
             "unchecked": [
@@ -31,6 +40,7 @@ def verify_and_record(db: Database, source: Literal["cli", "beat"]) -> VerifyRep
             ],
             "legacy_events": sum(p.events for p in report.legacy),
             "archive_problems": len(report.archive_problems),
+            "checkpoint_problems": len(report.checkpoint_problems),
         },
     )
     return report

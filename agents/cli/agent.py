@@ -28,7 +28,7 @@ from agents.cli.common import (
 )
 from agents.cli.watch import EXIT_TIMEOUT, outcome_json, outcome_text, wait_for_rest
 from agents.core.commands import MAX_BIGINT
-from agents.core.errors import quoted
+from agents.core.errors import BadCursor, quoted
 from agents.core.phases import RESTING, Phase
 
 #: The most agents one page of ``keel agent list`` shows (``--after`` pages on).
@@ -126,7 +126,10 @@ def agent_show(agent_ref: str, as_json: bool) -> None:
 def agent_list(phases: tuple[str, ...], archived: bool, limit: int, cursor: str | None, as_json: bool) -> None:
     """List agents, newest first, a page at a time."""
     with open_client(writes=False) as client:
-        page = client.list_agents(phases=phases, archived=archived, limit=limit, after=cursor)
+        try:
+            page = client.list_agents(phases=phases, archived=archived, limit=limit, after=cursor)
+        except BadCursor as exc:
+            raise click.BadParameter(str(exc), param_hint="--after") from None
     if not page.agents:
         emit(page, as_json, "no agents")
         return

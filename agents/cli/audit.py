@@ -13,31 +13,57 @@ from typing import IO, Any
 
 import click
 
-from agents.cli.common import emit, friendly, json_option, open_client, settings_or_exit, text_value, to_json
+from agents.cli.common import (
+    command_line,
+    emit,
+    friendly,
+    json_option,
+    open_client,
+    settings_or_exit,
+    text_value,
+    to_json,
+)
 from agents.cli.watch import journal_header, journal_text, print_events
-from agents.core.commands import MAX_BIGINT
-from agents.core.errors import quoted
+from agents.core.errors import BadCursor, quoted
+
+#: Events one page of ``keel journal`` shows by default, and at most (``--after`` pages on).
+JOURNAL_PAGE = 50
+MAX_JOURNAL_PAGE = 1000
 
 
 @click.command("journal")
 @click.option("--agent", "agent_ref", help="Only this agent (id or name).")
 @click.option("--request-id", help="Only this request.")
-@click.option("--limit", type=click.IntRange(1, MAX_BIGINT), help="At most this many events (not with --follow).")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, MAX_JOURNAL_PAGE),
+    help=f"At most this many events, a page (default {JOURNAL_PAGE}; not with --follow).",
+)
+@click.option(
+    "--after", "cursor", metavar="CURSOR", help="The page after this cursor (printed as 'next'): older events."
+)
 @click.option("--details", is_flag=True, help="Show every event's details (rejections always show theirs).")
 @click.option(
     "--follow",
     "-f",
     is_flag=True,
-    help="Keep printing new events as they commit, until Ctrl-C (with --json: one JSON object per line).",
+    help="Print every event oldest first, then new events as they commit, until Ctrl-C (with --json: one JSON"
+    " object per line).",
 )
 @json_option
 @friendly
 def journal_cmd(
-    agent_ref: str | None, request_id: str | None, limit: int | None, details: bool, follow: bool, as_json: bool
+    agent_ref: str | None,
+    request_id: str | None,
+    limit: int | None,
+    cursor: str | None,
+    details: bool,
+    follow: bool,
+    as_json: bool,
 ) -> None:
-    """Show journal events, oldest first: who did what to which agent, and what was decided."""
-    if follow and limit is not None:
-        raise click.UsageError("--limit and --follow do not go together")
+    """Show journal events, newest first, a page at a time: who did what to which agent, and what was decided."""
+    if follow and (limit is not None or cursor is not None):
+        raise click.UsageError(f"{'--limit' if limit is not None else '--after'} and --follow do not go together")
     with open_client(writes=False) as client:
         if follow:
             names: dict[Any, str] = {}
@@ -60,11 +86,22 @@ def journal_cmd(
             except KeyboardInterrupt:
                 pass  # Ctrl-C ends a follow: that is how it is meant to stop
             return
-        events = client.journal(agent_id=agent_ref, request_id=request_id, limit=limit)
-        several = agent_ref is None and len({e.agent_id for e in events}) > 1
-        agent_names = client.agent_names(e.agent_id for e in events) if several else None
-    text = journal_text(events, names=agent_names, details=details) if events else "no events"
-    emit({"events": events}, as_json, text)
+        size = limit or JOURNAL_PAGE
+        try:
+            page = client.journal_page(agent_id=agent_ref, request_id=request_id, limit=size, after=cursor)
+        except BadCursor as exc:
+            raise click.BadParameter(str(exc), param_hint="--after") from None
+        several = agent_ref is None and len({e.agent_id for e in page.events}) > 1
+        agent_names = client.agent_names(e.agent_id for e in page.events) if several else None
+    if as_json:
+        emit(page, as_json, "")
+        return
+    text = journal_text(list(page.events), names=agent_names, details=details) if page.events else "no events"
+    if page.next is not None:  # the whole command for the next page: the same filters, the same page size
+        words = ["keel", "journal", *(["--agent", agent_ref] if agent_ref else [])]
+        words += [*(["--request-id", request_id] if request_id else []), "--limit", str(size), "--after", page.next]
+        text += f"\nnext: {command_line(*words)}"
+    emit(None, False, text)
 
 
 @click.group()
@@ -89,18 +126,30 @@ SHOWN = 20
     type=click.Path(exists=True, dir_okay=False),
     help="With --against: an Ed25519 public key (PEM) the shipped manifests must be signed with.",
 )
+@click.option(
+    "--full",
+    is_flag=True,
+    help="Walk every chain from its start, not from its checkpoint: the only pass that sees an event changed,"
+    " removed or inserted below a checkpoint.",
+)
 @json_option
 @friendly
-def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> None:
+def audit_verify(against: str | None, public_key: str | None, full: bool, as_json: bool) -> None:
     """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link of any
     chain, or when events linked with a key the ring lacks could not be checked. Says how many events of each chain
     are legacy (from before the journal was keyed). The outcome is recorded: the audit_verify alert fires while the
     latest verify (this command's or the beat's periodic one) failed. The auditor role reads only: run by it, the
     outcome is printed and not recorded.
 
+    Incremental by default: each chain is walked from its checkpoint (where the last verify found it intact; sealed
+    with the audit key), so only new events are read, KEEL_AUDIT_VERIFY_CHUNK_CHAINS chains per short transaction.
+    An incremental pass cannot see an edit below a checkpoint: --full walks every chain from its start.
+
     With --against URL: compare the journal with its shipped copy instead (nothing is recorded); exit 1 on any event
     changed, removed or inserted after shipping, any chain re-forged, any segment missing or manifest that fails."""
     if against is not None:
+        if full:
+            raise click.UsageError("--full does not go with --against (the comparison reads every event anyway)")
         _verify_against(against, public_key, as_json)
         return
     if public_key is not None:
@@ -111,7 +160,11 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
 
     with open_client(writes=False) as client:
         recorded = may_record_verification(client.db)
-        report = verify_and_record(client.db, "cli") if recorded else verify(client.db)
+        chunk = client.settings.audit_verify_chunk_chains
+        if recorded:
+            report = verify_and_record(client.db, "cli", full=full, chunk_chains=chunk)
+        else:
+            report = verify(client.db, full=full, chunk_chains=chunk)
         names = client.agent_names(
             {
                 *(b.agent_id for b in report.breaks),
@@ -154,6 +207,9 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
                     ],
                     "key_ids": list(report.key_ids),
                     "archive_problems": list(report.archive_problems),
+                    "mode": "full" if report.full else "incremental",
+                    "read_events": report.read_events,
+                    "checkpoint_problems": list(report.checkpoint_problems),
                 }
             )
         )
@@ -176,6 +232,8 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
             click.echo(f"  … and {len(report.legacy) - SHOWN} more chains (--json lists them all)")
     for problem in report.archive_problems:
         click.echo(f"BROKEN archive: {problem}", err=True)
+    for problem in report.checkpoint_problems:
+        click.echo(f"FORGED checkpoint: {problem}", err=True)
     for b in report.breaks:
         where = f"journal id {b.journal_id}" if b.journal_id is not None else "chain head"
         click.echo(f"BROKEN agent {agent(b.agent_id)} at event {b.seq} ({where}): {b.reason}", err=True)
@@ -195,6 +253,12 @@ def audit_verify(against: str | None, public_key: str | None, as_json: bool) -> 
             click.echo(f"  agent {agent(u.agent_id)}: {u.events} events, the first at event {u.seq}", err=True)
         if len(chains) > SHOWN:
             click.echo(f"  … and {len(chains) - SHOWN} more chains (--json lists them all)", err=True)
+    if not report.full:
+        click.echo(
+            f"(incremental: {report.read_events} events read past the chains' checkpoints; --full walks every chain"
+            " from its start)",
+            err=True,
+        )
     if report.ok:
         click.echo(f"ok: {report.events} events in {report.agents} agent chains verified")
     else:

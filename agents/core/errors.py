@@ -33,6 +33,10 @@ class InvalidInput(KeelError):
     errors: list[dict[str, str]] = []  # noqa: RUF012 - replaced per instance, never mutated
 
 
+class BadCursor(InvalidInput):
+    """The cursor is not the 'next' of a page this listing printed."""
+
+
 class UnknownOperation(InvalidInput):
     """No handler is registered (or declared) for this operation."""
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -48,6 +48,14 @@ from sqlalchemy import select
 from agents.core.errors import LostUpdate
 from agents.core.redaction import redact_value
 from models.audit_keys import AuditKeyMissing, AuditKeys, legacy_seal_parts
+from models.audit_records import (
+    Checkpoint,
+    checkpoint_parts_of,
+    checkpoint_seal_parts,
+    checkpoints_txn,
+    save_checkpoints_txn,
+    seal_problem,
+)
 from models.clock import rfc3339
 from models.db import Database
 from models.schemas import AgentRow, JournalEvent
@@ -251,6 +259,32 @@ def events(
         return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
 
 
+def latest_events(
+    db: Database,
+    *,
+    agent_id: UUID | None = None,
+    request_id: str | None = None,
+    limit: int,
+    before: int | None = None,
+) -> list[JournalEvent]:
+    """Up to ``limit`` journal events, newest first, filtered by agent and/or request, older than ``before``: an
+    event ``seq`` of the agent's chain when ``agent_id`` is given (its unique (agent_id, seq) index is read
+    backwards), else a journal id (the primary key's, or a request's events by the request_id index). The cost is
+    the page's, not the journal's."""
+    if agent_id is not None:
+        query = select(journal).where(journal.c.agent_id == agent_id).order_by(journal.c.seq.desc())
+        if before is not None:
+            query = query.where(journal.c.seq < before)
+    else:
+        query = select(journal).order_by(journal.c.id.desc())
+        if before is not None:
+            query = query.where(journal.c.id < before)
+    if request_id is not None:
+        query = query.where(journal.c.request_id == request_id)
+    with db.engine.connect() as conn:
+        return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query.limit(limit))]
+
+
 # Per agent, the events past the position a follower has seen. An agent's chain is appended under its row's lock
 # and its head moves in the same transaction, so within one statement's snapshot "head > seen" finds exactly the
 # committed events a follower lacks: none skipped (a global id can commit out of order, a chain cannot), none twice.
@@ -385,12 +419,19 @@ class VerifyReport:
     key_ids: tuple[str, ...] = ()
     #: What is wrong with the archive records (audit.archived_partitions): a seal, their order.
     archive_problems: tuple[str, ...] = ()
+    #: Every chain walked from its start (True), or each from its checkpoint (an incremental pass).
+    full: bool = True
+    #: The events this pass read and checked (``events`` counts every event in the database it vouches for: an
+    #: incremental pass vouches for those below a checkpoint on the strength of the pass that sealed it).
+    read_events: int = 0
+    #: Checkpoints (audit_verified_chains) whose seal does not hold: not Keel's, so not believed.
+    checkpoint_problems: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """No broken link, every link checked (events whose key was missing are not called intact), and every
-        archive record sound."""
-        return not self.breaks and not self.unchecked and not self.archive_problems
+        """No broken link, every link checked (events whose key was missing are not called intact), every archive
+        record sound, and no checkpoint forged."""
+        return not self.breaks and not self.unchecked and not self.archive_problems and not self.checkpoint_problems
 
 
 # The linked fields, in _linked's keyword names; the chain query selects them after id, hash and key_id.
@@ -675,6 +716,17 @@ def _check_chain(
     keys: AuditKeys | None,
     start: ChainPosition | None = None,
 ) -> ChainCheck:
+    return _check_chain_at(rows, head, seal, keys, start)[0]
+
+
+def _check_chain_at(
+    rows: Iterator[Mapping[str, Any]],
+    head: _Head,
+    seal: _Seal | None,
+    keys: AuditKeys | None,
+    start: ChainPosition | None = None,
+) -> tuple[ChainCheck, ChainPosition]:
+    """The chain's check and where the walk ended (its head, when the check holds)."""
     walk = ChainWalk(head.agent_id, keys, seal, start)
     broken = walk.check_seal()
     for row in rows:
@@ -683,7 +735,8 @@ def _check_chain(
         broken = walk.step(row)
     if broken is None:
         broken = walk.end(head)
-    return ChainCheck(head.agent_id, walk.events, broken, walk.unchecked_parts(), walk.legacy)
+    check = ChainCheck(head.agent_id, walk.events, broken, walk.unchecked_parts(), walk.legacy)
+    return check, walk.position
 
 
 # --- archived parts of the journal (`keel audit archive`) ----------------------------------------------------------
@@ -983,71 +1036,264 @@ def verify_chain(db: Database, agent_id: UUID) -> ChainCheck:
             return _check_chain(iter(cur), head, seal, db.audit_keys, None if start is None else start[0])
 
 
-def verify(db: Database) -> VerifyReport:
-    """Walk every agent's chain from genesis — or from the head of its archived part, as the newest archive record
-    holding it says — to its head (a deleted agent's: to its tombstone's, which must be its delete event) with
-    ``db``'s key ring; report the archive records' problems (seal, order), the first broken link of each broken
-    chain, chains that have no head at all, the events whose key the ring lacks (not checked, so not ok), and each
-    chain's legacy (unkeyed) events.
+#: Chains walked per transaction of a verify (``KEEL_AUDIT_VERIFY_CHUNK_CHAINS``).
+VERIFY_CHUNK_CHAINS = 500
+_NIL = UUID(int=0)
+_TOP = UUID(int=(1 << 128) - 1)
+# A chunk: the next chains by agent id, heads of agent rows and of tombstones merged (each by its primary key).
+_CHUNK_HEADS = ("SELECT * FROM ({heads}) h WHERE h.agent_id {low} %(low)s ORDER BY h.agent_id LIMIT %(limit)s").format(
+    heads=_HEADS.removesuffix(" ORDER BY agent_id"), low="{low}"
+)
+_CHUNK_SEALS = f"{_SEALS} WHERE agent_id {{low}} %(low)s AND agent_id <= %(high)s"
+_CHUNK_HEADLESS = (
+    "SELECT j.agent_id, min(j.seq) AS seq, min(j.id) AS id FROM audit.journal j"
+    " WHERE j.agent_id {low} %(low)s AND j.agent_id <= %(high)s"
+    " AND NOT EXISTS (SELECT 1 FROM agents a WHERE a.id = j.agent_id)"
+    " AND NOT EXISTS (SELECT 1 FROM audit.deleted_agents d WHERE d.agent_id = j.agent_id)"
+    " GROUP BY j.agent_id ORDER BY j.agent_id"
+)
+_CHUNK_EVENTS = (
+    "SELECT j.agent_id, j.id, j.hash, j.key_id, j.prev_hash, j.seq, j.kind, j.event, j.actor, j.request_id,"
+    " j.from_phase, j.to_phase, j.revision, j.decision, j.details::text AS details_json, j.at"
+    " FROM unnest(%(ids)s::uuid[], %(after)s::bigint[]) AS w(agent_id, after)"
+    " JOIN audit.journal j ON j.agent_id = w.agent_id AND j.seq > w.after ORDER BY j.agent_id, j.seq"
+)
 
-    Heads and chains are read in one snapshot, so transitions committing meanwhile cannot look like tampering.
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One chain of a chunk to walk: from ``start`` (None: genesis), past its checkpoint ``cp`` if it is believed;
+    events 1..``base`` were archived."""
+
+    head: _Head
+    start: ChainPosition | None
+    cp: Checkpoint | None
+    seal: _Seal | None
+    base: int
+
+    @property
+    def walked(self) -> int:
+        return 0 if self.start is None else self.start.seq
+
+    @property
+    def read_after(self) -> int:
+        # From an archived head the chain is read whole: an event inserted at or below that head is a break.
+        return 0 if self.start is None or self.start.archived else self.start.seq
+
+
+class _Rows:
+    """A chunk's events in (agent id, seq) order, handed out chain by chain."""
+
+    def __init__(self, rows: Iterator[dict[str, Any]]) -> None:
+        self._rows = rows
+        self._next = next(rows, None)
+
+    def of(self, agent_id: UUID) -> Iterator[dict[str, Any]]:
+        while self._next is not None and self._next["agent_id"] == agent_id:
+            row, self._next = self._next, next(self._rows, None)
+            yield row
+
+    def skip(self, agent_id: UUID) -> None:
+        for _ in self.of(agent_id):
+            pass
+
+
+@contextmanager
+def _chunk(db: Database) -> Iterator[psycopg.Connection[Any]]:
+    # One chunk's heads, seals, checkpoints and chains in one snapshot, which ends with the chunk: a verify never
+    # holds back vacuum for longer than a chunk takes.
+    with _snapshot(db) as raw:
+        yield raw
+
+
+def _position_of(cp: Checkpoint) -> ChainPosition:
+    return ChainPosition(cp.seq, cp.hash, (cp.revision, cp.phase, cp.request_id), cp.keyed_at, cp.deleted_at, cp.legacy)
+
+
+def _checkpoint_problem(cp: Checkpoint, keys: AuditKeys | None) -> tuple[str | None, bool]:
+    """Why the checkpoint cannot be believed (None: it can), and whether to say so: one sealed with a key the ring
+    no longer holds is merely passed over (the chain is walked from its start)."""
+    if keys is None or cp.key_id not in keys:
+        return "", False
+    problem = seal_problem(keys, cp.key_id, checkpoint_parts_of(cp), cp.seal)
+    if problem is None:
+        return None, False
+    return (
+        f"the checkpoint of agent {cp.agent_id}'s chain (audit_verified_chains, event {cp.seq}) cannot be believed:"
+        f" {problem}; the chain was walked from its start instead",
+        True,
+    )
+
+
+def _sealed(agent_id: UUID, position: ChainPosition, keys: AuditKeys) -> Checkpoint:
+    revision, phase, request_id = position.state or _GENESIS_STATE
+    fields: dict[str, Any] = {
+        "agent_id": agent_id,
+        "seq": position.seq,
+        "hash": position.hash,
+        "revision": revision,
+        "phase": phase,
+        "request_id": request_id,
+        "keyed_at": position.keyed_at,
+        "deleted_at": position.deleted_at,
+        "legacy": position.legacy,
+    }
+    seal = keys.mac(keys.current, checkpoint_seal_parts(**fields))
+    return Checkpoint(**fields, key_id=keys.current, seal=seal)
+
+
+def verify(
+    db: Database,
+    *,
+    full: bool = True,
+    save_checkpoints: bool = False,
+    chunk_chains: int = VERIFY_CHUNK_CHAINS,
+    on_chunk: Callable[[psycopg.Connection[Any]], None] | None = None,
+) -> VerifyReport:
+    """Walk every agent's chain to its head (a deleted agent's: to its tombstone's, which must be its delete event)
+    with ``db``'s key ring, ``chunk_chains`` chains per transaction; report the archive records' problems (seal,
+    order), the first broken link of each broken chain, chains that have no head at all, the events whose key the
+    ring lacks (not checked, so not ok), and each chain's legacy (unkeyed) events.
+
+    ``full``: every chain from genesis, or from the head of its archived part as the newest archive record holding
+    it says. Otherwise (incremental) each chain from its checkpoint (``audit_verified_chains``) when its seal holds:
+    only the events after it are read, so the pass costs the new events, not the history. An incremental pass cannot
+    see what changed at or below a checkpoint (an edited, removed or inserted old event), nor events of an agent that
+    has no row, no tombstone and no checkpoint: the full pass does. A checkpoint whose seal fails is reported, and
+    its chain walked from its start. ``save_checkpoints``: each chain found intact, every link checked, gets its
+    checkpoint moved to its head, committed after its chunk (a pass killed midway leaves only true checkpoints).
+
+    Each chunk's heads and chains are read in one snapshot, so transitions committing meanwhile cannot look like
+    tampering; ``on_chunk`` is called inside each chunk's transaction, once its reads are done.
     """
+    if chunk_chains < 1:
+        raise ValueError(f"chunk_chains must be at least 1, got {chunk_chains}")
     keys = db.audit_keys
     breaks: list[ChainBreak] = []
     unchecked: list[Unchecked] = []
     legacy: list[LegacyPart] = []
-    total = 0
+    problems: list[str] = []
+    chains = total = read = 0
     with _snapshot(db) as raw:
         parts = archived_parts(raw)
-        archive_problems, archived = archived_heads(parts, keys)
-        with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
-            heads_cur.execute(_HEADS)
-            heads = heads_cur.fetchall()
-        with raw.cursor(row_factory=class_row(_Seal)) as seals_cur:
-            seals_cur.execute(_SEALS)
-            seals = {seal.agent_id: seal for seal in seals_cur}
-        for head in heads:
-            start = archived.pop(head.agent_id, None)
-            with raw.cursor(row_factory=dict_row) as cur:
-                cur.execute(_CHAIN_QUERY, (head.agent_id,))
-                checked = _check_chain(
-                    iter(cur), head, seals.pop(head.agent_id, None), keys, None if start is None else start[0]
+    archive_problems, archived = archived_heads(parts, keys)
+    low, first = _NIL, True
+    while True:
+        params = {"low": low, "limit": chunk_chains}
+        op = ">=" if first else ">"
+        saved: list[Checkpoint] = []
+        walks: list[_Planned] = []
+        with _chunk(db) as raw:
+            with raw.cursor(row_factory=class_row(_Head)) as heads_cur:
+                heads_cur.execute(_CHUNK_HEADS.format(low=op), params)
+                heads = heads_cur.fetchall()
+            high = heads[-1].agent_id if len(heads) == chunk_chains else _TOP
+            bounds = {"low": low, "high": high}
+            with raw.cursor(row_factory=class_row(_Seal)) as seals_cur:
+                seals_cur.execute(_CHUNK_SEALS.format(low=op), bounds)
+                seals = {seal.agent_id: seal for seal in seals_cur}
+            checkpoints = {cp.agent_id: cp for cp in checkpoints_txn(raw, low, high, inclusive=first)}
+            for head in heads:
+                cp = checkpoints.pop(head.agent_id, None)
+                arch = archived.pop(head.agent_id, None)
+                start = None if arch is None else arch[0]
+                base = 0 if start is None else start.seq  # events 1..base are not in the database
+                if cp is not None:
+                    problem, say = _checkpoint_problem(cp, keys)
+                    if say and problem:
+                        problems.append(problem)
+                    if problem is not None:
+                        cp = None
+                # Heads only move forward: one behind its checkpoint, or elsewhere at the same event, was set back.
+                if cp is not None and (cp.seq > head.seq or (cp.seq == head.seq and cp.hash != head.hash)):
+                    reason = (
+                        f"the agent's head is event {head.seq}, but its chain was verified up to event {cp.seq}"
+                        " (audit_verified_chains): events were removed or rewritten since"
+                    )
+                    breaks.append(ChainBreak(head.agent_id, min(cp.seq, head.seq), None, reason))
+                    seals.pop(head.agent_id, None)
+                    chains += 1
+                    continue
+                if cp is not None and not full and cp.seq >= base:
+                    start = _position_of(cp)
+                walks.append(_Planned(head, start, cp, seals.pop(head.agent_id, None), base))
+            with raw.cursor(name="keel-verify-chunk", row_factory=dict_row) as cur:
+                # One read for the chunk's chains, each past where its walk starts, streamed in chain order.
+                cur.itersize = 2000
+                cur.execute(
+                    _CHUNK_EVENTS,
+                    {"ids": [w.head.agent_id for w in walks], "after": [w.read_after for w in walks]},
                 )
-            total += checked.events
-            if checked.broken is not None:
-                breaks.append(checked.broken)
-            unchecked.extend(checked.unchecked)
-            if checked.legacy:
-                legacy.append(LegacyPart(head.agent_id, checked.legacy))
-        with raw.cursor(row_factory=dict_row) as cur:
-            cur.execute(_HEADLESS)
-            for row in cur:
-                seals.pop(row["agent_id"], None)
-                archived.pop(row["agent_id"], None)
-                reason = "the agent has neither a row nor a tombstone: it was removed without keel agent delete"
-                breaks.append(ChainBreak(row["agent_id"], row["seq"], row["id"], reason))
-        # What is left: chains the upgrade sealed, or an archive holds, that have no head and no event any more.
-        for seal in seals.values():
-            archived.pop(seal.agent_id, None)
-            reason = (
-                f"the journal was keyed when this agent had {seal.seq} events, but it now has no event, no row and no"
-                " tombstone: its whole chain was removed"
-            )
-            if keys is not None and seal.key_id in keys and not _seal_holds(seal, keys):
-                reason = "a seal in audit.legacy_chains does not match its HMAC: it was not written by the upgrade"
-            breaks.append(ChainBreak(seal.agent_id, seal.seq, None, reason))
-        for agent_id, (position, partition) in archived.items():
-            reason = (
-                f"archive {partition} holds events 1-{position.seq} of this agent, but it now has no event, no row and"
-                " no tombstone: the rest of its chain was removed"
-            )
-            breaks.append(ChainBreak(agent_id, position.seq, None, reason))
+                rows = _Rows(iter(cur))
+                for w in walks:
+                    checked, position = _check_chain_at(rows.of(w.head.agent_id), w.head, w.seal, keys, w.start)
+                    rows.skip(w.head.agent_id)  # what a broken walk left unread
+                    chains += 1
+                    read += checked.events
+                    total += checked.events + (w.walked - w.base)
+                    if checked.broken is not None:
+                        breaks.append(checked.broken)
+                    unchecked.extend(checked.unchecked)
+                    if checked.legacy:
+                        legacy.append(LegacyPart(w.head.agent_id, checked.legacy))
+                    if save_checkpoints and keys is not None and checked.ok and position.seq > 0:
+                        if w.cp is None or position.seq != w.cp.seq:
+                            saved.append(_sealed(w.head.agent_id, position, keys))
+            if full:
+                with raw.cursor(row_factory=dict_row) as cur:
+                    cur.execute(_CHUNK_HEADLESS.format(low=op), bounds)
+                    for row in cur:
+                        seals.pop(row["agent_id"], None)
+                        archived.pop(row["agent_id"], None)
+                        checkpoints.pop(row["agent_id"], None)
+                        reason = "the agent has neither a row nor a tombstone: it was removed without keel agent delete"
+                        breaks.append(ChainBreak(row["agent_id"], row["seq"], row["id"], reason))
+            # What is left in this range: chains the upgrade sealed, or verify checkpointed, that have no head now.
+            for seal in seals.values():
+                archived.pop(seal.agent_id, None)
+                checkpoints.pop(seal.agent_id, None)
+                reason = (
+                    f"the journal was keyed when this agent had {seal.seq} events, but it now has no event, no row and"
+                    " no tombstone: its whole chain was removed"
+                )
+                if keys is not None and seal.key_id in keys and not _seal_holds(seal, keys):
+                    reason = "a seal in audit.legacy_chains does not match its HMAC: it was not written by the upgrade"
+                breaks.append(ChainBreak(seal.agent_id, seal.seq, None, reason))
+            for cp in checkpoints.values():
+                problem, say = _checkpoint_problem(cp, keys)
+                if problem is not None:
+                    if say and problem:
+                        problems.append(problem)
+                    continue
+                reason = (
+                    f"its chain was verified up to event {cp.seq} (audit_verified_chains), but the agent has neither a"
+                    " row nor a tombstone now: it was removed without keel agent delete"
+                )
+                archived.pop(cp.agent_id, None)
+                breaks.append(ChainBreak(cp.agent_id, cp.seq, None, reason))
+            if on_chunk is not None:
+                on_chunk(raw)
+        if saved:
+            with db.transaction() as cur:
+                save_checkpoints_txn(cur, saved)
+        if high == _TOP:
+            break
+        low, first = high, False
+    for agent_id, (position, partition) in archived.items():
+        reason = (
+            f"archive {partition} holds events 1-{position.seq} of this agent, but it now has no event, no row and"
+            " no tombstone: the rest of its chain was removed"
+        )
+        breaks.append(ChainBreak(agent_id, position.seq, None, reason))
     return VerifyReport(
-        agents=len(heads),
+        agents=chains,
         events=total,
         breaks=tuple(breaks),
         unchecked=tuple(unchecked),
         legacy=tuple(legacy),
         key_ids=keys.ids if keys is not None else (),
         archive_problems=tuple(archive_problems),
+        full=full,
+        read_events=read,
+        checkpoint_problems=tuple(problems),
     )

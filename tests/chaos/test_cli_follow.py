@@ -120,7 +120,7 @@ def test_journal_follow_prints_every_new_event_once(stack: Stack, tmp_path: Path
                     script(tmp_path, f"bot{n}", [{"content": "one"}]), "--wait", "--timeout", "120",
                 )  # fmt: skip
                 assert ran.returncode == 0, ran.stderr
-            journal = json.loads(keel(stack, "journal", "--json").stdout)["events"]
+            journal = json.loads(keel(stack, "journal", "--limit", "1000", "--json").stdout)["events"]
             expected = [(e["agent_id"], e["seq"]) for e in journal]
             wait_until("the follower to print every event", lambda: len(lines) >= len(expected), 60)
         finally:

@@ -66,14 +66,14 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
     assert missing.returncode == 1 and "no job has the key 'nope:plan:1'" in missing.stderr
     keel(db_url, "cancel", "ops-bot", "--revision", "1", "--reason", "wrong prompt", "--actor", "bob")
     events = json.loads(keel(db_url, "journal", "--agent", "ops-bot", "--json").stdout)["events"]
-    assert [(e["kind"], e["event"], e["actor"]) for e in events] == [
-        ("created", "create", "cli"),
-        ("transition", "submit", "alice"),
+    assert [(e["kind"], e["event"], e["actor"]) for e in events] == [  # newest first
         ("transition", "cancel", "bob"),
+        ("transition", "submit", "alice"),
+        ("created", "create", "cli"),
     ]
-    assert events[2]["details"] == {"reason": "wrong prompt", "jobs_cancelled": ["req-7:plan:1"]}
+    assert events[0]["details"] == {"reason": "wrong prompt", "jobs_cancelled": ["req-7:plan:1"]}
     by_request = json.loads(keel(db_url, "journal", "--request-id", "req-7", "--json").stdout)["events"]
-    assert [e["event"] for e in by_request] == ["submit", "cancel"]
+    assert [e["event"] for e in by_request] == ["cancel", "submit"]
     assert "planning -> failed" in keel(db_url, "journal", "--agent", "ops-bot").stdout
     verified = json.loads(keel(db_url, "audit", "verify", "--json").stdout)
     assert verified == {
@@ -85,6 +85,9 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         "legacy": [],
         "key_ids": ["test-1"],
         "archive_problems": [],
+        "mode": "incremental",
+        "read_events": 3,
+        "checkpoint_problems": [],
     }
 
 
@@ -360,7 +363,8 @@ def test_agent_list_has_a_header_a_phase_filter_newest_first_and_pages(db_url: s
     assert archived[-1].startswith("next: keel agent list --archived --limit 1 --after ")
 
     bad = keel(db_url, "agent", "list", "--after", "nonsense", check=False)
-    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1  # a usage error, naming --after
+    assert "Invalid value for --after" in bad.stderr
     assert "cursor 'nonsense' is not the 'next' of a page of agents" in bad.stderr
     wrong_phase = keel(db_url, "agent", "list", "--phase", "sleeping", check=False)
     assert wrong_phase.returncode == 2 and "'sleeping' is not one of" in wrong_phase.stderr
@@ -387,13 +391,13 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
     assert "ARCHIVED" in keel(db_url, "agent", "show", "old-bot").stdout
 
     events = json.loads(keel(db_url, "journal", "--agent", "old-bot", "--json").stdout)["events"]
-    assert [(e["kind"], e["event"], e["decision"], e["actor"]) for e in events] == [
-        ("created", "create", "accepted", "cli"),
-        ("operator", "archive", "archived", "carol"),
+    assert [(e["kind"], e["event"], e["decision"], e["actor"]) for e in events] == [  # newest first
         ("rejected", "submit", "agent_archived", "cli"),
+        ("operator", "archive", "archived", "carol"),
+        ("created", "create", "accepted", "cli"),
     ]
     busy = json.loads(keel(db_url, "journal", "--agent", "busy-bot", "--json").stdout)["events"]
-    assert (busy[-1]["kind"], busy[-1]["event"], busy[-1]["decision"]) == ("rejected", "archive", "agent_busy")
+    assert (busy[0]["kind"], busy[0]["event"], busy[0]["decision"]) == ("rejected", "archive", "agent_busy")
     assert json.loads(keel(db_url, "audit", "verify", "--json").stdout)["ok"] is True
 
     keel(db_url, "agent", "unarchive", "old-bot")
@@ -410,6 +414,9 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
         "legacy": [],
         "key_ids": ["test-1"],
         "archive_problems": [],
+        "mode": "incremental",
+        "read_events": 2,  # the two events since the verify above: the rest is below the checkpoints
+        "checkpoint_problems": [],
     }
 
 
@@ -474,7 +481,7 @@ def test_one_timestamp_format_and_one_json_shape(db_url: str) -> None:
     for args, data in outputs.items():
         assert isinstance(data, dict), args  # one shape: an object; lists are named fields of it
     assert set(outputs[("agent", "list")]) == {"agents", "next"}
-    assert set(outputs[("journal",)]) == {"events"}
+    assert set(outputs[("journal",)]) == {"events", "next"}
     assert set(outputs[("outbox", "list")]) == {"messages"}
     times = [t for data in outputs.values() for t in _times(data)]
     assert len(times) >= 8 and all(RFC3339.match(t) for t in times), times
@@ -499,7 +506,9 @@ def test_journal_shows_the_whole_actor_and_why_a_command_was_rejected(db_url: st
     assert actor in text
     assert "error: stale revision for agent" in text and "the agent is at revision 0" in text
     assert '"expected_revision": 3' in text and '"judged_phase": "idle"' in text
-    assert "details:" not in keel(db_url, "journal", "--agent", "ops", "--limit", "1").stdout
+    # Newest first: the page after the refusal holds the create event alone, which shows no details.
+    older = json.loads(keel(db_url, "journal", "--agent", "ops", "--limit", "1", "--json").stdout)["next"]
+    assert "details:" not in keel(db_url, "journal", "--agent", "ops", "--limit", "1", "--after", older).stdout
     assert "details: {" in keel(db_url, "journal", "--agent", "ops", "--details").stdout
 
 

@@ -434,15 +434,15 @@ def test_keel_agent_delete_asks_first_and_the_journal_stays_readable(db_url: str
     assert "no agents" in keel(db_url, "agent", "list", "--archived").stdout
 
     events = json.loads(keel(db_url, "journal", "--agent", "old-bot", "--json").stdout)["events"]
-    assert [(e["kind"], e["event"]) for e in events][-2:] == [("operator", "archive"), ("operator", "delete")]
+    assert [(e["kind"], e["event"]) for e in events][:2] == [("operator", "delete"), ("operator", "archive")]
     keel(db_url, "agent", "create", "old-bot")  # the name is free again
     keel(db_url, "agent", "archive", "old-bot")
     deleted = json.loads(keel(db_url, "agent", "delete", "old-bot", "--yes", "--reason", "twice", "--json").stdout)
     assert (deleted["name"], deleted["deleted_by"], deleted["phase"]) == ("old-bot", "cli", "idle")
     assert "old-bot (deleted)" in keel(db_url, "journal").stdout
     by_id = json.loads(keel(db_url, "journal", "--agent", deleted["id"], "--json").stdout)["events"]
-    assert [e["event"] for e in by_id] == ["create", "archive", "delete"]
-    assert by_id[-1]["details"] == {"name": "old-bot", "reason": "twice"}
+    assert [e["event"] for e in by_id] == ["delete", "archive", "create"]  # newest first
+    assert by_id[0]["details"] == {"name": "old-bot", "reason": "twice"}
     assert json.loads(keel(db_url, "audit", "verify", "--json").stdout) == {
         "ok": True,
         "agents": 2,
@@ -452,4 +452,7 @@ def test_keel_agent_delete_asks_first_and_the_journal_stays_readable(db_url: str
         "legacy": [],
         "key_ids": ["test-1"],
         "archive_problems": [],
+        "mode": "incremental",
+        "read_events": len(events) + 3,
+        "checkpoint_problems": [],
     }
