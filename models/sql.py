@@ -53,6 +53,7 @@ _UPDATE_AGENT = (
     _EVENT_CTE + "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s,"
     " hard_deadline = %s, updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s,"
     " priority = %s, waiting_since = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
+    f" RETURNING {AGENT_COLUMNS}"
 )
 
 # Rejections and suppressions leave the agent's state alone; only its journal chain advances.
@@ -164,9 +165,17 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     return Locked(AgentRow(**row), int(live_jobs), at, traceparent)
 
 
-def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> bool:
-    """Write ``after`` over ``before`` together with the event that explains it; False if the row moved on behind
-    the lock (a writer bypassed it): the caller must not commit."""
+def update_agent_txn(
+    cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent
+) -> AgentRow | None:
+    """Write ``after`` over ``before`` together with the event that explains it, and return the row as stored (what
+    a read after the commit gives); None if the row moved on behind the lock (a writer bypassed it): the caller
+    must not commit."""
+    with cur.connection.cursor(row_factory=class_row(AgentRow)) as named:
+        return _update_agent(named, before, after, event)
+
+
+def _update_agent(cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentRow, event: NewEvent) -> AgentRow | None:
     cur.execute(
         _UPDATE_AGENT,
         (
@@ -187,7 +196,7 @@ def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow
             before.revision,
         ),
     )
-    return cur.rowcount == 1
+    return cur.fetchone()
 
 
 def advance_chain_txn(cur: psycopg.Cursor[Any], event: NewEvent) -> bool:
@@ -297,3 +306,17 @@ def agent_name(db: Database, agent_id: UUID) -> str | None:
         row = conn.execute("SELECT name FROM agents WHERE id = %s", (agent_id,)).fetchone()
         conn.rollback()
     return None if row is None else str(row[0])
+
+
+_AGENT_BY_ID = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s"
+_AGENT_BY_NAME = f"SELECT {AGENT_COLUMNS} FROM agents WHERE name = %s"
+
+
+def find_agent(db: Database, *, agent_id: UUID | None = None, name: str | None = None) -> AgentRow | None:
+    """The agent's row by id, else by name (no lock, one statement committed by itself); None if there is none."""
+    with db.autocommit() as cur, cur.connection.cursor(row_factory=class_row(AgentRow)) as named:
+        if agent_id is not None:
+            named.execute(_AGENT_BY_ID, (agent_id,))
+        else:
+            named.execute(_AGENT_BY_NAME, (name,))
+        return named.fetchone()
