@@ -14,7 +14,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from models.db import Database
+from models.db import Database, notify_after_commit
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
@@ -37,15 +37,12 @@ _EVENT_COLUMNS = (
     " prev_hash, hash, key_id"
 )
 #: The channel every appended journal event is announced on, with the payload ``"<agent id>:<seq>"``. A notification
-#: is only a wake-up (listeners read the events from the journal), and PostgreSQL delivers it when the transaction
-#: commits and never if it rolls back, so nothing is announced that did not happen.
+#: is only a wake-up (listeners read the events from the journal); it is sent once the event's transaction has
+#: committed (:func:`models.db.notify_after_commit`) and never if it rolls back, so nothing is announced that did not
+#: happen.
 JOURNAL_CHANNEL = "keel_journal"
-# Every journal append goes through this one INSERT, and its RETURNING sends the announcement: same statement, same
-# transaction, no extra round trip.
-_EVENT_CTE = (
-    f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)})"
-    f" RETURNING pg_notify('{JOURNAL_CHANNEL}', agent_id::text || ':' || seq::text)) "
-)
+# Every journal append goes through this one INSERT (and announces itself after the commit: _appended).
+_EVENT_CTE = f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)}) RETURNING 1) "
 
 # One statement writes the journal event and the row it explains (a deferred trigger checks they agree at commit).
 # The WHERE clause repeats the revision read under the lock: the database refuses a lost update by itself.
@@ -165,9 +162,7 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     return Locked(AgentRow(**row), int(live_jobs), at, traceparent)
 
 
-def update_agent_txn(
-    cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent
-) -> AgentRow | None:
+def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> AgentRow | None:
     """Write ``after`` over ``before`` together with the event that explains it, and return the row as stored (what
     a read after the commit gives); None if the row moved on behind the lock (a writer bypassed it): the caller
     must not commit."""
@@ -196,14 +191,24 @@ def _update_agent(cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentR
             before.revision,
         ),
     )
-    return cur.fetchone()
+    stored = cur.fetchone()
+    if stored is not None:
+        _appended(cur, event)
+    return stored
 
 
 def advance_chain_txn(cur: psycopg.Cursor[Any], event: NewEvent) -> bool:
     """Append ``event`` (a rejection, a suppression) and move the agent's chain head to it, state untouched;
     False if the chain moved on behind the lock."""
     cur.execute(_ADVANCE_CHAIN, (*event.params(), event.seq, event.hash, event.agent_id, event.seq - 1))
-    return cur.rowcount == 1
+    if cur.rowcount != 1:
+        return False
+    _appended(cur, event)
+    return True
+
+
+def _appended(cur: psycopg.Cursor[Any], event: NewEvent) -> None:
+    notify_after_commit(cur.connection, JOURNAL_CHANNEL, f"{event.agent_id}:{event.seq}")
 
 
 def insert_agent_txn(
@@ -256,7 +261,10 @@ def set_archived_txn(cur: psycopg.Cursor[Any], event: NewEvent, archived_at: dat
     """Append ``event`` and set (or, with None, clear) the agent's ``archived_at`` with it; False if the chain
     moved on behind the lock."""
     cur.execute(_SET_ARCHIVED, (*event.params(), archived_at, event.seq, event.hash, event.agent_id, event.seq - 1))
-    return cur.rowcount == 1
+    if cur.rowcount != 1:
+        return False
+    _appended(cur, event)
+    return True
 
 
 _TOMBSTONE_COLUMNS = "name, created_at, deleted_at, deleted_by, phase, revision, request_id, journal_seq, journal_head"

@@ -96,9 +96,7 @@ def test_the_state_a_command_returns_is_what_a_fresh_read_gives(client: Client) 
     assert rejected == client.get_state(agent.id)
 
 
-def test_a_command_on_an_agent_with_live_jobs_returns_all_of_them(
-    client: Client, raw: psycopg.Connection[Any]
-) -> None:
+def test_a_command_on_an_agent_with_live_jobs_returns_all_of_them(client: Client, raw: psycopg.Connection[Any]) -> None:
     """A job live under a resting agent (only a superuser bypassing the guards makes one): the next submit's state
     lists it beside the submit's own job, as a fresh read does."""
     agent = client.create_agent("live")
@@ -149,6 +147,13 @@ def test_a_command_on_an_unknown_or_deleted_agent_names_it_as_the_caller_did(cli
     with pytest.raises(AgentNotFound) as by_name:
         client.cancel("gone", actor="alice")
     assert by_name.value.deleted is not None and by_name.value.deleted.id == agent.id
+
+
+def _gone(raw: psycopg.Connection[Any], pids: list[int], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while raw.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)).fetchone() != (0,):
+        assert time.monotonic() < deadline, "the terminated backends did not exit"
+        time.sleep(0.02)
 
 
 def _waiting_insert(raw: psycopg.Connection[Any], timeout: float = 20.0) -> int:
@@ -223,9 +228,16 @@ def test_commands_after_every_pooled_connection_was_killed_still_work(
         b.execute("SELECT 1")
         a.rollback()
         b.rollback()
-    raw.execute(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-    )
-    assert client.cancel(agent.id, actor="alice").phase == "failed"
+    killed = [
+        pid
+        for (pid,) in raw.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+    ]
+    assert len(killed) >= 2
+    raw.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (killed,))
+    _gone(raw, killed)  # as after a restart: the old backends are no more when the next command comes
+    with borrowed(db) as after:
+        assert client.cancel(agent.id, actor="alice").phase == "failed"
+    assert after.checkouts == 1
     assert client.submit(agent.id, "req-2", ASK).phase == "planning"
