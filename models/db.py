@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import weakref
@@ -144,17 +145,16 @@ class Database:
 def _notify(conn: psycopg.Connection[Any], pending: list[tuple[str, str]]) -> None:
     """Send the notifications of a committed transaction. A failure is logged, not raised: what they announce has
     committed, and a listener re-reads what it follows at its safety interval anyway."""
+    conn.autocommit = True  # one statement, its own transaction: one round trip, no BEGIN nor COMMIT
     try:
         with conn.cursor() as cur:
             for channel, payload in pending:
                 cur.execute(_NOTIFY, (channel, payload))
-        conn.commit()
     except psycopg.Error as exc:
         log.warning("could not announce %d committed journal events: %s", len(pending), exc)
-        try:
-            conn.rollback()
-        except psycopg.Error:
-            pass
+    finally:
+        with contextlib.suppress(psycopg.Error):  # a broken connection: the pool's checkout discards it
+            conn.autocommit = False
 
 
 def _replace_if_dead(dbapi_connection: Any, record: Any, proxy: Any) -> None:

@@ -153,8 +153,10 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
     database's clock; None if there is no such agent."""
     # Rows by name, on a cursor of the caller's connection (same transaction; the caller's cursor keeps its rows).
+    # Pipelined: the transaction's BEGIN goes with the lock in one round trip, not one before it.
     with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(_LOCK_AGENT, (agent_id,))
+        with cur.connection.pipeline():
+            named.execute(_LOCK_AGENT, (agent_id,))
         row = named.fetchone()
     if row is None:
         return None
