@@ -140,6 +140,13 @@ class Metrics:
         if self._folder is not None:
             self._folder.start()
 
+    def stop(self) -> None:
+        """Stop folding (before the database goes away)."""
+        self._stop.set()
+        if self._folder is not None:
+            self._folder.join()
+            self._folder = None
+
     def _fold_every(self, stop: threading.Event) -> None:
         while not stop.wait(self.fold_seconds):
             fold(self.db)
@@ -430,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         targets = None if args.only_commands else transitions(db, raw_conns, metrics, args, shares)
         metrics.switch(True)
         client_ratio = commands(db, raw_conns, args, shares)["client"]
+        metrics.stop()
         for conn in raw_conns:
             conn.close()
         db.dispose()
