@@ -241,3 +241,20 @@ def test_commands_after_every_pooled_connection_was_killed_still_work(
         assert client.cancel(agent.id, actor="alice").phase == "failed"
     assert after.checkouts == 1
     assert client.submit(agent.id, "req-2", ASK).phase == "planning"
+
+
+def test_a_wake_up_that_cannot_be_sent_does_not_fail_the_committed_command(
+    client: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The journal's announcement goes after the commit: if it fails (a full notification queue, a connection lost
+    right after the commit), the command has happened and is answered as such; the failure is logged."""
+    import models.db
+
+    agent = client.create_agent("unannounced")
+    monkeypatch.setattr(models.db, "_NOTIFY", "SELECT pg_notify(%s, %s, 'one argument too many')")
+    with caplog.at_level("WARNING", logger="keel.db"):
+        state = client.submit(agent.id, "req-1", ASK)
+    assert (state.phase, state.revision) == ("planning", 1)
+    assert state == client.get_state(agent.id)
+    assert "could not announce 1 committed journal events" in caplog.text
+    assert client.cancel(agent.id, actor="alice").phase == "failed"  # the connection is still good for the next one
