@@ -64,6 +64,8 @@ def _journal(raw: psycopg.Connection[Any], agent_id: Any) -> list[tuple[Any, ...
 
 
 def test_submit_and_cancel_by_id_are_one_transaction_each(client: Client, db: Database) -> None:
+    """One pooled connection each, no SQLAlchemy statement: the transition's transaction (then, on the same
+    connection, its journal wake-up). Before: a submit also read its jobs after, a cancel its agent before."""
     agent = client.create_agent("one")
     client.submit(agent.id, "warm", ASK)  # the handlers are imported once, on the first submit
     client.cancel(agent.id, actor="alice")
