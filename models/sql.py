@@ -22,14 +22,17 @@ AGENT_COLUMNS = (
     " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority, archived_at, waiting_since"
 )
 
-# With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep, the
-# database's clock read after the lock: the one time every event, due check and deadline is measured against, and the
-# trace context of the request in flight (a primary-key read), which the rows the transition inserts continue.
-_LOCK_AGENT = (
-    f"SELECT {AGENT_COLUMNS}, (SELECT count(*) FROM jobs j WHERE j.agent_id = agents.id"
-    " AND j.status IN ('pending', 'enqueued', 'running')) AS live_jobs, clock_timestamp() AS at,"
-    " (SELECT r.traceparent FROM requests r WHERE r.request_id = agents.request_id) AS request_traceparent"
-    " FROM agents WHERE id = %s FOR UPDATE OF agents"
+_LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
+# After the lock, in a statement of its own: the number of the agent's live jobs, so a transition to rest can skip an
+# empty sweep; the database's clock, the one time every event, due check and deadline is measured against; and the
+# trace context of the request in flight (a primary-key read), which the rows the transition inserts continue. Not in
+# the locking statement: correlated with the row there, the planner counted through ix_jobs_due — every agent's live
+# jobs and the dead entries a busy table leaves in it — instead of this agent's in ix_jobs_agent_live; and a statement
+# of its own reads with a snapshot taken once the lock is granted. Pipelined with the lock: one round trip still.
+_AFTER_LOCK = (
+    "SELECT (SELECT count(*) FROM jobs j WHERE j.agent_id = %s AND j.status IN ('pending', 'enqueued', 'running'))"
+    " AS live_jobs, clock_timestamp() AS at, (SELECT r.traceparent FROM agents a JOIN requests r"
+    " ON r.request_id = a.request_id WHERE a.id = %s) AS request_traceparent"
 )
 
 _EVENT_COLUMNS = (
@@ -152,16 +155,18 @@ class Locked:
 def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
     database's clock; None if there is no such agent."""
-    # Rows by name, on a cursor of the caller's connection (same transaction; the caller's cursor keeps its rows).
-    # Pipelined: the transaction's BEGIN goes with the lock in one round trip, not one before it.
-    with cur.connection.cursor(row_factory=dict_row) as named:
-        with cur.connection.pipeline():
-            named.execute(_LOCK_AGENT, (agent_id,))
-        row = named.fetchone()
-    if row is None:
+    # Rows by name, on cursors of the caller's connection (same transaction; the caller's cursor keeps its rows).
+    # Pipelined: the transaction's BEGIN, the lock and what is read after it go in one round trip.
+    conn = cur.connection
+    with conn.cursor(row_factory=class_row(AgentRow)) as locking, conn.cursor(row_factory=dict_row) as after:
+        with conn.pipeline():
+            locking.execute(_LOCK_AGENT, (agent_id,))
+            after.execute(_AFTER_LOCK, (agent_id, agent_id))
+        row = locking.fetchone()
+        found = after.fetchone()
+    if row is None or found is None:
         return None
-    live_jobs, at, traceparent = row.pop("live_jobs"), row.pop("at"), row.pop("request_traceparent")
-    return Locked(AgentRow(**row), int(live_jobs), at, traceparent)
+    return Locked(row, int(found["live_jobs"]), found["at"], found["request_traceparent"])
 
 
 def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> AgentRow | None:

@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import event
 
 from agents.client import Client
-from agents.core.commands import Command
+from agents.core.commands import Command, JobSpec
 from agents.core.errors import AgentNotFound, IllegalTransition, RequestConflict, StaleRevision, StoreError
 from agents.core.phases import Event
 from agents.core.transition import transition
@@ -149,6 +149,58 @@ def test_a_command_on_an_unknown_or_deleted_agent_names_it_as_the_caller_did(cli
     with pytest.raises(AgentNotFound) as by_name:
         client.cancel("gone", actor="alice")
     assert by_name.value.deleted is not None and by_name.value.deleted.id == agent.id
+
+
+def _waiting_lock(raw: psycopg.Connection[Any], timeout: float = 20.0) -> None:
+    """Until a backend waits for a row lock on agents (a command's locking read)."""
+    deadline = time.monotonic() + timeout
+    while raw.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        " AND query LIKE 'SELECT id, name%%FOR UPDATE%%'"
+    ).fetchone() == (0,):
+        assert time.monotonic() < deadline, "no command waited for the agent's lock"
+        time.sleep(0.02)
+
+
+def test_a_cancel_that_waited_for_the_lock_sees_the_jobs_the_transition_before_it_added(
+    client: Client, raw: psycopg.Connection[Any]
+) -> None:
+    """A cancel waits for the agent's lock while another transition adds a job: after the wait it counts that job,
+    sweeps it, and answers with no live jobs (a miscount would leave the job live under a failed agent and the
+    answer would disagree with a fresh read)."""
+    agent = client.create_agent("raced")
+    client.submit(agent.id, "req-1", ASK)
+    holding, release = threading.Event(), threading.Event()
+    results: list[Any] = []
+
+    def hold(cur: Any, before: Any, after: Any) -> None:
+        holding.set()
+        assert release.wait(20)
+
+    def step() -> None:
+        command = Command(agent.id, Event.PROGRESS, "worker", jobs=(JobSpec("plan", "2"),))
+        results.append(transition(client.db, command, effects=hold))
+
+    def cancel() -> None:
+        results.append(client.cancel(agent.id, actor="alice"))
+
+    first = threading.Thread(target=step)
+    first.start()
+    assert holding.wait(20)
+    second = threading.Thread(target=cancel)
+    second.start()
+    _waiting_lock(raw)
+    release.set()
+    first.join(20)
+    second.join(20)
+    assert len(results) == 2
+    cancelled = results[1]
+    assert cancelled.phase == "failed" and cancelled.pending_jobs == ()
+    assert cancelled == client.get_state(agent.id)
+    assert raw.execute("SELECT key, status FROM jobs ORDER BY key").fetchall() == [
+        ("req-1:plan:1", "cancelled"),
+        ("req-1:plan:2", "cancelled"),
+    ]
 
 
 def _gone(raw: psycopg.Connection[Any], pids: list[int], timeout: float = 20.0) -> None:
