@@ -82,7 +82,7 @@ from models.schemas import (
     WaitingApproval,
 )
 from models.settings import Settings, check_imports
-from models.sql import request_record
+from models.sql import find_agent, request_record
 from models.tables import agents, deleted_agents
 
 log = logging.getLogger("keel.client")
@@ -134,17 +134,15 @@ class Client:
         return self._row(agent)
 
     def _row(self, agent: AgentRef) -> AgentRow:
-        query = select(agents)
         agent_id = _as_uuid(agent)
         if agent_id is None:
             check_text("agent", agent, limit=200)
-        query = query.where(agents.c.id == agent_id) if agent_id is not None else query.where(agents.c.name == agent)
-        with core.store_errors(), self.db.engine.connect() as conn:
-            found = conn.execute(query).first()
+        with core.store_errors():
+            found = find_agent(self.db, agent_id=agent_id, name=None if agent_id is not None else str(agent))
         if found is None:
             gone = self._tombstones(agent)
             raise AgentNotFound(agent, deleted=gone[0] if gone else None)
-        return AgentRow(**found._mapping)
+        return found
 
     def _tombstones(self, agent: AgentRef) -> list[DeletedAgent]:
         """The deleted agents with this id, or this name (most recently deleted first)."""
@@ -180,9 +178,12 @@ class Client:
         """The agent's current state, by id or name, with its pending jobs."""
         return self._state(self._row(agent))
 
-    def _state(self, row: AgentRow) -> AgentState:
-        with core.store_errors():
-            jobs = tuple(JobView(**r) for r in pending_jobs(self.db, row.id))
+    def _state(self, row: AgentRow, jobs: tuple[JobView, ...] | None = None) -> AgentState:
+        """The state of ``row``: with its live jobs as given (a command's, read in its own transaction), else
+        read now; the call waiting for approval is read when the agent waits for one."""
+        if jobs is None:
+            with core.store_errors():
+                jobs = tuple(JobView(**r) for r in pending_jobs(self.db, row.id))
         approval = None
         if row.phase == "waiting_approval":
             pending = pending_approval(self.db, row.request_id)
@@ -412,8 +413,9 @@ class Client:
             hard_deadline=hard_deadline,
             actor=actor,
             operation=operation,
+            with_jobs=True,
         )
-        return self._state(done.agent)
+        return self._state(done.agent, done.jobs)
 
     def submit_request(
         self,
@@ -438,8 +440,11 @@ class Client:
             hard_deadline=hard_deadline,
             actor=actor,
             operation=operation,
+            with_jobs=True,
         )
-        return Submission(state=self._state(done.agent), request=self._record(done), replayed=done.suppressed)
+        return Submission(
+            state=self._state(done.agent, done.jobs), request=self._record(done), replayed=done.suppressed
+        )
 
     def submit_record(
         self,
@@ -496,6 +501,7 @@ class Client:
         hard_deadline: Deadline,
         actor: str,
         operation: str,
+        with_jobs: bool = False,
     ) -> _Submitted:
         _check_actor(actor)
         # Relative deadlines count from the transition's time on the database's clock, not this host's.
@@ -519,12 +525,14 @@ class Client:
         try:
             # While the broker is down, between retries, the jobs are left to the dispatcher at once.
             publish_due = self.publisher is not None and self.broker.wait() == 0
-            done = core.transition(self.db, command, input_json=input_json, publish_due=publish_due)
+            done = core.transition(
+                self.db, command, input_json=input_json, publish_due=publish_due, with_jobs=with_jobs
+            )
         except AgentNotFound as exc:
             raise AgentNotFound(agent, deleted=exc.deleted) from None  # named as the caller named it
         if self.publisher is not None and done.to_publish:
             self._publish(self.publisher, done.to_publish)
-        return _Submitted(done.agent, done.suppressed, request_id, operation, input_json, actor)
+        return _Submitted(done.agent, done.suppressed, request_id, operation, input_json, actor, done.pending_jobs)
 
     def _publish(self, publisher: Publisher, due: Sequence[Due]) -> None:
         try:
@@ -705,8 +713,10 @@ class Client:
         _check_reason(reason)
         details: dict[str, Any] = {} if reason is None else {"reason": reason}
         details.update(extra or {})
+        # By id, the transition's own locking read finds the agent (and a deleted one's tombstone): no read before it.
+        agent_id = _as_uuid(agent)
         command = Command(
-            agent_id=self._row(agent).id,
+            agent_id=agent_id if agent_id is not None else self._row(agent).id,
             event=event,
             actor=actor,
             expected_revision=expected_revision,
@@ -714,7 +724,11 @@ class Client:
             jobs=jobs,
             messages=messages,
         )
-        return self._state(core.transition(self.db, command, effects=effects).agent)
+        try:
+            done = core.transition(self.db, command, effects=effects, with_jobs=True)
+        except AgentNotFound as exc:
+            raise AgentNotFound(agent, deleted=exc.deleted) from None  # named as the caller named it
+        return self._state(done.agent, done.pending_jobs)
 
     def _import_handlers(self) -> None:
         """Import what the workers import (``KEEL_IMPORTS``, the ``keel.handlers`` and ``keel.tools`` entry points),
@@ -750,6 +764,8 @@ class _Submitted:
     operation: str
     input_json: str
     actor: str
+    #: The agent's live jobs as the submit committed them (None: not asked for).
+    jobs: tuple[JobView, ...] | None = None
 
 
 def _check_actor(actor: str) -> None:

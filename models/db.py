@@ -8,18 +8,39 @@ own (LISTEN, a session lock) opens :meth:`Database.session` on the direct URL.""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import select
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, create_engine
+from psycopg import pq
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DisconnectionError
 
 from models.audit_keys import AuditKeys, audit_keys_for
 from models.embedded import database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, sqlalchemy_url
+
+log = logging.getLogger("keel.db")
+
+#: Per connection, the notifications its open transaction will send once it has committed (:func:`notify_after_commit`).
+_AFTER_COMMIT: weakref.WeakKeyDictionary[psycopg.Connection[Any], list[tuple[str, str]]] = weakref.WeakKeyDictionary()
+# Its own transaction, committed without waiting for the WAL flush: PostgreSQL serializes every committing transaction
+# that notifies on one lock held through its commit, so a NOTIFY inside a transition would make every transition wait
+# for the others' flushes. A wake-up lost in a crash costs a listener its safety interval, never an event.
+_NOTIFY = "SELECT set_config('synchronous_commit', 'off', true), pg_notify(%s, %s)"
+
+
+def notify_after_commit(conn: psycopg.Connection[Any], channel: str, payload: str) -> None:
+    """Send ``NOTIFY channel, payload`` once the transaction open on ``conn`` (one of :meth:`Database.transaction`)
+    has committed; never if it rolls back."""
+    _AFTER_COMMIT.setdefault(conn, []).append((channel, payload))
 
 
 class Database:
@@ -56,11 +77,12 @@ class Database:
             pool_size=pool_size,
             max_overflow=pool_size,
             pool_recycle=1800,
-            # A pooled connection that a database restart or failover killed is found and replaced when it is
-            # checked out, instead of failing the next claim or outcome write.
-            pool_pre_ping=True,
             connect_args=connect_args,
         )
+        # A pooled connection that a database restart or failover killed is found and replaced when it is checked
+        # out, instead of failing the next claim or outcome write: without a round trip (a ping costs one per
+        # transaction), by what the server said on it while it sat idle.
+        event.listen(self.engine, "checkout", _replace_if_dead)
 
     @classmethod
     def from_settings(
@@ -108,15 +130,21 @@ class Database:
 
     @contextmanager
     def transaction(self) -> Iterator[psycopg.Cursor[Any]]:
-        """A cursor inside one transaction: committed when the block ends, rolled back if it raises."""
+        """A cursor inside one transaction: committed when the block ends, rolled back if it raises. What it asked
+        to :func:`notify_after_commit` is sent after the commit."""
         with self.connection() as conn:
+            _AFTER_COMMIT.pop(conn, None)
             try:
                 with conn.cursor() as cur:
                     yield cur
                 conn.commit()
             except BaseException:
+                _AFTER_COMMIT.pop(conn, None)
                 conn.rollback()
                 raise
+            pending = _AFTER_COMMIT.pop(conn, None)
+            if pending:
+                _notify(conn, pending)
 
     @contextmanager
     def reading(self, *, statement_timeout: timedelta) -> Iterator[psycopg.Connection[Any]]:
@@ -144,3 +172,36 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _notify(conn: psycopg.Connection[Any], pending: list[tuple[str, str]]) -> None:
+    """Send the notifications of a committed transaction. A failure is logged, not raised: what they announce has
+    committed, and a listener re-reads what it follows at its safety interval anyway."""
+    conn.autocommit = True  # one statement, its own transaction: one round trip, no BEGIN nor COMMIT
+    try:
+        with conn.cursor() as cur:
+            for channel, payload in pending:
+                cur.execute(_NOTIFY, (channel, payload))
+    except psycopg.Error as exc:
+        log.warning("could not announce %d committed journal events: %s", len(pending), exc)
+    finally:
+        with contextlib.suppress(psycopg.Error):  # a broken connection: the pool's checkout discards it
+            conn.autocommit = False
+
+
+def _replace_if_dead(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """Refuse (so the pool replaces it) a pooled connection the server has closed or spoken on while it was idle.
+    An idle connection in the pool has no query running, so anything to read on it is the server's goodbye (a
+    terminated backend sends its FATAL error and closes; a restart closes) or something as rare that a fresh
+    connection is as good as: no round trip is spent to find out."""
+    conn = dbapi_connection
+    if not isinstance(conn, psycopg.Connection):  # pragma: no cover - always psycopg here
+        return
+    if conn.closed or conn.broken or conn.pgconn.status != pq.ConnStatus.OK or _readable(conn.pgconn.socket):
+        raise DisconnectionError("the pooled connection was closed by the server")
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))

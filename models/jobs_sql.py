@@ -91,41 +91,65 @@ _COUNT_LOST_RUN = (
 )
 
 
+#: A job as the state view lists it (the fields of ``models.schemas.JobView``).
+JOB_VIEW_COLUMNS = "key, operation, target, status, queue, run_at, attempts, error_attempts, last_error"
+_LIVE_JOBS = (
+    f"SELECT {JOB_VIEW_COLUMNS} FROM jobs WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running')"
+    " ORDER BY run_at, key"
+)
+
 _INSERT = (
     "INSERT INTO jobs (key, agent_id, request_id, operation, target, payload, status, queue, priority, run_at,"
     " enqueued_at, created_at, updated_at, traceparent)"
     " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, CASE WHEN %s = 'enqueued' THEN %s END, %s, %s, %s)"
     " ON CONFLICT (key) DO NOTHING"
+    f" RETURNING {JOB_VIEW_COLUMNS}"
 )
 
 
-def insert_jobs_txn(cur: psycopg.Cursor[Any], jobs: Sequence[NewJob], now: datetime) -> tuple[list[str], list[str]]:
-    """Insert ``jobs``; an existing key is left alone. Returns (inserted keys, suppressed duplicate keys)."""
-    inserted: list[str] = []
+def insert_jobs_txn(
+    cur: psycopg.Cursor[Any], jobs: Sequence[NewJob], now: datetime
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Insert ``jobs``; an existing key is left alone. Returns (the inserted jobs as the state view lists them, by
+    column name; the suppressed duplicate keys)."""
+    inserted: list[dict[str, Any]] = []
     suppressed: list[str] = []
-    for job in jobs:
-        cur.execute(
-            _INSERT,
-            (
-                job.key,
-                job.agent_id,
-                job.request_id,
-                job.operation,
-                job.target,
-                json.dumps(job.payload),
-                job.status,
-                job.queue,
-                job.priority,
-                job.run_at,
-                job.status,
-                now,
-                now,
-                now,
-                job.traceparent,
-            ),
-        )
-        (inserted if cur.rowcount == 1 else suppressed).append(job.key)
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        for job in jobs:
+            named.execute(
+                _INSERT,
+                (
+                    job.key,
+                    job.agent_id,
+                    job.request_id,
+                    job.operation,
+                    job.target,
+                    json.dumps(job.payload),
+                    job.status,
+                    job.queue,
+                    job.priority,
+                    job.run_at,
+                    job.status,
+                    now,
+                    now,
+                    now,
+                    job.traceparent,
+                ),
+            )
+            row = named.fetchone()
+            if row is None:
+                suppressed.append(job.key)
+            else:
+                inserted.append(row)
     return inserted, suppressed
+
+
+def live_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> list[dict[str, Any]]:
+    """The agent's jobs that are not final, by column name (the fields of ``JobView``), inside the caller's
+    transaction: what it will have committed."""
+    with cur.connection.cursor(row_factory=dict_row) as named:
+        named.execute(_LIVE_JOBS, (agent_id,))
+        return named.fetchall()
 
 
 def cancel_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, now: datetime, reason: str) -> list[str]:
@@ -402,11 +426,7 @@ def unpublish(db: Database, keys: Sequence[str]) -> list[str]:
 def pending_jobs(db: Database, agent_id: UUID) -> list[dict[str, Any]]:
     """The agent's jobs that are not final, by column name (the fields of ``JobView``)."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(
-            "SELECT key, operation, target, status, queue, run_at, attempts, error_attempts, last_error FROM jobs"
-            " WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running') ORDER BY run_at, key",
-            (agent_id,),
-        )
+        cur.execute(_LIVE_JOBS, (agent_id,))
         rows = cur.fetchall()
         conn.rollback()
     return rows

@@ -14,7 +14,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from models.db import Database
+from models.db import Database, notify_after_commit
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
@@ -22,14 +22,17 @@ AGENT_COLUMNS = (
     " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority, archived_at, waiting_since"
 )
 
-# With the lock comes the number of the agent's live jobs, so a transition to rest can skip an empty sweep, the
-# database's clock read after the lock: the one time every event, due check and deadline is measured against, and the
-# trace context of the request in flight (a primary-key read), which the rows the transition inserts continue.
-_LOCK_AGENT = (
-    f"SELECT {AGENT_COLUMNS}, (SELECT count(*) FROM jobs j WHERE j.agent_id = agents.id"
-    " AND j.status IN ('pending', 'enqueued', 'running')) AS live_jobs, clock_timestamp() AS at,"
-    " (SELECT r.traceparent FROM requests r WHERE r.request_id = agents.request_id) AS request_traceparent"
-    " FROM agents WHERE id = %s FOR UPDATE OF agents"
+_LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
+# After the lock, in a statement of its own: the number of the agent's live jobs, so a transition to rest can skip an
+# empty sweep; the database's clock, the one time every event, due check and deadline is measured against; and the
+# trace context of the request in flight (a primary-key read), which the rows the transition inserts continue. Not in
+# the locking statement: correlated with the row there, the planner counted through ix_jobs_due — every agent's live
+# jobs and the dead entries a busy table leaves in it — instead of this agent's in ix_jobs_agent_live; and a statement
+# of its own reads with a snapshot taken once the lock is granted. Pipelined with the lock: one round trip still.
+_AFTER_LOCK = (
+    "SELECT (SELECT count(*) FROM jobs j WHERE j.agent_id = %s AND j.status IN ('pending', 'enqueued', 'running'))"
+    " AS live_jobs, clock_timestamp() AS at, (SELECT r.traceparent FROM agents a JOIN requests r"
+    " ON r.request_id = a.request_id WHERE a.id = %s) AS request_traceparent"
 )
 
 _EVENT_COLUMNS = (
@@ -37,15 +40,12 @@ _EVENT_COLUMNS = (
     " prev_hash, hash, key_id"
 )
 #: The channel every appended journal event is announced on, with the payload ``"<agent id>:<seq>"``. A notification
-#: is only a wake-up (listeners read the events from the journal), and PostgreSQL delivers it when the transaction
-#: commits and never if it rolls back, so nothing is announced that did not happen.
+#: is only a wake-up (listeners read the events from the journal); it is sent once the event's transaction has
+#: committed (:func:`models.db.notify_after_commit`) and never if it rolls back, so nothing is announced that did not
+#: happen.
 JOURNAL_CHANNEL = "keel_journal"
-# Every journal append goes through this one INSERT, and its RETURNING sends the announcement: same statement, same
-# transaction, no extra round trip.
-_EVENT_CTE = (
-    f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)})"
-    f" RETURNING pg_notify('{JOURNAL_CHANNEL}', agent_id::text || ':' || seq::text)) "
-)
+# Every journal append goes through this one INSERT (and announces itself after the commit: _appended).
+_EVENT_CTE = f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)}) RETURNING 1) "
 
 # One statement writes the journal event and the row it explains (a deferred trigger checks they agree at commit).
 # The WHERE clause repeats the revision read under the lock: the database refuses a lost update by itself.
@@ -53,6 +53,7 @@ _UPDATE_AGENT = (
     _EVENT_CTE + "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s,"
     " hard_deadline = %s, updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s,"
     " priority = %s, waiting_since = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
+    f" RETURNING {AGENT_COLUMNS}"
 )
 
 # Rejections and suppressions leave the agent's state alone; only its journal chain advances.
@@ -156,19 +157,29 @@ class Locked:
 def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
     database's clock; None if there is no such agent."""
-    # Rows by name, on a cursor of the caller's connection (same transaction; the caller's cursor keeps its rows).
-    with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(_LOCK_AGENT, (agent_id,))
-        row = named.fetchone()
-    if row is None:
+    # Rows by name, on cursors of the caller's connection (same transaction; the caller's cursor keeps its rows).
+    # Pipelined: the transaction's BEGIN, the lock and what is read after it go in one round trip.
+    conn = cur.connection
+    with conn.cursor(row_factory=class_row(AgentRow)) as locking, conn.cursor(row_factory=dict_row) as after:
+        with conn.pipeline():
+            locking.execute(_LOCK_AGENT, (agent_id,))
+            after.execute(_AFTER_LOCK, (agent_id, agent_id))
+        row = locking.fetchone()
+        found = after.fetchone()
+    if row is None or found is None:
         return None
-    live_jobs, at, traceparent = row.pop("live_jobs"), row.pop("at"), row.pop("request_traceparent")
-    return Locked(AgentRow(**row), int(live_jobs), at, traceparent)
+    return Locked(row, int(found["live_jobs"]), found["at"], found["request_traceparent"])
 
 
-def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> bool:
-    """Write ``after`` over ``before`` together with the event that explains it; False if the row moved on behind
-    the lock (a writer bypassed it): the caller must not commit."""
+def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> AgentRow | None:
+    """Write ``after`` over ``before`` together with the event that explains it, and return the row as stored (what
+    a read after the commit gives); None if the row moved on behind the lock (a writer bypassed it): the caller
+    must not commit."""
+    with cur.connection.cursor(row_factory=class_row(AgentRow)) as named:
+        return _update_agent(named, before, after, event)
+
+
+def _update_agent(cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentRow, event: NewEvent) -> AgentRow | None:
     cur.execute(
         _UPDATE_AGENT,
         (
@@ -189,14 +200,24 @@ def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow
             before.revision,
         ),
     )
-    return cur.rowcount == 1
+    stored = cur.fetchone()
+    if stored is not None:
+        _appended(cur, event)
+    return stored
 
 
 def advance_chain_txn(cur: psycopg.Cursor[Any], event: NewEvent) -> bool:
     """Append ``event`` (a rejection, a suppression) and move the agent's chain head to it, state untouched;
     False if the chain moved on behind the lock."""
     cur.execute(_ADVANCE_CHAIN, (*event.params(), event.seq, event.hash, event.agent_id, event.seq - 1))
-    return cur.rowcount == 1
+    if cur.rowcount != 1:
+        return False
+    _appended(cur, event)
+    return True
+
+
+def _appended(cur: psycopg.Cursor[Any], event: NewEvent) -> None:
+    notify_after_commit(cur.connection, JOURNAL_CHANNEL, f"{event.agent_id}:{event.seq}")
 
 
 def insert_agent_txn(
@@ -254,7 +275,10 @@ def set_archived_txn(cur: psycopg.Cursor[Any], event: NewEvent, archived_at: dat
     """Append ``event`` and set (or, with None, clear) the agent's ``archived_at`` with it; False if the chain
     moved on behind the lock."""
     cur.execute(_SET_ARCHIVED, (*event.params(), archived_at, event.seq, event.hash, event.agent_id, event.seq - 1))
-    return cur.rowcount == 1
+    if cur.rowcount != 1:
+        return False
+    _appended(cur, event)
+    return True
 
 
 _TOMBSTONE_COLUMNS = "name, created_at, deleted_at, deleted_by, phase, revision, request_id, journal_seq, journal_head"
@@ -304,3 +328,17 @@ def agent_name(db: Database, agent_id: UUID) -> str | None:
         row = conn.execute("SELECT name FROM agents WHERE id = %s", (agent_id,)).fetchone()
         conn.rollback()
     return None if row is None else str(row[0])
+
+
+_AGENT_BY_ID = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s"
+_AGENT_BY_NAME = f"SELECT {AGENT_COLUMNS} FROM agents WHERE name = %s"
+
+
+def find_agent(db: Database, *, agent_id: UUID | None = None, name: str | None = None) -> AgentRow | None:
+    """The agent's row by id, else by name (no lock, one statement committed by itself); None if there is none."""
+    with db.autocommit() as cur, cur.connection.cursor(row_factory=class_row(AgentRow)) as named:
+        if agent_id is not None:
+            named.execute(_AGENT_BY_ID, (agent_id,))
+        else:
+            named.execute(_AGENT_BY_NAME, (name,))
+        return named.fetchone()

@@ -61,10 +61,11 @@ from models.jobs_sql import (
     finish_txn,
     holds,
     insert_jobs_txn,
+    live_jobs_txn,
     retry_txn,
 )
 from models.outbox_sql import NewMessage, insert_messages_txn
-from models.schemas import AgentRow, DeletedAgent
+from models.schemas import AgentRow, DeletedAgent, JobView
 from models.sql import (
     agent_schedules_txn,
     claim_request_txn,
@@ -91,6 +92,9 @@ class Transitioned:
     suppressed: bool = False
     #: Jobs this transition inserted as ``enqueued``: the caller publishes them now (``publish_due=True``).
     to_publish: tuple[Due, ...] = ()
+    #: With ``with_jobs=True``: the agent's live jobs as this transaction committed them (what the state view lists
+    #: and a read right after the commit gives); None otherwise.
+    pending_jobs: tuple[JobView, ...] | None = None
 
 
 def now() -> datetime:
@@ -284,6 +288,7 @@ def transition(
     input_json: str = "null",
     effects: EffectsTxn | None = None,
     publish_due: bool = False,
+    with_jobs: bool = False,
 ) -> Transitioned:
     """Apply ``command`` to its agent: the only way an agent's state changes.
 
@@ -297,11 +302,17 @@ def transition(
     demotes them to the low queue when ``command.priority`` is low, runs ``effects``, and inserts ``command.messages``
     — with, when it ends a wait for approval undecided, the follow-ups of that wait's notices
     (:mod:`agents.core.approval_notices`).
+
+    With ``with_jobs`` the result carries the agent's live jobs as committed (``pending_jobs``), read in the same
+    transaction, or known without a read when the transition's own effects tell them (it came to rest, or it
+    inserted the only ones): a producer's command and the state it answers with are one transaction.
     """
     with observe(
         "transition", command.event.value, request_id=command.request_id, agent_id=command.agent_id, actor=command.actor
     ) as op:
-        done = _transition(db, command, input_json=input_json, effects=effects, publish_due=publish_due)
+        done = _transition(
+            db, command, input_json=input_json, effects=effects, publish_due=publish_due, with_jobs=with_jobs
+        )
         op.outcome = "suppressed" if done.suppressed else "applied"
         return done
 
@@ -313,6 +324,7 @@ def _transition(
     input_json: str,
     effects: EffectsTxn | None,
     publish_due: bool,
+    with_jobs: bool,
 ) -> Transitioned:
     keys = journal.signing_keys(db)
     with store_errors():
@@ -366,9 +378,11 @@ def _transition(
                     details=dict(command.details),
                     at=at,
                 )
-                return Transitioned(replace(row, journal_seq=link.seq, journal_head=link.hash), link.seq, True)
+                jobs = _views(live_jobs_txn(cur, row.id)) if with_jobs else None
+                after = replace(row, journal_seq=link.seq, journal_head=link.hash)
+                return Transitioned(after, link.seq, True, pending_jobs=jobs)
             if isinstance(decision, Accept):
-                after, to_publish = _apply_txn(
+                after, to_publish, known = _apply_txn(
                     cur,
                     keys,
                     row,
@@ -380,7 +394,10 @@ def _transition(
                     live_jobs,
                     locked.request_traceparent,
                 )
-                return Transitioned(after, after.journal_seq, to_publish=to_publish)
+                jobs = None
+                if with_jobs:
+                    jobs = _views(known if known is not None else live_jobs_txn(cur, row.id))
+                return Transitioned(after, after.journal_seq, to_publish=to_publish, pending_jobs=jobs)
             if command.outcome is not None and not holds(cur, command.outcome.key, command.outcome.fencing_token):
                 # The worker lost its job before the agent moved on: that is the story, not the rejection.
                 raise FencedOff(command.outcome.key)
@@ -405,7 +422,9 @@ def _apply_txn(
     publish_due: bool,
     live_jobs: int,
     request_traceparent: str | None,
-) -> tuple[AgentRow, tuple[Due, ...]]:
+) -> tuple[AgentRow, tuple[Due, ...], list[dict[str, Any]] | None]:
+    """Write the accepted transition; returns the row as stored, the jobs to publish, and the agent's live jobs
+    when this transaction's own effects tell them without a read (None: they must be read)."""
     # The journal event's hash covers what the effects did, so effects run before the event is written;
     # the row is written last, carrying the new chain head.
     details: dict[str, Any] = dict(command.details)
@@ -426,6 +445,7 @@ def _apply_txn(
         if summary:
             details["effects"] = dict(summary)
     to_publish: tuple[Due, ...] = ()
+    inserted: list[dict[str, Any]] = []
     messages = command.messages
     if approval_notices.ends_undecided(before, after, command):
         # Whoever was told the call waits is told it waits no more, however the wait ended (a cancel, a deadline, a
@@ -436,26 +456,33 @@ def _apply_txn(
     if command.jobs:
         rows = new_jobs(after, command.jobs, at, publish_due=publish_due, traceparent=traceparent)
         inserted, suppressed = insert_jobs_txn(cur, rows, at)
-        details["jobs"] = inserted
+        fresh = [job["key"] for job in inserted]
+        details["jobs"] = fresh
         if suppressed:
             details["jobs_suppressed"] = suppressed
-        fresh = set(inserted)
-        to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in fresh and r.status == "enqueued")
+        new_keys = set(fresh)
+        to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in new_keys and r.status == "enqueued")
     if messages:
         details.update(_emit_messages_txn(cur, after, messages, traceparent))
+    # Which live jobs the agent has now, when this transaction's own effects tell: under the row's lock no other
+    # transaction can insert one (each insert takes the agent row FOR KEY SHARE) or finish one (only a transition
+    # does). Anything else — effects, jobs from before that are still live, a demotion, several new jobs (their
+    # order is the database's collation's, not Python's) — is read instead.
+    known: list[dict[str, Any]] | None = None
+    if live_jobs == 0 and effects is None and len(inserted) <= 1:
+        known = inserted
     # Coming to rest cancels the agent's live jobs (an empty sweep costs a statement: skip it when there are none).
-    if (
-        Phase(after.phase) in RESTING
-        and Phase(before.phase) not in RESTING
-        and (live_jobs > 0 or effects or command.jobs)
-    ):
-        cancelled = cancel_agent_jobs_txn(cur, after.id, at, f"agent {after.phase}: {command.reason}")
-        if cancelled:
-            details["jobs_cancelled"] = cancelled
+    if Phase(after.phase) in RESTING and Phase(before.phase) not in RESTING:
+        if live_jobs > 0 or effects or command.jobs:
+            cancelled = cancel_agent_jobs_txn(cur, after.id, at, f"agent {after.phase}: {command.reason}")
+            if cancelled:
+                details["jobs_cancelled"] = cancelled
+        known = []
     if after.priority == LOW and before.priority != LOW:
         demoted = demote_agent_jobs_txn(cur, after.id, LOW_QUEUE, at)
         if demoted:
             details["jobs_demoted"] = demoted
+            known = None
     event = journal.new_event(
         before,
         keys=keys,
@@ -470,10 +497,14 @@ def _apply_txn(
         details=details,
         at=at,
     )
-    after = replace(after, journal_seq=event.seq, journal_head=event.hash)
-    if not update_agent_txn(cur, before, after, event):
+    stored = update_agent_txn(cur, before, replace(after, journal_seq=event.seq, journal_head=event.hash), event)
+    if stored is None:
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
-    return after, to_publish
+    return stored, to_publish, known
+
+
+def _views(jobs: list[dict[str, Any]]) -> tuple[JobView, ...]:
+    return tuple(JobView(**job) for job in jobs)
 
 
 def _request_trace(before: AgentRow, after: AgentRow, stored: str | None) -> str | None:

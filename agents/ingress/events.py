@@ -1,7 +1,7 @@
 """Live journal events: each committed journal event of an agent, pushed as it commits (Server-Sent Events).
 
-Every journal append announces itself with ``pg_notify`` inside its own transaction (:data:`models.sql.JOURNAL_CHANNEL`,
-payload ``"<agent id>:<seq>"``), so PostgreSQL delivers the announcement when the event commits and never when it
+Every journal append announces itself with ``pg_notify`` (:data:`models.sql.JOURNAL_CHANNEL`, payload
+``"<agent id>:<seq>"``) once its transaction has committed (:func:`models.db.notify_after_commit`), never when it
 rolls back. A notification is only a wake-up: the events themselves are always read from the journal, after the last
 one a subscriber got. A lost, merged or late notification can therefore delay an event but never drop or repeat one,
 and the event ids a client sees are journal sequence numbers it can resume from (``Last-Event-ID``).
