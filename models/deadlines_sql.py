@@ -19,19 +19,20 @@ class PastDeadline:
     id: UUID
     hard: bool  # past the hard deadline (stop); otherwise past only the soft one while still at normal priority
     deadline: datetime  # the deadline it passed: with ``id``, where the next batch of the same kind starts
+    revision: int  # the agent's revision when it was seen past it: the move applies to that state or to none
 
 
 # Each kind is a range of its own partial index (ix_agents_hard_deadline, ix_agents_soft_deadline), read from
 # where the previous batch ended: a pass costs the agents it moves, never the agents there are. The phases are
 # written into the statement (not bound) so that the planner can match the indexes' predicate.
 _PAST_HARD = (
-    "SELECT id, true AS hard, hard_deadline AS deadline FROM agents"
+    "SELECT id, true AS hard, hard_deadline AS deadline, revision FROM agents"
     " WHERE {active} AND hard_deadline IS NOT NULL AND hard_deadline <= %(at)s"
     " AND (hard_deadline, id) > (%(after_deadline)s, %(after_id)s)"
     " ORDER BY hard_deadline, id LIMIT %(limit)s"
 )
 _PAST_SOFT = (
-    "SELECT id, false AS hard, soft_deadline AS deadline FROM agents"
+    "SELECT id, false AS hard, soft_deadline AS deadline, revision FROM agents"
     " WHERE {active} AND priority = 'normal' AND soft_deadline IS NOT NULL AND soft_deadline <= %(at)s"
     " AND (hard_deadline IS NULL OR hard_deadline > %(at)s)"
     " AND (soft_deadline, id) > (%(after_deadline)s, %(after_id)s)"

@@ -82,11 +82,21 @@ def _move(
     notice_problem: str | None,
     report: EnforceReport,
 ) -> None:
+    # The move carries the revision the agent was seen at: if it moved on since (its request cancelled and another
+    # submitted, another enforcer was first), the move is a journaled StaleRevision, never a stop or a demotion of
+    # a request that did not pass the deadline; a later pass judges the agent as it is then.
     if past.hard:
-        command = _stop(past.id, actor, notice, notice_problem)
+        command = _stop(past.id, actor, notice, notice_problem, past.revision)
         done = report.stopped
     else:
-        command = Command(past.id, Event.PROGRESS, actor, reason="soft_deadline_passed", priority=LOW)
+        command = Command(
+            past.id,
+            Event.PROGRESS,
+            actor,
+            expected_revision=past.revision,
+            reason="soft_deadline_passed",
+            priority=LOW,
+        )
         done = report.demoted
     try:
         core.transition(db, command)
@@ -113,13 +123,21 @@ def _notice_template(channel: str | None) -> tuple[str | None, str | None]:
     return channel, None
 
 
-def _stop(agent_id: UUID, actor: str, channel: str | None, notice_problem: str | None) -> Command:
+def _stop(agent_id: UUID, actor: str, channel: str | None, notice_problem: str | None, revision: int) -> Command:
     notice: tuple[MessageSpec, ...] = ()
     if channel:
         text = f"Keel stopped agent {agent_id}: its request passed its hard deadline. Pending work was cancelled."
         notice = (MessageSpec("slack", channel, "hard-deadline", {"text": text}),)
     details = {"notice_not_sent": notice_problem} if notice_problem else {}
-    return Command(agent_id, Event.FAIL, actor, reason="hard_deadline_passed", messages=notice, details=details)
+    return Command(
+        agent_id,
+        Event.FAIL,
+        actor,
+        expected_revision=revision,
+        reason="hard_deadline_passed",
+        messages=notice,
+        details=details,
+    )
 
 
 def _journal_failure(db: Database, command: Command, exc: Exception) -> None:

@@ -12,10 +12,12 @@ import pytest
 from agents.client import Client
 from agents.core import transition as core
 from agents.core.commands import Command
+from agents.core.phases import ACTIVE
 from agents.core.transition import now
 from agents.jobs import deadlines
 from agents.jobs.handlers import registry
 from models.db import Database
+from models.deadlines_sql import agents_past_deadline
 from models.outbox_sql import message_row
 
 pytestmark = pytest.mark.integration
@@ -70,6 +72,35 @@ def test_one_agent_whose_stop_fails_does_not_spare_the_others(
     # Once the fault is gone, the next pass stops it.
     monkeypatch.setattr(core, "transition", real)
     assert deadlines.enforce(db, later + timedelta(seconds=10)).stopped == [first.id]
+
+
+def test_a_stale_sighting_never_stops_or_demotes_the_next_request(client: Client, db: Database) -> None:
+    """A pass reads the agents past their deadlines, then moves them one by one: an agent whose request was
+    cancelled and replaced in between (the next request has no deadline) must not be stopped or demoted for the
+    old one's deadline (outside review: the move carried no revision)."""
+    hard, soft = client.create_agent("hard"), client.create_agent("soft")
+    client.submit(hard.id, "req-hard-1", None, operation="count", hard_deadline=timedelta(seconds=60))
+    client.submit(soft.id, "req-soft-1", None, operation="count", soft_deadline=timedelta(seconds=60))
+    later = now() + timedelta(seconds=61)
+    seen = {
+        kind: agents_past_deadline(db, [p.value for p in ACTIVE], hard=kind == "hard", at=later, limit=10)
+        for kind in ("hard", "soft")
+    }
+    assert [p.id for p in seen["hard"]] == [hard.id] and [p.id for p in seen["soft"]] == [soft.id]
+    for agent, request in ((hard, "req-hard-2"), (soft, "req-soft-2")):
+        client.cancel(agent.id, actor="ops")
+        client.submit(agent.id, request, None, operation="count")
+    report = deadlines.EnforceReport()
+    deadlines._move(db, seen["hard"][0], "deadline-enforcer", "C0123456789", None, report)
+    deadlines._move(db, seen["soft"][0], "deadline-enforcer", None, None, report)
+    assert (report.stopped, report.demoted, report.failed) == ([], [], [])
+    state = client.get_state(hard.id)
+    assert (state.phase, state.request_id) == ("planning", "req-hard-2")
+    assert client.get_state(soft.id).priority == "normal"
+    assert message_row(db, "req-hard-2:slack:hard-deadline") is None
+    for agent in (hard, soft):
+        last = client.journal(agent_id=agent.id)[-1]
+        assert (last.kind, last.decision) == ("rejected", "stale_revision"), last
 
 
 def test_a_channel_name_for_notices_never_prevents_a_stop(client: Client, db: Database) -> None:
