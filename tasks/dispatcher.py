@@ -150,7 +150,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         interval = self.settings.dispatch_interval_seconds
-        backoff = max(self.database.wait(), self.broker.wait())
+        backoff = self.database.wait()
         if backoff:
             return backoff
         try:
@@ -161,6 +161,11 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         if not leader:
             self.duties.stand_down()
             return interval
+        backoff = self.broker.wait()
+        if backoff:
+            # The broker is away: nothing is published until its backoff ends, but the lease is still renewed every
+            # interval meanwhile (a backoff longer than the lease would hand leadership over for nothing).
+            return min(backoff, interval)
         started = time.monotonic()
         for timed in self.passes:  # started only by a tick that has just confirmed this beat leads
             outage = timed.poke(started)

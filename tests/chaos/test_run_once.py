@@ -168,7 +168,10 @@ def test_two_beats_and_a_killed_beat_neither_duplicate_nor_lose(stack: Stack, cl
     wait_until("all 60 jobs to succeed", lambda: all_succeeded(stack, 60), 90)
     counts = executions(stack)
     assert len(counts) == 60 and set(counts.values()) == {1}
-    assert "this beat is the leader" in stack.log(follower), "the surviving beat took over"
+    # The leader's lease runs out a few seconds after it died; whichever living beat asks first then takes over —
+    # the one that was waiting, or the one started since.
+    took_over = [b for b in (follower, "beat-c") if "this beat is the leader" in stack.log(b)]
+    assert took_over, "a surviving beat took over"
 
 
 def test_a_job_past_its_hard_deadline_fails_the_agent_and_its_late_outcome_is_fenced_off(

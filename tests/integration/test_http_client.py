@@ -143,6 +143,7 @@ def test_http_client_has_clients_signatures_and_names_what_it_leaves_out() -> No
         "agent_row",
         "agent_names",
         "journal_after",
+        "journal_page",
         "archive",
         "unarchive",
         "delete_agent",
