@@ -906,8 +906,9 @@ class HttpClient:
     agents by id, across tenants), ``journal_after`` (one poll of ``follow_journal``, which here is a stream of
     Server-Sent Events) and ``journal_page`` (one keyset page of ``keel journal``, newest first: over HTTP the
     journal routes page by sequence themselves); ``from_settings`` makes a Client from ``KEEL_*`` database
-    settings. Over HTTP the journal is read per agent or per request (``journal()`` with neither is refused), ``follow_journal`` follows one
-    agent, and ``list_agents`` lists what the token sees (``name_prefix`` is the token's own prefix)."""
+    settings. Over HTTP the journal is read per agent or per request (``journal()`` with neither is refused),
+    ``follow_journal`` follows one agent, and ``list_agents`` lists what the token sees (``name_prefix`` is the
+    token's own prefix)."""
 
     def __init__(
         self,
