@@ -81,7 +81,8 @@ class Database:
         )
         # A pooled connection that a database restart or failover killed is found and replaced when it is checked
         # out, instead of failing the next claim or outcome write: without a round trip (a ping costs one per
-        # transaction), by what the server said on it while it sat idle.
+        # transaction), by what the server said on it while it sat idle. A server that vanished without a word (a
+        # blackholed primary) is not seen here: the first statement then waits for the kernel to give up.
         event.listen(self.engine, "checkout", _replace_if_dead)
 
     @classmethod
