@@ -26,6 +26,7 @@ from models.db import Database
 from models.jobs_sql import claim, job_row, take_due
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
+from tests.support.dispatchers import race_dispatchers
 
 pytestmark = pytest.mark.integration
 
@@ -238,25 +239,7 @@ def test_dispatcher_takes_due_jobs_once_and_recovers_expired_leases(client: Clie
 def test_two_dispatchers_never_take_the_same_row(client: Client, db: Database) -> None:
     for n in range(40):
         client.submit(client.create_agent(f"a{n}").id, f"req-{n}", None, operation="count")
-    taken: list[str] = []
-    lock = threading.Lock()
-    barrier = threading.Barrier(4)
-
-    def dispatcher() -> None:
-        barrier.wait()
-        while True:
-            with db.transaction() as cur:
-                due = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=3)
-            if not due:
-                return
-            with lock:
-                taken.extend(d.key for d in due)
-
-    threads = [threading.Thread(target=dispatcher) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    taken = race_dispatchers(db)
     assert len(taken) == len(set(taken)) == 40
 
 

@@ -33,6 +33,7 @@ from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, ClaimedJ
 from models.schedules_sql import LOCK_DUE
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
+from tests.support.dispatchers import race_dispatchers
 from tests.support.runs import run_all
 
 pytestmark = pytest.mark.integration
@@ -227,25 +228,7 @@ def _due_of_every_kind(client: Client, db: Database, n: int) -> set[str]:
 
 def test_four_dispatchers_in_small_batches_take_every_due_job_once(client: Client, db: Database) -> None:
     keys = _due_of_every_kind(client, db, 12)
-    taken: list[str] = []
-    lock = threading.Lock()
-    barrier = threading.Barrier(4)
-
-    def dispatcher() -> None:
-        barrier.wait()
-        while True:
-            with db.transaction() as cur:
-                due = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=3)
-            if not due:
-                return
-            with lock:
-                taken.extend(d.key for d in due)
-
-    threads = [threading.Thread(target=dispatcher) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    taken = race_dispatchers(db)
     assert len(taken) == len(set(taken)), "a job taken twice"
     assert set(taken) == keys, "a due job left behind"
 
