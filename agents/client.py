@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -89,6 +90,20 @@ log = logging.getLogger("keel.client")
 
 AgentRef = UUID | str
 Publisher = Callable[[Sequence[Due]], None]
+
+
+def submit_publisher(settings: Settings) -> Publisher | None:
+    """The publisher installed Keel provides (entry point ``keel.publishers``/``celery``: Celery's, from tasks/app.py)
+    when ``KEEL_PUBLISH_AT_SUBMIT`` is on: a submit's first job then goes to the broker right after its commit, and
+    the dispatcher is only the safety net. None when it is off (or nothing provides one): the dispatcher's next pass
+    publishes every job."""
+    if not settings.publish_at_submit:
+        return None
+    for point in entry_points(group="keel.publishers", name="celery"):
+        made: Publisher | None = point.load()(settings)
+        return made
+    log.warning("no keel.publishers entry point is installed: submits leave their jobs to the dispatcher")
+    return None
 Deadline = datetime | timedelta | None
 
 
@@ -114,10 +129,15 @@ class Client:
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> Client:
+        """A client on ``settings``' database that publishes a submit's first job at once (``KEEL_PUBLISH_AT_SUBMIT``,
+        on by default: :func:`submit_publisher`)."""
         settings = settings or Settings()
-        return cls(Database.from_settings(settings), settings)
+        return cls(Database.from_settings(settings), settings, publisher=submit_publisher(settings))
 
     def close(self) -> None:
+        close = getattr(self.publisher, "close", None)
+        if close is not None:
+            close()
         self.db.dispose()
 
     def __enter__(self) -> Client:

@@ -142,6 +142,10 @@ class Settings(BaseSettings):
     job_lease_seconds: float = Field(default=60.0, gt=0)  # a running job's lease; heartbeats renew it
     enqueue_timeout_seconds: float = Field(default=300.0, gt=0)  # enqueued but never claimed → re-published
     dispatch_interval_seconds: float = Field(default=0.5, gt=0)
+    # A submit through `Client.from_settings`, the CLI or the API publishes its first job to the broker right after
+    # its commit (the dispatcher is then only the safety net: a publish that fails leaves the job to its next pass).
+    # false: every job waits for the dispatcher's next pass (up to KEEL_DISPATCH_INTERVAL_SECONDS).
+    publish_at_submit: bool = True
     # The beat leader's lease (tasks/leadership.py), renewed every dispatch interval: a leader that dies is taken
     # over at most this long after its last renewal (plus a dispatch interval); one that stops cleanly, at once.
     beat_lease_seconds: float = Field(default=5.0, gt=0)

@@ -20,13 +20,11 @@ from agents.observability.logs import choose_json, log_config_formatter, use_str
 from agents.observability.metrics import Metrics, install_metrics
 from agents.observability.tracing import API, configure_tracing
 from models.settings import Settings
-from tasks.app import publisher
+from tasks.app import submit_publisher
 from tasks.metrics import domain_collectors
 
 #: uvicorn's loggers: ``uvicorn.error`` (its own lines) and ``uvicorn.access`` (one line per request).
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
-#: Seconds each publish may take when Redis does not answer (a submit then leaves its job to the dispatcher).
-PUBLISH_TIMEOUT_SECONDS = 1.0
 
 
 class ReportedOnce(logging.Filter):
@@ -72,7 +70,7 @@ def create() -> FastAPI:
     domain = domain_collectors(settings)
     metrics = install_metrics("api", collectors=domain.collectors)
     # The collectors' pool is closed with the app (a reloaded or in-process app leaves no connection behind).
-    app = create_app(settings, publisher=publisher(timeout=PUBLISH_TIMEOUT_SECONDS), on_close=(domain.close,))
+    app = create_app(settings, publisher=submit_publisher(settings), on_close=(domain.close,))
     if settings.api_metrics:
         app.add_api_route(
             "/metrics", metrics_endpoint(metrics, settings.api_metrics_token), methods=["GET"], include_in_schema=False

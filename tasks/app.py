@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError as BrokerError
 
 from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from agents.observability.tracing import BEAT, WORKER, configure_tracing, flush_tracing
-from models.embedded import broker_url_for
+from models.embedded import broker_url_for, redis_status
 from models.jobs_sql import Due
 from models.settings import Settings
 from tasks import metrics as _metrics  # noqa: F401  (connects the worker's and the beat's exporters to their start)
@@ -194,9 +194,43 @@ def bounded_app(timeout: float, settings: Settings | None = None) -> Celery:
     return celery
 
 
-def publisher(celery: Celery | None = None, *, timeout: float | None = None) -> Any:
+#: Seconds each publish at submit may take when Redis does not answer (the job is then left to the dispatcher).
+PUBLISH_TIMEOUT_SECONDS = 1.0
+
+
+class Publisher:
+    """A :class:`agents.client.Client` publisher: sends a submit's first jobs to the broker right after its commit.
+    ``close()`` releases its broker connections (``Client.close`` calls it)."""
+
+    def __init__(self, celery: Celery | None = None, *, owned: bool = False) -> None:
+        self.celery = celery
+        self._owned = owned
+
+    def __call__(self, due: Sequence[Due]) -> None:
+        publish(due, self.celery)
+
+    def close(self) -> None:
+        if self._owned and self.celery is not None:
+            self.celery.close()
+
+
+def publisher(celery: Celery | None = None, *, timeout: float | None = None) -> Publisher:
     """A :class:`agents.client.Client` publisher: ``Client(db, publisher=publisher())``. With ``timeout``, it
-    publishes through :func:`bounded_app`."""
+    publishes through an app of its own from :func:`bounded_app`."""
     if timeout is not None and celery is None:
-        celery = bounded_app(timeout)
-    return lambda due: publish(due, celery)
+        return Publisher(bounded_app(timeout), owned=True)
+    return Publisher(celery)
+
+
+def submit_publisher(settings: Settings) -> Publisher | None:
+    """What a producer's submits publish with (``Client.from_settings``, the CLI, the API; the ``keel.publishers``
+    entry point named ``celery``): bounded by :data:`PUBLISH_TIMEOUT_SECONDS`, so that a lost Redis delays a submit
+    by about that long and leaves its job to the dispatcher. None when ``KEEL_PUBLISH_AT_SUBMIT`` is off, or on the
+    embedded default while its Redis is not running (the beat starts it; its dispatcher then publishes the job)."""
+    if not settings.publish_at_submit:
+        return None
+    if settings.broker_url is None and not redis_status(settings.home).running:
+        # The embedded default with its Redis not started: no worker can take the job yet, and a submit does not
+        # start a server of its own. The beat starts it, and its dispatcher publishes the job on its first pass.
+        return None
+    return Publisher(bounded_app(PUBLISH_TIMEOUT_SECONDS, settings), owned=True)

@@ -49,14 +49,15 @@ def open_client(*, writes: bool = True) -> Any:
     command that ``writes`` is refused in production as a database role that could rewrite the journal (a superuser,
     its owner: models/roles.py); one that only reads may run as any role (an auditor, a superuser after an
     incident)."""
-    from agents.client import Client
+    from agents.client import Client, submit_publisher
     from models.db import Database
     from models.migrations import check_schema
     from models.roles import refuse_privileged
 
     settings = settings_or_exit()
     trace_command(settings)
-    client = Client(Database.from_settings(settings, pool_size=settings.db_pool_size_cli), settings)
+    database = Database.from_settings(settings, pool_size=settings.db_pool_size_cli)
+    client = Client(database, settings, publisher=submit_publisher(settings) if writes else None)
     try:
         check_schema(client.db.engine)
         if writes:

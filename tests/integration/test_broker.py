@@ -4,8 +4,10 @@ Redis database without seeing each other — and the tests delete only what they
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +15,10 @@ import redis
 from celery import Celery
 
 import tests.support.handlers  # noqa: F401 - registers the `count` handler these tests submit to
-from agents.client import Client
+from agents.client import Client, submit_publisher
 from models.db import Database
+from models.embedded import free_port, redis_status
+from models.settings import Settings
 from tasks.app import make_app, publisher
 from tests.conftest import TEST_REDIS_DB
 from tests.support.broker import Broker, own_prefix
@@ -116,3 +120,61 @@ def test_two_prefixes_on_one_database_see_neither_messages_nor_broadcasts(
             mine.ack()
         ours.close()
         theirs.close()
+
+
+def _queued(broker: Broker, queue: str = "keel.jobs") -> list[str]:
+    """The task ids of the messages waiting in ``queue`` (read, not taken)."""
+    with broker.redis() as plain:
+        return [json.loads(raw)["headers"]["id"] for raw in plain.lrange(broker.key(queue), 0, -1)]
+
+
+def _status(db: Database, key: str) -> str:
+    with db.autocommit() as cur:
+        row = cur.execute("SELECT status FROM jobs WHERE key = %s", (key,)).fetchone()
+    assert row is not None, key
+    return str(row[0])
+
+
+def test_a_client_from_settings_publishes_a_submits_first_job_at_once(
+    broker: Broker, db: Database, client: Client
+) -> None:
+    """KEEL_PUBLISH_AT_SUBMIT (on by default): the first job is on the broker, under its key, when submit returns —
+    no dispatcher pass in between."""
+    agent = client.create_agent("at-once")
+    with Client.from_settings(broker.settings(database_url=db.url)) as producer:
+        assert producer.publisher is not None
+        producer.submit(agent.id, "req-at-once", None, operation="count")
+    assert _queued(broker) == ["req-at-once:count:1"]
+    assert _status(db, "req-at-once:count:1") == "enqueued"
+
+
+def test_with_publish_at_submit_off_a_submit_leaves_its_job_to_the_dispatcher(
+    broker: Broker, db: Database, client: Client
+) -> None:
+    agent = client.create_agent("later")
+    with Client.from_settings(broker.settings(database_url=db.url, publish_at_submit=False)) as producer:
+        assert producer.publisher is None
+        producer.submit(agent.id, "req-later", None, operation="count")
+    assert _queued(broker) == []
+    assert _status(db, "req-later:count:1") == "pending"
+
+
+def test_a_submit_while_the_broker_is_unreachable_is_kept_and_left_to_the_dispatcher(
+    db: Database, client: Client
+) -> None:
+    """Publishing at submit is bounded: with nothing listening on the broker's port, the submit still commits and
+    its job goes back to pending, for the dispatcher's next pass."""
+    agent = client.create_agent("no-broker")
+    settings = Settings(database_url=db.url, broker_url=f"redis://127.0.0.1:{free_port()}/0")
+    with Client.from_settings(settings) as producer:
+        state = producer.submit(agent.id, "req-no-broker", None, operation="count")
+    assert state.phase == "planning"
+    assert _status(db, "req-no-broker:count:1") == "pending"
+
+
+def test_the_embedded_default_publishes_at_submit_only_when_its_redis_runs(tmp_path: Path, db: Database) -> None:
+    """With no KEEL_BROKER_URL and the home's Redis not started, a submit does not start a server: the beat does,
+    and its dispatcher publishes the job."""
+    settings = Settings(database_url=db.url, home=tmp_path)
+    assert submit_publisher(settings) is None
+    assert not redis_status(tmp_path).running
