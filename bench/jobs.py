@@ -203,7 +203,7 @@ class Bench:
             "-l",
             "warning",
             "--without-mingle",
-            "-E",
+            "--without-gossip",
         ]
         log = self.logs / f"bare-worker-{processes}.log"
         with process(worker, self.bare_env, log, node):

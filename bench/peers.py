@@ -179,7 +179,7 @@ class Peers:
                 noop.apply_async((i,), producer=producer)
         node = f"bare{n_processes}-{self.run_id}@{socket.gethostname()}"
         worker = [str(BIN / "celery"), "-A", "bench.bare", "worker", "-c", str(n_processes), "-Q", "bare"]
-        worker += ["-n", node, "-l", "warning", "--without-mingle", "-E"]
+        worker += ["-n", node, "-l", "warning", "--without-mingle", "--without-gossip"]  # as `keel worker` runs
         return self.redis_run("celery", None, [worker], self.base_env)
 
     def peer(self, system: str, n_processes: int) -> Run:

@@ -139,6 +139,9 @@ class Settings(BaseSettings):
     # Jobs and the Celery side.
     imports: list[str] = Field(default_factory=list)  # modules with @handler functions, loaded by workers
     worker_concurrency: int = Field(default=2, ge=1, le=64)
+    # Celery's task events (what Flower's task views show) cost a few broker messages per job: off unless asked for.
+    # A running Flower asks for them itself (its enable_events, on by default), so its views work either way.
+    worker_task_events: bool = False
     job_lease_seconds: float = Field(default=60.0, gt=0)  # a running job's lease; heartbeats renew it
     enqueue_timeout_seconds: float = Field(default=300.0, gt=0)  # enqueued but never claimed → re-published
     dispatch_interval_seconds: float = Field(default=0.5, gt=0)

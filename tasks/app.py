@@ -67,8 +67,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # would otherwise cancel every late-ack task in flight when the Redis connection drops, and each cancel
         # would count as a lost run: three blips and a long tool call fails its agent, then runs again.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        # Task events cost broker messages on every job (received, started, succeeded; sent at publish): off unless
+        # KEEL_WORKER_TASK_EVENTS. Flower turns them on in the workers while it runs (its enable_events broadcast).
+        "worker_send_task_events": settings.worker_task_events,
+        "task_send_sent_event": settings.worker_task_events,
         "task_default_queue": JOBS_QUEUE,
         "task_queues": [Queue(JOBS_QUEUE), Queue(LOW_QUEUE), Queue(OUTBOX_QUEUE)],  # type: ignore[no-untyped-call]
         "task_routes": {RELAY_OUTBOX: {"queue": OUTBOX_QUEUE}},

@@ -24,6 +24,14 @@ def test_reliable_defaults() -> None:
     assert (relay["task"], relay["options"]["queue"]) == ("keel.relay_outbox", "keel.outbox")
 
 
+def test_task_events_are_off_unless_asked_for() -> None:
+    """They cost broker messages on every job; a running Flower turns them on (tests/chaos/test_task_events.py)."""
+    config = celery_config(Settings(database_url=PG, broker_url="redis://localhost:6379/3"))
+    assert (config["worker_send_task_events"], config["task_send_sent_event"]) == (False, False)
+    config = celery_config(Settings(database_url=PG, broker_url="redis://localhost:6379/3", worker_task_events=True))
+    assert (config["worker_send_task_events"], config["task_send_sent_event"]) == (True, True)
+
+
 def test_one_visibility_timeout_everywhere() -> None:
     settings = Settings(database_url=PG, broker_url="redis://localhost/0", visibility_timeout_seconds=120)
     transport = celery_config(settings)["broker_transport_options"]
