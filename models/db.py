@@ -24,7 +24,8 @@ from sqlalchemy.exc import DisconnectionError
 
 from models.audit_keys import AuditKeys, audit_keys_for
 from models.embedded import database_url_for
-from models.settings import Settings
+from models.keepalives import Keepalives
+from models.settings import BadConfiguration, Settings
 from models.urls import libpq_url, sqlalchemy_url
 
 log = logging.getLogger("keel.db")
@@ -57,6 +58,7 @@ class Database:
         audit_keys: AuditKeys | None = None,
         pooler: str = "none",
         direct_url: str | None = None,
+        keepalives: Keepalives | None = None,
     ) -> None:
         self.url = sqlalchemy_url(url)
         self.direct_url = sqlalchemy_url(direct_url) if direct_url is not None else self.url
@@ -64,12 +66,13 @@ class Database:
         self.audit_keys = audit_keys
         self.pool_size = pool_size
         self.statement_timeout_ms = statement_timeout_ms
-        connect_args: dict[str, Any]
+        self.keepalives = keepalives or Keepalives()
+        connect_args: dict[str, Any] = self.keepalives.options(self.url)
         if pooler == "transaction":
             # The statement timeout is then the server's (ALTER ROLE … SET statement_timeout): README.
-            connect_args = {"prepare_threshold": None}
+            connect_args["prepare_threshold"] = None
         else:
-            connect_args = {"options": f"-c statement_timeout={statement_timeout_ms}"}
+            connect_args["options"] = f"-c statement_timeout={statement_timeout_ms}"
         if connect_timeout_seconds is not None:
             connect_args["connect_timeout"] = connect_timeout_seconds
         self.engine: Engine = create_engine(
@@ -82,7 +85,7 @@ class Database:
         # A pooled connection that a database restart or failover killed is found and replaced when it is checked
         # out, instead of failing the next claim or outcome write: without a round trip (a ping costs one per
         # transaction), by what the server said on it while it sat idle. A server that vanished without a word (a
-        # blackholed primary) is not seen here: the first statement then waits for the kernel to give up.
+        # blackholed primary) is not seen here: the first statement then waits for the keepalives to give up.
         event.listen(self.engine, "checkout", _replace_if_dead)
 
     @classmethod
@@ -99,6 +102,7 @@ class Database:
             audit_keys=audit_keys_for(settings),
             pooler=settings.database_pooler,
             direct_url=settings.database_direct_url,
+            keepalives=Keepalives.from_settings(settings),
         )
 
     @property
@@ -110,12 +114,20 @@ class Database:
         """Where a connection that needs a session of its own goes: ``KEEL_DATABASE_DIRECT_URL``, else the URL."""
         return libpq_url(self.direct_url)
 
+    @property
+    def session_options(self) -> dict[str, Any]:
+        """libpq parameters for a connection of its own on the direct URL (:meth:`session`, the API's asynchronous
+        listener): the statement timeout and the keepalives."""
+        return {
+            "options": f"-c statement_timeout={self.statement_timeout_ms}",
+            **self.keepalives.options(self.direct_url),
+        }
+
     @contextmanager
     def session(self, **kwargs: Any) -> Iterator[psycopg.Connection[Any]]:
         """A connection of its own on the direct URL (not pooled, not through a transaction pooler), for session
         state: a session lock, LISTEN. Closed at the end, which frees whatever the session held."""
-        kwargs.setdefault("options", f"-c statement_timeout={self.statement_timeout_ms}")
-        with psycopg.connect(self.direct_libpq_url, **kwargs) as conn:
+        with psycopg.connect(self.direct_libpq_url, **{**self.session_options, **kwargs}) as conn:
             yield conn
 
     @contextmanager
@@ -173,6 +185,63 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def check_route(db: Database, *, production: bool) -> None:
+    """At a process's start, raise :class:`BadConfiguration` (one line naming the setting) if the statement timeout
+    Keel sent did not reach the server (something in between drops startup options), or if, behind a transaction
+    pooler, ``KEEL_DATABASE_DIRECT_URL`` reaches a pooler rather than PostgreSQL. Behind a transaction pooler the
+    timeout is the server's: a server with none is refused in production and warned of elsewhere."""
+    with db.connection() as conn:
+        row = conn.execute(_TIMEOUT).fetchone()
+        conn.rollback()
+    assert row is not None
+    server_ms, role = int(row[0]), str(row[1])
+    wanted_ms = db.statement_timeout_ms
+    if db.pooler != "transaction":
+        if server_ms != wanted_ms:
+            raise BadConfiguration(
+                f"bad configuration: KEEL_STATEMENT_TIMEOUT_MS: sent at connect as {wanted_ms} ms, but the server's"
+                f" statement_timeout is {server_ms} ms: something between Keel and PostgreSQL drops startup options"
+                " (PgBouncer with ignore_startup_parameters = options); behind a pooler in transaction mode set"
+                f" KEEL_DATABASE_POOLER=transaction and the timeout on the role (ALTER ROLE {role} SET"
+                " statement_timeout = ...)"
+            )
+        return
+    if server_ms != wanted_ms and wanted_ms > 0:
+        said = (
+            f"KEEL_STATEMENT_TIMEOUT_MS: behind KEEL_DATABASE_POOLER=transaction the statement timeout is the"
+            f" server's, and role {role} has {f'{server_ms} ms' if server_ms else 'none'}, not {wanted_ms} ms: set it"
+            f" on the role (ALTER ROLE {role} SET statement_timeout = '{wanted_ms}ms'), then RELOAD PgBouncer"
+        )
+        if server_ms == 0 and production:
+            raise BadConfiguration(f"bad configuration: {said}")
+        log.warning("%s", said)
+    _check_direct(db)
+
+
+def _check_direct(db: Database) -> None:
+    """A pooler answers a client with a backend pid of its own making (the cancel key it hands out), not the one of
+    the server process that runs the client's statements: PostgreSQL itself gives the same pid both ways."""
+    try:
+        with psycopg.connect(
+            db.direct_libpq_url, autocommit=True, prepare_threshold=None, **db.keepalives.options(db.direct_url)
+        ) as conn:
+            said_pid = conn.info.backend_pid
+            row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    except psycopg.OperationalError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("could not check KEEL_DATABASE_DIRECT_URL: %s", reason)
+        return
+    if row is None or int(row[0]) != said_pid:
+        raise BadConfiguration(
+            "bad configuration: KEEL_DATABASE_DIRECT_URL: it reaches a connection pooler, not PostgreSQL itself (the"
+            " backend pid the connection was given is not its server process's): point it at PostgreSQL's host and"
+            " port; the API's live events (LISTEN) and the audit shipper's lock need a session of their own"
+        )
+
+
+_TIMEOUT = "SELECT setting, current_user FROM pg_settings WHERE name = 'statement_timeout'"
 
 
 def _notify(conn: psycopg.Connection[Any], pending: list[tuple[str, str]]) -> None:

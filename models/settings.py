@@ -127,6 +127,13 @@ class Settings(BaseSettings):
     )  # besides its lease connection: dispatch, 3 passes, verify, ship, prune threads
     db_pool_size_cli: int = Field(default=2, ge=1, le=200)
     statement_timeout_ms: int = Field(default=30_000, ge=0)
+    # TCP keepalives and the TCP user timeout on every connection to PostgreSQL over TCP (models/keepalives.py): a
+    # server that vanished without a word (a partition, a host powered off) is given up on in about a minute, not
+    # after the kernel's two hours. 0: the operating system's default.
+    db_keepalives_idle_seconds: int = Field(default=30, ge=0, le=86_400)
+    db_keepalives_interval_seconds: int = Field(default=10, ge=0, le=3_600)
+    db_keepalives_count: int = Field(default=3, ge=0, le=100)
+    db_tcp_user_timeout_ms: int = Field(default=30_000, ge=0, le=3_600_000)
     # Largest accepted request input, as canonical JSON.
     max_input_bytes: int = Field(default=64 * 1024, ge=1)
 
@@ -625,6 +632,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "KEEL_DATABASE_DIRECT_URL: required with KEEL_DATABASE_POOLER=transaction (the API's live events"
                 " and the audit shipper's lock need a session of their own, which a transaction pooler does not keep)"
+            )
+        if self.database_pooler == "transaction" and self.database_direct_url == self.database_url:
+            raise ValueError(
+                "KEEL_DATABASE_DIRECT_URL: must reach PostgreSQL itself, not the pooler KEEL_DATABASE_URL goes through"
+                " (KEEL_DATABASE_POOLER=transaction)"
             )
         return self
 

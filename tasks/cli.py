@@ -15,7 +15,7 @@ import click
 from agents.cli.common import settings_or_exit as _settings
 from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from agents.core.redaction import install_log_redaction, register_settings
-from models.settings import Settings
+from models.settings import BadConfiguration, Settings
 
 ALL_QUEUES = ",".join([JOBS_QUEUE, LOW_QUEUE, "keel.outbox"])
 
@@ -79,12 +79,13 @@ def _embedded_or_exit(settings: Settings, *, database: bool = True) -> None:
 
 def _schema_or_exit(settings: Settings) -> None:
     """Refuse to start on a database whose schema is not this code's (one line: where each is, what to run), and in
-    production as a database role that could rewrite the journal (a superuser, its owner: models/roles.py). An
+    production as a database role that could rewrite the journal (a superuser, its owner: models/roles.py), nor on a
+    route where the statement timeout would not hold or the direct URL is a pooler (models/db.py ``check_route``). An
     unreachable database is not refused: in development the worker and beat start and wait for it, as they do when
     it goes away later; in production they wait for it here, so that no process starts before its role is checked."""
     import sqlalchemy
 
-    from models.db import Database
+    from models.db import Database, check_route
     from models.migrations import SchemaMismatch, check_schema
     from models.roles import PrivilegedRole, refuse_privileged
 
@@ -96,8 +97,9 @@ def _schema_or_exit(settings: Settings) -> None:
             try:
                 check_schema(db.engine)
                 refuse_privileged(db.engine, settings)
+                check_route(db, production=settings.environment == "production")
                 return
-            except (SchemaMismatch, PrivilegedRole) as exc:
+            except (SchemaMismatch, PrivilegedRole, BadConfiguration) as exc:
                 raise click.ClickException(str(exc)) from None
             except sqlalchemy.exc.OperationalError as exc:
                 if settings.environment != "production":

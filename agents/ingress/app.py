@@ -29,6 +29,7 @@ from agents.ingress.events import JournalListener
 from agents.ingress.routes import agents, approvals, health, records, requests, tokens
 from agents.ingress.runtime import Ingress
 from agents.ingress.schemas import ERRORS
+from models.db import check_route
 from models.roles import refuse_privileged
 from models.settings import Settings
 
@@ -183,8 +184,10 @@ def create_app(
         keel = Ingress.open(settings, publisher=publisher)
         try:
             # Whoever starts the app (keel serve, or a bare uvicorn/gunicorn): in production, not as a database role
-            # that could rewrite the journal (models/roles.py).
+            # that could rewrite the journal (models/roles.py), nor on a route where the statement timeout would
+            # not hold or the direct URL is a pooler.
             refuse_privileged(keel.db.engine, settings)
+            check_route(keel.db, production=settings.environment == "production")
         except BaseException:
             keel.close()
             raise

@@ -221,7 +221,10 @@ class JournalListener:
                 # The direct URL: behind a transaction pooler a LISTEN would stay on whichever server connection
                 # ran it, and its notifications would never reach this client.
                 async with await psycopg.AsyncConnection.connect(
-                    self.db.direct_libpq_url, autocommit=True, application_name=APPLICATION_NAME
+                    self.db.direct_libpq_url,
+                    autocommit=True,
+                    application_name=APPLICATION_NAME,
+                    **self.db.keepalives.options(self.db.direct_url),
                 ) as conn:
                     await conn.execute(f"LISTEN {JOURNAL_CHANNEL}")
                     failures = 0

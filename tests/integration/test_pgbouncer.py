@@ -10,15 +10,16 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from agents.client import Client
-from models.db import Database
-from models.settings import Settings
+from models.db import Database, check_route
+from models.settings import BadConfiguration, Settings
 from models.urls import libpq_url
 from tasks.leadership import Leadership
 from tests.support.api import script
 from tests.support.audit import TEST_KEYS
-from tests.support.pgbouncer import Bouncer
+from tests.support.pgbouncer import Bouncer, running_pgbouncer
 
 pytestmark = pytest.mark.integration
 
@@ -188,3 +189,79 @@ def test_a_leader_renewing_in_time_keeps_its_term(pgbouncer: Bouncer, db_url: st
     finally:
         a.release()
         b.release()
+
+
+# --- the route checked at start (models/db.py check_route) -------------------------------------------------------
+
+
+def test_a_statement_timeout_dropped_by_a_pooler_is_refused_at_start(pg_server_url: str, db_url: str) -> None:
+    """A PgBouncer told to ignore ``options`` accepts the connection and drops the timeout Keel sent in it, without a
+    word: the start-up check asks the server and refuses, naming the setting."""
+    with running_pgbouncer(pg_server_url, ignore_startup_parameters="options") as lenient:
+        db = Database(lenient.url(db_url), pool_size=1, statement_timeout_ms=30_000)
+        try:
+            with db.connection() as conn:
+                assert conn.execute("SHOW statement_timeout").fetchone() == ("0",), "the timeout was dropped"
+                conn.rollback()
+            with pytest.raises(BadConfiguration, match="KEEL_STATEMENT_TIMEOUT_MS: sent at connect as 30000 ms"):
+                check_route(db, production=False)
+        finally:
+            db.dispose()
+
+
+def test_behind_pgbouncer_a_server_without_a_statement_timeout_is_refused_in_production(
+    pgbouncer: Bouncer, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = _behind(pgbouncer, db_url)
+    try:
+        with pytest.raises(
+            BadConfiguration, match="KEEL_STATEMENT_TIMEOUT_MS: behind KEEL_DATABASE_POOLER=transaction"
+        ):
+            check_route(db, production=True)
+        with caplog.at_level(logging.WARNING, logger="keel.db"):
+            check_route(db, production=False)
+        assert "ALTER ROLE postgres SET statement_timeout = '30000ms'" in caplog.text
+    finally:
+        db.dispose()
+
+
+def test_behind_pgbouncer_the_servers_statement_timeout_is_accepted(
+    pgbouncer: Bouncer, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database's own setting here (the role's is cluster-wide, and the test server is shared): PgBouncer's new
+    server connections get it, and statements through the pooler are cancelled after it."""
+    name = make_url(db_url).database
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE {name} SET statement_timeout = '30s'")
+    db = _behind(pgbouncer, db_url)
+    try:
+        with caplog.at_level(logging.WARNING, logger="keel.db"):
+            check_route(db, production=True)
+        assert caplog.text == ""
+    finally:
+        db.dispose()
+
+
+def test_a_direct_url_that_reaches_the_pooler_is_refused_at_start(pgbouncer: Bouncer, db_url: str) -> None:
+    """LISTEN and the shipper's session lock through a transaction pooler would silently not work: the backend pid
+    PgBouncer hands out is not the server process's."""
+    through = pgbouncer.url(db_url)
+    db = Database(through, pool_size=1, pooler="transaction", direct_url=through)
+    try:
+        with pytest.raises(BadConfiguration, match="KEEL_DATABASE_DIRECT_URL: it reaches a connection pooler"):
+            check_route(db, production=False)
+    finally:
+        db.dispose()
+
+
+def test_a_direct_url_that_reaches_postgresql_is_accepted(pgbouncer: Bouncer, db_url: str) -> None:
+    db = Database(db_url, pool_size=1)
+    try:
+        check_route(db, production=True)  # and without a pooler: the timeout sent at connect holds
+    finally:
+        db.dispose()
+    db = _behind(pgbouncer, db_url)
+    try:
+        check_route(db, production=False)
+    finally:
+        db.dispose()

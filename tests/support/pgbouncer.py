@@ -60,11 +60,15 @@ def binary() -> str:
 
 @contextmanager
 def running_pgbouncer(
-    server_url: str, *, users: tuple[str, ...] = ("postgres",), pool_size: int = 20
+    server_url: str,
+    *,
+    users: tuple[str, ...] = ("postgres",),
+    pool_size: int = 20,
+    ignore_startup_parameters: str = "",
 ) -> Iterator[Bouncer]:
     """PgBouncer (``pool_mode = transaction``) in front of the PostgreSQL server of ``server_url``, every database
     of it (``*``), for ``users`` (trust: the server checks passwords), ``pool_size`` server connections per database
-    and user."""
+    and user; ``ignore_startup_parameters`` (e.g. ``options``) are accepted from clients and dropped."""
     server = make_url(server_url)
     port = _free_port()
     directory = Path(tempfile.mkdtemp(prefix="keel-pgbouncer-"))
@@ -84,6 +88,7 @@ def running_pgbouncer(
         f"logfile = {directory / 'pgbouncer.log'}\n"
         f"pidfile = {directory / 'pgbouncer.pid'}\n"
         "admin_users = postgres\n"
+        f"ignore_startup_parameters = {ignore_startup_parameters}\n"
     )
     command = [binary()]
     if os.geteuid() == 0:  # PgBouncer refuses to run as root

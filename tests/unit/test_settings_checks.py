@@ -57,6 +57,16 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ),
         ({"KEEL_DATABASE_POOLER": "session"}, "KEEL_DATABASE_POOLER: Input should be 'none' or 'transaction'"),
         (
+            {
+                "KEEL_DATABASE_POOLER": "transaction",
+                "KEEL_DATABASE_URL": "postgresql://keel@pgbouncer:6432/keel",
+                "KEEL_DATABASE_DIRECT_URL": "postgres://keel@pgbouncer:6432/keel",
+            },
+            "KEEL_DATABASE_DIRECT_URL: must reach PostgreSQL itself, not the pooler",
+        ),
+        ({"KEEL_DB_KEEPALIVES_COUNT": "-1"}, "KEEL_DB_KEEPALIVES_COUNT: Input should be greater than or equal to 0"),
+        ({"KEEL_DB_TCP_USER_TIMEOUT_MS": "2h"}, "KEEL_DB_TCP_USER_TIMEOUT_MS: Input should be a valid integer"),
+        (
             {"KEEL_DATABASE_DIRECT_URL": "mysql://u:s3cret@db/keel"},
             "KEEL_DATABASE_DIRECT_URL: Keel needs PostgreSQL",
         ),

@@ -1,0 +1,63 @@
+"""TCP keepalives and the TCP user timeout for Keel's connections to PostgreSQL.
+
+A server that goes away cleanly (a restart, a terminated backend) closes its connections and the client hears of it
+at once. One that vanishes without a word (a network partition, a host powered off) leaves a client blocked in recv
+until the kernel gives up on its own, about two hours later with Linux's defaults: a worker would sit on its claim, a
+relay on its send, the API's listener would hear nothing. Keepalive probes on an idle connection and a TCP user
+timeout on unacknowledged data bound that wait. libpq applies them to TCP connections only; Keel leaves them out of a
+Unix socket's options altogether (the embedded server's)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import make_url
+
+if TYPE_CHECKING:
+    from models.settings import Settings
+
+
+@dataclass(frozen=True)
+class Keepalives:
+    """libpq's ``keepalives_idle``, ``keepalives_interval``, ``keepalives_count`` and ``tcp_user_timeout``; 0 is
+    libpq's own meaning: the operating system's default. A silent server is given up on after about ``idle +
+    interval x count`` seconds while the connection waits for an answer, ``user_timeout_ms`` after a write that it
+    does not acknowledge."""
+
+    idle_seconds: int = 30
+    interval_seconds: int = 10
+    count: int = 3
+    user_timeout_ms: int = 30_000
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Keepalives:
+        return cls(
+            idle_seconds=settings.db_keepalives_idle_seconds,
+            interval_seconds=settings.db_keepalives_interval_seconds,
+            count=settings.db_keepalives_count,
+            user_timeout_ms=settings.db_tcp_user_timeout_ms,
+        )
+
+    def options(self, url: str) -> dict[str, Any]:
+        """The libpq connection parameters for a connection to ``url`` (none for a Unix socket)."""
+        if over_unix_socket(url):
+            return {}
+        return {
+            "keepalives": 1,
+            "keepalives_idle": self.idle_seconds,
+            "keepalives_interval": self.interval_seconds,
+            "keepalives_count": self.count,
+            "tcp_user_timeout": self.user_timeout_ms,
+        }
+
+
+def over_unix_socket(url: str) -> bool:
+    """Whether libpq reaches ``url``'s server over a Unix socket: every host it names (its ``?host=``, the URL's,
+    else ``PGHOST``) is a directory (``/run/postgresql``) or an abstract socket (``@name``), or it names none."""
+    parsed = make_url(url)
+    query_host = parsed.query.get("host")
+    named = (query_host if isinstance(query_host, str) else ",".join(query_host or ())) or parsed.host
+    hosts = [host for host in (named or os.environ.get("PGHOST", "")).split(",") if host]
+    return all(host.startswith(("/", "@")) for host in hosts)

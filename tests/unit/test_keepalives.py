@@ -1,0 +1,41 @@
+"""Which URLs get TCP keepalive options: every TCP one, never a Unix socket (the embedded server's)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.keepalives import Keepalives, over_unix_socket
+
+
+@pytest.mark.parametrize(
+    ("url", "socket"),
+    [
+        ("postgresql://keel@db.internal:5432/keel", False),
+        ("postgresql+psycopg://keel@127.0.0.1/keel", False),
+        ("postgresql://keel@/keel?host=/home/keel/.keel/pg", True),
+        ("postgresql://keel@/keel?host=db.internal", False),
+        ("postgresql://keel@/keel?host=@abstract", True),
+        ("postgresql://keel@/keel", True),
+    ],
+)
+def test_tcp_or_unix_socket(url: str, socket: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PGHOST", raising=False)
+    assert over_unix_socket(url) is socket
+
+
+def test_a_url_without_a_host_follows_pghost(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGHOST", "db.internal")
+    assert not over_unix_socket("postgresql://keel@/keel")
+    monkeypatch.setenv("PGHOST", "/run/postgresql")
+    assert over_unix_socket("postgresql://keel@/keel")
+
+
+def test_the_options_name_libpqs_parameters() -> None:
+    assert Keepalives().options("postgresql://keel@db.internal/keel") == {
+        "keepalives": 1,
+        "keepalives_idle": 30,
+        "keepalives_interval": 10,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 30_000,
+    }
+    assert Keepalives().options("postgresql://keel@/keel?host=/run/postgresql") == {}
