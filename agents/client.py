@@ -8,9 +8,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import quote, unquote
 from uuid import UUID
@@ -104,6 +104,8 @@ def submit_publisher(settings: Settings) -> Publisher | None:
         return made
     log.warning("no keel.publishers entry point is installed: submits leave their jobs to the dispatcher")
     return None
+
+
 Deadline = datetime | timedelta | None
 
 

@@ -1,6 +1,7 @@
 """Bare Celery, the benchmark's baseline: a no-op task under exactly Keel's Celery configuration (acks_late,
 prefetch 1, reject on worker lost, task events off unless KEEL_WORKER_TASK_EVENTS) on the same broker, so the ratio
-measures what Keel's job machinery costs and nothing else. Each run records its finish time in Redis, under the run's key prefix."""
+measures what Keel's job machinery costs and nothing else. Each run records its finish time in Redis, under the
+run's key prefix."""
 
 from __future__ import annotations
 

@@ -143,7 +143,22 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     without = ["--without-mingle", "--without-gossip"]
     events = ["-E"] if settings.worker_task_events else []  # else Flower turns them on while it runs
     app.worker_main(
-        [*quiet, "worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool, *events, *without]
+        [
+            *quiet,
+            "worker",
+            "-c",
+            str(processes),
+            "-Q",
+            queues,
+            "-n",
+            name,
+            "-l",
+            loglevel,
+            "-P",
+            pool,
+            *events,
+            *without,
+        ]
     )
 
 
