@@ -142,24 +142,8 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     # Celery's gossip step logs a traceback at every lost broker connection (it cleans up a connection it closed).
     without = ["--without-mingle", "--without-gossip"]
     events = ["-E"] if settings.worker_task_events else []  # else Flower turns them on while it runs
-    app.worker_main(
-        [
-            *quiet,
-            "worker",
-            "-c",
-            str(processes),
-            "-Q",
-            queues,
-            "-n",
-            name,
-            "-l",
-            loglevel,
-            "-P",
-            pool,
-            *events,
-            *without,
-        ]
-    )
+    argv = ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool]
+    app.worker_main([*quiet, *argv, *events, *without])
 
 
 @click.command()
