@@ -149,6 +149,9 @@ class Settings(BaseSettings):
     # Celery's task events (what Flower's task views show) cost a few broker messages per job: off unless asked for.
     # A running Flower asks for them itself (its enable_events, on by default), so its views work either way.
     worker_task_events: bool = False
+    # Messages a worker process holds beyond the one it runs: 1 takes the next message only when a process is free,
+    # so a long step never holds another job back from an idle worker elsewhere (Keel's steps are model calls).
+    worker_prefetch_multiplier: int = Field(default=1, ge=1, le=64)
     job_lease_seconds: float = Field(default=60.0, gt=0)  # a running job's lease; heartbeats renew it
     enqueue_timeout_seconds: float = Field(default=300.0, gt=0)  # enqueued but never claimed → re-published
     dispatch_interval_seconds: float = Field(default=0.5, gt=0)

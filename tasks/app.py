@@ -58,8 +58,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
-        # One message at a time per process: a dying worker takes at most one unacked message with it.
-        "worker_prefetch_multiplier": 1,
+        # One message at a time per process (KEEL_WORKER_PREFETCH_MULTIPLIER): a dying worker takes at most one
+        # unacked message with it, and a long step holds no other job back from an idle worker.
+        "worker_prefetch_multiplier": settings.worker_prefetch_multiplier,
         # On warm shutdown, give running jobs time to finish before their messages go back to the queue.
         "worker_soft_shutdown_timeout": 10.0,
         "worker_enable_soft_shutdown_on_idle": True,
