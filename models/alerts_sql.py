@@ -15,7 +15,7 @@ import psycopg
 from psycopg.rows import class_row, dict_row
 
 from models.audit_keys import AuditKeyMissing
-from models.audit_records import seal_problem, verification_seal_parts
+from models.audit_records import SealKeys, seal_problem, verification_seal_parts
 from models.db import Database
 
 
@@ -258,6 +258,42 @@ def last_verification(db: Database) -> Verification | None:
     )
     problem = seal_problem(db.audit_keys, row.key_id, parts, row.seal)
     return replace(row, forged=problem) if problem is not None else row
+
+
+#: How many of the latest passing verifications :func:`last_success_age_txn` looks through for one it can believe.
+_SUCCESSES_READ = 100
+
+
+def last_success_age_txn(conn: psycopg.Connection[Any], keys: SealKeys | None) -> float | None:
+    """Seconds since the latest recorded `keel audit verify` that passed and whose seal holds under ``keys``, on the
+    database's clock (it stamped the row); None when none of the latest passing ones can be believed, or none ran."""
+    with conn.cursor(row_factory=class_row(Verification)) as cur:
+        cur.execute(
+            "SELECT id, at, source, ok, agents, events, breaks, details, key_id, seal FROM audit_verifications"
+            " WHERE ok ORDER BY id DESC LIMIT %s",
+            (_SUCCESSES_READ,),
+        )
+        rows = cur.fetchall()
+    for row in rows:
+        details = row.details if isinstance(row.details, dict) else {}
+        parts = verification_seal_parts(
+            at=row.at, source=row.source, ok=row.ok, agents=row.agents, events=row.events, breaks=row.breaks,
+            details=details,
+        )  # fmt: skip
+        if seal_problem(keys, row.key_id, parts, row.seal) is None:
+            found = conn.execute("SELECT extract(epoch FROM clock_timestamp() - %s)::float8", (row.at,)).fetchone()
+            assert found is not None
+            return max(0.0, float(found[0]))
+    return None
+
+
+def last_success_age(db: Database) -> float | None:
+    """:func:`last_success_age_txn` with ``db``'s key ring, in a read of its own."""
+    with db.connection() as conn:
+        try:
+            return last_success_age_txn(conn, db.audit_keys)
+        finally:
+            conn.rollback()
 
 
 def outbox_key_exists(db: Database, key: str) -> bool:

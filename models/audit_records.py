@@ -20,6 +20,12 @@ So a checkpoint whose seal does not hold is reported as a problem (the verify fa
 start, as if it had none. Replaying a genuine older checkpoint of the same chain only makes the next pass read more;
 one of another chain does not verify (the agent id is sealed).
 
+A verify that finds a chain broken marks its checkpoint (``broken_seq``), so that a break only the full pass could
+see (an edit below the checkpoint) is not forgotten by the incremental passes after it. A mark only ever makes a
+verify fail, so it is honoured even when its seal cannot be checked; a guard refuses every UPDATE of a marked row and
+the application has no DELETE, so neither a replayed older checkpoint nor the application's credentials clear it:
+the owner does, once the chain has been looked at.
+
 Replays are closed by the tables: a verification's ``seal`` is unique (its time is sealed with it), so a genuine
 row cannot be inserted again under a newer id, and a shipment's key includes its manifest's sha256.
 """
@@ -41,6 +47,7 @@ from models.clock import rfc3339
 VERIFICATION_SEAL = "keel-audit-verification-v1"
 SHIPMENT_SEAL = "keel-audit-shipment-v1"
 CHECKPOINT_SEAL = "keel-audit-checkpoint-v1"
+CHECKPOINT_BROKEN_SEAL = "keel-audit-checkpoint-broken-v1"
 
 
 def _details_text(details: Mapping[str, Any]) -> str:
@@ -66,7 +73,8 @@ def shipment_seal_parts(
 class Checkpoint:
     """One row of ``audit_verified_chains``: chain ``agent_id`` was verified up to event ``seq``, whose link is
     ``hash``; the walk there had seen the state (revision, phase, request id) of its last transition event, its first
-    keyed event ``keyed_at``, its delete event ``deleted_at`` (0: none) and ``legacy`` unkeyed events."""
+    keyed event ``keyed_at``, its delete event ``deleted_at`` (0: none) and ``legacy`` unkeyed events. ``broken_seq``:
+    a verify found the chain broken at that event (None: never)."""
 
     agent_id: UUID
     seq: int
@@ -79,6 +87,7 @@ class Checkpoint:
     legacy: int
     key_id: str
     seal: str
+    broken_seq: int | None = None
 
 
 def checkpoint_seal_parts(
@@ -92,20 +101,35 @@ def checkpoint_seal_parts(
     keyed_at: int,
     deleted_at: int,
     legacy: int,
+    broken_seq: int | None = None,
 ) -> list[str | int | None]:
-    """What a checkpoint's seal is an HMAC of (every field an incremental verify starts its walk from)."""
-    return [CHECKPOINT_SEAL, str(agent_id), seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy]
+    """What a checkpoint's seal is an HMAC of (every field an incremental verify starts its walk from, and its mark)."""
+    parts: list[str | int | None] = [
+        str(agent_id),
+        seq,
+        hash,
+        revision,
+        phase,
+        request_id,
+        keyed_at,
+        deleted_at,
+        legacy,
+    ]
+    if broken_seq is None:
+        return [CHECKPOINT_SEAL, *parts]
+    return [CHECKPOINT_BROKEN_SEAL, *parts, broken_seq]
 
 
 def checkpoint_parts_of(cp: Checkpoint) -> list[str | int | None]:
     return checkpoint_seal_parts(
         agent_id=cp.agent_id, seq=cp.seq, hash=cp.hash, revision=cp.revision, phase=cp.phase,
         request_id=cp.request_id, keyed_at=cp.keyed_at, deleted_at=cp.deleted_at, legacy=cp.legacy,
+        broken_seq=cp.broken_seq,
     )  # fmt: skip
 
 
 _CHECKPOINTS = (
-    "SELECT agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal"
+    "SELECT agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal, broken_seq"
     " FROM audit_verified_chains WHERE agent_id {low} %(low)s AND agent_id <= %(high)s ORDER BY agent_id"
 )
 
@@ -120,19 +144,22 @@ def checkpoints_txn(conn: psycopg.Connection[Any], low: UUID, high: UUID, *, inc
 
 _SAVE_CHECKPOINT = (
     "INSERT INTO audit_verified_chains"
-    " (agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal)"
+    " (agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal, broken_seq)"
     " VALUES (%(agent_id)s, %(seq)s, %(hash)s, %(revision)s, %(phase)s, %(request_id)s, %(keyed_at)s,"
-    " %(deleted_at)s, %(legacy)s, %(key_id)s, %(seal)s)"
+    " %(deleted_at)s, %(legacy)s, %(key_id)s, %(seal)s, %(broken_seq)s)"
     " ON CONFLICT (agent_id) DO UPDATE SET seq = excluded.seq, hash = excluded.hash, revision = excluded.revision,"
     " phase = excluded.phase, request_id = excluded.request_id, keyed_at = excluded.keyed_at,"
     " deleted_at = excluded.deleted_at, legacy = excluded.legacy, key_id = excluded.key_id, seal = excluded.seal,"
-    " verified_at = clock_timestamp()"
+    " broken_seq = excluded.broken_seq, verified_at = clock_timestamp()"
+    # A marked row stays as it is (its guard would refuse the UPDATE): a pass that read it before the mark skips it.
+    " WHERE audit_verified_chains.broken_seq IS NULL"
 )
 
 
 def save_checkpoints_txn(cur: psycopg.Cursor[Any], checkpoints: list[Checkpoint]) -> None:
-    """Store (or move) these chains' checkpoints in the caller's transaction. A concurrent verify may move one back
-    to where its older snapshot stood: that only makes the next pass read a little more."""
+    """Store (or move, or mark broken) these chains' checkpoints in the caller's transaction; one marked broken
+    already stays as it is. A concurrent verify may move one back to where its older snapshot stood: that only makes
+    the next pass read a little more."""
     if checkpoints:
         cur.executemany(
             _SAVE_CHECKPOINT,

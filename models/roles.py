@@ -57,18 +57,24 @@ APP_PRIVILEGES: dict[str, tuple[str, ...]] = {
     "public.outbox": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: retention (a trigger: sent messages only)
     # No DELETE: a confirmation goes with its pruned message by the foreign key's cascade, run as the owner.
     "public.delivery_log": ("SELECT", "INSERT"),
-    "public.pruned_keys": ("SELECT", "INSERT"),  # retention's tombstones, written by the DELETE's trigger
+    # Retention's tombstones: the DELETE's guard writes them as the owner (SECURITY DEFINER, migration 0024). An INSERT
+    # of the application's own would make a key look pruned, and the job or message inserted under it later vanish.
+    "public.pruned_keys": ("SELECT",),
     "public.api_tokens": ("SELECT", "INSERT", "UPDATE"),  # UPDATE: last use, revocation (a trigger allows no more)
     "public.kpi_deltas": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # the fold locks a batch FOR UPDATE, deletes it
     "public.kpi_rollups": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # DELETE: rollups past the retention
     "public.alert_episodes": ("SELECT", "INSERT", "UPDATE"),
     "public.beat_terms": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    # UPDATE: claim_chore's ON CONFLICT DO UPDATE, the beat's only way to take a chore; a guard (migration 0024) refuses
+    # a time after the database's clock, which would put a chore (the audit verify) off. Stamping one now, over and
+    # over, still can: the stale-verify alerts (keel_audit_verify_last_success_age_seconds) see that.
     "public.beat_chores": ("SELECT", "INSERT", "UPDATE"),
     "public.beat_leadership": ("SELECT", "INSERT", "UPDATE"),
     "public.audit_verifications": ("SELECT", "INSERT"),
     "public.audit_shipments": ("SELECT", "INSERT"),  # the shipper's progress, insert-only
-    # verify's checkpoints, replaced as a chain advances (INSERT ... ON CONFLICT DO UPDATE); sealed, so a row this
-    # role writes without the audit key is reported, not believed (models/audit_records.py)
+    # verify's checkpoints, replaced as a chain advances (INSERT ... ON CONFLICT DO UPDATE): the beat's verify runs as
+    # this role. Sealed, so a row it writes without the audit key is reported, not believed (models/audit_records.py);
+    # no DELETE, and a guard refuses to change a row marked broken (migration 0024): only the owner clears a mark.
     "public.audit_verified_chains": ("SELECT", "INSERT", "UPDATE"),
     "public.console_signouts": ("SELECT", "INSERT", "DELETE"),  # DELETE: sign-outs past their session's expiry
     "public.alembic_version": ("SELECT",),  # the schema check every process makes

@@ -253,6 +253,9 @@ class Settings(BaseSettings):
     alert_beat_leader_gap_max_seconds: float = Field(default=120.0, gt=0)
     # audit_ship_lag fires while KEEL_AUDIT_SHIP_URL is set and the oldest journal event not yet shipped there is older.
     alert_audit_ship_lag_max_seconds: float = Field(default=3600.0, gt=0)
+    # audit_verify (and Prometheus's KeelAuditVerifyStale) also fires when no keel audit verify, incremental or full,
+    # has passed for this long: three of the beat's hourly passes missed.
+    alert_audit_verify_stale_max_seconds: float = Field(default=10800.0, gt=0)
     # The leading beat runs `keel audit verify` (in a thread of its own) this often, incrementally: each chain from its
     # checkpoint; 0: never. Every audit_verify_full_interval_seconds that run is a full pass instead (every chain from
     # its start: the only pass that sees an edit below a checkpoint); 0: never a full one.

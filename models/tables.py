@@ -555,7 +555,9 @@ audit_shipments = Table(
 #: How far `keel audit verify` has verified each chain: its last verified event (``seq``) and that event's link
 #: (``hash``), with the state the walk had reached there, so an incremental pass reads only the events after it
 #: (agents/core/journal.py). One row per chain, replaced as it advances. Sealed like audit_verifications
-#: (models/audit_records.py): a row whose seal does not hold is reported and ignored, never trusted.
+#: (models/audit_records.py): a row whose seal does not hold is reported and ignored, never trusted. ``broken_seq``:
+#: a verify found the chain broken there; every later pass reports it, and a guard (migration 0024) refuses to
+#: change the row, until the owner deletes it.
 audit_verified_chains = Table(
     "audit_verified_chains",
     metadata,
@@ -571,6 +573,7 @@ audit_verified_chains = Table(
     Column("verified_at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
     Column("key_id", Text, nullable=False),
     Column("seal", Text, nullable=False),
+    Column("broken_seq", BigInteger),
     CheckConstraint("seq >= 1", name="seq_positive"),
 )
 

@@ -1063,13 +1063,15 @@ _CHUNK_EVENTS = (
 @dataclass(frozen=True, slots=True)
 class _Planned:
     """One chain of a chunk to walk: from ``start`` (None: genesis), past its checkpoint ``cp`` if it is believed;
-    events 1..``base`` were archived."""
+    events 1..``base`` were archived. ``broken``: an earlier verify found the chain broken at that event (its
+    checkpoint's mark, believed or not: a mark can only make a verify fail)."""
 
     head: _Head
     start: ChainPosition | None
     cp: Checkpoint | None
     seal: _Seal | None
     base: int
+    broken: int | None = None
 
     @property
     def walked(self) -> int:
@@ -1125,7 +1127,7 @@ def _checkpoint_problem(cp: Checkpoint, keys: AuditKeys | None) -> tuple[str | N
     )
 
 
-def _sealed(agent_id: UUID, position: ChainPosition, keys: AuditKeys) -> Checkpoint:
+def _sealed(agent_id: UUID, position: ChainPosition, keys: AuditKeys, *, broken_seq: int | None = None) -> Checkpoint:
     revision, phase, request_id = position.state or _GENESIS_STATE
     fields: dict[str, Any] = {
         "agent_id": agent_id,
@@ -1137,6 +1139,7 @@ def _sealed(agent_id: UUID, position: ChainPosition, keys: AuditKeys) -> Checkpo
         "keyed_at": position.keyed_at,
         "deleted_at": position.deleted_at,
         "legacy": position.legacy,
+        "broken_seq": broken_seq,
     }
     seal = keys.mac(keys.current, checkpoint_seal_parts(**fields))
     return Checkpoint(**fields, key_id=keys.current, seal=seal)
@@ -1161,7 +1164,10 @@ def verify(
     see what changed at or below a checkpoint (an edited, removed or inserted old event), nor events of an agent that
     has no row, no tombstone and no checkpoint: the full pass does. A checkpoint whose seal fails is reported, and
     its chain walked from its start. ``save_checkpoints``: each chain found intact, every link checked, gets its
-    checkpoint moved to its head, committed after its chunk (a pass killed midway leaves only true checkpoints).
+    checkpoint moved to its head, committed after its chunk (a pass killed midway leaves only true checkpoints); each
+    chain found broken gets its checkpoint marked with the break, so every later pass, incremental or full, walks it
+    from its start and fails on it (on the mark itself, should the chain walk intact again) until the owner deletes
+    the checkpoint: an edit below a checkpoint that only a full pass saw is not forgotten by the next incremental one.
 
     Each chunk's heads and chains are read in one snapshot, so transitions committing meanwhile cannot look like
     tampering; ``on_chunk`` is called inside each chunk's transaction, once its reads are done.
@@ -1198,6 +1204,7 @@ def verify(
                 arch = archived.pop(head.agent_id, None)
                 start = None if arch is None else arch[0]
                 base = 0 if start is None else start.seq  # events 1..base are not in the database
+                broken = None if cp is None else cp.broken_seq
                 if cp is not None:
                     problem, say = _checkpoint_problem(cp, keys)
                     if say and problem:
@@ -1214,9 +1221,9 @@ def verify(
                     seals.pop(head.agent_id, None)
                     chains += 1
                     continue
-                if cp is not None and not full and cp.seq >= base:
+                if cp is not None and not full and cp.seq >= base and broken is None:
                     start = _position_of(cp)
-                walks.append(_Planned(head, start, cp, seals.pop(head.agent_id, None), base))
+                walks.append(_Planned(head, start, cp, seals.pop(head.agent_id, None), base, broken))
             with raw.cursor(name="keel-verify-chunk", row_factory=dict_row) as cur:
                 # One read for the chunk's chains, each past where its walk starts, streamed in chain order.
                 cur.itersize = 2000
@@ -1233,10 +1240,20 @@ def verify(
                     total += checked.events + (w.walked - w.base)
                     if checked.broken is not None:
                         breaks.append(checked.broken)
+                        if save_checkpoints and keys is not None and w.cp is not None and w.broken is None:
+                            mark = _sealed(w.head.agent_id, _position_of(w.cp), keys, broken_seq=checked.broken.seq)
+                            saved.append(mark)
+                    elif w.broken is not None:
+                        reason = (
+                            f"an earlier keel audit verify found this chain broken at event {w.broken} and marked its"
+                            " checkpoint (audit_verified_chains); it walks intact now (restored?): once the chain has"
+                            " been looked at, the owner clears the mark by deleting the checkpoint (docs/runbook.md)"
+                        )
+                        breaks.append(ChainBreak(w.head.agent_id, w.broken, None, reason))
                     unchecked.extend(checked.unchecked)
                     if checked.legacy:
                         legacy.append(LegacyPart(w.head.agent_id, checked.legacy))
-                    if save_checkpoints and keys is not None and checked.ok and position.seq > 0:
+                    if save_checkpoints and keys is not None and checked.ok and position.seq > 0 and w.broken is None:
                         if w.cp is None or position.seq != w.cp.seq:
                             saved.append(_sealed(w.head.agent_id, position, keys))
             if full:

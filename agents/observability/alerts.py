@@ -63,6 +63,7 @@ class Measures:
     journal_months_ahead: int | None = None  # whole months after this one the journal's partitions cover
     audit_verify_forged: str | None = None  # why the latest verify's record cannot be believed (its seal fails)
     audit_ship_lag_seconds: float | None = None  # age of the oldest event not shipped yet; None: shipping is off
+    audit_verify_success_age_seconds: float | None = None  # since the latest believed passing verify; None: none
 
 
 def _default(name: str) -> Any:
@@ -81,6 +82,7 @@ class Thresholds:
     oldest_due_job_max_seconds: float = _default("oldest_due_job_max_seconds")
     beat_leader_gap_max_seconds: float = _default("beat_leader_gap_max_seconds")
     audit_ship_lag_max_seconds: float = _default("audit_ship_lag_max_seconds")
+    audit_verify_stale_max_seconds: float = _default("audit_verify_stale_max_seconds")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Thresholds:
@@ -94,6 +96,7 @@ class Thresholds:
             oldest_due_job_max_seconds=settings.alert_oldest_due_job_max_seconds,
             beat_leader_gap_max_seconds=settings.alert_beat_leader_gap_max_seconds,
             audit_ship_lag_max_seconds=settings.alert_audit_ship_lag_max_seconds,
+            audit_verify_stale_max_seconds=settings.alert_audit_verify_stale_max_seconds,
         )
 
 
@@ -168,6 +171,16 @@ def audit_verify(m: Measures, t: Thresholds) -> Verdict:
     if m.audit_verify_ok is None:
         return Verdict("audit_verify", False, None, 0, "keel audit verify has not run yet")
     breaks = float(m.audit_verify_breaks or 0)
+    age = m.audit_verify_success_age_seconds
+    if m.audit_verify_ok and age is not None and age > t.audit_verify_stale_max_seconds:
+        # A verify that no longer runs (the beat's chore off or put off) proves nothing about what was written since.
+        return Verdict(
+            "audit_verify",
+            True,
+            breaks,
+            0,
+            f"no keel audit verify has passed for {age:.0f} s (threshold: {t.audit_verify_stale_max_seconds:g} s)",
+        )
     if m.audit_verify_ok:
         return Verdict("audit_verify", False, breaks, 0, "the latest keel audit verify passed")
     if not breaks:
@@ -415,6 +428,7 @@ def measure(db: Database, window: timedelta, ship_to: str | None = None) -> Meas
         ),
         audit_verify_forged=None if verified is None else verified.forged,
         audit_ship_lag_seconds=lag,
+        audit_verify_success_age_seconds=alerts_sql.last_success_age(db),
         journal_months_ahead=partitions_sql.months_ahead(db),
     )
 
@@ -490,6 +504,7 @@ class AlertsCollector:
             with self.db.reading(statement_timeout=self.read_timeout) as conn:
                 open_names = alerts_sql.open_episode_names_txn(conn)
                 age = alerts_sql.leader_tick_age_txn(conn)
+                verified = alerts_sql.last_success_age_txn(conn, self.db.audit_keys)
                 lag = None if self.ship_to is None else ship_lag_txn(conn, self.ship_to, self.db.audit_keys)
         except Exception as exc:  # a scrape must never fail because the database is away
             log.debug("alert metrics not read: %s", exc)
@@ -505,6 +520,14 @@ class AlertsCollector:
                     "keel_beat_leader_last_tick_age_seconds",
                     "Seconds since a beat leader last ticked, measured by the database",
                     value=age,
+                )
+            )
+        if verified is not None:
+            families.append(
+                GaugeMetricFamily(
+                    "keel_audit_verify_last_success_age_seconds",
+                    "Seconds since the latest keel audit verify that passed (its seal holds), measured by the database",
+                    value=verified,
                 )
             )
         if lag is not None:

@@ -85,6 +85,8 @@ PROCESS_LOCAL: dict[str, MetricName] = {
 ALERTS: tuple[MetricName, ...] = (
     _m("keel_alerts_firing", "gauge", "alert"),
     _m("keel_beat_leader_last_tick_age_seconds", "gauge"),
+    # Since the latest passing `keel audit verify` whose record's seal holds (absent: none), on the database's clock.
+    _m("keel_audit_verify_last_success_age_seconds", "gauge"),
     # While KEEL_AUDIT_SHIP_URL is set (in compose: the beats only).
     _m("keel_audit_unshipped_events", "gauge"),
     _m("keel_audit_oldest_unshipped_age_seconds", "gauge"),

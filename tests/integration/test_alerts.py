@@ -29,6 +29,7 @@ from models.clock import rfc3339
 from models.db import Database
 from models.settings import Settings
 from tests.integration.test_cli import keel
+from tests.support.audit import TEST_KEYS
 from tests.support.fakes import FakeSlack
 
 pytestmark = pytest.mark.integration
@@ -284,6 +285,9 @@ def test_a_failed_audit_verify_fires_until_one_passes(
     raw.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")
     raw.execute("UPDATE audit.journal SET actor = %s WHERE agent_id = %s AND seq = 1", (row[0], agent.id))
     raw.execute("ALTER TABLE audit.journal ENABLE TRIGGER USER")
+    # Put back, but the full pass marked the chain's checkpoint: the beat's passes fail until the owner clears it.
+    assert not verify_and_record(db, "beat").ok
+    raw.execute("DELETE FROM audit_verified_chains WHERE agent_id = %s", (agent.id,))
     assert verify_and_record(db, "beat").ok
     assert [(c.name, c.what) for c in alerts.evaluate_and_record(db, config)] == [("audit_verify", "resolved")]
 
@@ -410,3 +414,25 @@ def test_shipping_lag_is_exported_and_alerted_while_a_ship_url_is_set(
     assert scrape("keel_audit_unshipped_events") == 0
     assert scrape("keel_audit_oldest_unshipped_age_seconds") == 0
     assert [(c.name, c.what) for c in alerts.evaluate_and_record(db, config)] == [("audit_ship_lag", "resolved")]
+
+
+def test_a_verify_that_stopped_passing_is_stale(db: Database, raw: psycopg.Connection[Any]) -> None:
+    """keel_audit_verify_last_success_age_seconds: since the latest passing verify whose seal holds (absent: none); a
+    failing one does not reset it, nor does a passing row forged without the key. Past the bound audit_verify fires."""
+    assert scraped(db, "keel_audit_verify_last_success_age_seconds") is None
+    alerts_sql.record_verification(db, source="beat", ok=True, agents=1, events=3, breaks=0, details={})
+    time.sleep(1.2)
+    alerts_sql.record_verification(db, source="beat", ok=False, agents=1, events=3, breaks=1, details={})
+    raw.execute(
+        "INSERT INTO audit_verifications (source, ok, agents, events, breaks, details, key_id, seal)"
+        " VALUES ('beat', true, 1, 3, 0, '{}', %s, %s)",
+        (TEST_KEYS.current, "0" * 64),
+    )
+    age = scraped(db, "keel_audit_verify_last_success_age_seconds")
+    assert age is not None and 1.0 <= age < 60
+    alerts_sql.record_verification(db, source="cli", ok=True, agents=1, events=3, breaks=0, details={})
+    measures = alerts.measure(db, timedelta(minutes=15))
+    assert measures.audit_verify_success_age_seconds is not None and measures.audit_verify_success_age_seconds < 1.0
+    assert not alerts.audit_verify(measures, alerts.Thresholds()).firing
+    stale = alerts.audit_verify(measures, alerts.Thresholds(audit_verify_stale_max_seconds=1e-6))
+    assert stale.firing and stale.summary.startswith("no keel audit verify has passed for")

@@ -86,6 +86,8 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "jobs_pruned_key_skip",  # 0021: a pruned key stays taken
         "outbox_pruned_key_skip",
         "requests_guard",  # 0021: a request's row changes only to be pruned
+        "audit_verified_chains_guard",  # 0024: a chain's broken mark stays until the owner deletes its checkpoint
+        "beat_chores_guard",  # 0024: no chore stamped after the database's clock
         "agents_delete_guard",
         "agents_no_truncate",
         "deleted_agents_checked",

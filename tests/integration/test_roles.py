@@ -19,6 +19,7 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from agents.audit.verify import verify_and_record
 from agents.client import Client
 from agents.observability import alerts
 from models import alerts_sql, migrations, roles
@@ -459,6 +460,73 @@ def test_a_verification_forged_with_the_applications_credentials_does_not_silenc
         assert not verdict().firing
     finally:
         db.dispose()
+
+
+def test_the_application_role_may_not_clear_a_chain_found_broken(journaled: RoledDatabase) -> None:
+    """Once a verify has found a chain broken (here a full pass, below the checkpoint an earlier pass sealed), the
+    application's credentials can neither delete its marked checkpoint nor put an older, unmarked one back; the beat's
+    own passes keep failing on it. The owner clears the mark."""
+    db = Database(journaled.app_url, pool_size=2, audit_keys=TEST_KEYS)
+    try:
+        assert verify_and_record(db, "beat").ok
+        with connect(journaled.app_url) as app:
+            sealed = app.execute("SELECT * FROM audit_verified_chains").fetchone()
+        assert sealed is not None
+        with connect(journaled.url) as su:
+            su.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")
+            su.execute("UPDATE audit.journal SET actor = 'mallory' WHERE seq = 1")
+            su.execute("ALTER TABLE audit.journal ENABLE TRIGGER USER")
+        assert not verify_and_record(db, "beat", full=True).ok
+        with connect(journaled.app_url) as app:
+            (agent_id, broken) = app.execute("SELECT agent_id, broken_seq FROM audit_verified_chains").fetchone() or ()
+            assert broken == 1
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
+                app.execute("DELETE FROM audit_verified_chains")
+            for replay in (
+                "UPDATE audit_verified_chains SET broken_seq = NULL",
+                "UPDATE audit_verified_chains SET seal = %s, broken_seq = NULL",  # the genuine unmarked row's seal
+                "INSERT INTO audit_verified_chains SELECT (%s::audit_verified_chains).*"
+                " ON CONFLICT (agent_id) DO UPDATE SET broken_seq = NULL, seal = excluded.seal",
+            ):
+                params = () if "%s" not in replay else ((sealed[-2],) if "seal = %s" in replay else (sealed,))
+                with pytest.raises(psycopg.errors.InsufficientPrivilege, match="found broken at event 1"):
+                    app.execute(replay, params)
+        later = verify_and_record(db, "beat")
+        assert not later.ok and [(b.agent_id, b.seq) for b in later.breaks] == [(agent_id, 1)]
+        with connect(journaled.url) as su:
+            su.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(journaled.names.owner)))
+            assert su.execute("DELETE FROM audit_verified_chains").rowcount == 1
+    finally:
+        db.dispose()
+
+
+def test_the_application_role_may_not_make_a_key_look_pruned(journaled: RoledDatabase) -> None:
+    """A tombstone in pruned_keys silently swallows whatever is inserted under its key later (a job, a message): only
+    the prune guard writes one, as the owner, for a row actually pruned."""
+    with connect(journaled.app_url) as app:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for table pruned_keys"):
+            app.execute("INSERT INTO pruned_keys (kind, key, pruned_at) VALUES ('job', 'r-2:plan:agent', now())")
+        done = app.execute("SELECT key FROM jobs WHERE status IN ('succeeded', 'failed', 'cancelled')").fetchone()
+        assert done is not None
+        app.execute("DELETE FROM jobs WHERE key = %s", done)  # retention's own route: the guard writes the tombstone
+        assert app.execute("SELECT kind FROM pruned_keys WHERE key = %s", done).fetchone() == ("job",)
+
+
+def test_the_application_role_may_not_put_a_chore_off(journaled: RoledDatabase) -> None:
+    """beat_chores is the beat's to write (claiming a chore is an upsert), but not into the future: a chore stamped
+    next year (the audit verify) would not be due until then."""
+    db = Database(journaled.app_url, pool_size=2, audit_keys=TEST_KEYS)
+    try:
+        assert alerts_sql.claim_chore(db, "audit_verify", timedelta(hours=1)) is not None
+    finally:
+        db.dispose()
+    with connect(journaled.app_url) as app:
+        for statement in (
+            "UPDATE beat_chores SET last_run_at = now() + interval '1 year'",
+            "INSERT INTO beat_chores (name, last_run_at) VALUES ('audit_verify_full', now() + interval '1 year')",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="after the database's clock"):
+                app.execute(statement)
 
 
 # --- production refuses privileged roles ----------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from agents.core.errors import StaleRevision
 from models.audit_keys import AuditKeys
 from models.audit_records import checkpoint_seal_parts
 from models.db import Database
+from models.settings import Settings
 from models.urls import libpq_url
+from tasks.leader import LeaderDuties
 from tests.support.audit import TEST_ENV, TEST_KEY_ID, TEST_KEYS, as_superuser
 from tests.support.roles import RoledDatabase
 
@@ -95,6 +97,54 @@ def test_an_edit_below_the_checkpoint_is_caught_by_the_full_pass_only(
     assert [(x.agent_id, x.seq) for x in full.breaks] == [(a, 2)]
     recorded = raw.execute("SELECT ok, details->>'mode' FROM audit_verifications ORDER BY id DESC LIMIT 1").fetchone()
     assert recorded == (False, "full")
+
+
+def test_a_break_a_full_pass_found_is_reported_by_every_later_pass(
+    client: Client, db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    """Below a checkpoint only the full pass sees an edit; once it has, the incremental passes after it must not go
+    back to reporting the chain clean from the checkpoint it had: the checkpoint is marked broken, for good."""
+    a, b = _agents(client, 2)
+    _another_event(client, a)
+    assert verify_and_record(db, "beat").ok
+    found = raw.execute("SELECT actor FROM audit.journal WHERE agent_id = %s AND seq = 2", (a,)).fetchone()
+    assert found is not None
+    _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 2", a)
+    assert not verify_and_record(db, "beat", full=True).ok
+    for _ in range(2):
+        later = verify_and_record(db, "beat")
+        assert not later.ok and not later.full
+        assert [(x.agent_id, x.seq) for x in later.breaks] == [(a, 2)]
+        assert "content does not match its HMAC" in later.breaks[0].reason
+    # Put back as it was (say, from a backup): the chain walks intact, yet the mark stays until an operator clears it.
+    _tamper(raw, "UPDATE audit.journal SET actor = %s WHERE agent_id = %s AND seq = 2", found[0], a)
+    assert journal.verify_chain(db, a).ok
+    held = verify_and_record(db, "beat")
+    assert [(x.agent_id, x.seq) for x in held.breaks] == [(a, 2)]
+    assert "an earlier keel audit verify found this chain broken at event 2" in held.breaks[0].reason
+    assert _checkpoint(raw, b) == 2, "the other chain's checkpoint is as it was"
+    raw.execute("DELETE FROM audit_verified_chains WHERE agent_id = %s", (a,))  # the runbook's resolution
+    assert verify_and_record(db, "beat").ok
+    assert _checkpoint(raw, a) == 3
+
+
+def test_the_beats_incremental_pass_after_its_failed_full_one_still_fails(
+    client: Client, db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    """The leading beat's verify chore: its weekly full pass finds the edit, its hourly incremental ones keep
+    failing (the audit_verify alert stays firing), not just the one full pass."""
+    (a,) = _agents(client, 1)
+    settings = Settings(audit_verify_interval_seconds=3600, audit_verify_full_interval_seconds=7 * 86400)
+    duties = LeaderDuties(db, settings)
+    assert verify_and_record(db, "beat").ok
+    _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 1", a)
+    recorded = []
+    for _ in range(2):  # the first run claims the full chore, the second finds it not due: incremental
+        duties._verify()
+        recorded.append(
+            raw.execute("SELECT ok, details->>'mode' FROM audit_verifications ORDER BY id DESC LIMIT 1").fetchone()
+        )
+    assert recorded == [(False, "full"), (False, "incremental")]
 
 
 def test_a_chain_cut_back_behind_its_checkpoint_is_caught(

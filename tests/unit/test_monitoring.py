@@ -76,11 +76,11 @@ def rules() -> list[dict[str, Any]]:
 def test_promtool_accepts_the_rules_and_the_config(promtool: str | None) -> None:
     tool = promtool
     if tool is not None:
-        assert "SUCCESS: 8 rules found" in run(tool, "check", "rules", "alerts.yml")
+        assert "SUCCESS: 9 rules found" in run(tool, "check", "rules", "alerts.yml")
         run(tool, "check", "config", "prometheus.yml")  # also checks the rule files it loads
         return
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 8
+    assert len(names) == len(set(names)) == 9
     for rule in rules():
         assert rule["expr"].strip() and rule["labels"]["severity"] in ("critical", "warning")
         assert rule["annotations"]["runbook"].startswith("docs/runbook.md#")
@@ -338,6 +338,7 @@ RULE_THRESHOLDS: dict[str, dict[str, str]] = {
     "KeelRetryCostShareHigh": {">": "alert_retry_cost_share_max"},
     "KeelQueueLag": {">": "alert_oldest_due_job_max_seconds"},
     "KeelNoBeatLeader": {">": "alert_beat_leader_gap_max_seconds"},
+    "KeelAuditVerifyStale": {">": "alert_audit_verify_stale_max_seconds"},
 }
 #: Rules Keel's own alerts have no setting for.
 RULES_WITHOUT_A_SETTING = {"KeelKpisUnavailable"}
