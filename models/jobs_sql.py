@@ -319,6 +319,20 @@ def release_staged_txn(cur: psycopg.Cursor[Any], key: str) -> bool:
     return cur.fetchone() is not None
 
 
+def drop_result_fields_txn(cur: psycopg.Cursor[Any], request_id: str, drops: Sequence[tuple[str, str]]) -> list[str]:
+    """Drop fields from the stored results of a request's finished steps (a later step's result supersedes them);
+    the keys of the steps that had one. A step of another request, or one not finished, is left as it is."""
+    dropped: list[str] = []
+    for key, name in drops:
+        cur.execute(
+            "UPDATE jobs SET result = result - %s"
+            " WHERE key = %s AND request_id = %s AND status = 'succeeded' AND result ? %s RETURNING key",
+            (name, key, request_id, name),
+        )
+        dropped += [r[0] for r in cur.fetchall()]
+    return dropped
+
+
 def cancel_request_steps_txn(
     cur: psycopg.Cursor[Any], request_id: str, operations: Sequence[str], now: datetime
 ) -> list[str]:

@@ -65,6 +65,9 @@ class JobResult:
     #: details: what went wrong in a step that still succeeded (a tool call the model has to correct).
     decision: str | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
+    #: Fields of earlier steps' stored results (``(key, field)``, steps of the same request) that this result makes
+    #: redundant: dropped in the transaction that records it, so what it supersedes is never stored twice.
+    drops: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The whole result as JSON: what a checkpoint stores so a replay commits exactly this, once."""
@@ -82,6 +85,7 @@ class JobResult:
             else {"event": self.join.event.value, "jobs": [_spec_json(s) for s in self.join.jobs]},
             "decision": self.decision,
             "details": dict(self.details),
+            "drops": [list(drop) for drop in self.drops],
         }
 
     @classmethod
@@ -96,6 +100,7 @@ class JobResult:
             join=None if join is None else Join(Event(join["event"]), tuple(_spec(s) for s in join.get("jobs") or ())),
             decision=data.get("decision"),
             details=dict(data.get("details") or {}),
+            drops=tuple((str(key), str(name)) for key, name in data.get("drops") or ()),
         )
 
 

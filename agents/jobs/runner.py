@@ -49,6 +49,7 @@ from models.jobs_sql import (
     checkpoint,
     claim,
     count_suppressed_txn,
+    drop_result_fields_txn,
     extend_lease,
     job_row,
     release_staged_txn,
@@ -456,8 +457,10 @@ class Runner:
             details={**result.details, "job": job.key, "attempt": job.attempts},
             outcome=outcome,
         )
+        # In the transaction that records the result: its replay drops them too, a failure to record it does not.
+        effects = _dropping(job.request_id, result.drops) if result.drops else None
         try:
-            done = core.transition(self.db, command, publish_due=self.publish_due)
+            done = core.transition(self.db, command, effects=effects, publish_due=self.publish_due)
         except IllegalTransition as exc:
             if Phase(exc.phase) in RESTING:
                 return self._fenced(
@@ -585,6 +588,15 @@ class Runner:
         except KeelError:
             log.exception("job %s: could not journal the fenced-off outcome", job.key)
         return RunOutcome(job.key, "fenced", why)
+
+
+def _dropping(request_id: str, drops: tuple[tuple[str, str], ...]) -> core.EffectsTxn:
+    """The effect of a result's ``drops``: fields of its request's earlier steps' results it supersedes."""
+
+    def effects(cur: Any, before: Any, after: Any) -> None:
+        drop_result_fields_txn(cur, request_id, drops)
+
+    return effects
 
 
 def _storable(text: str) -> str:

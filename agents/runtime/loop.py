@@ -9,8 +9,10 @@ tool Keel does not have fails the request (``unknown_tool``), naming the tool an
 tool that needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
 ``reject`` asks the model to revise. Every step's result is stored on its job, in the transition that schedules the
 next step; a plan step's result also carries the conversation it sent the model, so the next one reads that, the
-reply and the round's tool results (a few rows by key, not the whole request). After a crash the request resumes at
-the first unfinished step, and a finished model call or tool call is never made again.
+reply and the round's tool results (a few rows by key, not the whole request), and drops the previous step's copy in
+the transition that records its own: a request stores its conversation once, on its latest plan step (storage grows
+with its rounds, not with their square). After a crash the request resumes at the first unfinished step, and a
+finished model call or tool call is never made again.
 """
 
 from __future__ import annotations
@@ -128,8 +130,9 @@ def step_target(tool_name: str, round_: int, call_id: str) -> str:
 
 def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
     """The messages of rounds 1..upto_round-1: the conversation the previous plan step was sent (stored with its
-    result), its reply, and the results of that reply's calls — a few rows by key, however long the request. A
-    request whose previous step stored no conversation (recorded by an earlier version) is rebuilt from its steps."""
+    result), its reply, and the results of that reply's calls — a few rows by key, however long the request. When
+    the previous step holds no conversation (recorded by an earlier version, or a past round's, dropped once the
+    step after it was recorded) it is rebuilt from the request's steps."""
     previous = upto_round - 1
     this_key, plan_key = f"{request_id}:plan:{upto_round}", f"{request_id}:plan:{previous}"
     request_input, found = request_steps_by_key(db, request_id, [this_key, plan_key])
@@ -226,10 +229,14 @@ def plan(ctx: JobContext) -> JobResult:
             reply = provider.complete(messages, [t.schema() for t in tools.values()], attempt=ctx.attempt)
         ctx.checkpoint(reply.checkpoint())
     message = reply.as_message()
-    # What the model was sent, stored with its reply: the next step reads this one row and the round's results.
+    # What the model was sent, stored with its reply: the next step reads this one row and the round's results. The
+    # previous step's copy is dropped as this one is recorded (its reply stays): a request stores its conversation
+    # once, on its latest plan step, not once per round.
     sent = {"reply": message, "conversation": messages}
+    drops = ((f"{ctx.request_id}:plan:{round_ - 1}", "conversation"),) if round_ > 1 else ()
     if not reply.tool_calls:
-        return JobResult(output={**sent, "answer": reply.content}, usage=reply.usage, event=Event.FINISH)
+        output = {**sent, "answer": reply.content}
+        return JobResult(output=output, usage=reply.usage, event=Event.FINISH, drops=drops)
     ids = [call.id for call in reply.tool_calls]
     keys = [tool_call_key(call_id) for call_id in ids]
     if len(set(ids)) != len(ids) or len(set(keys)) != len(keys):
@@ -260,7 +267,7 @@ def plan(ctx: JobContext) -> JobResult:
             deferred = tool.needs_approval  # one approval at a time
             target = step_target(tool.name, round_, call.id)
             jobs.append(JobSpec("tool", target, payload={**payload, "deferred": deferred}))
-    return JobResult(output=sent, usage=reply.usage, event=Event.PLAN, jobs=tuple(jobs))
+    return JobResult(output=sent, usage=reply.usage, event=Event.PLAN, jobs=tuple(jobs), drops=drops)
 
 
 def _next_round(payload: Mapping[str, Any]) -> Join:
