@@ -134,12 +134,17 @@ class Database:
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled psycopg connection, returned to the pool afterwards."""
         pooled = self.engine.raw_connection()
+        conn = pooled.driver_connection
+        assert isinstance(conn, psycopg.Connection)
         try:
-            conn = pooled.driver_connection
-            assert isinstance(conn, psycopg.Connection)
             yield conn
         finally:
-            pooled.close()
+            if conn.broken or conn.closed:
+                # Lost (the server went away under it): discarded, not reset. A reset is a rollback, which on a lost
+                # connection raises, and the pool would log that as an error with its traceback.
+                pooled.invalidate()
+            else:
+                pooled.close()
 
     @contextmanager
     def transaction(self) -> Iterator[psycopg.Cursor[Any]]:
@@ -153,7 +158,8 @@ class Database:
                 conn.commit()
             except BaseException:
                 _AFTER_COMMIT.pop(conn, None)
-                conn.rollback()
+                if not conn.broken:  # a lost connection has no transaction left to roll back
+                    conn.rollback()
                 raise
             pending = _AFTER_COMMIT.pop(conn, None)
             if pending:
