@@ -157,6 +157,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             leader = self.leadership.held()
         except psycopg.Error as exc:
             return self.database.failed(exc)
+        reached = time.monotonic()
         self.database.recovered()
         if not leader:
             self.duties.stand_down()
@@ -168,7 +169,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             return min(backoff, interval)
         started = time.monotonic()
         for timed in self.passes:  # started only by a tick that has just confirmed this beat leads
-            outage = timed.poke(started)
+            outage = timed.poke(started, reached=reached)
             if outage is not None:
                 return self.database.failed(outage)
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from agents.core.outage import is_outage
@@ -32,14 +33,18 @@ class TimedPass:
         self._next = 0.0
         self._thread: threading.Thread | None = None
         self._outage: BaseException | None = None
+        self._outage_at = 0.0
         self._lock = threading.Lock()
 
-    def poke(self, now: float) -> BaseException | None:
+    def poke(self, now: float, *, reached: float = 0.0) -> BaseException | None:
         """Start the pass if it is due (``now``: the monotonic clock) and not running. Returns the error that made
-        the last run find the database away, once, for the caller's backoff; None otherwise."""
+        the last run find the database away, once, for the caller's backoff; None otherwise. An error from before
+        ``reached`` (when the caller last reached the database) is stale: the outage it saw has ended, and saying
+        it now would log a second "database down" right after "database back"; the pass runs again when due."""
         with self._lock:
             outage, self._outage = self._outage, None
-        if outage is not None:
+            outage_at = self._outage_at
+        if outage is not None and outage_at >= reached:
             return outage
         if now < self._next or self.running():
             return None
@@ -61,6 +66,6 @@ class TimedPass:
         except Exception as exc:  # a pass that failed is tried again at its next interval; dispatching goes on
             if is_outage(exc):
                 with self._lock:
-                    self._outage = exc
+                    self._outage, self._outage_at = exc, time.monotonic()
                 return
             log.exception("%s pass failed; retrying at its next interval", self.name)
