@@ -53,7 +53,7 @@ from tasks.passes import TimedPass
 log = logging.getLogger("keel.dispatcher")
 celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" line: DEBUG for housekeeping tasks
 
-#: How long a closing beat waits for each of its passes under way.
+#: How long a closing beat waits for its passes under way, all of them together.
 CLOSE_WAIT_SECONDS = 5.0
 
 
@@ -146,6 +146,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             TimedPass("deadlines", settings.deadline_check_seconds, self._enforce_deadlines),
             TimedPass("approval-timeouts", settings.approval_check_seconds, self._enforce_approval_timeouts),
         )
+        self._closed = False
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -281,10 +282,17 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.broker.recovered()
 
     def close(self) -> None:
-        # A pass under way gets a few seconds to finish; one that takes longer ends with the process, which is safe:
-        # each of its moves is a transaction of its own, and what it did not reach the next leader finds again.
+        # Celery closes a scheduler twice on SIGTERM/SIGINT (in its signal handler, then as its loop ends): the second
+        # close must not wait again. Every pass under way shares one budget of CLOSE_WAIT_SECONDS to finish (not one
+        # each: three slow passes would outlast a supervisor's stop timeout); one that takes longer ends with the
+        # process, which is safe: each of its moves is a transaction of its own, and what it did not reach the next
+        # leader finds again.
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
         for timed in self.passes:
-            timed.join(CLOSE_WAIT_SECONDS)
+            timed.join(max(0.0, deadline - time.monotonic()))
         self.leadership.release()
         self.db.dispose()
         super().close()

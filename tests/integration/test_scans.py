@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -416,6 +417,55 @@ def test_a_slow_deadline_pass_does_not_hold_up_dispatching(
         for timed in beat.passes:  # (on a loaded machine longer than a closing beat waits)
             timed.join(60)
         beat.close()
+
+
+def test_a_closing_beat_waits_for_its_passes_once_and_within_one_budget(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery closes a scheduler twice on SIGTERM (its signal handler, then its loop's end): with every pass stuck,
+    the two closes together wait CLOSE_WAIT_SECONDS once, not once per pass and close (`keel up`'s stop timeout is
+    20 s: 2 closes x 3 passes x 5 s overran it), and the beat's leadership is given up for the next beat."""
+    from celery import Celery
+
+    from models.settings import Settings
+    from tasks.app import celery_config
+    from tasks.dispatcher import CLOSE_WAIT_SECONDS, KeelScheduler
+
+    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+        monkeypatch.setenv(name, value)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def stuck() -> None:
+        started.release()
+        release.wait(120)
+
+    app = Celery("close-test", set_as_current=False)
+    app.conf.update(celery_config(Settings()))
+    beat = KeelScheduler(app=app)
+    joins: list[float] = []
+    try:
+        for timed in beat.passes:
+            monkeypatch.setattr(timed, "_run", stuck)
+            real_join = timed.join
+            monkeypatch.setattr(timed, "join", lambda t=None, j=real_join: (joins.append(t), j(t))[1])
+        beat.tick()
+        assert beat.leadership.term is not None, "this beat leads"
+        for _ in beat.passes:
+            assert started.acquire(timeout=30), "every pass started, and is stuck"
+        began = time.monotonic()
+        beat.close()
+        beat.close()
+        waited = time.monotonic() - began
+        assert len(joins) == len(beat.passes), f"the second close waited again: {joins}"
+        assert sum(joins) <= CLOSE_WAIT_SECONDS + 0.01, joins
+        assert waited < 2 * CLOSE_WAIT_SECONDS, f"closing took {waited:.1f}s"
+        assert beat.leadership.term is None, "leadership given up"
+        assert all(timed.running() for timed in beat.passes), "the stuck passes were left to end with the process"
+    finally:
+        release.set()
+        for timed in beat.passes:
+            timed.join(60)
 
 
 # --- the conversation a plan step reads, and what a request stores of it -------------------------------------------
