@@ -124,6 +124,7 @@ class Peers:
         base["PYTHONPATH"] = str(ROOT)
         self.base_env = {**base, "BENCH_BROKER_URL": self.broker_url, "BENCH_BROKER_PREFIX": self.prefix}
         self.audit_keys = audit_keys_for(settings)
+        self.keel_threads: int = args.keel_threads
 
     # -- databases ---------------------------------------------------------------------------------------------
     def admin(self) -> psycopg.Connection[Any]:
@@ -227,13 +228,22 @@ class Peers:
             celery.close()
             before = self.commits(db)
             node = f"keel{n_processes}-{self.run_id}@{socket.gethostname()}"
-            worker = [str(BIN / "keel"), "worker", "-c", str(n_processes), "-n", node, "-l", "warning"]
+            env = self.keel_env(db)
+            if self.keel_threads:  # n_processes workers, each a pool of threads (as DBOS runs its workflows)
+                env["KEEL_DB_POOL_SIZE_WORKER"] = str(self.keel_threads)
+                pool = ["--pool", "threads", "-c", str(self.keel_threads)]
+                workers = [
+                    [str(BIN / "keel"), "worker", *pool, "-n", f"{i}-{node}", "-l", "warning"]
+                    for i in range(n_processes)
+                ]
+            else:
+                workers = [[str(BIN / "keel"), "worker", "-c", str(n_processes), "-n", node, "-l", "warning"]]
             beat = [str(BIN / "keel"), "beat", "-l", "warning"]
             started = time.time()
             polls = 0
             with (
                 psycopg.connect(libpq_url(with_database(self.server, db)), autocommit=True) as poll,
-                processes([worker, beat], self.keel_env(db), self.logs / "keel.log") as procs,
+                processes([*workers, beat], env, self.logs / "keel.log") as procs,
             ):
 
                 def finished() -> bool:
@@ -323,12 +333,22 @@ def main(argv: list[str] | None = None) -> int:
         "--systems", default=",".join(SYSTEMS), help=f"which systems, comma-separated (default {','.join(SYSTEMS)})"
     )
     parser.add_argument("--no-burst", action="store_true", help="skip the burst measures")
+    parser.add_argument(
+        "--keel-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run each Keel worker process as a pool of N threads (`keel worker --pool threads -c N`) instead of"
+        " prefork's one job per process (default: prefork, as `keel worker` runs)",
+    )
     args = parser.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)
     if unknown := [s for s in systems if s not in SYSTEMS]:
         parser.error(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
     if args.jobs < 2 or args.rounds < 1:
         parser.error("--jobs must be at least 2 and --rounds at least 1")
+    if not 0 <= args.keel_threads <= 200:
+        parser.error("--keel-threads must be 0 (prefork) to 200")
     try:
         counts = [int(p) for p in args.processes.split(",")]
     except ValueError:
@@ -344,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["BENCH_BROKER_PREFIX"] = peers.prefix
     try:
         OUT.line(f"peers benchmark: {args.jobs} no-op jobs per run, {args.rounds} rounds, server {peers.server}")
+        if args.keel_threads:
+            OUT.line(f"Keel's worker processes each run a pool of {args.keel_threads} threads")
         table: dict[tuple[str, int], Run] = {}
         for n_processes in counts:
             runs: dict[str, list[Run]] = {s: [] for s in systems}

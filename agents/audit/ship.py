@@ -1004,5 +1004,6 @@ def ship_configured(
         segment_age=timedelta(minutes=settings.audit_segment_minutes),
         signing_key=None if signing is None else load_signing_key(signing.get_secret_value()),
         flush=flush,
+        settle_timeout=timedelta(seconds=settings.audit_settle_seconds),
         after_body=after_body,
     )

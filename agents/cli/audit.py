@@ -26,6 +26,9 @@ from agents.cli.common import (
 from agents.cli.watch import journal_header, journal_text, print_events
 from agents.core.errors import BadCursor, quoted
 
+#: `keel audit ship` could not ship this time (a transaction writing the journal stayed open): try again later.
+EX_TEMPFAIL = 75
+
 #: Events one page of ``keel journal`` shows by default, and at most (``--after`` pages on).
 JOURNAL_PAGE = 50
 MAX_JOURNAL_PAGE = 1000
@@ -338,7 +341,10 @@ def _verify_against(url: str, public_key_path: str | None, as_json: bool) -> Non
 def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
     """Ship the journal's closed segments to the separate store, each as JSON Lines with a keyed (and, with
     KEEL_AUDIT_SIGNING_KEY, signed) manifest; resumes where the store's last segment ends. The leading beat does
-    the same every KEEL_AUDIT_SHIP_INTERVAL_SECONDS."""
+    the same every KEEL_AUDIT_SHIP_INTERVAL_SECONDS.
+
+    Exit status 0 when it shipped what it could (or nothing was due), 75 when a transaction writing the journal
+    stayed open past KEEL_AUDIT_SETTLE_SECONDS and nothing was shipped (try again later), 1 on an error."""
     from agents.audit.ship import ship_configured
 
     with open_client() as client:
@@ -366,15 +372,22 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
             True,
             "",
         )
+        if report.unsettled:
+            raise SystemExit(EX_TEMPFAIL)
         return
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
     for s in report.segments:
         how = " (its body was already there: completed)" if s.resumed else ""
         click.echo(f"shipped {s.segment}: {s.events} events, ids {s.first_id}..{s.last_id}{how}")
-    if report.unsettled:
-        click.echo("waiting: a transaction writing the journal is still open; the rest ships next time")
-    elif report.waiting:
+    if report.unsettled:  # a cron job or a script must see that nothing shipped, not a clean exit
+        click.echo(
+            f"waiting: a transaction writing the journal is still open after {client.settings.audit_settle_seconds:g}s"
+            " (KEEL_AUDIT_SETTLE_SECONDS); nothing more was shipped, try again later",
+            err=True,
+        )
+        raise SystemExit(EX_TEMPFAIL)
+    if report.waiting:
         click.echo(
             f"{report.waiting} events wait for their segment to close (KEEL_AUDIT_SEGMENT_EVENTS or"
             " KEEL_AUDIT_SEGMENT_MINUTES; --flush ships them now)"

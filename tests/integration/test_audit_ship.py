@@ -514,6 +514,42 @@ def test_an_id_taken_by_a_transaction_still_open_is_never_skipped(
     assert_shipped_once(store, raw)
 
 
+def test_keel_audit_ship_exits_75_when_an_open_transaction_holds_shipping_up(
+    client: Client, db_url: str, tmp_path: Path
+) -> None:
+    """Nothing could be shipped (a transaction that took a journal id stays open past KEEL_AUDIT_SETTLE_SECONDS): a
+    cron job or a script sees a non-zero status (EX_TEMPFAIL, try again later) and the reason on stderr, in text and
+    --json alike; once the transaction ends, the same command ships and exits 0."""
+    history(client, agents=1)
+    url = f"file://{tmp_path}/store"
+    env = {"KEEL_DATABASE_URL": db_url, "KEEL_AUDIT_SETTLE_SECONDS": "0.5"}
+    with psycopg.connect(libpq_url(db_url)) as slow:
+        slow.execute(
+            "INSERT INTO audit.journal (agent_id, seq, kind, event, actor, revision, decision, details, at, prev_hash,"
+            " hash) SELECT agent_id, seq + 1, 'operator', 'note', 'slow', revision, 'allowed', '{}', now(), hash, %s"
+            " FROM audit.journal ORDER BY id DESC LIMIT 1",
+            ("2" * 64,),
+        )
+        slow.execute(
+            "UPDATE agents a SET journal_seq = j.seq, journal_head = j.hash FROM audit.journal j"
+            " WHERE j.hash = %s AND a.id = j.agent_id",
+            ("2" * 64,),
+        )
+        history(client, agents=1)  # later ids, committed first
+        held = keel("audit", "ship", "--flush", "--url", url, env=env)
+        assert held.returncode == 75, (held.returncode, held.stdout, held.stderr)
+        assert "a transaction writing the journal is still open after 0.5s (KEEL_AUDIT_SETTLE_SECONDS)" in held.stderr
+        assert not (tmp_path / "store" / "journal").exists() or not any((tmp_path / "store" / "journal").iterdir())
+        as_json = keel("audit", "ship", "--flush", "--url", url, "--json", env=env)
+        assert as_json.returncode == 75, as_json.stderr
+        report = json.loads(as_json.stdout)
+        assert report["unsettled"] is True and report["segments"] == []
+        slow.commit()
+    shipped = keel("audit", "ship", "--flush", "--url", url, env=env)
+    assert shipped.returncode == 0, shipped.stderr
+    assert "shipped journal/" in shipped.stdout
+
+
 def test_signed_manifests_verify_with_the_public_key_alone(client: Client, db_url: str, tmp_path: Path) -> None:
     history(client, agents=2)
     signing = Ed25519PrivateKey.generate()
