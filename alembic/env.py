@@ -13,6 +13,7 @@ from sqlalchemy import create_engine, pool
 from alembic import context
 from models import roles
 from models.embedded import migration_url_for
+from models.keepalives import tcp_options
 from models.settings import Settings
 from models.tables import AUDIT_SCHEMA, JOURNAL_PARTITION, metadata
 
@@ -56,7 +57,9 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    engine = create_engine(_url(), poolclass=pool.NullPool)
+    url = _url()
+    # A migration can wait long on a lock or an index build: keepalives, so a vanished server is given up on.
+    engine = create_engine(url, poolclass=pool.NullPool, connect_args=tcp_options(url))
     names = _roles()
     with engine.connect() as connection:
         driver = connection.connection.driver_connection

@@ -53,6 +53,15 @@ class Keepalives:
         }
 
 
+def tcp_options(url: str) -> dict[str, Any]:
+    """The keepalive options the settings in the environment ask for (``KEEL_DB_KEEPALIVES_*``,
+    ``KEEL_DB_TCP_USER_TIMEOUT_MS``), for a connection to ``url`` opened outside a :class:`~models.db.Database`
+    (migrations, ``keel db roles``, the journal's archiver, the demo's lock); none for a Unix socket."""
+    from models.settings import Settings
+
+    return Keepalives.from_settings(Settings()).options(url)
+
+
 def over_unix_socket(url: str) -> bool:
     """Whether libpq reaches ``url``'s server over a Unix socket: every host it names (its ``?host=``, the URL's,
     else ``PGHOST``) is a directory (``/run/postgresql``) or an abstract socket (``@name``), or it names none."""

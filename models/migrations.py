@@ -18,6 +18,7 @@ from alembic.util import CommandError
 from alembic import command
 from models.audit_keys import AuditKeys
 from models.errors import KeelError
+from models.keepalives import tcp_options
 from models.roles import RoleNames
 
 MIGRATIONS_PACKAGE = "keel_migrations"
@@ -124,7 +125,7 @@ def database_revision(conn: sqlalchemy.Connection) -> str | None:
 
 def revision_at(url: str) -> str | None:
     """The migration the database at ``url`` is at (None: never migrated, or downgraded to base)."""
-    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool, connect_args=tcp_options(url))
     try:
         with engine.connect() as conn:
             return database_revision(conn)

@@ -34,6 +34,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from models.errors import KeelError
+from models.keepalives import tcp_options
 from models.settings import Settings
 from models.urls import libpq_url
 
@@ -361,7 +362,7 @@ def set_up(url: str, names: RoleNames, passwords: Passwords = Passwords()) -> li
     tables' owners), in one transaction: all of it or, on an error, nothing. Idempotent: returns one line per thing
     it changed, and none when everything was as it should be."""
 
-    with psycopg.connect(libpq_url(url)) as conn:
+    with psycopg.connect(libpq_url(url), **tcp_options(url)) as conn:
         try:
             lines = _set_up(conn, names, passwords)
         except psycopg.errors.InsufficientPrivilege as exc:
@@ -718,6 +719,6 @@ def missing(url: str, names: RoleNames) -> list[str]:
     """Which of the three roles do not exist in the cluster at ``url``."""
 
     wanted = [names.owner, names.app, names.auditor]
-    with psycopg.connect(libpq_url(url)) as conn:
+    with psycopg.connect(libpq_url(url), **tcp_options(url)) as conn:
         found = {r["rolname"] for r in _rows(conn, "SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", (wanted,))}
     return [name for name in wanted if name not in found]

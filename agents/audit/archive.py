@@ -55,6 +55,7 @@ from agents.core.journal import (
 from models.audit_keys import AuditKeys
 from models.clock import rfc3339
 from models.errors import KeelError
+from models.keepalives import tcp_options
 from models.urls import libpq_url
 
 #: How often the final transaction tries to take the journal's lock (each try waits at most LOCK_TIMEOUT).
@@ -382,7 +383,7 @@ def archive_partition(
     (:func:`choose_partition`), lock it (SHARE: nothing changes it while it is checked), prove it shipped and
     verified (:func:`check_archivable`), then in the same transaction insert the sealed record and detach and drop
     the partition, under a lock timeout of 2 s, retried. ``dry_run``: the checks only."""
-    with psycopg.connect(libpq_url(url)) as conn:
+    with psycopg.connect(libpq_url(url), **tcp_options(url)) as conn:
         who = conn.execute(_WHO).fetchone()
         if who is None:
             raise ArchiveRefused("this database has no audit.journal: run 'keel db upgrade'")

@@ -39,6 +39,7 @@ from agents.ingress.tokens import Scope, create_token, revoke_token
 from models import migrations
 from models.db import Database
 from models.embedded import broker_url_for, free_port, migration_url_for
+from models.keepalives import tcp_options
 from models.kpi_sql import agent_kpis, request_outcomes
 from models.roles import RoleNames, refuse_privileged
 from models.settings import Settings
@@ -159,7 +160,9 @@ def only_demo_on(database_url: str, embedded_home: Path | None) -> Iterator[None
     the process however it ends (SIGKILL included). ``embedded_home``: the database is the embedded one under it
     (the advice differs)."""
     me = f"keel demo: pid {os.getpid()} on {socket.gethostname()}"[:63]  # application_name holds 63 bytes
-    with psycopg.connect(libpq_url(database_url), autocommit=True, application_name=me) as conn:
+    with psycopg.connect(
+        libpq_url(database_url), autocommit=True, application_name=me, **tcp_options(database_url)
+    ) as conn:
         holder = _take_lock(conn)
         if holder is not None:
             if embedded_home is not None:

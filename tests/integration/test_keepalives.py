@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import psycopg
@@ -180,3 +181,55 @@ def test_a_connection_whose_server_vanishes_fails_in_bounded_time(db_url: str) -
         error, seconds = outcome[which]
         assert error == "OperationalError", outcome
         assert seconds < 10, outcome
+
+
+def test_connections_outside_the_pool_carry_the_keepalives_too(
+    empty_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Migrations (alembic's engine and the revision check), `keel db roles`, the journal's archiver and the demo's
+    lock open connections of their own: each carries the settings' keepalives (a migration waiting on a lock or an
+    index build must not hang for two hours on a vanished server)."""
+    from agents.audit.archive import ArchiveRefused, archive_partition
+    from agents.audit.store import FileStore
+    from agents.demo.run import only_demo_on
+    from models import migrations, roles
+    from models.audit_keys import audit_keys_for
+
+    for name, value in {
+        "KEEL_DB_KEEPALIVES_IDLE_SECONDS": "7",
+        "KEEL_DB_KEEPALIVES_INTERVAL_SECONDS": "3",
+        "KEEL_DB_KEEPALIVES_COUNT": "4",
+        "KEEL_DB_TCP_USER_TIMEOUT_MS": "9000",
+        "KEEL_HOME": str(tmp_path),
+    }.items():
+        monkeypatch.setenv(name, value)
+    opened: list[tuple[str, dict[str, str]]] = []
+    real = psycopg.connect
+
+    def spying(*args: object, **kwargs: object) -> psycopg.Connection[object]:
+        conn = real(*args, **kwargs)  # type: ignore[arg-type]
+        opened.append((where, _tcp_parameters(conn)))
+        return conn
+
+    monkeypatch.setattr(psycopg, "connect", spying)
+    where = "migrations"
+    migrations.upgrade(empty_db_url)
+    assert migrations.revision_at(empty_db_url) == migrations.head()
+    where = "roles"
+    roles.missing(empty_db_url, roles.RoleNames.of(Settings()))
+    where = "archive"
+    with pytest.raises(ArchiveRefused):  # nothing shipped: refused, after connecting
+        archive_partition(
+            empty_db_url,
+            FileStore(tmp_path / "store"),
+            audit_keys_for(Settings(home=tmp_path)),
+            destination="file:///nowhere",
+            grace=timedelta(0),
+            dry_run=True,
+        )
+    where = "demo"
+    with only_demo_on(empty_db_url, None):
+        pass
+    assert {w for w, _ in opened} >= {"migrations", "roles", "archive", "demo"}, opened
+    for w, parameters in opened:
+        assert parameters == {**SENT, "tcp_user_timeout": "9000"}, (w, parameters)
