@@ -113,18 +113,28 @@ def waiting_call(db: Database, agent_id: UUID) -> WaitingCall | None:
     return found
 
 
-def calls_past_approval_timeout(db: Database) -> list[WaitingCall]:
-    """Waiting calls whose tool has an approval timeout that has passed, oldest first; an escalated call whose
-    escalation is journaled already is not among them (it waits on, and is escalated once)."""
+def calls_past_approval_timeout(
+    db: Database, *, after: tuple[datetime, UUID] | None = None, limit: int | None = None
+) -> list[WaitingCall]:
+    """Waiting calls whose tool has an approval timeout that has passed, oldest first (by when they started waiting,
+    then agent id), at most ``limit``, after the keyset ``after`` (``since``, ``agent_id``) of the previous batch; an
+    escalated call whose escalation is journaled already is not among them (it waits on, and is escalated once)."""
     sql = (
         _WAITING + " AND g.payload ? 'approval_timeout_seconds'"
         " AND g.finished_at + make_interval(secs => (g.payload->>'approval_timeout_seconds')::float8)"
         " <= clock_timestamp()"
         f" AND NOT (g.payload->>'on_timeout' = 'escalate' AND {_ESCALATED})"
-        " ORDER BY g.finished_at, a.id"
     )
+    params: dict[str, Any] = {}
+    if after is not None:
+        sql += " AND (g.finished_at, a.id) > (%(since)s, %(agent_id)s)"
+        params["since"], params["agent_id"] = after
+    sql += " ORDER BY g.finished_at, a.id"
+    if limit is not None:
+        sql += " LIMIT %(limit)s"
+        params["limit"] = limit
     with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:
-        cur.execute(sql)
+        cur.execute(sql, params)
         found = cur.fetchall()
         conn.rollback()
     return found

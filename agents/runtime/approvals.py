@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from uuid import UUID
 
 from agents.core import transition as core
 from agents.core.commands import Command, MessageSpec
-from agents.core.errors import Rejected
+from agents.core.errors import InvalidInput, Rejected
 from agents.core.phases import Event
 from agents.runtime.loop import cancel_round_txn, pending_approval, rejection_jobs
 from agents.runtime.notices import console_link, escalation_notice
@@ -43,24 +43,43 @@ def waited_text(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
-def enforce_timeouts(db: Database, settings: Settings, *, actor: str = ACTOR) -> TimeoutReport:
-    """Apply every passed approval timeout, once (see the module's docstring). One agent's failure is logged and
-    the pass goes on with the others."""
+#: How many timed-out calls one query of a pass takes.
+DEFAULT_BATCH = 200
+
+
+def enforce_timeouts(
+    db: Database, settings: Settings, *, actor: str = ACTOR, batch: int = DEFAULT_BATCH
+) -> TimeoutReport:
+    """Apply every passed approval timeout, once (see the module's docstring), ``batch`` calls per query, each batch
+    read on from where the last one ended: a call whose move failed (logged, and the pass goes on with the others)
+    is not read again in the same pass, and the pass ends."""
+    if batch < 1:
+        raise InvalidInput(f"batch must be at least 1, got {batch}")
     report = TimeoutReport()
-    for call in calls_past_approval_timeout(db):
-        try:
-            command = _command(db, settings, call, actor)
-            if command is None:
-                continue
-            core.transition(db, command, effects=cancel_round_txn if command.event is Event.REJECT else None)
-        except Rejected as exc:  # decided (or moved on) since the pass read it: journaled, nothing changed
-            log.info("approval timeout on %s not applied: %s", call.agent, exc)
-        except Exception:
-            log.exception("approval timeout on %s failed; the pass goes on", call.agent)
-            report.failed.append(call.agent_id)
-        else:
-            (report.rejected if command.event is Event.REJECT else report.escalated).append(call.agent_id)
-    return report
+    after: tuple[datetime, UUID] | None = None
+    while True:
+        found = calls_past_approval_timeout(db, after=after, limit=batch)
+        for call in found:
+            _enforce_one(db, settings, call, actor, report)
+        if len(found) < batch:
+            return report
+        after = (found[-1].since, found[-1].agent_id)
+
+
+def _enforce_one(db: Database, settings: Settings, call: WaitingCall, actor: str, report: TimeoutReport) -> None:
+    """Reject or escalate one timed-out call; its failure is logged and reported, never raised."""
+    try:
+        command = _command(db, settings, call, actor)
+        if command is None:
+            return
+        core.transition(db, command, effects=cancel_round_txn if command.event is Event.REJECT else None)
+    except Rejected as exc:  # decided (or moved on) since the pass read it: journaled, nothing changed
+        log.info("approval timeout on %s not applied: %s", call.agent, exc)
+    except Exception:
+        log.exception("approval timeout on %s failed; the pass goes on", call.agent)
+        report.failed.append(call.agent_id)
+    else:
+        (report.rejected if command.event is Event.REJECT else report.escalated).append(call.agent_id)
 
 
 def _command(db: Database, settings: Settings, call: WaitingCall, actor: str) -> Command | None:

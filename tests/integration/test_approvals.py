@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 import agents.runtime.loop as loop
 from agents.client import Client, HttpClient
+from agents.core.commands import Command
 from agents.core.errors import InvalidInput
 from agents.jobs import deadlines
 from agents.jobs.handlers import registry
@@ -313,6 +314,44 @@ def test_a_timeout_rejects_exactly_once_under_two_concurrent_enforcers(
     _, messages = loop.conversation(db, "req-1", 2)
     assert messages[-1]["content"].startswith("This call was rejected: no one approved it within 0:00:01")
     assert job_row(db, "req-1:tool:deploy_service:1.call_0_0") is None, "the timed-out call never ran"
+
+
+def test_a_timeout_pass_takes_its_calls_in_batches_and_a_failing_one_does_not_stall_it(
+    told: None, client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass reads the timed-out calls ``batch`` at a time, oldest first, each batch after the last one's keyset:
+    all five are rejected in one pass of batches of two, and the one whose move fails is tried once in that pass,
+    not read again (nor does it hold back the calls behind it)."""
+    from agents.runtime import approvals
+
+    waiting = [to_approval(client, db, f"deployer-{i}", f"req-{i}", deploy_script()) for i in range(5)]
+    _wait_until_past_timeout(db)
+    while len(calls_past_approval_timeout(db)) < 5:
+        time.sleep(0.2)
+    sick = waiting[1].id
+    queries: list[int | None] = []
+    real_read, real_transition = approvals.calls_past_approval_timeout, approvals.core.transition
+    tried: list[Any] = []
+
+    def reading(db_: Database, **kw: Any) -> Any:
+        queries.append(kw.get("limit"))
+        return real_read(db_, **kw)
+
+    def moving(db_: Database, command: Command, **kw: Any) -> Any:
+        tried.append(command.agent_id)
+        if command.agent_id == sick:
+            raise RuntimeError("a bug in one agent's move")
+        return real_transition(db_, command, **kw)
+
+    monkeypatch.setattr(approvals, "calls_past_approval_timeout", reading)
+    monkeypatch.setattr(approvals.core, "transition", moving)
+    report = enforce_timeouts(db, Settings(), batch=2)
+    assert sorted(map(str, report.rejected)) == sorted(str(w.id) for w in waiting if w.id != sick)
+    assert report.failed == [sick]
+    assert tried.count(sick) == 1, "the failing call is tried once per pass"
+    assert queries == [2, 2, 2], "three batches of at most two"
+    with pytest.raises(InvalidInput, match="batch must be at least 1"):
+        enforce_timeouts(db, Settings(), batch=0)
 
 
 def test_a_timeout_escalates_once_and_the_call_keeps_waiting(client: Client, db: Database) -> None:
