@@ -137,7 +137,6 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.duties = LeaderDuties(self.db, self.settings)
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
-        self._next_fold = 0.0
         self._held: str | None = None
         # Each on a thread of its own (tasks/passes.py): a slow pass never holds up dispatching, nor the others.
         settings = self.settings
@@ -145,6 +144,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             TimedPass("schedules", settings.dispatch_interval_seconds, self._fire_schedules),
             TimedPass("deadlines", settings.deadline_check_seconds, self._enforce_deadlines),
             TimedPass("approval-timeouts", settings.approval_check_seconds, self._enforce_approval_timeouts),
+            # Off the tick's thread too: a fold of a large backlog of deltas must not delay dispatching.
+            TimedPass("kpi-fold", settings.kpi_fold_seconds, self._fold_kpis),
         )
         self._closed = False
         super().__init__(*args, **kwargs)
@@ -186,9 +187,6 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             if is_broker_outage(exc):
                 return self.broker.failed(broker_error(exc) or exc)
             log.exception("dispatch pass failed; retrying next tick")
-        if started >= self._next_fold:
-            self._next_fold = started + self.settings.kpi_fold_seconds
-            self._fold_kpis()
         try:
             # Heartbeat, alerts, periodic audit verify, daily KPI report: each at its own interval on the
             # database's clock; a failure of theirs never stops the dispatcher.
@@ -249,14 +247,9 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             )
 
     def _fold_kpis(self) -> None:
-        """Fold the KPI counters' deltas (the readers count unfolded ones too: a fold that fails only waits)."""
-        try:
-            folded = fold(self.db, retention=timedelta(days=self.settings.kpi_retention_days))
-        except Exception as exc:
-            if is_outage(exc):
-                return  # the dispatch pass above says so
-            log.exception("folding the KPI counters failed; retrying in %gs", self.settings.kpi_fold_seconds)
-            return
+        """Fold the KPI counters' deltas (the readers count unfolded ones too: a fold that fails only waits; the
+        pass logs it and tries again at its next interval)."""
+        folded = fold(self.db, retention=timedelta(days=self.settings.kpi_retention_days))
         if folded:
             log.debug("folded %d KPI deltas", folded)
 

@@ -433,8 +433,11 @@ def test_the_spend_of_a_fenced_off_outcome_is_counted_as_retry_caused(client: Cl
 def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch(
     db_url: str, broker: Broker, client: Client, raw: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The fold is a pass of the leading beat's own, on a thread of its own: at most every KEEL_KPI_FOLD_SECONDS,
+    and neither a slow fold nor a failed one holds up dispatching."""
     from celery import Celery
 
+    from tasks import dispatcher
     from tasks.app import celery_config
     from tasks.dispatcher import KeelScheduler
 
@@ -443,22 +446,50 @@ def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch
     app = Celery("kpi-test", set_as_current=False)
     app.conf.update(celery_config(Settings()))
     beat = KeelScheduler(app=app)
+    (folding,) = [timed for timed in beat.passes if timed.name == "kpi-fold"]
+    entered, release = threading.Event(), threading.Event()
+    real_fold = dispatcher.fold
     try:
         raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
         beat.tick()
+        folding.join(30)
         assert deltas(raw) == 0 and totals(client.db).budget_stops == 1
         raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
         beat.tick()
+        folding.join(30)
         assert deltas(raw) == 1, "folded at most every KEEL_KPI_FOLD_SECONDS"
-        # A fold that fails (here: its table is gone) is logged; the jobs are dispatched all the same.
-        raw.execute("ALTER TABLE kpi_rollups RENAME TO kpi_rollups_away")
-        beat._next_fold = 0.0
+
+        def slow(*args: Any, **kw: Any) -> int:
+            entered.set()
+            release.wait(60)
+            return real_fold(*args, **kw)
+
+        # A slow fold: the tick returns while it runs, and dispatches.
+        monkeypatch.setattr(dispatcher, "fold", slow)
+        folding._next = 0.0
         agent = client.create_agent("a")
+        beat.tick()
+        assert entered.wait(30) and folding.running()
         client.submit(agent.id, "r-1", None, operation="slow")
         beat.tick()
         (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'r-1:slow:1'").fetchone()  # type: ignore[misc]
-        assert status == "enqueued" and deltas(raw) > 1
+        assert status == "enqueued", "dispatched while the fold is under way"
+        release.set()
+        folding.join(30)
+        assert deltas(raw) == 0
+        # A fold that fails (here: its table is gone) is logged; the jobs are dispatched all the same.
+        monkeypatch.setattr(dispatcher, "fold", real_fold)
+        raw.execute("ALTER TABLE kpi_rollups RENAME TO kpi_rollups_away")
+        raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
+        folding._next = 0.0
+        other = client.create_agent("b")
+        client.submit(other.id, "r-2", None, operation="slow")
+        beat.tick()
+        folding.join(30)
+        (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'r-2:slow:1'").fetchone()  # type: ignore[misc]
+        assert status == "enqueued" and deltas(raw) >= 1
     finally:
+        release.set()
         raw.execute("ALTER TABLE IF EXISTS kpi_rollups_away RENAME TO kpi_rollups")
         beat.close()
 
