@@ -117,6 +117,28 @@ class Stack:
                 raise KeelError(f"{name} did not start; see {self.logs / (name + '.log')}")
             time.sleep(0.1)
 
+    def start_api(self, pick_port: Callable[[], int] = free_port, attempts: int = 3) -> str:
+        """Start the HTTP API on a free port and wait until it is ready; returns its URL. A port is free when
+        picked but taken by someone else before the API binds it now and then: then the API exits ("address already
+        in use") and it is started again on another, up to ``attempts`` times."""
+        log = self.logs / "api.log"
+        for attempt in range(1, attempts + 1):
+            port = pick_port()
+            url = local_url("127.0.0.1", port)
+            written = log.stat().st_size if log.exists() else 0
+            self.start("api", "serve", "--host", "127.0.0.1", "--port", str(port))
+            try:
+                self.wait_ready("api", ready=lambda: api_ready(url))  # noqa: B023 - called within the iteration
+                return url
+            except KeelError:
+                with open(log, "rb") as f:
+                    f.seek(written)
+                    taken = b"address already in use" in f.read().lower()
+                if not taken or attempt == attempts:
+                    raise
+                self.kill("api")
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
         try:
@@ -289,8 +311,6 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     logs.mkdir(parents=True, exist_ok=True)
     # The person who approves: the demo's own approver token, for the demo's agents only; its secret is never shown.
     token, secret = create_token(db, f"demo-approver-{run}", [Scope.APPROVER], agent_prefix=DEMO_PREFIX, actor="demo")
-    api_port = free_port()
-    api_url = local_url("127.0.0.1", api_port)
     slack = FakeSlack(token=SLACK_TOKEN).start()
     github = FakeGitHub(token=GITHUB_TOKEN).start()
     assert isinstance(slack, FakeSlack) and isinstance(github, FakeGitHub)
@@ -326,15 +346,15 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     stack = shutdown.stack = Stack(env, logs)
     shutdown.tidy = lambda: _forget_broker_keys(broker, prefix)
     client = Client(db, settings)
-    approver = HttpClient(api_url, secret)
+    approver: HttpClient | None = None
     checks = Checks()
     try:
         with out.task("starting a worker, a beat and the HTTP API"):
             stack.start("worker-1", "worker", "-c", "2", "-n", f"demo1-{run}@%h")
             stack.start("beat", "beat")
-            stack.start("api", "serve", "--host", "127.0.0.1", "--port", str(api_port))
+            api_url = stack.start_api()
             stack.wait_ready("worker-1")
-            stack.wait_ready("api", ready=lambda: api_ready(api_url))
+        approver = HttpClient(api_url, secret)
         out.line(
             f"worker, beat, the API at {api_url} and the Slack/GitHub sinks are up; submitting 7 scripted requests"
         )
@@ -359,7 +379,8 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
         _forget_broker_keys(broker, prefix)
         slack.stop()
         github.stop()
-        approver.close()
+        if approver is not None:
+            approver.close()
         client.close()
     elapsed = time.monotonic() - started
     checks("finished in under two minutes", elapsed < 120)
