@@ -106,6 +106,10 @@ class Settings(BaseSettings):
     # Put before every Redis key and pub/sub channel Keel's Celery uses (kombu's ``global_keyprefix``), so that
     # deployments (or test runs) sharing one Redis database never see each other's messages or broadcasts.
     broker_prefix: str = ""
+    # How long a connection to Redis waits for it to connect or answer before it is given up on (and retried): a
+    # broker that accepts connections but never answers (a hung or paused server, a lost route) must not hang a
+    # worker's publish or the beat for ever. Above kombu's 1 s BRPOP wait, which a consumer's read spans.
+    broker_socket_timeout_seconds: float = Field(default=10.0, ge=2.0, le=300)
     home: Path = Path(".keel")
     #: How processes write their log lines: one JSON object per line, or readable lines; None: readable on a
     #: terminal, JSON otherwise (agents/observability/logs.py).

@@ -46,6 +46,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Every key and pub/sub channel (queues, bindings, unacked messages, control broadcasts such as revoke,
         # events) starts with KEEL_BROKER_PREFIX: deployments sharing a Redis database never see each other's.
         "global_keyprefix": settings.broker_prefix,
+        # Bounded waits on a Redis that accepts connections but does not answer: redis-py waits for ever otherwise.
+        "socket_timeout": settings.broker_socket_timeout_seconds,
+        "socket_connect_timeout": settings.broker_socket_timeout_seconds,
     }
     return {
         "broker_url": broker_url_for(settings),

@@ -45,7 +45,7 @@ from models.db import Database
 from models.jobs_sql import take_due
 from models.kpi_sql import fold
 from models.settings import Settings
-from tasks.app import JOB_QUEUES, broker_error, is_broker_outage, publish, queue_depths
+from tasks.app import JOB_QUEUES, bounded_app, broker_error, is_broker_outage, publish, queue_depths
 from tasks.leader import LeaderDuties
 from tasks.leadership import Leadership
 from tasks.passes import TimedPass
@@ -55,6 +55,13 @@ celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" lin
 
 #: How long a closing beat waits for its passes under way, all of them together.
 CLOSE_WAIT_SECONDS = 5.0
+
+
+def beat_broker_timeout(settings: Settings) -> float:
+    """How long the beat waits on Redis per attempt (connecting, each command: a queue's depth, a publish, a periodic
+    task's send): a tenth of its leader lease, at most a second, so that a tick stays well inside the lease while
+    Redis accepts connections but does not answer, and the leader keeps leading (and enforcing deadlines)."""
+    return max(0.2, min(1.0, settings.beat_lease_seconds / 10))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +155,22 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             TimedPass("kpi-fold", settings.kpi_fold_seconds, self._fold_kpis),
         )
         self._closed = False
+        # The dispatcher publishes through an app of its own whose every wait on Redis is bounded (tasks/app.py).
+        self.publishing = bounded_app(beat_broker_timeout(settings), settings)
         super().__init__(*args, **kwargs)
+        # And so are Celery's own sends of the periodic tasks (the relay's pass): this app is the beat's alone.
+        timeout = beat_broker_timeout(settings)
+        self.app.conf.broker_transport_options = {
+            **self.app.conf.broker_transport_options,
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+        }
+        self.app.conf.task_publish_retry_policy = {
+            "max_retries": 1,
+            "interval_start": 0,
+            "interval_step": 0.1,
+            "interval_max": 0.2,
+        }
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         interval = self.settings.dispatch_interval_seconds
@@ -175,7 +197,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             if outage is not None:
                 return self.database.failed(outage)
         try:
-            report = dispatch_once(self.db, self.app, self.settings, fire_schedules=False)
+            report = dispatch_once(self.db, self.publishing, self.settings, fire_schedules=False)
             if report.published or report.held:  # (a pass with nothing due did not reach the broker: it says nothing)
                 self.broker.recovered()
             if report.published:
@@ -287,5 +309,6 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         for timed in self.passes:
             timed.join(max(0.0, deadline - time.monotonic()))
         self.leadership.release()
+        self.publishing.close()
         self.db.dispose()
         super().close()
