@@ -107,7 +107,8 @@ def seed(raw: psycopg.Connection[Any], n: int) -> None:
 
 
 def _long_request(raw: psycopg.Connection[Any], owner: Any) -> None:
-    """One request of ROUNDS rounds (a plan step calling slack_post, its result), stored as the loop stores them."""
+    """One request of ROUNDS rounds (a plan step calling slack_post, its result), stored as the loop stores them:
+    O(rounds) messages in all, the whole conversation once, on the latest plan step."""
     prompt = {"prompt": "a long conversation"}
     raw.execute(
         "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at) VALUES (%s, %s, %s, 'bench', now())",
@@ -123,7 +124,14 @@ def _long_request(raw: psycopg.Connection[Any], owner: Any) -> None:
         tool_key = f"{REQUEST}:tool:{step_target('slack_post', n, call['id'])}"
         content = f"posted message {n} " + "x" * 200
         for key, operation, target, result in (
-            (f"{REQUEST}:plan:{n}", "plan", str(n), {"reply": reply, "conversation": sent}),
+            # As the loop stores them: only the latest plan step keeps the conversation it sent (a step's outcome
+            # drops the previous one's), the others their reply alone.
+            (
+                f"{REQUEST}:plan:{n}",
+                "plan",
+                str(n),
+                {"reply": reply, **({"conversation": sent} if n == ROUNDS else {})},
+            ),
             (
                 tool_key,
                 "tool",
