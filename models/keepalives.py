@@ -53,13 +53,15 @@ class Keepalives:
         }
 
 
-def tcp_options(url: str) -> dict[str, Any]:
-    """The keepalive options the settings in the environment ask for (``KEEL_DB_KEEPALIVES_*``,
-    ``KEEL_DB_TCP_USER_TIMEOUT_MS``), for a connection to ``url`` opened outside a :class:`~models.db.Database`
-    (migrations, ``keel db roles``, the journal's archiver, the demo's lock); none for a Unix socket."""
-    from models.settings import Settings
+def tcp_options(url: str, settings: Settings | None = None) -> dict[str, Any]:
+    """The keepalive options ``settings`` ask for (``KEEL_DB_KEEPALIVES_*``, ``KEEL_DB_TCP_USER_TIMEOUT_MS``; default:
+    the environment's), for a connection to ``url`` opened outside a :class:`~models.db.Database` (migrations, ``keel
+    db roles``, the journal's archiver, the demo's lock); none for a Unix socket."""
+    if settings is None:
+        from models.settings import Settings
 
-    return Keepalives.from_settings(Settings()).options(url)
+        settings = Settings()
+    return Keepalives.from_settings(settings).options(url)
 
 
 def over_unix_socket(url: str) -> bool:

@@ -276,7 +276,7 @@ class Settings(BaseSettings):
     audit_segment_events: int = Field(default=1000, ge=1, le=100_000)
     audit_segment_minutes: float = Field(default=10.0, gt=0, le=7 * 24 * 60)
     # How long a shipper waits for the transactions writing the journal when it starts to end (their ids are final
-    # only then); past it, it ships nothing this time (`keel audit ship` exits 75).
+    # only then); past it, the rest waits for the next run (`keel audit ship` exits 75).
     audit_settle_seconds: float = Field(default=30.0, gt=0, le=3600)
     # An S3-compatible store other than AWS (MinIO, Ceph...); credentials and region come from boto3's own
     # environment variables and config files.

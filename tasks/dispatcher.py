@@ -154,7 +154,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             # Off the tick's thread too: a fold of a large backlog of deltas must not delay dispatching.
             TimedPass("kpi-fold", settings.kpi_fold_seconds, self._fold_kpis),
         )
-        self._closed = False
+        self._waited = False
+        self._database_back_since = 0.0
         # The dispatcher publishes through an app of its own whose every wait on Redis is bounded (tasks/app.py).
         self.publishing = bounded_app(beat_broker_timeout(settings), settings)
         super().__init__(*args, **kwargs)
@@ -181,21 +182,24 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             leader = self.leadership.held()
         except psycopg.Error as exc:
             return self.database.failed(exc)
-        reached = time.monotonic()
+        if self.database.down:
+            self._database_back_since = time.monotonic()  # what a pass met before now was that outage
         self.database.recovered()
         if not leader:
             self.duties.stand_down()
             return interval
+        started = time.monotonic()
+        # The passes need the database only: they run on time while the broker is away too (deadlines are enforced
+        # while Redis is down or hung).
+        for timed in self.passes:  # started only by a tick that has just confirmed this beat leads
+            outage = timed.poke(started, back_since=self._database_back_since)
+            if outage is not None:
+                return self.database.failed(outage)
         backoff = self.broker.wait()
         if backoff:
             # The broker is away: nothing is published until its backoff ends, but the lease is still renewed every
             # interval meanwhile (a backoff longer than the lease would hand leadership over for nothing).
             return min(backoff, interval)
-        started = time.monotonic()
-        for timed in self.passes:  # started only by a tick that has just confirmed this beat leads
-            outage = timed.poke(started, reached=reached)
-            if outage is not None:
-                return self.database.failed(outage)
         try:
             report = dispatch_once(self.db, self.publishing, self.settings, fire_schedules=False)
             if report.published or report.held:  # (a pass with nothing due did not reach the broker: it says nothing)
@@ -302,12 +306,12 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         # each: three slow passes would outlast a supervisor's stop timeout); one that takes longer ends with the
         # process, which is safe: each of its moves is a transaction of its own, and what it did not reach the next
         # leader finds again.
-        if self._closed:
-            return
-        self._closed = True
-        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
-        for timed in self.passes:
-            timed.join(max(0.0, deadline - time.monotonic()))
+        # The rest is repeatable: a second signal that cuts the first close short leaves its release to the next one.
+        if not self._waited:
+            self._waited = True
+            deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+            for timed in self.passes:
+                timed.join(max(0.0, deadline - time.monotonic()))
         self.leadership.release()
         self.publishing.close()
         self.db.dispose()

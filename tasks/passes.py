@@ -33,19 +33,22 @@ class TimedPass:
         self._next = 0.0
         self._thread: threading.Thread | None = None
         self._outage: BaseException | None = None
-        self._outage_at = 0.0
+        self._outage_run_started = 0.0  # when the run that met the outage started (the monotonic clock)
         self._lock = threading.Lock()
 
-    def poke(self, now: float, *, reached: float = 0.0) -> BaseException | None:
+    def poke(self, now: float, *, back_since: float = 0.0) -> BaseException | None:
         """Start the pass if it is due (``now``: the monotonic clock) and not running. Returns the error that made
-        the last run find the database away, once, for the caller's backoff; None otherwise. An error from before
-        ``reached`` (when the caller last reached the database) is stale: the outage it saw has ended, and saying
-        it now would log a second "database down" right after "database back"; the pass runs again when due."""
+        the last run find the database away, once, for the caller's backoff; None otherwise. ``back_since``: when
+        the caller last saw the database come back after an outage (0: never). A run that started before then met
+        that outage, which has ended: saying it now would log a second "database down" right after "database
+        back", so it is logged as such instead, and the pass runs again when due."""
         with self._lock:
             outage, self._outage = self._outage, None
-            outage_at = self._outage_at
-        if outage is not None and outage_at >= reached:
-            return outage
+            run_started = self._outage_run_started
+        if outage is not None:
+            if run_started >= back_since:
+                return outage
+            log.info("%s pass met the database outage that has ended (%s); it runs again when due", self.name, outage)
         if now < self._next or self.running():
             return None
         self._next = now + self.every
@@ -61,11 +64,12 @@ class TimedPass:
             self._thread.join(timeout)
 
     def _body(self) -> None:
+        started = time.monotonic()
         try:
             self._run()
         except Exception as exc:  # a pass that failed is tried again at its next interval; dispatching goes on
             if is_outage(exc):
                 with self._lock:
-                    self._outage, self._outage_at = exc, time.monotonic()
+                    self._outage, self._outage_run_started = exc, started
                 return
             log.exception("%s pass failed; retrying at its next interval", self.name)

@@ -343,8 +343,9 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
     KEEL_AUDIT_SIGNING_KEY, signed) manifest; resumes where the store's last segment ends. The leading beat does
     the same every KEEL_AUDIT_SHIP_INTERVAL_SECONDS.
 
-    Exit status 0 when it shipped what it could (or nothing was due), 75 when a transaction writing the journal
-    stayed open past KEEL_AUDIT_SETTLE_SECONDS and nothing was shipped (try again later), 1 on an error."""
+    Exit status 0 when it shipped everything due (or nothing was due), 75 when a transaction writing the journal
+    stayed open past KEEL_AUDIT_SETTLE_SECONDS and what it holds back was not shipped (try again later), 1 on an
+    error."""
     from agents.audit.ship import ship_configured
 
     with open_client() as client:
@@ -373,6 +374,7 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
             "",
         )
         if report.unsettled:
+            click.echo(_held_up(client.settings.audit_settle_seconds), err=True)
             raise SystemExit(EX_TEMPFAIL)
         return
     for note in report.notes:
@@ -381,11 +383,7 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
         how = " (its body was already there: completed)" if s.resumed else ""
         click.echo(f"shipped {s.segment}: {s.events} events, ids {s.first_id}..{s.last_id}{how}")
     if report.unsettled:  # a cron job or a script must see that nothing shipped, not a clean exit
-        click.echo(
-            f"waiting: a transaction writing the journal is still open after {client.settings.audit_settle_seconds:g}s"
-            " (KEEL_AUDIT_SETTLE_SECONDS); nothing more was shipped, try again later",
-            err=True,
-        )
+        click.echo(_held_up(client.settings.audit_settle_seconds), err=True)
         raise SystemExit(EX_TEMPFAIL)
     if report.waiting:
         click.echo(
@@ -394,6 +392,13 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
         )
     elif not report.segments:
         click.echo(f"nothing to ship: {report.destination} holds the journal to id {report.last_id}")
+
+
+def _held_up(settle_seconds: float) -> str:
+    return (
+        f"waiting: a transaction writing the journal is still open after {settle_seconds:g}s"
+        " (KEEL_AUDIT_SETTLE_SECONDS); nothing more was shipped, try again later"
+    )
 
 
 @audit.command("partitions")

@@ -544,6 +544,7 @@ def test_keel_audit_ship_exits_75_when_an_open_transaction_holds_shipping_up(
         assert as_json.returncode == 75, as_json.stderr
         report = json.loads(as_json.stdout)
         assert report["unsettled"] is True and report["segments"] == []
+        assert "a transaction writing the journal is still open" in as_json.stderr
         slow.commit()
     shipped = keel("audit", "ship", "--flush", "--url", url, env=env)
     assert shipped.returncode == 0, shipped.stderr

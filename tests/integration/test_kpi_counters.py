@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -431,7 +432,12 @@ def test_the_spend_of_a_fenced_off_outcome_is_counted_as_retry_caused(client: Cl
 
 
 def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch(
-    db_url: str, broker: Broker, client: Client, raw: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+    db_url: str,
+    broker: Broker,
+    client: Client,
+    raw: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The fold is a pass of the leading beat's own, on a thread of its own: at most every KEEL_KPI_FOLD_SECONDS,
     and neither a slow fold nor a failed one holds up dispatching."""
@@ -484,10 +490,13 @@ def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch
         folding._next = 0.0
         other = client.create_agent("b")
         client.submit(other.id, "r-2", None, operation="slow")
-        beat.tick()
-        folding.join(30)
+        with caplog.at_level(logging.ERROR, logger="keel.dispatcher"):
+            beat.tick()
+            folding.join(30)
         (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'r-2:slow:1'").fetchone()  # type: ignore[misc]
-        assert status == "enqueued" and deltas(raw) >= 1
+        assert status == "enqueued", "dispatched although the fold failed"
+        assert "kpi-fold pass failed; retrying at its next interval" in caplog.text
+        assert deltas(raw) >= 1, "the deltas wait for a fold that works"
     finally:
         release.set()
         raw.execute("ALTER TABLE IF EXISTS kpi_rollups_away RENAME TO kpi_rollups")

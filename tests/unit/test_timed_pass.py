@@ -1,12 +1,15 @@
 """A leader's timed pass (tasks/passes.py): run when due, never two at once, and an outage it met reported once —
-unless the database has been reached since, when saying it would log a second "database down" after "back"."""
+unless its run started before the database came back from that outage, when saying it would log a second
+"database down" after "back"."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import psycopg
+import pytest
 
 from tasks.passes import TimedPass
 
@@ -33,18 +36,33 @@ def test_an_outage_a_pass_met_is_reported_once() -> None:
     timed, done = failing_once()
     assert timed.poke(time.monotonic()) is None  # started
     settle(timed, done)
-    outage = timed.poke(time.monotonic(), reached=0.0)
+    outage = timed.poke(time.monotonic(), back_since=0.0)
     assert isinstance(outage, psycopg.OperationalError)
     assert timed.poke(time.monotonic()) is None, "once"
 
 
-def test_an_outage_from_before_the_database_was_reached_again_is_stale() -> None:
+def test_a_pass_failing_while_the_tick_reaches_the_database_is_still_reported() -> None:
+    """The tick reaching the database between the pass's failure and the next poke (every tick does) does not make
+    the pass's error stale: only a recovery from an outage that began before the run started does."""
+    back_since = time.monotonic()  # the database came back (or never went away) before the run started
+    timed, done = failing_once()
+    timed.poke(time.monotonic(), back_since=back_since)
+    settle(timed, done)
+    time.sleep(0.01)  # ticks reach the database meanwhile: nothing they do changes back_since
+    assert isinstance(timed.poke(time.monotonic(), back_since=back_since), psycopg.OperationalError)
+
+
+def test_an_outage_a_run_met_before_the_database_came_back_is_said_as_such_not_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     timed, done = failing_once()
     timed.poke(time.monotonic())
     settle(timed, done)
-    reached = time.monotonic()  # the tick reached the database after the pass failed: that outage is over
-    assert timed.poke(reached, reached=reached) is None
-    assert timed.poke(time.monotonic(), reached=0.0) is None, "dropped, not kept for later"
+    back_since = time.monotonic()  # the database came back after the run had started: the outage it met is over
+    with caplog.at_level(logging.INFO, logger="keel.dispatcher"):
+        assert timed.poke(back_since, back_since=back_since) is None
+    assert "test pass met the database outage that has ended" in caplog.text
+    assert timed.poke(time.monotonic(), back_since=0.0) is None, "dropped, not kept for later"
 
 
 def test_a_pass_is_not_started_again_before_it_is_due_nor_while_it_runs() -> None:
