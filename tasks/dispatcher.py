@@ -27,7 +27,11 @@ backoff"), tries again with exponential backoff, and says so once more when it i
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,6 +59,23 @@ celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" lin
 
 #: How long a closing beat waits for its passes under way, all of them together.
 CLOSE_WAIT_SECONDS = 5.0
+
+
+@contextmanager
+def _stop_signals_ignored() -> Iterator[None]:
+    """SIGTERM and SIGINT ignored for the block, then their handlers back (only the main thread may set them: in
+    another, as Celery's embedded beat runs, the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def beat_broker_timeout(settings: Settings) -> float:
@@ -155,6 +176,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             TimedPass("kpi-fold", settings.kpi_fold_seconds, self._fold_kpis),
         )
         self._waited = False
+        self._closing = False
         self._database_back_since = 0.0
         # The dispatcher publishes through an app of its own whose every wait on Redis is bounded (tasks/app.py).
         self.publishing = bounded_app(beat_broker_timeout(settings), settings)
@@ -306,13 +328,23 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         # each: three slow passes would outlast a supervisor's stop timeout); one that takes longer ends with the
         # process, which is safe: each of its moves is a transaction of its own, and what it did not reach the next
         # leader finds again.
-        # The rest is repeatable: a second signal that cuts the first close short leaves its release to the next one.
-        if not self._waited:
-            self._waited = True
-            deadline = time.monotonic() + CLOSE_WAIT_SECONDS
-            for timed in self.passes:
-                timed.join(max(0.0, deadline - time.monotonic()))
-        self.leadership.release()
-        self.publishing.close()
-        self.db.dispose()
-        super().close()
+        # A second stop signal while a close runs (a supervisor's SIGTERM beside the kernel's parent-death one) would
+        # run Celery's handler inside it: that nested close would wait for the lease connection the first one uses,
+        # for ever. So a close is never re-entered, and the stop signals are ignored while it runs (the beat is
+        # stopping already). The rest is repeatable (Celery's second close finds little left to do).
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            with _stop_signals_ignored():
+                if not self._waited:
+                    self._waited = True
+                    deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+                    for timed in self.passes:
+                        timed.join(max(0.0, deadline - time.monotonic()))
+                self.leadership.release()
+                self.publishing.close()
+                self.db.dispose()
+                super().close()
+        finally:
+            self._closing = False

@@ -468,6 +468,55 @@ def test_a_closing_beat_waits_for_its_passes_once_and_within_one_budget(
             timed.join(60)
 
 
+def test_a_second_stop_signal_during_a_close_does_not_reenter_it(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second SIGTERM while the beat closes (the kernel's parent-death signal beside a supervisor's) ran Celery's
+    handler inside the close: the nested close waited for the lease connection the first was using, for ever (a
+    SIGKILLed `keel demo` left its beat running). Now the close is not re-entered, and it still gives up the lease."""
+    import signal as signals
+
+    from celery import Celery
+
+    from models.settings import Settings
+    from tasks.app import celery_config
+    from tasks.dispatcher import KeelScheduler
+
+    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+        monkeypatch.setenv(name, value)
+    app = Celery("signal-test", set_as_current=False)
+    app.conf.update(celery_config(Settings()))
+    beat = KeelScheduler(app=app)
+    beat.tick()
+    assert beat.leadership.term is not None
+    depth: list[int] = []
+    inside = [0]
+    real_release = beat.leadership.release
+
+    def releasing() -> None:
+        inside[0] += 1
+        depth.append(inside[0])
+        try:
+            if len(depth) == 1:  # a second signal arrives in the middle of the close
+                os.kill(os.getpid(), signals.SIGTERM)
+                time.sleep(0.2)
+            real_release()
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(beat.leadership, "release", releasing)
+    previous = signals.signal(signals.SIGTERM, lambda signum, frame: beat.close())  # as Celery's handler does
+    try:
+        beat.close()
+        assert depth == [1], f"the close was re-entered: {depth}"
+        assert beat.leadership.term is None, "the lease was given up"
+        assert signals.getsignal(signals.SIGTERM) is not signals.SIG_IGN, "the handler is back after the close"
+        beat.close()  # Celery's second close: repeats what is left, waits for nothing
+        assert depth == [1, 1]
+    finally:
+        signals.signal(signals.SIGTERM, previous)
+
+
 # --- the conversation a plan step reads, and what a request stores of it -------------------------------------------
 
 
