@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 
-if TYPE_CHECKING:
-    from models.settings import Settings
+from models.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,12 @@ def tcp_options(url: str, settings: Settings | None = None) -> dict[str, Any]:
     the environment's), for a connection to ``url`` opened outside a :class:`~models.db.Database` (migrations, ``keel
     db roles``, the journal's archiver, the demo's lock); none for a Unix socket."""
     if settings is None:
-        from models.settings import Settings
-
-        settings = Settings()
+        try:
+            settings = Settings()
+        except ValidationError:
+            # Another setting is wrong (production without its audit keys, say): the command reports that itself, in
+            # its own words (a migration refuses with BadConfiguration); the connection gets the default keepalives.
+            return Keepalives().options(url)
     return Keepalives.from_settings(settings).options(url)
 
 
