@@ -180,22 +180,25 @@ def is_broker_outage(exc: BaseException | None) -> bool:
     return broker_error(exc) is not None
 
 
+#: One quick retry, for a publisher that has somewhere else to leave its work (kombu's retry policy fields).
+QUICK_RETRY: dict[str, float] = {"interval_start": 0, "interval_step": 0.1, "interval_max": 0.2}
+
+
 def bounded_app(timeout: float, settings: Settings | None = None) -> Celery:
     """A Celery app for publishing only, that gives up after about ``timeout`` seconds when Redis cannot be reached
     (connecting, each command, and one quick reconnect) instead of Celery's retries of several seconds: for a caller
     that has somewhere else to leave the job, such as the API (the dispatcher publishes it on its next pass)."""
     celery = make_app(settings)
-    quick = {"interval_start": 0, "interval_step": 0.1, "interval_max": 0.2}
     celery.conf.update(
         broker_transport_options={
             **celery.conf.broker_transport_options,
-            **quick,
+            **QUICK_RETRY,
             "max_retries": 1,
             "connect_retries_timeout": timeout,
             "socket_connect_timeout": timeout,
             "socket_timeout": timeout,
         },
-        task_publish_retry_policy={"max_retries": 1, **quick},
+        task_publish_retry_policy={"max_retries": 1, **QUICK_RETRY},
     )
     return celery
 

@@ -49,7 +49,7 @@ from models.db import Database
 from models.jobs_sql import take_due
 from models.kpi_sql import fold
 from models.settings import Settings
-from tasks.app import JOB_QUEUES, bounded_app, broker_error, is_broker_outage, publish, queue_depths
+from tasks.app import JOB_QUEUES, QUICK_RETRY, bounded_app, broker_error, is_broker_outage, publish, queue_depths
 from tasks.leader import LeaderDuties
 from tasks.leadership import Leadership
 from tasks.passes import TimedPass
@@ -179,21 +179,16 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self._closing = False
         self._database_back_since = 0.0
         # The dispatcher publishes through an app of its own whose every wait on Redis is bounded (tasks/app.py).
-        self.publishing = bounded_app(beat_broker_timeout(settings), settings)
+        timeout = beat_broker_timeout(settings)
+        self.publishing = bounded_app(timeout, settings)
         super().__init__(*args, **kwargs)
         # And so are Celery's own sends of the periodic tasks (the relay's pass): this app is the beat's alone.
-        timeout = beat_broker_timeout(settings)
         self.app.conf.broker_transport_options = {
             **self.app.conf.broker_transport_options,
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
         }
-        self.app.conf.task_publish_retry_policy = {
-            "max_retries": 1,
-            "interval_start": 0,
-            "interval_step": 0.1,
-            "interval_max": 0.2,
-        }
+        self.app.conf.task_publish_retry_policy = {"max_retries": 1, **QUICK_RETRY}
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         interval = self.settings.dispatch_interval_seconds
