@@ -46,6 +46,12 @@ def _until_stopped(run: Any, stop: threading.Event) -> None:
             continue
 
 
+def _idle(celery: Any) -> bool:
+    """The worker answers and holds no active request (its main process has finished the last one's bookkeeping)."""
+    replies = celery.control.inspect(timeout=1.0).active()
+    return bool(replies) and not any(replies.values())
+
+
 def _succeeded(seen: list[dict[str, Any]]) -> set[str]:
     return {e["uuid"] for e in list(seen) if e.get("type") == "task-succeeded"}
 
@@ -58,6 +64,10 @@ def test_task_events_are_off_until_flower_asks_for_them(stack: Stack, client: Cl
         first, second = client.create_agent("first"), client.create_agent("second")
         client.submit(first.id, "req-quiet", None, operation="count")
         wait_until("the first job", lambda: client.get_state(first.id).phase == "done", 60)
+        # The row commits inside the task; the worker's own bookkeeping of the request (where task-succeeded would be
+        # sent) ends a moment later. Turn events on only once the worker holds no active request, or the first job's
+        # own event may rightly be sent under the new setting.
+        wait_until("the worker idle", lambda: _idle(celery), 30)
         # Its worker's heartbeats arrive (they are not task events): the receiver hears the worker, just no tasks.
         wait_until("a worker heartbeat", lambda: any(e.get("type") == "worker-heartbeat" for e in list(seen)), 30)
         assert not [e for e in list(seen) if str(e.get("type", "")).startswith("task-")], "task events while off"
