@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 from sqlalchemy.engine import make_url
 
 from models.settings import Settings
@@ -60,7 +61,7 @@ def tcp_options(url: str, settings: Settings | None = None) -> dict[str, Any]:
     if settings is None:
         try:
             settings = Settings()
-        except ValidationError:
+        except (ValidationError, SettingsError):
             # Another setting is wrong (production without its audit keys, say): the command reports that itself, in
             # its own words (a migration refuses with BadConfiguration); the connection gets the default keepalives.
             return Keepalives().options(url)

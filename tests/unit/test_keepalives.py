@@ -39,3 +39,20 @@ def test_the_options_name_libpqs_parameters() -> None:
         "tcp_user_timeout": 30_000,
     }
     assert Keepalives().options("postgresql://keel@/keel?host=/run/postgresql") == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("KEEL_IMPORTS", "not-json"), ("KEEL_STATEMENT_TIMEOUT_MS", "soon"), ("KEEL_DB_KEEPALIVES_IDLE_SECONDS", "-1")],
+)
+def test_another_settings_error_leaves_the_default_keepalives(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrong setting is reported by the command that reads it, in its own words: a connection opened before that
+    (a migration's) gets the default keepalives, not a traceback from here."""
+    from models.keepalives import tcp_options
+
+    monkeypatch.setenv(name, value)
+    assert tcp_options("postgresql://keel@db.internal/keel") == Keepalives().options(
+        "postgresql://keel@db.internal/keel"
+    )
