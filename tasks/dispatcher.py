@@ -177,6 +177,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         )
         self._waited = False
         self._closing = False
+        #: The thread inside :meth:`tick` now (None: none): a stop signal's close there is left to the loop's end.
+        self._ticking: threading.Thread | None = None
         self._database_back_since = 0.0
         # The dispatcher publishes through an app of its own whose every wait on Redis is bounded (tasks/app.py).
         timeout = beat_broker_timeout(settings)
@@ -191,6 +193,13 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.app.conf.task_publish_retry_policy = {"max_retries": 1, **QUICK_RETRY}
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        self._ticking = threading.current_thread()
+        try:
+            return self._tick(*args, **kwargs)
+        finally:
+            self._ticking = None
+
+    def _tick(self, *args: Any, **kwargs: Any) -> float:
         interval = self.settings.dispatch_interval_seconds
         backoff = self.database.wait()
         if backoff:
@@ -323,15 +332,17 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         # each: three slow passes would outlast a supervisor's stop timeout); one that takes longer ends with the
         # process, which is safe: each of its moves is a transaction of its own, and what it did not reach the next
         # leader finds again.
-        # A second stop signal while a close runs (a supervisor's SIGTERM beside the kernel's parent-death one) would
-        # run Celery's handler inside it: that nested close would wait for the lease connection the first one uses,
-        # for ever. So a close is never re-entered, and the stop signals are ignored while it runs (the beat is
-        # stopping already). The rest is repeatable (Celery's second close finds little left to do).
-        if self._closing:
+        # Celery's handler runs on the main thread wherever that thread is. Inside a tick, that can be in the middle
+        # of a statement on the lease connection (the database slow to answer), and a close there would wait for that
+        # connection for ever: so a close asked inside a tick does nothing, the handler's SystemExit unwinds the tick,
+        # and the close Celery makes as its loop ends does the work. Likewise a second stop signal while a close runs
+        # (a supervisor's SIGTERM beside the kernel's parent-death one): a close is never re-entered, and the stop
+        # signals are ignored while it runs (the beat is stopping already). The rest is repeatable.
+        if self._closing or self._ticking is threading.current_thread():
             return
-        self._closing = True
-        try:
-            with _stop_signals_ignored():
+        with _stop_signals_ignored():
+            self._closing = True
+            try:
                 if not self._waited:
                     self._waited = True
                     deadline = time.monotonic() + CLOSE_WAIT_SECONDS
@@ -341,5 +352,5 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                 self.publishing.close()
                 self.db.dispose()
                 super().close()
-        finally:
-            self._closing = False
+            finally:
+                self._closing = False

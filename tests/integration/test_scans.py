@@ -517,6 +517,51 @@ def test_a_second_stop_signal_during_a_close_does_not_reenter_it(
         signals.signal(signals.SIGTERM, previous)
 
 
+@pytest.mark.timeout(60)
+def test_a_stop_signal_inside_a_tick_leaves_the_close_to_the_loops_end(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while the tick waits on the lease connection (the database slow to answer): Celery's handler ran the
+    close right there, whose release waited for the very connection the interrupted statement held, for ever. Now a
+    close asked inside a tick does nothing, the handler's SystemExit ends the tick, and the close at the loop's end
+    gives up the lease."""
+    import signal as signals
+
+    from celery import Celery
+
+    from models.settings import Settings
+    from models.urls import libpq_url
+    from tasks.app import celery_config
+    from tasks.dispatcher import KeelScheduler
+
+    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+        monkeypatch.setenv(name, value)
+    app = Celery("tick-signal-test", set_as_current=False)
+    app.conf.update(celery_config(Settings()))
+    beat = KeelScheduler(app=app)
+    beat.tick()
+    assert beat.leadership.term is not None
+
+    def celery_handler(signum: int, frame: Any) -> None:  # what celery/apps/beat.py installs
+        beat.close()
+        raise SystemExit()
+
+    previous = signals.signal(signals.SIGTERM, celery_handler)
+    blocker = psycopg.connect(libpq_url(db_url))
+    try:
+        blocker.execute("SELECT 1 FROM beat_leadership FOR UPDATE")  # the lease's renewal waits for this
+        threading.Timer(0.5, os.kill, (os.getpid(), signals.SIGTERM)).start()
+        threading.Timer(1.5, blocker.rollback).start()
+        with pytest.raises(SystemExit):
+            beat.tick()  # its renewal waits on the row; the signal comes in the middle of it
+        assert beat.leadership.term is not None, "nothing was closed inside the tick"
+        beat.close()  # the close at the end of Celery's loop
+        assert beat.leadership.term is None and beat.leadership.conn is None
+    finally:
+        signals.signal(signals.SIGTERM, previous)
+        blocker.close()
+
+
 # --- the conversation a plan step reads, and what a request stores of it -------------------------------------------
 
 
