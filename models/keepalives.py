@@ -54,6 +54,10 @@ class Keepalives:
         }
 
 
+#: The settings :func:`tcp_options` reads (as pydantic names them in an error).
+_OWN_SETTINGS = ("db_keepalives_", "db_tcp_user_timeout")
+
+
 def tcp_options(url: str, settings: Settings | None = None) -> dict[str, Any]:
     """The keepalive options ``settings`` ask for (``KEEL_DB_KEEPALIVES_*``, ``KEEL_DB_TCP_USER_TIMEOUT_MS``; default:
     the environment's), for a connection to ``url`` opened outside a :class:`~models.db.Database` (migrations, ``keel
@@ -61,7 +65,9 @@ def tcp_options(url: str, settings: Settings | None = None) -> dict[str, Any]:
     if settings is None:
         try:
             settings = Settings()
-        except (ValidationError, SettingsError):
+        except (ValidationError, SettingsError) as exc:
+            if any(name in str(exc).lower() for name in _OWN_SETTINGS):
+                raise  # one of these options' own settings is wrong: said here, not replaced by the defaults
             # Another setting is wrong (production without its audit keys, say): the command reports that itself, in
             # its own words (a migration refuses with BadConfiguration); the connection gets the default keepalives.
             return Keepalives().options(url)

@@ -40,7 +40,7 @@ import psycopg
 from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler
 
-from agents.core.outage import Outage, is_outage
+from agents.core.outage import Outage, unreachable
 from agents.core.redaction import register_settings
 from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
@@ -133,7 +133,7 @@ def fire_schedules_once(db: Database, settings: Settings) -> list[str]:
     try:
         return schedules.fire_due(db, batch=settings.schedule_batch)
     except Exception as exc:  # schedules must never stop the jobs from moving
-        if is_outage(exc):
+        if unreachable(exc):
             raise  # neither can the jobs, then
         log.exception("firing schedules failed; jobs are dispatched anyway")
         return []
@@ -234,7 +234,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                 log.info("dispatched %d jobs (%d recovered)", report.published, report.recovered)
             self._say_held(report.held)
         except Exception as exc:  # beat must outlive a database or broker outage; the rows stay due
-            if is_outage(exc):
+            if unreachable(exc):
                 return self.database.failed(exc)
             if is_broker_outage(exc):
                 return self.broker.failed(broker_error(exc) or exc)
@@ -244,7 +244,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             # database's clock; a failure of theirs never stops the dispatcher.
             self.duties.tick(self.leadership.terms)
         except Exception as exc:
-            if is_outage(exc):
+            if unreachable(exc):
                 return self.database.failed(exc)
             log.exception("leader duties failed; retrying next tick")
         spent = time.monotonic() - started

@@ -20,7 +20,7 @@ from datetime import timedelta
 
 from agents.audit.ship import ShipperBusy, ship_configured
 from agents.audit.verify import verify_and_record
-from agents.core.outage import is_outage
+from agents.core.outage import unreachable
 from agents.observability import alerts, report
 from models import alerts_sql, partitions_sql, retention_sql
 from models.alerts_sql import Term
@@ -83,7 +83,7 @@ class LeaderDuties:
         try:
             run()
         except Exception as exc:  # one chore failing must not stop the others (or the dispatcher)
-            if is_outage(exc):
+            if unreachable(exc):
                 raise
             log.exception("%s failed; trying again at its next interval", what)
 

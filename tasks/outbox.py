@@ -8,7 +8,7 @@ from functools import cache
 
 from celery import shared_task
 
-from agents.core.outage import is_outage
+from agents.core.outage import unreachable
 from agents.outbox.relay import Relay
 from tasks.app import RELAY_OUTBOX
 from tasks.runtime import runtime
@@ -32,7 +32,7 @@ def relay_outbox() -> dict[str, int]:
     try:
         report = _relay(os.getpid()).run_pass()
     except Exception as exc:
-        if not is_outage(exc):
+        if not unreachable(exc):
             raise
         outage.failed(exc)  # one line when the database goes down; what was claimed is re-claimed after its lease
         return {"sent": 0, "reconciled": 0, "retried": 0, "dead": 0}

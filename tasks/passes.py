@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from agents.core.outage import is_outage
+from agents.core.outage import unreachable
 
 log = logging.getLogger("keel.dispatcher")
 
@@ -68,7 +68,7 @@ class TimedPass:
         try:
             self._run()
         except Exception as exc:  # a pass that failed is tried again at its next interval; dispatching goes on
-            if is_outage(exc):
+            if unreachable(exc):
                 with self._lock:
                     self._outage, self._outage_run_started = exc, started
                 return

@@ -382,7 +382,7 @@ def audit_ship(url: str | None, flush: bool, as_json: bool) -> None:
     for s in report.segments:
         how = " (its body was already there: completed)" if s.resumed else ""
         click.echo(f"shipped {s.segment}: {s.events} events, ids {s.first_id}..{s.last_id}{how}")
-    if report.unsettled:  # a cron job or a script must see that nothing shipped, not a clean exit
+    if report.unsettled:  # a cron job or a script must see that what is due did not all ship, not a clean exit
         click.echo(_held_up(client.settings.audit_settle_seconds), err=True)
         raise SystemExit(EX_TEMPFAIL)
     if report.waiting:

@@ -33,6 +33,34 @@ def is_outage(exc: BaseException) -> bool:
     return False
 
 
+#: SQLSTATEs of a statement that failed on a server that did answer — a statement or lock timeout; a deadlock or a
+#: serialization failure (class 40) — which psycopg raises as OperationalError too: the work's own failure (worth
+#: trying again, and saying so), not the database being away.
+STATEMENT_FAILURES = frozenset({"57014", "55P03"})
+
+
+def statement_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a statement the server answered with a timeout, a deadlock or a
+    serialization failure (:data:`STATEMENT_FAILURES`)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, psycopg.Error):
+            state = current.sqlstate or ""
+            return state in STATEMENT_FAILURES or state.startswith("40")
+        inner = getattr(current, "orig", None) if isinstance(current, sqlalchemy.exc.DBAPIError) else None
+        current = inner if isinstance(inner, BaseException) else current.__cause__
+    return False
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database could not be reached (:func:`is_outage`), not that one statement failed on
+    it (:func:`statement_failed`): what a "database down" line may say. A pass whose statement timed out failed
+    itself, and says so with its own error."""
+    return is_outage(exc) and not statement_failed(exc)
+
+
 def reason(exc: BaseException) -> str:
     """One line saying why: the driver's own message (not SQLAlchemy's or Keel's wrapping of it)."""
     while True:

@@ -43,7 +43,7 @@ def test_the_options_name_libpqs_parameters() -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("KEEL_IMPORTS", "not-json"), ("KEEL_STATEMENT_TIMEOUT_MS", "soon"), ("KEEL_DB_KEEPALIVES_IDLE_SECONDS", "-1")],
+    [("KEEL_IMPORTS", "not-json"), ("KEEL_STATEMENT_TIMEOUT_MS", "soon"), ("KEEL_AUDIT_SETTLE_SECONDS", "-1")],
 )
 def test_another_settings_error_leaves_the_default_keepalives(
     name: str, value: str, monkeypatch: pytest.MonkeyPatch
@@ -56,3 +56,18 @@ def test_another_settings_error_leaves_the_default_keepalives(
     assert tcp_options("postgresql://keel@db.internal/keel") == Keepalives().options(
         "postgresql://keel@db.internal/keel"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("KEEL_DB_KEEPALIVES_IDLE_SECONDS", "-1"), ("KEEL_DB_TCP_USER_TIMEOUT_MS", "soon")]
+)
+def test_a_wrong_keepalive_setting_is_said_not_replaced_by_the_defaults(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pydantic import ValidationError
+
+    from models.keepalives import tcp_options
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=name.removeprefix("KEEL_").lower()):
+        tcp_options("postgresql://keel@db.internal/keel")

@@ -88,3 +88,29 @@ def test_housekeeping_lines_go_to_debug_and_jobs_stay_at_info(debug: bool) -> No
     finally:
         for logger in loggers:
             logger.setLevel(logging.NOTSET)
+
+
+def test_a_statement_failure_on_a_live_server_is_not_the_database_being_away() -> None:
+    import psycopg
+    import sqlalchemy.exc
+
+    from agents.core.errors import StoreError
+    from agents.core.outage import is_outage, statement_failed, unreachable
+
+    for error in (
+        psycopg.errors.QueryCanceled("canceling statement due to statement timeout"),
+        psycopg.errors.LockNotAvailable("could not obtain lock"),
+        psycopg.errors.DeadlockDetected("deadlock detected"),
+        psycopg.errors.SerializationFailure("could not serialize access"),
+    ):
+        assert is_outage(error), "still worth trying again (a worker hands its message back)"
+        assert statement_failed(error) and not unreachable(error)
+        wrapped = StoreError("claim failed")
+        wrapped.__cause__ = sqlalchemy.exc.OperationalError("SELECT", {}, error)
+        assert statement_failed(wrapped) and not unreachable(wrapped)
+    for error in (
+        psycopg.OperationalError("server closed the connection unexpectedly"),
+        psycopg.errors.AdminShutdown("terminating connection due to administrator command"),
+        psycopg.InterfaceError("the connection is closed"),
+    ):
+        assert unreachable(error) and not statement_failed(error)

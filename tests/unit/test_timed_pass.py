@@ -89,3 +89,30 @@ def test_a_pass_is_not_started_again_before_it_is_due_nor_while_it_runs() -> Non
     later.poke(now + 1)  # not due for another 59 s
     later.join(5)
     assert started.count(2) == 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected],
+)
+def test_a_statement_that_failed_on_a_live_database_is_the_passs_own_failure(
+    error: type[psycopg.Error], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A statement timeout (psycopg raises it as OperationalError, as it does a lost connection) is not the database
+    being away: the pass logs its failure at ERROR and runs again when due; the tick is told of no outage (it would
+    log "database down" and skip dispatching)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            raise error("canceling statement due to statement timeout")
+        finally:
+            done.set()
+
+    timed = TimedPass("kpi-fold", 60.0, run)
+    with caplog.at_level(logging.INFO, logger="keel.dispatcher"):
+        timed.poke(time.monotonic())
+        settle(timed, done)
+        assert timed.poke(time.monotonic()) is None
+    failed = [r for r in caplog.records if r.getMessage() == "kpi-fold pass failed; retrying at its next interval"]
+    assert failed and failed[0].levelno == logging.ERROR
