@@ -98,6 +98,11 @@ _PIECES = [
     '"',
     "'",
     "=",
+    "\u017f",  # long s: case-folds to s
+    "\u212a",
+    "\u0131",  # dotless i
+    "\u0130",  # dotted capital I
+    "beaRer\u212a",
 ]
 
 
