@@ -176,7 +176,9 @@ class Client:
             query = query.where(deleted_agents.c.name == agent)
         query = query.order_by(deleted_agents.c.deleted_at.desc())
         with core.store_errors(), self.db.engine.connect() as conn:
-            return [DeletedAgent(**r._mapping) for r in conn.execute(query)]
+            found = [DeletedAgent(**r._mapping) for r in conn.execute(query)]
+            conn.commit()  # a read: ended as models.db.end_read does, keeping the connection's prepared statements
+        return found
 
     def _chain_id(self, agent: AgentRef) -> UUID:
         """The agent whose journal to read: a live agent by id or name (a live one wins over deleted ones of the
@@ -243,6 +245,7 @@ class Client:
             query = query.limit(limit + 1)  # one more tells whether there is a next page
         with core.store_errors(), self.db.engine.connect() as conn:
             rows = [AgentRow(**r._mapping) for r in conn.execute(query)]
+            conn.commit()  # a read: see models.db.end_read
         more = limit is not None and len(rows) > limit
         rows = rows[:limit] if limit is not None else rows
         return AgentPage(
@@ -338,7 +341,9 @@ class Client:
                 for r in conn.execute(select(gone.agent_id.label("id"), gone.name).where(gone.agent_id.in_(wanted)))
             }
             rows = conn.execute(select(agents.c.id, agents.c.name).where(agents.c.id.in_(wanted)))
-            return names | {r.id: r.name for r in rows}
+            found = names | {r.id: r.name for r in rows}
+            conn.commit()  # a read: see models.db.end_read
+        return found
 
     def archive(self, agent_id: AgentRef, *, actor: str) -> AgentState:
         """Archive a resting agent: it refuses new requests and ``list_agents`` leaves it out; its row and journal

@@ -16,7 +16,7 @@ from psycopg.rows import class_row, dict_row
 
 from models.audit_keys import AuditKeyMissing
 from models.audit_records import SealKeys, seal_problem, verification_seal_parts
-from models.db import Database
+from models.db import Database, end_read
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ def list_episodes(db: Database, *, include_resolved: bool, limit: int | None) ->
             (include_resolved, limit),
         )
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 
@@ -180,7 +180,7 @@ def longest_leader_gap(db: Database, within: timedelta) -> float | None:
         row = conn.execute(
             "SELECT max(gap_seconds) FROM beat_terms WHERE started_at >= clock_timestamp() - %s", (within,)
         ).fetchone()
-        conn.rollback()
+        end_read(conn)
     return None if row is None or row[0] is None else float(row[0])
 
 
@@ -229,7 +229,7 @@ def may_record_verification(db: Database) -> bool:
     """Whether this database role may record a verification (the auditor role reads only)."""
     with db.connection() as conn:
         row = conn.execute("SELECT has_table_privilege('audit_verifications', 'INSERT')").fetchone()
-        conn.rollback()
+        end_read(conn)
     return bool(row and row[0])
 
 
@@ -244,7 +244,7 @@ def last_verification(db: Database) -> Verification | None:
             " ORDER BY id DESC LIMIT 1"
         )
         row = cur.fetchone()
-        conn.rollback()
+        end_read(conn)
     if row is None:
         return None
     parts = verification_seal_parts(
@@ -293,12 +293,12 @@ def last_success_age(db: Database) -> float | None:
         try:
             return last_success_age_txn(conn, db.audit_keys)
         finally:
-            conn.rollback()
+            end_read(conn)
 
 
 def outbox_key_exists(db: Database, key: str) -> bool:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute("SELECT 1 AS found FROM outbox WHERE key = %s", (key,))
         row = cur.fetchone()
-        conn.rollback()
+        end_read(conn)
     return row is not None

@@ -15,7 +15,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row
 
-from models.db import Database
+from models.db import Database, end_read
 
 # Whether the waiting call's escalation is journaled (an ``approval_escalated`` event naming its gate).
 _ESCALATED = """EXISTS (
@@ -78,7 +78,7 @@ def waiting_calls(
     with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:
         cur.execute(sql, params)
         found = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return found
 
 
@@ -109,7 +109,7 @@ def waiting_call(db: Database, agent_id: UUID) -> WaitingCall | None:
     with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:
         cur.execute(_WAITING + " AND a.id = %(agent_id)s", {"agent_id": agent_id})
         found = cur.fetchone()
-        conn.rollback()
+        end_read(conn)
     return found
 
 
@@ -136,5 +136,5 @@ def calls_past_approval_timeout(
     with db.connection() as conn, conn.cursor(row_factory=class_row(WaitingCall)) as cur:
         cur.execute(sql, params)
         found = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return found

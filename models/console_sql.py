@@ -22,7 +22,7 @@ from uuid import UUID
 
 from psycopg.rows import class_row
 
-from models.db import Database
+from models.db import Database, end_read
 from models.schemas import AgentRow
 from models.sql import AGENT_COLUMNS
 
@@ -99,7 +99,7 @@ def agents_page(
                 if len(found) > limit:  # one more than a page: another page follows
                     break
         finally:
-            conn.rollback()
+            end_read(conn)
     if len(found) > limit:
         page = found[:limit]
         return page, AgentKey.of(page[-1])
@@ -125,5 +125,5 @@ def signed_out(db: Database, session_id: str) -> bool:
     """Whether the session ``session_id`` was signed out."""
     with db.connection() as conn:
         row = conn.execute("SELECT 1 FROM console_signouts WHERE session_id = %s", (session_id,)).fetchone()
-        conn.rollback()
+        end_read(conn)
     return row is not None

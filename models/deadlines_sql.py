@@ -11,7 +11,7 @@ from uuid import UUID
 from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
-from models.db import Database
+from models.db import Database, end_read
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ def agents_past_deadline(
     with db.connection() as conn, conn.cursor(row_factory=class_row(PastDeadline)) as cur:
         cur.execute(query, {"at": at, "after_deadline": after[0], "after_id": after[1], "limit": limit})
         found = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return found
 
 
@@ -76,5 +76,5 @@ def last_event(db: Database, agent_id: UUID) -> dict[str, Any] | None:
             (agent_id,),
         )
         row = cur.fetchone()
-        conn.rollback()
+        end_read(conn)
     return row

@@ -17,7 +17,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import dict_row
 
-from models.db import Database
+from models.db import Database, end_read
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,7 +442,7 @@ def pending_jobs(db: Database, agent_id: UUID) -> list[dict[str, Any]]:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_LIVE_JOBS, (agent_id,))
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 
@@ -450,7 +450,7 @@ def job_row(db: Database, key: str) -> dict[str, Any] | None:
     with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute("SELECT * FROM jobs WHERE key = %s", (key,))
         row = cur.fetchone()
-        conn.rollback()
+        end_read(conn)
     return row
 
 
@@ -473,7 +473,7 @@ def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, An
         found = cur.fetchone()
         cur.execute(REQUEST_STEPS, {"request_id": request_id})
         jobs = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return (None if found is None else found["input"]), jobs
 
 
@@ -485,7 +485,7 @@ def request_steps_by_key(db: Database, request_id: str, keys: Sequence[str]) -> 
         found = cur.fetchone()
         cur.execute(STEPS_BY_KEY, {"keys": list(keys), "request_id": request_id})
         jobs = {row["key"]: row for row in cur.fetchall()}
-        conn.rollback()
+        end_read(conn)
     return (None if found is None else found["input"]), jobs
 
 
@@ -502,7 +502,7 @@ def request_gates(db: Database, request_id: str) -> list[dict[str, Any]]:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(REQUEST_GATES, {"request_id": request_id})
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 
@@ -515,5 +515,5 @@ def request_jobs(db: Database, request_id: str) -> list[dict[str, Any]]:
             (request_id,),
         )
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows

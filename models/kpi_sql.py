@@ -32,7 +32,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import dict_row
 
-from models.db import Database
+from models.db import Database, end_read
 from models.tables import CHANNELS
 
 #: The bucket bounds the triggers sort observations into (migration 0009 holds the same numbers; a test checks).
@@ -187,7 +187,7 @@ def counters(db: Database, since: timedelta | None = None) -> dict[tuple[str, st
         try:
             return counters_txn(conn, since)
         finally:
-            conn.rollback()
+            end_read(conn)
 
 
 def counters_txn(conn: psycopg.Connection[Any], since: timedelta | None = None) -> dict[tuple[str, str], Decimal]:
@@ -215,7 +215,7 @@ def per_minute(db: Database, names: Iterable[str], since: timedelta) -> dict[str
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_PER_MINUTE, {"names": wanted, "since": since})
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     for row in rows:
         out[row["name"]].append((row["bucket"], float(row["value"])))
     return out
@@ -376,7 +376,7 @@ def gauges(db: Database) -> Gauges:
         try:
             return gauges_txn(conn)
         finally:
-            conn.rollback()
+            end_read(conn)
 
 
 def gauges_txn(conn: psycopg.Connection[Any]) -> Gauges:
@@ -438,7 +438,7 @@ def agent_kpis(db: Database, agent_ids: Iterable[UUID]) -> dict[str, Any]:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_AGENT_KPIS, {"ids": list(agent_ids)})
         row = cur.fetchone() or {}
-        conn.rollback()
+        end_read(conn)
     return dict(row)
 
 
@@ -452,5 +452,5 @@ def request_outcomes(db: Database) -> list[dict[str, Any]]:
             " FROM agents a WHERE a.request_id IS NOT NULL ORDER BY a.name"
         )
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows

@@ -12,7 +12,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import dict_row
 
-from models.db import Database
+from models.db import Database, end_read
 from models.kpi_sql import counters_txn
 
 
@@ -304,7 +304,7 @@ def message_row(db: Database, key: str) -> dict[str, Any] | None:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute("SELECT * FROM outbox WHERE key = %s", (key,))
         row = cur.fetchone()
-        conn.rollback()
+        end_read(conn)
     return row
 
 
@@ -349,7 +349,7 @@ def page_messages(
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_PAGE, params)
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 
@@ -385,7 +385,7 @@ def unsent_page(
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(sql + _UNSENT_ORDER, params)
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 
@@ -394,7 +394,7 @@ def request_messages(db: Database, request_id: str) -> list[dict[str, Any]]:
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(f"SELECT {_PUBLIC} FROM outbox o WHERE o.request_id = %s ORDER BY o.seq", (request_id,))
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 
@@ -407,7 +407,7 @@ def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str
             (status, status, limit),
         )
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 
@@ -447,7 +447,7 @@ def stats(db: Database) -> dict[str, Any]:
             cur.execute(_DUPLICATED_KEYS)
             row = cur.fetchone() or {"keys": 0, "worst": 0}
             duplicated, worst = int(row["keys"]), max(worst, int(row["worst"]))
-        conn.rollback()
+        end_read(conn)
     delivered = confirmations - extra
     by_status = {**({"sent": delivered} if delivered else {}), **unsent}
     return {

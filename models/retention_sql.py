@@ -20,7 +20,7 @@ from typing import Any
 
 from psycopg.rows import dict_row
 
-from models.db import Database
+from models.db import Database, end_read
 from models.tables import JOB_FINAL
 
 #: Phases in which an agent's current request is in flight (agents.core.phases: every phase but the RESTING ones; a
@@ -182,7 +182,7 @@ def _count(db: Database, retention: Retention) -> Pruned:
             },
         )
         row = cur.fetchone()
-        conn.rollback()
+        end_read(conn)
     assert row is not None
     return Pruned(
         jobs=row["jobs"] if retention.jobs_days else 0,

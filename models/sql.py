@@ -14,7 +14,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from models.db import Database, notify_after_commit
+from models.db import Database, end_read, notify_after_commit
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
@@ -326,7 +326,7 @@ def agent_name(db: Database, agent_id: UUID) -> str | None:
     """The agent's name, or None if there is no such agent."""
     with db.connection() as conn:
         row = conn.execute("SELECT name FROM agents WHERE id = %s", (agent_id,)).fetchone()
-        conn.rollback()
+        end_read(conn)
     return None if row is None else str(row[0])
 
 

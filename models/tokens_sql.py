@@ -13,7 +13,7 @@ from uuid import UUID
 
 from psycopg.rows import class_row, dict_row
 
-from models.db import Database
+from models.db import Database, end_read
 
 TOKEN_COLUMNS = "id, name, scopes, agent_prefix, created_at, created_by, last_used_at, revoked_at, revoked_by"
 
@@ -108,7 +108,7 @@ def list_tokens(db: Database) -> list[TokenRow]:
     with db.connection() as conn, conn.cursor(row_factory=class_row(TokenRow)) as cur:
         cur.execute(_LIST)
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return rows
 
 

@@ -57,7 +57,7 @@ from models.audit_records import (
     seal_problem,
 )
 from models.clock import rfc3339
-from models.db import Database
+from models.db import Database, end_read
 from models.schemas import AgentRow, JournalEvent
 from models.sql import NewEvent, advance_chain_txn
 from models.tables import GENESIS_HASH, journal
@@ -256,7 +256,9 @@ def events(
     if limit is not None:
         query = query.limit(limit)
     with db.engine.connect() as conn:
-        return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
+        events = [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
+        conn.commit()  # a read: see models.db.end_read
+    return events
 
 
 def latest_events(
@@ -282,7 +284,9 @@ def latest_events(
     if request_id is not None:
         query = query.where(journal.c.request_id == request_id)
     with db.engine.connect() as conn:
-        return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query.limit(limit))]
+        events = [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query.limit(limit))]
+        conn.commit()  # a read: see models.db.end_read
+    return events
 
 
 # Per agent, the events past the position a follower has seen. An agent's chain is appended under its row's lock
@@ -327,7 +331,7 @@ def events_after(
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_FOLLOW, params)
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return [JournalEvent.model_validate(r) for r in rows]
 
 
@@ -341,7 +345,9 @@ def events_at_revision(db: Database, agent_id: UUID, revision: int, *, limit: in
         .limit(limit)
     )
     with db.engine.connect() as conn:
-        return [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
+        events = [JournalEvent.model_validate(r, from_attributes=True) for r in conn.execute(query)]
+        conn.commit()  # a read: see models.db.end_read
+    return events
 
 
 # One agent's chain is appended under its row's lock, so its events commit in seq order: a snapshot that holds
@@ -357,7 +363,7 @@ def agent_events_after(
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_AGENT_AFTER, (agent_id, after_seq, limit))
         rows = cur.fetchall()
-        conn.rollback()
+        end_read(conn)
     return [JournalEvent.model_validate(r) for r in rows]
 
 
