@@ -17,7 +17,7 @@ from agents.core.commands import LOW, Command, MessageSpec
 from agents.core.errors import InvalidInput, Rejected
 from agents.core.phases import ACTIVE, Event
 from models.clock import database_now
-from models.db import Database
+from models.db import Database, end_read
 from models.deadlines_sql import START, PastDeadline, agents_past_deadline, last_event
 
 log = logging.getLogger("keel.deadlines")
@@ -61,7 +61,7 @@ def enforce(
     if at is None:
         with db.connection() as conn, conn.cursor() as cur:
             at = database_now(cur)
-            conn.rollback()
+            end_read(conn)
     for hard in (True, False):
         after = START
         while True:

@@ -34,7 +34,7 @@ from models.alerts_sql import Episode
 from models.audit_destination import parse_store_url
 from models.audit_records import ShipLag, ship_lag_txn
 from models.clock import database_now, rfc3339
-from models.db import Database
+from models.db import Database, end_read
 from models.outbox_sql import NewMessage, insert_messages_txn
 from models.settings import Settings
 
@@ -400,7 +400,7 @@ def ship_lag(db: Database, destination: str) -> ShipLag:
         try:
             return ship_lag_txn(conn, destination, db.audit_keys)
         finally:
-            conn.rollback()
+            end_read(conn)
 
 
 def measure(db: Database, window: timedelta, ship_to: str | None = None) -> Measures:
@@ -471,7 +471,7 @@ def leader_tick_age(db: Database) -> float | None:
         try:
             return alerts_sql.leader_tick_age_txn(conn)
         finally:
-            conn.rollback()
+            end_read(conn)
 
 
 class AlertsCollector:
