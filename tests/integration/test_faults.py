@@ -287,10 +287,20 @@ def test_a_stale_pooled_connection_is_replaced_not_failed(client: Client, db: Da
         conn.execute("SELECT 1")
         conn.rollback()
     with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
+        killed = [
+            pid
+            for (pid,) in admin.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+        ]
+        assert killed, "the pool held connections to kill"
+        admin.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (killed,))
+        # pg_terminate_backend only signals: as after a restart, the next claim comes once the old backends are gone
+        # (before that, a pooled connection's server may not have said goodbye yet, and nothing can tell it is dead).
+        deadline = time.monotonic() + 10
+        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (killed,)).fetchone() != (0,):
+            assert time.monotonic() < deadline, f"backends {killed} still there"
+            time.sleep(0.02)
     outcome = make_runner(db, {"finish": lambda ctx: JobResult(event=Event.FINISH)}).run("req-1:finish:1")
     assert outcome.status == "succeeded"
 
