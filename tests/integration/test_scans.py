@@ -468,14 +468,8 @@ def test_a_closing_beat_waits_for_its_passes_once_and_within_one_budget(
             timed.join(60)
 
 
-def test_a_second_stop_signal_during_a_close_does_not_reenter_it(
-    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A second SIGTERM while the beat closes (the kernel's parent-death signal beside a supervisor's) ran Celery's
-    handler inside the close: the nested close waited for the lease connection the first was using, for ever (a
-    SIGKILLed `keel demo` left its beat running). Now the close is not re-entered, and it still gives up the lease."""
-    import signal as signals
-
+def _leading_scheduler(db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A KeelScheduler on this test's database and broker that has ticked once and leads."""
     from celery import Celery
 
     from models.settings import Settings
@@ -489,6 +483,18 @@ def test_a_second_stop_signal_during_a_close_does_not_reenter_it(
     beat = KeelScheduler(app=app)
     beat.tick()
     assert beat.leadership.term is not None
+    return beat
+
+
+def test_a_second_stop_signal_during_a_close_does_not_reenter_it(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second SIGTERM while the beat closes (the kernel's parent-death signal beside a supervisor's) ran Celery's
+    handler inside the close: the nested close waited for the lease connection the first was using, for ever (a
+    SIGKILLed `keel demo` left its beat running). Now the close is not re-entered, and it still gives up the lease."""
+    import signal as signals
+
+    beat = _leading_scheduler(db_url, broker, monkeypatch)
     depth: list[int] = []
     inside = [0]
     real_release = beat.leadership.release
@@ -527,20 +533,9 @@ def test_a_stop_signal_inside_a_tick_leaves_the_close_to_the_loops_end(
     gives up the lease."""
     import signal as signals
 
-    from celery import Celery
-
-    from models.settings import Settings
     from models.urls import libpq_url
-    from tasks.app import celery_config
-    from tasks.dispatcher import KeelScheduler
 
-    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
-        monkeypatch.setenv(name, value)
-    app = Celery("tick-signal-test", set_as_current=False)
-    app.conf.update(celery_config(Settings()))
-    beat = KeelScheduler(app=app)
-    beat.tick()
-    assert beat.leadership.term is not None
+    beat = _leading_scheduler(db_url, broker, monkeypatch)
 
     def celery_handler(signum: int, frame: Any) -> None:  # what celery/apps/beat.py installs
         beat.close()
