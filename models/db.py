@@ -44,6 +44,35 @@ def notify_after_commit(conn: psycopg.Connection[Any], channel: str, payload: st
     _AFTER_COMMIT.setdefault(conn, []).append((channel, payload))
 
 
+@contextmanager
+def pipeline_begun(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A pipeline whose statements open the connection's transaction, with the ``BEGIN`` in their round trip.
+
+    psycopg, asked for a statement outside a transaction, sends ``BEGIN`` and waits for its answer before anything
+    else (inside a pipeline too): a round trip of its own at the start of every transaction. Here ``BEGIN`` is queued
+    as the pipeline's first statement (sent with the connection in autocommit, so psycopg adds none of its own), and
+    the connection is then left as psycopg leaves it after its own ``BEGIN``: in the transaction, not in autocommit,
+    so that what follows commits or rolls back as usual. Anywhere else (a transaction already open, an autocommit
+    connection) it is a plain pipeline."""
+    if conn.autocommit or conn.info.transaction_status != pq.TransactionStatus.IDLE or not hasattr(conn, "_autocommit"):
+        with conn.pipeline():
+            yield
+        return
+    conn.autocommit = True
+    try:
+        with conn.pipeline():
+            with conn.cursor() as begin:
+                begin.execute("BEGIN", prepare=False)
+            yield
+    finally:
+        if conn.info.transaction_status == pq.TransactionStatus.IDLE:  # the BEGIN never ran: nothing is open
+            conn.autocommit = False
+        else:
+            # psycopg's own state after its BEGIN (in a transaction, autocommit off), which its setter refuses to
+            # enter from inside the transaction: set where psycopg keeps it.
+            conn._autocommit = False
+
+
 def end_read(conn: psycopg.Connection[Any]) -> None:
     """End the read-only transaction open on ``conn``: COMMIT, which for a transaction that wrote nothing is the same
     as a rollback, except to psycopg, which at a rollback forgets every statement it prepared on the connection and

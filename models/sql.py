@@ -14,7 +14,8 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from models.db import Database, end_read, notify_after_commit
+from models.db import Database, end_read, notify_after_commit, pipeline_begun
+from models.jobs_sql import _LIVE_JOBS
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
@@ -161,7 +162,7 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     # Pipelined: the transaction's BEGIN, the lock and what is read after it go in one round trip.
     conn = cur.connection
     with conn.cursor(row_factory=class_row(AgentRow)) as locking, conn.cursor(row_factory=dict_row) as after:
-        with conn.pipeline():
+        with pipeline_begun(conn):
             locking.execute(_LOCK_AGENT, (agent_id,))
             after.execute(_AFTER_LOCK, (agent_id, agent_id))
         row = locking.fetchone()
@@ -171,15 +172,46 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
     return Locked(row, int(found["live_jobs"]), found["at"], found["request_traceparent"])
 
 
-def update_agent_txn(cur: psycopg.Cursor[Any], before: AgentRow, after: AgentRow, event: NewEvent) -> AgentRow | None:
-    """Write ``after`` over ``before`` together with the event that explains it, and return the row as stored (what
-    a read after the commit gives); None if the row moved on behind the lock (a writer bypassed it): the caller
-    must not commit."""
-    with cur.connection.cursor(row_factory=class_row(AgentRow)) as named:
-        return _update_agent(named, before, after, event)
+def update_agent_and_commit_txn(
+    cur: psycopg.Cursor[Any],
+    before: AgentRow,
+    after: AgentRow,
+    event: NewEvent,
+    *,
+    live_jobs_of: UUID | None = None,
+) -> tuple[AgentRow | None, list[dict[str, Any]] | None]:
+    """:func:`update_agent_txn`, then ``COMMIT``, in one round trip: the transaction's last statement and its commit
+    pipelined. With ``live_jobs_of`` the agent's live jobs are read in between (what the transaction commits).
+
+    Returns the row as stored and the jobs read; (None, None) if the row had moved on behind the lock (a writer
+    bypassed it): then the commit was refused (the event written past the chain's head, which the deferred check
+    ``journal_within_head`` refuses at commit) and nothing was committed. The caller must not write more: the
+    transaction has ended."""
+    conn = cur.connection
+    with (
+        conn.cursor(row_factory=class_row(AgentRow)) as named,
+        conn.cursor(row_factory=dict_row) as jobs,
+        conn.cursor() as commit,
+    ):
+        try:
+            with conn.pipeline():  # its end sends it all and waits once (conn.commit() would wait, then the end again)
+                _execute_update(named, before, after, event)
+                if live_jobs_of is not None:
+                    jobs.execute(_LIVE_JOBS, (live_jobs_of,))
+                commit.execute("COMMIT", prepare=False)
+        except psycopg.Error:
+            if named.pgresult is not None and named.pgresult.ntuples == 0:
+                return None, None  # the lost update the commit refused
+            raise
+        stored = named.fetchone()
+        live = jobs.fetchall() if live_jobs_of is not None else None
+    if stored is None:  # pragma: no cover - refused at commit above: an update that wrote no row cannot commit
+        return None, None
+    _appended(cur, event)
+    return stored, live
 
 
-def _update_agent(cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentRow, event: NewEvent) -> AgentRow | None:
+def _execute_update(cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentRow, event: NewEvent) -> None:
     cur.execute(
         _UPDATE_AGENT,
         (
@@ -200,10 +232,6 @@ def _update_agent(cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentR
             before.revision,
         ),
     )
-    stored = cur.fetchone()
-    if stored is not None:
-        _appended(cur, event)
-    return stored
 
 
 def advance_chain_txn(cur: psycopg.Cursor[Any], event: NewEvent) -> bool:

@@ -75,7 +75,7 @@ from models.sql import (
     lock_agent_txn,
     request_as_submitted_txn,
     set_archived_txn,
-    update_agent_txn,
+    update_agent_and_commit_txn,
 )
 
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
@@ -393,10 +393,9 @@ def _transition(
                     publish_due,
                     live_jobs,
                     locked.request_traceparent,
+                    with_jobs=with_jobs,
                 )
-                jobs = None
-                if with_jobs:
-                    jobs = _views(known if known is not None else live_jobs_txn(cur, row.id))
+                jobs = None if known is None else _views(known)
                 return Transitioned(after, after.journal_seq, to_publish=to_publish, pending_jobs=jobs)
             if command.outcome is not None and not holds(cur, command.outcome.key, command.outcome.fencing_token):
                 # The worker lost its job before the agent moved on: that is the story, not the rejection.
@@ -422,9 +421,12 @@ def _apply_txn(
     publish_due: bool,
     live_jobs: int,
     request_traceparent: str | None,
+    *,
+    with_jobs: bool = False,
 ) -> tuple[AgentRow, tuple[Due, ...], list[dict[str, Any]] | None]:
-    """Write the accepted transition; returns the row as stored, the jobs to publish, and the agent's live jobs
-    when this transaction's own effects tell them without a read (None: they must be read)."""
+    """Write the accepted transition and commit it; returns the row as stored, the jobs to publish, and (with
+    ``with_jobs``) the agent's live jobs as committed: known from this transaction's own effects, or read just before
+    the commit, in its round trip."""
     # The journal event's hash covers what the effects did, so effects run before the event is written;
     # the row is written last, carrying the new chain head.
     details: dict[str, Any] = dict(command.details)
@@ -497,10 +499,19 @@ def _apply_txn(
         details=details,
         at=at,
     )
-    stored = update_agent_txn(cur, before, replace(after, journal_seq=event.seq, journal_head=event.hash), event)
+    # The row and the commit in one round trip (with the live jobs read between them when they must be read).
+    stored, read = update_agent_and_commit_txn(
+        cur,
+        before,
+        replace(after, journal_seq=event.seq, journal_head=event.hash),
+        event,
+        live_jobs_of=after.id if with_jobs and known is None else None,
+    )
     if stored is None:
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
-    return stored, to_publish, known
+    if not with_jobs:
+        return stored, to_publish, None
+    return stored, to_publish, known if known is not None else read
 
 
 def _views(jobs: list[dict[str, Any]]) -> tuple[JobView, ...]:

@@ -13,7 +13,7 @@ WRITES = re.compile(
     r"|agents\.(update|insert|delete)\(|(update|insert|delete)\(\s*agents\b)",
     re.IGNORECASE,
 )
-HELPERS = ("update_agent_txn", "advance_chain_txn", "insert_agent_txn", "lock_agent_txn")
+HELPERS = ("update_agent_and_commit_txn", "advance_chain_txn", "insert_agent_txn", "lock_agent_txn")
 
 
 def test_agent_row_sql_lives_only_in_models_sql() -> None:

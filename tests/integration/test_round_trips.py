@@ -1,0 +1,144 @@
+"""Round trips of the hot path, counted on the wire (libpq's protocol trace): a transition is its lock, its writes
+with their commit, and its wake-up; a lost update is still refused, now by the commit itself."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import pq
+from sqlalchemy import event
+
+import tests.support.handlers  # noqa: F401 - registers `noop`, which submits are checked against
+from agents.client import Client
+from agents.core.commands import Command
+from agents.core.errors import LostUpdate
+from agents.core.phases import Event
+from agents.core.policies import DEFAULT_RULES
+from agents.core.transition import transition
+from agents.jobs.handlers import JobResult, Registry
+from agents.jobs.runner import Runner
+from models.db import Database, pipeline_begun
+from tests.support.audit import TEST_KEYS
+
+pytestmark = pytest.mark.integration
+
+
+@contextmanager
+def wire(db: Database) -> Iterator[list[str]]:
+    """The protocol messages of every connection ``db`` hands out while the block runs (a pool of one, traced)."""
+    messages: list[str] = []
+    traced: list[tuple[psycopg.Connection[Any], Any]] = []
+
+    def trace(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        out = tempfile.TemporaryFile("w+")
+        dbapi_connection.pgconn.trace(out.fileno())
+        dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        traced.append((dbapi_connection, out))
+
+    event.listen(db.engine, "checkout", trace)
+    try:
+        yield messages
+    finally:
+        event.remove(db.engine, "checkout", trace)
+        for conn, out in traced:
+            conn.pgconn.untrace()
+            out.seek(0)
+            messages += [line.split("\t")[2] for line in out.read().splitlines() if line.count("\t") >= 2]
+            out.close()
+
+
+def round_trips(messages: list[str]) -> int:
+    """Each wait for the server ends at its ReadyForQuery (a simple query's, or a pipeline's Sync)."""
+    return messages.count("ReadyForQuery")
+
+
+@pytest.fixture
+def one(db_url: str) -> Iterator[Database]:
+    database = Database(db_url, pool_size=1, audit_keys=TEST_KEYS)
+    yield database
+    database.dispose()
+
+
+def test_a_transition_is_its_lock_its_writes_with_their_commit_and_its_wake_up(one: Database) -> None:
+    client = Client(one)
+    agent = client.create_agent("trips")
+    client.submit(agent.id, "req-1", {"prompt": "hi"})
+    with wire(one) as messages:
+        transition(one, Command(agent.id, Event.PLAN, "worker"))
+    # BEGIN, the lock and the read after it; the journal event, the row and COMMIT; the NOTIFY.
+    assert round_trips(messages) == 3, messages
+    assert "Query" not in messages  # no BEGIN nor COMMIT of psycopg's own, each a round trip
+    assert client.get_state(agent.id).phase == "executing"
+
+
+def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_three_round_trip_transition(one: Database) -> None:
+    """A request of one job (``submit(..., operation=...)``, as the benchmarks' no-op), run to its end."""
+    client = Client(one)
+    agent = client.create_agent("job-trips")
+    client.submit(agent.id, "req-1", None, operation="noop")
+    registry = Registry()
+    registry.register("noop", lambda ctx: JobResult(event=Event.FINISH))
+    runner = Runner(one, registry, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES)
+    (key,) = [job.key for job in client.get_state(agent.id).pending_jobs]
+    with wire(one) as messages:
+        outcome = runner.run(key)
+    assert outcome.status == "succeeded"
+    # The claim; the staged outcome; the transition: BEGIN with the lock; the outcome under its fencing token (its
+    # row count decides whether the transition may go on); the journal event, the row and COMMIT; the NOTIFY.
+    assert round_trips(messages) == 6, messages
+    assert "Query" not in messages
+    assert client.get_state(agent.id).phase == "done"
+
+
+def test_a_lost_update_is_refused_by_the_commit_and_nothing_of_it_stays(one: Database) -> None:
+    """A write to the agent row behind the transition's lock (only a superuser, bypassing the guards, can make
+    one): the row's revision no longer matches, the journal event is past the chain's head, the commit is refused,
+    and the caller gets LostUpdate. Nothing of the transaction stays, and the pooled connection serves the next."""
+    client = Client(one)
+    agent = client.create_agent("lost")
+    client.submit(agent.id, "req-1", {"prompt": "hi"})
+    before = client.get_state(agent.id)
+
+    def behind_the_lock(cur: psycopg.Cursor[Any], _before: Any, _after: Any) -> None:
+        cur.execute("SET LOCAL session_replication_role = replica")  # the revision guard off, for this write only
+        cur.execute("UPDATE agents SET revision = revision + 10 WHERE id = %s", (agent.id,))
+        cur.execute("SET LOCAL session_replication_role = origin")
+
+    with pytest.raises(LostUpdate):
+        transition(one, Command(agent.id, Event.PLAN, "worker"), effects=behind_the_lock)
+    after = client.get_state(agent.id)
+    assert (after.phase, after.revision) == (before.phase, before.revision)
+    assert [e.event for e in client.journal(agent_id=agent.id)] == ["create", "submit"]
+    # The connection the refused commit ran on is back in the pool, idle, and serves the next transition.
+    assert transition(one, Command(agent.id, Event.PLAN, "worker")).agent.phase == "executing"
+
+
+def test_pipeline_begun_opens_a_real_transaction_in_the_pipelines_round_trip(db_url: str) -> None:
+    with psycopg.connect(db_url.replace("postgresql+psycopg", "postgresql")) as conn:
+        conn.execute("CREATE TEMP TABLE t (x int)")
+        conn.commit()
+        with pipeline_begun(conn):
+            conn.execute("INSERT INTO t VALUES (1)")
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        assert conn.autocommit is False
+        conn.rollback()  # a transaction it was: the insert is undone
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (0,)
+        conn.rollback()
+        with pipeline_begun(conn):
+            conn.execute("INSERT INTO t VALUES (2)")
+        conn.commit()
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (1,)
+        conn.rollback()
+        # A statement that fails inside leaves the transaction failed, not committed, and the connection usable.
+        with pytest.raises(psycopg.errors.DivisionByZero), pipeline_begun(conn):
+            conn.execute("INSERT INTO t VALUES (3)")
+            conn.execute("SELECT 1 / 0")
+        assert conn.info.transaction_status == pq.TransactionStatus.INERROR and conn.autocommit is False
+        conn.rollback()
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (1,)
