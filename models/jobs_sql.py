@@ -228,8 +228,24 @@ def extend_lease(db: Database, key: str, token: int, lease: timedelta) -> bool:
         return cur.rowcount == 1
 
 
-def finish_txn(
-    cur: psycopg.Cursor[Any],
+def finish_txn(cur: psycopg.Cursor[Any], params: tuple[Any, ...]) -> bool:
+    """Write the final outcome of a claimed job (:func:`finish_params`); False if the claim is no longer ours
+    (nothing written)."""
+    cur.execute(FINISH, params)
+    return cur.rowcount == 1
+
+
+#: A claimed job's final outcome, written only under the claim's fencing token (the statement of :func:`finish_txn`,
+#: and the first part of the statement that writes it together with its agent's row: models/sql.py).
+FINISH = (
+    "UPDATE jobs SET status = %s, result = %s, tokens = tokens + %s, cost = cost + %s, last_error = %s,"
+    " error_class = %s, failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s,"
+    " error_attempts = COALESCE(%s, error_attempts), lease_until = NULL, finished_at = %s, updated_at = %s"
+    " WHERE key = %s AND fencing_token = %s AND status = 'running'"
+)
+
+
+def finish_params(
     key: str,
     token: int,
     *,
@@ -243,30 +259,23 @@ def finish_txn(
     failed_tokens: int = 0,
     failed_cost: Decimal = Decimal(0),
     error_attempts: dict[str, int] | None = None,
-) -> bool:
-    """Write the final outcome of a claimed job; False if the claim is no longer ours (nothing written)."""
-    cur.execute(
-        "UPDATE jobs SET status = %s, result = %s, tokens = tokens + %s, cost = cost + %s, last_error = %s,"
-        " error_class = %s, failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s,"
-        " error_attempts = COALESCE(%s, error_attempts), lease_until = NULL, finished_at = %s, updated_at = %s"
-        " WHERE key = %s AND fencing_token = %s AND status = 'running'",
-        (
-            status,
-            None if result is None else json.dumps(result),
-            tokens,
-            cost,
-            error,
-            error_class,
-            failed_tokens,
-            failed_cost,
-            None if error_attempts is None else json.dumps(error_attempts),
-            now,
-            now,
-            key,
-            token,
-        ),
+) -> tuple[Any, ...]:
+    """The parameters of :data:`FINISH`."""
+    return (
+        status,
+        None if result is None else json.dumps(result),
+        tokens,
+        cost,
+        error,
+        error_class,
+        failed_tokens,
+        failed_cost,
+        None if error_attempts is None else json.dumps(error_attempts),
+        now,
+        now,
+        key,
+        token,
     )
-    return cur.rowcount == 1
 
 
 def retry_txn(

@@ -15,7 +15,7 @@ import psycopg
 from psycopg.rows import class_row, dict_row
 
 from models.db import Database, end_read, notify_after_commit, pipeline_begun
-from models.jobs_sql import _LIVE_JOBS
+from models.jobs_sql import _LIVE_JOBS, FINISH
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
 AGENT_COLUMNS = (
@@ -50,11 +50,18 @@ _EVENT_CTE = f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES (
 
 # One statement writes the journal event and the row it explains (a deferred trigger checks they agree at commit).
 # The WHERE clause repeats the revision read under the lock: the database refuses a lost update by itself.
-_UPDATE_AGENT = (
-    _EVENT_CTE + "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s,"
+_SET_AGENT = (
+    "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s,"
     " hard_deadline = %s, updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s,"
     " priority = %s, waiting_since = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
-    f" RETURNING {AGENT_COLUMNS}"
+)
+_UPDATE_AGENT = _EVENT_CTE + _SET_AGENT + f" RETURNING {AGENT_COLUMNS}"
+# A job's final outcome, the event and the row in one statement (when nothing else is written between them): the
+# row only if the outcome was written under the claim's fencing token. Otherwise the event is left past the chain's
+# head, which the commit refuses: nothing of the transition is written.
+_FINISH_AND_UPDATE_AGENT = (
+    f"WITH fin AS ({FINISH} RETURNING 1), {_EVENT_CTE.removeprefix('WITH ')}{_SET_AGENT}"
+    f" AND EXISTS (SELECT 1 FROM fin) RETURNING {AGENT_COLUMNS}"
 )
 
 # Rejections and suppressions leave the agent's state alone; only its journal chain advances.
@@ -179,14 +186,17 @@ def update_agent_and_commit_txn(
     event: NewEvent,
     *,
     live_jobs_of: UUID | None = None,
+    finish: tuple[Any, ...] | None = None,
 ) -> tuple[AgentRow | None, list[dict[str, Any]] | None]:
-    """:func:`update_agent_txn`, then ``COMMIT``, in one round trip: the transaction's last statement and its commit
-    pipelined. With ``live_jobs_of`` the agent's live jobs are read in between (what the transaction commits).
+    """Write ``after`` over ``before`` together with the event that explains it, then ``COMMIT``, in one round trip.
+    With ``live_jobs_of`` the agent's live jobs are read in between (what the transaction commits); with ``finish``
+    (:func:`models.jobs_sql.finish_params`) a job's final outcome is written in the same statement, and the row only
+    if that outcome was written under its claim's fencing token.
 
-    Returns the row as stored and the jobs read; (None, None) if the row had moved on behind the lock (a writer
-    bypassed it): then the commit was refused (the event written past the chain's head, which the deferred check
-    ``journal_within_head`` refuses at commit) and nothing was committed. The caller must not write more: the
-    transaction has ended."""
+    Returns the row as stored and the jobs read; (None, None) if nothing was committed: the row had moved on behind
+    the lock (a writer bypassed it), or the ``finish`` outcome's claim was no longer the writer's. Then the event was
+    written past the chain's head, which the deferred check ``journal_within_head`` refuses at commit. Either way the
+    transaction has ended: the caller must not write more."""
     conn = cur.connection
     with (
         conn.cursor(row_factory=class_row(AgentRow)) as named,
@@ -195,7 +205,7 @@ def update_agent_and_commit_txn(
     ):
         try:
             with conn.pipeline():  # its end sends it all and waits once (conn.commit() would wait, then the end again)
-                _execute_update(named, before, after, event)
+                _execute_update(named, before, after, event, finish)
                 if live_jobs_of is not None:
                     jobs.execute(_LIVE_JOBS, (live_jobs_of,))
                 commit.execute("COMMIT", prepare=False)
@@ -211,10 +221,13 @@ def update_agent_and_commit_txn(
     return stored, live
 
 
-def _execute_update(cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentRow, event: NewEvent) -> None:
+def _execute_update(
+    cur: psycopg.Cursor[AgentRow], before: AgentRow, after: AgentRow, event: NewEvent, finish: tuple[Any, ...] | None
+) -> None:
     cur.execute(
-        _UPDATE_AGENT,
+        _UPDATE_AGENT if finish is None else _FINISH_AND_UPDATE_AGENT,
         (
+            *(finish or ()),
             *event.params(),
             after.phase,
             after.revision,

@@ -58,6 +58,7 @@ from models.jobs_sql import (
     Due,
     cancel_agent_jobs_txn,
     demote_agent_jobs_txn,
+    finish_params,
     finish_txn,
     holds,
     insert_jobs_txn,
@@ -437,11 +438,15 @@ def _apply_txn(
         details["as_given"] = {name: as_given(getattr(command, name)) for name in ("soft_deadline", "hard_deadline")}
     if command.spend:
         details["spend"] = {"tokens": command.spend.tokens, "cost": str(command.spend.cost)}
+    finish: tuple[Any, ...] | None = None
     if command.outcome is not None:
-        _write_outcome_txn(cur, command.outcome, at, LOW_QUEUE if after.priority == LOW else None)
-        details["job_status"] = command.outcome.status
         if not command.outcome.leaves_job_live:
             live_jobs -= 1
+        if _outcome_goes_with_the_row(before, after, command, effects, live_jobs):
+            finish = _finish_params(command.outcome, at)  # written by the row's statement, under the fencing token
+        else:
+            _write_outcome_txn(cur, command.outcome, at, LOW_QUEUE if after.priority == LOW else None)
+        details["job_status"] = command.outcome.status
     if effects is not None:
         summary = effects(cur, before, after)
         if summary:
@@ -506,8 +511,16 @@ def _apply_txn(
         replace(after, journal_seq=event.seq, journal_head=event.hash),
         event,
         live_jobs_of=after.id if with_jobs and known is None else None,
+        finish=finish,
     )
     if stored is None:
+        # Nothing was committed. Which refusal it was: the outcome's claim lost (the usual story), or the row moved.
+        if (
+            command.outcome is not None
+            and finish is not None
+            and not holds(cur, command.outcome.key, command.outcome.fencing_token)
+        ):
+            raise FencedOff(command.outcome.key)
         raise LostUpdate(f"agent {before.id} is no longer at revision {before.revision}")
     if not with_jobs:
         return stored, to_publish, None
@@ -581,6 +594,41 @@ def _emit_messages_txn(
     return summary
 
 
+def _outcome_goes_with_the_row(
+    before: AgentRow, after: AgentRow, command: Command, effects: EffectsTxn | None, live_jobs: int
+) -> bool:
+    """Whether a job's final outcome can be written by the statement that writes the event and the row (one round
+    trip less): when nothing else this transition writes comes between them — no effects, jobs, messages (nor the
+    notices of an undecided approval's end), no sweep of live jobs at rest, no demotion."""
+    outcome = command.outcome
+    if outcome is None or outcome.leaves_job_live or effects is not None or command.jobs or command.messages:
+        return False
+    if approval_notices.ends_undecided(before, after, command):
+        return False
+    coming_to_rest = Phase(after.phase) in RESTING and Phase(before.phase) not in RESTING
+    if coming_to_rest and live_jobs > 0:
+        return False
+    return not (after.priority == LOW and before.priority != LOW)
+
+
+def _finish_params(outcome: JobOutcome, at: datetime) -> tuple[Any, ...]:
+    """The final outcome of a job, as written (its error redacted), at ``at``, the database's clock."""
+    return finish_params(
+        outcome.key,
+        outcome.fencing_token,
+        status=outcome.status,
+        now=at,
+        result=None if outcome.result is None else dict(outcome.result),
+        tokens=outcome.usage.tokens,
+        cost=outcome.usage.cost,
+        error=None if outcome.error is None else redact(outcome.error),
+        error_class=outcome.error_class,
+        failed_tokens=outcome.failed_usage.tokens,
+        failed_cost=outcome.failed_usage.cost,
+        error_attempts=None if outcome.error_attempts is None else dict(outcome.error_attempts),
+    )
+
+
 def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime, queue: str | None) -> None:
     """Write a job's outcome under its fencing token; raises :class:`~agents.core.errors.FencedOff` if the claim
     is no longer the writer's. A retry is due ``retry_delay`` after ``at``, the database's clock."""
@@ -600,21 +648,7 @@ def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: dateti
             queue=queue,  # a retry of an agent past its soft deadline goes to the low-priority queue
         )
     else:
-        written = finish_txn(
-            cur,
-            outcome.key,
-            outcome.fencing_token,
-            status=outcome.status,
-            now=at,
-            result=None if outcome.result is None else dict(outcome.result),
-            tokens=outcome.usage.tokens,
-            cost=outcome.usage.cost,
-            error=None if outcome.error is None else redact(outcome.error),
-            error_class=outcome.error_class,
-            failed_tokens=outcome.failed_usage.tokens,
-            failed_cost=outcome.failed_usage.cost,
-            error_attempts=None if outcome.error_attempts is None else dict(outcome.error_attempts),
-        )
+        written = finish_txn(cur, _finish_params(outcome, at))
     if not written:
         raise FencedOff(outcome.key)
 

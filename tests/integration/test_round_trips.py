@@ -16,15 +16,17 @@ from sqlalchemy import event
 
 import tests.support.handlers  # noqa: F401 - registers `noop`, which submits are checked against
 from agents.client import Client
-from agents.core.commands import Command
-from agents.core.errors import LostUpdate
+from agents.core.commands import Command, JobOutcome
+from agents.core.errors import FencedOff, LostUpdate
 from agents.core.phases import Event
 from agents.core.policies import DEFAULT_RULES
 from agents.core.transition import transition
 from agents.jobs.handlers import JobResult, Registry
 from agents.jobs.runner import Runner
 from models.db import Database, pipeline_begun
+from models.jobs_sql import ClaimedJob, claim, job_row
 from tests.support.audit import TEST_KEYS
+from tests.support.db import expire_lease
 
 pytestmark = pytest.mark.integration
 
@@ -89,11 +91,39 @@ def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_three_round_trip_trans
     with wire(one) as messages:
         outcome = runner.run(key)
     assert outcome.status == "succeeded"
-    # The claim; the staged outcome; the transition: BEGIN with the lock; the outcome under its fencing token (its
-    # row count decides whether the transition may go on); the journal event, the row and COMMIT; the NOTIFY.
-    assert round_trips(messages) == 6, messages
+    # The claim; the staged outcome; the transition: BEGIN with the lock; the outcome with the journal event, the row
+    # (written only under the claim's fencing token) and COMMIT; the NOTIFY.
+    assert round_trips(messages) == 5, messages
     assert "Query" not in messages
     assert client.get_state(agent.id).phase == "done"
+
+
+def test_an_outcome_written_with_the_row_is_refused_whole_once_its_claim_was_taken_over(db: Database) -> None:
+    """A finish carrying a claim that was taken over (its lease ran out, another worker claimed the job), while the
+    agent still accepts the finish: the statement that writes the outcome with the row writes neither, the commit is
+    refused, and the writer learns FencedOff — not a lost update. The live claim's finish is the one recorded."""
+    client = Client(db)
+    agent = client.create_agent("taken-over")
+    client.submit(agent.id, "req-1", None, operation="noop")
+    (key,) = [job.key for job in client.get_state(agent.id).pending_jobs]
+    first = claim(db, key, "first", timedelta(seconds=30))
+    expire_lease(db, key)  # the first worker looks dead: the second takes the job over
+    second = claim(db, key, "second", timedelta(seconds=30))
+    assert isinstance(first, ClaimedJob) and isinstance(second, ClaimedJob)
+
+    def finish(job: ClaimedJob, who: str) -> Command:
+        outcome = JobOutcome(key, job.fencing_token, "succeeded", result={"who": who})
+        return Command(agent.id, Event.FINISH, who, outcome=outcome)
+
+    with pytest.raises(FencedOff):
+        transition(db, finish(first, "first"))
+    state = client.get_state(agent.id)
+    assert state.phase == "planning" and [j.status for j in state.pending_jobs] == ["running"]
+    assert [e.event for e in client.journal(agent_id=agent.id)] == ["create", "submit"]
+    assert transition(db, finish(second, "second")).agent.phase == "done"
+    row = job_row(db, key)
+    assert row is not None
+    assert (row["status"], row["result"], row["worker"]) == ("succeeded", {"who": "second"}, "second")
 
 
 def test_a_lost_update_is_refused_by_the_commit_and_nothing_of_it_stays(one: Database) -> None:
