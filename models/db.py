@@ -44,6 +44,23 @@ def notify_after_commit(conn: psycopg.Connection[Any], channel: str, payload: st
     _AFTER_COMMIT.setdefault(conn, []).append((channel, payload))
 
 
+def queue_notifications(cur: psycopg.Cursor[Any]) -> list[tuple[str, str]]:
+    """Queue, on ``cur``'s pipeline, right after the ``COMMIT`` queued there, the notifications its transaction asked
+    for (:func:`notify_after_commit`), each in a transaction of its own as :func:`_notify` sends them: they ride in
+    the commit's round trip instead of one after it. The server skips them when anything queued before them in the
+    pipeline failed (the commit was refused: nothing to announce). Returns what was queued, for
+    :func:`notifications_failed`."""
+    pending = _AFTER_COMMIT.pop(cur.connection, None) or []
+    for channel, payload in pending:
+        cur.execute(_NOTIFY, (channel, payload))
+    return pending
+
+
+def notifications_failed(pending: list[tuple[str, str]], exc: psycopg.Error) -> None:
+    """Notifications queued after a commit that did happen could not be sent: logged, not raised (:func:`_notify`)."""
+    log.warning("could not announce %d committed journal events: %s", len(pending), exc)
+
+
 @contextmanager
 def pipeline_begun(conn: psycopg.Connection[Any]) -> Iterator[None]:
     """A pipeline whose statements open the connection's transaction, with the ``BEGIN`` in their round trip.
@@ -302,7 +319,7 @@ def _notify(conn: psycopg.Connection[Any], pending: list[tuple[str, str]]) -> No
             for channel, payload in pending:
                 cur.execute(_NOTIFY, (channel, payload))
     except psycopg.Error as exc:
-        log.warning("could not announce %d committed journal events: %s", len(pending), exc)
+        notifications_failed(pending, exc)
     finally:
         with contextlib.suppress(psycopg.Error):  # a broken connection: the pool's checkout discards it
             conn.autocommit = False

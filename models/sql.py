@@ -12,9 +12,17 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg import pq
 from psycopg.rows import class_row, dict_row
 
-from models.db import Database, end_read, notify_after_commit, pipeline_begun
+from models.db import (
+    Database,
+    end_read,
+    notifications_failed,
+    notify_after_commit,
+    pipeline_begun,
+    queue_notifications,
+)
 from models.jobs_sql import _LIVE_JOBS, FINISH
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
@@ -188,7 +196,8 @@ def update_agent_and_commit_txn(
     live_jobs_of: UUID | None = None,
     finish: tuple[Any, ...] | None = None,
 ) -> tuple[AgentRow | None, list[dict[str, Any]] | None]:
-    """Write ``after`` over ``before`` together with the event that explains it, then ``COMMIT``, in one round trip.
+    """Write ``after`` over ``before`` together with the event that explains it, then ``COMMIT``, then the journal's
+    wake-ups (``NOTIFY``, each in a transaction of its own: :func:`models.db.queue_notifications`), in one round trip.
     With ``live_jobs_of`` the agent's live jobs are read in between (what the transaction commits); with ``finish``
     (:func:`models.jobs_sql.finish_params`) a job's final outcome is written in the same statement, and the row only
     if that outcome was written under its claim's fencing token.
@@ -196,29 +205,40 @@ def update_agent_and_commit_txn(
     Returns the row as stored and the jobs read; (None, None) if nothing was committed: the row had moved on behind
     the lock (a writer bypassed it), or the ``finish`` outcome's claim was no longer the writer's. Then the event was
     written past the chain's head, which the deferred check ``journal_within_head`` refuses at commit. Either way the
-    transaction has ended: the caller must not write more."""
+    transaction has ended: the caller must not write more. A wake-up that fails after a commit that happened is logged,
+    not raised: the command happened."""
     conn = cur.connection
+    _appended(cur, event)  # announced in the commit's round trip, right after it (never if it is refused)
     with (
         conn.cursor(row_factory=class_row(AgentRow)) as named,
         conn.cursor(row_factory=dict_row) as jobs,
         conn.cursor() as commit,
+        conn.cursor() as notify,
     ):
+        pending: list[tuple[str, str]] = []
         try:
             with conn.pipeline():  # its end sends it all and waits once (conn.commit() would wait, then the end again)
                 _execute_update(named, before, after, event, finish)
                 if live_jobs_of is not None:
                     jobs.execute(_LIVE_JOBS, (live_jobs_of,))
                 commit.execute("COMMIT", prepare=False)
-        except psycopg.Error:
+                pending = queue_notifications(notify)
+        except psycopg.Error as exc:
             if named.pgresult is not None and named.pgresult.ntuples == 0:
-                return None, None  # the lost update the commit refused
-            raise
+                return None, None  # the lost update the commit refused (and nothing was announced)
+            if not _committed(commit):
+                raise
+            notifications_failed(pending, exc)  # committed: the command happened; only its wake-up was lost
         stored = named.fetchone()
         live = jobs.fetchall() if live_jobs_of is not None else None
     if stored is None:  # pragma: no cover - refused at commit above: an update that wrote no row cannot commit
         return None, None
-    _appended(cur, event)
     return stored, live
+
+
+def _committed(commit: psycopg.Cursor[Any]) -> bool:
+    result = commit.pgresult
+    return result is not None and result.status == pq.ExecStatus.COMMAND_OK and result.command_status == b"COMMIT"
 
 
 def _execute_update(

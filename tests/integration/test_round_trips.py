@@ -1,5 +1,6 @@
-"""Round trips of the hot path, counted on the wire (libpq's protocol trace): a transition is its lock, its writes
-with their commit, and its wake-up; a lost update is still refused, now by the commit itself."""
+"""Round trips of the hot path, counted on the wire (libpq's protocol trace): a transition is its lock, then its
+writes with their commit and its wake-up; a lost update is still refused, now by the commit itself, and announces
+nothing."""
 
 from __future__ import annotations
 
@@ -60,6 +61,20 @@ def round_trips(messages: list[str]) -> int:
     return messages.count("ReadyForQuery")
 
 
+@contextmanager
+def listening(db: Database) -> Iterator[Any]:
+    """LISTEN on the journal's channel; ``heard(timeout)`` returns the payloads that arrived within ``timeout``."""
+    from models.sql import JOURNAL_CHANNEL
+
+    with db.session(autocommit=True) as conn:
+        conn.execute(f"LISTEN {JOURNAL_CHANNEL}")
+
+        def heard(timeout: float) -> list[str]:
+            return [n.payload for n in conn.notifies(timeout=timeout)]
+
+        yield heard
+
+
 @pytest.fixture
 def one(db_url: str) -> Iterator[Database]:
     database = Database(db_url, pool_size=1, audit_keys=TEST_KEYS)
@@ -67,19 +82,19 @@ def one(db_url: str) -> Iterator[Database]:
     database.dispose()
 
 
-def test_a_transition_is_its_lock_its_writes_with_their_commit_and_its_wake_up(one: Database) -> None:
+def test_a_transition_is_its_lock_then_its_writes_with_their_commit_and_its_wake_up(one: Database) -> None:
     client = Client(one)
     agent = client.create_agent("trips")
     client.submit(agent.id, "req-1", {"prompt": "hi"})
     with wire(one) as messages:
         transition(one, Command(agent.id, Event.PLAN, "worker"))
-    # BEGIN, the lock and the read after it; the journal event, the row and COMMIT; the NOTIFY.
-    assert round_trips(messages) == 3, messages
+    # BEGIN, the lock and the read after it; the journal event, the row, COMMIT and the NOTIFY.
+    assert round_trips(messages) == 2, messages
     assert "Query" not in messages  # no BEGIN nor COMMIT of psycopg's own, each a round trip
     assert client.get_state(agent.id).phase == "executing"
 
 
-def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_three_round_trip_transition(one: Database) -> None:
+def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_two_round_trip_transition(one: Database) -> None:
     """A request of one job (``submit(..., operation=...)``, as the benchmarks' no-op), run to its end."""
     client = Client(one)
     agent = client.create_agent("job-trips")
@@ -92,8 +107,8 @@ def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_three_round_trip_trans
         outcome = runner.run(key)
     assert outcome.status == "succeeded"
     # The claim; the staged outcome; the transition: BEGIN with the lock; the outcome with the journal event, the row
-    # (written only under the claim's fencing token) and COMMIT; the NOTIFY.
-    assert round_trips(messages) == 5, messages
+    # (written only under the claim's fencing token), COMMIT and the NOTIFY.
+    assert round_trips(messages) == 4, messages
     assert "Query" not in messages
     assert client.get_state(agent.id).phase == "done"
 
@@ -140,13 +155,16 @@ def test_a_lost_update_is_refused_by_the_commit_and_nothing_of_it_stays(one: Dat
         cur.execute("UPDATE agents SET revision = revision + 10 WHERE id = %s", (agent.id,))
         cur.execute("SET LOCAL session_replication_role = origin")
 
-    with pytest.raises(LostUpdate):
-        transition(one, Command(agent.id, Event.PLAN, "worker"), effects=behind_the_lock)
+    with listening(one) as heard:
+        with pytest.raises(LostUpdate):
+            transition(one, Command(agent.id, Event.PLAN, "worker"), effects=behind_the_lock)
+        assert heard(0.5) == []  # the NOTIFY queued after the refused COMMIT was skipped with it
+        planned = transition(one, Command(agent.id, Event.PLAN, "worker"))
+        assert heard(2.0) == [f"{agent.id}:{planned.agent.journal_seq}"]  # a commit that happened is announced once
     after = client.get_state(agent.id)
-    assert (after.phase, after.revision) == (before.phase, before.revision)
-    assert [e.event for e in client.journal(agent_id=agent.id)] == ["create", "submit"]
-    # The connection the refused commit ran on is back in the pool, idle, and serves the next transition.
-    assert transition(one, Command(agent.id, Event.PLAN, "worker")).agent.phase == "executing"
+    # Nothing of the refused one stays; the connection it ran on went back to the pool and served the next one.
+    assert (after.phase, after.revision) == ("executing", before.revision + 1)
+    assert [e.event for e in client.journal(agent_id=agent.id)] == ["create", "submit", "plan"]
 
 
 def test_pipeline_begun_opens_a_real_transaction_in_the_pipelines_round_trip(db_url: str) -> None:
