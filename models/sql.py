@@ -44,6 +44,22 @@ _AFTER_LOCK = (
     " ON r.request_id = a.request_id WHERE a.id = %s) AS request_traceparent"
 )
 
+# A submit's request claimed in the read after the lock, in its round trip: inserted only if the agent exists and is
+# not on that request already (a producer's retry claims nothing; under the lock this is exactly the retry check),
+# timed by the database's clock after the lock, which is then the transition's time too. ``claimed`` false for a new
+# request id means another request holds it: its owner is read next (the rare case, a round trip of its own).
+_AFTER_LOCK_CLAIMING = (
+    "WITH claimed AS (INSERT INTO requests (request_id, agent_id, input, actor, submitted_at, traceparent)"
+    " SELECT %(request_id)s, a.id, %(input)s::jsonb, %(actor)s, clock_timestamp(), %(traceparent)s FROM agents a"
+    " WHERE a.id = %(agent_id)s AND a.request_id IS DISTINCT FROM %(request_id)s"
+    " ON CONFLICT (request_id) DO NOTHING RETURNING submitted_at)"
+    " SELECT (SELECT count(*) FROM jobs j WHERE j.agent_id = %(agent_id)s"
+    " AND j.status IN ('pending', 'enqueued', 'running')) AS live_jobs,"
+    " coalesce((SELECT submitted_at FROM claimed), clock_timestamp()) AS at, (SELECT r.traceparent FROM agents a"
+    " JOIN requests r ON r.request_id = a.request_id WHERE a.id = %(agent_id)s) AS request_traceparent,"
+    " EXISTS (SELECT 1 FROM claimed) AS claimed"
+)
+
 _EVENT_COLUMNS = (
     "agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details, at,"
     " prev_hash, hash, key_id"
@@ -120,11 +136,6 @@ _INSERT_AGENT = (
     f" ON CONFLICT (name) DO NOTHING RETURNING {AGENT_COLUMNS}"
 )
 
-_CLAIM_REQUEST = (
-    "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at, traceparent)"
-    " VALUES (%s, %s, %s, %s, %s, %s)"
-    " ON CONFLICT (request_id) DO NOTHING RETURNING agent_id"
-)
 # A request id stays its agent's forever, a deleted agent's too (named "NAME (deleted)").
 _REQUEST_OWNER = (
     "SELECT r.agent_id, coalesce(a.name, d.name || ' (deleted)', r.agent_id::text) AS name FROM requests r"
@@ -168,23 +179,50 @@ class Locked:
     live_jobs: int
     at: datetime
     request_traceparent: str | None = None
+    #: With a ``claim``: whether its request was recorded, for this agent, at ``at``. False: the agent is on that
+    #: request already (a retry), or another request holds the id (:func:`request_owner_txn` says whose).
+    claimed: bool | None = None
 
 
-def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> Locked | None:
+@dataclass(frozen=True, slots=True)
+class RequestClaim:
+    """A submit's new request, recorded with the agent's lock (:func:`lock_agent_txn`)."""
+
+    request_id: str
+    input_json: str
+    actor: str
+    traceparent: str | None = None
+
+
+def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID, *, claim: RequestClaim | None = None) -> Locked | None:
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
-    database's clock; None if there is no such agent."""
+    database's clock; None if there is no such agent. With ``claim`` (a submit) its request is recorded in the same
+    round trip, unless the agent is on it already (see :data:`_AFTER_LOCK_CLAIMING`)."""
     # Rows by name, on cursors of the caller's connection (same transaction; the caller's cursor keeps its rows).
     # Pipelined: the transaction's BEGIN, the lock and what is read after it go in one round trip.
     conn = cur.connection
     with conn.cursor(row_factory=class_row(AgentRow)) as locking, conn.cursor(row_factory=dict_row) as after:
         with pipeline_begun(conn):
             locking.execute(_LOCK_AGENT, (agent_id,))
-            after.execute(_AFTER_LOCK, (agent_id, agent_id))
+            if claim is None:
+                after.execute(_AFTER_LOCK, (agent_id, agent_id))
+            else:
+                after.execute(
+                    _AFTER_LOCK_CLAIMING,
+                    {
+                        "agent_id": agent_id,
+                        "request_id": claim.request_id,
+                        "input": claim.input_json,
+                        "actor": claim.actor,
+                        "traceparent": claim.traceparent,
+                    },
+                )
         row = locking.fetchone()
         found = after.fetchone()
     if row is None or found is None:
         return None
-    return Locked(row, int(found["live_jobs"]), found["at"], found["request_traceparent"])
+    claimed = None if claim is None else bool(found["claimed"])
+    return Locked(row, int(found["live_jobs"]), found["at"], found["request_traceparent"], claimed)
 
 
 def update_agent_and_commit_txn(
@@ -290,21 +328,8 @@ def insert_agent_txn(
         return rows.fetchone()
 
 
-def claim_request_txn(
-    cur: psycopg.Cursor[Any],
-    *,
-    request_id: str,
-    agent_id: UUID,
-    input_json: str,
-    actor: str,
-    at: datetime,
-    traceparent: str | None = None,
-) -> RequestOwner | None:
-    """Record a new request for ``agent_id`` (``traceparent``: the submit's trace context, None when traces are
-    off). Returns None if it is new, else the agent that already owns it."""
-    cur.execute(_CLAIM_REQUEST, (request_id, agent_id, input_json, actor, at, traceparent))
-    if cur.fetchone() is not None:
-        return None
+def request_owner_txn(cur: psycopg.Cursor[Any], request_id: str) -> RequestOwner:
+    """The agent request ``request_id`` belongs to (one that exists: a claim of it found it taken)."""
     with cur.connection.cursor(row_factory=dict_row) as named:
         named.execute(_REQUEST_OWNER, (request_id,))
         owner = named.fetchone()

@@ -68,13 +68,14 @@ from models.jobs_sql import (
 from models.outbox_sql import NewMessage, insert_messages_txn
 from models.schemas import AgentRow, DeletedAgent, JobView
 from models.sql import (
+    RequestClaim,
     agent_schedules_txn,
-    claim_request_txn,
     delete_agent_txn,
     deleted_agent_txn,
     insert_agent_txn,
     lock_agent_txn,
     request_as_submitted_txn,
+    request_owner_txn,
     set_archived_txn,
     update_agent_and_commit_txn,
 )
@@ -330,7 +331,12 @@ def _transition(
     keys = journal.signing_keys(db)
     with store_errors():
         with db.transaction() as cur:
-            locked = lock_agent_txn(cur, command.agent_id)
+            claim = None
+            if command.event is Event.SUBMIT:  # (a join never makes a submit: Command refuses its request id)
+                assert command.request_id is not None
+                # Recorded with the lock unless the agent is on it already; the request's trace is the submit's.
+                claim = RequestClaim(command.request_id, input_json, command.actor, current_traceparent())
+            locked = lock_agent_txn(cur, command.agent_id, claim=claim)
             if locked is None:
                 raise _missing(cur, command.agent_id)
             # The database's clock, read after the lock: along a chain time never goes back, and every host agrees.
@@ -338,17 +344,8 @@ def _transition(
             command = _joined(command, row, live_jobs)
             _name_observed(command)
             owner = None
-            if command.event is Event.SUBMIT and not is_repeat_submit(row, command):
-                assert command.request_id is not None
-                owner = claim_request_txn(
-                    cur,
-                    request_id=command.request_id,
-                    agent_id=row.id,
-                    input_json=input_json,
-                    actor=command.actor,
-                    at=at,
-                    traceparent=current_traceparent(),  # the request's trace, for transitions traced elsewhere
-                )
+            if claim is not None and not locked.claimed and not is_repeat_submit(row, command):
+                owner = request_owner_txn(cur, claim.request_id)  # the id is taken: by whom decides the answer
             decision = decide(
                 row,
                 command,

@@ -94,6 +94,28 @@ def test_a_transition_is_its_lock_then_its_writes_with_their_commit_and_its_wake
     assert client.get_state(agent.id).phase == "executing"
 
 
+def test_a_submit_claims_its_request_in_the_locks_round_trip(one: Database) -> None:
+    """A submit is its lock with the request's claim, its job's insert, and its writes with their commit and wake-up;
+    a cancel is its lock, the sweep of its jobs, and the same last round trip."""
+    client = Client(one)
+    agent = client.create_agent("submit-trips")
+    with wire(one) as messages:
+        state = client.submit(agent.id, "req-1", {"prompt": "hi"})
+    assert round_trips(messages) == 3, messages
+    assert "Query" not in messages
+    assert [job.key for job in state.pending_jobs] == ["req-1:plan:1"]
+    (record,) = [r for r in client.journal(agent_id=agent.id) if r.event == "submit"]
+    assert client.get_request("req-1").submitted_at == record.at  # the request's time is the transition's
+    with wire(one) as messages:
+        assert client.cancel(agent.id, actor="alice").phase == "failed"
+    assert round_trips(messages) == 3, messages
+    # A retry of the request the agent is on claims nothing and is answered as before: suppressed, journaled so.
+    assert client.submit(agent.id, "req-1", {"prompt": "hi"}).phase == "failed"
+    events = [(e.kind, e.event) for e in client.journal(agent_id=agent.id)]
+    assert events[1:] == [("transition", "submit"), ("transition", "cancel"), ("suppressed", "submit")]
+    assert client.get_request("req-1").submitted_at == record.at
+
+
 def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_two_round_trip_transition(one: Database) -> None:
     """A request of one job (``submit(..., operation=...)``, as the benchmarks' no-op), run to its end."""
     client = Client(one)
