@@ -44,16 +44,19 @@ def notify_after_commit(conn: psycopg.Connection[Any], channel: str, payload: st
     _AFTER_COMMIT.setdefault(conn, []).append((channel, payload))
 
 
-def queue_notifications(cur: psycopg.Cursor[Any]) -> list[tuple[str, str]]:
-    """Queue, on ``cur``'s pipeline, right after the ``COMMIT`` queued there, the notifications its transaction asked
-    for (:func:`notify_after_commit`), each in a transaction of its own as :func:`_notify` sends them: they ride in
-    the commit's round trip instead of one after it. The server skips them when anything queued before them in the
-    pipeline failed (the commit was refused: nothing to announce). Returns what was queued, for
-    :func:`notifications_failed`."""
-    pending = _AFTER_COMMIT.pop(cur.connection, None) or []
+def taken_notifications(conn: psycopg.Connection[Any]) -> list[tuple[str, str]]:
+    """The notifications the transaction open on ``conn`` asked for (:func:`notify_after_commit`), taken to be sent
+    by the caller (:func:`queue_notifications`) instead of after the commit."""
+    return _AFTER_COMMIT.pop(conn, None) or []
+
+
+def queue_notifications(cur: psycopg.Cursor[Any], pending: list[tuple[str, str]]) -> None:
+    """Queue ``pending`` (:func:`taken_notifications`) on ``cur``'s pipeline, right after the ``COMMIT`` queued there,
+    each in a transaction of its own as :func:`_notify` sends them: they ride in the commit's round trip instead of one
+    after it. The server skips them when anything queued before them in the pipeline failed (the commit was refused:
+    nothing to announce); if they fail after a commit that happened, :func:`notifications_failed` says so."""
     for channel, payload in pending:
         cur.execute(_NOTIFY, (channel, payload))
-    return pending
 
 
 def notifications_failed(pending: list[tuple[str, str]], exc: psycopg.Error) -> None:

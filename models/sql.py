@@ -22,6 +22,7 @@ from models.db import (
     notify_after_commit,
     pipeline_begun,
     queue_notifications,
+    taken_notifications,
 )
 from models.jobs_sql import _LIVE_JOBS, FINISH
 from models.schemas import AgentRow, DeletedAgent, Submitted
@@ -38,11 +39,15 @@ _LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
 # the locking statement: correlated with the row there, the planner counted through ix_jobs_due — every agent's live
 # jobs and the dead entries a busy table leaves in it — instead of this agent's in ix_jobs_agent_live; and a statement
 # of its own reads with a snapshot taken once the lock is granted. Pipelined with the lock: one round trip still.
-_AFTER_LOCK = (
-    "SELECT (SELECT count(*) FROM jobs j WHERE j.agent_id = %s AND j.status IN ('pending', 'enqueued', 'running'))"
-    " AS live_jobs, clock_timestamp() AS at, (SELECT r.traceparent FROM agents a JOIN requests r"
-    " ON r.request_id = a.request_id WHERE a.id = %s) AS request_traceparent"
+_LIVE_JOB_COUNT = (
+    "(SELECT count(*) FROM jobs j WHERE j.agent_id = %(agent_id)s AND j.status IN ('pending', 'enqueued', 'running'))"
+    " AS live_jobs"
 )
+_REQUEST_TRACEPARENT = (
+    "(SELECT r.traceparent FROM agents a JOIN requests r ON r.request_id = a.request_id WHERE a.id = %(agent_id)s)"
+    " AS request_traceparent"
+)
+_AFTER_LOCK = f"SELECT {_LIVE_JOB_COUNT}, clock_timestamp() AS at, {_REQUEST_TRACEPARENT}"
 
 # A submit's request claimed in the read after the lock, in its round trip: inserted only if the agent exists and is
 # not on that request already (a producer's retry claims nothing; under the lock this is exactly the retry check),
@@ -53,11 +58,8 @@ _AFTER_LOCK_CLAIMING = (
     " SELECT %(request_id)s, a.id, %(input)s::jsonb, %(actor)s, clock_timestamp(), %(traceparent)s FROM agents a"
     " WHERE a.id = %(agent_id)s AND a.request_id IS DISTINCT FROM %(request_id)s"
     " ON CONFLICT (request_id) DO NOTHING RETURNING submitted_at)"
-    " SELECT (SELECT count(*) FROM jobs j WHERE j.agent_id = %(agent_id)s"
-    " AND j.status IN ('pending', 'enqueued', 'running')) AS live_jobs,"
-    " coalesce((SELECT submitted_at FROM claimed), clock_timestamp()) AS at, (SELECT r.traceparent FROM agents a"
-    " JOIN requests r ON r.request_id = a.request_id WHERE a.id = %(agent_id)s) AS request_traceparent,"
-    " EXISTS (SELECT 1 FROM claimed) AS claimed"
+    f" SELECT {_LIVE_JOB_COUNT}, coalesce((SELECT submitted_at FROM claimed), clock_timestamp()) AS at,"
+    f" {_REQUEST_TRACEPARENT}, EXISTS (SELECT 1 FROM claimed) AS claimed"
 )
 
 _EVENT_COLUMNS = (
@@ -205,18 +207,10 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID, *, claim: RequestCl
         with pipeline_begun(conn):
             locking.execute(_LOCK_AGENT, (agent_id,))
             if claim is None:
-                after.execute(_AFTER_LOCK, (agent_id, agent_id))
+                after.execute(_AFTER_LOCK, {"agent_id": agent_id})
             else:
-                after.execute(
-                    _AFTER_LOCK_CLAIMING,
-                    {
-                        "agent_id": agent_id,
-                        "request_id": claim.request_id,
-                        "input": claim.input_json,
-                        "actor": claim.actor,
-                        "traceparent": claim.traceparent,
-                    },
-                )
+                request = {"request_id": claim.request_id, "input": claim.input_json, "actor": claim.actor}
+                after.execute(_AFTER_LOCK_CLAIMING, {"agent_id": agent_id, **request, "traceparent": claim.traceparent})
         row = locking.fetchone()
         found = after.fetchone()
     if row is None or found is None:
@@ -253,14 +247,14 @@ def update_agent_and_commit_txn(
         conn.cursor() as commit,
         conn.cursor() as notify,
     ):
-        pending: list[tuple[str, str]] = []
+        pending = taken_notifications(conn)
         try:
             with conn.pipeline():  # its end sends it all and waits once (conn.commit() would wait, then the end again)
                 _execute_update(named, before, after, event, finish)
                 if live_jobs_of is not None:
                     jobs.execute(_LIVE_JOBS, (live_jobs_of,))
                 commit.execute("COMMIT", prepare=False)
-                pending = queue_notifications(notify)
+                queue_notifications(notify, pending)
         except psycopg.Error as exc:
             if named.pgresult is not None and named.pgresult.ntuples == 0:
                 return None, None  # the lost update the commit refused (and nothing was announced)
