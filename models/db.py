@@ -65,14 +65,15 @@ def notifications_failed(pending: list[tuple[str, str]], exc: psycopg.Error) -> 
 
 
 @contextmanager
-def pipeline_begun(conn: psycopg.Connection[Any]) -> Iterator[None]:
+def pipeline_begun(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any] | None = None) -> Iterator[None]:
     """A pipeline whose statements open the connection's transaction, with the ``BEGIN`` in their round trip.
 
     psycopg, asked for a statement outside a transaction, sends ``BEGIN`` and waits for its answer before anything
     else (inside a pipeline too): a round trip of its own at the start of every transaction. Here ``BEGIN`` is queued
     as the pipeline's first statement (sent with the connection in autocommit, so psycopg adds none of its own), and
     the connection is then left as psycopg leaves it after its own ``BEGIN``: in the transaction, not in autocommit,
-    so that what follows commits or rolls back as usual. Anywhere else (a transaction already open, an autocommit
+    so that what follows commits or rolls back as usual. The ``BEGIN`` runs on ``cur`` if given (a cursor of ``conn``
+    whose result is not read), else on a cursor of its own. Anywhere else (a transaction already open, an autocommit
     connection) it is a plain pipeline."""
     if conn.autocommit or conn.info.transaction_status != pq.TransactionStatus.IDLE or not hasattr(conn, "_autocommit"):
         with conn.pipeline():
@@ -81,8 +82,11 @@ def pipeline_begun(conn: psycopg.Connection[Any]) -> Iterator[None]:
     conn.autocommit = True
     try:
         with conn.pipeline():
-            with conn.cursor() as begin:
-                begin.execute("BEGIN", prepare=False)
+            if cur is not None:  # the caller's cursor, whose result is not read
+                cur.execute("BEGIN", prepare=False)
+            else:
+                with conn.cursor() as begin:
+                    begin.execute("BEGIN", prepare=False)
             yield
     finally:
         if conn.info.transaction_status == pq.TransactionStatus.IDLE:  # the BEGIN never ran: nothing is open

@@ -6,14 +6,15 @@ that called it. Statements are plain strings so psycopg can prepare them once pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import psycopg
 from psycopg import pq
-from psycopg.rows import class_row, dict_row
+from psycopg.rows import args_row, dict_row
 
 from models.db import (
     Database,
@@ -27,10 +28,10 @@ from models.db import (
 from models.jobs_sql import _LIVE_JOBS, FINISH
 from models.schemas import AgentRow, DeletedAgent, Submitted
 
-AGENT_COLUMNS = (
-    "id, name, phase, revision, request_id, soft_deadline, hard_deadline, budget_tokens, budget_cost,"
-    " spent_tokens, spent_cost, created_at, updated_at, journal_seq, journal_head, priority, archived_at, waiting_since"
-)
+#: The ``agents`` columns, in :class:`AgentRow`'s order: its rows are built by position (:data:`AGENT_ROW`).
+AGENT_COLUMNS = ", ".join(field.name for field in fields(AgentRow))
+#: The row factory of a query selecting :data:`AGENT_COLUMNS`: one call per row, no lookup of the columns' names.
+AGENT_ROW = args_row(AgentRow)
 
 _LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
 # After the lock, in a statement of its own: the number of the agent's live jobs, so a transition to rest can skip an
@@ -203,8 +204,8 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID, *, claim: RequestCl
     # Rows by name, on cursors of the caller's connection (same transaction; the caller's cursor keeps its rows).
     # Pipelined: the transaction's BEGIN, the lock and what is read after it go in one round trip.
     conn = cur.connection
-    with conn.cursor(row_factory=class_row(AgentRow)) as locking, conn.cursor(row_factory=dict_row) as after:
-        with pipeline_begun(conn):
+    with conn.cursor(row_factory=AGENT_ROW) as locking, conn.cursor() as after:
+        with pipeline_begun(conn, cur):
             locking.execute(_LOCK_AGENT, (agent_id,))
             if claim is None:
                 after.execute(_AFTER_LOCK, {"agent_id": agent_id})
@@ -215,8 +216,8 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID, *, claim: RequestCl
         found = after.fetchone()
     if row is None or found is None:
         return None
-    claimed = None if claim is None else bool(found["claimed"])
-    return Locked(row, int(found["live_jobs"]), found["at"], found["request_traceparent"], claimed)
+    live_jobs, at, traceparent, *claimed = found  # (claimed: with a claim only)
+    return Locked(row, int(live_jobs), at, traceparent, bool(claimed[0]) if claimed else None)
 
 
 def update_agent_and_commit_txn(
@@ -241,20 +242,16 @@ def update_agent_and_commit_txn(
     not raised: the command happened."""
     conn = cur.connection
     _appended(cur, event)  # announced in the commit's round trip, right after it (never if it is refused)
-    with (
-        conn.cursor(row_factory=class_row(AgentRow)) as named,
-        conn.cursor(row_factory=dict_row) as jobs,
-        conn.cursor() as commit,
-        conn.cursor() as notify,
-    ):
+    reads_jobs = conn.cursor(row_factory=dict_row) if live_jobs_of is not None else contextlib.nullcontext()
+    with conn.cursor(row_factory=AGENT_ROW) as named, conn.cursor() as commit, reads_jobs as jobs:
         pending = taken_notifications(conn)
         try:
             with conn.pipeline():  # its end sends it all and waits once (conn.commit() would wait, then the end again)
                 _execute_update(named, before, after, event, finish)
-                if live_jobs_of is not None:
+                if jobs is not None:
                     jobs.execute(_LIVE_JOBS, (live_jobs_of,))
                 commit.execute("COMMIT", prepare=False)
-                queue_notifications(notify, pending)
+                queue_notifications(cur, pending)  # (the caller's cursor: their results are not read)
         except psycopg.Error as exc:
             if named.pgresult is not None and named.pgresult.ntuples == 0:
                 return None, None  # the lost update the commit refused (and nothing was announced)
@@ -262,7 +259,7 @@ def update_agent_and_commit_txn(
                 raise
             notifications_failed(pending, exc)  # committed: the command happened; only its wake-up was lost
         stored = named.fetchone()
-        live = jobs.fetchall() if live_jobs_of is not None else None
+        live = jobs.fetchall() if jobs is not None else None
     if stored is None:  # pragma: no cover - refused at commit above: an update that wrote no row cannot commit
         return None, None
     return stored, live
@@ -317,7 +314,7 @@ def insert_agent_txn(
     cur: psycopg.Cursor[Any], *, name: str, budget_tokens: int | None, budget_cost: Any
 ) -> AgentRow | None:
     """Insert a new idle agent, created at the database's clock; None if the name is taken."""
-    with cur.connection.cursor(row_factory=class_row(AgentRow)) as rows:
+    with cur.connection.cursor(row_factory=AGENT_ROW) as rows:
         rows.execute(_INSERT_AGENT, (name, budget_tokens, budget_cost))
         return rows.fetchone()
 
@@ -416,7 +413,7 @@ _AGENT_BY_NAME = f"SELECT {AGENT_COLUMNS} FROM agents WHERE name = %s"
 
 def find_agent(db: Database, *, agent_id: UUID | None = None, name: str | None = None) -> AgentRow | None:
     """The agent's row by id, else by name (no lock, one statement committed by itself); None if there is none."""
-    with db.autocommit() as cur, cur.connection.cursor(row_factory=class_row(AgentRow)) as named:
+    with db.autocommit() as cur, cur.connection.cursor(row_factory=AGENT_ROW) as named:
         if agent_id is not None:
             named.execute(_AGENT_BY_ID, (agent_id,))
         else:

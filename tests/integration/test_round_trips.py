@@ -200,8 +200,9 @@ def test_pipeline_begun_opens_a_real_transaction_in_the_pipelines_round_trip(db_
         conn.rollback()  # a transaction it was: the insert is undone
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (0,)
         conn.rollback()
-        with pipeline_begun(conn):
-            conn.execute("INSERT INTO t VALUES (2)")
+        with conn.cursor() as cur, pipeline_begun(conn, cur):  # the BEGIN on the caller's cursor: the same
+            cur.execute("INSERT INTO t VALUES (2)")
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
         conn.commit()
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (1,)
         conn.rollback()
