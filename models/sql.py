@@ -201,7 +201,7 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID, *, claim: RequestCl
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
     database's clock; None if there is no such agent. With ``claim`` (a submit) its request is recorded in the same
     round trip, unless the agent is on it already (see :data:`_AFTER_LOCK_CLAIMING`)."""
-    # Rows by name, on cursors of the caller's connection (same transaction; the caller's cursor keeps its rows).
+    # On cursors of the caller's connection (same transaction); the BEGIN on the caller's, whose result is not read.
     # Pipelined: the transaction's BEGIN, the lock and what is read after it go in one round trip.
     conn = cur.connection
     with conn.cursor(row_factory=AGENT_ROW) as locking, conn.cursor() as after:
