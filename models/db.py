@@ -72,9 +72,10 @@ def pipeline_begun(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any] | Non
     else (inside a pipeline too): a round trip of its own at the start of every transaction. Here ``BEGIN`` is queued
     as the pipeline's first statement (sent with the connection in autocommit, so psycopg adds none of its own), and
     the connection is then left as psycopg leaves it after its own ``BEGIN``: in the transaction, not in autocommit,
-    so that what follows commits or rolls back as usual. The ``BEGIN`` runs on ``cur`` if given (a cursor of ``conn``
-    whose result is not read), else on a cursor of its own. Anywhere else (a transaction already open, an autocommit
-    connection) it is a plain pipeline."""
+    so that what follows commits or rolls back as usual. The ``BEGIN`` runs on ``cur`` if given (a client-side cursor
+    of ``conn``: its current result is discarded), else on a cursor of its own. Anywhere else (a transaction already
+    open, an autocommit connection) it is a plain pipeline."""
+    assert cur is None or (cur.connection is conn and not isinstance(cur, psycopg.ServerCursor)), "a cursor of conn"
     if conn.autocommit or conn.info.transaction_status != pq.TransactionStatus.IDLE or not hasattr(conn, "_autocommit"):
         with conn.pipeline():
             yield

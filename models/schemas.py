@@ -20,7 +20,8 @@ MAX_NAME_CHARS = 200
 
 @dataclass(frozen=True, slots=True)
 class AgentRow:
-    """One ``agents`` row as read under its lock, mapped by column name (:data:`models.sql.AGENT_COLUMNS`)."""
+    """One ``agents`` row as read under its lock, built by position in its fields' order: the columns selected are
+    these fields, in this order (:data:`models.sql.AGENT_COLUMNS`, :data:`models.sql.AGENT_ROW`)."""
 
     id: UUID
     name: str

@@ -14,7 +14,7 @@ from uuid import UUID
 
 import psycopg
 from psycopg import pq
-from psycopg.rows import args_row, dict_row
+from psycopg.rows import args_row, dict_row, tuple_row
 
 from models.db import (
     Database,
@@ -200,11 +200,12 @@ class RequestClaim:
 def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID, *, claim: RequestClaim | None = None) -> Locked | None:
     """Take the agent row's lock (``SELECT … FOR UPDATE``) and read it, with its number of live jobs and the
     database's clock; None if there is no such agent. With ``claim`` (a submit) its request is recorded in the same
-    round trip, unless the agent is on it already (see :data:`_AFTER_LOCK_CLAIMING`)."""
+    round trip, unless the agent is on it already (see :data:`_AFTER_LOCK_CLAIMING`). ``cur`` must be the first use of
+    its transaction's cursor: its current result is discarded (the ``BEGIN``'s lands there)."""
     # On cursors of the caller's connection (same transaction); the BEGIN on the caller's, whose result is not read.
     # Pipelined: the transaction's BEGIN, the lock and what is read after it go in one round trip.
     conn = cur.connection
-    with conn.cursor(row_factory=AGENT_ROW) as locking, conn.cursor() as after:
+    with conn.cursor(row_factory=AGENT_ROW) as locking, conn.cursor(row_factory=tuple_row) as after:
         with pipeline_begun(conn, cur):
             locking.execute(_LOCK_AGENT, (agent_id,))
             if claim is None:
@@ -216,8 +217,8 @@ def lock_agent_txn(cur: psycopg.Cursor[Any], agent_id: UUID, *, claim: RequestCl
         found = after.fetchone()
     if row is None or found is None:
         return None
-    live_jobs, at, traceparent, *claimed = found  # (claimed: with a claim only)
-    return Locked(row, int(live_jobs), at, traceparent, bool(claimed[0]) if claimed else None)
+    live_jobs, at, traceparent = found[:3]
+    return Locked(row, int(live_jobs), at, traceparent, None if claim is None else bool(found[3]))
 
 
 def update_agent_and_commit_txn(

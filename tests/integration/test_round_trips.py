@@ -203,6 +203,7 @@ def test_pipeline_begun_opens_a_real_transaction_in_the_pipelines_round_trip(db_
         with conn.cursor() as cur, pipeline_begun(conn, cur):  # the BEGIN on the caller's cursor: the same
             cur.execute("INSERT INTO t VALUES (2)")
         assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        assert conn.autocommit is False
         conn.commit()
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (1,)
         conn.rollback()

@@ -27,3 +27,18 @@ def test_only_the_core_and_its_journal_call_the_row_writers() -> None:
         rel = str(path.relative_to(ROOT))
         used = [h for h in HELPERS if re.search(rf"\b{h}\b", path.read_text())]
         assert rel in allowed or not used, f"{rel} calls {used}: only agents/core/transition.py may change an agent row"
+
+
+def test_an_agent_row_is_every_column_of_agents_and_nothing_else() -> None:
+    """Rows are built by position from AGENT_COLUMNS, the dataclass's fields: each field must be a column of the
+    table (a field that is not would break every read of the row), and every column must be read."""
+    from dataclasses import fields
+
+    from models.schemas import AgentRow
+    from models.sql import AGENT_COLUMNS
+    from models.tables import agents
+
+    names = [field.name for field in fields(AgentRow)]
+    assert all(field.init for field in fields(AgentRow)), "a field built by position must be an argument"
+    assert sorted(names) == sorted(column.name for column in agents.c)
+    assert AGENT_COLUMNS.split(", ") == names
