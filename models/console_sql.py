@@ -20,11 +20,9 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from psycopg.rows import class_row
-
 from models.db import Database, end_read
 from models.schemas import AgentRow
-from models.sql import AGENT_COLUMNS
+from models.sql import AGENT_COLUMNS, AGENT_ROW
 
 #: The runs of the list, in order.
 AGENT_ORDER = ("waiting_approval", "executing", "planning", "failed", "idle", "done")
@@ -85,7 +83,7 @@ def agents_page(
             raise ValueError(f"a page key in phase {after.phase!r} does not belong to a list of {runs}")
         runs = runs[runs.index(after.phase) :]
     found: list[AgentRow] = []
-    with db.connection() as conn, conn.cursor(row_factory=class_row(AgentRow)) as cur:
+    with db.connection() as conn, conn.cursor(row_factory=AGENT_ROW) as cur:
         try:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             for phase in runs:
