@@ -150,7 +150,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
 @click.option("-l", "--loglevel", default="info", show_default=True)
 def beat(loglevel: str) -> None:
     """Run beat: the dispatcher (due jobs, expired leases, schedules) and the periodic tasks. Run one or more;
-    a Postgres advisory lock makes one of them the leader."""
+    a lease row in PostgreSQL (renewed every tick, fenced by its term) makes one of them the leader."""
     settings = _settings()
     _embedded_or_exit(settings)
     _schema_or_exit(settings)
