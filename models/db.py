@@ -263,14 +263,16 @@ class Database:
 
 def check_route(db: Database, *, production: bool) -> None:
     """At a process's start, raise :class:`BadConfiguration` (one line naming the setting) if the statement timeout
-    Keel sent did not reach the server (something in between drops startup options), or if, behind a transaction
-    pooler, ``KEEL_DATABASE_DIRECT_URL`` reaches a pooler rather than PostgreSQL. Behind a transaction pooler the
+    Keel sent did not reach the server (something in between drops startup options), if ``KEEL_DATABASE_URL``
+    reaches a pooler while ``KEEL_DATABASE_POOLER`` does not say so, or if, behind a transaction pooler,
+    ``KEEL_DATABASE_DIRECT_URL`` reaches a pooler rather than PostgreSQL. Behind a transaction pooler the
     timeout is the server's: a server with none is refused in production and warned of elsewhere."""
     with db.connection() as conn:
+        said_pid = conn.info.backend_pid
         row = conn.execute(_TIMEOUT).fetchone()
         conn.rollback()
     assert row is not None
-    server_ms, role = int(row[0]), str(row[1])
+    server_ms, role, server_pid = int(row[0]), str(row[1]), int(row[2])
     wanted_ms = db.statement_timeout_ms
     if db.pooler != "transaction":
         if server_ms != wanted_ms:
@@ -281,12 +283,22 @@ def check_route(db: Database, *, production: bool) -> None:
                 f" KEEL_DATABASE_POOLER=transaction and the timeout on the role (ALTER ROLE {role} SET"
                 " statement_timeout = ...)"
             )
+        if said_pid != server_pid:
+            # A pooler that passes the timeout on (or a role whose own timeout happens to match) is still a pooler:
+            # with prepared statements on, its clients would run each other's statements.
+            raise BadConfiguration(
+                "bad configuration: KEEL_DATABASE_POOLER: KEEL_DATABASE_URL reaches a connection pooler, not"
+                " PostgreSQL itself (the backend pid the connection was given is not its server process's), and"
+                " KEEL_DATABASE_POOLER is not 'transaction': set KEEL_DATABASE_POOLER=transaction (with"
+                " KEEL_DATABASE_DIRECT_URL pointing at PostgreSQL), or point KEEL_DATABASE_URL at PostgreSQL"
+            )
         return
     if server_ms != wanted_ms and wanted_ms > 0:
         said = (
             f"KEEL_STATEMENT_TIMEOUT_MS: behind KEEL_DATABASE_POOLER=transaction the statement timeout is the"
             f" server's, and role {role} has {f'{server_ms} ms' if server_ms else 'none'}, not {wanted_ms} ms: set it"
-            f" on the role (ALTER ROLE {role} SET statement_timeout = '{wanted_ms}ms'), then RELOAD PgBouncer"
+            f" on the role (ALTER ROLE {role} SET statement_timeout = '{wanted_ms}ms'), then RECONNECT in PgBouncer's"
+            " admin console (a RELOAD keeps the server connections it has, with the old setting)"
         )
         if server_ms == 0 and production:
             raise BadConfiguration(f"bad configuration: {said}")
@@ -315,7 +327,7 @@ def _check_direct(db: Database) -> None:
         )
 
 
-_TIMEOUT = "SELECT setting, current_user FROM pg_settings WHERE name = 'statement_timeout'"
+_TIMEOUT = "SELECT setting, current_user, pg_backend_pid() FROM pg_settings WHERE name = 'statement_timeout'"
 
 
 def _notify(conn: psycopg.Connection[Any], pending: list[tuple[str, str]]) -> None:

@@ -308,10 +308,14 @@ def database_url_for(settings: Settings) -> str:
 
 
 def migration_url_for(settings: Settings) -> str:
-    """What migrations and ``keel db roles`` connect with: ``KEEL_MIGRATION_DATABASE_URL``, else the database URL
-    (:func:`database_url_for`)."""
+    """What migrations, ``keel db roles`` and ``keel audit archive`` connect with: ``KEEL_MIGRATION_DATABASE_URL``;
+    else, behind a transaction pooler, ``KEEL_DATABASE_DIRECT_URL`` (a migration's ``SET ROLE`` and its prepared
+    statements are session state, which a transaction pooler would hand on to other clients); else the database
+    URL (:func:`database_url_for`)."""
     if settings.migration_database_url is not None:
         return settings.migration_database_url
+    if settings.database_pooler == "transaction" and settings.database_direct_url is not None:
+        return settings.database_direct_url
     return database_url_for(settings)
 
 

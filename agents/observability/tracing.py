@@ -91,7 +91,8 @@ def _attributes(context: Mapping[str, Any]) -> dict[str, str | int]:
         name = _ATTRIBUTES.get(key)
         if name is None or value is None:
             continue
-        found[name] = int(value) if key == "status" and str(value).isdigit() else str(value)
+        text = str(value)
+        found[name] = int(text) if key == "status" and text.isascii() and text.isdigit() else text
     return found
 
 

@@ -147,6 +147,16 @@ def test_bad_input_names_the_field_and_changes_nothing(api: Api) -> None:
         assert http.get(f"/v1/agents/{agent['id']}").json()["revision"] == 0
 
 
+@pytest.mark.parametrize("cursor", ["²", "١٢", "-1", "1e3", " 7", "9" * 20, "x" * 40, "%00"])
+def test_a_page_cursor_the_api_did_not_make_is_a_400_naming_it(api: Api, cursor: str) -> None:
+    with api.http(api.token("operator")) as http:
+        for path in ("/v1/outbox", "/v1/agents", "/v1/approvals"):
+            answer = http.get(path, params={"cursor": cursor})
+            assert answer.status_code in (400, 422), (path, answer.status_code, answer.text)
+            body = problem(answer, answer.status_code, "invalid-input")
+            assert "cursor" in body["detail"] or any("cursor" in e.get("path", "") for e in body.get("errors", []))
+
+
 def test_approve_needs_if_match_and_a_stale_one_is_412_with_the_current_state(api: Api) -> None:
     with api.http(api.token("operator", "approver", name="alice")) as http:
         state = waiting_agent(api, http)

@@ -14,6 +14,7 @@ from sqlalchemy.engine import make_url
 
 from agents.client import Client
 from models.db import Database, check_route
+from models.embedded import migration_url_for
 from models.settings import BadConfiguration, Settings
 from models.urls import libpq_url
 from tasks.leadership import Leadership
@@ -240,6 +241,42 @@ def test_behind_pgbouncer_the_servers_statement_timeout_is_accepted(
         assert caplog.text == ""
     finally:
         db.dispose()
+
+
+def test_a_pooler_keel_was_not_told_of_is_refused_at_start_even_when_the_timeout_matches(
+    pg_server_url: str, db_url: str
+) -> None:
+    """PgBouncer passing the right timeout on (the role's own, as the README advises, equal to Keel's): without
+    ``KEEL_DATABASE_POOLER=transaction`` Keel would prepare statements that other clients' server connections then
+    run. The backend pid the pooler hands out gives it away."""
+    name = make_url(db_url).database
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE {name} SET statement_timeout = '30s'")
+    with running_pgbouncer(pg_server_url, ignore_startup_parameters="options") as lenient:
+        db = Database(lenient.url(db_url), pool_size=1, statement_timeout_ms=30_000)
+        try:
+            with db.connection() as conn:
+                assert conn.execute("SHOW statement_timeout").fetchone() == ("30s",), "the role's timeout arrives"
+                conn.rollback()
+            with pytest.raises(BadConfiguration, match="KEEL_DATABASE_POOLER: KEEL_DATABASE_URL reaches a connection"):
+                check_route(db, production=False)
+        finally:
+            db.dispose()
+
+
+def test_behind_a_pooler_migrations_connect_directly(db_url: str) -> None:
+    """A migration's SET ROLE (and alembic's prepared statements) are session state: through a transaction pooler
+    they would pass on to other clients. Without KEEL_MIGRATION_DATABASE_URL they take the direct URL."""
+    pooled = "postgresql://keel_app@pgbouncer:6432/keel"
+    direct = "postgresql://keel_app@postgres:5432/keel"
+    settings = Settings(database_url=pooled, database_pooler="transaction", database_direct_url=direct)
+    assert make_url(migration_url_for(settings)) == make_url(Settings(database_url=direct).database_url)
+    assert migration_url_for(Settings(database_url=pooled)) == Settings(database_url=pooled).database_url
+    own = "postgresql://owner@postgres:5432/keel"
+    chosen = Settings(
+        database_url=pooled, database_pooler="transaction", database_direct_url=direct, migration_database_url=own
+    )
+    assert migration_url_for(chosen) == chosen.migration_database_url
 
 
 def test_a_direct_url_that_reaches_the_pooler_is_refused_at_start(pgbouncer: Bouncer, db_url: str) -> None:

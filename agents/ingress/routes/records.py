@@ -54,7 +54,8 @@ def list_outbox(
 ) -> OutboxPage:
     before = None
     if cursor is not None:
-        if not cursor.isdigit() or int(cursor) > MAX_BIGINT:
+        # ASCII digits only: str.isdigit() also holds for '²' and '١٢', which int() refuses or reads as a number.
+        if not (cursor.isascii() and cursor.isdigit()) or int(cursor) > MAX_BIGINT:
             raise InvalidInput(f"cursor {quoted(cursor)} is not a `next` value this API returned")
         before = int(cursor)
     rows = page_messages(
