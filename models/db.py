@@ -127,6 +127,7 @@ class Database:
         pooler: str = "none",
         direct_url: str | None = None,
         keepalives: Keepalives | None = None,
+        pool_timeout_seconds: float = 30.0,
     ) -> None:
         self.url = sqlalchemy_url(url)
         self.direct_url = sqlalchemy_url(direct_url) if direct_url is not None else self.url
@@ -147,6 +148,9 @@ class Database:
             self.url,
             pool_size=pool_size,
             max_overflow=pool_size,
+            # Every connection busy that long (a slow or hung database): the checkout raises, which Keel counts as
+            # the database being away (agents.core.outage.is_outage) — a worker hands its message back.
+            pool_timeout=pool_timeout_seconds,
             pool_recycle=1800,
             connect_args=connect_args,
         )

@@ -44,6 +44,14 @@ class Leadership:
 
     def __init__(self, url: str, settings: Settings, *, name: str = BEAT, holder: str | None = None) -> None:
         self.url = url
+        # A renewal blocked on the lease row's lock must give up within the lease, not hang the beat's loop: a
+        # statement timeout of half the lease, sent at connect — except behind a transaction pooler, which refuses
+        # startup options (there the role's own timeout holds: README, Behind PgBouncer).
+        self._options: dict[str, Any] = (
+            {}
+            if settings.database_pooler == "transaction"
+            else {"options": f"-c statement_timeout={max(1, int(settings.beat_lease_seconds * 500))}"}
+        )
         self.name = name
         self.lease = timedelta(seconds=settings.beat_lease_seconds)
         # Unique per process start: a restarted beat (the same host and pid, in a container) is a new holder.
@@ -57,10 +65,25 @@ class Leadership:
     def held(self) -> bool:
         """Whether this beat is the leader (renewing its lease, or taking it if it has run out); raises
         :class:`psycopg.Error` if the database cannot be asked."""
+        reused = self.conn is not None and not self.conn.closed
         try:
             conn = self._connection()
             asked = time.monotonic()
             lease = leadership_sql.take(conn, self.name, self.holder, term=self.term, lease=self.lease)
+        except psycopg.OperationalError:
+            dead = self.conn is None or self.conn.broken or self.conn.closed  # not a statement the server refused
+            self._drop_connection()
+            if not (reused and dead):
+                raise
+            # The connection kept between ticks died meanwhile (a PostgreSQL or PgBouncer restart): ask once more
+            # on a new one rather than lose this tick. A database that is really away fails this too.
+            conn = self._connection()
+            asked = time.monotonic()
+            try:
+                lease = leadership_sql.take(conn, self.name, self.holder, term=self.term, lease=self.lease)
+            except psycopg.Error:
+                self._drop_connection()
+                raise
         except psycopg.Error:
             self._drop_connection()
             raise
@@ -131,6 +154,7 @@ class Leadership:
                 keepalives_count=2,
                 tcp_user_timeout=4_000,
                 connect_timeout=5,
+                **self._options,
             )
         return self.conn
 

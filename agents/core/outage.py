@@ -24,6 +24,10 @@ def is_outage(exc: BaseException) -> bool:
     while exc is not None:
         if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
             return True
+        if isinstance(exc, sqlalchemy.exc.TimeoutError):
+            # The process's pool had no connection free within its timeout (every one busy on a slow or hung
+            # database): back-pressure, worth trying again later, not a refusal of what was asked.
+            return True
         if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
             return True
         if isinstance(exc, sqlalchemy.exc.DBAPIError | StoreError):

@@ -114,6 +114,8 @@ def store_errors() -> Iterator[None]:
         raise StoreError(f"database error: {_message(exc)}") from exc
     except sqlalchemy.exc.DBAPIError as exc:
         raise StoreError(f"database error: {_message(exc.orig)}") from exc
+    except sqlalchemy.exc.TimeoutError as exc:  # no pooled connection came free in time: as good as unreachable
+        raise StoreError(f"database error: {exc}") from exc
 
 
 #: A table, column or function the code needs is not in the database: its schema is missing or not this code's.

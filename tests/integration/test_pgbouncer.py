@@ -119,14 +119,18 @@ def test_a_read_with_a_statement_timeout_works_behind_pgbouncer(pgbouncer: Bounc
 # --- the beat leader's lease ------------------------------------------------------------------------------------
 
 
-def _lease_settings(lease: float = 0.9) -> Settings:
-    return Settings(beat_lease_seconds=lease, dispatch_interval_seconds=0.2)
+def _lease_settings(lease: float = 0.9, *, pooled: bool = True) -> Settings:
+    """A beat's settings; ``pooled``: behind a transaction pooler (no startup options on the lease's connection)."""
+    pooler: dict[str, Any] = (
+        {"database_pooler": "transaction", "database_direct_url": "postgresql://keel@postgres/keel"} if pooled else {}
+    )
+    return Settings(beat_lease_seconds=lease, dispatch_interval_seconds=0.2, **pooler)
 
 
 @pytest.mark.parametrize("route", ["direct", "pgbouncer"])
 def test_two_beats_racing_for_the_lease_get_one_leader(route: str, pgbouncer: Bouncer, db_url: str) -> None:
     url = libpq_url(db_url if route == "direct" else pgbouncer.url(db_url))
-    beats = [Leadership(url, _lease_settings(5.0), holder=f"beat-{n}") for n in range(6)]
+    beats = [Leadership(url, _lease_settings(5.0, pooled=route != "direct"), holder=f"beat-{n}") for n in range(6)]
     try:
         start = threading.Barrier(len(beats))
         results: dict[str, bool] = {}
@@ -153,8 +157,8 @@ def test_a_leader_paused_past_its_lease_steps_down_and_the_new_term_is_higher(
     route: str, pgbouncer: Bouncer, db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = libpq_url(db_url if route == "direct" else pgbouncer.url(db_url))
-    a = Leadership(url, _lease_settings(), holder="beat-a")
-    b = Leadership(url, _lease_settings(), holder="beat-b")
+    a = Leadership(url, _lease_settings(pooled=route != "direct"), holder="beat-a")
+    b = Leadership(url, _lease_settings(pooled=route != "direct"), holder="beat-b")
     try:
         assert a.held() and a.term is not None
         first = a.term
@@ -174,6 +178,47 @@ def test_a_leader_paused_past_its_lease_steps_down_and_the_new_term_is_higher(
     finally:
         a.release()
         b.release()
+
+
+@pytest.mark.parametrize("route", ["direct", "pgbouncer"])
+def test_a_lease_connection_that_died_between_ticks_costs_no_tick(
+    route: str, pgbouncer: Bouncer, db_url: str, pg_server_url: str
+) -> None:
+    """A PostgreSQL restart (or a PgBouncer one) closes the connection the lease keeps between ticks: the next tick
+    asks again on a new one instead of failing and backing off as if the database were down."""
+    url = libpq_url(db_url if route == "direct" else pgbouncer.url(db_url))
+    a = Leadership(url, _lease_settings(5.0, pooled=route != "direct"), holder="beat-a")
+    try:
+        assert a.held()
+        term = a.term
+        with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:  # every server connection of the lease's
+            killed = admin.execute(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()) t"
+            ).fetchone()
+        assert killed is not None and killed[0] >= 1
+        time.sleep(0.2)
+        assert a.held() and a.term == term, "renewed on a new connection, same term"
+    finally:
+        a.release()
+
+
+def test_a_renewal_blocked_on_the_lease_row_gives_up_within_the_lease(db_url: str) -> None:
+    """Directly connected, the lease's connection carries a statement timeout of half the lease: a renewal stuck
+    behind a lock on the lease row (a stuck session, an operator's open transaction) fails instead of hanging."""
+    a = Leadership(libpq_url(db_url), _lease_settings(2.0, pooled=False), holder="beat-a")
+    try:
+        assert a.held()
+        with psycopg.connect(libpq_url(db_url)) as blocker:
+            blocker.execute("SELECT * FROM beat_leadership FOR UPDATE")
+            began = time.monotonic()
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                a.held()
+            assert time.monotonic() - began < 2.0, "one timeout of half the lease, not asked again"
+            blocker.rollback()
+        assert a.held() or a.term is None  # it may have run out meanwhile; either way it asks again and answers
+    finally:
+        a.release()
 
 
 def test_a_leader_renewing_in_time_keeps_its_term(pgbouncer: Bouncer, db_url: str) -> None:

@@ -7,6 +7,7 @@ import logging
 
 import psycopg
 import pytest
+import sqlalchemy.exc
 
 from agents.core.errors import StoreError
 from agents.core.outage import Outage, is_outage, reason
@@ -58,6 +59,8 @@ def test_an_outage_is_one_line_down_and_one_back_with_backoff_between(caplog: py
 def test_what_counts_as_the_database_being_away() -> None:
     assert is_outage(refused()) and reason(refused()).startswith("OperationalError: connection to server")
     assert not is_outage(StoreError("database error: duplicate key")) and not is_outage(ValueError("x"))
+    exhausted = sqlalchemy.exc.TimeoutError("QueuePool limit of size 2 overflow 2 reached, connection timed out")
+    assert is_outage(exhausted), "no pooled connection free in time: try again later, as for an unreachable server"
 
 
 def _record(task: str | None, level: int = logging.INFO, exc: BaseException | None = None) -> logging.LogRecord:
