@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import importlib
 import ipaddress
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from models.audit_destination import load_signing_key, parse_store_url
@@ -76,6 +86,10 @@ DEFAULT_API_RATE_LIMITS: dict[str, ScopeRateLimit] = {
     "operator": ScopeRateLimit(rate=20, burst=50),
     "auditor": ScopeRateLimit(rate=10, burst=50),
 }
+
+
+#: The longest interval, timeout, lease or age in seconds a setting may name: ten years.
+MAX_SECONDS = 10 * 365 * 86400.0
 
 
 class BadConfiguration(KeelError, ValueError):
@@ -618,6 +632,20 @@ class Settings(BaseSettings):
         if self.llm_provider == "openai" and self.llm_api_key is None and "api.openai.com" in self.llm_base_url:
             raise ValueError("KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai calls api.openai.com")
         return self
+
+    @field_validator("*")
+    @classmethod
+    def _seconds_are_finite(cls, value: Any, info: ValidationInfo) -> Any:
+        # An interval, timeout or lease of inf (or 1e300) passes a bare lower bound, then fails in timedelta() or a
+        # sleep on every tick of whatever uses it.
+        if (
+            info.field_name is not None
+            and info.field_name.endswith("_seconds")
+            and isinstance(value, float)
+            and not (math.isfinite(value) and value <= MAX_SECONDS)
+        ):
+            raise ValueError(f"must be a finite number of seconds, at most {MAX_SECONDS:.0f} (ten years), got {value}")
+        return value
 
     @field_validator("db_owner_role", "db_app_role", "db_auditor_role")
     @classmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from models.settings import Settings
+from models.settings import BadConfiguration, Settings, load_settings
 from models.urls import libpq_url, sqlalchemy_url
 
 
@@ -37,11 +37,20 @@ def test_nothing_set_means_embedded() -> None:
         ({"db_app_role": "Keel App"}, "not a role name Keel uses"),
         ({"db_owner_role": "keel; DROP TABLE agents"}, "not a role name Keel uses"),
         ({"db_auditor_role": "keel_app"}, "must be three different roles"),
+        ({"prune_interval_seconds": "inf"}, "must be a finite number of seconds"),
+        ({"audit_verify_interval_seconds": 1e300}, "must be a finite number of seconds"),
+        ({"job_lease_seconds": "-inf"}, "greater than 0"),
     ],
 )
 def test_unsafe_or_malformed_settings_are_refused(env: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         Settings(**env)  # type: ignore[arg-type]
+
+
+def test_an_infinite_interval_from_the_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_PRUNE_INTERVAL_SECONDS", "inf")
+    with pytest.raises(BadConfiguration, match="KEEL_PRUNE_INTERVAL_SECONDS: must be a finite number of seconds"):
+        load_settings()
 
 
 def test_roles_have_defaults_and_empty_passwords_mean_none(monkeypatch: pytest.MonkeyPatch) -> None:
