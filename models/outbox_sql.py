@@ -416,8 +416,6 @@ def list_messages(db: Database, status: str | None, limit: int) -> list[dict[str
 _UNSENT_BY_STATUS = (
     "SELECT status, count(*) AS n FROM outbox WHERE status IN ('pending', 'sending', 'dead') GROUP BY status"
 )
-# Reconciled deliveries are few: their partial index (ix_delivery_log_reconciled) counts them.
-_RECONCILED = "SELECT count(*) AS reconciled FROM delivery_log WHERE how = 'reconciled'"
 # Only when the counters say a key was confirmed more than once: which keys, and how often the worst one.
 _DUPLICATED_KEYS = (
     "SELECT count(*) AS keys, coalesce(max(n), 0) AS worst"
@@ -430,16 +428,16 @@ def stats(db: Database) -> dict[str, Any]:
     rate is deliveries per key - 1 (ARCHITECTURE.md): confirmations beyond each key's first, per key confirmed — the
     figure ``keel kpi`` and the dashboard show.
 
-    Confirmations and duplicates come from the KPI counters (kept by the delivery log's trigger), messages not sent
-    yet and reconciled deliveries through partial indexes: nothing here reads every message or delivery, and a
+    Confirmations, duplicates and reconciled deliveries come from the KPI counters (kept by the delivery log's
+    trigger), messages not sent yet through partial indexes: nothing here reads every message or delivery, and a
     delivered message that retention removed still counts. Only when the counters show a duplicate — the promise
-    broken — is the delivery log grouped by key to say how many keys and the worst one's count."""
+    broken — is the delivery log grouped by key to say how many keys and the worst one's count: of the keys whose
+    delivery log retention has not removed yet (``duplicate_deliveries`` keeps counting them all)."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         counters = counters_txn(conn)
         cur.execute(_UNSENT_BY_STATUS)
         unsent = {r["status"]: r["n"] for r in cur.fetchall()}
-        cur.execute(_RECONCILED)
-        reconciled = (cur.fetchone() or {"reconciled": 0})["reconciled"]
+        reconciled = int(sum(v for (name, _), v in counters.items() if name == "side_effect_reconciled"))
         confirmations = int(sum(v for (name, _), v in counters.items() if name == "side_effect_confirmations"))
         extra = int(sum(v for (name, _), v in counters.items() if name == "side_effect_duplicates"))
         duplicated, worst = 0, 1 if confirmations else 0

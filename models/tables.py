@@ -123,6 +123,8 @@ agents = Table(
         postgresql_where=text("phase = 'waiting_approval' AND archived_at IS NULL"),
     ),
     Index("ix_agents_by_phase", "phase", "created_at", "id", postgresql_where=text("archived_at IS NULL")),
+    # A list scoped to a token's name prefix (starts_with(name, …)) reads the agents under it (migration 0025).
+    Index("ix_agents_name_prefix", "name", postgresql_ops={"name": "text_pattern_ops"}),
     # The deadline pass (models/deadlines_sql.py): active agents by the deadline they pass, a batch at a time.
     Index(
         "ix_agents_hard_deadline",
@@ -214,6 +216,7 @@ deleted_agents = Table(
     Column("request_id", Text),
     Column("journal_seq", BigInteger, nullable=False),
     Column("journal_head", Text, nullable=False),
+    Index("ix_deleted_agents_name_prefix", "name", postgresql_ops={"name": "text_pattern_ops"}),  # 0025
     schema=AUDIT_SCHEMA,
 )
 
@@ -390,8 +393,6 @@ delivery_log = Table(
     Column("how", Text, nullable=False),
     Column("confirmed_at", DateTime(timezone=True), nullable=False),
     CheckConstraint("how IN ('sent', 'reconciled')", name="how"),
-    # `keel outbox stats` counts reconciled deliveries (few) without reading every delivery.
-    Index("ix_delivery_log_reconciled", "id", postgresql_where=text("how = 'reconciled'")),
 )
 
 #: What retention pruned: one row per job or message key (kind ``job`` / ``message``), written by a trigger on the

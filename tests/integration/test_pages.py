@@ -19,8 +19,9 @@ from sqlalchemy import select
 from agents.client import Client
 from agents.core import journal
 from agents.core.errors import BadCursor, StaleRevision
-from models import kpi_sql, outbox_sql
+from models import console_sql, kpi_sql, outbox_sql
 from models.db import Database
+from models.tables import agents as agents_table
 from models.tables import journal as journal_table
 from tests.support.audit import TEST_ENV, as_superuser
 
@@ -153,12 +154,9 @@ def test_the_figures_and_the_pages_read_no_whole_table(
     client: Client, db: Database, raw: psycopg.Connection[Any]
 ) -> None:
     _seed(raw)
-    # keel outbox stats: what is not sent through ix_outbox_unsent, reconciled through ix_delivery_log_reconciled.
+    # keel outbox stats: what is not sent through ix_outbox_unsent (the rest are the KPI counters).
     unsent = _plan(raw, outbox_sql._UNSENT_BY_STATUS)
     assert not _scans(unsent, "outbox") and any(name == "ix_outbox_unsent" for _, name in unsent), unsent
-    reconciled = _plan(raw, outbox_sql._RECONCILED)
-    assert not _scans(reconciled, "delivery_log"), reconciled
-    assert any(name == "ix_delivery_log_reconciled" for _, name in reconciled), reconciled
     # keel kpi: the running totals (bucket -infinity), not a month of per-minute rollups.
     totals = _plan(raw, kpi_sql._TOTALS)
     assert not _scans(totals, "kpi_rollups"), totals
@@ -169,12 +167,25 @@ def test_the_figures_and_the_pages_read_no_whole_table(
         " ORDER BY created_at DESC, id DESC LIMIT 51",
     )
     assert listing[0][0] == "Limit" and not _scans(listing, "agents"), listing
+    # A token scoped to a name prefix: the agents under it through ix_agents_name_prefix, not every agent — in the
+    # API's list (SQLAlchemy's LIKE … ESCAPE), a console page's runs and the approvals inbox (starts_with).
+    scoped = {
+        "api": str(
+            select(agents_table)
+            .where(agents_table.c.archived_at.is_(None), agents_table.c.name.startswith("seeded-4711", autoescape=True))
+            .order_by(agents_table.c.created_at.desc(), agents_table.c.id.desc())
+            .limit(51)
+            .compile(db.engine, compile_kwargs={"literal_binds": True})
+        ).replace("\n", " "),
+        "console": console_sql._run_sql("idle", after=False, prefix=True),
+    }
+    for what, sql in scoped.items():
+        nodes = _plan(raw, sql, {"phase": "idle", "prefix": "seeded-4711", "limit": 51})
+        assert not _scans(nodes, "agents"), (what, nodes)
+        assert any(name == "ix_agents_name_prefix" for _, name in nodes), (what, nodes)
     # And the figures themselves are the counters' and the live rows'.
     stats = outbox_sql.stats(db)
     assert (stats["by_status"].get("dead"), stats["by_status"].get("pending")) == (40, 40)
-    assert (
-        stats["reconciled"] == raw.execute("SELECT count(*) FROM delivery_log WHERE how = 'reconciled'").fetchone()[0]
-    )  # type: ignore[index]
 
 
 def test_a_journal_page_reads_a_page(db: Database, raw: psycopg.Connection[Any]) -> None:

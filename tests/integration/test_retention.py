@@ -28,7 +28,7 @@ from agents.outbox.senders import SlackSender
 from models import kpi_sql
 from models.db import Database
 from models.jobs_sql import NewJob, insert_jobs_txn, job_row
-from models.outbox_sql import NewMessage, insert_messages_txn, message_row
+from models.outbox_sql import NewMessage, insert_messages_txn, message_row, stats
 from models.retention_sql import IN_FLIGHT, Retention, prune
 from models.urls import libpq_url
 from tests.support.fakes import FakeSlack
@@ -174,6 +174,20 @@ def test_prune_removes_old_finished_work_and_nothing_live(client: Client, db: Da
     assert counters(db) == before, "a prune moved a KPI counter"
     # The journal is not pruned: the finished request's story is all there.
     assert [e.event for e in client.journal(agent_id=s["old"].id) if e.kind == "transition"][-1] == "finish"
+
+
+def test_outbox_stats_still_count_what_retention_removed(db: Database, slack: FakeSlack, story: Any) -> None:
+    """The delivery log goes with its pruned message; the outbox's figures (delivered, reconciled) are counters, not
+    counts of what is left."""
+    # r-old's message is applied by Slack and its answer lost: the relay reconciles it instead of sending again.
+    slack.faults = lambda dest, key, attempt: "apply_then_drop" if key == "r-old:slack:note" and attempt == 1 else None
+    story()
+    assert sql(db, "SELECT how FROM delivery_log WHERE key = 'r-old:slack:note'") == [{"how": "reconciled"}]
+    before = stats(db)
+    assert (before["reconciled"], before["delivered_keys"]) == (1, 3)
+    assert prune(db, KEEP_30).confirmations == 1
+    assert sql(db, "SELECT count(*) AS n FROM delivery_log WHERE how = 'reconciled'") == [{"n": 0}]
+    assert stats(db) == before
 
 
 def test_a_late_duplicate_of_a_pruned_key_is_suppressed_never_run_or_sent_again(
