@@ -51,8 +51,9 @@ class Submitted:
 
     input: Any
     submit_details: dict[str, Any] | None
-    #: Once retention pruned the request its input is gone (``input`` is None): whether the input of the submit
-    #: being compared has the digest kept in its place. None while the input itself is kept.
+    #: Whether the input of the submit being compared is this request's, as the database compares them (jsonb's
+    #: text; once retention pruned the input, ``input`` is None and its digest decides). None: not compared, and
+    #: ``input`` is (a request read before this was kept, or built by hand).
     same_input: bool | None = None
 
 

@@ -149,7 +149,8 @@ _REQUEST_OWNER = (
 # the deadlines as given). Read only when a request id is submitted again.
 _REQUEST_AS_SUBMITTED = (
     "SELECT r.input, CASE WHEN r.pruned_at IS NOT NULL"
-    " THEN r.input_sha256 = encode(sha256(convert_to(%(input)s::jsonb::text, 'UTF8')), 'hex') END AS same_input,"
+    " THEN r.input_sha256 = encode(sha256(convert_to(%(input)s::jsonb::text, 'UTF8')), 'hex')"
+    " ELSE coalesce(r.input, 'null'::jsonb)::text = %(input)s::jsonb::text END AS same_input,"
     " (SELECT j.details FROM audit.journal j WHERE j.request_id = r.request_id"
     " AND j.agent_id = r.agent_id AND j.kind = 'transition' AND j.event = 'submit' ORDER BY j.id LIMIT 1) AS submit"
     " FROM requests r WHERE r.request_id = %(request_id)s"
@@ -330,16 +331,15 @@ def request_owner_txn(cur: psycopg.Cursor[Any], request_id: str) -> RequestOwner
 
 
 def request_as_submitted_txn(cur: psycopg.Cursor[Any], request_id: str, input_json: str = "null") -> Submitted | None:
-    """The request ``request_id`` as first submitted, or None if there is no such request. Once pruned, its input
-    is compared with ``input_json`` by the digest kept in its place (``same_input``)."""
+    """The request ``request_id`` as first submitted, or None if there is no such request, with whether its input is
+    ``input_json`` (``same_input``): compared as jsonb's text (``1`` and ``1.0``, ``1`` and ``true`` differ; key order
+    and spacing do not), before retention pruned the input as after, when the digest of that text stands in for it."""
     with cur.connection.cursor(row_factory=dict_row) as named:
         named.execute(_REQUEST_AS_SUBMITTED, {"request_id": request_id, "input": input_json})
         row = named.fetchone()
     if row is None:
         return None
-    if row["same_input"] is not None:
-        return Submitted(None, row["submit"], same_input=row["same_input"])
-    return Submitted(row["input"], row["submit"])
+    return Submitted(row["input"], row["submit"], same_input=row["same_input"])
 
 
 def request_record(conn: psycopg.Connection[Any], request_id: str) -> dict[str, Any] | None:

@@ -374,7 +374,7 @@ def differences(submitted: Submitted, command: Command, input_json: str) -> list
     ``operation``, ``soft_deadline``, ``hard_deadline``. Requests journaled before deadlines were recorded as given
     are compared on input and operation only."""
     differs = []
-    if submitted.same_input is not None:  # retention pruned the input and kept its digest
+    if submitted.same_input is not None:  # compared by the database, whether retention pruned the input or not
         if not submitted.same_input:
             differs.append("input")
     elif json.loads(input_json) != submitted.input:

@@ -241,6 +241,37 @@ def test_a_pruned_request_still_belongs_to_its_agent_and_answers_a_repeated_subm
     assert client.get_request("r-old").input is None  # the input is what was pruned
 
 
+def test_a_retry_is_compared_alike_before_and_after_its_input_is_pruned(client: Client, db: Database) -> None:
+    """Before the prune the request's input is there, after it only its digest: a retry gets the same answer either
+    way (jsonb's text decides: key order and spacing do not count; 1, 1.0 and true are three inputs)."""
+    agent = client.create_agent("retried")
+    client.submit(agent.id, "r-1", {"x": 1, "y": [1, 2]}, operation="answer")
+    retries = {
+        "same, keys reordered": {"y": [1, 2], "x": 1},
+        "1.0": {"x": 1.0, "y": [1, 2]},
+        "true": {"x": True, "y": [1, 2]},
+    }
+
+    def answers() -> dict[str, bool]:
+        found = {}
+        for what, given in retries.items():
+            try:
+                client.submit(agent.id, "r-1", given, operation="answer")
+                found[what] = True
+            except RequestConflict as exc:
+                assert exc.differs == ("input",)
+                found[what] = False
+        return found
+
+    before = answers()
+    assert before == {"same, keys reordered": True, "1.0": False, "true": False}
+    client.cancel(agent.id, actor="test")
+    age_everything(db, 40)
+    assert prune(db, KEEP_30).requests == 1
+    assert client.get_request("r-1").input is None
+    assert answers() == before
+
+
 def test_two_pruners_at_once_take_different_rows(client: Client, db: Database) -> None:
     """Two beats, or a beat and `keel db prune`: every row pruned once, neither fails, every key kept."""
     agent = client.create_agent("bulk")
