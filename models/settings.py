@@ -281,6 +281,8 @@ class Settings(BaseSettings):
     audit_verify_full_interval_seconds: float = Field(default=7 * 86400.0, ge=0)
     # Chains a verify walks per transaction: each chunk's snapshot ends with it, so vacuum is held back for one chunk.
     audit_verify_chunk_chains: int = Field(default=500, ge=1, le=100_000)
+    # ... and fewer when their walks would read more events than this together (a longer chain is a chunk of its own).
+    audit_verify_chunk_events: int = Field(default=50_000, ge=1, le=10_000_000)
     # Shipping the journal to a separate store (agents/audit/ship.py, `keel audit ship`): sealed segments of JSON
     # Lines to s3://bucket/prefix or file:///path; unset, nothing is shipped. The leading beat ships this often
     # (0: only `keel audit ship` does).

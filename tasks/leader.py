@@ -115,7 +115,13 @@ class LeaderDuties:
             full = bool(every) and (
                 alerts_sql.claim_chore(self.db, AUDIT_VERIFY_FULL_CHORE, timedelta(seconds=every)) is not None
             )
-            result = verify_and_record(self.db, "beat", full=full, chunk_chains=self.settings.audit_verify_chunk_chains)
+            result = verify_and_record(
+                self.db,
+                "beat",
+                full=full,
+                chunk_chains=self.settings.audit_verify_chunk_chains,
+                chunk_events=self.settings.audit_verify_chunk_events,
+            )
         except Exception:
             log.exception("periodic audit verify failed to run")
             return

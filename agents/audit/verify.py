@@ -16,12 +16,13 @@ def verify_and_record(
     *,
     full: bool = False,
     chunk_chains: int = journal.VERIFY_CHUNK_CHAINS,
+    chunk_events: int = journal.VERIFY_CHUNK_EVENTS,
 ) -> VerifyReport:
     """Walk the chains (:func:`agents.core.journal.verify` with ``db``'s audit keys: incremental from each chain's
     checkpoint, or ``full``), move the checkpoints of the chains found intact, and record whether every chain held,
     and where not (agent ids, event numbers and key ids, never event contents). Events whose key the ring lacks make
     it fail too: they were not checked. A pass that dies midway records nothing; the checkpoints it moved are true."""
-    report = journal.verify(db, full=full, save_checkpoints=True, chunk_chains=chunk_chains)
+    report = journal.verify(db, full=full, save_checkpoints=True, chunk_chains=chunk_chains, chunk_events=chunk_events)
     record_verification(
         db,
         source=source,

@@ -164,10 +164,11 @@ def audit_verify(against: str | None, public_key: str | None, full: bool, as_jso
     with open_client(writes=False) as client:
         recorded = may_record_verification(client.db)
         chunk = client.settings.audit_verify_chunk_chains
+        events = client.settings.audit_verify_chunk_events
         if recorded:
-            report = verify_and_record(client.db, "cli", full=full, chunk_chains=chunk)
+            report = verify_and_record(client.db, "cli", full=full, chunk_chains=chunk, chunk_events=events)
         else:
-            report = verify(client.db, full=full, chunk_chains=chunk)
+            report = verify(client.db, full=full, chunk_chains=chunk, chunk_events=events)
         names = client.agent_names(
             {
                 *(b.agent_id for b in report.breaks),

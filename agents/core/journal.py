@@ -1044,6 +1044,9 @@ def verify_chain(db: Database, agent_id: UUID) -> ChainCheck:
 
 #: Chains walked per transaction of a verify (``KEEL_AUDIT_VERIFY_CHUNK_CHAINS``).
 VERIFY_CHUNK_CHAINS = 500
+#: Events a verify reads per transaction, about (``KEEL_AUDIT_VERIFY_CHUNK_EVENTS``): a chunk ends at the chain that
+#: would take it past this, so long chains make short chunks (a chain longer than this is a chunk of its own).
+VERIFY_CHUNK_EVENTS = 50_000
 _NIL = UUID(int=0)
 _TOP = UUID(int=(1 << 128) - 1)
 # A chunk: the next chains by agent id, heads of agent rows and of tombstones merged (each by its primary key).
@@ -1151,16 +1154,41 @@ def _sealed(agent_id: UUID, position: ChainPosition, keys: AuditKeys, *, broken_
     return Checkpoint(**fields, key_id=keys.current, seal=seal)
 
 
+def _within_events(
+    heads: list[_Head],
+    checkpoints: dict[UUID, Checkpoint],
+    archived: dict[UUID, tuple[ChainPosition, str]],
+    *,
+    full: bool,
+    cap: int,
+) -> list[_Head]:
+    """The first of ``heads`` whose walks read at most ``cap`` events together, by their heads' and starts' event
+    numbers (at least the first head, however long its chain). An estimate: it sizes chunks, it decides nothing."""
+    total = 0
+    for n, head in enumerate(heads):
+        arch = archived.get(head.agent_id)
+        start = 0 if arch is None else arch[0].seq
+        cp = checkpoints.get(head.agent_id)
+        if not full and cp is not None and cp.broken_seq is None and start <= cp.seq <= head.seq:
+            start = cp.seq
+        total += max(head.seq - start, 0)
+        if total > cap and n > 0:
+            return heads[:n]
+    return heads
+
+
 def verify(
     db: Database,
     *,
     full: bool = True,
     save_checkpoints: bool = False,
     chunk_chains: int = VERIFY_CHUNK_CHAINS,
+    chunk_events: int = VERIFY_CHUNK_EVENTS,
     on_chunk: Callable[[psycopg.Connection[Any]], None] | None = None,
 ) -> VerifyReport:
     """Walk every agent's chain to its head (a deleted agent's: to its tombstone's, which must be its delete event)
-    with ``db``'s key ring, ``chunk_chains`` chains per transaction; report the archive records' problems (seal,
+    with ``db``'s key ring, ``chunk_chains`` chains per transaction and fewer when their walks would read more than
+    ``chunk_events`` events together (one chain at least); report the archive records' problems (seal,
     order), the first broken link of each broken chain, chains that have no head at all, the events whose key the
     ring lacks (not checked, so not ok), and each chain's legacy (unkeyed) events.
 
@@ -1180,6 +1208,8 @@ def verify(
     """
     if chunk_chains < 1:
         raise ValueError(f"chunk_chains must be at least 1, got {chunk_chains}")
+    if chunk_events < 1:
+        raise ValueError(f"chunk_events must be at least 1, got {chunk_events}")
     keys = db.audit_keys
     breaks: list[ChainBreak] = []
     unchecked: list[Unchecked] = []
@@ -1200,11 +1230,15 @@ def verify(
                 heads_cur.execute(_CHUNK_HEADS.format(low=op), params)
                 heads = heads_cur.fetchall()
             high = heads[-1].agent_id if len(heads) == chunk_chains else _TOP
+            checkpoints = {cp.agent_id: cp for cp in checkpoints_txn(raw, low, high, inclusive=first)}
+            kept = _within_events(heads, checkpoints, archived, full=full, cap=chunk_events)
+            if len(kept) < len(heads):  # the chunk ends early; the next one starts after its last chain
+                heads, high = kept, kept[-1].agent_id
+                checkpoints = {agent_id: cp for agent_id, cp in checkpoints.items() if agent_id <= high}
             bounds = {"low": low, "high": high}
             with raw.cursor(row_factory=class_row(_Seal)) as seals_cur:
                 seals_cur.execute(_CHUNK_SEALS.format(low=op), bounds)
                 seals = {seal.agent_id: seal for seal in seals_cur}
-            checkpoints = {cp.agent_id: cp for cp in checkpoints_txn(raw, low, high, inclusive=first)}
             for head in heads:
                 cp = checkpoints.pop(head.agent_id, None)
                 arch = archived.pop(head.agent_id, None)

@@ -265,6 +265,35 @@ def test_chunks_are_short_transactions(client: Client, db: Database, raw: psycop
     assert starts == sorted(starts) and len(set(starts)) == 3, "a transaction per chunk"
 
 
+def test_long_chains_make_short_chunks_and_no_chain_is_skipped_at_their_ends(
+    client: Client, db: Database, raw: psycopg.Connection[Any]
+) -> None:
+    """A chunk ends at the chain that would take its reads past ``chunk_events`` (a longer chain alone): a snapshot
+    is bounded by the events it reads, not only by its chains. Every chain is still walked once, and an edit in the
+    chain that starts a chunk is found."""
+    ids = _agents(client, 6)  # 2 events each
+    for _ in range(4):
+        _another_event(client, ids[1])  # 6 events
+    for _ in range(8):
+        _another_event(client, ids[4])  # 10 events
+    chunks: list[int] = []
+    report = journal.verify(db, full=True, chunk_chains=100, chunk_events=5, on_chunk=lambda conn: chunks.append(1))
+    assert report.ok and (report.agents, report.events, report.read_events) == (6, 24, 24)
+    # [2] | [6] | [2, 2] | [10] | [2]: each ends before the chain that would pass 5 events, or at a longer one.
+    assert len(chunks) == 5
+    _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 5", ids[4])
+    broken = journal.verify(db, full=True, chunk_chains=100, chunk_events=5)
+    assert [(b.agent_id, b.seq) for b in broken.breaks] == [(ids[4], 5)] and broken.agents == 6
+    # Incremental, from checkpoints: only what is new counts towards a chunk.
+    assert verify_and_record(db, "cli", chunk_events=5).breaks  # the tampered chain keeps failing
+    _tamper(raw, "UPDATE audit.journal SET actor = 'late' WHERE agent_id = %s AND seq = 5", ids[4])
+    raw.execute("DELETE FROM audit_verified_chains WHERE agent_id = %s", (ids[4],))  # looked at: the mark cleared
+    assert verify_and_record(db, "cli", chunk_events=5).ok
+    chunks.clear()
+    again = journal.verify(db, full=False, chunk_chains=100, chunk_events=5, on_chunk=lambda conn: chunks.append(1))
+    assert again.ok and again.read_events == 0 and len(chunks) == 1, "nothing new: one chunk for every chain"
+
+
 def _env(db_url: str, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
     return env | TEST_ENV | {"KEEL_DATABASE_URL": db_url} | more
