@@ -52,10 +52,18 @@ FROM requests r WHERE r.pruned_at IS NULL AND r.submitted_at < now() - make_inte
   AND {_not_in_flight("r")}
 """
 
+# Each batch starts after the last one's last job (finished_at, key): the old finished jobs of a request still in
+# flight (a long-running one keeps them) are passed once per prune, not re-read by every batch after them.
 _PRUNE_JOBS = f"""
-WITH doomed AS (SELECT j.key {_JOBS} ORDER BY j.finished_at LIMIT %(batch)s FOR UPDATE OF j SKIP LOCKED)
-DELETE FROM jobs j USING doomed d WHERE j.key = d.key
+WITH doomed AS (SELECT j.key, j.finished_at {_JOBS}
+                  AND (j.finished_at, j.key) > (%(after_at)s::timestamptz, %(after_key)s)
+                ORDER BY j.finished_at, j.key LIMIT %(batch)s FOR UPDATE OF j SKIP LOCKED),
+     gone AS (DELETE FROM jobs j USING doomed d WHERE j.key = d.key RETURNING 1),
+     last AS (SELECT finished_at, key FROM doomed ORDER BY finished_at DESC, key DESC LIMIT 1)
+SELECT (SELECT count(*) FROM gone) AS n, (SELECT finished_at FROM last) AS at, (SELECT key FROM last) AS key
 """
+#: Where a prune's first batch of jobs starts: before every job.
+_JOBS_START = ("-infinity", "")
 # The delivery log rows are counted before the DELETE (one snapshot for the whole statement) and go by its cascade.
 _PRUNE_MESSAGES = f"""
 WITH doomed AS (SELECT o.key {_MESSAGES} ORDER BY o.sent_at LIMIT %(batch)s FOR UPDATE OF o SKIP LOCKED),
@@ -123,7 +131,9 @@ def prune(db: Database, retention: Retention, *, dry_run: bool = False) -> Prune
         return _count(db, retention)
     pruned = Pruned()
     if retention.jobs_days:
-        while (n := _batch(db, _PRUNE_JOBS, retention.jobs_days, retention.batch)) > 0:
+        after: tuple[Any, str] | None = _JOBS_START
+        while after is not None:
+            n, after = _jobs_batch(db, retention.jobs_days, retention.batch, after)
             pruned.jobs += n
             if n < retention.batch:
                 break
@@ -144,7 +154,18 @@ def prune(db: Database, retention: Retention, *, dry_run: bool = False) -> Prune
 
 def prune_jobs_batch(db: Database, days: int, batch: int) -> int:
     """One batch of finished jobs older than ``days``, oldest first; how many went."""
-    return _batch(db, _PRUNE_JOBS, days, batch)
+    return _jobs_batch(db, days, batch, _JOBS_START)[0]
+
+
+def _jobs_batch(db: Database, days: int, batch: int, after: tuple[Any, str]) -> tuple[int, tuple[Any, str] | None]:
+    """A batch of jobs past ``after`` (finished_at, key): how many went, and where the next batch starts (None:
+    nothing was left past it)."""
+    with db.transaction() as cur:
+        cur.row_factory = dict_row
+        cur.execute(_PRUNE_JOBS, {"days": days, "batch": batch, "after_at": after[0], "after_key": after[1]})
+        row = cur.fetchone()
+    assert row is not None
+    return int(row["n"]), (None if row["key"] is None else (row["at"], row["key"]))
 
 
 def prune_messages_batch(db: Database, days: int, batch: int) -> tuple[int, int]:

@@ -272,6 +272,30 @@ def test_a_retry_is_compared_alike_before_and_after_its_input_is_pruned(client: 
     assert answers() == before
 
 
+def test_batches_walk_past_the_kept_jobs_of_a_request_in_flight(client: Client, db: Database) -> None:
+    """Old finished jobs of a request still in flight are kept; those of finished requests around them, all finished
+    at the same instant, go in batches that each start after the last one's last job (finished_at, key): every one
+    once, whatever the ties."""
+    agent = client.create_agent("long-runner")
+    client.submit(agent.id, "r-live", None, operation="answer")  # planning: r-live is in flight
+    sql(
+        db,
+        "INSERT INTO jobs (key, agent_id, request_id, operation, target, status, queue, run_at, finished_at)"
+        " SELECT r || ':answer:old-' || g, %s, r, 'answer', 'old-' || g, 'succeeded', 'keel.jobs', now(),"
+        "  timestamptz '2020-01-01 00:00:00+00'"
+        " FROM generate_series(1, 6) g, unnest(ARRAY['r-live', 'r-done']) r",
+        agent.id,
+        triggers=False,
+    )
+    done = prune(db, Retention(jobs_days=30, messages_days=0, requests_days=0, batch=4))
+    assert done.jobs == 6
+    left = sql(
+        db, "SELECT request_id, count(*) AS n FROM jobs WHERE finished_at < now() - interval '1 year' GROUP BY 1"
+    )
+    assert left == [{"request_id": "r-live", "n": 6}]
+    assert len(sql(db, "SELECT key FROM pruned_keys WHERE key LIKE 'r-done:%%'")) == 6
+
+
 def test_two_pruners_at_once_take_different_rows(client: Client, db: Database) -> None:
     """Two beats, or a beat and `keel db prune`: every row pruned once, neither fails, every key kept."""
     agent = client.create_agent("bulk")
