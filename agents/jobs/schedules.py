@@ -23,8 +23,9 @@ from croniter import croniter
 
 from agents.core import transition as core
 from agents.core.commands import Command, JobSpec
-from agents.core.errors import InvalidInput, KeelError, Rejected
+from agents.core.errors import InvalidInput, KeelError, Rejected, StoreError
 from agents.core.keys import check_request_id
+from agents.core.outage import is_outage, statement_failed
 from agents.core.phases import Event
 from agents.jobs import handlers
 from models.clock import database_now, utc
@@ -162,6 +163,15 @@ def _fire_txn(cur: Any, db: Database, schedule: Schedule, now: datetime, actor: 
             outcome = "skipped (the agent is archived)"
         else:
             outcome = _submit(db, schedule, request_id, actor)
+    except StoreError as exc:
+        if not (is_outage(exc) or statement_failed(exc)):
+            log.warning("schedule %s: fire %s failed: %s", schedule.name, request_id, exc)
+            outcome = f"failed ({exc})"
+        else:
+            # The database did not get to answer (away, a statement timeout waiting for the agent's lock, a
+            # deadlock): the fire stays due and the next pass tries it again, under the same request id.
+            log.warning("schedule %s: fire %s not made, tried again next pass: %s", schedule.name, request_id, exc)
+            return []
     except KeelError as exc:  # one bad schedule must not stop the others
         log.warning("schedule %s: fire %s failed: %s", schedule.name, request_id, exc)
         outcome = f"failed ({exc})"

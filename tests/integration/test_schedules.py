@@ -129,3 +129,28 @@ def test_two_beats_in_different_zones_name_one_fire_once(
     finally:
         for beat in beats:
             beat.dispose()
+
+
+def test_a_fire_the_database_could_not_take_stays_due_and_fires_on_the_next_pass(
+    client: Client, db_url: str, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """The agent's row held by someone else past the statement timeout (or the database away): the fire is not
+    recorded as failed and moved on — it stays due, and the next pass makes it under the same request id."""
+    agent = client.create_agent("busy")
+    impatient = Database(db_url, pool_size=2, audit_keys=TEST_KEYS, statement_timeout_ms=1_000)
+    try:
+        schedules.ensure_schedule(impatient, "hourly", agent.id, every=timedelta(hours=1), operation="count")
+        raw.execute("UPDATE schedules SET next_fire_at = now() - interval '1 minute'")
+        due = raw.execute("SELECT next_fire_at, last_outcome FROM schedules").fetchone()
+        with psycopg.connect(impatient.libpq_url) as holder:
+            holder.execute("SELECT 1 FROM agents WHERE id = %s FOR UPDATE", (agent.id,))
+            assert schedules.fire_due(impatient) == []
+            holder.rollback()
+        assert raw.execute("SELECT next_fire_at, last_outcome FROM schedules").fetchone() == due, "still due"
+        assert client.get_state(agent.id).phase == "idle"
+        assert due is not None
+        fired = schedules.fire_due(impatient)
+        assert fired == [schedules.fire_request_id("hourly", due[0])]  # type: ignore[arg-type]
+        assert client.get_state(agent.id).request_id == fired[0]
+    finally:
+        impatient.dispose()
