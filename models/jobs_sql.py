@@ -366,58 +366,95 @@ def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
     cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
 
 
-#: Job priorities (agents/core/commands.py JobSpec checks 0-9), highest first: the due scan reads each one's range
-#: of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15 has no skip scan;
-#: the priorities are written into the statement, where the planner sees each range for what it is).
+#: The job queues (agents/core/queues.py picks one per job): the normal one, and the low one for the jobs of agents
+#: past their soft deadline and jobs asked with priority < 5.
+JOBS_QUEUE = "keel.jobs"
+LOW_QUEUE = "keel.jobs.low"
+JOB_QUEUES: tuple[str, ...] = (JOBS_QUEUE, LOW_QUEUE)
+
+#: Job priorities (agents/core/commands.py JobSpec checks 0-9), highest first: the due scan reads each queue's and
+#: priority's range of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15
+#: has no skip scan; queues and priorities are written into the statement, where the planner sees each range for what
+#: it is).
 PRIORITIES: tuple[int, ...] = tuple(range(9, -1, -1))
 
 # Each case reads at most ``limit`` rows of the partial index that serves it, so a pass costs the batch and not
-# the backlog: a hundred thousand jobs enqueued and waiting their turn are not read at all, they are not due. The
-# database's clock is read once, in a subquery: ``clock_timestamp()`` itself is volatile, and a volatile comparison
-# can only filter rows already read, never bound an index scan.
+# the backlog: a hundred thousand jobs enqueued and waiting their turn are not read at all, they are not due. Every
+# index leads with the queue: a queue held back (full on the broker) is not read at all either. The database's clock
+# is read once, in a subquery: ``clock_timestamp()`` itself is volatile, and a volatile comparison can only filter
+# rows already read, never bound an index scan.
 _NOW = "(SELECT at FROM clock)"
-TAKE_DUE = (
-    "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
-    " candidates AS ("
-    + "".join(
-        f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'pending' AND priority = {priority}"
-        f"    AND run_at <= {_NOW} ORDER BY run_at LIMIT %(limit)s) UNION ALL"
-        for priority in PRIORITIES
+
+
+def _candidates(queue: str) -> str:
+    """One queue's due jobs, at most ``limit`` of each case: new ones by priority, enqueued ones never claimed,
+    running ones whose lease ran out."""
+    q = _literal(queue)
+    return (
+        "".join(
+            f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'pending' AND queue = {q}"
+            f"    AND priority = {priority} AND run_at <= {_NOW} ORDER BY run_at LIMIT %(limit)s) UNION ALL"
+            for priority in PRIORITIES
+        )
+        + f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'enqueued' AND queue = {q}"
+        f"    AND enqueued_at < {_NOW} - %(stale)s AND run_at <= {_NOW}"
+        "    ORDER BY enqueued_at LIMIT %(limit)s)"
+        "  UNION ALL"
+        f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'running' AND queue = {q}"
+        f"    AND lease_until < {_NOW} AND run_at <= {_NOW} ORDER BY lease_until LIMIT %(limit)s)"
     )
-    + "  (SELECT key, priority, run_at FROM jobs WHERE status = 'enqueued'"
-    f"    AND enqueued_at < {_NOW} - %(stale)s AND run_at <= {_NOW}"
-    "    ORDER BY enqueued_at LIMIT %(limit)s)"
-    "  UNION ALL"
-    f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'running' AND lease_until < {_NOW}"
-    f"    AND run_at <= {_NOW} ORDER BY lease_until LIMIT %(limit)s)"
-    "), batch AS (SELECT key FROM candidates ORDER BY priority DESC, run_at, key LIMIT %(limit)s),"
-    # Locked and checked again row by row: a row another dispatcher holds is skipped, and one that a claim or a
-    # dispatcher moved on since the candidates were read is no longer due.
-    " due AS ("
-    "  SELECT j.key, j.status FROM jobs j JOIN batch USING (key)"
-    f"  WHERE j.run_at <= {_NOW}"
-    "    AND (j.status = 'pending'"
-    f"         OR (j.status = 'running' AND j.lease_until < {_NOW})"
-    f"         OR (j.status = 'enqueued' AND j.enqueued_at < {_NOW} - %(stale)s))"
-    "  FOR UPDATE OF j SKIP LOCKED)"
-    " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
-    " updated_at = clock_timestamp(),"
-    " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
-    " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous"
-)
 
 
-def take_due_statement(enqueue_timeout: timedelta, limit: int) -> str:
-    """:data:`TAKE_DUE` with its two values written in (both numbers): a statement without parameters is planned
-    once per connection once psycopg prepares it, instead of on every tick (a dozen branches take a while to plan,
-    and a generic plan for a bound LIMIT would be a worse one)."""
+def _literal(queue: str) -> str:
+    if not queue or not all(c.isascii() and (c.isalnum() or c in "._-") for c in queue):
+        raise ValueError(f"not a queue name: {queue!r}")  # names come from tasks/app.py; never from a request
+    return f"'{queue}'"
+
+
+def take_due_sql(queues: Sequence[str]) -> str:
+    """The due scan over ``queues`` (each case of each queue through its own index range), its stale age and
+    limit still to be written in (%(stale)s, %(limit)s)."""
+    if not queues:
+        raise ValueError("take_due needs at least one queue")
+    return (
+        "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
+        " candidates AS ("
+        + "  UNION ALL".join(_candidates(queue) for queue in queues)
+        + "), batch AS (SELECT key FROM candidates ORDER BY priority DESC, run_at, key LIMIT %(limit)s),"
+        # Locked and checked again row by row: a row another dispatcher holds is skipped, and one that a claim or a
+        # dispatcher (or a demotion to another queue) moved on since the candidates were read is no longer due.
+        " due AS ("
+        "  SELECT j.key, j.status FROM jobs j JOIN batch USING (key)"
+        f"  WHERE j.run_at <= {_NOW} AND j.queue IN ({', '.join(_literal(q) for q in queues)})"
+        "    AND (j.status = 'pending'"
+        f"         OR (j.status = 'running' AND j.lease_until < {_NOW})"
+        f"         OR (j.status = 'enqueued' AND j.enqueued_at < {_NOW} - %(stale)s))"
+        "  FOR UPDATE OF j SKIP LOCKED)"
+        " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
+        " updated_at = clock_timestamp(),"
+        " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
+        " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous"
+    )
+
+
+def take_due_statement(enqueue_timeout: timedelta, limit: int, queues: Sequence[str] = JOB_QUEUES) -> str:
+    """The due scan with its values written in (all of them numbers or queue names): a statement without parameters
+    is planned once per connection once psycopg prepares it, instead of on every tick (a few dozen branches take a
+    while to plan, and a generic plan for a bound LIMIT would be a worse one). One text per set of queues: at most
+    three."""
     seconds = float(enqueue_timeout.total_seconds())
-    return TAKE_DUE.replace("%(stale)s", f"interval '{seconds:.6f} seconds'").replace("%(limit)s", str(int(limit)))
+    return (
+        take_due_sql(queues)
+        .replace("%(stale)s", f"interval '{seconds:.6f} seconds'")
+        .replace("%(limit)s", str(int(limit)))
+    )
 
 
-def take_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int) -> list[Due]:
-    """Mark at most ``limit`` due jobs enqueued (skipping rows another dispatcher holds) and return them for
-    publishing, highest priority first.
+def take_due(
+    cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int, queues: Sequence[str] = JOB_QUEUES
+) -> list[Due]:
+    """Mark at most ``limit`` due jobs of ``queues`` enqueued (skipping rows another dispatcher holds) and return
+    them for publishing, highest priority first.
 
     Due, on the database's clock: pending and run_at has come; running with an expired lease (the worker died:
     counted as an ``unknown`` failure); enqueued longer than ``enqueue_timeout`` ago and still not claimed — the
@@ -427,7 +464,7 @@ def take_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int
     partial index, at most ``limit`` rows of it: the cost is the batch, not the backlog.
     """
     with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(take_due_statement(enqueue_timeout, limit))
+        named.execute(take_due_statement(enqueue_timeout, limit, queues))
         rows = named.fetchall()
     return [Due(key=r["key"], queue=r["queue"], recovered=r["previous"] != "pending") for r in rows]
 

@@ -317,9 +317,9 @@ jobs = Table(
     Index("ix_jobs_request", "request_id", "created_at", "key"),
     # The dispatcher's three cases, each read a batch at a time (models/jobs_sql.py take_due): new jobs due, by
     # priority; enqueued ones never claimed; running ones whose lease expired.
-    Index("ix_jobs_pending", "priority", "run_at", postgresql_where=text("status = 'pending'")),
-    Index("ix_jobs_enqueued", "enqueued_at", postgresql_where=text("status = 'enqueued'")),
-    Index("ix_jobs_leased", "lease_until", postgresql_where=text("status = 'running'")),
+    Index("ix_jobs_pending", "queue", "priority", "run_at", postgresql_where=text("status = 'pending'")),
+    Index("ix_jobs_enqueued", "queue", "enqueued_at", postgresql_where=text("status = 'enqueued'")),
+    Index("ix_jobs_leased", "queue", "lease_until", postgresql_where=text("status = 'running'")),
 )
 
 schedules = Table(

@@ -151,10 +151,6 @@ def publish(due: Sequence[Due], celery: Celery | None = None) -> None:
             celery.send_task(RUN_JOB, args=(job.key,), task_id=job.key, queue=job.queue, producer=producer)
 
 
-#: The queues jobs are published to (the dispatcher's back-pressure watches them).
-JOB_QUEUES: tuple[str, ...] = (JOBS_QUEUE, LOW_QUEUE)
-
-
 def queue_depths(celery: Celery, names: Sequence[str]) -> dict[str, int]:
     """How many messages each queue holds on the broker now (all of its priority levels)."""
     with celery.producer_or_acquire() as producer:

@@ -3,9 +3,11 @@
 Every ``KEEL_DISPATCH_INTERVAL_SECONDS`` the beat leader publishes due jobs (task id = key): new ones whose
 ``run_at`` has come, enqueued ones whose message never got claimed (the broker lost it), and running ones whose
 lease expired (the worker died). Nothing is ever put on Redis with an ETA. Each case is read through its own
-partial index a batch at a time, so a tick costs what it publishes, not what waits; a tick publishes at most
-``KEEL_DISPATCH_MAX_PER_TICK`` jobs and none while a job queue holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages
-(back-pressure: due jobs wait in PostgreSQL, not in Redis). Claims use ``FOR UPDATE SKIP LOCKED``, so two
+partial index a batch at a time, so a tick costs what it publishes, not what waits. Back-pressure: a tick publishes
+at most ``KEEL_DISPATCH_MAX_PER_TICK`` jobs, for at most half the leader's lease (batches sized to the broker's pace
+lately: a slow broker cannot stretch a tick past the lease), and none to a job queue that holds
+``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages — asked before each batch, queue by queue: a full ``keel.jobs.low`` holds
+back its own jobs only. Due jobs wait in PostgreSQL, not in Redis. Claims use ``FOR UPDATE SKIP LOCKED``, so two
 dispatchers never publish the same row at once; a lease on the database's clock keeps a single beat leader anyway
 (tasks/leadership.py): a beat that stops hands leadership over at once, one that dies within
 ``KEEL_BEAT_LEASE_SECONDS``.
@@ -46,10 +48,10 @@ from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
 from agents.runtime import approvals
 from models.db import Database
-from models.jobs_sql import take_due
+from models.jobs_sql import JOB_QUEUES, take_due
 from models.kpi_sql import fold
 from models.settings import Settings
-from tasks.app import JOB_QUEUES, QUICK_RETRY, bounded_app, broker_error, is_broker_outage, publish, queue_depths
+from tasks.app import QUICK_RETRY, bounded_app, broker_error, is_broker_outage, publish, queue_depths
 from tasks.leader import LeaderDuties
 from tasks.leadership import Leadership
 from tasks.passes import TimedPass
@@ -59,6 +61,10 @@ celery_beat_log = logging.getLogger("celery.beat")  # its "Sending due task" lin
 
 #: How long a closing beat waits for its passes under way, all of them together.
 CLOSE_WAIT_SECONDS = 5.0
+#: The share of the leader's lease a tick may spend publishing (then the rest waits, due, for the next tick).
+PUBLISH_SHARE = 0.5
+#: The first batch of a beat with a time budget, before it knows how long a publish takes.
+PROBE = 50
 
 
 @contextmanager
@@ -90,35 +96,73 @@ class DispatchReport:
     published: int
     recovered: int
     fired: int
-    #: Why the pass stopped publishing with jobs still due, if it did: "per-tick cap" or "queue keel.jobs: N".
+    #: What held publishing back, if anything did: "per-tick cap", "time budget", or "queue keel.jobs: N" for each
+    #: job queue at KEEL_DISPATCH_MAX_QUEUE_DEPTH (whose due jobs wait; the other queue's were published).
     held: str | None = None
 
 
-def dispatch_once(db: Database, celery: Celery, settings: Settings, *, fire_schedules: bool = True) -> DispatchReport:
+class Pace:
+    """How long one publish has taken lately (a moving average over the batches), so that a batch is sized to the
+    time a tick has left: behind a slow broker a tick publishes fewer jobs, and never runs past its budget by more
+    than a few publishes."""
+
+    def __init__(self) -> None:
+        self.seconds_per_publish = 0.0
+
+    def observe(self, count: int, seconds: float) -> None:
+        if count:
+            each = seconds / count
+            self.seconds_per_publish = each if not self.seconds_per_publish else 0.5 * (self.seconds_per_publish + each)
+
+    def fits(self, seconds: float) -> int:
+        """How many publishes fit in ``seconds`` at this pace (at least one: a tick with time left makes progress);
+        a first batch, the pace not known yet, of ``PROBE`` jobs."""
+        if self.seconds_per_publish <= 0:
+            return PROBE
+        return max(1, int(seconds / self.seconds_per_publish))
+
+
+def dispatch_once(
+    db: Database,
+    celery: Celery,
+    settings: Settings,
+    *,
+    fire_schedules: bool = True,
+    deadline: float | None = None,
+    pace: Pace | None = None,
+) -> DispatchReport:
     """One pass: fire due schedules (unless ``fire_schedules`` is False: the beat fires them on a thread of its
     own), then publish due jobs in batches (on the database's clock, whatever this host's says) until none are
-    left, ``KEEL_DISPATCH_MAX_PER_TICK`` are published, or a job queue on the broker holds
-    ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages. What is not published stays due in PostgreSQL."""
+    left, ``KEEL_DISPATCH_MAX_PER_TICK`` are published, or ``deadline`` (this host's monotonic clock) comes: each batch
+    is sized by ``pace`` to the time left. Before each batch the job queues' depths on the broker are asked: a queue
+    that holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages is held back, its due jobs not even read; the other queue's
+    are published. What is not published stays due in PostgreSQL."""
     fired = fire_schedules_once(db, settings) if fire_schedules else []
     published = recovered = 0
     held: str | None = None
+    pace = pace or Pace()
     timeout = timedelta(seconds=settings.enqueue_timeout_seconds)
     while True:
         room = settings.dispatch_max_per_tick - published
         if room <= 0:
             held = "per-tick cap"
             break
-        limit = min(settings.dispatch_batch, room)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            held = "time budget"
+            break
+        queues, full = open_queues(celery, settings)
+        held = "; ".join(full) or None
+        if not queues:
+            break
+        limit = min(settings.dispatch_batch, room, pace.fits(left) if left is not None else room)
+        began = time.monotonic()
         with store_errors(), db.transaction() as cur:
-            due = take_due(cur, enqueue_timeout=timeout, limit=limit)
-            # Asked only with something to publish: a tick with nothing due does not touch the broker.
-            held = full_queue(celery, settings) if due else None
-            if held is not None:
-                cur.connection.rollback()  # they stay due, as they were
-                break
+            due = take_due(cur, enqueue_timeout=timeout, limit=limit, queues=queues)
             # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
             # commit fails after publishing, the next pass publishes again and the claim suppresses the duplicate.
             publish(due, celery)
+        pace.observe(len(due), time.monotonic() - began)
         published += len(due)
         recovered += sum(1 for d in due if d.recovered)
         if len(due) < limit:
@@ -139,16 +183,23 @@ def fire_schedules_once(db: Database, settings: Settings) -> list[str]:
         return []
 
 
-def full_queue(celery: Celery, settings: Settings) -> str | None:
-    """The first job queue on the broker that holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages or more, as
-    "queue NAME: N", or None (also when the limit is 0: off)."""
+def _reasons(held: str) -> list[str]:
+    """What holds dispatch back, without the depths (which change every tick)."""
+    return [reason.split(":")[0] for reason in held.split("; ")]
+
+
+def open_queues(celery: Celery, settings: Settings) -> tuple[list[str], list[str]]:
+    """The job queues with room on the broker, and the full ones as "queue NAME: N" — those that hold
+    ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages or more. With the limit 0 (off) every queue is open, and the broker is
+    not asked."""
     limit = settings.dispatch_max_queue_depth
     if not limit:
-        return None
-    for name, depth in queue_depths(celery, JOB_QUEUES).items():
-        if depth >= limit:
-            return f"queue {name}: {depth}"
-    return None
+        return list(JOB_QUEUES), []
+    depths = queue_depths(celery, JOB_QUEUES)
+    return (
+        [name for name in JOB_QUEUES if depths[name] < limit],
+        [f"queue {name}: {depths[name]}" for name in JOB_QUEUES if depths[name] >= limit],
+    )
 
 
 class KeelScheduler(Scheduler):  # type: ignore[misc]
@@ -166,6 +217,7 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         self.database = Outage("database", log, first=self.settings.dispatch_interval_seconds)
         self.broker = Outage("broker", log, first=self.settings.dispatch_interval_seconds)
         self._held: str | None = None
+        self.pace = Pace()  # how long a publish takes lately: each batch is sized to the tick's time left
         # Each on a thread of its own (tasks/passes.py): a slow pass never holds up dispatching, nor the others.
         settings = self.settings
         self.passes = (
@@ -227,8 +279,15 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             # interval meanwhile (a backoff longer than the lease would hand leadership over for nothing).
             return min(backoff, interval)
         try:
-            report = dispatch_once(self.db, self.publishing, self.settings, fire_schedules=False)
-            if report.published or report.held:  # (a pass with nothing due did not reach the broker: it says nothing)
+            report = dispatch_once(
+                self.db,
+                self.publishing,
+                self.settings,
+                fire_schedules=False,
+                deadline=self._publish_deadline(started),
+                pace=self.pace,
+            )
+            if report.published or report.held or self.settings.dispatch_max_queue_depth:  # it reached the broker
                 self.broker.recovered()
             if report.published:
                 log.info("dispatched %d jobs (%d recovered)", report.published, report.recovered)
@@ -260,10 +319,22 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         next_periodic: float = super().tick(*args, **kwargs)
         return max(0.01, min(next_periodic, interval - spent))
 
+    def _publish_deadline(self, started: float) -> float:
+        """When this tick stops publishing (monotonic): after ``PUBLISH_SHARE`` of the lease, and a dispatch interval
+        before the lease this tick renewed runs out, whichever is sooner — a tick publishing a backlog behind a slow
+        broker must not outlast its own leadership (the rest waits, due, for the next tick)."""
+        settings = self.settings
+        return min(
+            started + PUBLISH_SHARE * settings.beat_lease_seconds,
+            self.leadership.valid_until - settings.dispatch_interval_seconds,
+        )
+
     def _say_held(self, held: str | None) -> None:
         """Back-pressure is said once when it starts holding jobs back and once when it stops."""
         if held is not None and self._held is None:
             log.warning("dispatch held back (%s); due jobs wait in PostgreSQL", held)
+        elif held is not None and self._held is not None and _reasons(held) != _reasons(self._held):
+            log.warning("dispatch held back (%s) now; due jobs wait in PostgreSQL", held)
         elif held is None and self._held is not None:
             log.info("dispatch no longer held back")
         self._held = held

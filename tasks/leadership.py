@@ -108,6 +108,11 @@ class Leadership:
         """Whether the last renewal still holds by this process's monotonic clock (no database round trip)."""
         return self.term is not None and time.monotonic() < self._valid_until
 
+    @property
+    def valid_until(self) -> float:
+        """Until when (this process's monotonic clock) the last renewal may be trusted; 0 when not leading."""
+        return self._valid_until if self.term is not None else 0.0
+
     def release(self) -> None:
         """End this beat's term now (a clean stop hands over at once), and close the connection."""
         if self.conn is not None and self.term is not None:

@@ -7,11 +7,10 @@ from datetime import datetime
 
 from agents.core.commands import LOW, JobSpec
 from agents.core.keys import make_key
-from models.jobs_sql import NewJob
+from models.jobs_sql import JOBS_QUEUE, LOW_QUEUE, NewJob
 from models.schemas import AgentRow
 
-JOBS_QUEUE = "keel.jobs"
-LOW_QUEUE = "keel.jobs.low"  # jobs of agents past their soft deadline, and jobs asked with priority < 5
+__all__ = ["JOBS_QUEUE", "LOW_QUEUE", "NORMAL_PRIORITY", "new_jobs", "queue_for"]
 NORMAL_PRIORITY = 5
 
 

@@ -37,6 +37,7 @@ from models.db import Database
 from models.deadlines_sql import START, past_deadline_query
 from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, ClaimedJob, claim, take_due, take_due_statement
 from models.schedules_sql import LOCK_DUE
+from models.settings import Settings
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
 from tests.support.dispatchers import race_dispatchers
@@ -166,6 +167,9 @@ def test_the_dispatcher_reads_its_batch_through_one_index_per_case_not_the_backl
     # The batch (4 due), each looked at a few times (candidates, the lock, the update) — not the 20,000 enqueued
     # rows waiting their turn, nor the 20,000 due later, nor the 120,000 finished.
     assert read < 100, read
+    # keel.jobs held back (full on the broker): the low queue's cases alone, none of keel.jobs' rows read.
+    held = _explain(seeded, take_due_statement(timedelta(minutes=5), 50, ("keel.jobs.low",)), {}, analyze=True)
+    assert _rows_read(held, "jobs") == 0, json.dumps(held)[:2000]
     with db.transaction() as cur:
         due = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=50)
     assert sorted((d.key, d.recovered) for d in due) == [
@@ -327,6 +331,95 @@ def test_back_pressure_caps_a_tick_and_waits_for_a_full_queue(client: Client, db
         assert (drained.published, drained.held) == (1, None)
     finally:
         celery.close()
+
+
+def _row_versions(db: Database, keys: list[str]) -> list[tuple[str, str]]:
+    """The rows' (ctid, xmax): a transaction that locks or updates a row (even one rolled back) leaves its id in
+    xmax, an update a new version."""
+    with psycopg.connect(db.libpq_url) as raw:
+        rows = raw.execute("SELECT ctid::text, xmax::text FROM jobs WHERE key = ANY(%s) ORDER BY key", (keys,))
+        return [(ctid, xmax) for ctid, xmax in rows.fetchall()]
+
+
+def test_a_full_queue_holds_back_its_own_jobs_only_and_they_are_not_even_read(
+    client: Client, db: Database, broker: Broker
+) -> None:
+    """Back-pressure is per queue and asked before the batch is taken: a full ``keel.jobs.low`` leaves the normal
+    queue's jobs (its recoveries too) to be published, and its own due jobs are not locked, updated or rolled back
+    (a held tick used to update up to a batch of rows and roll them back, every tick)."""
+    from tasks.app import make_app
+    from tasks.dispatcher import dispatch_once
+
+    for n in range(6):
+        client.submit(client.create_agent(f"q{n}").id, f"q{n}", None, operation="count")
+    low = [f"q{n}:count:1" for n in range(3)]
+    normal = [f"q{n}:count:1" for n in range(3, 6)]
+    with psycopg.connect(db.libpq_url) as raw:
+        raw.execute("UPDATE jobs SET queue = 'keel.jobs.low' WHERE key = ANY(%s)", (low,))
+    claim(db, normal[0], "dead", timedelta(seconds=1))
+    expire_lease(db, normal[0])  # a worker died: its recovery goes to the normal queue, which has room
+    before = _row_versions(db, low)
+    assert len(before) == 3
+    with broker.redis() as redis:
+        redis.rpush(broker.key("keel.jobs.low"), *[b"x"] * 3)
+    settings = broker.settings(database_url=db.url, dispatch_max_queue_depth=3)
+    celery = make_app(settings)
+    try:
+        report = dispatch_once(db, celery, settings)
+        assert (report.published, report.recovered, report.held) == (3, 1, "queue keel.jobs.low: 3")
+        assert sorted(_messages(broker)) == sorted(normal)
+        assert _row_versions(db, low) == before, "the held queue's jobs were locked or updated"
+        with broker.redis() as redis:
+            redis.rpush(broker.key("keel.jobs"), *[b"x"] * 3)
+        both = dispatch_once(db, celery, settings)
+        assert (both.published, both.held) == (0, "queue keel.jobs: 6; queue keel.jobs.low: 3")
+        assert _row_versions(db, low) == before
+        with broker.redis() as redis:
+            redis.ltrim(broker.key("keel.jobs.low"), 3, -1)  # a worker took them
+        drained = dispatch_once(db, celery, settings)
+        assert (drained.published, drained.held) == (3, "queue keel.jobs: 6")
+        assert sorted(_messages(broker, "keel.jobs.low")) == sorted(low)
+    finally:
+        celery.close()
+
+
+def test_a_tick_behind_a_slow_broker_stops_publishing_at_its_time_budget(
+    client: Client, db: Database, broker: Broker
+) -> None:
+    """Every reply of Redis 20 ms late: publishing 400 jobs would take eight seconds and more, past a 5 s lease.
+    The tick stops at its deadline (batches sized to the pace it measured), and the rest stay due in PostgreSQL."""
+    from tasks.app import make_app
+    from tasks.dispatcher import Pace, dispatch_once
+    from tests.support.proxy import redis_behind
+
+    with psycopg.connect(db.libpq_url) as raw:
+        owner = client.create_agent("slow").id
+        raw.execute(
+            "INSERT INTO jobs (key, agent_id, request_id, operation, target, queue, priority, status, payload,"
+            " run_at, created_at, updated_at)"
+            " SELECT 'slow-' || n || ':count:1', %s, 'slow-' || n, 'count', '1', 'keel.jobs', 5, 'pending', 'null',"
+            " now(), now(), now() FROM generate_series(1, 400) n",
+            (owner,),
+        )
+    proxy, url = redis_behind(broker.url, delay=0.02)
+    settings = Settings(broker_url=url, broker_prefix=broker.prefix, database_url=db.url)
+    celery = make_app(settings)
+    pace = Pace()
+    try:
+        started = time.monotonic()
+        report = dispatch_once(db, celery, settings, deadline=started + 1.0, pace=pace)
+        spent = time.monotonic() - started
+        assert report.held == "time budget", report
+        assert 0 < report.published < 400, report
+        assert pace.seconds_per_publish >= 0.02
+        # Past the deadline by at most about one publish (and the depth asks): never by a batch.
+        assert spent < 1.0 + 0.5, spent
+        with psycopg.connect(db.libpq_url) as raw:
+            (pending,) = raw.execute("SELECT count(*) FROM jobs WHERE status = 'pending'").fetchone()  # type: ignore[misc]
+        assert pending == 400 - report.published, "what was not published is still due"
+    finally:
+        celery.close()
+        proxy.down()
 
 
 def test_the_deadline_pass_goes_through_every_batch_past_an_agent_that_fails(

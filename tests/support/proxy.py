@@ -1,19 +1,23 @@
-"""A TCP forwarder a test can cut: processes reach PostgreSQL through it, and ``down()`` makes the database vanish
-for them (connections reset, new ones refused) while the test itself still reaches it directly."""
+"""A TCP forwarder a test can cut: processes reach PostgreSQL (or Redis) through it, and ``down()`` makes the server
+vanish for them (connections reset, new ones refused) while the test itself still reaches it directly. With a
+``delay``, every reply waits that long before it is passed on: a server far away, or slow to answer."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable
+from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy.engine import make_url
 
 
 class Proxy:
-    def __init__(self, connect: Callable[[], socket.socket]) -> None:
+    def __init__(self, connect: Callable[[], socket.socket], *, delay: float = 0.0) -> None:
         self.connect = connect
+        self.delay = delay
         self.port = 0
         self._listener: socket.socket | None = None
         self._open: set[socket.socket] = set()
@@ -61,12 +65,14 @@ class Proxy:
                     server.close()
                     return
                 self._open |= {client, server}
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+            for source, sink, delay in ((client, server, 0.0), (server, client, self.delay)):
+                threading.Thread(target=self._pipe, args=(source, sink, delay), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, delay: float) -> None:
         try:
             while data := source.recv(65536):
+                if delay:
+                    time.sleep(delay)
                 sink.sendall(data)
         except OSError:
             pass
@@ -100,3 +106,12 @@ def database_behind(db_url: str) -> tuple[Proxy, str]:
     proxy = Proxy(connect).up()
     through = url.difference_update_query(["host"]).set(host="127.0.0.1", port=proxy.port)
     return proxy, through.render_as_string(hide_password=False)
+
+
+def redis_behind(redis_url: str, *, delay: float = 0.0) -> tuple[Proxy, str]:
+    """A proxy (up) in front of the Redis server of ``redis_url`` (TCP), and the URL that reaches it through it."""
+    parts = urlsplit(redis_url)
+    target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+    proxy = Proxy(lambda: socket.create_connection(target), delay=delay).up()
+    netloc = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+    return proxy, urlunsplit(parts._replace(netloc=f"{netloc}127.0.0.1:{proxy.port}"))
