@@ -51,7 +51,16 @@ from models.db import Database
 from models.jobs_sql import JOB_QUEUES, take_due
 from models.kpi_sql import fold
 from models.settings import Settings
-from tasks.app import QUICK_RETRY, bounded_app, broker_error, is_broker_outage, publish, queue_depths
+from tasks.app import (
+    OUTBOX_QUEUE,
+    QUICK_RETRY,
+    RELAY_OUTBOX,
+    bounded_app,
+    broker_error,
+    is_broker_outage,
+    publish,
+    queue_depths,
+)
 from tasks.leader import LeaderDuties
 from tasks.leadership import Leadership
 from tasks.passes import TimedPass
@@ -385,8 +394,15 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         """Send a periodic task (the outbox relay's pass). Celery would log "Couldn't apply scheduled task" with a
         traceback on every failed send, twice a second while Redis is away: an outage is one line going and one
         coming back, and beat waits with backoff in between (the pass it missed is not owed: the next one does it)."""
-        celery_beat_log.info("Scheduler: Sending due task %s (%s)", entry.name, entry.task)
         try:
+            if entry.task == RELAY_OUTBOX and self._relay_pass_waiting():
+                # A pass sent earlier still waits on keel.outbox (the relay workers are all busy, with a slow
+                # receiver say): another would only queue behind it, and passes would pile up for as long as the
+                # relay is slower than the interval. Not an expiry: that would be stamped on this host's clock and
+                # checked on the worker's (invariant 10).
+                celery_beat_log.debug("Scheduler: %s not sent: a pass still waits on %s", entry.name, OUTBOX_QUEUE)
+                return
+            celery_beat_log.info("Scheduler: Sending due task %s (%s)", entry.name, entry.task)
             self.apply_async(entry, producer=producer, advance=False)
         except Exception as exc:
             cause = broker_error(exc)
@@ -396,6 +412,10 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                 self.broker.failed(cause)
             return
         self.broker.recovered()
+
+    def _relay_pass_waiting(self) -> bool:
+        """Whether a relay pass is waiting on its queue, not yet taken by a worker."""
+        return queue_depths(self.publishing, (OUTBOX_QUEUE,))[OUTBOX_QUEUE] > 0
 
     def close(self) -> None:
         # Celery closes a scheduler twice on SIGTERM/SIGINT (in its signal handler, then as its loop ends): the second

@@ -650,6 +650,30 @@ def test_a_stop_signal_inside_a_tick_leaves_the_close_to_the_loops_end(
         blocker.close()
 
 
+def test_the_beat_sends_no_relay_pass_while_one_still_waits_on_its_queue(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relay passes took longer than the interval (a slow receiver) or every worker was busy: beat kept sending one
+    per interval, and they piled up on keel.outbox for as long as it lasted. Now a pass is sent only when none waits
+    (no expiry: that would be stamped on beat's clock and checked on the worker's)."""
+    beat = _leading_scheduler(db_url, broker, monkeypatch)
+    entry = beat.schedule["relay-outbox"]
+    queue = broker.key("keel.outbox")
+    try:
+        with broker.redis() as redis:
+            redis.delete(queue)  # whatever the first tick sent: a worker took it
+            beat.apply_entry(entry, producer=beat.producer)
+            assert redis.llen(queue) == 1, "a pass is sent when none waits"
+            for _ in range(3):
+                beat.apply_entry(entry, producer=beat.producer)
+            assert redis.llen(queue) == 1, "no pass piles up behind one still waiting"
+            redis.lpop(queue)  # a relay worker took it
+            beat.apply_entry(entry, producer=beat.producer)
+            assert redis.llen(queue) == 1, "the next one goes out"
+    finally:
+        beat.close()
+
+
 # --- the conversation a plan step reads, and what a request stores of it -------------------------------------------
 
 
