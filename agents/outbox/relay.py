@@ -35,6 +35,7 @@ from agents.outbox.senders import (
 )
 from models.db import Database
 from models.outbox_sql import (
+    HEAD_PROBES,
     ClaimedMessage,
     Delivery,
     claim_run,
@@ -53,6 +54,10 @@ log = logging.getLogger("keel.outbox")
 
 #: Messages of one line claimed and confirmed together (sent one after the other, in order).
 RUN_LENGTH = 50
+
+#: Walks over the lines' heads (HEAD_PROBES each) a pass makes at most while it finds none due: 4,096 heads, some
+#: tens of milliseconds.
+WALKS_PER_PASS = 16
 
 #: How far before a message's creation the reconciliation looks (receiver and database clocks differ a little).
 CLOCK_SLACK = timedelta(minutes=2)
@@ -126,8 +131,12 @@ class Relay:
         reconcile_pages: int = 10,
         reconcile_seconds: float | None = None,
         secrets: tuple[str, ...] = (),
+        head_probes: int = HEAD_PROBES,
+        walks: int = WALKS_PER_PASS,
     ) -> None:
         self.db = db
+        self.head_probes = head_probes
+        self.walks = walks
         self.senders = senders
         self.lease = lease
         self.concurrency = concurrency
@@ -181,7 +190,15 @@ class Relay:
         report = RelayReport()
         deadline = time.monotonic() + self.pass_seconds
         with self._cursor_lock:
-            destinations, self._cursor = due_destinations(self.db, self.concurrency, after=self._cursor)
+            # A walk that looked at its ``head_probes`` lines and found none due (their heads back off: a receiver
+            # away) goes straight on from where it stopped, up to ``walks`` of them: a due line behind thousands of
+            # backing-off ones is found within a pass or a few, not after lines / probes passes.
+            for _ in range(self.walks):
+                destinations, self._cursor = due_destinations(
+                    self.db, self.concurrency, after=self._cursor, probes=self.head_probes
+                )
+                if destinations or self._cursor == "" or time.monotonic() >= deadline:
+                    break
         if not destinations:
             return report
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="keel-relay") as pool:

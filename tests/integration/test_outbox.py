@@ -422,6 +422,20 @@ def test_a_pass_looks_at_a_bounded_number_of_lines_and_each_gets_its_turn(client
     assert due_destinations(db, 10) == (["C0", "C1", "C2", "C4", "C5", "C6"], "")
 
 
+def test_a_due_line_behind_many_backing_off_ones_is_sent_in_one_pass(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub
+) -> None:
+    """Six lines whose heads wait out a backoff (their receiver away) before the one due line, and a pass that looks
+    at two heads per walk: the pass walks on until it finds it (it used to look at two and stop: a due line waited
+    lines / probes passes behind the backing-off ones)."""
+    client.create_agent("bot")
+    emit(client, "bot", *[slack_msg(f"C{n}", f"m{n}") for n in range(7)])
+    sql(db, "UPDATE outbox SET next_attempt_at = now() + interval '1 hour' WHERE destination <> 'C6'")
+    assert relay(db, slack, github, head_probes=2, walks=1).run_pass().sent == 0, "one walk alone stops at two"
+    assert relay(db, slack, github, head_probes=2, walks=4).run_pass().sent == 1
+    assert slack.order("C6") == ["req-bot:slack:m6"]
+
+
 # --- one clock, fencing, bounded reconciliation, rate limits ------------------------------------------------------
 
 
