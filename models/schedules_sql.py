@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -60,15 +60,22 @@ def upsert_schedule_txn(
 #: Due schedules a batch at a time, through ``ix_schedules_due``.
 LOCK_DUE = (
     f"SELECT {_COLUMNS} FROM schedules WHERE enabled AND next_fire_at <= %(at)s"
+    " AND (next_fire_at, name) > (%(after_at)s, %(after_name)s)"
     " ORDER BY next_fire_at, name LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
 )
+#: Before every fire time and name: where a pass starts.
+START: tuple[datetime, str] = (datetime(1, 1, 1, tzinfo=UTC), "")
 
 
-def lock_due_schedules_txn(cur: psycopg.Cursor[Any], at: datetime, *, limit: int) -> list[ScheduleRow]:
-    """At most ``limit`` enabled schedules due at ``at``, oldest fire first, locked; rows another dispatcher holds
-    are skipped. Read through ``ix_schedules_due``: the cost is the batch, not the schedules there are."""
+def lock_due_schedules_txn(
+    cur: psycopg.Cursor[Any], at: datetime, *, limit: int, after: tuple[datetime, str] = START
+) -> list[ScheduleRow]:
+    """At most ``limit`` enabled schedules due at ``at`` and after ``after`` in (next fire, name) order, oldest
+    fire first, locked; rows another dispatcher holds are skipped. Read through ``ix_schedules_due``: the cost is
+    the batch, not the schedules there are. A pass goes on after its last batch's last schedule, so one whose fire
+    stayed due (the database could not take it) is tried by the next pass, not again and again by this one."""
     with cur.connection.cursor(row_factory=class_row(ScheduleRow)) as rows:
-        rows.execute(LOCK_DUE, {"at": at, "limit": limit})
+        rows.execute(LOCK_DUE, {"at": at, "limit": limit, "after_at": after[0], "after_name": after[1]})
         return rows.fetchall()
 
 

@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import psycopg
 from croniter import croniter
 
 from agents.core import transition as core
@@ -31,6 +32,7 @@ from agents.jobs import handlers
 from models.clock import database_now, utc
 from models.db import Database
 from models.schedules_sql import (
+    START,
     ScheduleRow,
     agent_archived_txn,
     lock_due_schedules_txn,
@@ -130,6 +132,8 @@ def ensure_schedule(
 
 #: How many due schedules one transaction of a pass locks and fires (``KEEL_SCHEDULE_BATCH`` in the beat).
 DEFAULT_BATCH = 100
+#: When a schedule that broke, and whose next fire cannot be worked out either, is tried again.
+BROKEN_RETRY = timedelta(minutes=1)
 
 
 def fire_due(
@@ -144,15 +148,46 @@ def fire_due(
         raise InvalidInput(f"batch must be at least 1, got {batch}")
     fired: list[str] = []
     now = None if at is None else utc(at)
+    after = START
     while True:
         with core.store_errors(), db.transaction() as cur:
             if now is None:
                 now = database_now(cur)
-            due = lock_due_schedules_txn(cur, now, limit=batch)
+            due = lock_due_schedules_txn(cur, now, limit=batch, after=after)
             for schedule in map(Schedule.from_row, due):
-                fired.extend(_fire_txn(cur, db, schedule, now, actor))
+                fired.extend(_fire_one_txn(cur, db, schedule, now, actor))
         if len(due) < batch:
             return fired
+        after = (due[-1].next_fire_at, due[-1].name)
+
+
+def _fire_one_txn(cur: Any, db: Database, schedule: Schedule, now: datetime, actor: str) -> list[str]:
+    """:func:`_fire_txn` inside a savepoint: a schedule that breaks in a way nobody foresaw (a bug: not an error
+    of Keel's, nor of the database's) is recorded failed and moved on, and the others of its batch still fire —
+    instead of its exception rolling the whole batch back, on every pass, with it first in line."""
+    try:
+        with cur.connection.transaction():
+            return _fire_txn(cur, db, schedule, now, actor)
+    except Exception as exc:
+        if isinstance(exc, (psycopg.Error, StoreError)):
+            raise  # the database's: the pass reports it, and every fire of the batch stays due
+        try:
+            request_id = fire_request_id(schedule.name, schedule.next_fire_at)
+        except KeelError:
+            request_id = schedule.name
+        log.exception("schedule %s: fire %s broke; recorded failed and moved on", schedule.name, request_id)
+        try:
+            following = _following(schedule, now)
+        except Exception:
+            following = now + BROKEN_RETRY  # its own times cannot be worked out: tried again a while later
+        record_fire_txn(
+            cur,
+            schedule.name,
+            fired_at=schedule.next_fire_at,
+            next_fire_at=following,
+            outcome=f"{request_id}: failed (internal error: {type(exc).__name__}: {exc})"[:1000],
+        )
+        return []
 
 
 def _fire_txn(cur: Any, db: Database, schedule: Schedule, now: datetime, actor: str) -> list[str]:

@@ -37,6 +37,7 @@ from models.db import Database
 from models.deadlines_sql import START, past_deadline_query
 from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, ClaimedJob, claim, take_due, take_due_statement
 from models.schedules_sql import LOCK_DUE
+from models.schedules_sql import START as SCHEDULES_START
 from models.settings import Settings
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
@@ -205,7 +206,7 @@ def test_the_deadline_pass_reads_the_agents_past_a_deadline_not_every_agent(clie
 
 
 def test_the_schedule_pass_reads_the_due_schedules_not_every_schedule(seeded: Raw) -> None:
-    params = {"at": now(), "limit": 100}
+    params = {"at": now(), "limit": 100, "after_at": SCHEDULES_START[0], "after_name": SCHEDULES_START[1]}
     assert "ix_schedules_due" in _served(_explain(seeded, LOCK_DUE, params), "schedules")
     assert _rows_read(_explain(seeded, LOCK_DUE, params, analyze=True), "schedules") == 0
 

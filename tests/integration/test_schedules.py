@@ -154,3 +154,54 @@ def test_a_fire_the_database_could_not_take_stays_due_and_fires_on_the_next_pass
         assert client.get_state(agent.id).request_id == fired[0]
     finally:
         impatient.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_whose_fires_all_stay_due_does_not_hold_the_pass_and_the_ones_after_it_fire(
+    client: Client, db_url: str, raw: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """Batches of one: the first schedule's agent is held past the statement timeout, so its fire stays due. The pass
+    goes on after it (it took that same schedule again and again, for ever) and fires the next one."""
+    busy, free = client.create_agent("busy"), client.create_agent("free")
+    impatient = Database(db_url, pool_size=2, audit_keys=TEST_KEYS, statement_timeout_ms=500)
+    try:
+        schedules.ensure_schedule(impatient, "a-busy", busy.id, every=timedelta(hours=1), operation="count")
+        schedules.ensure_schedule(impatient, "b-free", free.id, every=timedelta(hours=1), operation="count")
+        raw.execute("UPDATE schedules SET next_fire_at = now() - interval '1 minute'")
+        (due,) = raw.execute("SELECT next_fire_at FROM schedules WHERE name = 'b-free'").fetchone()  # type: ignore[misc]
+        with psycopg.connect(impatient.libpq_url) as holder:
+            holder.execute("SELECT 1 FROM agents WHERE id = %s FOR UPDATE", (busy.id,))
+            fired = schedules.fire_due(impatient, batch=1)
+            holder.rollback()
+        assert fired == [schedules.fire_request_id("b-free", due)]  # type: ignore[arg-type]
+        assert client.get_state(busy.id).phase == "idle", "the held agent's fire stays due for the next pass"
+        assert len(schedules.fire_due(impatient, batch=1)) == 1, "and the next pass makes it"
+    finally:
+        impatient.dispose()
+
+
+def test_a_schedule_that_breaks_is_recorded_failed_and_the_rest_of_its_batch_fires(
+    client: Client, db: Database, raw: psycopg.Connection[tuple[object, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception nobody foresaw (not Keel's, not the database's) in one schedule's fire used to roll its whole
+    batch back on every pass, with it first in line: the others never fired. Now it is recorded failed and moved
+    on, and the others of the batch fire."""
+    poison, fine = client.create_agent("poison"), client.create_agent("fine")
+    schedules.ensure_schedule(db, "a-poison", poison.id, every=timedelta(hours=1), operation="count")
+    schedules.ensure_schedule(db, "b-fine", fine.id, every=timedelta(hours=1), operation="count")
+    raw.execute("UPDATE schedules SET next_fire_at = now() - interval '1 minute'")
+    real = schedules._submit
+
+    def submit(db: Database, schedule: schedules.Schedule, request_id: str, actor: str) -> str:
+        if schedule.name == "a-poison":
+            raise RuntimeError("a bug in this schedule's fire")
+        return real(db, schedule, request_id, actor)
+
+    monkeypatch.setattr(schedules, "_submit", submit)
+    fired = schedules.fire_due(db, batch=10)
+    assert len(fired) == 1 and fired[0].startswith("b-fine.")
+    row = raw.execute("SELECT last_outcome, next_fire_at > now() FROM schedules WHERE name = 'a-poison'").fetchone()
+    assert row is not None
+    assert "failed (internal error: RuntimeError: a bug in this schedule's fire)" in str(row[0]), row
+    assert row[1] is True, "moved on to its next fire"
+    assert schedules.fire_due(db, batch=10) == [], "nothing left due: neither is tried again this hour"
