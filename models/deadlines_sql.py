@@ -68,6 +68,22 @@ def agents_past_deadline(
     return found
 
 
+def seen_again(db: Database, past: PastDeadline, active: Iterable[str]) -> PastDeadline | None:
+    """``past`` as it is now, if it still passes the very same deadline (so it is the same request: a new one sets
+    deadlines of its own) and is still active — at normal priority, for a soft one — with its revision now."""
+    column = "hard_deadline" if past.hard else "soft_deadline"
+    extra = "" if past.hard else " AND priority = 'normal'"
+    with db.connection() as conn, conn.cursor(row_factory=class_row(PastDeadline)) as cur:
+        cur.execute(
+            f"SELECT id, %(hard)s AS hard, {column} AS deadline, revision FROM agents"
+            f" WHERE id = %(id)s AND phase = ANY(%(active)s) AND {column} = %(deadline)s{extra}",
+            {"hard": past.hard, "id": past.id, "active": list(active), "deadline": past.deadline},
+        )
+        found = cur.fetchone()
+        end_read(conn)
+    return found
+
+
 def last_event(db: Database, agent_id: UUID) -> dict[str, Any] | None:
     """The agent's latest journal event (kind, event, decision, details), or None."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:

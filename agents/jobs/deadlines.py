@@ -14,11 +14,11 @@ from uuid import UUID
 
 from agents.core import transition as core
 from agents.core.commands import LOW, Command, MessageSpec
-from agents.core.errors import InvalidInput, Rejected
+from agents.core.errors import InvalidInput, Rejected, StaleRevision
 from agents.core.phases import ACTIVE, Event
 from models.clock import database_now
 from models.db import Database, end_read
-from models.deadlines_sql import START, PastDeadline, agents_past_deadline, last_event
+from models.deadlines_sql import START, PastDeadline, agents_past_deadline, last_event, seen_again
 
 log = logging.getLogger("keel.deadlines")
 
@@ -37,6 +37,8 @@ class EnforceReport:
 
 #: How many due agents one query of a pass takes (``KEEL_DEADLINE_BATCH`` in the beat).
 DEFAULT_BATCH = 200
+#: How many times a move that lost to the agent's own progress (the same request, a newer revision) is retried.
+STALE_RETRIES = 3
 
 
 def enforce(
@@ -84,30 +86,39 @@ def _move(
 ) -> None:
     # The move carries the revision the agent was seen at: if it moved on since (its request cancelled and another
     # submitted, another enforcer was first), the move is a journaled StaleRevision, never a stop or a demotion of
-    # a request that did not pass the deadline; a later pass judges the agent as it is then.
+    # a request that did not pass the deadline. If it only made progress on the same request (a busy agent's jobs
+    # finishing between the read and the move), it is read again and the move retried, up to STALE_RETRIES times:
+    # a busy agent must not keep winning against its own demotion.
+    done = report.stopped if past.hard else report.demoted
+    for attempt in range(STALE_RETRIES + 1):
+        command = _command(past, actor, notice, notice_problem)
+        try:
+            core.transition(db, command)
+        except StaleRevision as exc:
+            again = seen_again(db, past, [p.value for p in ACTIVE]) if attempt < STALE_RETRIES else None
+            if again is None or again.revision == past.revision:
+                log.info("deadline move on %s not applied: %s", past.id, exc)
+                return
+            past = again  # the same request, still past the same deadline: moved on by its own progress
+        except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
+            log.info("deadline move on %s not applied: %s", past.id, exc)
+            return
+        except Exception as exc:  # one agent's failure must not leave the others past their deadlines
+            log.exception("deadline move on %s failed; the pass goes on", past.id)
+            report.failed.append(past.id)
+            _journal_failure(db, command, exc)
+            return
+        else:
+            done.append(past.id)
+            return
+
+
+def _command(past: PastDeadline, actor: str, notice: str | None, notice_problem: str | None) -> Command:
     if past.hard:
-        command = _stop(past.id, actor, notice, notice_problem, past.revision)
-        done = report.stopped
-    else:
-        command = Command(
-            past.id,
-            Event.PROGRESS,
-            actor,
-            expected_revision=past.revision,
-            reason="soft_deadline_passed",
-            priority=LOW,
-        )
-        done = report.demoted
-    try:
-        core.transition(db, command)
-    except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
-        log.info("deadline move on %s not applied: %s", past.id, exc)
-    except Exception as exc:  # one agent's failure must not leave the others past their deadlines
-        log.exception("deadline move on %s failed; the pass goes on", past.id)
-        report.failed.append(past.id)
-        _journal_failure(db, command, exc)
-    else:
-        done.append(past.id)
+        return _stop(past.id, actor, notice, notice_problem, past.revision)
+    return Command(
+        past.id, Event.PROGRESS, actor, expected_revision=past.revision, reason="soft_deadline_passed", priority=LOW
+    )
 
 
 def _notice_template(channel: str | None) -> tuple[str | None, str | None]:

@@ -11,8 +11,8 @@ import pytest
 
 from agents.client import Client
 from agents.core import transition as core
-from agents.core.commands import Command
-from agents.core.phases import ACTIVE
+from agents.core.commands import Command, JobSpec
+from agents.core.phases import ACTIVE, Event
 from agents.core.transition import now
 from agents.jobs import deadlines
 from agents.jobs.handlers import registry
@@ -101,6 +101,31 @@ def test_a_stale_sighting_never_stops_or_demotes_the_next_request(client: Client
     for agent in (hard, soft):
         last = client.journal(agent_id=agent.id)[-1]
         assert (last.kind, last.decision) == ("rejected", "stale_revision"), last
+
+
+def test_a_busy_agents_own_progress_does_not_keep_winning_against_its_deadline(client: Client, db: Database) -> None:
+    """Between the pass's read and its move, the agent made progress on the same request (its revision moved on):
+    the move is retried on the agent as it is now, not given up until a later pass (which a busy agent could keep
+    losing, its demotion never applied)."""
+    hard, soft = client.create_agent("busy-hard"), client.create_agent("busy-soft")
+    client.submit(hard.id, "req-hard", None, operation="count", hard_deadline=timedelta(seconds=60))
+    client.submit(soft.id, "req-soft", None, operation="count", soft_deadline=timedelta(seconds=60))
+    later = now() + timedelta(seconds=61)
+    seen = {
+        kind: agents_past_deadline(db, [p.value for p in ACTIVE], hard=kind == "hard", at=later, limit=10)
+        for kind in ("hard", "soft")
+    }
+    for agent in (hard, soft):
+        for _ in range(2):  # its jobs finishing meanwhile
+            core.transition(db, Command(agent.id, Event.PROGRESS, "worker", jobs=(JobSpec("count", "2"),)))
+    assert client.get_state(soft.id).revision > seen["soft"][0].revision
+    report = deadlines.EnforceReport()
+    deadlines._move(db, seen["hard"][0], "deadline-enforcer", None, None, report)
+    deadlines._move(db, seen["soft"][0], "deadline-enforcer", None, None, report)
+    assert (report.stopped, report.demoted, report.failed) == ([hard.id], [soft.id], [])
+    assert client.get_state(hard.id).phase == "failed"
+    state = client.get_state(soft.id)
+    assert (state.priority, state.request_id) == ("low", "req-soft")
 
 
 def test_a_channel_name_for_notices_never_prevents_a_stop(client: Client, db: Database) -> None:
