@@ -294,7 +294,8 @@ def check_route(db: Database, *, production: bool) -> None:
                 "bad configuration: KEEL_DATABASE_POOLER: KEEL_DATABASE_URL reaches a connection pooler, not"
                 " PostgreSQL itself (the backend pid the connection was given is not its server process's), and"
                 " KEEL_DATABASE_POOLER is not 'transaction': set KEEL_DATABASE_POOLER=transaction (with"
-                " KEEL_DATABASE_DIRECT_URL pointing at PostgreSQL), or point KEEL_DATABASE_URL at PostgreSQL"
+                " KEEL_DATABASE_DIRECT_URL pointing at PostgreSQL; it serves a pooler in session mode too), or point"
+                " KEEL_DATABASE_URL at PostgreSQL"
             )
         return
     if server_ms != wanted_ms and wanted_ms > 0:
