@@ -437,9 +437,12 @@ def stats(db: Database) -> dict[str, Any]:
         counters = counters_txn(conn)
         cur.execute(_UNSENT_BY_STATUS)
         unsent = {r["status"]: r["n"] for r in cur.fetchall()}
-        reconciled = int(sum(v for (name, _), v in counters.items() if name == "side_effect_reconciled"))
-        confirmations = int(sum(v for (name, _), v in counters.items() if name == "side_effect_confirmations"))
-        extra = int(sum(v for (name, _), v in counters.items() if name == "side_effect_duplicates"))
+        totals: dict[str, int] = {}
+        for (name, _), value in counters.items():  # summed over their labels (channels)
+            totals[name] = totals.get(name, 0) + int(value)
+        reconciled = totals.get("side_effect_reconciled", 0)
+        confirmations = totals.get("side_effect_confirmations", 0)
+        extra = totals.get("side_effect_duplicates", 0)
         duplicated, worst = 0, 1 if confirmations else 0
         if extra:
             cur.execute(_DUPLICATED_KEYS)

@@ -66,27 +66,20 @@ class Leadership:
         """Whether this beat is the leader (renewing its lease, or taking it if it has run out); raises
         :class:`psycopg.Error` if the database cannot be asked."""
         reused = self.conn is not None and not self.conn.closed
-        try:
-            conn = self._connection()
-            asked = time.monotonic()
-            lease = leadership_sql.take(conn, self.name, self.holder, term=self.term, lease=self.lease)
-        except psycopg.OperationalError:
-            dead = self.conn is None or self.conn.broken or self.conn.closed  # not a statement the server refused
-            self._drop_connection()
-            if not (reused and dead):
-                raise
-            # The connection kept between ticks died meanwhile (a PostgreSQL or PgBouncer restart): ask once more
-            # on a new one rather than lose this tick. A database that is really away fails this too.
-            conn = self._connection()
-            asked = time.monotonic()
+        while True:
             try:
+                conn = self._connection()
+                asked = time.monotonic()
                 lease = leadership_sql.take(conn, self.name, self.holder, term=self.term, lease=self.lease)
-            except psycopg.Error:
+                break
+            except psycopg.Error as exc:
+                dead = self.conn is None or self.conn.broken or self.conn.closed  # not a statement it refused
                 self._drop_connection()
-                raise
-        except psycopg.Error:
-            self._drop_connection()
-            raise
+                if not (reused and dead and isinstance(exc, psycopg.OperationalError)):
+                    raise
+                # The connection kept between ticks died meanwhile (a PostgreSQL or PgBouncer restart): ask once
+                # more on a new one rather than lose this tick. A database that is really away fails this too.
+                reused = False
         answered = time.monotonic()
         if lease is None or lease.remaining_seconds <= 0 or answered >= asked + lease.remaining_seconds:
             self._lost(lease)
