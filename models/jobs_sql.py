@@ -450,6 +450,23 @@ def take_due_statement(enqueue_timeout: timedelta, limit: int, queues: Sequence[
     )
 
 
+def queues_with_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, queues: Sequence[str]) -> list[str]:
+    """Which of ``queues`` have a job due (read, not taken: one index probe per case), for what back-pressure says
+    it holds back."""
+    seconds = float(enqueue_timeout.total_seconds())
+    found = []
+    for queue in queues:
+        statement = (
+            "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
+            f" candidates AS ({_candidates(queue)}) SELECT EXISTS (SELECT 1 FROM candidates)"
+        )
+        statement = statement.replace("%(stale)s", f"interval '{seconds:.6f} seconds'").replace("%(limit)s", "1")
+        row = cur.execute(statement).fetchone()
+        if row is not None and row[0]:
+            found.append(queue)
+    return found
+
+
 def take_due(
     cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int, queues: Sequence[str] = JOB_QUEUES
 ) -> list[Due]:

@@ -95,3 +95,11 @@ def record_fire_txn(
         " WHERE name = %s",
         (next_fire_at, fired_at, outcome, name),
     )
+
+
+def disable_broken_txn(cur: psycopg.Cursor[Any], name: str, *, outcome: str) -> None:
+    """Turn schedule ``name`` off, saying why in its last outcome: its next fire time cannot be worked out."""
+    cur.execute(
+        "UPDATE schedules SET enabled = false, last_outcome = %s, updated_at = clock_timestamp() WHERE name = %s",
+        (outcome, name),
+    )

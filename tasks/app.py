@@ -6,6 +6,7 @@ time Celery reads it, so importing this module starts nothing (the embedded Redi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -137,8 +138,17 @@ def make_app(settings: Settings | None = None) -> Celery:
 app = make_app()
 
 
-def publish(due: Sequence[Due], celery: Celery | None = None) -> None:
-    """Send jobs to the broker. The task id is the job key; retries and re-publishes reuse it."""
+class PastDeadline(Exception):
+    """A publish ran into its deadline: ``sent`` of the jobs went out, the rest did not."""
+
+    def __init__(self, sent: int) -> None:
+        super().__init__(f"publish deadline passed after {sent} jobs")
+        self.sent = sent
+
+
+def publish(due: Sequence[Due], celery: Celery | None = None, *, deadline: float | None = None) -> None:
+    """Send jobs to the broker. The task id is the job key; retries and re-publishes reuse it. With ``deadline``
+    (monotonic), raises :class:`PastDeadline` instead of sending a job once it has passed."""
     if not due:
         return
     celery = celery or app
@@ -147,7 +157,9 @@ def publish(due: Sequence[Due], celery: Celery | None = None) -> None:
         # a cached declaration would route every message to nowhere until a restart.
         for name in {job.queue for job in due}:
             celery.amqp.queues[name](producer.channel).declare()
-        for job in due:
+        for sent, job in enumerate(due):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise PastDeadline(sent)
             celery.send_task(RUN_JOB, args=(job.key,), task_id=job.key, queue=job.queue, producer=producer)
 
 

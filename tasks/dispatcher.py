@@ -48,13 +48,14 @@ from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
 from agents.runtime import approvals
 from models.db import Database
-from models.jobs_sql import JOB_QUEUES, take_due
+from models.jobs_sql import JOB_QUEUES, queues_with_due, take_due
 from models.kpi_sql import fold
 from models.settings import Settings
 from tasks.app import (
     OUTBOX_QUEUE,
     QUICK_RETRY,
     RELAY_OUTBOX,
+    PastDeadline,
     bounded_app,
     broker_error,
     is_broker_outage,
@@ -112,23 +113,31 @@ class DispatchReport:
 
 class Pace:
     """How long one publish has taken lately (a moving average over the batches), so that a batch is sized to the
-    time a tick has left: behind a slow broker a tick publishes fewer jobs, and never runs past its budget by more
-    than a few publishes."""
+    time a tick has left: behind a slow broker a tick publishes fewer jobs per batch. A batch that still runs into
+    the deadline (the broker turned slow in the middle of it) is rolled back, its jobs left due."""
 
     def __init__(self) -> None:
         self.seconds_per_publish = 0.0
 
     def observe(self, count: int, seconds: float) -> None:
+        """A batch of ``count`` publishes took ``seconds``: a slower pace is taken at once, a faster one halfway."""
         if count:
             each = seconds / count
-            self.seconds_per_publish = each if not self.seconds_per_publish else 0.5 * (self.seconds_per_publish + each)
+            slower = each > self.seconds_per_publish
+            self.seconds_per_publish = each if slower else 0.5 * (self.seconds_per_publish + each)
 
     def fits(self, seconds: float) -> int:
-        """How many publishes fit in ``seconds`` at this pace (at least one: a tick with time left makes progress);
-        a first batch, the pace not known yet, of ``PROBE`` jobs."""
+        """How many publishes fit in ``seconds`` at this pace, with a fifth of it to spare (at least one: a tick with
+        time left makes progress); a first batch, the pace not known yet, of ``PROBE`` jobs."""
         if self.seconds_per_publish <= 0:
             return PROBE
-        return max(1, int(seconds / self.seconds_per_publish))
+        return max(1, int(0.8 * seconds / self.seconds_per_publish))
+
+
+def _rounded(n: int, batch: int) -> int:
+    """``n`` rounded down to a power of two (``batch`` itself when it is at least that): the due scan is written out
+    per limit, and a few texts are planned once each, where every limit would be planned anew."""
+    return batch if n >= batch else 1 << (max(1, n).bit_length() - 1)
 
 
 def dispatch_once(
@@ -143,34 +152,40 @@ def dispatch_once(
     """One pass: fire due schedules (unless ``fire_schedules`` is False: the beat fires them on a thread of its
     own), then publish due jobs in batches (on the database's clock, whatever this host's says) until none are
     left, ``KEEL_DISPATCH_MAX_PER_TICK`` are published, or ``deadline`` (this host's monotonic clock) comes: each batch
-    is sized by ``pace`` to the time left. Before each batch the job queues' depths on the broker are asked: a queue
-    that holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages is held back, its due jobs not even read; the other queue's
-    are published. What is not published stays due in PostgreSQL."""
+    is sized by ``pace`` to the time left, and one that runs into the deadline anyway is rolled back (what of it was
+    sent already goes out again later: the claim suppresses the copy). Before each batch the job queues' depths on
+    the broker are asked: a queue that holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages is held back, its due jobs not
+    even read; the other queue's are published. What is not published stays due in PostgreSQL."""
     fired = fire_schedules_once(db, settings) if fire_schedules else []
     published = recovered = 0
-    held: str | None = None
+    stopped: str | None = None
+    full: list[str] = []
     pace = pace or Pace()
     timeout = timedelta(seconds=settings.enqueue_timeout_seconds)
     while True:
         room = settings.dispatch_max_per_tick - published
         if room <= 0:
-            held = "per-tick cap"
+            stopped = "per-tick cap"
             break
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            held = "time budget"
+            stopped = "time budget"
             break
-        queues, full = open_queues(celery, settings)
-        held = "; ".join(full) or None
+        queues, full = open_queues(db, celery, settings)
         if not queues:
             break
-        limit = min(settings.dispatch_batch, room, pace.fits(left) if left is not None else room)
+        limit = _rounded(min(room, pace.fits(left) if left is not None else room), settings.dispatch_batch)
         began = time.monotonic()
-        with store_errors(), db.transaction() as cur:
-            due = take_due(cur, enqueue_timeout=timeout, limit=limit, queues=queues)
-            # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
-            # commit fails after publishing, the next pass publishes again and the claim suppresses the duplicate.
-            publish(due, celery)
+        try:
+            with store_errors(), db.transaction() as cur:
+                due = take_due(cur, enqueue_timeout=timeout, limit=limit, queues=queues)
+                # Published inside the transaction: if publishing fails, the rows stay due for the next pass. If the
+                # commit fails after publishing, the next pass publishes again and the claim suppresses the copy.
+                publish(due, celery, deadline=deadline)
+        except PastDeadline as late:  # rolled back: its jobs stay due, and the next batch is sized to this pace
+            pace.observe(late.sent, time.monotonic() - began)
+            stopped = "time budget"
+            break
         pace.observe(len(due), time.monotonic() - began)
         published += len(due)
         recovered += sum(1 for d in due if d.recovered)
@@ -178,7 +193,7 @@ def dispatch_once(
             break
     if recovered:
         log.warning("recovered %d jobs whose worker died or whose message was lost", recovered)
-    return DispatchReport(published, recovered, len(fired), held)
+    return DispatchReport(published, recovered, len(fired), "; ".join([*([stopped] if stopped else []), *full]) or None)
 
 
 def fire_schedules_once(db: Database, settings: Settings) -> list[str]:
@@ -192,22 +207,29 @@ def fire_schedules_once(db: Database, settings: Settings) -> list[str]:
         return []
 
 
-def _reasons(held: str) -> list[str]:
+def _reasons(held: str | None) -> set[str]:
     """What holds dispatch back, without the depths (which change every tick)."""
-    return [reason.split(":")[0] for reason in held.split("; ")]
+    return set() if held is None else {reason.split(":")[0] for reason in held.split("; ")}
 
 
-def open_queues(celery: Celery, settings: Settings) -> tuple[list[str], list[str]]:
-    """The job queues with room on the broker, and the full ones as "queue NAME: N" — those that hold
-    ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages or more. With the limit 0 (off) every queue is open, and the broker is
-    not asked."""
+def open_queues(db: Database, celery: Celery, settings: Settings) -> tuple[list[str], list[str]]:
+    """The job queues with room on the broker, and, as "queue NAME: N", the full ones — those that hold
+    ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages or more — that have due jobs waiting (a full queue with nothing due
+    holds nothing back). With the limit 0 (off) every queue is open, and the broker is not asked."""
     limit = settings.dispatch_max_queue_depth
     if not limit:
         return list(JOB_QUEUES), []
     depths = queue_depths(celery, JOB_QUEUES)
+    full = [name for name in JOB_QUEUES if depths[name] >= limit]
+    if full:
+        with store_errors(), db.transaction() as cur:
+            waiting = set(
+                queues_with_due(cur, enqueue_timeout=timedelta(seconds=settings.enqueue_timeout_seconds), queues=full)
+            )
+        full = [name for name in full if name in waiting]
     return (
         [name for name in JOB_QUEUES if depths[name] < limit],
-        [f"queue {name}: {depths[name]}" for name in JOB_QUEUES if depths[name] >= limit],
+        [f"queue {name}: {depths[name]}" for name in full],
     )
 
 
@@ -282,31 +304,15 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             outage = timed.poke(started, back_since=self._database_back_since)
             if outage is not None:
                 return self.database.failed(outage)
+        # The broker away (or in its backoff): nothing is published, but the leader's duties below still run every
+        # tick (heartbeat, alerts, audit chores need the database only) and the lease is renewed every interval (a
+        # backoff longer than the lease would hand leadership over for nothing).
         backoff = self.broker.wait()
-        if backoff:
-            # The broker is away: nothing is published until its backoff ends, but the lease is still renewed every
-            # interval meanwhile (a backoff longer than the lease would hand leadership over for nothing).
-            return min(backoff, interval)
-        try:
-            report = dispatch_once(
-                self.db,
-                self.publishing,
-                self.settings,
-                fire_schedules=False,
-                deadline=self._publish_deadline(started),
-                pace=self.pace,
-            )
-            if report.published or report.held or self.settings.dispatch_max_queue_depth:  # it reached the broker
-                self.broker.recovered()
-            if report.published:
-                log.info("dispatched %d jobs (%d recovered)", report.published, report.recovered)
-            self._say_held(report.held)
-        except Exception as exc:  # beat must outlive a database or broker outage; the rows stay due
-            if unreachable(exc):
-                return self.database.failed(exc)
-            if is_broker_outage(exc):
-                return self.broker.failed(broker_error(exc) or exc)
-            log.exception("dispatch pass failed; retrying next tick")
+        if not backoff:
+            try:
+                backoff = self._dispatch(started)
+            except Exception as exc:
+                return self.database.failed(exc)  # (only an unreachable database gets here)
         try:
             # Heartbeat, alerts, periodic audit verify, daily KPI report: each at its own interval on the
             # database's clock; a failure of theirs never stops the dispatcher.
@@ -315,6 +321,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             if unreachable(exc):
                 return self.database.failed(exc)
             log.exception("leader duties failed; retrying next tick")
+        if backoff:
+            return min(backoff, interval)
         spent = time.monotonic() - started
         # Beat's producer connects the first time it is used. Here, not inside Celery's tick: that one has taken the
         # due entry off its heap by then, and would lose it (the relay's pass, for good) if connecting failed.
@@ -328,6 +336,32 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         next_periodic: float = super().tick(*args, **kwargs)
         return max(0.01, min(next_periodic, interval - spent))
 
+    def _dispatch(self, started: float) -> float:
+        """Publish what is due; the broker's backoff (seconds) if it could not be reached, else 0. A database that
+        cannot be reached is raised (the tick backs off on it)."""
+        try:
+            report = dispatch_once(
+                self.db,
+                self.publishing,
+                self.settings,
+                fire_schedules=False,
+                deadline=self._publish_deadline(started),
+                pace=self.pace,
+            )
+        except Exception as exc:  # beat must outlive a database or broker outage; the rows stay due
+            if unreachable(exc):
+                raise
+            if is_broker_outage(exc):
+                return self.broker.failed(broker_error(exc) or exc)
+            log.exception("dispatch pass failed; retrying next tick")
+            return 0.0
+        if report.published or report.held or self.settings.dispatch_max_queue_depth:  # it reached the broker
+            self.broker.recovered()
+        if report.published:
+            log.info("dispatched %d jobs (%d recovered)", report.published, report.recovered)
+        self._say_held(report.held)
+        return 0.0
+
     def _publish_deadline(self, started: float) -> float:
         """When this tick stops publishing (monotonic): after ``PUBLISH_SHARE`` of the lease, and a dispatch interval
         before the lease this tick renewed runs out, whichever is sooner — a tick publishing a backlog behind a slow
@@ -339,13 +373,14 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         )
 
     def _say_held(self, held: str | None) -> None:
-        """Back-pressure is said once when it starts holding jobs back and once when it stops."""
+        """Back-pressure is said once when it starts holding jobs back (a warning) and once when it stops; what holds
+        it back changing meanwhile (the cap one tick, a full queue the next) is only a debug line."""
         if held is not None and self._held is None:
             log.warning("dispatch held back (%s); due jobs wait in PostgreSQL", held)
-        elif held is not None and self._held is not None and _reasons(held) != _reasons(self._held):
-            log.warning("dispatch held back (%s) now; due jobs wait in PostgreSQL", held)
         elif held is None and self._held is not None:
             log.info("dispatch no longer held back")
+        elif held is not None and _reasons(held) != _reasons(self._held):
+            log.debug("dispatch still held back (%s)", held)
         self._held = held
 
     def _fire_schedules(self) -> None:

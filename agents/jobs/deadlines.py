@@ -94,23 +94,31 @@ def _move(
         command = _command(past, actor, notice, notice_problem)
         try:
             core.transition(db, command)
+            done.append(past.id)
+            return
         except StaleRevision as exc:
-            again = seen_again(db, past, [p.value for p in ACTIVE]) if attempt < STALE_RETRIES else None
-            if again is None or again.revision == past.revision:
-                log.info("deadline move on %s not applied: %s", past.id, exc)
-                return
-            past = again  # the same request, still past the same deadline: moved on by its own progress
+            stale: Rejected = exc
         except Rejected as exc:  # the agent moved on since we looked; the rejection is journaled
             log.info("deadline move on %s not applied: %s", past.id, exc)
             return
         except Exception as exc:  # one agent's failure must not leave the others past their deadlines
-            log.exception("deadline move on %s failed; the pass goes on", past.id)
-            report.failed.append(past.id)
-            _journal_failure(db, command, exc)
+            _failed(db, command, exc, report)
             return
-        else:
-            done.append(past.id)
+        try:
+            again = seen_again(db, past, [p.value for p in ACTIVE]) if attempt < STALE_RETRIES else None
+        except Exception as exc:
+            _failed(db, command, exc, report)
             return
+        if again is None or again.revision == past.revision:
+            log.info("deadline move on %s not applied: %s", past.id, stale)
+            return
+        past = again  # the same request, still past the same deadline: moved on by its own progress
+
+
+def _failed(db: Database, command: Command, exc: Exception, report: EnforceReport) -> None:
+    log.exception("deadline move on %s failed; the pass goes on", command.agent_id)
+    report.failed.append(command.agent_id)
+    _journal_failure(db, command, exc)
 
 
 def _command(past: PastDeadline, actor: str, notice: str | None, notice_problem: str | None) -> Command:

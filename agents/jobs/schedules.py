@@ -35,6 +35,7 @@ from models.schedules_sql import (
     START,
     ScheduleRow,
     agent_archived_txn,
+    disable_broken_txn,
     lock_due_schedules_txn,
     record_fire_txn,
     upsert_schedule_txn,
@@ -132,8 +133,6 @@ def ensure_schedule(
 
 #: How many due schedules one transaction of a pass locks and fires (``KEEL_SCHEDULE_BATCH`` in the beat).
 DEFAULT_BATCH = 100
-#: When a schedule that broke, and whose next fire cannot be worked out either, is tried again.
-BROKEN_RETRY = timedelta(minutes=1)
 
 
 def fire_due(
@@ -175,24 +174,25 @@ def _fire_one_txn(cur: Any, db: Database, schedule: Schedule, now: datetime, act
             request_id = fire_request_id(schedule.name, schedule.next_fire_at)
         except KeelError:
             request_id = schedule.name
-        log.exception("schedule %s: fire %s broke; recorded failed and moved on", schedule.name, request_id)
+        names = (schedule.name, request_id)
+        outcome = f"{request_id}: failed (internal error: {type(exc).__name__}: {exc})"[:1000]
         try:
             following = _following(schedule, now)
         except Exception:
-            following = now + BROKEN_RETRY  # its own times cannot be worked out: tried again a while later
-        record_fire_txn(
-            cur,
-            schedule.name,
-            fired_at=schedule.next_fire_at,
-            next_fire_at=following,
-            outcome=f"{request_id}: failed (internal error: {type(exc).__name__}: {exc})"[:1000],
-        )
+            # Its own times cannot be worked out: turned off (its last outcome says why), rather than
+            # fired again and again under a new name each time.
+            log.exception("schedule %s: fire %s broke and its next fire cannot be worked out; disabled", *names)
+            disable_broken_txn(cur, schedule.name, outcome=f"{outcome}; disabled")
+            return []
+        log.exception("schedule %s: fire %s broke; recorded failed and moved on", *names)
+        record_fire_txn(cur, schedule.name, fired_at=schedule.next_fire_at, next_fire_at=following, outcome=outcome)
         return []
 
 
 def _fire_txn(cur: Any, db: Database, schedule: Schedule, now: datetime, actor: str) -> list[str]:
     """Fire one locked schedule and move it on; the request id submitted, if it was."""
     request_id = fire_request_id(schedule.name, schedule.next_fire_at)
+    following = _following(schedule, now)  # before the submit: nothing after it may break but the database
     try:
         if agent_archived_txn(cur, schedule.agent_id):  # moved on, nothing journaled: it is out of use
             outcome = "skipped (the agent is archived)"
@@ -214,7 +214,7 @@ def _fire_txn(cur: Any, db: Database, schedule: Schedule, now: datetime, actor: 
         cur,
         schedule.name,
         fired_at=schedule.next_fire_at,
-        next_fire_at=_following(schedule, now),
+        next_fire_at=following,
         outcome=f"{request_id}: {outcome}",
     )
     return [request_id] if outcome == "submitted" else []

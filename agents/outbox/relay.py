@@ -193,12 +193,15 @@ class Relay:
             # A walk that looked at its ``head_probes`` lines and found none due (their heads back off: a receiver
             # away) goes straight on from where it stopped, up to ``walks`` of them: a due line behind thousands of
             # backing-off ones is found within a pass or a few, not after lines / probes passes.
+            # A walk ending where an earlier one of this pass ended has come round (every line looked at): stop.
+            ended = {self._cursor}
             for _ in range(self.walks):
                 destinations, self._cursor = due_destinations(
                     self.db, self.concurrency, after=self._cursor, probes=self.head_probes
                 )
-                if destinations or self._cursor == "" or time.monotonic() >= deadline:
+                if destinations or self._cursor in ended or self._cursor == "" or time.monotonic() >= deadline:
                     break
+                ended.add(self._cursor)
         if not destinations:
             return report
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="keel-relay") as pool:

@@ -436,6 +436,28 @@ def test_a_due_line_behind_many_backing_off_ones_is_sent_in_one_pass(
     assert slack.order("C6") == ["req-bot:slack:m6"]
 
 
+def test_a_pass_over_lines_that_all_back_off_stops_once_it_has_come_round(
+    client: Client, db: Database, slack: FakeSlack, github: FakeGitHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five lines, every head backing off, two heads per walk: the pass stops when its walks come round (three
+    walks), not after all sixteen going over the same lines again."""
+    import agents.outbox.relay as relay_module
+
+    client.create_agent("bot")
+    emit(client, "bot", *[slack_msg(f"C{n}", f"m{n}") for n in range(5)])
+    sql(db, "UPDATE outbox SET next_attempt_at = now() + interval '1 hour'")
+    walks: list[str] = []
+    real = relay_module.due_destinations
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        walks.append(kwargs["after"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(relay_module, "due_destinations", counting)
+    assert relay(db, slack, github, head_probes=2, walks=16).run_pass().sent == 0
+    assert walks == ["", "C1", "C3"], walks
+
+
 # --- one clock, fencing, bounded reconciliation, rate limits ------------------------------------------------------
 
 
