@@ -442,25 +442,26 @@ def take_due_statement(enqueue_timeout: timedelta, limit: int, queues: Sequence[
     is planned once per connection once psycopg prepares it, instead of on every tick (a few dozen branches take a
     while to plan, and a generic plan for a bound LIMIT would be a worse one). One text per set of queues: at most
     three."""
+    return _written_in(take_due_sql(queues), enqueue_timeout=enqueue_timeout, limit=limit)
+
+
+def _written_in(statement: str, *, enqueue_timeout: timedelta, limit: int) -> str:
+    """``statement`` with its stale age and limit written in as literals (a number each)."""
     seconds = float(enqueue_timeout.total_seconds())
-    return (
-        take_due_sql(queues)
-        .replace("%(stale)s", f"interval '{seconds:.6f} seconds'")
-        .replace("%(limit)s", str(int(limit)))
-    )
+    return statement.replace("%(stale)s", f"interval '{seconds:.6f} seconds'").replace("%(limit)s", str(int(limit)))
 
 
 def queues_with_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, queues: Sequence[str]) -> list[str]:
     """Which of ``queues`` have a job due (read, not taken: one index probe per case), for what back-pressure says
     it holds back."""
-    seconds = float(enqueue_timeout.total_seconds())
     found = []
     for queue in queues:
-        statement = (
+        statement = _written_in(
             "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
-            f" candidates AS ({_candidates(queue)}) SELECT EXISTS (SELECT 1 FROM candidates)"
+            f" candidates AS ({_candidates(queue)}) SELECT EXISTS (SELECT 1 FROM candidates)",
+            enqueue_timeout=enqueue_timeout,
+            limit=1,
         )
-        statement = statement.replace("%(stale)s", f"interval '{seconds:.6f} seconds'").replace("%(limit)s", "1")
         row = cur.execute(statement).fetchone()
         if row is not None and row[0]:
             found.append(queue)

@@ -445,22 +445,11 @@ def test_the_leaders_duties_go_on_while_the_broker_is_away(
     """Redis cut with nothing due: the dispatcher asks the queues' depths every tick and fails, but the leader's
     heartbeat (and its alerts, audit chores) need the database only and go on every tick; they used to wait out
     the broker's backoff, and the heartbeat grew as old as the outage (KeelNoBeatLeader fires at two minutes)."""
-    from celery import Celery
-
-    from tasks.app import celery_config
-    from tasks.dispatcher import KeelScheduler
     from tests.support.proxy import redis_behind
 
     proxy, url = redis_behind(broker.url)
-    env = {"KEEL_DATABASE_URL": db_url, "KEEL_BROKER_URL": url, "KEEL_BROKER_PREFIX": broker.prefix}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    app = Celery("duties-test", set_as_current=False)
-    app.conf.update(celery_config(Settings()))
-    beat = KeelScheduler(app=app)
+    beat = _leading_scheduler(db_url, broker, monkeypatch, broker_url=url)
     try:
-        beat.tick()
-        assert beat.leadership.term is not None
         proxy.down()
         end = time.monotonic() + 6
         while time.monotonic() < end:
@@ -615,15 +604,21 @@ def test_a_closing_beat_waits_for_its_passes_once_and_within_one_budget(
             timed.join(60)
 
 
-def _leading_scheduler(db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A KeelScheduler on this test's database and broker that has ticked once and leads."""
+def _leading_scheduler(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch, *, broker_url: str | None = None
+) -> Any:
+    """A KeelScheduler on this test's database and broker (reached through ``broker_url`` when given: a proxy)
+    that has ticked once and leads."""
     from celery import Celery
 
     from models.settings import Settings
     from tasks.app import celery_config
     from tasks.dispatcher import KeelScheduler
 
-    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+    env = {"KEEL_DATABASE_URL": db_url, **broker.env}
+    if broker_url is not None:
+        env["KEEL_BROKER_URL"] = broker_url
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     app = Celery("signal-test", set_as_current=False)
     app.conf.update(celery_config(Settings()))
