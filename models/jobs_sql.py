@@ -18,6 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from models.db import Database, end_read
+from models.tables import JOB_QUEUES
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,12 +366,6 @@ def holds(cur: psycopg.Cursor[Any], key: str, token: int) -> bool:
 def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
     cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
 
-
-#: The job queues (agents/core/queues.py picks one per job): the normal one, and the low one for the jobs of agents
-#: past their soft deadline and jobs asked with priority < 5.
-JOBS_QUEUE = "keel.jobs"
-LOW_QUEUE = "keel.jobs.low"
-JOB_QUEUES: tuple[str, ...] = (JOBS_QUEUE, LOW_QUEUE)
 
 #: Job priorities (agents/core/commands.py JobSpec checks 0-9), highest first: the due scan reads each queue's and
 #: priority's range of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15

@@ -39,6 +39,12 @@ JOB_STATUSES: tuple[str, ...] = ("pending", "enqueued", "running", "succeeded", 
 #: Job statuses from which nothing moves on.
 JOB_FINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled", "dead")
 AGENT_PRIORITIES: tuple[str, ...] = ("normal", "low")
+#: The job queues (agents/core/queues.py picks one per job): the normal one, and the low one for the jobs of agents
+#: past their soft deadline and jobs asked with priority < 5. The dispatcher reads these only: a job on any other
+#: queue would never be published, so the table refuses it.
+JOBS_QUEUE = "keel.jobs"
+LOW_QUEUE = "keel.jobs.low"
+JOB_QUEUES: tuple[str, ...] = (JOBS_QUEUE, LOW_QUEUE)
 OUTBOX_STATUSES: tuple[str, ...] = ("pending", "sending", "sent", "dead")
 CHANNELS: tuple[str, ...] = ("slack", "github")
 #: The request ids of Keel's own outbox messages (alerts, the daily KPI report), which belong to no agent.
@@ -299,6 +305,7 @@ jobs = Table(
         "attempts >= 0 AND tokens >= 0 AND cost >= 0 AND failed_tokens >= 0 AND failed_cost >= 0", name="non_negative"
     ),
     CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
+    CheckConstraint(_in("queue", JOB_QUEUES), name="queue"),  # 0027
     # Live jobs by status, then due time: the KPI scrape's counts and oldest due job (a scan by due time alone would
     # walk every enqueued job waiting its turn).
     Index("ix_jobs_due", "status", "run_at", postgresql_where=text("status IN ('pending', 'enqueued', 'running')")),

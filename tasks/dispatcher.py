@@ -48,9 +48,10 @@ from agents.core.transition import store_errors
 from agents.jobs import deadlines, schedules
 from agents.runtime import approvals
 from models.db import Database
-from models.jobs_sql import JOB_QUEUES, queues_with_due, take_due
+from models.jobs_sql import queues_with_due, take_due
 from models.kpi_sql import fold
 from models.settings import Settings
+from models.tables import JOB_QUEUES
 from tasks.app import (
     OUTBOX_QUEUE,
     QUICK_RETRY,

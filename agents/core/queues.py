@@ -7,8 +7,9 @@ from datetime import datetime
 
 from agents.core.commands import LOW, JobSpec
 from agents.core.keys import make_key
-from models.jobs_sql import JOBS_QUEUE, LOW_QUEUE, NewJob
+from models.jobs_sql import NewJob
 from models.schemas import AgentRow
+from models.tables import JOBS_QUEUE, LOW_QUEUE
 
 __all__ = ["JOBS_QUEUE", "LOW_QUEUE", "NORMAL_PRIORITY", "new_jobs", "queue_for"]
 NORMAL_PRIORITY = 5

@@ -9,6 +9,14 @@ on the old indexes would walk them, every tick, in a backlog that is as long as 
 - ``ix_jobs_enqueued``: (queue, enqueued_at) of enqueued jobs — messages that were never claimed;
 - ``ix_jobs_leased``: (queue, lease_until) of running jobs — leases that ran out.
 
+Built beside traffic: each new index is built ``CONCURRENTLY`` under a name of its own, the old one dropped
+``CONCURRENTLY`` and the new one renamed to its name — no step blocks the jobs table's writes (on a table of millions
+of finished jobs a plain build would stop every claim and outcome while it ran). Outside a transaction (Alembic's
+``autocommit_block``): a run cut short leaves at most an invalid ``…_next`` index, dropped and built again by the
+next run; until it ends, the dispatcher reads through whichever index exists. The downgrade runs in its
+transaction, as every other does (one that is refused further down changes nothing), and blocks writes to jobs while
+it builds.
+
 Revision ID: 0026
 Revises: 0025
 Create Date: 2026-12-03
@@ -16,7 +24,6 @@ Create Date: 2026-12-03
 
 from __future__ import annotations
 
-import sqlalchemy as sa
 from alembic import op
 
 revision = "0026"
@@ -25,19 +32,30 @@ branch_labels = None
 depends_on = None
 
 _INDEXES = (
-    ("ix_jobs_pending", ["priority", "run_at"], "status = 'pending'"),
-    ("ix_jobs_enqueued", ["enqueued_at"], "status = 'enqueued'"),
-    ("ix_jobs_leased", ["lease_until"], "status = 'running'"),
+    ("ix_jobs_pending", "priority, run_at", "status = 'pending'"),
+    ("ix_jobs_enqueued", "enqueued_at", "status = 'enqueued'"),
+    ("ix_jobs_leased", "lease_until", "status = 'running'"),
 )
 
 
+def _rebuild(name: str, columns: str, where: str) -> None:
+    """Index ``name`` rebuilt over ``columns`` without a lock that blocks writes; repeatable after any interruption."""
+    building = f"{name}_next"
+    op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {building}")  # an earlier run's, possibly invalid
+    op.execute(f"CREATE INDEX CONCURRENTLY {building} ON jobs ({columns}) WHERE {where}")
+    op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+    op.execute(f"ALTER INDEX {building} RENAME TO {name}")
+
+
 def upgrade() -> None:
-    for name, columns, where in _INDEXES:
-        op.drop_index(name, table_name="jobs")
-        op.create_index(name, "jobs", ["queue", *columns], unique=False, postgresql_where=sa.text(where))
+    with op.get_context().autocommit_block():
+        for name, columns, where in _INDEXES:
+            _rebuild(name, f"queue, {columns}", where)
 
 
 def downgrade() -> None:
+    # In the downgrade's transaction (it blocks writes to jobs while the three build): a downgrade past an earlier
+    # revision that is refused must leave this one as it was.
     for name, columns, where in _INDEXES:
-        op.drop_index(name, table_name="jobs")
-        op.create_index(name, "jobs", columns, unique=False, postgresql_where=sa.text(where))
+        op.execute(f"DROP INDEX {name}")
+        op.execute(f"CREATE INDEX {name} ON jobs ({columns}) WHERE {where}")

@@ -201,3 +201,89 @@ def test_0019_seals_the_audit_records_written_before_it(empty_db_url: str) -> No
         assert conn.execute("SELECT count(*) FROM audit_shipments").fetchone() == (1,)
     migrations.upgrade(empty_db_url)
     migrations.check(empty_db_url)
+
+
+def _due_indexes(url: str) -> dict[str, tuple[str, bool]]:
+    with psycopg.connect(libpq_url(url)) as conn:
+        rows: list[Any] = conn.execute(
+            "SELECT c.relname, pg_get_indexdef(i.indexrelid), i.indisvalid FROM pg_index i"
+            " JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = 'jobs'::regclass"
+            " AND c.relname ~ '^ix_jobs_(pending|enqueued|leased)'"
+        ).fetchall()
+    return {name: (definition, valid) for name, definition, valid in rows}
+
+
+def test_0026_rebuilds_the_due_indexes_without_blocking_writes(empty_db_url: str) -> None:
+    """A writer holds the jobs table while the upgrade runs (a claim in flight): the upgrade waits for it, and a second
+    writer meanwhile is not queued behind the upgrade — a plain CREATE or DROP INDEX would take a lock that stops it
+    (and every claim and outcome after it) until the build ended, on a table of millions of finished jobs. What an
+    earlier run cut short (a left-over ``…_next`` index) is built again."""
+    import threading
+    import time
+
+    migrations.upgrade(empty_db_url, "0025")
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        conn.execute("CREATE INDEX ix_jobs_pending_next ON jobs (key)")  # an interrupted run's leftover
+    holder = psycopg.connect(libpq_url(empty_db_url))
+    holder.execute("LOCK TABLE jobs IN ROW EXCLUSIVE MODE")  # what an INSERT or UPDATE holds to its commit
+    errors: list[BaseException] = []
+
+    def upgrading() -> None:
+        try:
+            migrations.upgrade(empty_db_url, "0026")
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+
+    upgrade = threading.Thread(target=upgrading)
+    upgrade.start()
+    try:
+        with psycopg.connect(libpq_url(empty_db_url), autocommit=True) as watch:
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                waiting = watch.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND query ~* 'index'"
+                ).fetchone()
+                if waiting is not None and waiting[0]:
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("the upgrade never waited for the writer")
+        with psycopg.connect(libpq_url(empty_db_url)) as writer:
+            writer.execute("SET lock_timeout = '3s'")
+            writer.execute("LOCK TABLE jobs IN ROW EXCLUSIVE MODE")  # raises LockNotAvailable if queued behind it
+            writer.rollback()
+    finally:
+        holder.rollback()
+        holder.close()
+        upgrade.join(120)
+    assert not errors, errors
+    indexes = _due_indexes(empty_db_url)
+    assert set(indexes) == {"ix_jobs_pending", "ix_jobs_enqueued", "ix_jobs_leased"}, "no left-over index"
+    assert all(valid for _, valid in indexes.values())
+    assert "(queue, priority, run_at)" in indexes["ix_jobs_pending"][0]
+    assert "(queue, lease_until)" in indexes["ix_jobs_leased"][0]
+    migrations.upgrade(empty_db_url)
+    migrations.check(empty_db_url)
+    migrations.downgrade(empty_db_url, "0025")
+    assert "(priority, run_at)" in _due_indexes(empty_db_url)["ix_jobs_pending"][0]
+    assert "(enqueued_at)" in _due_indexes(empty_db_url)["ix_jobs_enqueued"][0]
+
+
+def test_0027_refuses_a_job_on_a_queue_the_dispatcher_does_not_read(empty_db_url: str) -> None:
+    """A job written with another queue would never be published nor recovered: the table refuses it."""
+    migrations.upgrade(empty_db_url)
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        (agent,) = conn.execute(  # type: ignore[misc]
+            "INSERT INTO agents (name, created_at, updated_at) VALUES ('q', now(), now()) RETURNING id"
+        ).fetchone()
+        insert = (
+            "INSERT INTO jobs (key, agent_id, request_id, operation, target, queue, run_at)"
+            " VALUES (%s, %s, 'r', 'count', '1', %s, now())"
+        )
+        from models.tables import JOB_QUEUES
+
+        for n, queue in enumerate(JOB_QUEUES):  # the model's queues and the migration's are the same
+            conn.execute(insert, (f"r:count:q{n}", agent, queue))
+        with pytest.raises(psycopg.errors.CheckViolation, match="ck_jobs_queue"):
+            conn.execute(insert, ("r:count:2", agent, "celery"))
