@@ -153,15 +153,39 @@ def live_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> list[dict[str, An
         return named.fetchall()
 
 
-def cancel_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, now: datetime, reason: str) -> list[str]:
-    """Cancel every live job of the agent. Running ones get a new fencing token, so their outcome cannot land."""
+@dataclass(frozen=True, slots=True)
+class Swept:
+    """What :func:`cancel_agent_jobs_txn` cancelled."""
+
+    keys: list[str]
+    #: The usage (``{"tokens": …, "cost": …}`` as staged) of each cancelled job that held a staged outcome, by key:
+    #: spend no attempt will record now, taken out of the job with its outcome, for the caller to charge.
+    staged: dict[str, Any]
+
+
+def cancel_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, now: datetime, reason: str) -> Swept:
+    """Cancel every live job of the agent. Running ones get a new fencing token, so their outcome cannot land; a
+    staged outcome leaves its job (no attempt will record it) and its usage is returned, to be charged by the cancel."""
     cur.execute(
         "UPDATE jobs SET status = 'cancelled', last_error = %s, lease_until = NULL, finished_at = %s, updated_at = %s,"
-        " fencing_token = CASE WHEN status = 'running' THEN nextval('job_fencing_token_seq') ELSE fencing_token END"
-        " WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running') RETURNING key",
+        " fencing_token = CASE WHEN status = 'running' THEN nextval('job_fencing_token_seq') ELSE fencing_token END,"
+        " result = CASE WHEN result ? 'staged' THEN NULLIF(result - 'staged' - 'reply', '{}'::jsonb) ELSE result END"
+        " FROM (SELECT key AS live, COALESCE(result #> '{staged,result,usage}', result #> '{staged,failure,usage}')"
+        "       AS usage FROM jobs WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running')"
+        "       FOR UPDATE) s"
+        " WHERE key = s.live RETURNING key, s.usage",
         (reason, now, now, agent_id),
     )
-    return [r[0] for r in cur.fetchall()]
+    rows = cur.fetchall()
+    return Swept([key for key, _ in rows], {key: usage for key, usage in rows if usage is not None})
+
+
+def charge_void_attempt_txn(cur: psycopg.Cursor[Any], key: str, tokens: int, cost: Decimal) -> None:
+    """Record on job ``key`` the spend of an attempt whose outcome was never recorded (charged to its agent)."""
+    cur.execute(
+        "UPDATE jobs SET failed_tokens = failed_tokens + %s, failed_cost = failed_cost + %s WHERE key = %s",
+        (tokens, cost, key),
+    )
 
 
 def demote_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, queue: str, now: datetime) -> list[str]:

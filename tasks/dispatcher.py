@@ -5,7 +5,8 @@ Every ``KEEL_DISPATCH_INTERVAL_SECONDS`` the beat leader publishes due jobs (tas
 lease expired (the worker died). Nothing is ever put on Redis with an ETA. Each case is read through its own
 partial index a batch at a time, so a tick costs what it publishes, not what waits. Back-pressure: a tick publishes
 at most ``KEEL_DISPATCH_MAX_PER_TICK`` jobs, for at most half the leader's lease (batches sized to the broker's pace
-lately: a slow broker cannot stretch a tick past the lease), and none to a job queue that holds
+lately: a slow broker cannot stretch a tick past the lease; a publish that runs into that deadline stops within one
+message and its batch is rolled back, to be taken again by the next tick), and none to a job queue that holds
 ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages — asked before each batch, queue by queue: a full ``keel.jobs.low`` holds
 back its own jobs only. Due jobs wait in PostgreSQL, not in Redis. Claims use ``FOR UPDATE SKIP LOCKED``, so two
 dispatchers never publish the same row at once; a lease on the database's clock keeps a single beat leader anyway

@@ -8,10 +8,12 @@ journaled in a transaction of its own, so the rejection is on record while the a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
@@ -27,6 +29,7 @@ from agents.core.commands import (
     MessageSpec,
     Reject,
     Suppress,
+    Usage,
     as_given,
     decide,
     differences,
@@ -57,6 +60,7 @@ from models.db import Database
 from models.jobs_sql import (
     Due,
     cancel_agent_jobs_txn,
+    charge_void_attempt_txn,
     demote_agent_jobs_txn,
     finish_params,
     finish_txn,
@@ -79,6 +83,8 @@ from models.sql import (
     set_archived_txn,
     update_agent_and_commit_txn,
 )
+
+log = logging.getLogger("keel.core")
 
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
 #: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled.
@@ -480,9 +486,13 @@ def _apply_txn(
     # Coming to rest cancels the agent's live jobs (an empty sweep costs a statement: skip it when there are none).
     if Phase(after.phase) in RESTING and Phase(before.phase) not in RESTING:
         if live_jobs > 0 or effects or command.jobs:
-            cancelled = cancel_agent_jobs_txn(cur, after.id, at, f"agent {after.phase}: {command.reason}")
-            if cancelled:
-                details["jobs_cancelled"] = cancelled
+            swept = cancel_agent_jobs_txn(cur, after.id, at, f"agent {after.phase}: {command.reason}")
+            if swept.keys:
+                details["jobs_cancelled"] = swept.keys
+            if swept.staged:
+                after, charged = _charge_staged_txn(cur, after, swept.staged)
+                if charged:
+                    details["staged_spend_charged"] = charged
         known = []
     if after.priority == LOW and before.priority != LOW:
         demoted = demote_agent_jobs_txn(cur, after.id, LOW_QUEUE, at)
@@ -524,6 +534,32 @@ def _apply_txn(
     if not with_jobs:
         return stored, to_publish, None
     return stored, to_publish, known if known is not None else read
+
+
+def _charge_staged_txn(
+    cur: psycopg.Cursor[Any], after: AgentRow, staged: Mapping[str, Any]
+) -> tuple[AgentRow, dict[str, Any] | None]:
+    """Charge the spend of the staged outcomes a sweep took out of their jobs (their workers died, or will find
+    themselves fenced off): no attempt will record them now, and what they spent was spent. Charged to the agent, and
+    recorded on each job as the spend of a void attempt; once, as the outcome left its job in the same transaction.
+    Returns the agent's row as charged and what the event says of it (None: nothing to charge)."""
+    keys: list[str] = []
+    tokens, cost = 0, Usage().cost
+    for key, usage in staged.items():
+        try:
+            spend = Usage(int(usage.get("tokens", 0)), Decimal(str(usage.get("cost", "0"))))
+        except (AttributeError, TypeError, ValueError, ArithmeticError, InvalidInput):
+            log.warning("job %s: its staged outcome's usage cannot be read (%.200r): not charged", key, usage)
+            continue
+        if not spend:
+            continue
+        charge_void_attempt_txn(cur, key, spend.tokens, spend.cost)
+        keys.append(key)
+        tokens, cost = tokens + spend.tokens, cost + spend.cost
+    if not keys:
+        return after, None
+    charged = replace(after, spent_tokens=after.spent_tokens + tokens, spent_cost=after.spent_cost + cost)
+    return charged, {"jobs": keys, "tokens": tokens, "cost": str(cost)}
 
 
 def _views(jobs: list[dict[str, Any]]) -> tuple[JobView, ...]:

@@ -601,9 +601,9 @@ class Runner:
     def _fenced(self, job: ClaimedJob, why: str, spend: Usage, *, staged: bool = False) -> RunOutcome:
         """This worker's outcome is void. What it spent was still spent: that is charged, and journaled — once.
 
-        A ``staged`` outcome carries its spend with it: if the job is live again (another claim took it over), the
-        attempt that records the staged outcome charges it; only if the job ended without it (cancelled, say) is
-        it charged here, taken out of the job in the same transaction so that nobody charges it again.
+        A ``staged`` outcome carries its spend with it, and whoever takes it out of its job charges it: the attempt
+        that records it if the job is live again (another claim took it over); the sweep of a cancel or a stop that
+        ended the job (agents/core/transition.py); here, only if the job ended otherwise with it still in place.
         """
         log.warning("job %s: outcome discarded: %s", job.key, why)
         details = {"job": job.key, "fencing_token": job.fencing_token, "why": why}
@@ -625,7 +625,7 @@ class Runner:
                     )
                     return RunOutcome(job.key, "fenced", why)
                 except _ChargedElsewhere:
-                    details["spend"] = "charged by the attempt that records the staged outcome"
+                    details["spend"] = "charged with the staged outcome (by the attempt that records it, or the sweep)"
             core.record_side_event(
                 self.db,
                 job.agent_id,
@@ -655,7 +655,7 @@ def _storable(text: str) -> str:
 
 
 class _ChargedElsewhere(Exception):
-    """The staged outcome's spend will be (or was) charged by the attempt that records it."""
+    """The staged outcome's spend will be (or was) charged by whoever took it out of its job."""
 
 
 def _staged_usage(staged: Mapping[str, Any] | None) -> Usage:

@@ -482,7 +482,7 @@ def test_a_staged_outcome_fenced_off_by_a_takeover_is_charged_once_by_its_replay
     assert (state.phase, state.spent_tokens, state.spent_cost) == ("done", 100, Decimal("1.00")), "charged once"
 
 
-def test_a_staged_outcome_fenced_off_by_a_cancel_is_charged_once_by_its_worker(
+def test_a_staged_outcome_fenced_off_by_a_cancel_is_charged_once_by_the_cancel(
     client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = client.create_agent("cancelled")
@@ -502,6 +502,9 @@ def test_a_staged_outcome_fenced_off_by_a_cancel_is_charged_once_by_its_worker(
     assert (state.phase, state.spent_tokens) == ("failed", 100)
     row = job_row(db, "req-1:spend:1")
     assert row is not None and row["status"] == "cancelled" and "staged" not in (row["result"] or {})
+    cancel, fenced = client.journal(agent_id=agent.id)[-2:]
+    assert cancel.event == "cancel" and cancel.details["staged_spend_charged"]["tokens"] == 100
+    assert fenced.decision == "fenced_off" and "charged with the staged outcome" in fenced.details["spend"]
 
 
 def test_a_failed_lease_renewal_is_retried_within_a_second(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -523,3 +526,39 @@ def test_a_failed_lease_renewal_is_retried_within_a_second(db: Database, monkeyp
         while len(calls) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert len(calls) >= 2 and calls[1] - calls[0] < 1.5, "retried after a second, not a third of a lease"
+
+
+def test_a_staged_outcome_whose_worker_died_is_charged_by_the_cancel_that_sweeps_it(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker staged its outcome (100 tokens spent) and died before the transition that records it; before its
+    lease ran out the request was cancelled. No attempt will ever record that outcome, so nobody charged what was
+    spent: the agent's spend, its budget and the spend KPIs said 0. The cancel's sweep now charges it, once: on the
+    agent (its event says which jobs), on the job as the spend of a void attempt, and the outcome leaves the job."""
+    agent = client.create_agent("orphaned")
+    client.submit(agent.id, "req-1", None, operation="spend")
+    other = client.create_agent("bystander")
+    client.submit(other.id, "req-2", None, operation="count")
+    key = "req-1:spend:1"
+
+    def died(*args: Any, **kw: Any) -> Any:
+        raise StoreError("database error: connection lost") from psycopg.OperationalError("connection lost")
+
+    monkeypatch.setattr(core, "transition", died)
+    with pytest.raises(StoreError):
+        make_runner(db, {"spend": _spend}).run(key)
+    monkeypatch.undo()
+    row = job_row(db, key)
+    assert row is not None and row["status"] == "running" and "staged" in row["result"], "staged, never recorded"
+    state = client.cancel(agent.id, actor="alice", reason="wrong prompt")
+    assert (state.phase, state.spent_tokens, state.spent_cost) == ("failed", 100, Decimal("1.00"))
+    event = client.journal(agent_id=agent.id)[-1]
+    assert event.event == "cancel" and event.details["staged_spend_charged"] == {
+        "jobs": [key],
+        "tokens": 100,
+        "cost": "1.00",
+    }
+    row = job_row(db, key)
+    assert row is not None and row["status"] == "cancelled" and "staged" not in (row["result"] or {})
+    assert (row["failed_tokens"], row["failed_cost"]) == (100, Decimal("1.00")), "the void attempt's spend"
+    assert client.get_state(other.id).spent_tokens == 0, "another agent's jobs are not touched"
