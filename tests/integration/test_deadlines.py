@@ -74,18 +74,25 @@ def test_one_agent_whose_stop_fails_does_not_spare_the_others(
     assert deadlines.enforce(db, later + timedelta(seconds=10)).stopped == [first.id]
 
 
-def test_a_stale_sighting_never_stops_or_demotes_the_next_request(client: Client, db: Database) -> None:
-    """A pass reads the agents past their deadlines, then moves them one by one: an agent whose request was
-    cancelled and replaced in between (the next request has no deadline) must not be stopped or demoted for the
-    old one's deadline (outside review: the move carried no revision)."""
-    hard, soft = client.create_agent("hard"), client.create_agent("soft")
-    client.submit(hard.id, "req-hard-1", None, operation="count", hard_deadline=timedelta(seconds=60))
-    client.submit(soft.id, "req-soft-1", None, operation="count", soft_deadline=timedelta(seconds=60))
+def _sighted_past_their_deadlines(client: Client, db: Database, name: str, suffix: str) -> tuple[Any, Any, Any]:
+    """Agents ``{name}hard`` and ``{name}soft`` on requests ``req-hard{suffix}`` / ``req-soft{suffix}`` with a hard and
+    a soft deadline of a minute, and what a deadline pass a second past them reads (by kind), before it moves them."""
+    hard, soft = client.create_agent(f"{name}hard"), client.create_agent(f"{name}soft")
+    client.submit(hard.id, f"req-hard{suffix}", None, operation="count", hard_deadline=timedelta(seconds=60))
+    client.submit(soft.id, f"req-soft{suffix}", None, operation="count", soft_deadline=timedelta(seconds=60))
     later = now() + timedelta(seconds=61)
     seen = {
         kind: agents_past_deadline(db, [p.value for p in ACTIVE], hard=kind == "hard", at=later, limit=10)
         for kind in ("hard", "soft")
     }
+    return hard, soft, seen
+
+
+def test_a_stale_sighting_never_stops_or_demotes_the_next_request(client: Client, db: Database) -> None:
+    """A pass reads the agents past their deadlines, then moves them one by one: an agent whose request was
+    cancelled and replaced in between (the next request has no deadline) must not be stopped or demoted for the
+    old one's deadline (outside review: the move carried no revision)."""
+    hard, soft, seen = _sighted_past_their_deadlines(client, db, "", "-1")
     assert [p.id for p in seen["hard"]] == [hard.id] and [p.id for p in seen["soft"]] == [soft.id]
     for agent, request in ((hard, "req-hard-2"), (soft, "req-soft-2")):
         client.cancel(agent.id, actor="ops")
@@ -107,14 +114,7 @@ def test_a_busy_agents_own_progress_does_not_keep_winning_against_its_deadline(c
     """Between the pass's read and its move, the agent made progress on the same request (its revision moved on):
     the move is retried on the agent as it is now, not given up until a later pass (which a busy agent could keep
     losing, its demotion never applied)."""
-    hard, soft = client.create_agent("busy-hard"), client.create_agent("busy-soft")
-    client.submit(hard.id, "req-hard", None, operation="count", hard_deadline=timedelta(seconds=60))
-    client.submit(soft.id, "req-soft", None, operation="count", soft_deadline=timedelta(seconds=60))
-    later = now() + timedelta(seconds=61)
-    seen = {
-        kind: agents_past_deadline(db, [p.value for p in ACTIVE], hard=kind == "hard", at=later, limit=10)
-        for kind in ("hard", "soft")
-    }
+    hard, soft, seen = _sighted_past_their_deadlines(client, db, "busy-", "")
     for agent in (hard, soft):
         for _ in range(2):  # its jobs finishing meanwhile
             core.transition(db, Command(agent.id, Event.PROGRESS, "worker", jobs=(JobSpec("count", "2"),)))
