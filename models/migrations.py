@@ -38,6 +38,10 @@ class DowngradeRefused(KeelError):
     """A migration cannot be reverted on this database without losing or misreading what it holds."""
 
 
+class UpgradeRefused(KeelError):
+    """A migration cannot be applied to this database as it is: what is in the way is named, to be mended first."""
+
+
 def script_location() -> Path:
     """The folder that holds ``env.py`` and ``versions/``: the installed ``keel_migrations`` package (a wheel, or the
     checkout's ``alembic/`` through an editable install), else the checkout's ``alembic/``."""

@@ -313,8 +313,10 @@ class Runner:
                 # its spend (if it was staged: what was spent was spent).
                 log.exception("job %s: its outcome could not be recorded", job.key)
                 message = _storable(f"outcome could not be recorded: {exc!r}")
-                failure = _Failure(ErrorClass.INVALID, message, self._staged_spend(job.key), None)
-                outcome = self._fail(job, failure)
+                spend = self._staged_spend(job.key)
+                failure = _Failure(ErrorClass.INVALID, message, spend or Usage(), None)
+                # Staged: whoever takes the outcome out of the job charges its spend (a sweep may, meanwhile).
+                outcome = self._fail(job, failure, staged=spend is not None)
         if abandoned.is_set():
             # Work the handler could not stop still runs on a thread of this process: the process must end.
             return replace(outcome, end_process=True)
@@ -353,10 +355,14 @@ class Runner:
             return self._fenced(job, "the job's claim was lost before its outcome was staged", failure.usage)
         return self._fail(job, failure, staged=True)
 
-    def _staged_spend(self, key: str) -> Usage:
+    def _staged_spend(self, key: str) -> Usage | None:
+        """The spend of the outcome staged on job ``key``; None if none is staged."""
         row = job_row(self.db, key)
+        staged = ((row or {}).get("result") or {}).get(STAGED)
+        if staged is None:
+            return None
         try:
-            return _staged_usage(((row or {}).get("result") or {}).get(STAGED))
+            return _staged_usage(staged)
         except (KeyError, TypeError, ValueError, KeelError):
             return Usage()
 

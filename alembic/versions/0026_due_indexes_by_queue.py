@@ -12,8 +12,8 @@ on the old indexes would walk them, every tick, in a backlog that is as long as 
 Built beside traffic: each new index is built ``CONCURRENTLY`` under a name of its own, the old one dropped
 ``CONCURRENTLY`` and the new one renamed to its name — no step blocks the jobs table's writes (on a table of millions
 of finished jobs a plain build would stop every claim and outcome while it ran). Outside a transaction (Alembic's
-``autocommit_block``): a run cut short leaves at most an invalid ``…_next`` index, dropped and built again by the
-next run; until it ends, the dispatcher reads through whichever index exists. The downgrade runs in its
+``autocommit_block``): a run cut short leaves an invalid ``…_next`` index (dropped and built again by the next run) or
+a finished one (kept, and put in place of the old); until it ends, the dispatcher reads through whichever exists. The downgrade runs in its
 transaction, as every other does (one that is refused further down changes nothing), and blocks writes to jobs while
 it builds.
 
@@ -24,6 +24,7 @@ Create Date: 2026-12-03
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from alembic import op
 
 revision = "0026"
@@ -38,11 +39,32 @@ _INDEXES = (
 )
 
 
+def _built(name: str, columns: str) -> bool:
+    """Whether index ``name`` exists, is valid and is on ``columns`` (an earlier run's finished build); never in
+    offline mode (``--sql``), whose script builds it again."""
+    if op.get_context().as_sql:
+        return False
+    row = (
+        op.get_bind()
+        .execute(
+            sa.text(
+                "SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i"
+                " WHERE i.indexrelid = to_regclass(:name)"
+            ),
+            {"name": name},
+        )
+        .first()
+    )
+    return row is not None and bool(row[0]) and f"USING btree ({columns}) WHERE" in str(row[1])
+
+
 def _rebuild(name: str, columns: str, where: str) -> None:
-    """Index ``name`` rebuilt over ``columns`` without a lock that blocks writes; repeatable after any interruption."""
+    """Index ``name`` rebuilt over ``columns`` without a lock that blocks writes; repeatable after any interruption:
+    a ``…_next`` an earlier run finished is kept (it may be the only one left), any other is built again."""
     building = f"{name}_next"
-    op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {building}")  # an earlier run's, possibly invalid
-    op.execute(f"CREATE INDEX CONCURRENTLY {building} ON jobs ({columns}) WHERE {where}")
+    if not _built(building, columns):
+        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {building}")  # invalid (a build cut short), or not ours
+        op.execute(f"CREATE INDEX CONCURRENTLY {building} ON jobs ({columns}) WHERE {where}")
     op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
     op.execute(f"ALTER INDEX {building} RENAME TO {name}")
 

@@ -6,7 +6,8 @@ out: lost without a word. The table now refuses it.
 
 Added beside traffic: the constraint is added ``NOT VALID`` (a catalog change, under a lock held for an instant and
 waited for at most ``LOCK_TIMEOUT`` at a time, so a long transaction on jobs never queues every writer behind the
-upgrade), then validated in a transaction of its own, which reads the table under a lock that blocks no write.
+upgrade), then validated in a transaction of its own, which reads the table under a lock that blocks no write. Jobs
+already on another queue are named and the upgrade refused, changing nothing: they are for an operator to move.
 
 Revision ID: 0027
 Revises: 0026
@@ -19,6 +20,8 @@ import time
 
 import sqlalchemy as sa
 from alembic import op
+
+from models.migrations import UpgradeRefused
 
 revision = "0027"
 down_revision = "0026"
@@ -48,8 +51,27 @@ def _briefly(statement: str) -> None:
         bind.execute(sa.text("RESET lock_timeout"))
 
 
+def _refuse_strays(allowed: str) -> None:
+    """Refuse, changing nothing, while jobs sit on other queues: VALIDATE would fail on them at every run (and the
+    constraint, added NOT VALID, would refuse every update of them meanwhile: an agent's cancel, say)."""
+    if op.get_context().as_sql:
+        return
+    found = op.get_bind().execute(
+        sa.text(f"SELECT key, queue FROM jobs WHERE queue NOT IN ({allowed}) ORDER BY key LIMIT 5")
+    )
+    strays = found.fetchall()
+    if strays:
+        named = ", ".join(f"{key!r} on {queue!r}" for key, queue in strays)
+        raise UpgradeRefused(
+            f"cannot upgrade to 0027: jobs sit on queues the dispatcher does not read ({named}{', …' * (len(strays) == 5)});"
+            f" move them to one it reads (UPDATE jobs SET queue = 'keel.jobs' WHERE queue NOT IN ({allowed})) or delete"
+            " them, then upgrade again; nothing was changed by 0027"
+        )
+
+
 def upgrade() -> None:
     allowed = ", ".join(f"'{queue}'" for queue in QUEUES)
+    _refuse_strays(allowed)
     with op.get_context().autocommit_block():
         _briefly("ALTER TABLE jobs DROP CONSTRAINT IF EXISTS ck_jobs_queue")  # an earlier run's, cut short
         _briefly(f"ALTER TABLE jobs ADD CONSTRAINT ck_jobs_queue CHECK (queue IN ({allowed})) NOT VALID")

@@ -411,6 +411,29 @@ def test_an_outcome_the_database_refuses_fails_the_job_instead_of_looping(
     assert (state.phase, state.spent_tokens) == ("failed", 100), "what the step spent is still charged"
 
 
+def test_a_refused_outcome_whose_job_a_cancel_sweeps_meanwhile_is_charged_once(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database refused the staged outcome; while the worker fails the step instead, a cancel sweeps the job and
+    charges the staged spend: the worker, fenced off, must not charge it a second time (outside review)."""
+    agent = client.create_agent("refused-and-cancelled")
+    client.submit(agent.id, "req-1", None, operation="spend")
+    real = core.transition
+
+    def refusing_then_cancelled(db_: Database, command: Any, **kw: Any) -> Any:
+        if command.outcome is not None and command.outcome.status == "succeeded":
+            refused = psycopg.errors.NumericValueOutOfRange("bigint out of range")
+            raise StoreError("database error: bigint out of range") from refused
+        if command.outcome is not None:  # the failure that replaces it: a cancel comes first
+            client.cancel(agent.id, actor="alice", reason="wrong prompt")
+        return real(db_, command, **kw)
+
+    monkeypatch.setattr(core, "transition", refusing_then_cancelled)
+    assert make_runner(db, {"spend": _spend}).run("req-1:spend:1").status == "fenced"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens, state.spent_cost) == ("failed", 100, Decimal("1.00")), "charged once"
+
+
 def test_a_staged_outcome_whose_workers_keep_dying_stops_at_the_unknown_cap_and_is_charged(
     client: Client, db: Database, raw: psycopg.Connection[tuple[object, ...]]
 ) -> None:
@@ -562,3 +585,7 @@ def test_a_staged_outcome_whose_worker_died_is_charged_by_the_cancel_that_sweeps
     assert row is not None and row["status"] == "cancelled" and "staged" not in (row["result"] or {})
     assert (row["failed_tokens"], row["failed_cost"]) == (100, Decimal("1.00")), "the void attempt's spend"
     assert client.get_state(other.id).spent_tokens == 0, "another agent's jobs are not touched"
+    from models.kpi_sql import totals
+
+    kpis = totals(db)  # the spend KPIs count it once, as spend wasted on a void attempt
+    assert (kpis.spent_tokens, kpis.retry_tokens, kpis.spent_cost, kpis.retry_cost) == (100, 100, 1.0, 1.0)

@@ -222,8 +222,25 @@ def test_0026_rebuilds_the_due_indexes_without_blocking_writes(empty_db_url: str
     import time
 
     migrations.upgrade(empty_db_url, "0025")
-    with psycopg.connect(libpq_url(empty_db_url)) as conn:
-        conn.execute("CREATE INDEX ix_jobs_pending_next ON jobs (key)")  # an interrupted run's leftover
+    with psycopg.connect(libpq_url(empty_db_url), autocommit=True) as conn:
+        (agent,) = conn.execute(  # type: ignore[misc]
+            "INSERT INTO agents (name, created_at, updated_at) VALUES ('i', now(), now()) RETURNING id"
+        ).fetchone()
+        for n in (1, 2):
+            conn.execute(
+                "INSERT INTO jobs (key, agent_id, request_id, operation, target, queue, run_at)"
+                " VALUES (%s, %s, 'r', 'count', %s, 'keel.jobs', now())",
+                (f"r:count:{n}", agent, str(n)),
+            )
+        # What interrupted runs leave: a build cut short (an invalid index), a finished build whose old index was
+        # already dropped (the only due index of its case left), and an index of that name on other columns.
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute("CREATE UNIQUE INDEX CONCURRENTLY ix_jobs_pending_next ON jobs (queue)")
+        conn.execute("CREATE INDEX ix_jobs_leased_next ON jobs (queue, lease_until) WHERE status = 'running'")
+        conn.execute("DROP INDEX ix_jobs_leased")
+        conn.execute("CREATE INDEX ix_jobs_enqueued_next ON jobs (key)")
+        (finished,) = conn.execute("SELECT 'ix_jobs_leased_next'::regclass::oid").fetchone()  # type: ignore[misc]
+    assert _due_indexes(empty_db_url)["ix_jobs_pending_next"][1] is False, "the leftover is invalid"
     holder = psycopg.connect(libpq_url(empty_db_url))
     holder.execute("LOCK TABLE jobs IN ROW EXCLUSIVE MODE")  # what an INSERT or UPDATE holds to its commit
     errors: list[BaseException] = []
@@ -263,6 +280,10 @@ def test_0026_rebuilds_the_due_indexes_without_blocking_writes(empty_db_url: str
     assert all(valid for _, valid in indexes.values())
     assert "(queue, priority, run_at)" in indexes["ix_jobs_pending"][0]
     assert "(queue, lease_until)" in indexes["ix_jobs_leased"][0]
+    assert "(queue, enqueued_at)" in indexes["ix_jobs_enqueued"][0]
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        (kept,) = conn.execute("SELECT 'ix_jobs_leased'::regclass::oid").fetchone()  # type: ignore[misc]
+    assert kept == finished, "a finished build is put in place, not dropped and built again"
     migrations.upgrade(empty_db_url)
     migrations.check(empty_db_url)
     migrations.downgrade(empty_db_url, "0025")
@@ -287,3 +308,32 @@ def test_0027_refuses_a_job_on_a_queue_the_dispatcher_does_not_read(empty_db_url
             conn.execute(insert, (f"r:count:q{n}", agent, queue))
         with pytest.raises(psycopg.errors.CheckViolation, match="ck_jobs_queue"):
             conn.execute(insert, ("r:count:2", agent, "celery"))
+        conn.rollback()
+        (validated,) = conn.execute(  # type: ignore[misc]
+            "SELECT convalidated FROM pg_constraint WHERE conname = 'ck_jobs_queue'"
+        ).fetchone()
+        assert validated, "validated: the rows from before it hold too"
+
+
+def test_0027_names_the_jobs_on_other_queues_and_changes_nothing(empty_db_url: str) -> None:
+    """A job already on a queue the dispatcher does not read: VALIDATE would fail on every run (and the constraint,
+    left NOT VALID, refuse every update of it). The upgrade names it and stops; once it is moved, it goes through."""
+    from models.migrations import UpgradeRefused
+
+    migrations.upgrade(empty_db_url, "0026")
+    with psycopg.connect(libpq_url(empty_db_url), autocommit=True) as conn:
+        (agent,) = conn.execute(  # type: ignore[misc]
+            "INSERT INTO agents (name, created_at, updated_at) VALUES ('q', now(), now()) RETURNING id"
+        ).fetchone()
+        conn.execute(
+            "INSERT INTO jobs (key, agent_id, request_id, operation, target, queue, run_at)"
+            " VALUES ('r:count:1', %s, 'r', 'count', '1', 'celery', now())",
+            (agent,),
+        )
+        with pytest.raises(UpgradeRefused, match=r"'r:count:1' on 'celery'.*UPDATE jobs SET queue = 'keel.jobs'"):
+            migrations.upgrade(empty_db_url)
+        assert migrations.revision_at(empty_db_url) == "0026"
+        assert conn.execute("SELECT 1 FROM pg_constraint WHERE conname = 'ck_jobs_queue'").fetchone() is None
+        conn.execute("UPDATE jobs SET queue = 'keel.jobs' WHERE queue = 'celery'")
+    migrations.upgrade(empty_db_url)
+    assert migrations.revision_at(empty_db_url) == migrations.head()
