@@ -155,7 +155,7 @@ def live_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID) -> list[dict[str, An
 
 @dataclass(frozen=True, slots=True)
 class Swept:
-    """What :func:`cancel_agent_jobs_txn` cancelled."""
+    """What a cancel of live jobs (:func:`cancel_agent_jobs_txn`, :func:`cancel_request_steps_txn`) cancelled."""
 
     keys: list[str]
     #: The usage (``{"tokens": …, "cost": …}`` as staged) of each cancelled job that held a staged outcome, by key:
@@ -163,21 +163,30 @@ class Swept:
     staged: dict[str, Any]
 
 
-def cancel_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, now: datetime, reason: str) -> Swept:
-    """Cancel every live job of the agent. Running ones get a new fencing token, so their outcome cannot land; a
-    staged outcome leaves its job (no attempt will record it) and its usage is returned, to be charged by the cancel."""
-    cur.execute(
-        "UPDATE jobs SET status = 'cancelled', last_error = %s, lease_until = NULL, finished_at = %s, updated_at = %s,"
-        " fencing_token = CASE WHEN status = 'running' THEN nextval('job_fencing_token_seq') ELSE fencing_token END,"
-        " result = CASE WHEN result ? 'staged' THEN NULLIF(result - 'staged' - 'reply', '{}'::jsonb) ELSE result END"
-        " FROM (SELECT key AS live, COALESCE(result #> '{staged,result,usage}', result #> '{staged,failure,usage}')"
-        "       AS usage FROM jobs WHERE agent_id = %s AND status IN ('pending', 'enqueued', 'running')"
-        "       FOR UPDATE) s"
-        " WHERE key = s.live RETURNING key, s.usage",
-        (reason, now, now, agent_id),
-    )
+#: Cancels live jobs (their ``WHERE`` written in as ``{live}``): running ones get a new fencing token, so their outcome
+#: cannot land, and a staged outcome leaves its job (no attempt will record it now), its usage returned to be charged.
+_CANCEL_LIVE = (
+    "UPDATE jobs SET status = 'cancelled', last_error = %(reason)s, lease_until = NULL, finished_at = %(now)s,"
+    " updated_at = %(now)s,"
+    " fencing_token = CASE WHEN status = 'running' THEN nextval('job_fencing_token_seq') ELSE fencing_token END,"
+    " result = CASE WHEN result ? 'staged' THEN NULLIF(result - 'staged' - 'reply', '{{}}'::jsonb) ELSE result END"
+    " FROM (SELECT key AS live, COALESCE(result #> '{{staged,result,usage}}', result #> '{{staged,failure,usage}}')"
+    "       AS usage FROM jobs WHERE {live} AND status IN ('pending', 'enqueued', 'running') FOR UPDATE) s"
+    " WHERE key = s.live RETURNING key, s.usage"
+)
+_CANCEL_AGENT_JOBS = _CANCEL_LIVE.format(live="agent_id = %(agent_id)s")
+_CANCEL_REQUEST_STEPS = _CANCEL_LIVE.format(live="request_id = %(request_id)s AND operation = ANY(%(operations)s)")
+
+
+def _swept(cur: psycopg.Cursor[Any]) -> Swept:
     rows = cur.fetchall()
     return Swept([key for key, _ in rows], {key: usage for key, usage in rows if usage is not None})
+
+
+def cancel_agent_jobs_txn(cur: psycopg.Cursor[Any], agent_id: UUID, now: datetime, reason: str) -> Swept:
+    """Cancel every live job of the agent (see :data:`_CANCEL_LIVE`): the caller charges the staged spend."""
+    cur.execute(_CANCEL_AGENT_JOBS, {"reason": reason, "now": now, "agent_id": agent_id})
+    return _swept(cur)
 
 
 def charge_void_attempt_txn(cur: psycopg.Cursor[Any], key: str, tokens: int, cost: Decimal) -> None:
@@ -369,16 +378,14 @@ def drop_result_fields_txn(cur: psycopg.Cursor[Any], request_id: str, drops: Seq
 
 def cancel_request_steps_txn(
     cur: psycopg.Cursor[Any], request_id: str, operations: Sequence[str], now: datetime
-) -> list[str]:
-    """Cancel a request's live steps of the given operations; running ones are fenced off."""
+) -> Swept:
+    """Cancel a request's live steps of the given operations (superseded; see :data:`_CANCEL_LIVE`): the caller
+    charges the staged spend."""
     cur.execute(
-        "UPDATE jobs SET status = 'cancelled', last_error = 'superseded', lease_until = NULL, finished_at = %s,"
-        " updated_at = %s,"
-        " fencing_token = CASE WHEN status = 'running' THEN nextval('job_fencing_token_seq') ELSE fencing_token END"
-        " WHERE request_id = %s AND operation = ANY(%s) AND status IN ('pending', 'enqueued', 'running') RETURNING key",
-        (now, now, request_id, list(operations)),
+        _CANCEL_REQUEST_STEPS,
+        {"reason": "superseded", "now": now, "request_id": request_id, "operations": list(operations)},
     )
-    return [r[0] for r in cur.fetchall()]
+    return _swept(cur)
 
 
 def holds(cur: psycopg.Cursor[Any], key: str, token: int) -> bool:

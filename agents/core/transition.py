@@ -86,8 +86,13 @@ from models.sql import (
 
 log = logging.getLogger("keel.core")
 
+#: Where an effect that cancelled jobs returns the usage of the staged outcomes it took out of them (by job key, as
+#: :class:`models.jobs_sql.Swept` has it): the transition charges that spend, once, and journals what it charged.
+STAGED_SPEND = "staged_spend"
+
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
-#: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled.
+#: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled, except
+#: under :data:`STAGED_SPEND`.
 EffectsTxn = Callable[[psycopg.Cursor[Any], AgentRow, AgentRow], Mapping[str, Any] | None]
 
 
@@ -452,10 +457,12 @@ def _apply_txn(
         else:
             _write_outcome_txn(cur, command.outcome, at, LOW_QUEUE if after.priority == LOW else None)
         details["job_status"] = command.outcome.status
+    staged: dict[str, Any] = {}  # spend of staged outcomes that this transition's cancels took out of their jobs
     if effects is not None:
-        summary = effects(cur, before, after)
+        summary = dict(effects(cur, before, after) or {})
+        staged.update(summary.pop(STAGED_SPEND, None) or {})
         if summary:
-            details["effects"] = dict(summary)
+            details["effects"] = summary
     to_publish: tuple[Due, ...] = ()
     inserted: list[dict[str, Any]] = []
     messages = command.messages
@@ -489,11 +496,12 @@ def _apply_txn(
             swept = cancel_agent_jobs_txn(cur, after.id, at, f"agent {after.phase}: {command.reason}")
             if swept.keys:
                 details["jobs_cancelled"] = swept.keys
-            if swept.staged:
-                after, charged = _charge_staged_txn(cur, after, swept.staged)
-                if charged:
-                    details["staged_spend_charged"] = charged
+            staged.update(swept.staged)
         known = []
+    if staged:
+        after, charged = _charge_staged_txn(cur, after, staged)
+        if charged:
+            details["staged_spend_charged"] = charged
     if after.priority == LOW and before.priority != LOW:
         demoted = demote_agent_jobs_txn(cur, after.id, LOW_QUEUE, at)
         if demoted:

@@ -608,8 +608,8 @@ class Runner:
         """This worker's outcome is void. What it spent was still spent: that is charged, and journaled — once.
 
         A ``staged`` outcome carries its spend with it, and whoever takes it out of its job charges it: the attempt
-        that records it if the job is live again (another claim took it over); the sweep of a cancel or a stop that
-        ended the job (agents/core/transition.py); here, only if the job ended otherwise with it still in place.
+        that records it if the job is live again (another claim took it over); the cancel, stop or rejection that ended
+        the job (agents/core/transition.py); here, only if the job ended otherwise with it still in place.
         """
         log.warning("job %s: outcome discarded: %s", job.key, why)
         details = {"job": job.key, "fencing_token": job.fencing_token, "why": why}

@@ -35,6 +35,7 @@ from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
 from agents.core.keys import make_key
 from agents.core.observe import observe
 from agents.core.phases import Event
+from agents.core.transition import STAGED_SPEND
 from agents.jobs.handlers import JobContext, JobResult, handler
 from agents.runtime.inference import (
     OpenAICompatible,
@@ -445,6 +446,10 @@ def rejection_jobs(pending: PendingApproval, reason: str, *, timed_out: bool = F
 
 
 def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:
-    """A rejection's effect: the rest of the round is superseded (running calls are fenced off, never recorded)."""
-    cancelled = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), after.updated_at)
-    return {"superseded": cancelled} if cancelled else {}
+    """A rejection's effect: the rest of the round is superseded (running calls are fenced off, never recorded); the
+    spend of outcomes they staged is charged by the rejection (:data:`agents.core.transition.STAGED_SPEND`)."""
+    swept = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), after.updated_at)
+    summary: dict[str, Any] = {"superseded": swept.keys} if swept.keys else {}
+    if swept.staged:
+        summary[STAGED_SPEND] = swept.staged
+    return summary

@@ -318,6 +318,52 @@ def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Databa
     assert client.get_state(agent.id).phase == "done"
 
 
+def test_a_rejection_charges_what_a_superseded_step_staged_before_its_worker_died(client: Client, db: Database) -> None:
+    """A call of the round had run and staged its outcome (30 tokens spent) when its worker died; the person then
+    rejected the round, superseding it. No attempt will record that outcome: the rejection charges its spend, once,
+    and the superseded job keeps it as a void attempt's."""
+    from models.jobs_sql import checkpoint, claim
+
+    agent = client.create_agent("superseded")
+    client.submit(
+        agent.id,
+        "req-1",
+        script(
+            {
+                "tool_calls": [
+                    {"name": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "x"}},
+                    {"name": "kb_lookup", "arguments": {"q": "later"}},
+                ]
+            },
+            {"content": "Revised without commenting."},
+        ),
+    )
+    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
+    runner.run("req-1:plan:1")
+    runner.run("req-1:gate:github_comment:1.call_0_0")
+    lookup = "req-1:tool:kb_lookup:1.call_0_1"
+    claimed = claim(db, lookup, "doomed", timedelta(seconds=30))
+    assert not isinstance(claimed, str) and claimed is not None
+    staged = {"output": {"content": "found"}, "usage": {"tokens": 30, "cost": "0.30"}}
+    assert checkpoint(db, lookup, claimed.fencing_token, {"staged": {"result": staged}})  # then its worker died
+    waiting = client.get_state(agent.id)
+    state = client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
+    assert (state.spent_tokens, state.spent_cost) == (waiting.spent_tokens + 30, waiting.spent_cost + Decimal("0.30"))
+    rejection = client.journal(agent_id=agent.id)[-1]
+    assert rejection.details["staged_spend_charged"] == {"jobs": [lookup], "tokens": 30, "cost": "0.30"}
+    assert rejection.details["effects"]["superseded"] == [lookup]
+    row = job_row(db, lookup)
+    assert row is not None and row["status"] == "cancelled" and "staged" not in (row["result"] or {})
+    assert (row["failed_tokens"], row["failed_cost"]) == (30, Decimal("0.30"))
+    run_all(db)
+    with psycopg.connect(db.libpq_url) as raw:
+        (on_jobs,) = raw.execute(  # type: ignore[misc]
+            "SELECT sum(tokens + failed_tokens) FROM jobs WHERE agent_id = %s", (agent.id,)
+        ).fetchone()
+    final = client.get_state(agent.id)
+    assert final.phase == "done" and final.spent_tokens == on_jobs, "every token charged once: as its jobs say"
+
+
 def test_reused_call_ids_across_rounds_do_not_collide(client: Client, db: Database) -> None:
     agent = client.create_agent("reuser")
     same = {"tool_calls": [{"name": "kb_lookup", "arguments": {"q": "x"}}]}
