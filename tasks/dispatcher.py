@@ -476,6 +476,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
                     deadline = time.monotonic() + CLOSE_WAIT_SECONDS
                     for timed in self.passes:
                         timed.join(max(0.0, deadline - time.monotonic()))
+                    for chore in self.duties.chores_under_way():  # within the same budget
+                        chore.join(max(0.0, deadline - time.monotonic()))
                 self.leadership.release()
                 self.publishing.close()
                 self.db.dispose()

@@ -54,6 +54,11 @@ class LeaderDuties:
         self._pruning: threading.Thread | None = None
         self._partitions_now = True  # at the start of every term, whenever the chore last ran
 
+    def chores_under_way(self) -> list[threading.Thread]:
+        """The chores running on threads of their own (audit verify, shipping, pruning), for a close to wait for:
+        each holds a pooled connection until it ends."""
+        return [t for t in (self._verifying, self._shipping, self._pruning) if t is not None and t.is_alive()]
+
     def stand_down(self) -> None:
         """This beat no longer leads: the next time it does is a new term."""
         self.term = None

@@ -60,6 +60,12 @@ class Usage:
     def __bool__(self) -> bool:
         return bool(self.tokens or self.cost)
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> Usage:
+        """Usage as stored (``{"tokens": …, "cost": "…"}``; missing fields are 0)."""
+        data = data or {}
+        return cls(int(data.get("tokens", 0)), Decimal(str(data.get("cost", "0"))))
+
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:

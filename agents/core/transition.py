@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
@@ -555,7 +554,7 @@ def _charge_staged_txn(
     tokens, cost = 0, Usage().cost
     for key, usage in staged.items():
         try:
-            spend = Usage(int(usage.get("tokens", 0)), Decimal(str(usage.get("cost", "0"))))
+            spend = Usage.from_json(usage)
         except (AttributeError, TypeError, ValueError, ArithmeticError, InvalidInput):
             log.warning("job %s: its staged outcome's usage cannot be read (%.200r): not charged", key, usage)
             continue

@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from decimal import Decimal
 from importlib.metadata import entry_points
 from typing import Any
 from uuid import UUID
@@ -93,7 +92,7 @@ class JobResult:
         join = data.get("join")
         return cls(
             output=dict(data.get("output") or {}),
-            usage=_usage(data.get("usage")),
+            usage=Usage.from_json(data.get("usage")),
             event=None if data.get("event") is None else Event(data["event"]),
             jobs=tuple(_spec(s) for s in data.get("jobs") or ()),
             messages=tuple(MessageSpec(**m) for m in data.get("messages") or ()),
@@ -106,11 +105,6 @@ class JobResult:
 
 def _usage_json(usage: Usage) -> dict[str, Any]:
     return {"tokens": usage.tokens, "cost": str(usage.cost)}
-
-
-def _usage(data: Mapping[str, Any] | None) -> Usage:
-    data = data or {}
-    return Usage(int(data.get("tokens", 0)), Decimal(str(data.get("cost", "0"))))
 
 
 def _spec_json(spec: JobSpec) -> dict[str, Any]:

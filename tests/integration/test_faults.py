@@ -389,6 +389,13 @@ def _spend(ctx: JobContext) -> JobResult:
     return JobResult(output={"ok": True}, usage=Usage(100, Decimal("1.00")), event=Event.FINISH)
 
 
+def _refuse_a_success(command: Any) -> None:
+    """As the database refuses a value it cannot store, for a command that records a step's success."""
+    if command.outcome is not None and command.outcome.status == "succeeded":
+        refused = psycopg.errors.NumericValueOutOfRange("bigint out of range")
+        raise StoreError("database error: bigint out of range") from refused
+
+
 def test_an_outcome_the_database_refuses_fails_the_job_instead_of_looping(
     client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -397,9 +404,7 @@ def test_an_outcome_the_database_refuses_fails_the_job_instead_of_looping(
     real = core.transition
 
     def refusing(db_: Database, command: Any, **kw: Any) -> Any:
-        if command.outcome is not None and command.outcome.status == "succeeded":
-            refused = psycopg.errors.NumericValueOutOfRange("bigint out of range")
-            raise StoreError("database error: bigint out of range") from refused
+        _refuse_a_success(command)
         return real(db_, command, **kw)
 
     monkeypatch.setattr(core, "transition", refusing)
@@ -421,9 +426,7 @@ def test_a_refused_outcome_whose_job_a_cancel_sweeps_meanwhile_is_charged_once(
     real = core.transition
 
     def refusing_then_cancelled(db_: Database, command: Any, **kw: Any) -> Any:
-        if command.outcome is not None and command.outcome.status == "succeeded":
-            refused = psycopg.errors.NumericValueOutOfRange("bigint out of range")
-            raise StoreError("database error: bigint out of range") from refused
+        _refuse_a_success(command)
         if command.outcome is not None:  # the failure that replaces it: a cancel comes first
             client.cancel(agent.id, actor="alice", reason="wrong prompt")
         return real(db_, command, **kw)

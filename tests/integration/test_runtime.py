@@ -293,8 +293,9 @@ def test_a_models_bad_arguments_are_told_to_it_and_journaled(client: Client, db:
     assert message_row(db, "req-1:slack:call_1_0")["payload"] == {"text": "hi"}  # type: ignore[index]
 
 
-def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Database) -> None:
-    agent = client.create_agent("mixed")
+def _a_gated_comment_beside_a_pending_lookup(client: Client, db: Database, name: str) -> Any:
+    """An agent whose round is a GitHub comment waiting for approval and a lookup not run yet (then an answer)."""
+    agent = client.create_agent(name)
     client.submit(
         agent.id,
         "req-1",
@@ -310,7 +311,12 @@ def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Databa
     )
     runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
     runner.run("req-1:plan:1")
-    runner.run("req-1:gate:github_comment:1.call_0_0")  # the lookup is still pending when the person says no
+    runner.run("req-1:gate:github_comment:1.call_0_0")  # the lookup is still pending when the person decides
+    return agent
+
+
+def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Database) -> None:
+    agent = _a_gated_comment_beside_a_pending_lookup(client, db, "mixed")
     waiting = client.get_state(agent.id)
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
     assert job_row(db, "req-1:tool:kb_lookup:1.call_0_1")["status"] == "cancelled"  # type: ignore[index]
@@ -324,23 +330,7 @@ def test_a_rejection_charges_what_a_superseded_step_staged_before_its_worker_die
     and the superseded job keeps it as a void attempt's."""
     from models.jobs_sql import checkpoint, claim
 
-    agent = client.create_agent("superseded")
-    client.submit(
-        agent.id,
-        "req-1",
-        script(
-            {
-                "tool_calls": [
-                    {"name": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "x"}},
-                    {"name": "kb_lookup", "arguments": {"q": "later"}},
-                ]
-            },
-            {"content": "Revised without commenting."},
-        ),
-    )
-    runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
-    runner.run("req-1:plan:1")
-    runner.run("req-1:gate:github_comment:1.call_0_0")
+    agent = _a_gated_comment_beside_a_pending_lookup(client, db, "superseded")
     lookup = "req-1:tool:kb_lookup:1.call_0_1"
     claimed = claim(db, lookup, "doomed", timedelta(seconds=30))
     assert not isinstance(claimed, str) and claimed is not None

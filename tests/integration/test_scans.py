@@ -604,6 +604,28 @@ def test_a_closing_beat_waits_for_its_passes_once_and_within_one_budget(
             timed.join(60)
 
 
+def test_a_closing_beat_waits_for_its_leaders_chores_within_the_same_budget(
+    db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's audit verify (shipping, pruning) runs on a thread of its own: a close that did not wait for it
+    disposed of the pool under it, and the connection it held was never closed (a ResourceWarning in the tests)."""
+    from tasks.leader import LeaderDuties
+
+    ended = threading.Event()
+    real = LeaderDuties._verify
+
+    def slow(self: LeaderDuties) -> None:
+        time.sleep(1.0)
+        real(self)
+        ended.set()
+
+    monkeypatch.setattr(LeaderDuties, "_verify", slow)
+    beat = _leading_scheduler(db_url, broker, monkeypatch)
+    assert "keel-audit-verify" in [t.name for t in beat.duties.chores_under_way()]
+    beat.close()
+    assert ended.is_set() and not beat.duties.chores_under_way(), "the close waited for the chore"
+
+
 def _leading_scheduler(
     db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch, *, broker_url: str | None = None
 ) -> Any:
@@ -685,16 +707,20 @@ def test_a_stop_signal_inside_a_tick_leaves_the_close_to_the_loops_end(
 
     previous = signals.signal(signals.SIGTERM, celery_handler)
     blocker = psycopg.connect(libpq_url(db_url))
+    timers = [threading.Timer(0.5, os.kill, (os.getpid(), signals.SIGTERM)), threading.Timer(1.5, blocker.rollback)]
     try:
         blocker.execute("SELECT 1 FROM beat_leadership FOR UPDATE")  # the lease's renewal waits for this
-        threading.Timer(0.5, os.kill, (os.getpid(), signals.SIGTERM)).start()
-        threading.Timer(1.5, blocker.rollback).start()
+        for timer in timers:
+            timer.start()
         with pytest.raises(SystemExit):
             beat.tick()  # its renewal waits on the row; the signal comes in the middle of it
         assert beat.leadership.term is not None, "nothing was closed inside the tick"
         beat.close()  # the close at the end of Celery's loop
         assert beat.leadership.term is None and beat.leadership.conn is None
     finally:
+        for timer in timers:  # the rollback's timer uses the blocker: never beside its close
+            if timer.is_alive():
+                timer.join(10)
         signals.signal(signals.SIGTERM, previous)
         blocker.close()
 
