@@ -3,11 +3,13 @@ own verify accepts (the same walk `keel audit verify` makes, under the bench's k
 
 from __future__ import annotations
 
+import io
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from agents.cli.progress import Progress
 from agents.core import journal
 from bench import scale, seed
 
@@ -89,3 +91,43 @@ def test_a_changed_seeded_event_is_caught() -> None:
     rows[5]["details_json"] = rows[5]["details_json"].replace('"attempt":1', '"attempt":2')
     broken = _walk(41, rows, head)
     assert broken is not None and broken.seq == 6 and "HMAC" in broken.reason
+
+
+def test_the_ratio_interval_tells_growth_from_one_slow_tail() -> None:
+    ms = [0.001 + k * 0.00001 for k in range(40)]  # 1.00-1.39 ms
+    same = scale.ratio_interval(ms, list(reversed(ms)))
+    assert same[0] <= 1.0 <= same[1]
+    doubled = scale.ratio_interval(ms, [2 * x for x in ms])
+    assert scale.TARGET < doubled[0] <= 2.0 <= doubled[1] < 2.2
+    tail = [*ms[:38], 0.005, 0.005]  # two slow samples of 40: the p95 alone says 3.6x
+    assert scale.pct(tail, 95) / scale.pct(ms, 95) > 3
+    low, high = scale.ratio_interval(ms, tail)
+    assert low <= scale.TARGET < high
+    assert scale.ratio_interval(ms, tail) == (low, high)  # seeded: the same samples give the same interval
+    with pytest.raises(ValueError, match="samples on both sides"):
+        scale.ratio_interval([], ms)
+
+
+NAMES = ("flat", "doubled", "one slow tail")
+
+
+def test_the_report_says_which_misses_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    printed = io.StringIO()
+    monkeypatch.setattr(scale, "OUT", Progress(printed, live=False))
+    ms = [0.001 + k * 0.00001 for k in range(40)]
+    scale.report(
+        {
+            "flat": {"1k": ms, "1m": ms},
+            "doubled": {"1k": ms, "1m": [2 * x for x in ms]},
+            "one slow tail": {"1k": ms, "1m": [*ms[:38], 0.005, 0.005]},
+        },
+        "1k",
+        "1m",
+    )
+    out = printed.getvalue()
+    lines = {name: next(line for line in out.splitlines() if line.startswith(f"{name}  ")) for name in NAMES}
+    assert lines["flat"].endswith(" met")
+    assert lines["doubled"].endswith("NOT MET (grew)")
+    assert lines["one slow tail"].endswith("NOT MET (within its interval)")
+    assert "1 of 3 measures within 1.2x" in out
+    assert "1 of 3 with the whole 90% interval of the ratio above 1.2x" in out
