@@ -583,10 +583,11 @@ class Settings(BaseSettings):
             raise ValueError("must be an http:// or https:// URL with a host")
         return value
 
-    @field_validator("otlp_endpoint")
+    @field_validator("otlp_endpoint", "api_public_url")
     @classmethod
-    def _otlp_endpoint_is_http(cls, value: str | None) -> str | None:
-        # OTLP over HTTP only (the gRPC exporter is not shipped); the URL may carry credentials: never echoed.
+    def _optional_http_url(cls, value: str | None) -> str | None:
+        # OTLP over HTTP only (the gRPC exporter is not shipped); the URL may carry credentials: never echoed. The
+        # API's public address ends up in the links of Slack notices: a wrong one is refused at start, not sent.
         return None if value is None else cls._http_url(value)
 
     @field_validator("slack_api_url")

@@ -27,6 +27,7 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ({"KEEL_SLACK_API_URL": "slack.com/api"}, "KEEL_SLACK_API_URL: must be an http:// or https:// URL"),
         ({"KEEL_LLM_BASE_URL": "ftp://models.example"}, "KEEL_LLM_BASE_URL: must be an http:// or https:// URL"),
         ({"KEEL_GITHUB_API_URL": "https://"}, "KEEL_GITHUB_API_URL: must be an http:// or https:// URL with a host"),
+        ({"KEEL_API_PUBLIC_URL": "keel.example.com"}, "KEEL_API_PUBLIC_URL: must be an http:// or https:// URL"),
         ({"KEEL_IMPORTS": '["my app.handlers"]'}, "KEEL_IMPORTS: 'my app.handlers' is not a module name"),
         ({"KEEL_IMPORTS": "myapp.handlers"}, "KEEL_IMPORTS: must be JSON"),
         (
