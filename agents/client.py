@@ -67,6 +67,7 @@ from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approva
 from models.approvals_sql import WaitingCall, waiting_calls
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs, request_jobs, unpublish
+from models.outbox_sql import request_messages
 from models.schemas import (
     AgentPage,
     AgentRow,
@@ -83,7 +84,7 @@ from models.schemas import (
     WaitingApproval,
 )
 from models.settings import Settings, check_imports
-from models.sql import find_agent, request_record
+from models.sql import find_agent, request_agents, request_record
 from models.tables import agents, deleted_agents
 
 log = logging.getLogger("keel.client")
@@ -210,7 +211,7 @@ class Client:
                 jobs = tuple(JobView(**r) for r in pending_jobs(self.db, row.id))
         approval = None
         if row.phase == "waiting_approval":
-            pending = pending_approval(self.db, row.request_id)
+            pending = pending_approval(self.db, row.id, row.request_id)
             approval = None if pending is None else pending.as_dict()
         return AgentState.of(row, jobs, approval)
 
@@ -253,11 +254,19 @@ class Client:
             next=_encode_cursor(rows[-1].created_at, rows[-1].id) if more else None,
         )
 
-    def request_jobs(self, request_id: str) -> list[JobView]:
-        """Every job (step) of a request, finished ones included, oldest first."""
+    def request_jobs(self, agent: AgentRef, request_id: str) -> list[JobView]:
+        """Every job (step) of the agent's request ``request_id``, finished ones included, oldest first."""
         check_text("request_id", request_id, limit=200)
+        agent_id = self._chain_id(agent)
         with core.store_errors():
-            return [JobView(**r) for r in request_jobs(self.db, request_id)]
+            return [JobView(**r) for r in request_jobs(self.db, agent_id, request_id)]
+
+    def request_messages(self, agent: AgentRef, request_id: str) -> list[dict[str, Any]]:
+        """The outbox messages of the agent's request ``request_id``, in the order they were emitted."""
+        check_text("request_id", request_id, limit=200)
+        agent_id = self._chain_id(agent)
+        with core.store_errors():
+            return request_messages(self.db, agent_id, request_id)
 
     def journal(
         self, *, agent_id: AgentRef | None = None, request_id: str | None = None, limit: int | None = None
@@ -307,6 +316,7 @@ class Client:
         resolved = None if agent_id is None else self._chain_id(agent_id)
         if request_id is not None:
             check_text("request_id", request_id, limit=200)
+        journal_mod.request_scope(resolved, request_id)
 
         def follow() -> Iterator[JournalEvent]:
             seen: dict[UUID, int] = {}
@@ -503,7 +513,7 @@ class Client:
         """The request as first submitted: a new one is what this transition wrote (no read needed); a retry's is
         read back, as it was first written."""
         if done.suppressed:
-            return self.get_request(done.request_id)
+            return self.get_request(done.agent.id, done.request_id)
         row = done.agent
         return RequestRecord(
             request_id=done.request_id,
@@ -577,12 +587,13 @@ class Client:
         else:
             self.broker.recovered()
 
-    def get_request(self, request_id: str) -> RequestRecord:
-        """Request ``request_id`` as it was submitted: operation, input, deadlines, who submitted it and when, and
-        the agent's revision after the submit. Raises :class:`~agents.core.errors.RequestNotFound`."""
+    def get_request(self, agent: AgentRef, request_id: str) -> RequestRecord:
+        """The agent's request ``request_id`` as it was submitted: operation, input, deadlines, who submitted it and
+        when, and the agent's revision after the submit. Raises :class:`~agents.core.errors.RequestNotFound`."""
         check_request_id(request_id)
+        agent_id = self._chain_id(agent)
         with core.store_errors(), self.db.autocommit() as plain:
-            row = request_record(plain.connection, request_id)
+            row = request_record(plain.connection, agent_id, request_id)
         if row is None or row["details"] is None:
             raise RequestNotFound(request_id)
         details = row["details"]
@@ -599,6 +610,13 @@ class Client:
             revision=row["revision"],
         )
 
+    def request_agents(self, request_id: str) -> list[UUID]:
+        """The agents that have a request ``request_id`` (each agent's ids are its own), first submitted first: for
+        a reader who names no agent, to keep those it may see."""
+        check_request_id(request_id)
+        with core.store_errors(), self.db.autocommit() as plain:
+            return request_agents(plain.connection, request_id)
+
     def approve(
         self,
         agent_id: AgentRef,
@@ -613,7 +631,7 @@ class Client:
         told what was changed."""
         _check_actor(actor)
         row = self._row(agent_id)
-        pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
+        pending = pending_approval(self.db, row.id, row.request_id) if row.phase == "waiting_approval" else None
         details: dict[str, Any] = {"call": pending.as_dict()} if pending else {}
         outcome = "approved"
         if arguments is not None and pending is not None:
@@ -692,7 +710,7 @@ class Client:
         _check_actor(actor)
         _check_reason(reason)
         row = self._row(agent_id)
-        pending = pending_approval(self.db, row.request_id) if row.phase == "waiting_approval" else None
+        pending = pending_approval(self.db, row.id, row.request_id) if row.phase == "waiting_approval" else None
         jobs = rejection_jobs(pending, reason or f"rejected by {actor}") if pending else ()
         details = {"call": pending.as_dict()} if pending else {}
         outcome = "rejected" if reason is None else f"rejected: {reason[:300]}"
@@ -1068,27 +1086,30 @@ class HttpClient:
             if cursor is None or (limit is not None and len(found) >= limit):
                 return AgentPage(agents=tuple(found), next=cursor)
 
-    def get_request(self, request_id: str) -> RequestRecord:
-        """As :meth:`Client.get_request` (the API finds the request's agent through its story)."""
+    def get_request(self, agent: AgentRef, request_id: str) -> RequestRecord:
+        """As :meth:`Client.get_request`."""
         check_request_id(request_id)
-        body = self._call("GET", f"/v1/requests/{request_id}").json()
+        body = self._call("GET", f"/v1/agents/{_ref(agent)}/requests/{request_id}").json()
         return RequestRecord.model_validate(body)
 
-    def request_jobs(self, request_id: str) -> list[JobView]:
-        record = self.get_request(request_id)
-        story = self._call("GET", f"/v1/agents/{record.agent_id}/requests/{request_id}/story").json()
-        return [JobView.model_validate(j) for j in story["jobs"]]
+    def _story(self, agent: AgentRef, request_id: str) -> dict[str, Any]:
+        check_request_id(request_id)
+        return dict(self._call("GET", f"/v1/agents/{_ref(agent)}/requests/{request_id}/story").json())
+
+    def request_jobs(self, agent: AgentRef, request_id: str) -> list[JobView]:
+        return [JobView.model_validate(j) for j in self._story(agent, request_id)["jobs"]]
+
+    def request_messages(self, agent: AgentRef, request_id: str) -> list[dict[str, Any]]:
+        return list(self._story(agent, request_id)["outbox"])
 
     def journal(
         self, *, agent_id: AgentRef | None = None, request_id: str | None = None, limit: int | None = None
     ) -> list[JournalEvent]:
-        """An agent's journal (``agent_id``), or a request's events (``request_id``), oldest first."""
+        """An agent's journal (``agent_id``), or one of its requests' events (with ``request_id``), oldest first."""
+        journal_mod.request_scope(agent_id, request_id)
         if request_id is not None:
-            record = self.get_request(request_id)
-            story = self._call("GET", f"/v1/agents/{record.agent_id}/requests/{request_id}/story").json()
-            found = [JournalEvent.model_validate(e) for e in story["journal"]]
-            if agent_id is not None and self.get_state(agent_id).id != record.agent_id:
-                found = []
+            assert agent_id is not None
+            found = [JournalEvent.model_validate(e) for e in self._story(agent_id, request_id)["journal"]]
             return found[:limit] if limit is not None else found
         if agent_id is None:
             raise InvalidInput("over HTTP the journal is read per agent (agent_id) or per request (request_id)")

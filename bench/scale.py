@@ -36,12 +36,13 @@ from celery import Celery
 from agents.cli.progress import Progress
 from agents.core.commands import Command, JobSpec, MessageSpec
 from agents.core.journal import verify
+from agents.core.keys import make_key, request_key
 from agents.core.phases import Event
 from agents.core.transition import create_agent, transition
 from agents.jobs.deadlines import enforce
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
-from agents.runtime.loop import conversation
+from agents.runtime.loop import RequestOf, conversation
 from bench import seed
 from models import migrations
 from models.db import Database
@@ -84,7 +85,7 @@ class Bed:
     relay: Relay
     sizes: seed.Sizes
     live: list[UUID] = field(default_factory=list)  # agents with a request in flight (planning)
-    live_requests: list[str] = field(default_factory=list)
+    live_requests: list[RequestOf] = field(default_factory=list)
     counter: itertools.count[int] = field(default_factory=itertools.count)
     rng: random.Random = field(default_factory=lambda: random.Random(15))
 
@@ -112,7 +113,7 @@ def measure_claim(bed: Bed) -> float:
     i = bed.next()
     n = i % len(bed.live)
     transition(bed.db, Command(bed.live[n], Event.PROGRESS, "bench", jobs=(JobSpec("tool", f"claim.{i}"),)))
-    key = f"{bed.live_requests[n]}:tool:claim.{i}"
+    key = bed.live_requests[n].key("tool", f"claim.{i}")
     return timed(lambda: claim(bed.db, key, "bench", timedelta(minutes=30)))
 
 
@@ -281,7 +282,7 @@ def make_bed(label: str, url: str, sizes: seed.Sizes, live: int, slack_url: str,
             input_json='{"text": "look something up"}',
         )  # fmt: skip
         bed.live.append(row.id)
-        bed.live_requests.append(request)
+        bed.live_requests.append(RequestOf(row.id, request, make_key(request_key(row.id, request), "plan", "1")))
     dispatch_once(db, bed.celery, settings)  # the plan steps are published: the steady state every tick starts from
     return bed
 

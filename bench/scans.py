@@ -32,7 +32,7 @@ import psycopg
 
 from agents.cli.progress import Progress
 from agents.jobs import deadlines, schedules
-from agents.runtime.loop import conversation, rebuild_conversation, step_target
+from agents.runtime.loop import RequestOf, conversation, rebuild_conversation, step_target
 from models import migrations
 from models.audit_keys import audit_keys_for
 from models.db import Database
@@ -184,11 +184,17 @@ def measure(db: Database, repeat: int) -> dict[str, float]:
     def schedule_pass() -> None:
         assert schedules.fire_due(db) == []
 
+    with db.connection() as conn:
+        (owner,) = conn.execute("SELECT agent_id FROM requests WHERE request_id = %s", (REQUEST,)).fetchone()  # type: ignore[misc]
+        conn.commit()
+    # Seeded with bare request keys, as requests submitted before migration 0028 are.
+    req = RequestOf(owner, REQUEST, f"{REQUEST}:plan:1")
+
     def read() -> None:
-        assert len(conversation(db, REQUEST, ROUNDS + 1)[1]) == 2 + 2 * ROUNDS
+        assert len(conversation(db, req, ROUNDS + 1)[1]) == 2 + 2 * ROUNDS
 
     def rebuild() -> None:
-        assert len(rebuild_conversation(db, REQUEST, ROUNDS + 1)[1]) == 2 + 2 * ROUNDS
+        assert len(rebuild_conversation(db, req, ROUNDS + 1)[1]) == 2 + 2 * ROUNDS
 
     return {
         "dispatcher tick (10 due)": median_ms(tick, repeat),

@@ -28,7 +28,7 @@ SELECT a.id AS agent_id, a.name AS agent, a.revision, a.request_id, g.key, g.tar
 FROM agents a
 CROSS JOIN LATERAL (
     SELECT j.key, j.target, j.payload, j.finished_at FROM jobs j
-    WHERE j.request_id = a.request_id AND j.operation = 'gate' AND j.status = 'succeeded'
+    WHERE j.agent_id = a.id AND j.request_id = a.request_id AND j.operation = 'gate' AND j.status = 'succeeded'
     ORDER BY j.finished_at DESC, j.key DESC LIMIT 1
 ) g
 WHERE a.phase = 'waiting_approval'
@@ -91,14 +91,14 @@ class Gate:
     tool: str
 
 
-def waited_gate_txn(cur: psycopg.Cursor[Any], request_id: str) -> Gate | None:
+def waited_gate_txn(cur: psycopg.Cursor[Any], agent_id: UUID, request_id: str) -> Gate | None:
     """The gate the request's wait for approval is on: its latest finished gate (``ix_jobs_gates``)."""
     with cur.connection.cursor(row_factory=class_row(Gate)) as named:
         named.execute(
             "SELECT key, target, coalesce(payload->>'tool', '') AS tool FROM jobs"
-            " WHERE request_id = %s AND operation = 'gate' AND status = 'succeeded'"
+            " WHERE request_id = %s AND agent_id = %s AND operation = 'gate' AND status = 'succeeded'"
             " ORDER BY finished_at DESC, key DESC LIMIT 1",
-            (request_id,),
+            (request_id, agent_id),
         )
         return named.fetchone()
 

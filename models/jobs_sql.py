@@ -175,7 +175,9 @@ _CANCEL_LIVE = (
     " WHERE key = s.live RETURNING key, s.usage"
 )
 _CANCEL_AGENT_JOBS = _CANCEL_LIVE.format(live="agent_id = %(agent_id)s")
-_CANCEL_REQUEST_STEPS = _CANCEL_LIVE.format(live="request_id = %(request_id)s AND operation = ANY(%(operations)s)")
+_CANCEL_REQUEST_STEPS = _CANCEL_LIVE.format(
+    live="agent_id = %(agent_id)s AND request_id = %(request_id)s AND operation = ANY(%(operations)s)"
+)
 
 
 def _swept(cur: psycopg.Cursor[Any]) -> Swept:
@@ -362,28 +364,37 @@ def release_staged_txn(cur: psycopg.Cursor[Any], key: str) -> bool:
     return cur.fetchone() is not None
 
 
-def drop_result_fields_txn(cur: psycopg.Cursor[Any], request_id: str, drops: Sequence[tuple[str, str]]) -> list[str]:
+def drop_result_fields_txn(
+    cur: psycopg.Cursor[Any], agent_id: UUID, request_id: str, drops: Sequence[tuple[str, str]]
+) -> list[str]:
     """Drop fields from the stored results of a request's finished steps (a later step's result supersedes them);
     the keys of the steps that had one. A step of another request, or one not finished, is left as it is."""
     dropped: list[str] = []
     for key, name in drops:
         cur.execute(
             "UPDATE jobs SET result = result - %s"
-            " WHERE key = %s AND request_id = %s AND status = 'succeeded' AND result ? %s RETURNING key",
-            (name, key, request_id, name),
+            " WHERE key = %s AND agent_id = %s AND request_id = %s AND status = 'succeeded' AND result ? %s"
+            " RETURNING key",
+            (name, key, agent_id, request_id, name),
         )
         dropped += [r[0] for r in cur.fetchall()]
     return dropped
 
 
 def cancel_request_steps_txn(
-    cur: psycopg.Cursor[Any], request_id: str, operations: Sequence[str], now: datetime
+    cur: psycopg.Cursor[Any], agent_id: UUID, request_id: str, operations: Sequence[str], now: datetime
 ) -> Swept:
     """Cancel a request's live steps of the given operations (superseded; see :data:`_CANCEL_LIVE`): the caller
     charges the staged spend."""
     cur.execute(
         _CANCEL_REQUEST_STEPS,
-        {"reason": "superseded", "now": now, "request_id": request_id, "operations": list(operations)},
+        {
+            "reason": "superseded",
+            "now": now,
+            "agent_id": agent_id,
+            "request_id": request_id,
+            "operations": list(operations),
+        },
     )
     return _swept(cur)
 
@@ -546,34 +557,37 @@ def job_row(db: Database, key: str) -> dict[str, Any] | None:
 
 #: A request's jobs in order, through ``ix_jobs_request`` (a whole request: the approvals of a waiting agent).
 REQUEST_STEPS = (
-    "SELECT key, operation, target, status, payload, result, finished_at FROM jobs WHERE request_id = %(request_id)s"
-    " ORDER BY created_at, key"
+    "SELECT key, operation, target, status, payload, result, finished_at FROM jobs"
+    " WHERE request_id = %(request_id)s AND agent_id = %(agent_id)s ORDER BY created_at, key"
 )
+REQUEST_INPUT = "SELECT input FROM requests WHERE agent_id = %s AND request_id = %s"
 #: Named jobs of a request, by primary key: what a plan step reads to continue the conversation.
 STEPS_BY_KEY = (
     "SELECT key, operation, target, status, payload, result FROM jobs"
-    " WHERE key = ANY(%(keys)s) AND request_id = %(request_id)s"
+    " WHERE key = ANY(%(keys)s) AND request_id = %(request_id)s AND agent_id = %(agent_id)s"
 )
 
 
-def request_steps(db: Database, request_id: str) -> tuple[Any, list[dict[str, Any]]]:
-    """A request's input and its jobs (key, operation, target, status, payload, result), oldest first."""
+def request_steps(db: Database, agent_id: UUID, request_id: str) -> tuple[Any, list[dict[str, Any]]]:
+    """An agent's request: its input and its jobs (key, operation, target, status, payload, result), oldest first."""
     with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
-        cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
+        cur.execute(REQUEST_INPUT, (agent_id, request_id))
         found = cur.fetchone()
-        cur.execute(REQUEST_STEPS, {"request_id": request_id})
+        cur.execute(REQUEST_STEPS, {"agent_id": agent_id, "request_id": request_id})
         jobs = cur.fetchall()
         end_read(conn)
     return (None if found is None else found["input"]), jobs
 
 
-def request_steps_by_key(db: Database, request_id: str, keys: Sequence[str]) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """A request's input and those of its jobs named in ``keys`` (key, operation, target, status, payload, result),
-    by key: a plan step reads the steps it follows on from, not the whole request."""
+def request_steps_by_key(
+    db: Database, agent_id: UUID, request_id: str, keys: Sequence[str]
+) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """An agent's request: its input and those of its jobs named in ``keys`` (key, operation, target, status,
+    payload, result), by key: a plan step reads the steps it follows on from, not the whole request."""
     with db.connection() as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
-        cur.execute("SELECT input FROM requests WHERE request_id = %s", (request_id,))
+        cur.execute(REQUEST_INPUT, (agent_id, request_id))
         found = cur.fetchone()
-        cur.execute(STEPS_BY_KEY, {"keys": list(keys), "request_id": request_id})
+        cur.execute(STEPS_BY_KEY, {"keys": list(keys), "agent_id": agent_id, "request_id": request_id})
         jobs = {row["key"]: row for row in cur.fetchall()}
         end_read(conn)
     return (None if found is None else found["input"]), jobs
@@ -582,27 +596,27 @@ def request_steps_by_key(db: Database, request_id: str, keys: Sequence[str]) -> 
 #: A request's finished gates, latest first, through ``ix_jobs_gates``.
 REQUEST_GATES = (
     "SELECT key, target, payload, result, finished_at FROM jobs"
-    " WHERE request_id = %(request_id)s AND operation = 'gate' AND status = 'succeeded'"
+    " WHERE request_id = %(request_id)s AND agent_id = %(agent_id)s AND operation = 'gate' AND status = 'succeeded'"
     " ORDER BY created_at DESC, key DESC"
 )
 
 
-def request_gates(db: Database, request_id: str) -> list[dict[str, Any]]:
+def request_gates(db: Database, agent_id: UUID, request_id: str) -> list[dict[str, Any]]:
     """A request's gate steps that finished (each started a wait for a person), latest first."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(REQUEST_GATES, {"request_id": request_id})
+        cur.execute(REQUEST_GATES, {"agent_id": agent_id, "request_id": request_id})
         rows = cur.fetchall()
         end_read(conn)
     return rows
 
 
-def request_jobs(db: Database, request_id: str) -> list[dict[str, Any]]:
-    """Every job of a request, final ones included, oldest first (the fields of ``JobView``)."""
+def request_jobs(db: Database, agent_id: UUID, request_id: str) -> list[dict[str, Any]]:
+    """Every job of agent ``agent_id``'s request, final ones included, oldest first (the fields of ``JobView``)."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(
             "SELECT key, operation, target, status, queue, run_at, attempts, error_attempts, last_error FROM jobs"
-            " WHERE request_id = %s ORDER BY created_at, key",
-            (request_id,),
+            " WHERE request_id = %s AND agent_id = %s ORDER BY created_at, key",
+            (request_id, agent_id),
         )
         rows = cur.fetchall()
         end_read(conn)

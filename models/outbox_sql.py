@@ -389,10 +389,13 @@ def unsent_page(
     return rows
 
 
-def request_messages(db: Database, request_id: str) -> list[dict[str, Any]]:
-    """A request's outbox messages in the order they were emitted."""
+def request_messages(db: Database, agent_id: UUID, request_id: str) -> list[dict[str, Any]]:
+    """Agent ``agent_id``'s request's outbox messages in the order they were emitted."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(f"SELECT {_PUBLIC} FROM outbox o WHERE o.request_id = %s ORDER BY o.seq", (request_id,))
+        cur.execute(
+            f"SELECT {_PUBLIC} FROM outbox o WHERE o.request_id = %s AND o.agent_id = %s ORDER BY o.seq",
+            (request_id, agent_id),
+        )
         rows = cur.fetchall()
         end_read(conn)
     return rows

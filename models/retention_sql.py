@@ -73,8 +73,9 @@ SELECT (SELECT count(*) FROM gone) AS messages, (SELECT n FROM confirmations) AS
 """
 # The requests guard (migration 0021) replaces the input with JSON null and keeps its digest.
 _PRUNE_REQUESTS = f"""
-WITH doomed AS (SELECT r.request_id {_REQUESTS} ORDER BY r.submitted_at LIMIT %(batch)s FOR UPDATE OF r SKIP LOCKED)
-UPDATE requests r SET pruned_at = now() FROM doomed d WHERE r.request_id = d.request_id
+WITH doomed AS (SELECT r.agent_id, r.request_id {_REQUESTS} ORDER BY r.submitted_at LIMIT %(batch)s
+                FOR UPDATE OF r SKIP LOCKED)
+UPDATE requests r SET pruned_at = now() FROM doomed d WHERE r.agent_id = d.agent_id AND r.request_id = d.request_id
 """
 
 _COUNT = f"""

@@ -42,6 +42,8 @@ class AgentRow:
     archived_at: datetime | None = None
     #: While waiting_approval: when the wait began (None otherwise, or for a wait older than migration 0014).
     waiting_since: datetime | None = None
+    #: The first segment of the keys of the request in flight (``agents.core.keys.request_key``: its agent and id).
+    request_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

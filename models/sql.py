@@ -45,7 +45,8 @@ _LIVE_JOB_COUNT = (
     " AS live_jobs"
 )
 _REQUEST_TRACEPARENT = (
-    "(SELECT r.traceparent FROM agents a JOIN requests r ON r.request_id = a.request_id WHERE a.id = %(agent_id)s)"
+    "(SELECT r.traceparent FROM agents a JOIN requests r ON r.agent_id = a.id AND r.request_id = a.request_id"
+    " WHERE a.id = %(agent_id)s)"
     " AS request_traceparent"
 )
 _AFTER_LOCK = f"SELECT {_LIVE_JOB_COUNT}, clock_timestamp() AS at, {_REQUEST_TRACEPARENT}"
@@ -53,12 +54,12 @@ _AFTER_LOCK = f"SELECT {_LIVE_JOB_COUNT}, clock_timestamp() AS at, {_REQUEST_TRA
 # A submit's request claimed in the read after the lock, in its round trip: inserted only if the agent exists and is
 # not on that request already (a producer's retry claims nothing; under the lock this is exactly the retry check),
 # timed by the database's clock after the lock, which is then the transition's time too. ``claimed`` false for a new
-# request id means another request holds it: its owner is read next (the rare case, a round trip of its own).
+# request id means this agent had that request before (request ids are each agent's own).
 _AFTER_LOCK_CLAIMING = (
     "WITH claimed AS (INSERT INTO requests (request_id, agent_id, input, actor, submitted_at, traceparent)"
     " SELECT %(request_id)s, a.id, %(input)s::jsonb, %(actor)s, clock_timestamp(), %(traceparent)s FROM agents a"
     " WHERE a.id = %(agent_id)s AND a.request_id IS DISTINCT FROM %(request_id)s"
-    " ON CONFLICT (request_id) DO NOTHING RETURNING submitted_at)"
+    " ON CONFLICT (agent_id, request_id) DO NOTHING RETURNING submitted_at)"
     f" SELECT {_LIVE_JOB_COUNT}, coalesce((SELECT submitted_at FROM claimed), clock_timestamp()) AS at,"
     f" {_REQUEST_TRACEPARENT}, EXISTS (SELECT 1 FROM claimed) AS claimed"
 )
@@ -80,7 +81,7 @@ _EVENT_CTE = f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES (
 _SET_AGENT = (
     "UPDATE agents SET phase = %s, revision = %s, request_id = %s, soft_deadline = %s,"
     " hard_deadline = %s, updated_at = %s, journal_seq = %s, journal_head = %s, spent_tokens = %s, spent_cost = %s,"
-    " priority = %s, waiting_since = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
+    " priority = %s, waiting_since = %s, request_key = %s WHERE id = %s AND revision = %s AND EXISTS (SELECT 1 FROM ev)"
 )
 _UPDATE_AGENT = _EVENT_CTE + _SET_AGENT + f" RETURNING {AGENT_COLUMNS}"
 # A job's final outcome, the event and the row in one statement (when nothing else is written between them): the
@@ -139,12 +140,6 @@ _INSERT_AGENT = (
     f" ON CONFLICT (name) DO NOTHING RETURNING {AGENT_COLUMNS}"
 )
 
-# A request id stays its agent's forever, a deleted agent's too (named "NAME (deleted)").
-_REQUEST_OWNER = (
-    "SELECT r.agent_id, coalesce(a.name, d.name || ' (deleted)', r.agent_id::text) AS name FROM requests r"
-    " LEFT JOIN agents a ON a.id = r.agent_id LEFT JOIN audit.deleted_agents d ON d.agent_id = r.agent_id"
-    " WHERE r.request_id = %s"
-)
 # A request as it was first submitted: its input and the details of the submit's journal event (the job it scheduled,
 # the deadlines as given). Read only when a request id is submitted again.
 _REQUEST_AS_SUBMITTED = (
@@ -153,7 +148,7 @@ _REQUEST_AS_SUBMITTED = (
     " ELSE coalesce(r.input, 'null'::jsonb)::text = %(input)s::jsonb::text END AS same_input,"
     " (SELECT j.details FROM audit.journal j WHERE j.request_id = r.request_id"
     " AND j.agent_id = r.agent_id AND j.kind = 'transition' AND j.event = 'submit' ORDER BY j.id LIMIT 1) AS submit"
-    " FROM requests r WHERE r.request_id = %(request_id)s"
+    " FROM requests r WHERE r.agent_id = %(agent_id)s AND r.request_id = %(request_id)s"
 )
 
 
@@ -162,16 +157,10 @@ _REQUEST_RECORD = (
     "SELECT r.request_id, r.agent_id, r.input, r.actor, r.submitted_at, j.revision, j.details"
     " FROM requests r LEFT JOIN LATERAL (SELECT revision, details FROM audit.journal"
     " WHERE agent_id = r.agent_id AND request_id = r.request_id AND kind = 'transition' AND event = 'submit'"
-    " ORDER BY id LIMIT 1) j ON true WHERE r.request_id = %s"
+    " ORDER BY id LIMIT 1) j ON true WHERE r.agent_id = %s AND r.request_id = %s"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOwner:
-    """The agent a request id belongs to."""
-
-    id: UUID
-    name: str
+# The agents that have a request of this id (ids are each agent's own): the caller keeps those its reader may see.
+_REQUEST_AGENTS = "SELECT agent_id FROM requests WHERE request_id = %s ORDER BY submitted_at"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +173,7 @@ class Locked:
     at: datetime
     request_traceparent: str | None = None
     #: With a ``claim``: whether its request was recorded, for this agent, at ``at``. False: the agent is on that
-    #: request already (a retry), or another request holds the id (:func:`request_owner_txn` says whose).
+    #: request already (a retry), or it had a request of that id before.
     claimed: bool | None = None
 
 
@@ -292,6 +281,7 @@ def _execute_update(
             after.spent_cost,
             after.priority,
             after.waiting_since,
+            after.request_key,
             before.id,
             before.revision,
         ),
@@ -321,32 +311,34 @@ def insert_agent_txn(
         return rows.fetchone()
 
 
-def request_owner_txn(cur: psycopg.Cursor[Any], request_id: str) -> RequestOwner:
-    """The agent request ``request_id`` belongs to (one that exists: a claim of it found it taken)."""
+def request_as_submitted_txn(
+    cur: psycopg.Cursor[Any], agent_id: UUID, request_id: str, input_json: str = "null"
+) -> Submitted | None:
+    """Agent ``agent_id``'s request ``request_id`` as first submitted, or None if there is no such request, with
+    whether its input is ``input_json`` (``same_input``): compared as jsonb's text (``1`` and ``1.0``, ``1`` and
+    ``true`` differ; key order and spacing do not), before retention pruned the input as after, when the digest of
+    that text stands in for it."""
     with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(_REQUEST_OWNER, (request_id,))
-        owner = named.fetchone()
-    assert owner is not None, "ON CONFLICT without a conflicting row"
-    return RequestOwner(owner["agent_id"], owner["name"])
-
-
-def request_as_submitted_txn(cur: psycopg.Cursor[Any], request_id: str, input_json: str = "null") -> Submitted | None:
-    """The request ``request_id`` as first submitted, or None if there is no such request, with whether its input is
-    ``input_json`` (``same_input``): compared as jsonb's text (``1`` and ``1.0``, ``1`` and ``true`` differ; key order
-    and spacing do not), before retention pruned the input as after, when the digest of that text stands in for it."""
-    with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(_REQUEST_AS_SUBMITTED, {"request_id": request_id, "input": input_json})
+        named.execute(_REQUEST_AS_SUBMITTED, {"agent_id": agent_id, "request_id": request_id, "input": input_json})
         row = named.fetchone()
     if row is None:
         return None
     return Submitted(row["input"], row["submit"], same_input=row["same_input"])
 
 
-def request_record(conn: psycopg.Connection[Any], request_id: str) -> dict[str, Any] | None:
-    """A request's row and its submit event (``revision``, ``details``; None when the journal has no submit for it)."""
+def request_record(conn: psycopg.Connection[Any], agent_id: UUID, request_id: str) -> dict[str, Any] | None:
+    """Agent ``agent_id``'s request ``request_id``: its row and its submit event (``revision``, ``details``; None when
+    the journal has no submit for it)."""
     with conn.cursor(row_factory=dict_row) as named:
-        named.execute(_REQUEST_RECORD, (request_id,))
+        named.execute(_REQUEST_RECORD, (agent_id, request_id))
         return named.fetchone()
+
+
+def request_agents(conn: psycopg.Connection[Any], request_id: str) -> list[UUID]:
+    """Every agent with a request ``request_id``, first submitted first (for a reader who names no agent)."""
+    with conn.cursor() as cur:
+        cur.execute(_REQUEST_AGENTS, (request_id,))
+        return [row[0] for row in cur.fetchall()]
 
 
 def set_archived_txn(cur: psycopg.Cursor[Any], event: NewEvent, archived_at: datetime | None) -> bool:

@@ -83,6 +83,8 @@ agents = Table(
     Column("name", Text, nullable=False, unique=True),
     Column("phase", Text, nullable=False, server_default="idle"),
     Column("request_id", Text),
+    # The first segment of the keys of the request in flight (agents.core.keys.request_key; migration 0028).
+    Column("request_key", Text),
     Column("revision", BigInteger, nullable=False, server_default="0"),
     Column("soft_deadline", DateTime(timezone=True)),
     Column("hard_deadline", DateTime(timezone=True)),
@@ -151,12 +153,13 @@ agents = Table(
 #: exist when it is written; ``schedules`` keeps its foreign key: an agent's schedules go with it.
 KEPT_AFTER_DELETE: tuple[str, ...] = ("requests", "audit.journal", "jobs", "outbox")
 
-# One row per request ever submitted: a request id belongs to one agent, forever (a deleted one's included).
+# One row per request ever submitted, per agent: a request id is its agent's own (migration 0028), so one tenant's
+# ids can neither occupy nor reveal another's; kept after its agent is deleted.
 requests = Table(
     "requests",
     metadata,
-    Column("request_id", Text, primary_key=True),
-    Column("agent_id", UUID(as_uuid=True), nullable=False, index=True),  # KEPT_AFTER_DELETE
+    Column("agent_id", UUID(as_uuid=True), primary_key=True),  # KEPT_AFTER_DELETE
+    Column("request_id", Text, primary_key=True, index=True),
     Column("input", JSONB, nullable=False),
     Column("actor", Text, nullable=False),
     Column("submitted_at", DateTime(timezone=True), nullable=False),

@@ -21,7 +21,7 @@ from celery.worker import control as celery_control
 from agents.core import transition as core
 from agents.core.commands import Command
 from agents.core.errors import KeelError, Rejected, StoreError
-from agents.core.keys import split_key
+from agents.core.keys import request_id_of
 from agents.core.outage import is_outage
 from agents.core.phases import Event
 from agents.jobs.runner import RunOutcome
@@ -59,7 +59,7 @@ def run_job(self: Any, key: str) -> str:
         raise HandedBack(str(exc), requeue=True) from None
     rt.outage.recovered()
     try:
-        request_id: str | None = split_key(key)[0]
+        request_id: str | None = request_id_of(key)
     except ValueError:
         request_id = None
     # The job's own unit of work has ended: its lines from here on name the job themselves.

@@ -26,7 +26,7 @@ from typing import Any
 from celery.exceptions import Reject
 from celery.signals import after_setup_logger, after_setup_task_logger
 
-from agents.core.keys import split_key
+from agents.core.keys import request_id_of
 from agents.observability.logs import restyle, use_structlog
 
 #: Where Celery logs those lines: "Task … received", "Task … succeeded", "Scheduler: Sending due task".
@@ -77,7 +77,7 @@ class NamesTheJob(logging.Filter):
         if isinstance(key, str):
             record.job_key = key
             try:
-                record.request_id = split_key(key)[0]
+                record.request_id = request_id_of(key)
             except ValueError:  # not a job key: the line keeps what it says
                 pass
         return True

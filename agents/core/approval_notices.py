@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 
 from agents.core.commands import ACCEPTED, Command, MessageSpec
-from agents.core.keys import make_key
+from agents.core.keys import derive
 from agents.core.phases import Event, Phase
 from agents.core.redaction import redact
 from models.approvals_sql import waited_gate_txn
@@ -73,10 +73,10 @@ def ended_notices_txn(cur: psycopg.Cursor[Any], before: AgentRow, command: Comma
     under the agent's lock in the transition that ends it."""
     if before.request_id is None:
         return ()
-    gate = waited_gate_txn(cur, before.request_id)
+    gate = waited_gate_txn(cur, before.id, before.request_id)
     if gate is None:
         return ()
-    told = {kind: make_key(before.request_id, "slack", target(kind, gate.target)) for kind in (WAITING, ESCALATED)}
+    told = {kind: derive(gate.key, "slack", target(kind, gate.target)) for kind in (WAITING, ESCALATED)}
     found = destinations_txn(cur, list(told.values()))
     text = (
         f"Agent {before.name}'s call to {gate.tool or 'its tool'} no longer waits for approval:"

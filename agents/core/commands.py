@@ -21,10 +21,9 @@ from agents.core.errors import (
     InvalidDeadlines,
     InvalidInput,
     Rejected,
-    RequestConflict,
     StaleRevision,
 )
-from agents.core.keys import check_request_id, make_key, split_key
+from agents.core.keys import check_request_id, make_key, request_key, split_key
 from agents.core.phases import COMMAND_EVENTS, Event, Phase, allowed_events, target_of
 from models.clock import parse_time, rfc3339
 from models.schemas import AgentRow, Submitted
@@ -300,22 +299,17 @@ def decide(
     command: Command,
     now: datetime,
     *,
-    request_owner: UUID | None = None,
-    owner_name: str | None = None,
+    request_seen: bool = False,
 ) -> Decision:
     """Decide ``command`` against the locked ``row``.
 
-    ``request_owner`` is, for a submit, the agent that already owns the request id (None if it is new), and
-    ``owner_name`` its name.
+    ``request_seen``: for a submit, whether this agent had a request of that id already (request ids are each
+    agent's own: another agent's never counts).
     Order matters: a duplicate submit is suppressed before its (necessarily old) revision is checked.
     """
     if command.event is Event.SUBMIT:
-        if is_repeat_submit(row, command) or request_owner == row.id:
+        if is_repeat_submit(row, command) or request_seen:
             return Suppress("duplicate_request")
-        if request_owner is not None:
-            assert command.request_id is not None
-            conflict = RequestConflict(request_id=command.request_id, owner=request_owner, owner_name=owner_name)
-            return Reject(conflict, "request_conflict")
         if row.archived_at is not None:
             return Reject(AgentArchived(agent_id=row.id, name=row.name), "agent_archived")
     if command.expected_revision is not None and command.expected_revision != row.revision:
@@ -349,9 +343,11 @@ def decide(
             return Reject(InvalidDeadlines("soft_deadline must not be after hard_deadline"), "invalid_deadlines")
         if hard is not None and hard <= now:
             return Reject(InvalidDeadlines(f"hard_deadline {rfc3339(hard)} has passed already"), "invalid_deadlines")
+        assert command.request_id is not None
         after = replace(
             after,
             request_id=command.request_id,
+            request_key=request_key(row.id, command.request_id),
             soft_deadline=soft,
             hard_deadline=hard,
             priority=command.priority or NORMAL,

@@ -140,8 +140,8 @@ class IllegalTransition(Rejected):
 
 
 class RequestConflict(Rejected):
-    """This request id belongs to another agent, or was submitted before with a different request: a retry must
-    repeat the request as it was (``differs`` names what is not the same), or use a new request id."""
+    """This request id was submitted to this agent before with a different request: a retry must repeat the request
+    as it was (``differs`` names what is not the same), or use a new request id."""
 
     def __init__(
         self,

@@ -45,7 +45,7 @@ import psycopg
 from psycopg.rows import class_row, dict_row
 from sqlalchemy import select
 
-from agents.core.errors import LostUpdate
+from agents.core.errors import InvalidInput, LostUpdate
 from agents.core.redaction import redact_value
 from models.audit_keys import AuditKeyMissing, AuditKeys, legacy_seal_parts
 from models.audit_records import (
@@ -244,10 +244,18 @@ def append_side_event_txn(
     return appended
 
 
+def request_scope(agent_id: object | None, request_id: str | None) -> None:
+    """Refuse a read of a request that names no agent: a request id is its agent's own (another tenant's agent may
+    use the same one), so every request-scoped read takes the agent it reads for."""
+    if request_id is not None and agent_id is None:
+        raise InvalidInput(f"request_id {request_id!r} names a request of one agent: give its agent too")
+
+
 def events(
     db: Database, *, agent_id: UUID | None = None, request_id: str | None = None, limit: int | None = None
 ) -> list[JournalEvent]:
-    """Journal events, oldest first, filtered by agent and/or request."""
+    """Journal events, oldest first, of an agent, or of one of its requests (with ``request_id``)."""
+    request_scope(agent_id, request_id)
     query = select(journal).order_by(journal.c.id)
     if agent_id is not None:
         query = query.where(journal.c.agent_id == agent_id)
@@ -273,6 +281,7 @@ def latest_events(
     event ``seq`` of the agent's chain when ``agent_id`` is given (its unique (agent_id, seq) index is read
     backwards), else a journal id (the primary key's, or a request's events by the request_id index). The cost is
     the page's, not the journal's."""
+    request_scope(agent_id, request_id)
     if agent_id is not None:
         query = select(journal).where(journal.c.agent_id == agent_id).order_by(journal.c.seq.desc())
         if before is not None:
@@ -303,7 +312,6 @@ SELECT j.* FROM heads a
 LEFT JOIN seen s ON s.agent_id = a.id
 JOIN audit.journal j ON j.agent_id = a.id AND j.seq > coalesce(s.seq, 0)
 WHERE a.journal_seq > coalesce(s.seq, 0) AND (%(agent)s::uuid IS NULL OR a.id = %(agent)s::uuid)
-  AND (%(request)s::text IS NULL OR a.id IN (SELECT agent_id FROM requests WHERE request_id = %(request)s::text))
 ORDER BY j.id
 LIMIT %(limit)s
 """
@@ -321,11 +329,11 @@ def events_after(
     ``limit``; each agent's events come as a prefix of its chain, so a caller that advances ``seen`` by what it got
     and asks again reads every event once. With ``request_id`` only that request's agent is read (the caller
     filters its other requests' events out, after advancing ``seen`` past them)."""
+    request_scope(agent_id, request_id)
     params = {
         "ids": list(seen),
         "seqs": list(seen.values()),
         "agent": agent_id,
-        "request": request_id,
         "limit": limit,
     }
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:

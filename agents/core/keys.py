@@ -1,14 +1,22 @@
-"""Deterministic keys: ``{request_id}:{operation}:{target}`` names a unit of work everywhere it appears."""
+"""Deterministic keys: ``{request}:{operation}:{target}`` names a unit of work everywhere it appears.
+
+``{request}`` is the request's key (:func:`request_key`): its agent and its id, since a request id is its agent's own
+(two tenants may both use ``order-1001``) while a key is unique across Keel (it is the Celery task id).
+"""
 
 from __future__ import annotations
 
 import re
+from uuid import UUID
 
 from agents.core.errors import InvalidInput, quoted
 
 # Request ids and operations are single key segments; a target may itself contain ':' (e.g. ``tool:search:c1``).
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 _TARGET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:/#@]{0,255}$")
+# A request's key: ``{agent id as 32 hex digits}.{request id}``; a bare request id in keys written before migration
+# 0028 and in Keel's own system requests (alerts, reports), whose ids no producer can submit.
+_REQUEST_KEY = re.compile(r"^(?:[0-9a-f]{32}\.)?[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 
 
 def check_request_id(request_id: str) -> str:
@@ -21,17 +29,48 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def make_key(request_id: str, operation: str, target: str) -> str:
-    """The one way to build a key. The same inputs give the same key in every process, forever."""
-    check_request_id(request_id)
+def request_key(agent_id: UUID, request_id: str) -> str:
+    """The first segment of every key of request ``request_id`` of agent ``agent_id``: unique across agents, so one
+    tenant's request ids can neither occupy nor collide with another's, and the same in every process, forever."""
+    return f"{agent_id.hex}.{check_request_id(request_id)}"
+
+
+def current_request_key(agent_id: UUID, request_id: str | None, stored: str | None) -> str:
+    """The key of an agent's request in flight: as stored on its row (a request submitted before migration 0028 keeps
+    the bare id it was keyed by), else derived."""
+    if stored is not None:
+        return stored
+    if request_id is None:
+        raise InvalidInput("jobs and messages need a request in flight: their keys start with its key")
+    return request_key(agent_id, request_id)
+
+
+def derive(step_key: str, operation: str, target: str) -> str:
+    """A key a step derives (the jobs it schedules, the messages it emits, the steps it reads): the same request as
+    the step's own key, so it is its agent's request whatever the id."""
+    return make_key(split_key(step_key)[0], operation, target)
+
+
+def make_key(request: str, operation: str, target: str) -> str:
+    """The one way to build a key from a request's key (:func:`request_key`). The same inputs give the same key in
+    every process, forever."""
+    if not isinstance(request, str) or not _REQUEST_KEY.fullmatch(request):
+        raise InvalidInput(f"request key {quoted(request)} is invalid: expected [<agent hex>.]<request id>")
     if not _SEGMENT.fullmatch(operation):
         raise InvalidInput(f"operation {quoted(operation)} is invalid: one segment of letters, digits, '.', '_', '-'")
     if not _TARGET.fullmatch(target):
         raise InvalidInput(f"target {quoted(target)} is invalid: 1-256 characters of letters, digits and ._-:/#@")
-    return f"{request_id}:{operation}:{target}"
+    return f"{request}:{operation}:{target}"
 
 
 def split_key(key: str) -> tuple[str, str, str]:
-    """Inverse of :func:`make_key`."""
-    request_id, operation, target = key.split(":", 2)
-    return request_id, operation, target
+    """Inverse of :func:`make_key`: the request's key, the operation, the target."""
+    request, operation, target = key.split(":", 2)
+    return request, operation, target
+
+
+def request_id_of(key: str) -> str:
+    """The request id a key names (for log lines and spans: the rows store it), without its agent part."""
+    request = split_key(key)[0]
+    agent, dot, request_id = request.partition(".")
+    return request_id if dot and len(agent) == 32 and _REQUEST_KEY.fullmatch(request) else request

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from agents.core.commands import LOW, JobSpec
-from agents.core.keys import make_key
+from agents.core.keys import current_request_key, make_key
 from models.jobs_sql import NewJob
 from models.schemas import AgentRow
 from models.tables import JOBS_QUEUE, LOW_QUEUE
@@ -27,13 +27,14 @@ def new_jobs(
     ``traceparent``: the trace their runs continue (the scheduling work's), None when traces are off."""
     if specs and agent.request_id is None:
         raise ValueError("jobs need a request in flight")
+    request = current_request_key(agent.id, agent.request_id, agent.request_key) if specs else ""
     rows = []
     for spec in specs:
         run_at = now + spec.delay if spec.delay else now
         due = run_at <= now
         rows.append(
             NewJob(
-                key=make_key(agent.request_id or "", spec.operation, spec.target),
+                key=make_key(request, spec.operation, spec.target),
                 agent_id=agent.id,
                 request_id=agent.request_id or "",
                 operation=spec.operation,

@@ -32,7 +32,6 @@ from agents.core.commands import (
     as_given,
     decide,
     differences,
-    is_repeat_submit,
 )
 from agents.core.errors import (
     AgentBusy,
@@ -46,9 +45,8 @@ from agents.core.errors import (
     RequestConflict,
     StaleRevision,
     StoreError,
-    quoted,
 )
-from agents.core.keys import make_key
+from agents.core.keys import current_request_key, make_key
 from agents.core.observe import current, current_traceparent, link, observe
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
@@ -78,7 +76,6 @@ from models.sql import (
     insert_agent_txn,
     lock_agent_txn,
     request_as_submitted_txn,
-    request_owner_txn,
     set_archived_txn,
     update_agent_and_commit_txn,
 )
@@ -355,20 +352,13 @@ def _transition(
             row, live_jobs, at = locked.row, locked.live_jobs, locked.at
             command = _joined(command, row, live_jobs)
             _name_observed(command)
-            owner = None
-            if claim is not None and not locked.claimed and not is_repeat_submit(row, command):
-                owner = request_owner_txn(cur, claim.request_id)  # the id is taken: by whom decides the answer
-            decision = decide(
-                row,
-                command,
-                at,
-                request_owner=None if owner is None else owner.id,
-                owner_name=None if owner is None else owner.name,
-            )
+            # Not claimed: this agent had a request of that id already (ids are each agent's own).
+            seen = claim is not None and not locked.claimed
+            decision = decide(row, command, at, request_seen=seen)
             if isinstance(decision, Suppress) and command.event is Event.SUBMIT:
                 # A retry repeats the request as it was; one that asks for something else is not a retry.
                 assert command.request_id is not None
-                submitted = request_as_submitted_txn(cur, command.request_id, input_json)
+                submitted = request_as_submitted_txn(cur, row.id, command.request_id, input_json)
                 differs = [] if submitted is None else differences(submitted, command, input_json)
                 if differs:
                     conflict = RequestConflict(
@@ -617,9 +607,10 @@ def _emit_messages_txn(
     """Put the transition's messages in the outbox, in order; a key already there is a suppressed duplicate."""
     if agent.request_id is None:
         raise InvalidInput("messages need a request in flight: their keys start with its id")
+    request = current_request_key(agent.id, agent.request_id, agent.request_key)
     rows = [
         NewMessage(
-            make_key(agent.request_id, m.channel, m.target),
+            make_key(request, m.channel, m.target),
             agent.id,
             agent.request_id,
             m.channel,
@@ -741,12 +732,6 @@ def _journal_rejection(db: Database, keys: AuditKeys, command: Command, decision
         details["expected_revision"] = command.expected_revision
     if isinstance(decision.error, RequestConflict) and decision.error.differs:
         details["differs"] = list(decision.error.differs)
-    if isinstance(decision.error, RequestConflict) and decision.error.owner != command.agent_id:
-        # Another agent's request: this agent's journal (which its own readers see) does not name that agent.
-        details["error"] = (
-            f"request id {quoted(decision.error.request_id)} already belongs to another agent's request: use a new"
-            " request id"
-        )
     with db.transaction() as cur:
         locked = lock_agent_txn(cur, command.agent_id)
         if locked is None:  # pragma: no cover - deleted meanwhile: its chain is closed, and it refused the command

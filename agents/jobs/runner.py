@@ -36,7 +36,7 @@ from agents.core.errors import (
     JobError,
     KeelError,
 )
-from agents.core.keys import split_key
+from agents.core.keys import request_id_of, split_key
 from agents.core.observe import observe
 from agents.core.outage import Outage, is_outage
 from agents.core.phases import RESTING, Event, Phase
@@ -258,7 +258,8 @@ class Runner:
 
     def run(self, key: str) -> RunOutcome:
         try:
-            request_id, operation, _ = split_key(key)
+            _, operation, _ = split_key(key)
+            request_id: str | None = request_id_of(key)
         except ValueError:
             request_id, operation = None, "unknown"
         # Claimed before the run is observed: the job's stored traceparent (the trace of the work that scheduled
@@ -650,7 +651,7 @@ def _dropping(request_id: str, drops: tuple[tuple[str, str], ...]) -> core.Effec
     """The effect of a result's ``drops``: fields of its request's earlier steps' results it supersedes."""
 
     def effects(cur: Any, before: Any, after: Any) -> None:
-        drop_result_fields_txn(cur, request_id, drops)
+        drop_result_fields_txn(cur, before.id, request_id, drops)
 
     return effects
 

@@ -83,7 +83,7 @@ def _enforce_one(db: Database, settings: Settings, call: WaitingCall, actor: str
 
 
 def _command(db: Database, settings: Settings, call: WaitingCall, actor: str) -> Command | None:
-    pending = pending_approval(db, call.request_id)
+    pending = pending_approval(db, call.agent_id, call.request_id)
     if pending is None or pending.target != call.target:
         return None  # decided meanwhile: the agent's lock and revision would refuse it anyway
     timeout = float(call.payload["approval_timeout_seconds"])

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from typing import Any
+from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agents.core import approval_notices
 from agents.core.commands import JobSpec, Join, MessageSpec
 from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
-from agents.core.keys import make_key
+from agents.core.keys import derive
 from agents.core.observe import observe
 from agents.core.phases import Event
 from agents.core.transition import STAGED_SPEND
@@ -129,41 +130,59 @@ def step_target(tool_name: str, round_: int, call_id: str) -> str:
     return f"{tool_name}:{round_}.{tool_call_key(call_id)}"
 
 
-def conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
+@dataclass(frozen=True, slots=True)
+class RequestOf:
+    """The request a step is of, as its reads name it: its agent and id (each agent's ids are its own), and a step
+    key of the request, which every key the step derives comes from."""
+
+    agent_id: UUID
+    request_id: str
+    step_key: str
+
+    @classmethod
+    def of(cls, ctx: JobContext) -> RequestOf:
+        return cls(ctx.agent_id, ctx.request_id, ctx.key)
+
+    def key(self, operation: str, target: str) -> str:
+        return derive(self.step_key, operation, target)
+
+
+def conversation(db: Database, req: RequestOf, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
     """The messages of rounds 1..upto_round-1: the conversation the previous plan step was sent (stored with its
     result), its reply, and the results of that reply's calls — a few rows by key, however long the request. When
     the previous step holds no conversation (recorded by an earlier version, or a past round's, dropped once the
     step after it was recorded) it is rebuilt from the request's steps."""
     previous = upto_round - 1
-    this_key, plan_key = f"{request_id}:plan:{upto_round}", f"{request_id}:plan:{previous}"
-    request_input, found = request_steps_by_key(db, request_id, [this_key, plan_key])
+    this_key, plan_key = req.key("plan", str(upto_round)), req.key("plan", str(previous))
+    request_input, found = request_steps_by_key(db, req.agent_id, req.request_id, [this_key, plan_key])
     if previous < 1:
         return request_input, _opening(request_input)
     prior = (found.get(plan_key) or {}).get("result")
     if not (isinstance(prior, Mapping) and isinstance(prior.get("conversation"), list) and "reply" in prior):
-        return rebuild_conversation(db, request_id, upto_round)
+        return rebuild_conversation(db, req, upto_round)
     reply = prior["reply"]
     calls = reply.get("tool_calls") or []
-    _, steps = request_steps_by_key(db, request_id, [_tool_key(request_id, previous, call) for call in calls])
+    keys = [_tool_key(req, previous, call) for call in calls]
+    _, steps = request_steps_by_key(db, req.agent_id, req.request_id, keys)
     # This step's own payload says which calls of the round before it a person (or a timeout) rejected.
     rejected = _rejections([found[this_key]] if this_key in found else [])
-    messages = [*prior["conversation"], reply, *_results(request_id, previous, calls, steps, rejected)]
+    messages = [*prior["conversation"], reply, *_results(req, previous, calls, steps, rejected)]
     return request_input, messages
 
 
-def rebuild_conversation(db: Database, request_id: str, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
+def rebuild_conversation(db: Database, req: RequestOf, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
     """The messages of rounds 1..upto_round-1, rebuilt from every stored step result of the request."""
-    request_input, steps = request_steps(db, request_id)
+    request_input, steps = request_steps(db, req.agent_id, req.request_id)
     messages = _opening(request_input)
     by_key = {s["key"]: s for s in steps}
     rejected = _rejections(steps)
     for n in range(1, upto_round):
-        plan_step = by_key.get(f"{request_id}:plan:{n}")
+        plan_step = by_key.get(req.key("plan", str(n)))
         if plan_step is None or plan_step["result"] is None:
             break
         reply = plan_step["result"]["reply"]
         messages.append(reply)
-        messages.extend(_results(request_id, n, reply.get("tool_calls") or [], by_key, rejected))
+        messages.extend(_results(req, n, reply.get("tool_calls") or [], by_key, rejected))
     return request_input, messages
 
 
@@ -186,13 +205,13 @@ def _rejections(steps: list[dict[str, Any]]) -> dict[tuple[int, str], str]:
     return rejected
 
 
-def _tool_key(request_id: str, round_: int, call: Mapping[str, Any]) -> str:
+def _tool_key(req: RequestOf, round_: int, call: Mapping[str, Any]) -> str:
     tool = by_name(call["function"]["name"])
-    return f"{request_id}:tool:{step_target(tool.name if tool else 'unknown', round_, call['id'])}"
+    return req.key("tool", step_target(tool.name if tool else "unknown", round_, call["id"]))
 
 
 def _results(
-    request_id: str,
+    req: RequestOf,
     round_: int,
     calls: list[dict[str, Any]],
     steps: Mapping[str, dict[str, Any]],
@@ -201,7 +220,7 @@ def _results(
     """The tool messages answering a round's calls, in the order the model made them."""
     messages: list[dict[str, Any]] = []
     for call in calls:
-        done = steps.get(_tool_key(request_id, round_, call))
+        done = steps.get(_tool_key(req, round_, call))
         key = (round_, tool_call_key(call["id"]))
         if done is not None and done["status"] == "succeeded" and done["result"] is not None:
             content = done["result"]["content"]
@@ -220,7 +239,7 @@ def _results(
 @handler("plan", input=PlanInput)
 def plan(ctx: JobContext) -> JobResult:
     round_ = int(ctx.target)
-    request_input, messages = conversation(ctx.db, ctx.request_id, round_)
+    request_input, messages = conversation(ctx.db, RequestOf.of(ctx), round_)
     tools = registered()
     if ctx.checkpointed and "reply" in ctx.checkpointed:  # an earlier attempt got (and paid for) the reply
         reply = Reply.from_checkpoint(ctx.checkpointed)
@@ -234,7 +253,7 @@ def plan(ctx: JobContext) -> JobResult:
     # previous step's copy is dropped as this one is recorded (its reply stays): a request stores its conversation
     # once, on its latest plan step, not once per round.
     sent = {"reply": message, "conversation": messages}
-    drops = ((f"{ctx.request_id}:plan:{round_ - 1}", "conversation"),) if round_ > 1 else ()
+    drops = ((derive(ctx.key, "plan", str(round_ - 1)), "conversation"),) if round_ > 1 else ()
     if not reply.tool_calls:
         output = {**sent, "answer": reply.content}
         return JobResult(output=output, usage=reply.usage, event=Event.FINISH, drops=drops)
@@ -373,27 +392,27 @@ class PendingApproval:
         )
 
 
-def pending_approval(db: Database, request_id: str | None) -> PendingApproval | None:
-    """The call the agent waits on: the latest gate of the request whose tool was neither scheduled nor rejected."""
+def pending_approval(db: Database, agent_id: UUID, request_id: str | None) -> PendingApproval | None:
+    """The call the agent waits on: the latest gate of its request whose tool was neither scheduled nor rejected."""
     if request_id is None:
         return None
-    gates = request_gates(db, request_id)
+    gates = request_gates(db, agent_id, request_id)
     # What answered each gate, if anything did: its call scheduled as a tool step (approved), or the next round's
     # plan step naming it rejected. Read by key: a waiting agent's view costs its gates, not its whole request.
-    answers = [f"{request_id}:tool:{g['target']}" for g in gates]
-    answers += [f"{request_id}:plan:{int(g['payload']['round']) + 1}" for g in gates]
-    _, found = request_steps_by_key(db, request_id, answers) if gates else (None, {})
+    answers = [derive(g["key"], "tool", g["target"]) for g in gates]
+    answers += [derive(g["key"], "plan", str(int(g["payload"]["round"]) + 1)) for g in gates]
+    _, found = request_steps_by_key(db, agent_id, request_id, answers) if gates else (None, {})
     rejected = _rejections([s for s in found.values() if s["operation"] == "plan"])
     for step in gates:
         payload = step["payload"]
         round_, call_id = int(payload["round"]), str(payload.get("tool_call_id", payload["call_id"]))
-        if f"{request_id}:tool:{step['target']}" in found or (round_, tool_call_key(call_id)) in rejected:
+        if derive(step["key"], "tool", step["target"]) in found or (round_, tool_call_key(call_id)) in rejected:
             continue
         output = (step["result"] or {}) if isinstance(step["result"], Mapping) else {}
         channel = output.get("notice_channel")
         target = str(step["target"])
         escalation = approval_notices.target(approval_notices.ESCALATED, target)
-        escalated = message_row(db, make_key(request_id, "slack", escalation))
+        escalated = message_row(db, derive(step["key"], "slack", escalation))
         return PendingApproval(
             str(payload["tool"]),
             call_id,
@@ -448,7 +467,7 @@ def rejection_jobs(pending: PendingApproval, reason: str, *, timed_out: bool = F
 def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:
     """A rejection's effect: the rest of the round is superseded (running calls are fenced off, never recorded); the
     spend of outcomes they staged is charged by the rejection (:data:`agents.core.transition.STAGED_SPEND`)."""
-    swept = cancel_request_steps_txn(cur, after.request_id, ("tool", "gate"), after.updated_at)
+    swept = cancel_request_steps_txn(cur, after.id, after.request_id, ("tool", "gate"), after.updated_at)
     summary: dict[str, Any] = {"superseded": swept.keys} if swept.keys else {}
     if swept.staged:
         summary[STAGED_SPEND] = swept.staged

@@ -8,7 +8,7 @@ from decimal import Decimal
 import pytest
 
 from agents.core.commands import Accept, Command, Reject, Suppress, decide
-from agents.core.errors import AgentArchived, IllegalTransition, InvalidInput, RequestConflict, StaleRevision
+from agents.core.errors import AgentArchived, IllegalTransition, InvalidInput, StaleRevision
 from agents.core.phases import Event
 from models.schemas import AgentRow
 from models.tables import GENESIS_HASH
@@ -84,15 +84,15 @@ def test_repeat_submit_is_suppressed_even_with_an_old_revision() -> None:
 
 
 def test_submit_of_an_older_request_of_the_same_agent_is_suppressed() -> None:
-    result = decide(row("done", 7, "r2"), cmd(Event.SUBMIT, request_id="r1"), NOW, request_owner=uuid.UUID(int=1))
+    result = decide(row("done", 7, "r2"), cmd(Event.SUBMIT, request_id="r1"), NOW, request_seen=True)
     assert result == Suppress("duplicate_request")
 
 
-def test_submit_of_another_agents_request_is_a_conflict() -> None:
-    other = uuid.UUID(int=2)
-    result = decide(row("idle"), cmd(Event.SUBMIT, request_id="r1"), NOW, request_owner=other)
-    assert isinstance(result, Reject) and isinstance(result.error, RequestConflict)
-    assert result.error.owner == other
+def test_a_submit_keys_its_request_by_its_agent() -> None:
+    agent = row("idle")
+    result = decide(agent, cmd(Event.SUBMIT, request_id="r1"), NOW)
+    assert isinstance(result, Accept)
+    assert result.after.request_key == f"{agent.id.hex}.r1"
 
 
 def test_submit_sets_request_and_deadlines() -> None:

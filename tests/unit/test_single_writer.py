@@ -13,11 +13,17 @@ WRITES = re.compile(
     r"|agents\.(update|insert|delete)\(|(update|insert|delete)\(\s*agents\b)",
     re.IGNORECASE,
 )
+# A migration that adds a column fills it in once, before any process runs on it (0028: the keys of requests in flight).
+BACKFILLS = {"alembic/versions/0028_requests_per_agent.py"}
 HELPERS = ("update_agent_and_commit_txn", "advance_chain_txn", "insert_agent_txn", "lock_agent_txn")
 
 
 def test_agent_row_sql_lives_only_in_models_sql() -> None:
-    offenders = [str(p.relative_to(ROOT)) for p in SOURCES if WRITES.search(p.read_text()) and p.name != "sql.py"]
+    offenders = [
+        name
+        for p in SOURCES
+        if WRITES.search(p.read_text()) and p.name != "sql.py" and (name := str(p.relative_to(ROOT))) not in BACKFILLS
+    ]
     assert offenders == [], f"agent rows written outside models/sql.py: {offenders}"
 
 

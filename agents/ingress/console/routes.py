@@ -41,7 +41,7 @@ from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.tokens import ApiToken, Permission, authenticate, live_token
 from models import alerts_sql, approvals_sql, console_sql, kpi_sql
 from models.jobs_sql import job_row
-from models.outbox_sql import UNSENT, message_row, request_messages, unsent_page
+from models.outbox_sql import UNSENT, message_row, unsent_page
 from models.schemas import AgentState
 
 router = APIRouter(include_in_schema=False)
@@ -422,8 +422,9 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
     jobs: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
     if request_id and who.can(Permission.READ_STORY):
-        jobs = [row for job in keel.client.request_jobs(request_id) if (row := job_row(keel.db, job.key))]
-        messages = request_messages(keel.db, request_id)
+        # The same reads as the API's story: scoped to this agent, whoever else used the id.
+        jobs = [row for job in keel.client.request_jobs(state.id, request_id) if (row := job_row(keel.db, job.key))]
+        messages = keel.client.request_messages(state.id, request_id)
     waiting_since = None
     if state.phase == "waiting_approval":  # since its gate finished, as the inbox says (not its latest move)
         call = approvals_sql.waiting_call(keel.db, state.id)

@@ -19,7 +19,6 @@ from agents.ingress.problems import BAD_REQUEST, Problem, kind_for
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import Links, OutboxMessage, RequestOut, RequestStory, SubmitRequest
 from agents.ingress.tokens import ApiToken, Permission
-from models.outbox_sql import request_messages
 from models.schemas import RequestRecord
 
 router = APIRouter(prefix="/v1/agents/{agent}/requests", tags=["requests"])
@@ -46,7 +45,7 @@ def _out(record: RequestRecord) -> RequestOut:
     response_model=RequestOut,
     summary="Submit a request",
     responses={
-        409: {"description": "The Idempotency-Key was used before with a different request, or the agent is busy"},
+        409: {"description": "The Idempotency-Key was used on this agent before with a different request"},
         412: {"description": "If-Match names a revision that is not the current one"},
     },
 )
@@ -74,15 +73,10 @@ def submit(
     expected = if_match_revision(if_match)
     # A token that sees every agent needs no read before the transition when given an id: the transition's locking
     # read finds the agent, or answers as for a missing one. A prefixed token's agent must be checked by name first.
+    # Request ids are each agent's own: no other agent's requests are looked at (nor can they conflict).
     agent_id = _uuid(agent) if token.agent_prefix is None else None
     if agent_id is None:
         agent_id = resolve(keel, token, agent).id
-    if token.agent_prefix is not None:
-        owner = _owner(keel, request_id)
-        if owner is not None and owner != agent_id and not sees_agent(keel, token, owner):
-            # Refused before the transition, which would journal the conflict on this agent naming the owner: the
-            # tenant reads its agents' journals, and must not learn another tenant's agent from them.
-            raise _taken_elsewhere(request_id)
     soft = body.soft_deadline or _seconds(body.soft_deadline_seconds)
     hard = body.hard_deadline or _seconds(body.hard_deadline_seconds)
     try:
@@ -98,11 +92,6 @@ def submit(
         )
     except StaleRevision as exc:
         raise stale(keel, token, exc, agent) from None
-    except RequestConflict as exc:
-        if exc.owner == agent_id:
-            raise
-        # Request ids are global: never tell one tenant about another's agent.
-        raise _taken_elsewhere(request_id) from None
     annotate(agent_id=agent_id)  # not resolved above when given an id: the request's lines name its agent
     out = _out(done.request)
     response.headers["Location"] = out.links.self
@@ -118,32 +107,13 @@ def _uuid(ref: str) -> UUID | None:
         return None
 
 
-def _owner(keel: Keel, request_id: str) -> UUID | None:
-    """The agent whose request ``request_id`` is, if it was submitted."""
-    try:
-        return keel.client.get_request(request_id).agent_id
-    except RequestNotFound:
-        return None
-
-
-def _taken_elsewhere(request_id: str) -> Problem:
-    return Problem(
-        kind_for(RequestConflict),
-        f"the Idempotency-Key {request_id!r} is already the id of another agent's request: use a new key",
-        extra={"request_id": request_id, "differs": []},
-    )
-
-
 def _seconds(value: float | None) -> timedelta | None:
     return None if value is None else timedelta(seconds=value)
 
 
 def _record(keel: Keel, token: ApiToken, agent: str, request_id: str) -> RequestRecord:
     found = resolve(keel, token, agent, deleted_ok=True)
-    record = keel.client.get_request(request_id)
-    if record.agent_id != found.id:
-        raise RequestNotFound(request_id)
-    return record
+    return keel.client.get_request(found.id, request_id)
 
 
 @router.get("/{request_id}", response_model=RequestOut, summary="A request as it was submitted")
@@ -167,9 +137,9 @@ def story(
     record = _record(keel, token, agent, request_id)
     return RequestStory(
         request=_out(record),
-        jobs=keel.client.request_jobs(request_id),
+        jobs=keel.client.request_jobs(record.agent_id, request_id),
         journal=journal_events(keel.db, agent_id=record.agent_id, request_id=request_id),
-        outbox=[OutboxMessage(**m) for m in request_messages(keel.db, request_id)],
+        outbox=[OutboxMessage(**m) for m in keel.client.request_messages(record.agent_id, request_id)],
     )
 
 
@@ -182,8 +152,18 @@ def find_request(
     keel: Keel,
     token: Annotated[ApiToken, Depends(require_permission(Permission.READ_STATE))],
 ) -> RequestOut:
-    """Where a request id (an ``Idempotency-Key``) went: its agent, and links to its story and the agent's events."""
-    record = keel.client.get_request(request_id)
-    if not sees_agent(keel, token, record.agent_id):
+    """Where a request id (an ``Idempotency-Key``) went: its agent, and links to its story and the agent's events.
+    Request ids are each agent's own: only the token's agents are looked at; if several of them have a request of
+    this id, a 409 lists them (read it under its agent instead)."""
+    check_request_id(request_id)
+    mine = [a for a in keel.client.request_agents(request_id) if sees_agent(keel, token, a)]
+    if not mine:
         raise RequestNotFound(request_id)
-    return _out(record)
+    if len(mine) > 1:
+        raise Problem(
+            kind_for(RequestConflict),
+            f"{len(mine)} of your agents have a request {request_id!r}: read it under its agent,"
+            f" /v1/agents/{{agent}}/requests/{request_id}",
+            extra={"request_id": request_id, "agents": [str(a) for a in mine]},
+        )
+    return _out(keel.client.get_request(mine[0], request_id))
