@@ -181,6 +181,10 @@ class Client:
             conn.commit()  # a read: ended as models.db.end_read does, keeping the connection's prepared statements
         return found
 
+    def journal_agent(self, agent: AgentRef) -> UUID:
+        """The id of the agent whose journal ``agent`` names: a live one, or a deleted one (see :meth:`_chain_id`)."""
+        return self._chain_id(agent)
+
     def _chain_id(self, agent: AgentRef) -> UUID:
         """The agent whose journal to read: a live agent by id or name (a live one wins over deleted ones of the
         same name), else a deleted one by id, or by name if only one deleted agent had it."""

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import IO, Any, Literal
+from uuid import UUID
 
 import psycopg
 from psycopg import sql
@@ -45,11 +46,11 @@ CSV_GUARDED = ("=", "+", "-", "@", "\t", "\r", "'")
 
 
 class NoEvents(KeelError):
-    """No journal event has this request id."""
+    """No journal event of this agent has this request id."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        super().__init__(f"no journal event has the request id {quoted(request_id)}: nothing to export")
+        super().__init__(f"no journal event of the agent has the request id {quoted(request_id)}: nothing to export")
 
 
 # The journal's columns in table order, read from the catalog (the schema may have grown: a key id, say); the names
@@ -62,13 +63,16 @@ _EXPORT = sql.SQL(
     "SELECT {columns}, coalesce(a.name, d.name || ' (deleted)') AS agent"
     " FROM audit.journal j LEFT JOIN agents a ON a.id = j.agent_id"
     " LEFT JOIN audit.deleted_agents d ON d.agent_id = j.agent_id"
-    " WHERE j.request_id = %s ORDER BY j.id"
+    " WHERE j.agent_id = %s AND j.request_id = %s ORDER BY j.seq"
 )
 
 
 @contextmanager
-def request_events(db: Database, request_id: str, *, batch: int = BATCH) -> Iterator[tuple[list[str], Iterator[Any]]]:
-    """The columns of an export and its rows (dicts by column name), read lazily through a server-side cursor in
+def request_events(
+    db: Database, agent_id: UUID, request_id: str, *, batch: int = BATCH
+) -> Iterator[tuple[list[str], Iterator[Any]]]:
+    """The columns of an export of agent ``agent_id``'s request ``request_id`` (request ids are each agent's own) and
+    its rows (dicts by column name), read lazily through a server-side cursor in
     one read-only snapshot; raises :class:`NoEvents` before anything is yielded when the request has none."""
     check_text("request_id", request_id, limit=200)
     with db.connection() as raw:
@@ -86,7 +90,7 @@ def request_events(db: Database, request_id: str, *, batch: int = BATCH) -> Iter
             query = _EXPORT.format(columns=selected)
             with raw.cursor(name="keel_audit_export", row_factory=dict_row) as cur:
                 cur.itersize = batch
-                cur.execute(query, (request_id,))
+                cur.execute(query, (agent_id, request_id))
                 first = cur.fetchmany(batch)
                 if not first:
                     raise NoEvents(request_id)

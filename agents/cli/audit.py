@@ -505,6 +505,7 @@ def audit_archive(against: str, partition: str | None, dry_run: bool, as_json: b
 
 
 @audit.command("export")
+@click.option("--agent", "agent_ref", required=True, help="The agent (name or id; a deleted one's too) of the request.")
 @click.option("--request-id", required=True, help="The request whose events to export.")
 @click.option(
     "--format",
@@ -521,15 +522,18 @@ def audit_archive(against: str, partition: str | None, dry_run: bool, as_json: b
     help="Write to FILE (replaced only once the whole export is written) instead of standard output.",
 )
 @friendly
-def audit_export(request_id: str, fmt: str, output: Path | None) -> None:
-    """One request's story for an auditor: every journal event with this request id, across agents, oldest first,
+def audit_export(agent_ref: str, request_id: str, fmt: str, output: Path | None) -> None:
+    """One request's story for an auditor: every journal event of the agent with this request id, oldest first,
     with every stored field (the agent's name after its id; details as stored; times in UTC, RFC 3339). Read in one
     snapshot through a server-side cursor, so a request of any size streams. Exit 1 when no event has the id. Reads
     only: any database role may run it, the auditor's included."""
     from agents.audit.export import request_events, write_export
 
     as_csv = fmt == "csv"
-    with open_client(writes=False) as client, request_events(client.db, request_id) as (columns, rows):
+    with (
+        open_client(writes=False) as client,
+        request_events(client.db, client.journal_agent(agent_ref), request_id) as (columns, rows),
+    ):
         if output is None:
             write_export(sys.stdout, "csv" if as_csv else "jsonl", columns, rows)
             return

@@ -68,9 +68,11 @@ def story(client: Client, request_id: str = "r-1") -> None:
     other = client.create_agent("other", actor="setup")
     client.submit(other.id, "r-0", {"prompt": "before"}, actor="setup")
     client.submit(ledger.id, request_id, {"prompt": 'Summarise, "quote", =1+1'}, actor=HOSTILE_ACTORS[0])
-    # Another agent trying the same request id: refused, journaled on that agent with the request id.
+    # Another agent with a request of the same id (ids are each agent's own): not the ledger's story.
+    client.submit(client.create_agent("third", actor="setup").id, request_id, {"prompt": "mine"}, actor="setup")
+    # The same id again with another input: refused, journaled on the ledger with the request id.
     with pytest.raises(RequestConflict):
-        client.submit(other.id, request_id, {"prompt": "mine"}, actor=HOSTILE_ACTORS[1])
+        client.submit(ledger.id, request_id, {"prompt": "changed"}, actor=HOSTILE_ACTORS[1])
     for actor in HOSTILE_ACTORS[2:]:  # stale commands: rejected, journaled under the request in flight
         with pytest.raises(StaleRevision):
             client.cancel(ledger.id, expected_revision=99, actor=actor, reason=f"{actor}, line\nbreak")
@@ -82,7 +84,9 @@ def journal_rows(url: str, request_id: str) -> tuple[list[str], list[dict[str, A
     """The journal's columns and the request's rows as stored (details as their stored text), by a superuser."""
     with psycopg.connect(libpq_url(url)) as conn, conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute(
-            "SELECT *, details::text AS details FROM audit.journal WHERE request_id = %s ORDER BY id", (request_id,)
+            "SELECT *, details::text AS details FROM audit.journal j WHERE request_id = %s"
+            " AND agent_id = (SELECT id FROM agents WHERE name = 'ledger') ORDER BY seq",
+            (request_id,),
         )
         rows = cur.fetchall()
         columns = [d.name for d in cur.description or ()][:-1]
@@ -114,24 +118,36 @@ def told(client: Client) -> Client:
 
 
 def test_jsonl_round_trips_every_field_of_every_event_in_order(told: Client, db_url: str, tmp_path: Path) -> None:
-    result = keel(db_url, "audit", "export", "--request-id", "r-1", "--format", "jsonl")
+    result = keel(db_url, "audit", "export", "--agent", "ledger", "--request-id", "r-1", "--format", "jsonl")
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("\n") and result.stderr == ""
     lines = result.stdout.split("\n")[:-1]  # one object a line, whatever line breaks the values hold
     exported = [json.loads(line) for line in lines]
     columns, rows = journal_rows(db_url, "r-1")
-    assert len(rows) == 1 + 1 + len(HOSTILE_ACTORS[2:]) + 1  # submit, the other's conflict, stale ones, cancel
+    assert len(rows) == 1 + 1 + len(HOSTILE_ACTORS[2:]) + 1  # submit, the changed retry, stale ones, cancel
     assert [list(e) for e in exported] == [columns] * len(rows)
     for event, row in zip(exported, rows, strict=True):
         assert event == {c: as_json(row[c]) for c in columns} | {"details": json.loads(row["details"])}
     # Across agents, by global id; the other agent's refused attempt and every hostile actor are there.
     assert [e["id"] for e in exported] == sorted(e["id"] for e in exported)
-    assert {e["agent"] for e in exported} == {"ledger", "other"}
+    assert {e["agent"] for e in exported} == {"ledger"}, "another agent's request of the same id is not this story"
     assert set(HOSTILE_ACTORS) <= {e["actor"] for e in exported}
     assert {e["request_id"] for e in exported} == {"r-1"}
     # The same to a file, with a line saying what was written.
     target = tmp_path / "r-1.jsonl"
-    written = keel(db_url, "audit", "export", "--request-id", "r-1", "--format", "jsonl", "--output", str(target))
+    written = keel(
+        db_url,
+        "audit",
+        "export",
+        "--agent",
+        "ledger",
+        "--request-id",
+        "r-1",
+        "--format",
+        "jsonl",
+        "--output",
+        str(target),
+    )
     assert written.returncode == 0, written.stderr
     assert written.stdout == f"exported {len(rows)} events of request 'r-1' to {target}\n"
     assert target.read_text(encoding="utf-8") == result.stdout
@@ -139,7 +155,7 @@ def test_jsonl_round_trips_every_field_of_every_event_in_order(told: Client, db_
 
 
 def test_csv_round_trips_and_no_cell_can_run_as_a_formula(told: Client, db_url: str) -> None:
-    result = keel(db_url, "audit", "export", "--request-id", "r-1", "--format", "csv")
+    result = keel(db_url, "audit", "export", "--agent", "ledger", "--request-id", "r-1", "--format", "csv")
     assert result.returncode == 0, result.stderr
     parsed = list(csv.reader(io.StringIO(result.stdout, newline="")))
     columns, rows = journal_rows(db_url, "r-1")
@@ -161,24 +177,39 @@ def test_an_unknown_request_is_an_error_naming_it_and_writes_nothing(told: Clien
     target = tmp_path / "kept.csv"
     target.write_text("what was here\n")
     for fmt in ("jsonl", "csv"):
-        result = keel(db_url, "audit", "export", "--request-id", "nope-1", "--format", fmt, "--output", str(target))
+        result = keel(
+            db_url,
+            "audit",
+            "export",
+            "--agent",
+            "ledger",
+            "--request-id",
+            "nope-1",
+            "--format",
+            fmt,
+            "--output",
+            str(target),
+        )
         assert result.returncode == 1
-        assert result.stderr == "keel: error: no journal event has the request id 'nope-1': nothing to export\n"
+        assert (
+            result.stderr
+            == "keel: error: no journal event of the agent has the request id 'nope-1': nothing to export\n"
+        )
         assert result.stdout == ""
         assert target.read_text() == "what was here\n"
-    to_stdout = keel(db_url, "audit", "export", "--request-id", "nope-1", "--format", "csv")
+    to_stdout = keel(db_url, "audit", "export", "--agent", "ledger", "--request-id", "nope-1", "--format", "csv")
     assert (to_stdout.returncode, to_stdout.stdout) == (1, "")
     assert [p.name for p in tmp_path.iterdir()] == ["kept.csv"]
-    bad = keel(db_url, "audit", "export", "--request-id", "r-1", "--format", "xml")
+    bad = keel(db_url, "audit", "export", "--agent", "ledger", "--request-id", "r-1", "--format", "xml")
     assert bad.returncode == 2 and "'xml' is not one of 'jsonl', 'csv'" in bad.stderr
-    nul = keel(db_url, "audit", "export", "--request-id", "a" * 201, "--format", "csv")
+    nul = keel(db_url, "audit", "export", "--agent", "ledger", "--request-id", "a" * 201, "--format", "csv")
     assert nul.returncode == 1 and "request_id must be at most 200 characters" in nul.stderr
 
 
 def test_export_streams_through_a_server_side_cursor(told: Client, db: Database, db_url: str) -> None:
     """The rows come a batch at a time: with a batch of 2, after the first row the exporting session's last statement
     is a FETCH of 2 from its cursor, not the whole query."""
-    with request_events(db, "r-1", batch=2) as (_, rows):
+    with request_events(db, told.get_state("ledger").id, "r-1", batch=2) as (_, rows):
         first = next(rows)
         with psycopg.connect(libpq_url(db_url), autocommit=True) as watcher:
             fetches = watcher.execute(
@@ -203,6 +234,8 @@ def test_the_auditor_exports(roles_db: RoledDatabase) -> None:
             roles_db.auditor_url,
             "audit",
             "export",
+            "--agent",
+            "ledger",
             "--request-id",
             "r-1",
             "--format",
@@ -212,8 +245,19 @@ def test_the_auditor_exports(roles_db: RoledDatabase) -> None:
         )
         assert result.returncode == 0, result.stderr
         assert FORMULA.split("(")[1][:10] in result.stdout
-    as_superuser = keel(roles_db.url, "audit", "export", "--request-id", "r-1", "--format", "jsonl")
+    as_superuser = keel(
+        roles_db.url, "audit", "export", "--agent", "ledger", "--request-id", "r-1", "--format", "jsonl"
+    )
     as_auditor = keel(
-        roles_db.auditor_url, "audit", "export", "--request-id", "r-1", "--format", "jsonl", names=roles_db.names
+        roles_db.auditor_url,
+        "audit",
+        "export",
+        "--agent",
+        "ledger",
+        "--request-id",
+        "r-1",
+        "--format",
+        "jsonl",
+        names=roles_db.names,
     )
     assert as_auditor.stdout == as_superuser.stdout

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import pytest
@@ -25,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from agents.client import Client
 from models import migrations
 from tests.support.audit import TEST_ENV, clean_env
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -58,9 +60,10 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
     keel(db_url, "submit", "ops-bot", "req-7", "--input", '{"prompt": "hi"}', "--actor", "alice")
     shown = json.loads(keel(db_url, "agent", "show", created["id"], "--json").stdout)
     assert (shown["phase"], shown["revision"], shown["request_id"]) == ("planning", 1, "req-7")
+    plan = scoped(UUID(created["id"]), "req-7:plan:1")
     shown_text = keel(db_url, "agent", "show", "ops-bot").stdout
-    assert "phase      planning" in shown_text and "req-7:plan:1" in shown_text
-    job = json.loads(keel(db_url, "job", "req-7:plan:1", "--json").stdout)
+    assert "phase      planning" in shown_text and plan in shown_text
+    job = json.loads(keel(db_url, "job", plan, "--json").stdout)
     assert (job["status"], job["operation"], job["queue"]) == ("pending", "plan", "keel.jobs")
     missing = keel(db_url, "job", "nope:plan:1", check=False)
     assert missing.returncode == 1 and "no job has the key 'nope:plan:1'" in missing.stderr
@@ -71,9 +74,13 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         ("transition", "submit", "alice"),
         ("created", "create", "cli"),
     ]
-    assert events[0]["details"] == {"reason": "wrong prompt", "jobs_cancelled": ["req-7:plan:1"]}
-    by_request = json.loads(keel(db_url, "journal", "--request-id", "req-7", "--json").stdout)["events"]
+    assert events[0]["details"] == {"reason": "wrong prompt", "jobs_cancelled": [plan]}
+    by_request = json.loads(
+        keel(db_url, "journal", "--agent", "ops-bot", "--request-id", "req-7", "--json").stdout
+    )["events"]
     assert [e["event"] for e in by_request] == ["cancel", "submit"]
+    unscoped = keel(db_url, "journal", "--request-id", "req-7", check=False)  # request ids are each agent's own
+    assert unscoped.returncode == 1 and "names a request of one agent: give its agent too" in unscoped.stderr
     assert "planning -> failed" in keel(db_url, "journal", "--agent", "ops-bot").stdout
     verified = json.loads(keel(db_url, "audit", "verify", "--json").stdout)
     assert verified == {
@@ -264,14 +271,14 @@ def test_docs_phases_check_fails_when_the_diagram_is_stale(tmp_path: Path) -> No
 def test_run_state_and_kpi_from_the_command_line(db_url: str, tmp_path: Path) -> None:
     script = tmp_path / "replies.json"
     script.write_text(json.dumps([{"content": "hello"}]))
-    keel(db_url, "agent", "create", "helper")
+    helper = UUID(json.loads(keel(db_url, "agent", "create", "helper", "--json").stdout)["id"])
     ran = json.loads(
         keel(db_url, "run", "helper", "Say hello", "--script", str(script), "--request-id", "r-1", "--json").stdout
     )
     assert (ran["phase"], ran["request_id"], [j["key"] for j in ran["pending_jobs"]]) == (
         "planning",
         "r-1",
-        ["r-1:plan:1"],
+        [scoped(helper, "r-1:plan:1")],
     )
     state = json.loads(keel(db_url, "state", "helper", "--json").stdout)
     assert state["revision"] == 1 and state["pending_approval"] is None
@@ -421,7 +428,7 @@ def test_archive_hides_an_agent_refuses_requests_and_keeps_its_journal(db_url: s
 
 
 def test_kpi_prints_the_counters_for_people_over_all_time_or_a_window(db_url: str) -> None:
-    keel(db_url, "agent", "create", "mine")
+    mine = UUID(json.loads(keel(db_url, "agent", "create", "mine", "--json").stdout)["id"])
     keel(db_url, "submit", "mine", "r-mine", "--input", PROMPT)
     keel(db_url, "agent", "create", "other")
     keel(db_url, "submit", "other", "r-other", "--input", PROMPT)
@@ -430,7 +437,8 @@ def test_kpi_prints_the_counters_for_people_over_all_time_or_a_window(db_url: st
         # A step that failed once, then succeeded, with an awkward cost: counted by the database, however written.
         conn.execute(
             "UPDATE jobs SET status = 'succeeded', error_attempts = '{\"transient\": 1}', failed_cost = 0.0025,"
-            " failed_tokens = 12345, finished_at = now() WHERE key = 'r-mine:plan:1'"
+            " failed_tokens = 12345, finished_at = now() WHERE key = %s",
+            (scoped(mine, "r-mine:plan:1"),),
         )
     figures = json.loads(keel(db_url, "kpi", "--json").stdout)
     assert (figures["since"], figures["requests_done"], figures["requests_failed"]) == (None, 0, 1)
@@ -462,8 +470,9 @@ def test_kpi_prints_the_counters_for_people_over_all_time_or_a_window(db_url: st
 
 
 def test_one_timestamp_format_and_one_json_shape(db_url: str) -> None:
-    keel(db_url, "agent", "create", "clock")
+    clock = UUID(json.loads(keel(db_url, "agent", "create", "clock", "--json").stdout)["id"])
     keel(db_url, "submit", "clock", "r-clock", "--input", '{"prompt": "what time is it"}')
+    plan = scoped(clock, "r-clock:plan:1")
     outputs = {
         args: json.loads(keel(db_url, *args, "--json").stdout)
         for args in [
@@ -471,7 +480,7 @@ def test_one_timestamp_format_and_one_json_shape(db_url: str) -> None:
             ("state", "clock"),
             ("agent", "list"),
             ("journal",),
-            ("job", "r-clock:plan:1"),
+            ("job", plan),
             ("outbox", "list"),
             ("outbox", "stats"),
             ("kpi",),
@@ -488,7 +497,7 @@ def test_one_timestamp_format_and_one_json_shape(db_url: str) -> None:
 
     texts = [
         keel(db_url, *args).stdout
-        for args in [("agent", "show", "clock"), ("agent", "list"), ("journal",), ("job", "r-clock:plan:1")]
+        for args in [("agent", "show", "clock"), ("agent", "list"), ("journal",), ("job", plan)]
     ]
     text_times = re.findall(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S*", "\n".join(texts))
     assert text_times and all(RFC3339.match(t) for t in text_times), text_times
@@ -641,9 +650,10 @@ def test_the_readmes_scripted_replies_run_as_written(db_url: str, db: Any, tmp_p
     run_jobs(db)
     state = json.loads(keel(db_url, "state", "ops-bot", "--json").stdout)
     assert (state["phase"], state["spent_tokens"]) == ("done", 120 + 80 + 80)
-    job = json.loads(keel(db_url, "job", "r-readme:tool:slack_post:1.call_0_0", "--json").stdout)
+    agent = UUID(state["id"])
+    job = json.loads(keel(db_url, "job", scoped(agent, "r-readme:tool:slack_post:1.call_0_0"), "--json").stdout)
     assert job["status"] == "succeeded"
-    answer = json.loads(keel(db_url, "job", "r-readme:plan:2", "--json").stdout)
+    answer = json.loads(keel(db_url, "job", scoped(agent, "r-readme:plan:2"), "--json").stdout)
     assert answer["result"]["answer"] == "Two incidents are open; both are about the database."
     assert "transient" in answer["error_attempts"]
 
@@ -702,16 +712,18 @@ def test_journal_follow_of_an_unknown_agent_is_one_error_line_and_no_header(db_u
 
 
 def test_text_output_spells_booleans_and_nothing_as_json_does(db_url: str) -> None:
-    keel(db_url, "agent", "create", "ops")
+    ops = UUID(json.loads(keel(db_url, "agent", "create", "ops", "--json").stdout)["id"])
     keel(db_url, "submit", "ops", "r1", "--input", PROMPT)
+    message = scoped(ops, "r1:slack:C1")
     with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
         conn.execute(
             "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, next_attempt_at)"
-            " SELECT 'r1:slack:C1', id, 'r1', 'slack', 'C1', '{\"text\": \"hi\"}', now() FROM agents"
+            " SELECT %s, id, 'r1', 'slack', 'C1', '{\"text\": \"hi\"}', now() FROM agents",
+            (message,),
         )
-    shown = dict(line.split(None, 1) for line in keel(db_url, "outbox", "show", "r1:slack:C1").stdout.splitlines())
+    shown = dict(line.split(None, 1) for line in keel(db_url, "outbox", "show", message).stdout.splitlines())
     assert (shown["needs_reconcile"], shown["last_error"], shown["external_id"]) == ("false", "null", "null")
-    job = dict(line.split(None, 1) for line in keel(db_url, "job", "r1:plan:1").stdout.splitlines())
+    job = dict(line.split(None, 1) for line in keel(db_url, "job", scoped(ops, "r1:plan:1")).stdout.splitlines())
     assert (job["lease_until"], job["worker"]) == ("null", "null")
 
 
@@ -779,14 +791,17 @@ class Collector:
 def test_a_command_traces_when_an_endpoint_is_configured(db_url: str) -> None:
     collector = Collector()
     try:
-        keel(db_url, "agent", "create", "traced-bot", KEEL_OTLP_ENDPOINT=collector.url)
+        created = keel(db_url, "agent", "create", "traced-bot", "--json", KEEL_OTLP_ENDPOINT=collector.url)
+        traced = UUID(json.loads(created.stdout)["id"])
         keel(db_url, "submit", "traced-bot", "req-t", "--input", PROMPT, KEEL_OTLP_ENDPOINT=collector.url)
         keel(db_url, "submit", "traced-bot", "req-u", "--input", PROMPT, check=False)  # no endpoint: no trace
     finally:
         collector.stop()
     with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
         stored = dict(conn.execute("SELECT request_id, traceparent FROM requests").fetchall())
-        (job_trace,) = conn.execute("SELECT traceparent FROM jobs WHERE key = 'req-t:plan:1'").fetchone()  # type: ignore[misc]
+        (job_trace,) = conn.execute(  # type: ignore[misc]
+            "SELECT traceparent FROM jobs WHERE key = %s", (scoped(traced, "req-t:plan:1"),)
+        ).fetchone()
     assert job_trace is not None and stored["req-t"] is not None
     trace_id = job_trace.split("-")[1]
     # The command's exit exported its spans: the submit's transition, in the trace its job carries.
