@@ -138,10 +138,10 @@ def wait_for_rest(
                 print_events([e for e in new if e.request_id == request_id], as_json=as_json, details=details)
             if live is not None:
                 state = client.get_state(state.id)
-                live.update(_panel(state, client.request_jobs(request_id)), refresh=True)
+                live.update(_panel(state, client.request_jobs(state.id, request_id)), refresh=True)
     finally:
         if live is not None:
-            live.update(_panel(client.get_state(state.id), client.request_jobs(request_id)), refresh=True)
+            live.update(_panel(client.get_state(state.id), client.request_jobs(state.id, request_id)), refresh=True)
             live.stop()
 
 

@@ -219,10 +219,15 @@ def resolve(keel: Ingress, token: ApiToken, ref: str, *, deleted_ok: bool = Fals
 def sees_agent(keel: Ingress, token: ApiToken, agent_id: UUID) -> bool:
     """Whether the agent with this id (a deleted one too) is within the token's reach: for what belongs to an agent
     (a request, a job, an outbox message), found by its own key."""
+    return bool(seen_agents(keel, token, [agent_id]))
+
+
+def seen_agents(keel: Ingress, token: ApiToken, agent_ids: list[UUID]) -> list[UUID]:
+    """Those of ``agent_ids`` (deleted ones too) within the token's reach, in their order: one read of their names."""
     if token.agent_prefix is None:
-        return True
-    name = keel.client.agent_names([agent_id]).get(agent_id, "")
-    return token.sees(name.removesuffix(" (deleted)"))
+        return list(agent_ids)
+    names = keel.client.agent_names(agent_ids)
+    return [a for a in agent_ids if token.sees(names.get(a, "").removesuffix(" (deleted)"))]
 
 
 def stale(keel: Ingress, token: ApiToken, exc: StaleRevision, ref: str) -> Problem:

@@ -22,6 +22,7 @@ from typing import Any
 
 from agents.core import transition as core
 from agents.core.errors import LostClaim, MessageNotDead, MessageNotFound
+from agents.core.keys import request_id_of
 from agents.core.observe import observe
 from agents.outbox.senders import (
     Delivered,
@@ -343,7 +344,7 @@ class Relay:
 def _about(message: ClaimedMessage) -> dict[str, Any]:
     """What a message is about: its key, request and agent (the send's context; the ``extra`` of a line about it
     logged outside the send)."""
-    about = {"outbox_key": message.key, "request_id": message.key.split(":", 1)[0]}
+    about = {"outbox_key": message.key, "request_id": request_id_of(message.key)}
     if message.agent_id is not None:  # Keel's own messages (alerts, reports) belong to no agent
         about["agent_id"] = str(message.agent_id)
     return about

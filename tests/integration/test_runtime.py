@@ -26,6 +26,7 @@ from models.db import Database
 from models.jobs_sql import job_row
 from tests.support.db import expire_lease
 from tests.support.fakes import FakeLLM
+from tests.support.keys import scoped
 from tests.support.runs import FAST_RULES, run_all
 
 pytestmark = pytest.mark.integration
@@ -66,17 +67,19 @@ def test_a_scripted_conversation_runs_to_done_and_its_usage_adds_up(client: Clie
     )
     ran = run_all(db)
     assert ran == [
-        "req-1:plan:1",
-        "req-1:tool:kb_lookup:1.call_0_0",
-        "req-1:tool:slack_post:1.call_0_1",
-        "req-1:plan:2",
+        scoped(agent.id, "req-1:plan:1"),
+        scoped(agent.id, "req-1:tool:kb_lookup:1.call_0_0"),
+        scoped(agent.id, "req-1:tool:slack_post:1.call_0_1"),
+        scoped(agent.id, "req-1:plan:2"),
     ]
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens, state.spent_cost) == ("done", 205, Decimal("0.0035"))
-    assert job_row(db, "req-1:plan:2")["result"]["answer"] == "Three incidents, all about the database."  # type: ignore[index]
+    assert (
+        job_row(db, scoped(agent.id, "req-1:plan:2"))["result"]["answer"] == "Three incidents, all about the database."
+    )  # type: ignore[index]
     from models.outbox_sql import message_row
 
-    assert message_row(db, "req-1:slack:call_0_1")["payload"] == {"text": "looking"}  # type: ignore[index]
+    assert message_row(db, scoped(agent.id, "req-1:slack:call_0_1"))["payload"] == {"text": "looking"}  # type: ignore[index]
     moves = [(e.event, e.to_phase) for e in client.journal(agent_id=agent.id) if e.kind == "transition"]
     assert moves == [
         ("submit", "planning"),
@@ -125,7 +128,7 @@ def test_approval_continues_the_loop_and_a_stale_approval_is_rejected(client: Cl
     assert state.phase == "done"
     from models.outbox_sql import message_row
 
-    assert message_row(db, "req-1:github:call_0_0")["destination"] == "acme/api#7"  # type: ignore[index]
+    assert message_row(db, scoped(waiting.id, "req-1:github:call_0_0"))["destination"] == "acme/api#7"  # type: ignore[index]
 
 
 def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
@@ -134,15 +137,17 @@ def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
     run_all(db)
     state = client.get_state(waiting.id)
     assert state.phase == "done"
-    from agents.runtime.loop import conversation
+    from agents.runtime.loop import RequestOf, conversation
 
-    _, messages = conversation(db, "req-1", 2)
+    _, messages = conversation(db, RequestOf(waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2")), 2)
     assert messages[-1] == {
         "role": "tool",
         "tool_call_id": "call_0_0",
         "content": "A person rejected this call: not on a Friday",
     }
-    assert job_row(db, "req-1:tool:github_comment:1.call_0_0") is None, "the rejected call never ran"
+    assert job_row(db, scoped(waiting.id, "req-1:tool:github_comment:1.call_0_0")) is None, (
+        "the rejected call never ran"
+    )
 
 
 def test_an_approval_after_the_hard_deadline_is_refused(client: Client, db: Database) -> None:
@@ -162,15 +167,15 @@ def test_an_exhausted_budget_stops_the_loop_before_the_next_model_call(client: C
     # plan 1 (100) + a lookup (5) + plan 2 (100) = 205 >= 150: the next step is not started.
     assert state.phase == "failed" and state.spent_tokens == 205
     assert client.journal(agent_id=agent.id)[-1].decision == "budget_exhausted"
-    assert job_row(db, "req-1:tool:kb_lookup:2.call_1_0")["status"] == "failed"  # type: ignore[index]
-    assert job_row(db, "req-1:plan:3") is None, "no further model call was made"
+    assert job_row(db, scoped(agent.id, "req-1:tool:kb_lookup:2.call_1_0"))["status"] == "failed"  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:plan:3")) is None, "no further model call was made"
 
 
 def test_a_transient_model_error_is_retried_and_its_spend_is_retry_cost(client: Client, db: Database) -> None:
     agent = client.create_agent("flaky")
     client.submit(agent.id, "req-1", script({"error": "transient", "tokens": 30, "content": "fine"}))
     run_all(db)
-    row = job_row(db, "req-1:plan:1")
+    row = job_row(db, scoped(agent.id, "req-1:plan:1"))
     assert row is not None and (row["status"], row["attempts"], row["failed_tokens"], row["tokens"]) == (
         "succeeded",
         2,
@@ -281,16 +286,18 @@ def test_a_models_bad_arguments_are_told_to_it_and_journaled(client: Client, db:
     transition(db, submit, input_json=json.dumps(replies))
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
-    told = job_row(db, "req-1:tool:slack_post:1.call_0_0")["result"]["content"]  # type: ignore[index]
+    told = job_row(db, scoped(agent.id, "req-1:tool:slack_post:1.call_0_0"))["result"]["content"]  # type: ignore[index]
     assert told.startswith("error: tool slack_post: channel: String should match pattern"), told
     (event,) = [
-        e for e in client.journal(agent_id=agent.id) if e.details.get("job") == "req-1:tool:slack_post:1.call_0_0"
+        e
+        for e in client.journal(agent_id=agent.id)
+        if e.details.get("job") == scoped(agent.id, "req-1:tool:slack_post:1.call_0_0")
     ]
     assert event.decision == "tool_arguments_invalid"
     assert event.details["tool_error"] == told.removeprefix("error: ")
     from models.outbox_sql import message_row
 
-    assert message_row(db, "req-1:slack:call_1_0")["payload"] == {"text": "hi"}  # type: ignore[index]
+    assert message_row(db, scoped(agent.id, "req-1:slack:call_1_0"))["payload"] == {"text": "hi"}  # type: ignore[index]
 
 
 def _a_gated_comment_beside_a_pending_lookup(client: Client, db: Database, name: str) -> Any:
@@ -310,8 +317,10 @@ def _a_gated_comment_beside_a_pending_lookup(client: Client, db: Database, name:
         ),
     )
     runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
-    runner.run("req-1:plan:1")
-    runner.run("req-1:gate:github_comment:1.call_0_0")  # the lookup is still pending when the person decides
+    runner.run(scoped(agent.id, "req-1:plan:1"))
+    runner.run(
+        scoped(agent.id, "req-1:gate:github_comment:1.call_0_0")
+    )  # the lookup is still pending when the person decides
     return agent
 
 
@@ -319,7 +328,7 @@ def test_a_rejection_supersedes_the_rest_of_its_round(client: Client, db: Databa
     agent = _a_gated_comment_beside_a_pending_lookup(client, db, "mixed")
     waiting = client.get_state(agent.id)
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
-    assert job_row(db, "req-1:tool:kb_lookup:1.call_0_1")["status"] == "cancelled"  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:tool:kb_lookup:1.call_0_1"))["status"] == "cancelled"  # type: ignore[index]
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
 
@@ -331,7 +340,7 @@ def test_a_rejection_charges_what_a_superseded_step_staged_before_its_worker_die
     from models.jobs_sql import checkpoint, claim
 
     agent = _a_gated_comment_beside_a_pending_lookup(client, db, "superseded")
-    lookup = "req-1:tool:kb_lookup:1.call_0_1"
+    lookup = scoped(agent.id, "req-1:tool:kb_lookup:1.call_0_1")
     claimed = claim(db, lookup, "doomed", timedelta(seconds=30))
     assert not isinstance(claimed, str) and claimed is not None
     staged = {"output": {"content": "found"}, "usage": {"tokens": 30, "cost": "0.30"}}
@@ -360,7 +369,7 @@ def test_reused_call_ids_across_rounds_do_not_collide(client: Client, db: Databa
     client.submit(agent.id, "req-1", script(same, same, {"content": "done"}))
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
-    assert job_row(db, "req-1:tool:kb_lookup:2.call_1_0")["status"] == "succeeded"  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:tool:kb_lookup:2.call_1_0"))["status"] == "succeeded"  # type: ignore[index]
 
 
 def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: Database, llm: FakeLLM) -> None:
@@ -384,15 +393,19 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
     runtime._settings.cache_clear()
     runtime._openai.cache_clear()
     try:
-        first = claim(db, "req-1:plan:1", "w1", timedelta(seconds=30))
+        first = claim(db, scoped(agent.id, "req-1:plan:1"), "w1", timedelta(seconds=30))
         assert first is not None and not isinstance(first, type(None))
-        ctx = JobContext("req-1:plan:1", agent.id, "req-1", "plan", "1", {}, 1, first.fencing_token, db)  # type: ignore[union-attr]
+        ctx = JobContext(
+            scoped(agent.id, "req-1:plan:1"), agent.id, "req-1", "plan", "1", {}, 1, first.fencing_token, db
+        )  # type: ignore[union-attr]
         runtime.plan(ctx)  # called the model and checkpointed; "dies" before the outcome
-        expire_lease(db, "req-1:plan:1")
+        expire_lease(db, scoped(agent.id, "req-1:plan:1"))
         from models.jobs_sql import take_due
 
         with db.transaction() as cur:  # the dispatcher recovers it
-            assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == ["req-1:plan:1"]
+            assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [
+                scoped(agent.id, "req-1:plan:1")
+            ]
         run_all(db)
     finally:
         if runtime._openai.cache_info().currsize:
@@ -405,7 +418,7 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
         runtime._settings.cache_clear()
         runtime._openai.cache_clear()
     assert sum(llm.completed.values()) == 1, "the model was called again"
-    assert job_row(db, "req-1:plan:1")["result"]["answer"] == "stored answer"  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:plan:1"))["result"]["answer"] == "stored answer"  # type: ignore[index]
     assert client.get_state(agent.id).spent_tokens == 60
 
 

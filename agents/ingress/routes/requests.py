@@ -13,7 +13,7 @@ from agents.core.journal import events as journal_events
 from agents.core.keys import check_request_id
 from agents.core.observe import annotate
 from agents.ingress.auth import require as require_permission
-from agents.ingress.auth import resolve, sees_agent, stale
+from agents.ingress.auth import resolve, seen_agents, stale
 from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.problems import BAD_REQUEST, Problem, kind_for
 from agents.ingress.runtime import Ingress, ingress
@@ -156,7 +156,7 @@ def find_request(
     Request ids are each agent's own: only the token's agents are looked at; if several of them have a request of
     this id, a 409 lists them (read it under its agent instead)."""
     check_request_id(request_id)
-    mine = [a for a in keel.client.request_agents(request_id) if sees_agent(keel, token, a)]
+    mine = seen_agents(keel, token, keel.client.request_agents(request_id))
     if not mine:
         raise RequestNotFound(request_id)
     if len(mine) > 1:
