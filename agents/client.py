@@ -953,11 +953,12 @@ class HttpClient:
     ``archive``, ``unarchive`` and ``delete_agent``. Client-only because they are the database-side plumbing of
     other methods: ``agent_row`` (what the ingress checks a token's prefix against), ``agent_names`` (names of
     agents by id, across tenants), ``journal_after`` (one poll of ``follow_journal``, which here is a stream of
-    Server-Sent Events) and ``journal_page`` (one keyset page of ``keel journal``, newest first: over HTTP the
-    journal routes page by sequence themselves); ``from_settings`` makes a Client from ``KEEL_*`` database
-    settings. Over HTTP the journal is read per agent or per request (``journal()`` with neither is refused),
-    ``follow_journal`` follows one agent, and ``list_agents`` lists what the token sees (``name_prefix`` is the
-    token's own prefix)."""
+    Server-Sent Events), ``journal_page`` (one keyset page of ``keel journal``, newest first: over HTTP the
+    journal routes page by sequence themselves), ``journal_agent`` (the live or deleted agent a journal read names)
+    and ``request_agents`` (every agent with a request id, across tenants: ``GET /v1/requests/{id}`` keeps the
+    token's own); ``from_settings`` makes a Client from ``KEEL_*`` database settings. Over HTTP the journal is read
+    per agent or per request of an agent (``journal()`` with neither is refused), ``follow_journal`` follows one
+    agent, and ``list_agents`` lists what the token sees (``name_prefix`` is the token's own prefix)."""
 
     def __init__(
         self,

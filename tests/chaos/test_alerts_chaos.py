@@ -15,6 +15,7 @@ from agents.core.phases import Event
 from agents.core.transition import transition
 from tests.chaos.conftest import Stack, wait_until
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -75,9 +76,10 @@ def test_two_beats_and_a_killed_leader_post_an_episode_once_and_resolve_it_once(
     client.submit(agent.id, "req-1", None, operation="noop")
     spec = MessageSpec("slack", REFUSED, "m1", {"text": "hello"})
     transition(client.db, Command(agent.id, Event.PROGRESS, "worker", messages=(spec,)))
+    letter = scoped(agent.id, "req-1:slack:m1")
     wait_until(
         "the message to go dead",
-        lambda: stack.query("SELECT status FROM outbox WHERE key = 'req-1:slack:m1'") == [("dead",)],
+        lambda: stack.query("SELECT status FROM outbox WHERE key = %s", letter) == [("dead",)],
         60,
     )
     wait_until("the firing post", lambda: any(k.endswith(":firing") for k in alert_posts(slack)), 60)
@@ -93,7 +95,7 @@ def test_two_beats_and_a_killed_leader_post_an_episode_once_and_resolve_it_once(
     stack.beat(f"{killed}-again")
 
     slack.refusing.clear()
-    client.retry_outbox("req-1:slack:m1", actor="ops")  # the operator's fix: delivered, nothing is dead
+    client.retry_outbox(letter, actor="ops")  # the operator's fix: delivered, nothing is dead
     wait_until("the resolved post", lambda: any(k.endswith(":resolved") for k in alert_posts(slack)), 60)
     time.sleep(2)  # more evaluations by whichever beat leads: nothing more may be posted
 

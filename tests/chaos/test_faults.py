@@ -18,6 +18,7 @@ from agents.client import Client
 from models.urls import libpq_url
 from tests.chaos.conftest import ROUTES, Stack, clock_offset_in_log, skewed, wait_until
 from tests.support.broker import Broker, new_prefix
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -57,7 +58,7 @@ def test_sigkill_between_the_staged_outcome_and_its_transition_replays_it_once(s
     stack.beat()
     call = {"name": "test_post", "arguments": {"channel": "C0PS", "text": "deploy at 5"}}
     client.submit(agent.id, "req-1", script({"tool_calls": [call], "tokens": 100}, {"content": "Done.", "tokens": 50}))
-    key = "req-1:tool:test_post:1.call_0_0"
+    key = scoped(agent.id, "req-1:tool:test_post:1.call_0_0")
     wait_until("the tool to run", lambda: executions(stack, "tool").get(key) == 1, 60)
     # Hold the agent's lock: the tool finishes and its outcome is staged, but the transition cannot commit.
     with psycopg.connect(libpq_url(stack.db_url)) as blocker:
@@ -70,7 +71,7 @@ def test_sigkill_between_the_staged_outcome_and_its_transition_replays_it_once(s
     stack.worker("w2")
     wait_until("the request to finish", lambda: client.get_state(agent.id).phase == "done", 60)
     assert executions(stack, "tool") == {key: 1}, "the tool ran once"
-    assert stack.query("SELECT key, destination FROM outbox") == [("req-1:slack:call_0_0", "C0PS")]
+    assert stack.query("SELECT key, destination FROM outbox") == [(scoped(agent.id, "req-1:slack:call_0_0"), "C0PS")]
     assert client.get_state(agent.id).spent_tokens == 100 + 40 + 50, "the tool's usage was charged once"
     assert job(stack, key)["result"] == {"tool_call_id": "call_0_0", "content": "posted to C0PS"}
 
@@ -87,7 +88,7 @@ def test_redis_restarted_three_times_during_a_long_step_does_not_interrupt_it(
         stack.worker("w1")
         stack.beat()
         client.submit(agent.id, "req-1", None, operation="block")
-        key = "req-1:block:1"
+        key = scoped(agent.id, "req-1:block:1")
         wait_until("the step to start", lambda: executions(stack).get(key) == 1, 60)
         for _ in range(3):
             own_redis["stop"]()
@@ -113,9 +114,11 @@ def test_a_database_restart_loses_no_message(stack: Stack, client: Client) -> No
     stack.env["KEEL_ENQUEUE_TIMEOUT_SECONDS"] = "120"  # recovery by timeout cannot be what saves it
     stack.worker("w1", concurrency=2)
     stack.beat()
-    names = [client.create_agent(f"a{i}").name for i in range(4)]
+    created = [client.create_agent(f"a{i}") for i in range(4)]
+    names = [a.name for a in created]
     client.submit(names[0], "req-warm", None, operation="count")
-    wait_until("the worker to be warm", lambda: job(stack, "req-warm:count:1").get("status") == "succeeded", 60)
+    warm = scoped(created[0].id, "req-warm:count:1")
+    wait_until("the worker to be warm", lambda: job(stack, warm).get("status") == "succeeded", 60)
     stack.query(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
         " WHERE datname = current_database() AND pid <> pg_backend_pid()"
@@ -128,7 +131,9 @@ def test_a_database_restart_loses_no_message(stack: Stack, client: Client) -> No
             producer.submit(name, f"req-{i}", None, operation="count")
         wait_until(
             "every job to run after the restart",
-            lambda: all(job(stack, f"req-{i}:count:1").get("status") == "succeeded" for i in range(1, 4)),
+            lambda: all(
+                job(stack, scoped(created[i].id, f"req-{i}:count:1")).get("status") == "succeeded" for i in range(1, 4)
+            ),
             30,
         )
     finally:
@@ -142,29 +147,31 @@ def test_a_revoke_in_flower_is_a_journaled_cancel_not_a_strand(stack: Stack, cli
     busy, queued, running = (client.create_agent(n) for n in ("busy", "queued", "running"))
     stack.worker("w1", concurrency=1)
     stack.beat()
+    busy_key, queued_key = scoped(busy.id, "req-busy:block:1"), scoped(queued.id, "req-q:count:1")
     client.submit(busy.id, "req-busy", None, operation="block")
-    wait_until("the worker to be busy", lambda: executions(stack).get("req-busy:block:1") == 1, 60)
+    wait_until("the worker to be busy", lambda: executions(stack).get(busy_key) == 1, 60)
     client.submit(queued.id, "req-q", None, operation="count")
-    wait_until("the job to wait on the broker", lambda: job(stack, "req-q:count:1").get("status") == "enqueued", 30)
+    wait_until("the job to wait on the broker", lambda: job(stack, queued_key).get("status") == "enqueued", 30)
     celery = make_app(stack.broker.settings(database_url=stack.db_url))
     try:
-        celery.control.revoke("req-q:count:1")  # what Flower's "revoke" button sends
-        stack.release("req-busy:block:1")
+        celery.control.revoke(queued_key)  # what Flower's "revoke" button sends
+        stack.release(busy_key)
         wait_until("the revoke to cancel the request", lambda: client.get_state(queued.id).phase == "failed", 30)
         event = client.journal(agent_id=queued.id)[-1]
         assert (event.event, event.decision) == ("cancel", "revoked")
-        assert event.actor.startswith("celery-revoke@w1@") and event.details["job"] == "req-q:count:1"
-        assert job(stack, "req-q:count:1")["status"] == "cancelled" and "req-q:count:1" not in executions(stack)
+        assert event.actor.startswith("celery-revoke@w1@") and event.details["job"] == queued_key
+        assert job(stack, queued_key)["status"] == "cancelled" and queued_key not in executions(stack)
 
         # A revoke of a running job (no terminate): Celery alone would let it run and drop nothing until a retry;
         # Keel cancels the request at once, so the step's late outcome is fenced off.
         quiet = client.create_agent("quiet")
+        quiet_key = scoped(quiet.id, "req-s:block:1")
         client.submit(quiet.id, "req-s", None, operation="block")
-        wait_until("the job to run", lambda: executions(stack).get("req-s:block:1") == 1, 30)
-        celery.control.revoke("req-s:block:1")
+        wait_until("the job to run", lambda: executions(stack).get(quiet_key) == 1, 30)
+        celery.control.revoke(quiet_key)
         wait_until("the revoke to cancel the running request", lambda: client.get_state(quiet.id).phase == "failed", 30)
         assert client.journal(agent_id=quiet.id)[-1].decision == "revoked"
-        stack.release("req-s:block:1")
+        stack.release(quiet_key)
         wait_until(
             "its late outcome to be fenced off",
             lambda: any(e.decision == "fenced_off" for e in client.journal(agent_id=quiet.id)),
@@ -172,9 +179,10 @@ def test_a_revoke_in_flower_is_a_journaled_cancel_not_a_strand(stack: Stack, cli
         )
 
         # A revoke with terminate=True of a running job: its process is killed, the request cancelled, journaled.
+        running_key = scoped(running.id, "req-r:block:1")
         client.submit(running.id, "req-r", None, operation="block")
-        wait_until("the job to run", lambda: executions(stack).get("req-r:block:1") == 1, 30)
-        celery.control.revoke("req-r:block:1", terminate=True)
+        wait_until("the job to run", lambda: executions(stack).get(running_key) == 1, 30)
+        celery.control.revoke(running_key, terminate=True)
         wait_until("the request to be cancelled", lambda: client.get_state(running.id).phase == "failed", 30)
         assert client.journal(agent_id=running.id)[-1].details["terminated"] is True
     finally:
@@ -198,14 +206,15 @@ def test_worker_and_beat_clocks_minutes_apart_run_everything_once_on_time(stack:
     client.submit(agents[9], "req-limited", {"retry_after": 2}, operation="ratelimited")
     call = {"name": "test_post", "arguments": {"channel": "C0PS", "text": "hello"}}
     client.submit(agents[10], "req-talk", script({"tool_calls": [call]}, {"content": "Done."}))
-    stack.release("req-talk:tool:test_post:1.call_0_0")
+    stack.release(scoped(agents[10], "req-talk:tool:test_post:1.call_0_0"))
     wait_until("every request to finish", lambda: all(client.get_state(a).phase == "done" for a in agents[:11]), 60)
     assert 240 < clock_offset_in_log(stack, "fast") < 330 and -330 < clock_offset_in_log(stack, "slow") < -240
     assert time.monotonic() - started < 45, "nothing waited out a clock difference"
     runs = executions(stack)
-    assert (runs.pop("req-flaky:flaky:1"), runs.pop("req-limited:ratelimited:1")) == (3, 2), "retried to success"
+    flaky, limited = scoped(agents[8], "req-flaky:flaky:1"), scoped(agents[9], "req-limited:ratelimited:1")
+    assert (runs.pop(flaky), runs.pop(limited)) == (3, 2), "retried to success"
     assert len(runs) == 8 and set(runs.values()) == {1}, "every other job ran exactly once"
-    gaps = stack.query("SELECT at FROM executions WHERE key = 'req-limited:ratelimited:1' ORDER BY at")
+    gaps = stack.query("SELECT at FROM executions WHERE key = %s ORDER BY at", limited)
     assert len(gaps) == 2 and (gaps[1][0] - gaps[0][0]).total_seconds() >= 2.0, "the retry was not early"
     for agent_id in agents[:11]:  # every journal is in order on one clock
         times = [(e.seq, e.at) for e in client.journal(agent_id=agent_id)]
@@ -224,7 +233,7 @@ def test_a_hung_handler_and_a_tool_past_its_timeout_end_with_their_process(stack
     hung = client.create_agent("hung")
     client.submit(hung.id, "req-hang", None, operation="hang")
     wait_until("the hung job to reach its cap", lambda: client.get_state(hung.id).phase == "failed", 60)
-    state = job(stack, "req-hang:hang:1")
+    state = job(stack, scoped(hung.id, "req-hang:hang:1"))
     assert (state["status"], state["error_attempts"]) == ("dead", {"unknown": 2})
     assert "run limit of 2s" in state["last_error"]
 
@@ -232,7 +241,7 @@ def test_a_hung_handler_and_a_tool_past_its_timeout_end_with_their_process(stack
     call = {"name": "test_stall", "arguments": {"channel": "C0PS", "text": "late news"}}
     client.submit(talker.id, "req-stall", script({"tool_calls": [call]}, {"content": "Told."}))
     wait_until("the request to finish", lambda: client.get_state(talker.id).phase == "done", 60)
-    key = "req-stall:tool:test_stall:1.call_0_0"
+    key = scoped(talker.id, "req-stall:tool:test_stall:1.call_0_0")
     assert "did not finish within 1s" in job(stack, key)["result"]["content"]
     time.sleep(5)  # longer than the stalled tool and the hung handler would have needed to finish
     assert executions(stack, "late") == {}, "work past its limit ran on"

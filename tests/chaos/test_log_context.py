@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+from uuid import UUID
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from tests.support.api import Api, running_api
 from tests.support.audit import TEST_SECRET
 from tests.support.broker import Broker
 from tests.support.fakes import FakeGitHub, FakeSlack
+from tests.support.keys import scoped
 from tests.support.logs import log_lines
 
 pytestmark = pytest.mark.chaos
@@ -39,8 +41,9 @@ REPLIES = [
     {"tool_calls": [{"id": "call_g", "name": "github_comment", "arguments": json.dumps(COMMENT)}]},
     {"content": "Posted and commented."},
 ]
-#: A job key or an outbox message key of the request, in a line's text.
-KEY = re.compile(rf"{REQUEST}:[a-z_]+:[\w.:-]*[\w.-]")
+#: A job key or an outbox message key of the request, in a line's text (its agent's 32 hex digits lead it; a key
+#: without them is caught too, and then names no key in the line's fields).
+KEY = re.compile(rf"(?:[0-9a-f]{{32}}\.)?{REQUEST}:[a-z_]+:[\w.:-]*[\w.-]")
 
 
 @dataclass
@@ -160,9 +163,10 @@ def spill_through_the_api(api: Api, stack: Stack, secret: str, agent_id: str) ->
             headers={"Idempotency-Key": "ctx-spill"},
         )
         assert spilled.status_code == 201, spilled.text
-    job = "SELECT status FROM jobs WHERE key = 'ctx-spill:spill:1'"
-    wait_until("the spilling job to give up", lambda: stack.query(job) in ([("failed",)], [("dead",)]), 90)
-    ended = re.compile(r"job ctx-spill:spill:1: (failed|dead)")
+    key = scoped(UUID(agent_id), "ctx-spill:spill:1")
+    job = "SELECT status FROM jobs WHERE key = %s"
+    wait_until("the spilling job to give up", lambda: stack.query(job, key) in ([("failed",)], [("dead",)]), 90)
+    ended = re.compile(rf"job {re.escape(key)}: (failed|dead)")
     wait_until("the worker to say so", lambda: ended.search(stack.log("worker")), 30)
 
 
@@ -195,17 +199,18 @@ def test_every_line_about_the_request_names_it_in_every_process(
     assert submit and submit[0]["actor"] == "ctx-caller", api_lines
 
     worker = ours["worker"]
+    mine = f"{UUID(run.agent_id).hex}.{REQUEST}"  # the request's key: every key of the request starts with it
     # The model's HTTP call ran on the job's own thread, inside the model call: the job's context followed it.
     model_calls = [line for line in worker if "chat/completions" in line["event"]]
-    assert model_calls and all(line["job_key"].startswith(f"{REQUEST}:plan:") for line in model_calls), worker
-    received = [line for line in worker if line["event"].startswith(f"Task keel.run_job[{REQUEST}:")]
+    assert model_calls and all(line["job_key"].startswith(f"{mine}:plan:") for line in model_calls), worker
+    received = [line for line in worker if line["event"].startswith(f"Task keel.run_job[{mine}:")]
     assert len(received) >= 10, worker  # received and succeeded, for each of the request's jobs
-    finished = [line for line in worker if re.match(rf"job {REQUEST}:\w+:\S+: succeeded", line["event"])]
+    finished = [line for line in worker if re.match(rf"job {re.escape(mine)}:\w+:\S+: succeeded", line["event"])]
     assert len(finished) >= 4 and all("job_key" in line for line in finished), worker  # 3 plans, 2 tools
 
     # The relay's HTTP call to GitHub ran inside the send: it names the message.
     sends = [line for line in ours["relay"] if "/comments" in line["event"]]
-    assert sends and all(line["outbox_key"].startswith(f"{REQUEST}:") for line in sends), ours["relay"]
+    assert sends and all(line["outbox_key"].startswith(f"{mine}:") for line in sends), ours["relay"]
 
 
 def test_no_secret_reaches_any_line_of_a_full_run_even_at_debug(

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from typing import Any
+from uuid import UUID
 
 import pytest
 
 from agents.client import Client
 from agents.demo.fake_servers import FakeLLM
 from tests.chaos.conftest import ROUTES, Stack, wait_until
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -50,8 +52,8 @@ def _stack_env(stack: Stack, llm: FakeLLM) -> None:
     )
 
 
-def _answer(stack: Stack, request_id: str) -> Any:
-    rows = stack.query("SELECT result->>'answer' FROM jobs WHERE key = %s", f"{request_id}:plan:2")
+def _answer(stack: Stack, agent_id: UUID, request_id: str) -> Any:
+    rows = stack.query("SELECT result->>'answer' FROM jobs WHERE key = %s", scoped(agent_id, f"{request_id}:plan:2"))
     return rows[0][0] if rows else None
 
 
@@ -67,14 +69,15 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
     # An uninterrupted run first: the reference answer.
     calm = client.create_agent("calm")
     client.submit(calm.id, "req-calm", {"prompt": "Why did we page?"})
+    calm_key = scoped(calm.id, "req-calm:tool:test_wait:1.call_a")
     wait_until(
         "the calm run's tool call",
-        lambda: stack.query("SELECT 1 FROM jobs WHERE key = 'req-calm:tool:test_wait:1.call_a' AND status = 'running'"),
+        lambda: stack.query("SELECT 1 FROM jobs WHERE key = %s AND status = 'running'", calm_key),
         60,
     )
-    stack.release("req-calm:tool:test_wait:1.call_a")
+    stack.release(calm_key)
     wait_until("the calm run to finish", lambda: client.get_state(calm.id).phase == "done", 60)
-    reference = _answer(stack, "req-calm")
+    reference = _answer(stack, calm.id, "req-calm")
     assert reference == "The failover caused both incidents."
     calls_before = dict(llm.completed)
 
@@ -89,7 +92,7 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
     stack.worker("w2", concurrency=1)
 
     # Killed again during the tool call.
-    key = "req-hurt:tool:test_wait:1.call_a"
+    key = scoped(hurt.id, "req-hurt:tool:test_wait:1.call_a")
     wait_until(
         "the tool call to be running",
         lambda: stack.query("SELECT 1 FROM jobs WHERE key = %s AND status = 'running'", key),
@@ -100,9 +103,9 @@ def test_sigkill_during_a_model_call_and_during_a_tool_call(stack: Stack, client
     stack.release(key)
     wait_until("the interrupted run to finish", lambda: client.get_state(hurt.id).phase == "done", 90)
 
-    assert _answer(stack, "req-hurt") == reference, "the interrupted run's answer differs"
+    assert _answer(stack, hurt.id, "req-hurt") == reference, "the interrupted run's answer differs"
     delivered = {turn: n - calls_before.get(turn, 0) for turn, n in llm.completed.items()}
     assert delivered == {0: 1, 1: 1}, f"a finished model call was repeated: {delivered}"
-    assert _tool_runs(stack) == {"req-calm:tool:test_wait:1.call_a": 1, key: 1}, "a finished tool call was repeated"
+    assert _tool_runs(stack) == {calm_key: 1, key: 1}, "a finished tool call was repeated"
     state = client.get_state(hurt.id)
     assert state.spent_tokens == 340 + 445, "usage adds up to what the provider reported"

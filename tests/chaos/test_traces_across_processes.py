@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -21,6 +22,7 @@ from tests.chaos.conftest import Stack, wait_until
 from tests.support.api import running_api
 from tests.support.broker import Broker
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -174,7 +176,9 @@ def test_one_trace_follows_a_request_across_the_api_the_worker_children_and_the_
     assert {s.service for s in spans} == {"keel-api", "keel-worker"}
     assert {s.service for s in spans if s.name.startswith(("HTTP ", "keel.transition submit"))} == {"keel-api"}
     (send,) = (s for s in spans if s.name == "keel.outbox_send slack")
-    assert send.service == "keel-worker" and send.attributes["keel.outbox_key"] == "req-x:slack:call_0_0"
+    assert send.service == "keel-worker" and send.attributes["keel.outbox_key"] == scoped(
+        UUID(agent["id"]), "req-x:slack:call_0_0"
+    )
     worker_pids = {s.instance.rsplit(":", 1)[1] for s in spans if s.service == "keel-worker"}
     assert str(stack.procs["w1"].pid) not in worker_pids
     # The trace stored with the rows is this one.

@@ -31,6 +31,7 @@ from models.settings import Settings
 from tests.integration.test_cli import keel
 from tests.support.audit import TEST_KEYS
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +94,7 @@ def dead_letter(client: Client, relay: Relay, slack: FakeSlack) -> str:
     spec = MessageSpec("slack", REFUSED, "m1", {"text": "hello"})
     transition(client.db, Command(agent.id, Event.PROGRESS, "worker", messages=(spec,)))
     drain(relay)
-    return "req-1:slack:m1"
+    return scoped(agent.id, "req-1:slack:m1")
 
 
 def scraped(db: Database, series: str) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from uuid import UUID
 
 import psycopg
 import pytest
@@ -17,6 +18,7 @@ from models.db import Database
 from models.urls import libpq_url, with_database
 from tests.support.api import Api, free_port, journal_count, problem, running_api, script, waiting_agent
 from tests.support.broker import Broker
+from tests.support.keys import scoped
 from tests.support.runs import run_all
 
 pytestmark = pytest.mark.integration
@@ -285,15 +287,16 @@ def test_story_jobs_and_request_lookup(api: Api) -> None:
         found = http.get("/v1/requests/s-1").json()
         assert found["agent_id"] == agent["id"]
         story = http.get(found["links"]["story"]).json()
-        assert story["jobs"][0]["key"] == "s-1:plan:1"
+        plan, message = scoped(UUID(agent["id"]), "s-1:plan:1"), scoped(UUID(agent["id"]), "s-1:slack:call_0_0")
+        assert story["jobs"][0]["key"] == plan
         assert story["journal"][0]["event"] == "submit" and story["journal"][-1]["to_phase"] == "done"
-        assert [m["key"] for m in story["outbox"]] == ["s-1:slack:call_0_0"]
-        job = http.get("/v1/jobs/s-1:plan:1").json()
+        assert [m["key"] for m in story["outbox"]] == [message]
+        job = http.get(f"/v1/jobs/{plan}").json()
         assert job["status"] == "succeeded" and job["result"] is not None
         problem(http.get("/v1/jobs/nope:plan:1"), 404, "not-found")
         outbox = http.get("/v1/outbox", params={"status": "pending"}).json()
-        assert [m["key"] for m in outbox["messages"]] == ["s-1:slack:call_0_0"]
-        problem(http.post("/v1/outbox/s-1:slack:call_0_0/retry"), 409, "outbox-message-not-dead")
+        assert [m["key"] for m in outbox["messages"]] == [message]
+        problem(http.post(f"/v1/outbox/{message}/retry"), 409, "outbox-message-not-dead")
 
 
 def test_health_and_readiness(api: Api) -> None:

@@ -27,6 +27,7 @@ from agents.ingress.tokens import revoke_token
 from models.db import Database
 from tests.support.api import COMMENT, PROBLEM, Api, problem, running_api, script
 from tests.support.broker import Broker
+from tests.support.keys import scoped
 from tests.support.runs import run_all
 
 pytestmark = pytest.mark.integration
@@ -207,14 +208,15 @@ class World:
         self.n = 0
         self.tenants = {prefix: self._tenant(prefix) for prefix in (INSIDE, OUTSIDE)}
         # Nothing has these refs: the missing twin of the outside tenant. Its name to create is an existing agent's,
-        # so a token limited to acme- is refused the same whether a globex- agent exists or not.
-        ghost = f"{OUTSIDE}ghost-1"
+        # so a token limited to acme- is refused the same whether a globex- agent exists or not. Its request id is as
+        # long as the real one: a key past the length an error quotes whole is shortened alike in both answers.
+        ghost, nobody = f"{OUTSIDE}g1", uuid.uuid4()
         self.missing = replace(
             self.tenants[OUTSIDE],
-            agent=str(uuid.uuid4()),
+            agent=str(nobody),
             request=ghost,
-            job=f"{ghost}:plan:1",
-            message=f"{ghost}:slack:call_0_0",
+            job=scoped(nobody, f"{ghost}:plan:1"),
+            message=scoped(nobody, f"{ghost}:slack:call_0_0"),
             waiting=str(uuid.uuid4()),
             new_name=f"{OUTSIDE}story",
         )
@@ -224,10 +226,11 @@ class World:
         request = f"{prefix}r1"
         self.client.submit(story.id, request, SLACK, actor="setup")
         run_all(self.db)
-        message = f"{request}:slack:call_0_0"
+        message = scoped(story.id, f"{request}:slack:call_0_0")
         self.kill(message)
         waiting, revision = self._waiting(f"{prefix}waiting")
-        return Target(prefix, str(story.id), request, f"{request}:plan:1", message, waiting, revision, f"{prefix}new")
+        job = scoped(story.id, f"{request}:plan:1")
+        return Target(prefix, str(story.id), request, job, message, waiting, revision, f"{prefix}new")
 
     def _waiting(self, name: str) -> tuple[str, int]:
         agent = self.client.create_agent(name, actor="setup")
@@ -475,37 +478,53 @@ def test_without_a_valid_token_every_operation_but_the_public_ones_is_401(server
     assert len(cases.checked) == len(operations) * len(callers) * 2
 
 
-def test_a_request_id_another_tenant_used_is_refused_without_naming_it_or_writing_anything(
+def _agents_things(conn: psycopg.Connection[Any], agent_id: uuid.UUID) -> dict[str, Any]:
+    """One agent's row, requests, jobs, messages and journal: what another tenant's submit must leave as it was."""
+    queries = {
+        "agent": "SELECT revision, phase, request_id FROM agents WHERE id = %s",
+        "requests": "SELECT request_id, input, actor, submitted_at FROM requests WHERE agent_id = %s ORDER BY 1",
+        "jobs": "SELECT key, status FROM jobs WHERE agent_id = %s ORDER BY key",
+        "outbox": "SELECT key, status FROM outbox WHERE agent_id = %s ORDER BY key",
+        "journal": "SELECT count(*), max(seq) FROM audit.journal WHERE agent_id = %s",
+    }
+    return {name: conn.execute(sql, (agent_id,)).fetchall() for name, sql in queries.items()}
+
+
+def test_a_request_id_another_tenant_used_is_a_fresh_request_that_neither_touches_nor_names_theirs(
     server: Api, client: Client
 ) -> None:
+    """Request ids are each agent's own: ours may be the id of another tenant's request, and is a new request of
+    ours (not a conflict, not a replay of theirs) that reads nothing of theirs and changes nothing of theirs."""
+    ask = script({"content": "hi"})
     theirs = client.create_agent(f"{OUTSIDE}secret-project", actor="setup")
-    client.submit(theirs.id, "shared-1", script({"content": "hi"}), actor="setup")
+    client.submit(theirs.id, "shared-1", ask, actor="setup")
     ours = client.create_agent(f"{INSIDE}worker", actor="setup")
     with (
         psycopg.connect(server.db.libpq_url, autocommit=True) as conn,
         server.http(server.token("producer", "auditor", prefix=INSIDE)) as http,
     ):
-        before = snapshot(conn)
-        refused = problem(
-            http.post(
-                f"/v1/agents/{ours.id}/requests",
-                json={"input": script({"content": "hi"})},
-                headers={"Idempotency-Key": "shared-1"},
-            ),
-            409,
-            "request-conflict",
-        )
-        assert "another agent" in refused["detail"]
-        assert "globex" not in json.dumps(refused) and str(theirs.id) not in json.dumps(refused)
-        assert snapshot(conn) == before  # nothing journaled on our agent that would name theirs
+        their_before = _agents_things(conn, theirs.id)
+        url = f"/v1/agents/{ours.id}/requests"
+        fresh = http.post(url, json={"input": ask}, headers={"Idempotency-Key": "shared-1"})
+        assert fresh.status_code == 201, fresh.text
+        assert "Idempotent-Replayed" not in fresh.headers  # not their request played back
+        body = fresh.json()
+        assert (body["agent_id"], body["request_id"], body["revision"]) == (str(ours.id), "shared-1", 1)
+        assert "globex" not in fresh.text and str(theirs.id) not in fresh.text
+        assert _agents_things(conn, theirs.id) == their_before  # nothing of theirs moved
+        again = http.post(url, json={"input": ask}, headers={"Idempotency-Key": "shared-1"})
+        assert (again.status_code, again.headers.get("Idempotent-Replayed")) == (201, "true")
+        assert again.content == fresh.content
+        story = http.get(f"/v1/agents/{ours.id}/requests/shared-1/story").json()
+        assert [j["key"] for j in story["jobs"]] == [scoped(ours.id, "shared-1:plan:1")]
+        assert {e["agent_id"] for e in story["journal"]} == {str(ours.id)}
+        # Looked up by id alone, the token finds its own agent's request: the other tenant's stays out of sight.
+        found = http.get("/v1/requests/shared-1")
+        assert found.status_code == 200 and found.json()["agent_id"] == str(ours.id)
+        assert "globex" not in found.text and str(theirs.id) not in found.text
         journal = http.get(f"/v1/agents/{ours.id}/journal").text
         assert "globex" not in journal and str(theirs.id) not in journal
-        # The key is still free for its owner's retries, and a new key works for us.
-        assert (
-            http.post(
-                f"/v1/agents/{ours.id}/requests",
-                json={"input": script({"content": "hi"})},
-                headers={"Idempotency-Key": "ours-1"},
-            ).status_code
-            == 201
-        )
+        assert http.get(f"/v1/agents/{theirs.id}/requests/shared-1").status_code == 404
+    # Their request is still theirs: a retry of it is a duplicate on their agent, not a new request.
+    assert client.submit(theirs.id, "shared-1", ask, actor="setup").revision == 1
+    assert client.get_request(theirs.id, "shared-1").agent_id == theirs.id

@@ -6,12 +6,14 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from uuid import UUID
 
 import httpx
 import pytest
 
 from agents.client import Client
 from tests.support.api import Api, script, waiting_agent
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 CLIENTS = 8
@@ -71,5 +73,5 @@ def test_eight_submits_with_one_idempotency_key_make_one_request(api: Api, clien
     assert sum(r.headers.get("Idempotent-Replayed") == "true" for r in answers) == CLIENTS - 1
     submits = [e for e in client.journal(agent_id=agent["id"]) if e.kind == "transition" and e.event == "submit"]
     assert len(submits) == 1
-    assert [j.key for j in client.request_jobs("once-1")] == ["once-1:plan:1"]
+    assert [j.key for j in client.request_jobs(agent["id"], "once-1")] == [scoped(UUID(agent["id"]), "once-1:plan:1")]
     assert client.get_state(agent["id"]).revision == 1

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import pytest
@@ -36,6 +37,7 @@ from models.settings import Settings
 from tests.support.api import COMMENT, Api, problem, waiting_agent
 from tests.support.audit import clean_env
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 from tests.support.runs import FAST_RULES, run_all
 
 pytestmark = pytest.mark.integration
@@ -114,10 +116,12 @@ def test_the_waiting_notice_is_sent_once_even_when_the_gate_is_delivered_twice(
     body = "Fixed; token xoxb-1234-secret-abcdef"
     waiting = to_approval(client, db, "release-bot", "req-1", comment_script(body))
     # The broker delivers the gate's message again (Redis redelivers): the second delivery sends nothing.
-    Runner(db, registry, worker="t2", lease=timedelta(seconds=30), rules=dict(FAST_RULES)).run(f"req-1:gate:{GATE}")
+    Runner(db, registry, worker="t2", lease=timedelta(seconds=30), rules=dict(FAST_RULES)).run(
+        scoped(waiting.id, f"req-1:gate:{GATE}")
+    )
     notices = {k: m for k, m in slack_messages(db).items() if ":approval:" in k}
-    assert list(notices) == [f"req-1:slack:approval:{GATE}"]
-    notice = notices[f"req-1:slack:approval:{GATE}"]
+    assert list(notices) == [scoped(waiting.id, f"req-1:slack:approval:{GATE}")]
+    notice = notices[scoped(waiting.id, f"req-1:slack:approval:{GATE}")]
     assert notice["destination"] == CHANNEL
     text = notice["payload"]["text"]
     assert "release-bot" in text and "github_comment" in text and '"acme/api"' in text
@@ -126,7 +130,7 @@ def test_the_waiting_notice_is_sent_once_even_when_the_gate_is_delivered_twice(
     assert client.get_state(waiting.id).revision == waiting.revision
 
     client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
-    decided = message_row(db, f"req-1:slack:approval-decided:{GATE}")
+    decided = message_row(db, scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}"))
     assert decided is not None and decided["destination"] == CHANNEL
     assert "approved (by carol)" in decided["payload"]["text"]
 
@@ -147,13 +151,15 @@ def test_each_notice_reaches_slack_once(told: None, client: Client, db: Database
     )
     try:
         waiting = to_approval(client, db, "courier", "req-1", comment_script())
-        Runner(db, registry, worker="t2", lease=timedelta(seconds=30), rules=dict(FAST_RULES)).run(f"req-1:gate:{GATE}")
+        Runner(db, registry, worker="t2", lease=timedelta(seconds=30), rules=dict(FAST_RULES)).run(
+            scoped(waiting.id, f"req-1:gate:{GATE}")
+        )
         client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
         for _ in range(3):
             relay.run_pass()
         delivered = slack.delivered_keys()
-        assert delivered[f"req-1:slack:approval:{GATE}"] == 1
-        assert delivered[f"req-1:slack:approval-decided:{GATE}"] == 1
+        assert delivered[scoped(waiting.id, f"req-1:slack:approval:{GATE}")] == 1
+        assert delivered[scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}")] == 1
     finally:
         relay.close()
         slack.stop()
@@ -162,7 +168,7 @@ def test_each_notice_reaches_slack_once(told: None, client: Client, db: Database
 def test_a_rejection_is_followed_up_and_no_channel_means_no_message(told: None, client: Client, db: Database) -> None:
     waiting = to_approval(client, db, "reviewer", "req-1", comment_script())
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="not on a Friday")
-    decided = message_row(db, f"req-1:slack:approval-decided:{GATE}")
+    decided = message_row(db, scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}"))
     assert decided is not None and "rejected: not on a Friday (by dana)" in decided["payload"]["text"]
 
 
@@ -199,9 +205,10 @@ def test_edited_arguments_are_checked_journaled_and_told_to_the_model(client: Cl
     assert details["call"]["arguments"]["body"] == "Fixed" and details["edited_arguments"] == edited
     run_all(db)
     assert client.get_state(waiting.id).phase == "done"
-    sent = message_row(db, "req-1:github:call_0_0")
+    sent = message_row(db, scoped(waiting.id, "req-1:github:call_0_0"))
     assert sent is not None and sent["payload"]["body"] == "Fixed in v2.1"
-    _, messages = loop.conversation(db, "req-1", 2)
+    request = loop.RequestOf(waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
+    _, messages = loop.conversation(db, request, 2)
     told = messages[-1]["content"]
     assert 'body: "Fixed" → "Fixed in v2.1"' in told and "A person edited" in told
 
@@ -222,7 +229,8 @@ def test_an_edit_over_http_is_a_422_naming_the_field_and_changes_nothing(api: Ap
         done = http.post(url, headers=etag, json={"arguments": edited})
         assert done.status_code == 200, done.text
         assert done.json()["phase"] == "executing"
-        assert job_row(api.db, "commenter-r1:tool:github_comment:1.call_0_0")["payload"]["arguments"] == edited  # type: ignore[index]
+        call = scoped(UUID(state["id"]), "commenter-r1:tool:github_comment:1.call_0_0")
+        assert job_row(api.db, call)["payload"]["arguments"] == edited  # type: ignore[index]
 
 
 def test_the_http_client_edits_and_lists_like_the_client(api: Api, client: Client) -> None:
@@ -271,7 +279,8 @@ def test_the_command_line_lists_and_edits(db_url: str, client: Client, db: Datab
     edited = '{"repository": "acme/api", "issue": 7, "body": "From the shell"}'
     done = run("approve", "cli-editor", "--revision", revision, "--arguments", edited)
     assert done.returncode == 0, done.stderr
-    assert job_row(db, "req-1:tool:github_comment:1.call_0_0")["payload"]["arguments"]["body"] == "From the shell"  # type: ignore[index]
+    call = scoped(waiting.id, "req-1:tool:github_comment:1.call_0_0")
+    assert job_row(db, call)["payload"]["arguments"]["body"] == "From the shell"  # type: ignore[index]
     assert "no calls are waiting" in run("approvals").stdout
 
 
@@ -307,13 +316,15 @@ def test_a_timeout_rejects_exactly_once_under_two_concurrent_enforcers(
     assert enforce_timeouts(db, settings).rejected == [], "a restarted beat finds nothing left to do"
     rejects = [t for t in transitions(db, waiting.id) if t[0] == "transition" and t[1] == "reject"]
     assert len(rejects) == 1 and rejects[0][2] == "approval_timed_out"
-    decided = message_row(db, "req-1:slack:approval-decided:deploy_service:1.call_0_0")
+    decided = message_row(db, scoped(waiting.id, "req-1:slack:approval-decided:deploy_service:1.call_0_0"))
     assert decided is not None and "timed out" in decided["payload"]["text"]
     run_all(db)
     assert client.get_state(waiting.id).phase == "done"
-    _, messages = loop.conversation(db, "req-1", 2)
+    request = loop.RequestOf(waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
+    _, messages = loop.conversation(db, request, 2)
     assert messages[-1]["content"].startswith("This call was rejected: no one approved it within 0:00:01")
-    assert job_row(db, "req-1:tool:deploy_service:1.call_0_0") is None, "the timed-out call never ran"
+    call = scoped(waiting.id, "req-1:tool:deploy_service:1.call_0_0")
+    assert job_row(db, call) is None, "the timed-out call never ran"
 
 
 def test_a_timeout_pass_takes_its_calls_in_batches_and_a_failing_one_does_not_stall_it(
@@ -377,7 +388,7 @@ def test_a_timeout_escalates_once_and_the_call_keeps_waiting(client: Client, db:
     assert state.phase == "waiting_approval" and state.pending_approval is not None
     escalations = [t for t in transitions(db, waiting.id) if t[2] == "approval_escalated" and t[0] == "transition"]
     assert len(escalations) == 1
-    notice = message_row(db, "req-1:slack:approval-escalated:page_oncall:1.call_0_0")
+    notice = message_row(db, scoped(waiting.id, "req-1:slack:approval-escalated:page_oncall:1.call_0_0"))
     assert notice is not None and notice["destination"] == ESCALATION and "pager" in notice["payload"]["text"]
     client.approve(waiting.id, expected_revision=state.revision, actor="oncall-lead")
     run_all(db)
@@ -491,8 +502,8 @@ def test_a_decision_after_an_escalation_is_followed_up_on_both_channels(
 ) -> None:
     state = _escalated(client, db, "pager")
     client.approve(state.id, expected_revision=state.revision, actor="oncall-lead")
-    first = message_row(db, f"req-1:slack:approval-decided:{PAGE_GATE}")
-    second = message_row(db, f"req-1:slack:approval-escalation-decided:{PAGE_GATE}")
+    first = message_row(db, scoped(state.id, f"req-1:slack:approval-decided:{PAGE_GATE}"))
+    second = message_row(db, scoped(state.id, f"req-1:slack:approval-escalation-decided:{PAGE_GATE}"))
     assert first is not None and first["destination"] == CHANNEL
     assert second is not None and second["destination"] == ESCALATION
     assert "pager's call to page_oncall: approved (by oncall-lead)" in second["payload"]["text"]
@@ -505,14 +516,16 @@ def test_a_decision_without_an_escalation_is_followed_up_on_the_first_channel_on
 ) -> None:
     waiting = to_approval(client, db, "reviewer", "req-1", comment_script())
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
-    assert [k for k in slack_messages(db) if "decided" in k] == [f"req-1:slack:approval-decided:{GATE}"]
+    assert [k for k in slack_messages(db) if "decided" in k] == [
+        scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}")
+    ]
 
 
 def test_a_cancel_while_waiting_tells_both_channels_the_wait_ended(told: None, client: Client, db: Database) -> None:
     state = _escalated(client, db, "pager")
     client.cancel(state.id, expected_revision=state.revision, actor="dana", reason="wrong service")
-    first = message_row(db, f"req-1:slack:approval-ended:{PAGE_GATE}")
-    second = message_row(db, f"req-1:slack:approval-escalation-ended:{PAGE_GATE}")
+    first = message_row(db, scoped(state.id, f"req-1:slack:approval-ended:{PAGE_GATE}"))
+    second = message_row(db, scoped(state.id, f"req-1:slack:approval-escalation-ended:{PAGE_GATE}"))
     assert first is not None and first["destination"] == CHANNEL
     assert second is not None and second["destination"] == ESCALATION
     text = first["payload"]["text"]
@@ -536,14 +549,15 @@ def test_a_stop_at_the_hard_deadline_while_waiting_is_followed_up_once(
         conn.rollback()
     assert deadlines.enforce(db, later).stopped == [agent.id]
     assert deadlines.enforce(db, later).stopped == []
-    ended = message_row(db, f"req-1:slack:approval-ended:{GATE}")
+    ended = message_row(db, scoped(agent.id, f"req-1:slack:approval-ended:{GATE}"))
     assert ended is not None and ended["destination"] == CHANNEL
     assert "the request passed its hard deadline and was stopped (by deadline-enforcer)" in ended["payload"]["text"]
     assert [k for k in slack_messages(db) if "approval" in k] == [
-        f"req-1:slack:approval:{GATE}",
-        f"req-1:slack:approval-ended:{GATE}",
+        scoped(agent.id, f"req-1:slack:approval:{GATE}"),
+        scoped(agent.id, f"req-1:slack:approval-ended:{GATE}"),
     ]
-    assert message_row(db, f"req-1:slack:approval-escalation-ended:{GATE}") is None  # it was never escalated
+    never = scoped(agent.id, f"req-1:slack:approval-escalation-ended:{GATE}")
+    assert message_row(db, never) is None  # it was never escalated
 
 
 def test_a_cancel_without_a_notice_sends_nothing(client: Client, db: Database) -> None:

@@ -25,6 +25,7 @@ from agents.core.errors import AgentNotFound, IllegalTransition, RequestConflict
 from agents.core.phases import Event
 from agents.core.transition import transition
 from models.db import Database
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 ASK = {"prompt": "hi"}
@@ -80,7 +81,9 @@ def test_submit_and_cancel_by_id_are_one_transaction_each(client: Client, db: Da
 def test_the_state_a_command_returns_is_what_a_fresh_read_gives(client: Client) -> None:
     agent = client.create_agent("fresh", budget_tokens=100, budget_cost="2.5")
     submitted = client.submit(agent.id, "req-1", ASK, actor="alice")
-    assert submitted.phase == "planning" and [j.key for j in submitted.pending_jobs] == ["req-1:plan:1"]
+    assert submitted.phase == "planning" and [j.key for j in submitted.pending_jobs] == [
+        scoped(agent.id, "req-1:plan:1")
+    ]
     assert submitted == client.get_state(agent.id)
     repeated = client.submit(agent.id, "req-1", ASK, actor="alice")  # a retry: the state as it is, jobs and all
     assert repeated == client.get_state(agent.id) == submitted
@@ -105,10 +108,15 @@ def test_a_command_on_an_agent_with_live_jobs_returns_all_of_them(client: Client
     client.submit(agent.id, "req-1", ASK)
     client.cancel(agent.id, actor="alice")
     raw.execute("SET session_replication_role = replica")
-    raw.execute("UPDATE jobs SET status = 'pending', last_error = NULL WHERE key = 'req-1:plan:1'")
+    raw.execute(
+        "UPDATE jobs SET status = 'pending', last_error = NULL WHERE key = %s", (scoped(agent.id, "req-1:plan:1"),)
+    )
     raw.execute("SET session_replication_role = DEFAULT")
     state = client.submit(agent.id, "req-2", ASK)
-    assert sorted(j.key for j in state.pending_jobs) == ["req-1:plan:1", "req-2:plan:1"]
+    assert sorted(j.key for j in state.pending_jobs) == [
+        scoped(agent.id, "req-1:plan:1"),
+        scoped(agent.id, "req-2:plan:1"),
+    ]
     assert state == client.get_state(agent.id)
 
 
@@ -198,8 +206,8 @@ def test_a_cancel_that_waited_for_the_lock_sees_the_jobs_the_transition_before_i
     assert cancelled.phase == "failed" and cancelled.pending_jobs == ()
     assert cancelled == client.get_state(agent.id)
     assert raw.execute("SELECT key, status FROM jobs ORDER BY key").fetchall() == [
-        ("req-1:plan:1", "cancelled"),
-        ("req-1:plan:2", "cancelled"),
+        (scoped(agent.id, "req-1:plan:1"), "cancelled"),
+        (scoped(agent.id, "req-1:plan:2"), "cancelled"),
     ]
 
 
@@ -236,6 +244,7 @@ def test_a_connection_killed_mid_command_leaves_nothing_and_the_retry_leaves_the
     client.submit(agent.id, "warm", ASK)
     client.cancel(agent.id, actor="alice")
     before, journal_before = client.get_state(agent.id), _journal(raw, agent.id)
+    key = scoped(agent.id, "req-1:plan:1")
     failed: list[BaseException] = []
 
     def submit() -> None:
@@ -248,8 +257,8 @@ def test_a_connection_killed_mid_command_leaves_nothing_and_the_retry_leaves_the
         # An uncommitted job under the submit's key (on another agent): the submit's insert waits for it.
         blocker.execute(
             "INSERT INTO jobs (key, agent_id, request_id, operation, target, queue, run_at)"
-            " VALUES ('req-1:plan:1', %s, 'elsewhere', 'plan', '1', 'keel.jobs', now())",
-            (other.id,),
+            " VALUES (%s, %s, 'elsewhere', 'plan', '1', 'keel.jobs', now())",
+            (key, other.id),
         )
         worker = threading.Thread(target=submit)
         worker.start()
@@ -261,14 +270,14 @@ def test_a_connection_killed_mid_command_leaves_nothing_and_the_retry_leaves_the
     assert client.get_state(agent.id) == before
     assert _journal(raw, agent.id) == journal_before
     assert raw.execute("SELECT count(*) FROM requests WHERE request_id = 'req-1'").fetchone() == (0,)
-    assert raw.execute("SELECT count(*) FROM jobs WHERE key = 'req-1:plan:1'").fetchone() == (0,)
+    assert raw.execute("SELECT count(*) FROM jobs WHERE key = %s", (key,)).fetchone() == (0,)
 
     retried = client.submit(agent.id, "req-1", ASK)  # the pool's killed connection is replaced, not reused
     assert (retried.phase, retried.revision, retried.request_id) == ("planning", before.revision + 1, "req-1")
     assert retried == client.get_state(agent.id)
     assert _journal(raw, agent.id)[-1][1:] == ("transition", "submit", "accepted", before.revision + 1)
     assert raw.execute("SELECT agent_id FROM requests WHERE request_id = 'req-1'").fetchone() == (agent.id,)
-    assert raw.execute("SELECT status FROM jobs WHERE key = 'req-1:plan:1'").fetchone() == ("pending",)
+    assert raw.execute("SELECT status FROM jobs WHERE key = %s", (key,)).fetchone() == ("pending",)
 
 
 def test_commands_after_every_pooled_connection_was_killed_still_work(

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from html import unescape
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import httpx
 import psycopg
@@ -40,6 +41,7 @@ from tests.support.audit import TEST_KEYS as KEYS
 from tests.support.audit import as_superuser
 from tests.support.broker import Broker
 from tests.support.console import Browsers, csrf_of
+from tests.support.keys import scoped
 from tests.support.runs import run_all
 
 #: Starts ``keel serve`` with these KEEL_* settings on the test's database and Redis prefix; stopped after the test.
@@ -743,7 +745,7 @@ def test_edit_and_approve_runs_the_call_with_the_edited_arguments(api: Api, brow
     assert done.status_code == 303, done.text
     (details,) = _approve_details(api, state["id"])
     assert details["call"]["arguments"]["body"] == "Fixed" and details["edited_arguments"] == edited
-    job = job_row(api.db, "commenter-r1:tool:github_comment:1.call_0_0")
+    job = job_row(api.db, scoped(UUID(state["id"]), "commenter-r1:tool:github_comment:1.call_0_0"))
     assert job is not None and job["payload"]["arguments"] == edited
     after = client.get(f"/agents/{state['id']}").text
     changes = after.split('<table class="changes">')[1].split("</table>")[0]

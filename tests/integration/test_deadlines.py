@@ -19,6 +19,7 @@ from agents.jobs.handlers import registry
 from models.db import Database
 from models.deadlines_sql import agents_past_deadline
 from models.outbox_sql import message_row
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +105,7 @@ def test_a_stale_sighting_never_stops_or_demotes_the_next_request(client: Client
     state = client.get_state(hard.id)
     assert (state.phase, state.request_id) == ("planning", "req-hard-2")
     assert client.get_state(soft.id).priority == "normal"
-    assert message_row(db, "req-hard-2:slack:hard-deadline") is None
+    assert message_row(db, scoped(hard.id, "req-hard-2:slack:hard-deadline")) is None
     for agent in (hard, soft):
         last = client.journal(agent_id=agent.id)[-1]
         assert (last.kind, last.decision) == ("rejected", "stale_revision"), last
@@ -137,7 +138,7 @@ def test_a_channel_name_for_notices_never_prevents_a_stop(client: Client, db: Da
         stop = client.journal(agent_id=agent.id)[-1]
         assert (stop.event, stop.decision) == ("fail", "hard_deadline_passed")
         assert "conversation id" in stop.details["notice_not_sent"]
-        assert message_row(db, f"req-{agent.name}:slack:hard-deadline") is None
+        assert message_row(db, scoped(agent.id, f"req-{agent.name}:slack:hard-deadline")) is None
 
 
 @pytest.mark.parametrize("host_offset", [timedelta(minutes=5), timedelta(minutes=-5)])

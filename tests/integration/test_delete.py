@@ -18,7 +18,7 @@ import pytest
 from agents.client import Client
 from agents.core import journal
 from agents.core.commands import Command, MessageSpec
-from agents.core.errors import AgentInUse, AgentNotFound, InvalidInput, RequestConflict, StaleRevision
+from agents.core.errors import AgentInUse, AgentNotFound, InvalidInput, StaleRevision
 from agents.core.phases import Event
 from agents.core.policies import DEFAULT_RULES
 from agents.core.transition import transition
@@ -35,6 +35,7 @@ from models.outbox_sql import message_row
 from models.sql import lock_agent_txn
 from tests.support.audit import TEST_KEYS, clean_env
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -92,17 +93,23 @@ def test_a_deleted_agent_is_gone_its_name_free_and_its_journal_kept(
     assert [(e.agent_id, e.event) for e in client.journal_after(seen, agent_id=old.id)] == [(old.id, "delete")]
     assert client.agent_names([old.id, bystander.id]) == {old.id: "ops-bot (deleted)", bystander.id: "bystander"}
     # Its request's story is kept: the request, its job, and the figures computed from them.
-    assert [j.key for j in client.request_jobs("ops-bot-r1")] == ["ops-bot-r1:plan:1"]
+    assert [j.key for j in client.request_jobs(old.id, "ops-bot-r1")] == [scoped(old.id, "ops-bot-r1:plan:1")]
     assert totals(db) == figures
 
     new = client.create_agent("ops-bot")
     assert new.id != old.id
     assert [e.event for e in client.journal(agent_id="ops-bot")] == ["create"]  # the live one wins
     assert client.journal(agent_id=old.id)[-1].event == "delete"  # the deleted one, by its id
-    with pytest.raises(
-        RequestConflict, match=r"request id 'ops-bot-r1' already belongs to agent 'ops-bot \(deleted\)'"
-    ):
-        client.submit(new.id, "ops-bot-r1", PROMPT)
+    # Request ids are each agent's own: the new ops-bot's "ops-bot-r1" is a fresh request of its own, and the
+    # deleted agent's request of that id, and its story, stay as they were.
+    fresh = client.submit(new.id, "ops-bot-r1", PROMPT)
+    assert (fresh.phase, fresh.request_id) == ("planning", "ops-bot-r1")
+    assert client.get_request(new.id, "ops-bot-r1").agent_id == new.id
+    assert [j.key for j in client.request_jobs(new.id, "ops-bot-r1")] == [scoped(new.id, "ops-bot-r1:plan:1")]
+    assert [j.key for j in client.request_jobs(old.id, "ops-bot-r1")] == [scoped(old.id, "ops-bot-r1:plan:1")]
+    assert [j.status for j in client.request_jobs(old.id, "ops-bot-r1")] == ["cancelled"]
+    assert client.journal(agent_id=old.id)[-1].event == "delete"
+    client.cancel(new.id, actor="carol")  # at rest again, to be archived and deleted below
 
     report = journal.verify(db)
     assert report.ok, report.breaks
@@ -345,15 +352,15 @@ def test_a_deleted_agents_messages_are_still_delivered_and_a_dead_one_is_not_ret
         transition(db, Command(agent.id, Event.PROGRESS, "worker", messages=messages))
         client.cancel(agent.id, actor="alice")
         client.archive(agent.id, actor="carol")
-        raw.execute("UPDATE outbox SET status = 'dead' WHERE key = 'r1:slack:m2'")
+        raw.execute("UPDATE outbox SET status = 'dead' WHERE key = %s", (scoped(agent.id, "r1:slack:m2"),))
         client.delete_agent(agent.id, actor="dave")
         relay.run_pass()
-        assert slack.order("C1") == ["r1:slack:m1"]
-        sent = message_row(db, "r1:slack:m1")
+        assert slack.order("C1") == [scoped(agent.id, "r1:slack:m1")]
+        sent = message_row(db, scoped(agent.id, "r1:slack:m1"))
         assert sent is not None and sent["status"] == "sent"
         with pytest.raises(AgentNotFound, match="agent 'poster' was deleted"):
-            retry_dead(db, "r1:slack:m2", actor="erin")
-        dead = message_row(db, "r1:slack:m2")
+            retry_dead(db, scoped(agent.id, "r1:slack:m2"), actor="erin")
+        dead = message_row(db, scoped(agent.id, "r1:slack:m2"))
         assert dead is not None and dead["status"] == "dead"
     finally:
         relay.close()
@@ -367,10 +374,10 @@ def test_a_late_copy_of_a_deleted_agents_job_is_dropped(client: Client, db: Data
     runner = Runner(db, own, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES)
     agent = client.create_agent("quick")
     client.submit(agent.id, "r1", None, operation="finish_now")
-    assert runner.run("r1:finish_now:1").status == "succeeded"
+    assert runner.run(scoped(agent.id, "r1:finish_now:1")).status == "succeeded"
     client.archive(agent.id, actor="carol")
     client.delete_agent(agent.id, actor="dave")
-    again = runner.run("r1:finish_now:1")  # the broker delivered it once more
+    again = runner.run(scoped(agent.id, "r1:finish_now:1"))  # the broker delivered it once more
     assert again.status == "suppressed" and "its agent was deleted" in again.detail
     assert journal.verify(db).ok
 

@@ -28,6 +28,7 @@ from models.db import Database
 from models.jobs_sql import job_row, take_due
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -92,8 +93,8 @@ def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usag
     ]
     client.submit(agent.id, "req-1", {"prompt": "announce the deploy", "script": script})
     runner = make_runner(db)
-    assert runner.run("req-1:plan:1").status == "succeeded"
-    tool_key = "req-1:tool:test_announce:1.call_0_0"
+    assert runner.run(scoped(agent.id, "req-1:plan:1")).status == "succeeded"
+    tool_key = scoped(agent.id, "req-1:tool:test_announce:1.call_0_0")
 
     real = core.transition
     failures = []
@@ -117,8 +118,8 @@ def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usag
         assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [tool_key]
     assert runner.run(tool_key).status == "succeeded"
     assert POSTS == ["call_0_0"], "the tool did not run again"
-    assert outbox_keys(db) == ["req-1:slack:call_0_0"], "its message was emitted, once, under its key"
-    assert runner.run("req-1:plan:2").status == "succeeded"
+    assert outbox_keys(db) == [scoped(agent.id, "req-1:slack:call_0_0")], "its message was emitted, once, under its key"
+    assert runner.run(scoped(agent.id, "req-1:plan:2")).status == "succeeded"
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens) == ("done", 100 + 40 + 50), "the tool's usage was charged once"
     assert job_row(db, tool_key)["result"] == {"tool_call_id": "call_0_0", "content": "posted to #ops"}  # type: ignore[index]
@@ -146,15 +147,15 @@ def test_a_staged_failure_is_recorded_on_replay_and_its_spend_charged(client: Cl
     core.transition = dying  # type: ignore[assignment]
     try:
         with pytest.raises(StoreError):
-            claimed("req-1:flaky:1")
+            claimed(scoped(agent.id, "req-1:flaky:1"))
     finally:
         core.transition = original  # type: ignore[assignment]
-    expire_lease(db, "req-1:flaky:1")
+    expire_lease(db, scoped(agent.id, "req-1:flaky:1"))
     with db.transaction() as cur:
         take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)
-    assert runner.run("req-1:flaky:1").status == "retrying"
+    assert runner.run(scoped(agent.id, "req-1:flaky:1")).status == "retrying"
     assert calls == [1], "the replay recorded the staged failure instead of calling the upstream again"
-    row = job_row(db, "req-1:flaky:1")
+    row = job_row(db, scoped(agent.id, "req-1:flaky:1"))
     assert row is not None and row["failed_tokens"] == 10 and "staged" not in (row["result"] or {})
     assert client.get_state(agent.id).spent_tokens == 10
 
@@ -172,11 +173,11 @@ def test_a_handler_past_its_run_limit_is_ended_and_counted_as_unknown(client: Cl
 
     runner = make_runner(db, {"hang": hang}, run_limits={"hang": 0.5})
     started = time.monotonic()
-    outcome = runner.run("req-1:hang:1")
+    outcome = runner.run(scoped(agent.id, "req-1:hang:1"))
     release.set()
     assert time.monotonic() - started < 5
     assert outcome.status == "retrying" and outcome.end_process, "the caller is told to end the process"
-    row = job_row(db, "req-1:hang:1")
+    row = job_row(db, scoped(agent.id, "req-1:hang:1"))
     assert row is not None and row["error_class"] == "unknown" and "run limit of 0.5s" in row["last_error"]
     assert row["status"] == "pending" and row["tokens"] == 0, "nothing of the overrun attempt was recorded"
 
@@ -191,11 +192,11 @@ def test_a_tool_past_its_timeout_asks_for_its_process_to_end_and_emits_nothing(c
     ]
     client.submit(agent.id, "req-1", {"prompt": "post", "script": script})
     runner = make_runner(db)
-    runner.run("req-1:plan:1")
-    outcome = runner.run("req-1:tool:test_slowpost:1.call_0_0")
+    runner.run(scoped(agent.id, "req-1:plan:1"))
+    outcome = runner.run(scoped(agent.id, "req-1:tool:test_slowpost:1.call_0_0"))
     assert outcome.status == "succeeded" and outcome.end_process
     assert finished.wait(3), "the abandoned thread did finish (in production its process is ended first)"
-    row = job_row(db, "req-1:tool:test_slowpost:1.call_0_0")
+    row = job_row(db, scoped(agent.id, "req-1:tool:test_slowpost:1.call_0_0"))
     assert row is not None and "did not finish within 0.3s" in row["result"]["content"]
     assert outbox_keys(db) == [], "a tool past its timeout emits nothing"
 
@@ -221,7 +222,7 @@ def test_every_comparison_uses_the_database_clock_not_the_hosts(
             return JobResult(event=Event.FINISH)
 
         runner = make_runner(db, {"retry": retry})
-        key = f"req{sign}:retry:1"
+        key = scoped(agent.id, f"req{sign}:retry:1")
         assert runner.run(key).status == "retrying", "a due job is claimed whatever this host's clock says"
         with psycopg.connect(db.libpq_url) as conn:
             delay = conn.execute("SELECT run_at - clock_timestamp() FROM jobs WHERE key = %s", (key,)).fetchone()
@@ -272,9 +273,11 @@ def test_publishing_that_fails_after_commit_hands_the_jobs_to_the_dispatcher(cli
     publishing = Client(db, publisher=broken)
     state = publishing.submit(agent.id, "req-1", None, operation="count")
     assert (state.phase, state.request_id) == ("planning", "req-1")
-    assert job_row(db, "req-1:count:1")["status"] == "pending"  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:count:1"))["status"] == "pending"  # type: ignore[index]
     with db.transaction() as cur:
-        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == ["req-1:count:1"]
+        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [
+            scoped(agent.id, "req-1:count:1")
+        ]
 
 
 def test_a_stale_pooled_connection_is_replaced_not_failed(client: Client, db: Database, db_url: str) -> None:
@@ -301,7 +304,9 @@ def test_a_stale_pooled_connection_is_replaced_not_failed(client: Client, db: Da
         while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (killed,)).fetchone() != (0,):
             assert time.monotonic() < deadline, f"backends {killed} still there"
             time.sleep(0.02)
-    outcome = make_runner(db, {"finish": lambda ctx: JobResult(event=Event.FINISH)}).run("req-1:finish:1")
+    outcome = make_runner(db, {"finish": lambda ctx: JobResult(event=Event.FINISH)}).run(
+        scoped(agent.id, "req-1:finish:1")
+    )
     assert outcome.status == "succeeded"
 
 
@@ -339,12 +344,16 @@ def test_a_job_found_under_a_resting_agent_is_settled_by_the_single_writer(
     client.submit(agent.id, "req-1", None, operation="finish")
     client.cancel(agent.id, actor="alice", reason="stop")
     raw.execute("SET session_replication_role = replica")  # a superuser bypassing the database's own guards
-    raw.execute("UPDATE jobs SET status = 'pending', last_error = NULL WHERE key = 'req-1:finish:1'")
+    raw.execute(
+        "UPDATE jobs SET status = 'pending', last_error = NULL WHERE key = %s", (scoped(agent.id, "req-1:finish:1"),)
+    )
     raw.execute("SET session_replication_role = DEFAULT")
     before = client.get_state(agent.id).revision
-    outcome = make_runner(db, {"finish": lambda ctx: JobResult(event=Event.FINISH)}).run("req-1:finish:1")
+    outcome = make_runner(db, {"finish": lambda ctx: JobResult(event=Event.FINISH)}).run(
+        scoped(agent.id, "req-1:finish:1")
+    )
     assert outcome.status == "cancelled"
-    assert job_row(db, "req-1:finish:1")["status"] == "cancelled"  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:finish:1"))["status"] == "cancelled"  # type: ignore[index]
     last = client.journal(agent_id=agent.id)[-1]
     assert (last.kind, last.event, last.decision, last.revision) == (
         "transition",
@@ -352,7 +361,7 @@ def test_a_job_found_under_a_resting_agent_is_settled_by_the_single_writer(
         "agent_at_rest",
         before + 1,
     )
-    assert last.details["job"] == "req-1:finish:1" and last.details["job_status"] == "cancelled"
+    assert last.details["job"] == scoped(agent.id, "req-1:finish:1") and last.details["job_status"] == "cancelled"
 
 
 def test_a_message_whose_claim_cannot_reach_the_database_goes_back_to_the_broker(
@@ -408,9 +417,9 @@ def test_an_outcome_the_database_refuses_fails_the_job_instead_of_looping(
         return real(db_, command, **kw)
 
     monkeypatch.setattr(core, "transition", refusing)
-    outcome = make_runner(db, {"spend": _spend}).run("req-1:spend:1")
+    outcome = make_runner(db, {"spend": _spend}).run(scoped(agent.id, "req-1:spend:1"))
     assert outcome.status == "failed", "a refusal is not an outage: no redelivery, no replay loop"
-    row = job_row(db, "req-1:spend:1")
+    row = job_row(db, scoped(agent.id, "req-1:spend:1"))
     assert row is not None and row["error_class"] == "invalid" and "could not be recorded" in row["last_error"]
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens) == ("failed", 100), "what the step spent is still charged"
@@ -432,7 +441,7 @@ def test_a_refused_outcome_whose_job_a_cancel_sweeps_meanwhile_is_charged_once(
         return real(db_, command, **kw)
 
     monkeypatch.setattr(core, "transition", refusing_then_cancelled)
-    assert make_runner(db, {"spend": _spend}).run("req-1:spend:1").status == "fenced"
+    assert make_runner(db, {"spend": _spend}).run(scoped(agent.id, "req-1:spend:1")).status == "fenced"
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens, state.spent_cost) == ("failed", 100, Decimal("1.00")), "charged once"
 
@@ -451,15 +460,15 @@ def test_a_staged_outcome_whose_workers_keep_dying_stops_at_the_unknown_cap_and_
     core.transition = lost  # type: ignore[assignment]
     try:
         with pytest.raises(StoreError):
-            runner.run("req-1:spend:1")
+            runner.run(scoped(agent.id, "req-1:spend:1"))
     finally:
         core.transition = real  # type: ignore[assignment]
     cap = DEFAULT_RULES[ErrorClass.UNKNOWN].max_attempts
     raw.execute(
-        "UPDATE jobs SET status = 'enqueued', error_attempts = %s WHERE key = 'req-1:spend:1'",
-        (psycopg.types.json.Jsonb({"unknown": cap}),),
+        "UPDATE jobs SET status = 'enqueued', error_attempts = %s WHERE key = %s",
+        (psycopg.types.json.Jsonb({"unknown": cap}), scoped(agent.id, "req-1:spend:1")),
     )
-    outcome = runner.run("req-1:spend:1")
+    outcome = runner.run(scoped(agent.id, "req-1:spend:1"))
     assert outcome.status == "dead"
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens) == ("failed", 100), "given up, and what it spent is charged once"
@@ -475,9 +484,9 @@ def test_a_result_with_a_nul_fails_the_step_at_once_and_is_charged(client: Clien
         calls.append(ctx.attempt)
         return JobResult(output={"text": "a\x00b"}, usage=Usage(7), event=Event.FINISH)
 
-    outcome = make_runner(db, {"nul": nul}).run("req-1:nul:1")
+    outcome = make_runner(db, {"nul": nul}).run(scoped(agent.id, "req-1:nul:1"))
     assert outcome.status == "failed" and calls == [1]
-    row = job_row(db, "req-1:nul:1")
+    row = job_row(db, scoped(agent.id, "req-1:nul:1"))
     assert row is not None and row["error_class"] == "invalid" and "NUL" in row["last_error"]
     assert client.get_state(agent.id).spent_tokens == 7
 
@@ -487,7 +496,7 @@ def test_a_staged_outcome_fenced_off_by_a_takeover_is_charged_once_by_its_replay
 ) -> None:
     agent = client.create_agent("slow")
     client.submit(agent.id, "req-1", None, operation="spend")
-    key = "req-1:spend:1"
+    key = scoped(agent.id, "req-1:spend:1")
     real = core.transition
     taken: list[int] = []
 
@@ -523,10 +532,10 @@ def test_a_staged_outcome_fenced_off_by_a_cancel_is_charged_once_by_the_cancel(
         return real(db_, command, **kw)
 
     monkeypatch.setattr(core, "transition", raced)
-    assert make_runner(db, {"spend": _spend}).run("req-1:spend:1").status == "fenced"
+    assert make_runner(db, {"spend": _spend}).run(scoped(agent.id, "req-1:spend:1")).status == "fenced"
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens) == ("failed", 100)
-    row = job_row(db, "req-1:spend:1")
+    row = job_row(db, scoped(agent.id, "req-1:spend:1"))
     assert row is not None and row["status"] == "cancelled" and "staged" not in (row["result"] or {})
     cancel, fenced = client.journal(agent_id=agent.id)[-2:]
     assert cancel.event == "cancel" and cancel.details["staged_spend_charged"]["tokens"] == 100
@@ -565,7 +574,7 @@ def test_a_staged_outcome_whose_worker_died_is_charged_by_the_cancel_that_sweeps
     client.submit(agent.id, "req-1", None, operation="spend")
     other = client.create_agent("bystander")
     client.submit(other.id, "req-2", None, operation="count")
-    key = "req-1:spend:1"
+    key = scoped(agent.id, "req-1:spend:1")
 
     def died(*args: Any, **kw: Any) -> Any:
         raise StoreError("database error: connection lost") from psycopg.OperationalError("connection lost")

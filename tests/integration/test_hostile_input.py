@@ -34,6 +34,7 @@ from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
 from tests.support.audit import clean_env
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -158,6 +159,7 @@ def test_a_handler_exception_is_journaled_and_logged_redacted(
 ) -> None:
     agent = client.create_agent("leaker")
     client.submit(agent.id, "r1", None, operation="leaky")
+    key = scoped(agent.id, "r1:leaky:1")
     root = logging.getLogger()
     stream = io.StringIO()
     stream_handler = logging.StreamHandler(stream)
@@ -166,7 +168,7 @@ def test_a_handler_exception_is_journaled_and_logged_redacted(
     old_level = root.level
     root.setLevel(logging.INFO)
     try:
-        Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=DEFAULT_RULES).run("r1:leaky:1")
+        Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=DEFAULT_RULES).run(key)
     finally:
         root.removeHandler(stream_handler)
         root.setLevel(old_level)
@@ -176,9 +178,9 @@ def test_a_handler_exception_is_journaled_and_logged_redacted(
     failed = client.journal(agent_id=agent.id)[-1]
     assert "token=*** and Authorization: ***" in failed.details["error"], failed.details
     logged = stream.getvalue()
-    assert "r1:leaky:1" in logged and configured_token not in logged and "xoxb-12345" not in logged, logged
+    assert key in logged and configured_token not in logged and "xoxb-12345" not in logged, logged
     assert journal.verify(db).ok
-    assert job_row(db, "r1:leaky:1")["status"] == "pending"  # type: ignore[index]  # unknown: retried
+    assert job_row(db, key)["status"] == "pending"  # type: ignore[index]  # unknown: retried
 
 
 def test_secrets_in_a_reason_or_a_rejection_are_journaled_redacted(

@@ -30,6 +30,7 @@ from models.schemas import AgentState
 from tests.support.api import COMMENT, Api, running_api, script
 from tests.support.broker import Broker
 from tests.support.http_proxy import FaultyProxy
+from tests.support.keys import scoped
 from tests.support.runs import run_all
 
 pytestmark = pytest.mark.integration
@@ -52,13 +53,20 @@ def producer(keel: Client | HttpClient, db: Database, tag: str, me: str) -> dict
     runs compare."""
     seen: dict[str, Any] = {}
     bot = keel.create_agent(f"{tag}-bot", budget_tokens=100_000, budget_cost="5.00", actor="alice")
+
+    def unkeyed(key: str) -> str:
+        """A key of the bot's request without its agent and tag (they differ between runs), checked to be there."""
+        mine = f"{bot.id.hex}.{tag}"
+        assert key.startswith(mine), key
+        return key.removeprefix(mine)
+
     seen["created"] = (bot.phase, bot.revision, bot.budget_tokens, bot.budget_cost)
 
     first = keel.submit(
         bot.id, f"{tag}-r1", COMMENT, soft_deadline=timedelta(minutes=5), hard_deadline=HARD, actor="alice"
     )
     seen["submitted"] = (first.phase, first.revision, first.hard_deadline == HARD, first.soft_deadline is not None)
-    seen["pending"] = [j.key.removeprefix(tag) for j in first.pending_jobs]
+    seen["pending"] = [unkeyed(j.key) for j in first.pending_jobs]
     again = keel.submit_request(
         bot.id, f"{tag}-r1", COMMENT, soft_deadline=timedelta(minutes=5), hard_deadline=HARD, actor="alice"
     )
@@ -89,9 +97,12 @@ def producer(keel: Client | HttpClient, db: Database, tag: str, me: str) -> dict
         (e.kind, e.event, e.from_phase, e.to_phase, e.revision, "ME" if e.actor == me else e.actor, e.request_id)
         for e in keel.journal(agent_id=bot.id)
     ]
-    seen["request journal"] = [(e.kind, e.event, e.revision) for e in keel.journal(request_id=f"{tag}-r1")]
-    seen["jobs"] = [(j.key[len(tag) :], j.status) for j in keel.request_jobs(f"{tag}-r1")]
-    record = keel.get_request(f"{tag}-r1")
+    request_events = keel.journal(agent_id=bot.id, request_id=f"{tag}-r1")
+    seen["request journal"] = [(e.kind, e.event, e.revision) for e in request_events]
+    seen["jobs"] = [(unkeyed(j.key), j.status) for j in keel.request_jobs(bot.id, f"{tag}-r1")]
+    messages = keel.request_messages(bot.id, f"{tag}-r1")
+    seen["messages"] = [(unkeyed(m["key"]), m["channel"], m["status"]) for m in messages]
+    record = keel.get_request(bot.id, f"{tag}-r1")
     seen["request"] = (record.operation, record.input, record.revision, record.hard_deadline == HARD)
 
     second = keel.submit(bot.id, f"{tag}-r2", script({"content": "hi"}), actor="alice")
@@ -109,7 +120,7 @@ def test_a_producer_runs_unchanged_over_http(api: Api, client: Client) -> None:
     with HttpClient(api.url, secret) as http:
         over_http = producer(http, api.db, "http", me="svc-ingest")
 
-    for seen in (direct, over_http):  # request ids differ by the tag: request ids are global
+    for seen in (direct, over_http):  # request ids differ by the tag, as the names do
         seen["journal"] = [(*e[:6], e[6] and e[6].split("-", 1)[1]) for e in seen["journal"]]
     assert over_http == direct
     # and what was compared says what a producer sees
@@ -122,6 +133,7 @@ def test_a_producer_runs_unchanged_over_http(api: Api, client: Client) -> None:
         ("rejected", "cancel"),
     ]
     assert direct["retried"] == (True, 1, 1, True)
+    assert [channel for _, channel, _ in direct["messages"]] == ["github"]  # the approved comment, read back
     assert direct["waiting"][0] == "waiting_approval" and direct["done"][0] == "done"
     assert direct["stale"] == (direct["waiting"][1] - 1, direct["waiting"][1])
     assert "submit" in direct["illegal"][2] and direct["cancelled"][1] == "failed"
@@ -144,6 +156,8 @@ def test_http_client_has_clients_signatures_and_names_what_it_leaves_out() -> No
         "agent_names",
         "journal_after",
         "journal_page",
+        "journal_agent",
+        "request_agents",
         "archive",
         "unarchive",
         "delete_agent",
@@ -264,7 +278,7 @@ def test_a_submit_whose_answer_was_lost_is_replayed_not_run_again(api: Api, clie
     assert (done.request.request_id, done.request.revision, done.request.submitted_by) == ("r-1", 1, "ingest")
     assert done.replayed  # the API answered the retry with the original record
     assert submits(client, bot.id) == ["transition", "suppressed"]  # applied once; the retry changed nothing
-    assert [j.key for j in client.request_jobs("r-1")] == ["r-1:plan:1"]
+    assert [j.key for j in client.request_jobs(bot.id, "r-1")] == [scoped(bot.id, "r-1:plan:1")]
 
 
 def test_503_twice_is_retried_with_the_same_key_and_applied_once(api: Api, client: Client, proxy: FaultyProxy) -> None:

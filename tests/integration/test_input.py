@@ -26,6 +26,7 @@ from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
 from models.settings import BadConfiguration, Settings
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -196,9 +197,10 @@ def test_a_script_that_reached_the_database_unchecked_fails_as_invalid_not_at_th
         jobs=(JobSpec("plan", "1", payload={"input": bad}),),
     )
     core.transition(db, command, input_json='{"prompt": "hi", "script": [1, 2]}')
-    outcome = Runner(db, registry, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES).run("r1:plan:1")
+    key = scoped(agent.id, "r1:plan:1")
+    outcome = Runner(db, registry, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES).run(key)
     assert outcome.status == "failed"
-    job = job_row(db, "r1:plan:1")
+    job = job_row(db, key)
     assert job is not None and (job["error_class"], job["attempts"]) == ("invalid", 1)
     assert job["last_error"] == (
         "the scripted provider cannot play this script: input.script[0]: must be a JSON object, got a number"
@@ -265,20 +267,29 @@ def test_a_late_retry_of_an_earlier_request_with_other_input_is_a_conflict_too(c
     assert client.submit(agent.id, "r1", ASK).request_id == "r2", "as it was: still a suppressed duplicate"
 
 
-def test_another_agents_request_id_names_that_agent_to_the_caller_but_not_in_this_agents_journal(
-    client: Client,
+def test_another_agents_request_id_is_a_new_request_of_this_agent_that_leaves_that_one_alone(
+    client: Client, raw: psycopg.Connection[Any]
 ) -> None:
+    """Request ids are each agent's own: beta may use the id of alpha's request; it is beta's own new request (no
+    conflict, no duplicate), alpha's request is as it was, and beta's journal does not name alpha."""
     a, b = client.create_agent("alpha"), client.create_agent("beta")
     client.submit(a.id, "shared", ASK)
-    with pytest.raises(RequestConflict, match=r"^request id 'shared' already belongs to agent 'alpha'$"):
-        client.submit(b.id, "shared", ASK)
+    alphas = client.get_request(a.id, "shared")
+    alpha_state = client.get_state(a.id)
+    other = {"prompt": "something else entirely"}
+    submitted = client.submit(b.id, "shared", other)
+    assert (submitted.phase, submitted.revision, submitted.request_id) == ("planning", 1, "shared")
+    assert [j.key for j in submitted.pending_jobs] == [scoped(b.id, "shared:plan:1")]
+    betas = client.get_request(b.id, "shared")
+    assert (betas.agent_id, betas.input) == (b.id, other)
+    assert client.get_request(a.id, "shared") == alphas and client.get_state(a.id) == alpha_state
+    assert [j.key for j in client.request_jobs(a.id, "shared")] == [scoped(a.id, "shared:plan:1")]
+    assert raw.execute("SELECT count(*) FROM requests WHERE request_id = 'shared'").fetchone() == (2,)
     # beta's journal is read by whoever may read beta (another tenant, over HTTP): it must not name alpha.
-    (refusal,) = [e for e in client.journal(agent_id=b.id) if e.kind == "rejected"]
-    assert (
-        refusal.details["error"]
-        == "request id 'shared' already belongs to another agent's request: use a new request id"
-    )
-    assert "alpha" not in json.dumps(refusal.details) and str(a.id) not in json.dumps(refusal.details)
+    events = client.journal(agent_id=b.id)
+    assert [(e.kind, e.decision) for e in events] == [("created", "accepted"), ("transition", "accepted")]
+    told = json.dumps([e.model_dump(mode="json") for e in events])
+    assert "alpha" not in told and str(a.id) not in told and a.id.hex not in told
 
 
 # --- errors name the agent; numbers that cannot be stored are refused -----------------------------------------

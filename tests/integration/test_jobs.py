@@ -27,6 +27,7 @@ from models.jobs_sql import claim, job_row, take_due
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
 from tests.support.dispatchers import race_dispatchers
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -57,10 +58,10 @@ def test_submit_schedules_the_first_job_under_its_key_and_state_lists_it(client:
     agent = client.create_agent("a")
     state = client.submit(agent.id, "req-1", {"q": 1}, operation="count")
     assert [(j.key, j.operation, j.target, j.status, j.queue) for j in state.pending_jobs] == [
-        ("req-1:count:1", "count", "1", "pending", "keel.jobs")
+        (scoped(agent.id, "req-1:count:1"), "count", "1", "pending", "keel.jobs")
     ]
     event = client.journal(agent_id=agent.id)[-1]
-    assert event.details["jobs"] == ["req-1:count:1"]
+    assert event.details["jobs"] == [scoped(agent.id, "req-1:count:1")]
 
 
 def test_an_existing_key_is_a_suppressed_duplicate_journaled_with_the_transition(client: Client) -> None:
@@ -69,9 +70,15 @@ def test_an_existing_key_is_a_suppressed_duplicate_journaled_with_the_transition
     again = transition(
         client.db, Command(agent.id, Event.PROGRESS, "w", jobs=(JobSpec("count", "1"), JobSpec("count", "2")))
     )
-    assert [j.key for j in client.get_state(agent.id).pending_jobs] == ["req-1:count:1", "req-1:count:2"]
+    assert [j.key for j in client.get_state(agent.id).pending_jobs] == [
+        scoped(agent.id, "req-1:count:1"),
+        scoped(agent.id, "req-1:count:2"),
+    ]
     details = client.journal(agent_id=agent.id)[-1].details
-    assert (details["jobs"], details["jobs_suppressed"]) == (["req-1:count:2"], ["req-1:count:1"])
+    assert (details["jobs"], details["jobs_suppressed"]) == (
+        [scoped(agent.id, "req-1:count:2")],
+        [scoped(agent.id, "req-1:count:1")],
+    )
     assert again.agent.revision == 2
 
 
@@ -84,29 +91,29 @@ def test_a_transition_that_rolls_back_schedules_nothing(client: Client, db: Data
 
     with pytest.raises(RuntimeError):
         transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=(JobSpec("count", "2"),)), effects=boom)
-    assert job_row(db, "req-1:count:2") is None
+    assert job_row(db, scoped(agent.id, "req-1:count:2")) is None
 
 
 def test_run_once_outcome_goes_through_transition(client: Client, db: Database) -> None:
     agent = client.create_agent("a", budget_tokens=100)
     client.submit(agent.id, "req-1", None, operation="answer")
-    outcome = runner(db, {"answer": finish}).run("req-1:answer:1")
+    outcome = runner(db, {"answer": finish}).run(scoped(agent.id, "req-1:answer:1"))
     assert outcome.status == "succeeded"
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens, state.spent_cost, state.pending_jobs) == ("done", 7, Decimal("0.5"), ())
-    row = job_row(db, "req-1:answer:1")
+    row = job_row(db, scoped(agent.id, "req-1:answer:1"))
     assert row is not None and (row["status"], row["result"], row["tokens"]) == ("succeeded", {"answer": 42}, 7)
     last = client.journal(agent_id=agent.id)[-1]
     assert (last.event, last.actor, last.details["job"], last.details["spend"]["tokens"]) == (
         "finish",
         "worker:test",
-        "req-1:answer:1",
+        scoped(agent.id, "req-1:answer:1"),
         7,
     )
     # A second delivery of the same key finds it finished: suppressed, counted, journaled.
-    again = runner(db, {"answer": finish}).run("req-1:answer:1")
+    again = runner(db, {"answer": finish}).run(scoped(agent.id, "req-1:answer:1"))
     assert again.status == "suppressed"
-    assert job_row(db, "req-1:answer:1")["suppressed"] == 1  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:answer:1"))["suppressed"] == 1  # type: ignore[index]
     assert client.journal(agent_id=agent.id)[-1].decision == "duplicate_delivery"
 
 
@@ -122,17 +129,17 @@ def test_a_worker_whose_lease_was_taken_over_cannot_write_its_outcome(client: Cl
 
     first = runner(db, {"slow": slow}, worker="first", lease=timedelta(seconds=30))
     results: list[Any] = []
-    thread = threading.Thread(target=lambda: results.append(first.run("req-1:slow:1")))
+    thread = threading.Thread(target=lambda: results.append(first.run(scoped(agent.id, "req-1:slow:1"))))
     thread.start()
     started.wait(10)
     # The first worker looks dead: its lease is made to expire, and a second worker takes the job over.
-    expire_lease(db, "req-1:slow:1")
+    expire_lease(db, scoped(agent.id, "req-1:slow:1"))
     second = runner(db, {"slow": lambda ctx: JobResult(output={"who": "second"}, event=Event.FINISH)}, worker="second")
-    assert second.run("req-1:slow:1").status == "succeeded"
+    assert second.run(scoped(agent.id, "req-1:slow:1")).status == "succeeded"
     release.set()
     thread.join(10)
     assert results[0].status == "fenced"
-    row = job_row(db, "req-1:slow:1")
+    row = job_row(db, scoped(agent.id, "req-1:slow:1"))
     assert row is not None and (row["result"], row["worker"], row["status"]) == (
         {"who": "second"},
         "second",
@@ -146,9 +153,9 @@ def test_a_worker_whose_lease_was_taken_over_cannot_write_its_outcome(client: Cl
 def test_unknown_operation_fails_the_job_with_a_clear_error(client: Client, db: Database) -> None:
     agent = client.create_agent("a")
     client.submit(agent.id, "req-1", None, operation="nope")
-    outcome = runner(db, {"answer": finish}).run("req-1:nope:1")
+    outcome = runner(db, {"answer": finish}).run(scoped(agent.id, "req-1:nope:1"))
     assert outcome.status == "failed"
-    row = job_row(db, "req-1:nope:1")
+    row = job_row(db, scoped(agent.id, "req-1:nope:1"))
     assert row is not None and row["error_class"] == "invalid"
     assert row["last_error"] == "no handler is registered for operation 'nope' (registered: answer)"
     assert (client.get_state(agent.id).phase, client.journal(agent_id=agent.id)[-1].decision) == (
@@ -167,10 +174,10 @@ def test_over_budget_job_is_not_started(client: Client, db: Database) -> None:
         return JobResult(usage=Usage(0, Decimal("0.60")), jobs=(JobSpec("step", str(int(ctx.target) + 1)),))
 
     run = runner(db, {"step": step})
-    assert run.run("req-1:step:1").status == "succeeded"
-    assert run.run("req-1:step:2").status == "succeeded"  # 0.60 spent < 1.00: may start
-    assert run.run("req-1:step:3").status == "failed"  # 1.20 spent: not started
-    assert calls == ["req-1:step:1", "req-1:step:2"]
+    assert run.run(scoped(agent.id, "req-1:step:1")).status == "succeeded"
+    assert run.run(scoped(agent.id, "req-1:step:2")).status == "succeeded"  # 0.60 spent < 1.00: may start
+    assert run.run(scoped(agent.id, "req-1:step:3")).status == "failed"  # 1.20 spent: not started
+    assert calls == [scoped(agent.id, "req-1:step:1"), scoped(agent.id, "req-1:step:2")]
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_cost) == ("failed", Decimal("1.20"))
     assert client.journal(agent_id=agent.id)[-1].decision == "budget_exhausted"
@@ -196,22 +203,22 @@ def test_deadlines_demote_then_stop_even_with_no_job_running(client: Client, db:
     assert client.journal(agent_id=agent.id)[-1].decision == "soft_deadline_passed"
     assert deadlines.enforce(db, now() + timedelta(seconds=32)).demoted == [], "demoted once"
     # The running job is fenced off when the hard deadline stops the request.
-    claimed = claim(db, "req-1:count:1", "w", timedelta(seconds=30))
+    claimed = claim(db, scoped(agent.id, "req-1:count:1"), "w", timedelta(seconds=30))
     report = deadlines.enforce(db, now() + timedelta(seconds=61), notify_slack_channel="COPS")
     assert report.stopped == [agent.id]
     from models.outbox_sql import message_row
 
-    notice = message_row(db, "req-1:slack:hard-deadline")
+    notice = message_row(db, scoped(agent.id, "req-1:slack:hard-deadline"))
     assert notice is not None and notice["destination"] == "COPS" and "hard deadline" in notice["payload"]["text"]
     state = client.get_state(agent.id)
     assert (state.phase, state.pending_jobs) == ("failed", ())
-    row = job_row(db, "req-1:count:1")
+    row = job_row(db, scoped(agent.id, "req-1:count:1"))
     assert row is not None and row["status"] == "cancelled" and row["fencing_token"] > claimed.fencing_token  # type: ignore[union-attr]
     last = client.journal(agent_id=agent.id)[-1]
     assert (last.event, last.decision, sorted(last.details["jobs_cancelled"])) == (
         "fail",
         "hard_deadline_passed",
-        ["req-1:count:1", "req-1:count:2"],
+        [scoped(agent.id, "req-1:count:1"), scoped(agent.id, "req-1:count:2")],
     )
 
 
@@ -222,18 +229,19 @@ def test_dispatcher_takes_due_jobs_once_and_recovers_expired_leases(client: Clie
     transition(db, Command(a.id, Event.PROGRESS, "w", jobs=(JobSpec("count", "later", delay=timedelta(hours=1)),)))
     with db.transaction() as cur:
         first = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=10)
-    assert sorted(d.key for d in first) == ["req-a:count:1", "req-b:count:1"] and not any(d.recovered for d in first)
+    both = sorted([scoped(a.id, "req-a:count:1"), scoped(b.id, "req-b:count:1")])
+    assert sorted(d.key for d in first) == both and not any(d.recovered for d in first)
     with db.transaction() as cur:
         assert take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=10) == [], "enqueued once"
-    claim(db, "req-a:count:1", "dead-worker", timedelta(seconds=1))
-    expire_lease(db, "req-a:count:1")  # leases run on the database's clock: the worker "dies" here
+    claim(db, scoped(a.id, "req-a:count:1"), "dead-worker", timedelta(seconds=1))
+    expire_lease(db, scoped(a.id, "req-a:count:1"))  # leases run on the database's clock: the worker "dies" here
     with db.transaction() as cur:
         second = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=10)
-    assert [(d.key, d.recovered) for d in second] == [("req-a:count:1", True)]
-    assert job_row(db, "req-a:count:1")["error_attempts"] == {"unknown": 1}  # type: ignore[index]
+    assert [(d.key, d.recovered) for d in second] == [(scoped(a.id, "req-a:count:1"), True)]
+    assert job_row(db, scoped(a.id, "req-a:count:1"))["error_attempts"] == {"unknown": 1}  # type: ignore[index]
     with db.transaction() as cur:  # the message for req-b was lost: after the enqueue timeout it is sent again
         third = take_due(cur, enqueue_timeout=timedelta(0), limit=10)
-    assert {(d.key, d.recovered) for d in third} >= {("req-b:count:1", True)}
+    assert {(d.key, d.recovered) for d in third} >= {(scoped(b.id, "req-b:count:1"), True)}
 
 
 def test_two_dispatchers_never_take_the_same_row(client: Client, db: Database) -> None:
@@ -267,7 +275,7 @@ def test_ensure_schedule_is_idempotent_and_fires_under_deterministic_keys(client
     fired = schedules.fire_due(db, fire_at + timedelta(seconds=1))
     assert fired == ["digest.20260101T120500Z"]
     state = client.get_state(agent.id)
-    assert [j.key for j in state.pending_jobs] == ["digest.20260101T120500Z:count:1"]
+    assert [j.key for j in state.pending_jobs] == [scoped(agent.id, "digest.20260101T120500Z:count:1")]
     # A second dispatcher attempting the same fire (its bookkeeping lost) is a suppressed duplicate.
     with psycopg.connect(db.libpq_url, autocommit=True) as conn:
         conn.execute("UPDATE schedules SET next_fire_at = %s", (fire_at,))
@@ -325,8 +333,8 @@ def test_dispatch_publishes_each_job_under_its_key_with_no_eta(
         headers["task"],
         headers["eta"],
         headers["countdown"] if "countdown" in headers else None,
-    ) == ("req-1:count:1", "keel.run_job", None, None)
-    assert job_row(db, "req-1:count:2")["status"] == "pending"  # type: ignore[index]
+    ) == (scoped(agent.id, "req-1:count:1"), "keel.run_job", None, None)
+    assert job_row(db, scoped(agent.id, "req-1:count:2"))["status"] == "pending"  # type: ignore[index]
 
 
 def test_a_result_that_cannot_be_recorded_fails_the_job_instead_of_rerunning_it(client: Client, db: Database) -> None:
@@ -338,9 +346,9 @@ def test_a_result_that_cannot_be_recorded_fails_the_job_instead_of_rerunning_it(
         calls.append(ctx.attempt)
         return JobResult(output={"when": datetime.now(UTC)}, usage=Usage(1000), event=Event.FINISH)  # not JSON
 
-    outcome = runner(db, {"bad": bad}).run("req-1:bad:1")
+    outcome = runner(db, {"bad": bad}).run(scoped(agent.id, "req-1:bad:1"))
     assert outcome.status == "failed" and calls == [1]
-    row = job_row(db, "req-1:bad:1")
+    row = job_row(db, scoped(agent.id, "req-1:bad:1"))
     assert row is not None and row["error_class"] == "invalid" and "could not be recorded" in row["last_error"]
     assert client.get_state(agent.id).phase == "failed"
 
@@ -351,13 +359,15 @@ def test_a_job_whose_workers_keep_dying_is_dead_at_the_unknown_cap(client: Clien
     calls: list[int] = []
     cap = DEFAULT_RULES[ErrorClass.UNKNOWN].max_attempts
     for _ in range(cap):  # each time the worker "dies" mid-run and the dispatcher recovers the job
-        claim(db, "req-1:crash:1", "doomed", timedelta(seconds=30))
-        expire_lease(db, "req-1:crash:1")
+        claim(db, scoped(agent.id, "req-1:crash:1"), "doomed", timedelta(seconds=30))
+        expire_lease(db, scoped(agent.id, "req-1:crash:1"))
         with db.transaction() as cur:
-            assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == ["req-1:crash:1"]
-    outcome = runner(db, {"crash": lambda ctx: calls.append(1) or JobResult()}).run("req-1:crash:1")  # type: ignore[func-returns-value]
+            assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [
+                scoped(agent.id, "req-1:crash:1")
+            ]
+    outcome = runner(db, {"crash": lambda ctx: calls.append(1) or JobResult()}).run(scoped(agent.id, "req-1:crash:1"))  # type: ignore[func-returns-value]
     assert (outcome.status, calls) == ("dead", [])
-    row = job_row(db, "req-1:crash:1")
+    row = job_row(db, scoped(agent.id, "req-1:crash:1"))
     assert row is not None and row["error_attempts"] == {"unknown": cap}
     assert client.journal(agent_id=agent.id)[-1].decision == "unknown_cap_reached"
 
@@ -381,13 +391,15 @@ def test_a_claim_waits_for_a_transition_that_stops_the_agent(client: Client, db:
     canceller.start()
     locked.wait(10)
     work = runner(db, {"work": lambda ctx: calls.append(ctx.key) or finish(ctx)})  # type: ignore[func-returns-value]
-    claimer = threading.Thread(target=lambda: (claim_started.set(), results.append(work.run("req-1:work:1"))))
+    claimer = threading.Thread(
+        target=lambda: (claim_started.set(), results.append(work.run(scoped(agent.id, "req-1:work:1"))))
+    )
     claimer.start()
     canceller.join(10)
     claimer.join(10)
     assert calls == [], "the handler ran for an agent that had been stopped"
     assert results[0].status == "suppressed"
-    assert job_row(db, "req-1:work:1")["status"] == "cancelled"  # type: ignore[index]
+    assert job_row(db, scoped(agent.id, "req-1:work:1"))["status"] == "cancelled"  # type: ignore[index]
 
 
 def test_spend_of_a_fenced_off_outcome_is_still_charged(client: Client, db: Database) -> None:
@@ -401,7 +413,9 @@ def test_spend_of_a_fenced_off_outcome_is_still_charged(client: Client, db: Data
         return JobResult(usage=Usage(250, Decimal("0.25")), event=Event.FINISH)
 
     results: list[Any] = []
-    thread = threading.Thread(target=lambda: results.append(runner(db, {"slow": slow}).run("req-1:slow:1")))
+    thread = threading.Thread(
+        target=lambda: results.append(runner(db, {"slow": slow}).run(scoped(agent.id, "req-1:slow:1")))
+    )
     thread.start()
     started.wait(10)
     client.cancel(agent.id, actor="op")

@@ -39,6 +39,7 @@ from models.urls import libpq_url
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 from tests.support.metrics import contract_problems
 from tests.support.runs import FAST_RULES, run_all
 
@@ -122,11 +123,12 @@ def taken_over(client: Client, db: Database) -> None:
         return Runner(db, own, worker=worker, lease=timedelta(seconds=30), rules=dict(FAST_RULES))
 
     results: list[Any] = []
-    first = threading.Thread(target=lambda: results.append(runner(slow, "first").run("r-slow:slow:1")))
+    key = scoped(agent.id, "r-slow:slow:1")
+    first = threading.Thread(target=lambda: results.append(runner(slow, "first").run(key)))
     first.start()
     assert started.wait(10)
-    expire_lease(db, "r-slow:slow:1")
-    assert runner(lambda ctx: JobResult(event=Event.FINISH), "second").run("r-slow:slow:1").status == "succeeded"
+    expire_lease(db, key)
+    assert runner(lambda ctx: JobResult(event=Event.FINISH), "second").run(key).status == "succeeded"
     release.set()
     first.join(10)
     assert results[0].status == "fenced"
@@ -163,7 +165,7 @@ def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, d
     run_all(db)
     # A late second delivery of a finished step: suppressed by the claim.
     again = Runner(db, registry, worker="late", lease=timedelta(seconds=30), rules=dict(FAST_RULES))
-    assert again.run("r-steady:plan:1").status == "suppressed"
+    assert again.run(scoped(steady.id, "r-steady:plan:1")).status == "suppressed"
     relay_pass(db, slack)
     taken_over(client, db)
     # late: demoted at its soft deadline, stopped at its hard one (its plan step never ran: cancelled).
@@ -359,12 +361,13 @@ def test_claims_enqueues_and_lease_renewals_write_no_counter(
     agent = client.create_agent("a")
     client.submit(agent.id, "r-1", None, operation="slow")
     before = deltas(raw)
-    raw.execute("UPDATE jobs SET status = 'enqueued', enqueued_at = now() WHERE key = 'r-1:slow:1'")
-    claimed = claim(db, "r-1:slow:1", "w", timedelta(seconds=30))
+    key = scoped(agent.id, "r-1:slow:1")
+    raw.execute("UPDATE jobs SET status = 'enqueued', enqueued_at = now() WHERE key = %s", (key,))
+    claimed = claim(db, key, "w", timedelta(seconds=30))
     assert isinstance(claimed, ClaimedJob)
     token = claimed.fencing_token
-    assert extend_lease(db, "r-1:slow:1", token, timedelta(seconds=30))
-    assert checkpoint(db, "r-1:slow:1", token, {"reply": {"n": 1}})
+    assert extend_lease(db, key, token, timedelta(seconds=30))
+    assert checkpoint(db, key, token, {"reply": {"n": 1}})
     assert deltas(raw) == before
 
 
@@ -419,7 +422,7 @@ def test_the_spend_of_a_fenced_off_outcome_is_counted_as_retry_caused(client: Cl
     own.register("slow", slow)
     results: list[Any] = []
     worker = Runner(db, own, worker="w", lease=timedelta(seconds=30), rules=dict(FAST_RULES))
-    thread = threading.Thread(target=lambda: results.append(worker.run("r-1:slow:1")))
+    thread = threading.Thread(target=lambda: results.append(worker.run(scoped(agent.id, "r-1:slow:1"))))
     thread.start()
     assert started.wait(10)
     client.cancel(agent.id, actor="op")
@@ -478,7 +481,9 @@ def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch
         assert entered.wait(30) and folding.running()
         client.submit(agent.id, "r-1", None, operation="slow")
         beat.tick()
-        (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'r-1:slow:1'").fetchone()  # type: ignore[misc]
+        (status,) = raw.execute(  # type: ignore[misc]
+            "SELECT status FROM jobs WHERE key = %s", (scoped(agent.id, "r-1:slow:1"),)
+        ).fetchone()
         assert status == "enqueued", "dispatched while the fold is under way"
         release.set()
         folding.join(30)
@@ -493,7 +498,9 @@ def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch
         with caplog.at_level(logging.ERROR, logger="keel.dispatcher"):
             beat.tick()
             folding.join(30)
-        (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'r-2:slow:1'").fetchone()  # type: ignore[misc]
+        (status,) = raw.execute(  # type: ignore[misc]
+            "SELECT status FROM jobs WHERE key = %s", (scoped(other.id, "r-2:slow:1"),)
+        ).fetchone()
         assert status == "enqueued", "dispatched although the fold failed"
         assert "kpi-fold pass failed; retrying at its next interval" in caplog.text
         assert deltas(raw) >= 1, "the deltas wait for a fold that works"
@@ -551,8 +558,9 @@ def test_recovery_is_judged_when_a_job_that_failed_finishes(
     client.submit(gone.id, "r-gone", script({"content": "ok", "error": "rate_limited", "retry_after": 3600}))
     run_all(db)
     client.cancel(gone.id, actor="op")
-    statuses = dict(raw.execute("SELECT key, status FROM jobs WHERE key IN ('r-refused:plan:1', 'r-gone:plan:1')"))
-    assert statuses == {"r-refused:plan:1": "failed", "r-gone:plan:1": "cancelled"}
+    refused_plan, gone_plan = scoped(refused.id, "r-refused:plan:1"), scoped(gone.id, "r-gone:plan:1")
+    statuses = dict(raw.execute("SELECT key, status FROM jobs WHERE key IN (%s, %s)", (refused_plan, gone_plan)))
+    assert statuses == {refused_plan: "failed", gone_plan: "cancelled"}
     for k in (totals(db), window(db, timedelta(minutes=15))):
         assert (k.jobs_first_failures, k.jobs_finished_after_failure, k.jobs_recovered) == (7, 6, 5)
         assert k.recovery_rate == round(5 / 6, 6)

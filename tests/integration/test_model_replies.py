@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from agents.client import Client
 from agents.core.commands import Usage
 from agents.core.errors import InvalidJob
-from agents.core.keys import make_key
+from agents.core.keys import make_key, request_key
 from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
 from agents.runtime import loop as runtime
 from agents.runtime.inference import (
@@ -32,6 +32,7 @@ from models.jobs_sql import job_row
 from models.outbox_sql import message_row
 from tests.support import runs
 from tests.support.fakes import FakeLLM
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -185,9 +186,9 @@ def test_through_the_runner_a_malformed_reply_fails_at_once_and_is_charged(
     openai.custom = (200, body, {})
     agent = client.create_agent("model-user")
     client.submit(agent.id, "r1", {"prompt": "hi"})
-    assert run_all(db) == ["r1:plan:1"]
+    assert run_all(db) == [scoped(agent.id, "r1:plan:1")]
     assert len(openai.requests_seen) == 1, "an invalid reply was asked for again"
-    job = job_row(db, "r1:plan:1")
+    job = job_row(db, scoped(agent.id, "r1:plan:1"))
     assert job is not None
     assert (job["status"], job["attempts"], job["error_class"]) == ("failed", 1, "invalid")
     assert (job["failed_tokens"], job["failed_cost"]) == (1200, Decimal("0.0014"))
@@ -209,7 +210,7 @@ def test_a_reply_calling_a_tool_that_does_not_exist_fails_the_request_naming_it(
     ]
     agent = client.create_agent("confused")
     client.submit(agent.id, "r1", {"prompt": "hi"})
-    assert run_all(db) == ["r1:plan:1"], "no tool step was scheduled"
+    assert run_all(db) == [scoped(agent.id, "r1:plan:1")], "no tool step was scheduled"
     assert len(openai.requests_seen) == 1
     state = client.get_state(agent.id)
     assert state.phase == "failed" and state.spent_tokens > 0
@@ -217,10 +218,10 @@ def test_a_reply_calling_a_tool_that_does_not_exist_fails_the_request_naming_it(
     assert (last.kind, last.event, last.to_phase, last.decision) == ("transition", "fail", "failed", "unknown_tool")
     assert last.details["tool"] == "github.comment"
     assert {"github_comment", "slack_post", "probe_echo"} <= set(last.details["known_tools"])
-    job = job_row(db, "r1:plan:1")
+    job = job_row(db, scoped(agent.id, "r1:plan:1"))
     assert job is not None and (job["status"], job["error_class"]) == ("failed", "invalid")
     assert job["last_error"].startswith("the model called a tool that does not exist: 'github.comment' (tools: ")
-    assert message_row(db, "r1:github:c1") is None
+    assert message_row(db, scoped(agent.id, "r1:github:c1")) is None
 
 
 ODD_IDS = ["call 1", "a/b:c", "ünï-côdé", "x" * 500, "", " ", "call_0_0:..#@"]
@@ -244,10 +245,10 @@ def test_odd_call_ids_are_mapped_for_keys_and_given_back_to_the_model_as_sent(
     assert tool_call_key("call_0_0") == "call_0_0", "ordinary ids are kept as they are"
     assert [tool_call_key(k) for k in keys] == keys, "a mapped id maps to itself"
     for n, key in enumerate(keys[:-1]):
-        row = job_row(db, make_key("r1", "tool", f"probe_echo:1.{key}"))
+        row = job_row(db, make_key(request_key(agent.id, "r1"), "tool", f"probe_echo:1.{key}"))
         assert row is not None and row["status"] == "succeeded", (ODD_IDS[n], row)
     assert sorted(SEEN) == sorted(keys[:-1]), "tools see the key-safe id"
-    assert message_row(db, f"r1:slack:{keys[-1]}") is not None
+    assert message_row(db, scoped(agent.id, f"r1:slack:{keys[-1]}")) is not None
     # The model gets its own ids back, each paired with its call's result.
     second = openai.requests_seen[-1]["messages"]
     results = [(m["tool_call_id"], m["content"]) for m in second if m["role"] == "tool"]
@@ -278,7 +279,7 @@ def test_an_approved_call_with_an_odd_id_runs_and_the_model_sees_its_id(
     client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
     run_all(db)
     assert client.get_state(waiting.id).phase == "done"
-    assert message_row(db, f"r1:github:{tool_call_key('call: 1/ü')}") is not None
+    assert message_row(db, scoped(waiting.id, f"r1:github:{tool_call_key('call: 1/ü')}")) is not None
     results = [m for m in openai.requests_seen[-1]["messages"] if m["role"] == "tool"]
     assert results == [{"role": "tool", "tool_call_id": "call: 1/ü", "content": "comment queued on acme/api#7"}]
 

@@ -42,7 +42,7 @@ READS: dict[str, Callable[[Client, Any], object]] = {
     "journal": lambda client, agent: journal.agent_events_after(client.db, agent.id, 0),
     "list_agents": lambda client, agent: client.list_agents(limit=5),
     "kpi counters": lambda client, agent: kpi_sql.counters(client.db),
-    "outbox stats": lambda client, agent: outbox_sql.request_messages(client.db, "req-0"),
+    "outbox stats": lambda client, agent: outbox_sql.request_messages(client.db, agent.id, "req-0"),
     "approvals": lambda client, agent: approvals_sql.waiting_call(client.db, agent.id),
 }
 

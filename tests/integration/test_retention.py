@@ -32,6 +32,7 @@ from models.outbox_sql import NewMessage, insert_messages_txn, message_row, stat
 from models.retention_sql import IN_FLIGHT, Retention, prune
 from models.urls import libpq_url
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +103,11 @@ def counters(db: Database) -> dict[str, Any]:
     return {k: v for k, v in asdict(kpi_sql.totals(db)).items() if k != "p95_transition_seconds"}
 
 
+def k(s: dict[str, Any], key: str) -> str:
+    """``key`` of the story's request ``r-NAME`` (``"r-old:answer:1"``) as its agent (``s["old"]``) keys it."""
+    return scoped(s[key.split(":")[0].removeprefix("r-")].id, key)
+
+
 def test_in_flight_is_every_phase_but_the_resting_ones() -> None:
     assert set(IN_FLIGHT) == {p.value for p in Phase} - {p.value for p in RESTING}
 
@@ -114,16 +120,17 @@ def story(client: Client, db: Database, slack: FakeSlack) -> Callable[[], dict[s
     def make() -> dict[str, Any]:
         calls: list[str] = []
         old, live, dead, recent = (client.create_agent(n) for n in ("old", "live", "dead", "recent"))
+        s = {"old": old, "live": live, "dead": dead, "recent": recent}
         for agent, request in ((old, "r-old"), (live, "r-live"), (dead, "r-dead"), (recent, "r-recent")):
             client.submit(agent.id, request, {"q": request}, operation="answer")
         emit(db, old.id, MessageSpec("slack", "C1", "note", {"text": "hi"}))
         emit(db, live.id, MessageSpec("slack", "C2", "note", {"text": "hi"}))
         emit(db, dead.id, MessageSpec("slack", "C3", "note", {"text": "hi"}))
         emit(db, recent.id, MessageSpec("slack", "C4", "note", {"text": "hi"}))
-        sql(db, "UPDATE outbox SET status = 'dead', last_error = 'gave up' WHERE key = 'r-dead:slack:note'")
+        sql(db, "UPDATE outbox SET status = 'dead', last_error = 'gave up' WHERE key = %s", k(s, "r-dead:slack:note"))
         drain(relay(db, slack))
         for key in ("r-old:answer:1", "r-dead:answer:1", "r-recent:answer:1"):
-            assert runner(db, calls).run(key).status == "succeeded"
+            assert runner(db, calls).run(k(s, key)).status == "succeeded"
         age_everything(db, 20)
         sql(db, "UPDATE jobs SET finished_at = finished_at - interval '20 days' WHERE request_id <> 'r-recent'")
         sql(db, "UPDATE outbox SET sent_at = sent_at - interval '20 days' WHERE request_id <> 'r-recent'")
@@ -132,7 +139,7 @@ def story(client: Client, db: Database, slack: FakeSlack) -> Callable[[], dict[s
             "UPDATE requests SET submitted_at = now() - interval '40 days' WHERE request_id <> 'r-recent'",
             triggers=False,
         )
-        return {"old": old, "live": live, "dead": dead, "recent": recent, "calls": calls}
+        return {**s, "calls": calls}
 
     return make
 
@@ -147,15 +154,15 @@ def test_prune_removes_old_finished_work_and_nothing_live(client: Client, db: Da
     assert (done.jobs, done.messages, done.confirmations, done.requests) == (2, 1, 1, 2)
     assert prune(db, KEEP_30).total == 0  # nothing left to prune: a second run finds nothing
 
-    assert job_row(db, "r-old:answer:1") is None and job_row(db, "r-dead:answer:1") is None
-    assert job_row(db, "r-live:answer:1")["status"] == "pending"  # type: ignore[index]  # in flight
-    assert job_row(db, "r-recent:answer:1")["status"] == "succeeded"  # type: ignore[index]  # 20 days: kept
-    assert message_row(db, "r-old:slack:note") is None
-    assert message_row(db, "r-live:slack:note")["status"] == "sent"  # type: ignore[index]  # its request in flight
-    assert message_row(db, "r-dead:slack:note")["status"] == "dead"  # type: ignore[index]  # an operator may retry
-    assert message_row(db, "r-recent:slack:note")["status"] == "sent"  # type: ignore[index]
+    assert job_row(db, k(s, "r-old:answer:1")) is None and job_row(db, k(s, "r-dead:answer:1")) is None
+    assert job_row(db, k(s, "r-live:answer:1"))["status"] == "pending"  # type: ignore[index]  # in flight
+    assert job_row(db, k(s, "r-recent:answer:1"))["status"] == "succeeded"  # type: ignore[index]  # 20 days: kept
+    assert message_row(db, k(s, "r-old:slack:note")) is None
+    assert message_row(db, k(s, "r-live:slack:note"))["status"] == "sent"  # type: ignore[index]  # its request in flight
+    assert message_row(db, k(s, "r-dead:slack:note"))["status"] == "dead"  # type: ignore[index]  # an operator may retry
+    assert message_row(db, k(s, "r-recent:slack:note"))["status"] == "sent"  # type: ignore[index]
     logged = {r["key"] for r in sql(db, "SELECT key FROM delivery_log")}
-    assert logged == {"r-live:slack:note", "r-recent:slack:note"}
+    assert logged == {k(s, "r-live:slack:note"), k(s, "r-recent:slack:note")}
     rows = {r["request_id"]: r for r in sql(db, "SELECT * FROM requests")}
     assert rows["r-old"]["input"] is None and rows["r-old"]["pruned_at"] is not None
     assert (
@@ -167,9 +174,9 @@ def test_prune_removes_old_finished_work_and_nothing_live(client: Client, db: Da
     assert rows["r-old"]["agent_id"] == s["old"].id  # the request id stays its agent's
     assert rows["r-live"]["input"] == {"q": "r-live"} and rows["r-recent"]["pruned_at"] is None
     assert {r["key"] for r in sql(db, "SELECT key FROM pruned_keys")} == {
-        "r-old:answer:1",
-        "r-dead:answer:1",
-        "r-old:slack:note",
+        k(s, "r-old:answer:1"),
+        k(s, "r-dead:answer:1"),
+        k(s, "r-old:slack:note"),
     }
     assert counters(db) == before, "a prune moved a KPI counter"
     # The journal is not pruned: the finished request's story is all there.
@@ -180,9 +187,10 @@ def test_outbox_stats_still_count_what_retention_removed(db: Database, slack: Fa
     """The delivery log goes with its pruned message; the outbox's figures (delivered, reconciled) are counters, not
     counts of what is left."""
     # r-old's message is applied by Slack and its answer lost: the relay reconciles it instead of sending again.
-    slack.faults = lambda dest, key, attempt: "apply_then_drop" if key == "r-old:slack:note" and attempt == 1 else None
-    story()
-    assert sql(db, "SELECT how FROM delivery_log WHERE key = 'r-old:slack:note'") == [{"how": "reconciled"}]
+    old_note = ".r-old:slack:note"  # its key: old's id, then the request's (only old has a request r-old)
+    slack.faults = lambda dest, key, attempt: "apply_then_drop" if key.endswith(old_note) and attempt == 1 else None
+    s = story()
+    assert sql(db, "SELECT how FROM delivery_log WHERE key = %s", k(s, "r-old:slack:note")) == [{"how": "reconciled"}]
     before = stats(db)
     assert (before["reconciled"], before["delivered_keys"]) == (1, 3)
     assert prune(db, KEEP_30).confirmations == 1
@@ -197,24 +205,25 @@ def test_a_late_duplicate_of_a_pruned_key_is_suppressed_never_run_or_sent_again(
     prune(db, KEEP_30)
     before = counters(db)["suppressed_duplicates"]
     # A redelivered (or replayed) broker message of the pruned job: suppressed, journaled, counted; not run.
-    late = runner(db, s["calls"]).run("r-old:answer:1")
-    assert late.status == "suppressed" and s["calls"] == ["r-old:answer:1", "r-dead:answer:1", "r-recent:answer:1"]
+    late = runner(db, s["calls"]).run(k(s, "r-old:answer:1"))
+    ran = [k(s, "r-old:answer:1"), k(s, "r-dead:answer:1"), k(s, "r-recent:answer:1")]
+    assert late.status == "suppressed" and s["calls"] == ran
     last = client.journal(agent_id=s["old"].id)[-1]
     assert (last.kind, last.decision, last.details["status"]) == ("suppressed", "duplicate_delivery", "pruned")
     # The same job key scheduled again, and the same message emitted again: existing keys, suppressed.
     with psycopg.connect(db.libpq_url) as conn, conn.cursor() as cur:
-        job = NewJob("r-old:answer:1", s["old"].id, "r-old", "answer", "1", {}, "pending", "keel.jobs", 5, now())
-        assert insert_jobs_txn(cur, [job], now()) == ([], ["r-old:answer:1"])
-        note = NewMessage("r-old:slack:note", s["old"].id, "r-old", "slack", "C1", {"text": "hi"})
-        assert insert_messages_txn(cur, [note]) == ([], ["r-old:slack:note"])
-    assert job_row(db, "r-old:answer:1") is None and message_row(db, "r-old:slack:note") is None
+        job = NewJob(k(s, "r-old:answer:1"), s["old"].id, "r-old", "answer", "1", {}, "pending", "keel.jobs", 5, now())
+        assert insert_jobs_txn(cur, [job], now()) == ([], [k(s, "r-old:answer:1")])
+        note = NewMessage(k(s, "r-old:slack:note"), s["old"].id, "r-old", "slack", "C1", {"text": "hi"})
+        assert insert_messages_txn(cur, [note]) == ([], [k(s, "r-old:slack:note")])
+    assert job_row(db, k(s, "r-old:answer:1")) is None and message_row(db, k(s, "r-old:slack:note")) is None
     # Through a transition: no code path puts an agent back on a finished request, so the test does it behind the
     # guards' back, to show the database refuses the pruned key to any emitter (counted as a suppressed duplicate).
     sql(db, "UPDATE agents SET phase = 'executing' WHERE id = %s", s["old"].id, triggers=False)
     emit(db, s["old"].id, MessageSpec("slack", "C1", "note", {"text": "hi"}))
-    assert client.journal(agent_id=s["old"].id)[-1].details["messages_suppressed"] == ["r-old:slack:note"]
+    assert client.journal(agent_id=s["old"].id)[-1].details["messages_suppressed"] == [k(s, "r-old:slack:note")]
     drain(relay(db, slack))
-    assert slack.delivered_keys()["r-old:slack:note"] == 1
+    assert slack.delivered_keys()[k(s, "r-old:slack:note")] == 1
     after = counters(db)["suppressed_duplicates"]
     assert after["job_delivery"] == before["job_delivery"] + 1
     assert after["message_insert"] == before["message_insert"] + 1
@@ -227,18 +236,25 @@ def test_a_pruned_request_still_belongs_to_its_agent_and_answers_a_repeated_subm
     prune(db, KEEP_30)
     again = client.submit(s["old"].id, "r-old", {"q": "r-old"}, operation="answer")
     assert again.phase == "done" and again.request_id == "r-old"  # the current state, nothing started
-    assert job_row(db, "r-old:answer:1") is None
+    assert job_row(db, k(s, "r-old:answer:1")) is None
     with pytest.raises(RequestConflict) as differs:
         client.submit(s["old"].id, "r-old", {"q": "something else"}, operation="answer")
     assert differs.value.differs == ("input",)
-    with pytest.raises(RequestConflict) as owned:
-        client.submit(s["recent"].id, "r-old", {"q": "r-old"}, operation="answer")
-    assert owned.value.owner == s["old"].id
+    # Request ids are each agent's own: another agent submitting r-old starts a fresh request of its own, and
+    # leaves old's (pruned) request as it was.
+    fresh = client.submit(s["recent"].id, "r-old", {"q": "r-old"}, operation="answer")
+    assert fresh.phase == "planning" and fresh.request_id == "r-old"
+    assert job_row(db, k(s, "r-recent:answer:1"))["status"] == "succeeded"  # type: ignore[index]  # its own, untouched
+    assert job_row(db, scoped(s["recent"].id, "r-old:answer:1"))["status"] == "pending"  # type: ignore[index]
+    assert client.get_request(s["recent"].id, "r-old").input == {"q": "r-old"}
+    assert client.get_request(s["old"].id, "r-old").input is None and job_row(db, k(s, "r-old:answer:1")) is None
+    still = client.get_state(s["old"].id)
+    assert (still.phase, still.request_id, still.revision) == ("done", "r-old", again.revision)
     # The request moved on from: its agent on a new request, the old id submitted again is still the old agent's.
     client.submit(s["old"].id, "r-next", None, operation="answer")
     with pytest.raises(RequestConflict):
         client.submit(s["old"].id, "r-old", {"q": "something else"}, operation="answer")
-    assert client.get_request("r-old").input is None  # the input is what was pruned
+    assert client.get_request(s["old"].id, "r-old").input is None  # the input is what was pruned
 
 
 def test_a_retry_is_compared_alike_before_and_after_its_input_is_pruned(client: Client, db: Database) -> None:
@@ -268,7 +284,7 @@ def test_a_retry_is_compared_alike_before_and_after_its_input_is_pruned(client: 
     client.cancel(agent.id, actor="test")
     age_everything(db, 40)
     assert prune(db, KEEP_30).requests == 1
-    assert client.get_request("r-1").input is None
+    assert client.get_request(agent.id, "r-1").input is None
     assert answers() == before
 
 
@@ -326,29 +342,30 @@ def test_two_pruners_at_once_take_different_rows(client: Client, db: Database) -
 
 
 def test_retention_zero_keeps_that_kind_for_ever(db: Database, story: Any) -> None:
-    story()
+    s = story()
     kept = prune(db, Retention(jobs_days=0, messages_days=30, requests_days=0))
     assert (kept.jobs, kept.messages, kept.requests) == (0, 1, 0)
-    assert job_row(db, "r-old:answer:1") is not None
+    assert job_row(db, k(s, "r-old:answer:1")) is not None
 
 
 def test_the_database_refuses_to_prune_live_work_or_rewrite_a_request(db: Database, story: Any) -> None:
     """The guards hold for any writer, the application's role and a superuser alike (triggers fire for both)."""
     s = story()
+    old = f"agent_id = '{s['old'].id}' AND request_id = 'r-old'"
     refused = [
-        "DELETE FROM jobs WHERE key = 'r-live:answer:1'",  # pending
-        "DELETE FROM outbox WHERE key = 'r-dead:slack:note'",  # a dead letter
-        "DELETE FROM delivery_log WHERE key = 'r-old:slack:note'",  # its message is still there
+        f"DELETE FROM jobs WHERE key = '{k(s, 'r-live:answer:1')}'",  # pending
+        f"DELETE FROM outbox WHERE key = '{k(s, 'r-dead:slack:note')}'",  # a dead letter
+        f"DELETE FROM delivery_log WHERE key = '{k(s, 'r-old:slack:note')}'",  # its message is still there
         "UPDATE delivery_log SET external_id = 'x'",
-        f"UPDATE requests SET agent_id = '{s['live'].id}' WHERE request_id = 'r-old'",
-        "UPDATE requests SET input = '{}' WHERE request_id = 'r-old'",
+        f"UPDATE requests SET agent_id = '{s['live'].id}' WHERE {old}",
+        f"UPDATE requests SET input = '{{}}' WHERE {old}",
     ]
     for statement in refused:
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             sql(db, statement)
     prune(db, KEEP_30)
     with pytest.raises(psycopg.errors.InsufficientPrivilege):  # pruned once, for good
-        sql(db, "UPDATE requests SET pruned_at = now() WHERE request_id = 'r-old'")
+        sql(db, f"UPDATE requests SET pruned_at = now() WHERE {old}")
 
 
 def test_the_leading_beat_prunes_once_per_interval_whichever_beat_asks(db_url: str, db: Database, story: Any) -> None:
@@ -356,14 +373,14 @@ def test_the_leading_beat_prunes_once_per_interval_whichever_beat_asks(db_url: s
     from models.settings import Settings
     from tasks.leader import LeaderDuties
 
-    story()
+    s = story()
     settings = Settings(database_url=db_url, jobs_retention_days=30, outbox_retention_days=30)
     first, second = LeaderDuties(db, settings, "beat-1"), LeaderDuties(db, settings, "beat-2")
     first._prune()
     second._prune()
     assert first._pruning is not None and second._pruning is None
     first._pruning.join(30)
-    assert job_row(db, "r-old:answer:1") is None
+    assert job_row(db, k(s, "r-old:answer:1")) is None
     kept = Settings(database_url=db_url, jobs_retention_days=0, outbox_retention_days=0, requests_retention_days=0)
     idle = LeaderDuties(db, kept, "beat-3")
     sql(db, "DELETE FROM beat_chores")
@@ -411,7 +428,8 @@ def test_the_application_role_prunes_without_delete_on_the_delivery_log(roles_db
             su.execute("UPDATE outbox SET status = 'sent', external_id = '1.2', sent_at = now() - interval '40 days'")
             su.execute(
                 "INSERT INTO delivery_log (key, external_id, attempt, how, confirmed_at)"
-                " VALUES ('r-1:slack:note', '1.2', 1, 'sent', now())"
+                " VALUES (%s, '1.2', 1, 'sent', now())",
+                (scoped(agent.id, "r-1:slack:note"),),
             )
         client.cancel(agent.id, actor="alice", reason="done with it")  # at rest: not in flight
         with psycopg.connect(libpq_url(roles_db.app_url), autocommit=True) as conn:
@@ -421,6 +439,8 @@ def test_the_application_role_prunes_without_delete_on_the_delivery_log(roles_db
         assert (pruned.messages, pruned.confirmations) == (1, 1)
         with psycopg.connect(libpq_url(roles_db.url)) as su:
             assert su.execute("SELECT count(*) FROM delivery_log").fetchone() == (0,)
-            assert su.execute("SELECT kind, key FROM pruned_keys").fetchall() == [("message", "r-1:slack:note")]
+            assert su.execute("SELECT kind, key FROM pruned_keys").fetchall() == [
+                ("message", scoped(agent.id, "r-1:slack:note"))
+            ]
     finally:
         app.dispose()

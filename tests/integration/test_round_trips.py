@@ -28,6 +28,7 @@ from models.db import Database, pipeline_begun
 from models.jobs_sql import ClaimedJob, claim, job_row
 from tests.support.audit import TEST_KEYS
 from tests.support.db import expire_lease
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -103,9 +104,9 @@ def test_a_submit_claims_its_request_in_the_locks_round_trip(one: Database) -> N
         state = client.submit(agent.id, "req-1", {"prompt": "hi"})
     assert round_trips(messages) == 3, messages
     assert "Query" not in messages
-    assert [job.key for job in state.pending_jobs] == ["req-1:plan:1"]
+    assert [job.key for job in state.pending_jobs] == [scoped(agent.id, "req-1:plan:1")]
     (record,) = [r for r in client.journal(agent_id=agent.id) if r.event == "submit"]
-    assert client.get_request("req-1").submitted_at == record.at  # the request's time is the transition's
+    assert client.get_request(agent.id, "req-1").submitted_at == record.at  # the request's time is the transition's
     with wire(one) as messages:
         assert client.cancel(agent.id, actor="alice").phase == "failed"
     assert round_trips(messages) == 3, messages
@@ -113,7 +114,7 @@ def test_a_submit_claims_its_request_in_the_locks_round_trip(one: Database) -> N
     assert client.submit(agent.id, "req-1", {"prompt": "hi"}).phase == "failed"
     events = [(e.kind, e.event) for e in client.journal(agent_id=agent.id)]
     assert events[1:] == [("transition", "submit"), ("transition", "cancel"), ("suppressed", "submit")]
-    assert client.get_request("req-1").submitted_at == record.at
+    assert client.get_request(agent.id, "req-1").submitted_at == record.at
 
 
 def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_two_round_trip_transition(one: Database) -> None:

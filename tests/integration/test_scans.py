@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import pytest
@@ -32,7 +33,7 @@ from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
 from agents.runtime import loop
 from agents.runtime.inference import ScriptedProvider
-from agents.runtime.loop import conversation, rebuild_conversation
+from agents.runtime.loop import RequestOf, conversation, rebuild_conversation
 from models.db import Database
 from models.deadlines_sql import START, past_deadline_query
 from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, ClaimedJob, claim, take_due, take_due_statement
@@ -42,6 +43,7 @@ from models.settings import Settings
 from tests.support.broker import Broker
 from tests.support.db import expire_lease
 from tests.support.dispatchers import race_dispatchers
+from tests.support.keys import scoped
 from tests.support.runs import FAST_RULES, run_all
 
 pytestmark = pytest.mark.integration
@@ -155,10 +157,13 @@ def seeded(db: Database) -> Iterator[Raw]:
 def test_the_dispatcher_reads_its_batch_through_one_index_per_case_not_the_backlog(
     client: Client, db: Database, seeded: Raw
 ) -> None:
+    due_keys = []
     for n in range(3):
-        client.submit(client.create_agent(f"due-{n}").id, f"due-{n}", None, operation="count")
-    claim(db, "due-0:count:1", "dead", timedelta(seconds=1))
-    expire_lease(db, "due-0:count:1")  # a worker died: recovered
+        agent = client.create_agent(f"due-{n}")
+        client.submit(agent.id, f"due-{n}", None, operation="count")
+        due_keys.append(scoped(agent.id, f"due-{n}:count:1"))
+    claim(db, due_keys[0], "dead", timedelta(seconds=1))
+    expire_lease(db, due_keys[0])  # a worker died: recovered
     seeded.execute("UPDATE jobs SET enqueued_at = now() - interval '1 hour' WHERE key = 'wait-1:count:1'")
     seeded.commit()  # (one message the broker lost)
     statement = take_due_statement(timedelta(minutes=5), 50)
@@ -173,19 +178,23 @@ def test_the_dispatcher_reads_its_batch_through_one_index_per_case_not_the_backl
     assert _rows_read(held, "jobs") == 0, json.dumps(held)[:2000]
     with db.transaction() as cur:
         due = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=50)
-    assert sorted((d.key, d.recovered) for d in due) == [
-        ("due-0:count:1", True),
-        ("due-1:count:1", False),
-        ("due-2:count:1", False),
-        ("wait-1:count:1", True),
-    ]
+    assert sorted((d.key, d.recovered) for d in due) == sorted(
+        [
+            (due_keys[0], True),
+            (due_keys[1], False),
+            (due_keys[2], False),
+            ("wait-1:count:1", True),
+        ]
+    )
 
 
 def test_a_plan_step_and_a_waiting_agents_view_read_by_key_and_through_the_request_index(seeded: Raw) -> None:
-    keys = {"keys": ["old-400:plan:1", "old-401:plan:1"], "request_id": "old-100"}
+    (owner,) = seeded.execute("SELECT id FROM agents WHERE name = 'idle-1'").fetchone()  # type: ignore[misc]
+    seeded.rollback()
+    keys = {"keys": ["old-400:plan:1", "old-401:plan:1"], "request_id": "old-100", "agent_id": owner}
     assert _served(_explain(seeded, STEPS_BY_KEY, keys), "jobs") & {"pk_jobs", "ix_jobs_request"}
     assert _rows_read(_explain(seeded, STEPS_BY_KEY, keys, analyze=True), "jobs") <= 4
-    whole = {"request_id": "old-100"}
+    whole = {"request_id": "old-100", "agent_id": owner}
     assert "ix_jobs_request" in _served(_explain(seeded, REQUEST_STEPS, whole), "jobs")
     assert _rows_read(_explain(seeded, REQUEST_STEPS, whole, analyze=True), "jobs") <= 8
     # A waiting agent's view (and every approve or reject) reads the request's gates, then what answered them by key.
@@ -221,18 +230,19 @@ def _due_of_every_kind(client: Client, db: Database, n: int) -> set[str]:
         for kind in ("new", "lost", "dead"):
             agent = client.create_agent(f"{kind}-{i}")
             client.submit(agent.id, f"{kind}-{i}", None, operation="count")
-            keys.add(f"{kind}-{i}:count:1")
+            keys.add(scoped(agent.id, f"{kind}-{i}:count:1"))
             if kind == "dead":
-                claim(db, f"{kind}-{i}:count:1", "dead", timedelta(seconds=1))
-                expire_lease(db, f"{kind}-{i}:count:1")
+                claim(db, scoped(agent.id, f"{kind}-{i}:count:1"), "dead", timedelta(seconds=1))
+                expire_lease(db, scoped(agent.id, f"{kind}-{i}:count:1"))
             else:
                 # The submit's job, at another priority: the dispatcher's order is priority first.
                 spec = JobSpec("count", "2", priority=i % 10)
                 transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=(spec,)))
-                keys.add(f"{kind}-{i}:count:2")
+                keys.add(scoped(agent.id, f"{kind}-{i}:count:2"))
     with psycopg.connect(db.libpq_url, autocommit=True) as raw:
         raw.execute(
-            "UPDATE jobs SET status = 'enqueued', enqueued_at = now() - interval '1 hour' WHERE key LIKE 'lost-%'"
+            "UPDATE jobs SET status = 'enqueued', enqueued_at = now() - interval '1 hour'"
+            " WHERE request_id LIKE 'lost-%'"
         )
     return keys
 
@@ -251,7 +261,7 @@ def test_a_batch_is_the_highest_priorities_due(client: Client, db: Database) -> 
     transition(db, Command(agent.id, Event.PROGRESS, "w", jobs=specs))
     with db.transaction() as cur:
         first = take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=2)
-    assert sorted(d.key for d in first) == ["req-1:count:p7", "req-1:count:p9"]
+    assert sorted(d.key for d in first) == [scoped(agent.id, "req-1:count:p7"), scoped(agent.id, "req-1:count:p9")]
 
 
 def _messages(broker: Broker, queue: str = "keel.jobs") -> list[str]:
@@ -268,8 +278,11 @@ def test_a_dispatcher_killed_between_publishing_and_committing_leaves_one_claim_
     from tasks.app import make_app
     from tasks.dispatcher import dispatch_once
 
+    ks = []
     for n in range(7):
-        client.submit(client.create_agent(f"k{n}").id, f"k{n}", None, operation="count")
+        agent = client.create_agent(f"k{n}")
+        client.submit(agent.id, f"k{n}", None, operation="count")
+        ks.append(scoped(agent.id, f"k{n}:count:1"))
     killer = textwrap.dedent(
         """
         import os, signal
@@ -302,7 +315,7 @@ def test_a_dispatcher_killed_between_publishing_and_committing_leaves_one_claim_
     finally:
         celery.close()
     messages = _messages(broker)
-    assert len(messages) == 10 and set(messages) == {f"k{n}:count:1" for n in range(7)}
+    assert len(messages) == 10 and set(messages) == set(ks)
     claims = [claim(db, key, "w", timedelta(seconds=30)) for key in messages]
     claimed = [c.key for c in claims if isinstance(c, ClaimedJob)]
     assert sorted(claimed) == sorted(set(messages)), "each job claimed exactly once; the copies are suppressed"
@@ -313,7 +326,8 @@ def test_back_pressure_caps_a_tick_and_waits_for_a_full_queue(client: Client, db
     from tasks.dispatcher import dispatch_once
 
     for n in range(5):
-        client.submit(client.create_agent(f"b{n}").id, f"b{n}", None, operation="count")
+        b = client.create_agent(f"b{n}")
+        client.submit(b.id, f"b{n}", None, operation="count")
     settings = broker.settings(database_url=db.url, dispatch_max_per_tick=2, dispatch_max_queue_depth=4)
     celery = make_app(settings)
     try:
@@ -324,7 +338,9 @@ def test_back_pressure_caps_a_tick_and_waits_for_a_full_queue(client: Client, db
         held = dispatch_once(db, celery, settings)  # the queue holds 4: nothing more until workers take some
         assert (held.published, held.held) == (0, "queue keel.jobs: 4")
         with psycopg.connect(db.libpq_url) as raw:
-            (status,) = raw.execute("SELECT status FROM jobs WHERE key = 'b4:count:1'").fetchone()  # type: ignore[misc]
+            (status,) = raw.execute(  # type: ignore[misc]
+                "SELECT status FROM jobs WHERE key = %s", (scoped(b.id, "b4:count:1"),)
+            ).fetchone()
         assert status == "pending", "a held job waits in PostgreSQL, still due"
         with broker.redis() as redis:
             redis.lpop(broker.key("keel.jobs"))  # a worker took one
@@ -351,10 +367,12 @@ def test_a_full_queue_holds_back_its_own_jobs_only_and_they_are_not_even_read(
     from tasks.app import make_app
     from tasks.dispatcher import dispatch_once
 
+    qs = []
     for n in range(6):
-        client.submit(client.create_agent(f"q{n}").id, f"q{n}", None, operation="count")
-    low = [f"q{n}:count:1" for n in range(3)]
-    normal = [f"q{n}:count:1" for n in range(3, 6)]
+        agent = client.create_agent(f"q{n}")
+        client.submit(agent.id, f"q{n}", None, operation="count")
+        qs.append(scoped(agent.id, f"q{n}:count:1"))
+    low, normal = qs[:3], qs[3:]
     with psycopg.connect(db.libpq_url) as raw:
         raw.execute("UPDATE jobs SET queue = 'keel.jobs.low' WHERE key = ANY(%s)", (low,))
     claim(db, normal[0], "dead", timedelta(seconds=1))
@@ -544,7 +562,7 @@ def test_a_slow_deadline_pass_does_not_hold_up_dispatching(
         agent = client.create_agent("a")
         client.submit(agent.id, "r-1", None, operation="count")
         beat.tick()  # returns while the deadline pass is still under way, and dispatches
-        assert _messages(broker) == ["r-1:count:1"]
+        assert _messages(broker) == [scoped(agent.id, "r-1:count:1")]
         assert beat.passes[1].running()
         beat.tick()
         assert beat.passes[1].running(), "never two deadline passes at once"
@@ -789,13 +807,19 @@ def _record_what_the_model_is_sent(monkeypatch: pytest.MonkeyPatch) -> dict[int,
     return sent
 
 
-def _stored_conversations(db: Database, request_id: str) -> dict[str, int]:
-    """How many messages each of a request's finished plan steps stores as its conversation (steps that store none
-    left out); every one keeps its reply."""
+def _request(agent_id: UUID, request_id: str = "req-1") -> RequestOf:
+    """The agent's request, as a step of it names it for its reads."""
+    return RequestOf(agent_id, request_id, scoped(agent_id, f"{request_id}:plan:1"))
+
+
+def _stored_conversations(db: Database, agent_id: UUID, request_id: str) -> dict[str, int]:
+    """How many messages each of an agent's request's finished plan steps stores as its conversation (steps that
+    store none left out); every one keeps its reply."""
     with psycopg.connect(db.libpq_url) as raw:
         rows = raw.execute(
-            "SELECT key, result FROM jobs WHERE request_id = %s AND operation = 'plan' AND status = 'succeeded'",
-            (request_id,),
+            "SELECT key, result FROM jobs WHERE agent_id = %s AND request_id = %s AND operation = 'plan'"
+            " AND status = 'succeeded'",
+            (agent_id, request_id),
         ).fetchall()
     assert rows and all("reply" in result for _, result in rows), "every plan step keeps its reply"
     return {key: len(result["conversation"]) for key, result in rows if "conversation" in result}
@@ -819,8 +843,10 @@ def test_a_request_stores_its_conversation_once_on_its_latest_plan_step(
     monkeypatch.undo()
     assert sorted(sent) == list(range(1, rounds + 2))
     for n, messages in sent.items():
-        assert messages == rebuild_conversation(db, "req-1", n)[1], f"round {n}"
-    assert _stored_conversations(db, "req-1") == {f"req-1:plan:{rounds + 1}": 2 + 2 * rounds}
+        assert messages == rebuild_conversation(db, _request(agent.id), n)[1], f"round {n}"
+    assert _stored_conversations(db, agent.id, "req-1") == {
+        scoped(agent.id, f"req-1:plan:{rounds + 1}"): 2 + 2 * rounds
+    }
 
 
 def test_a_plan_step_continues_the_stored_conversation_exactly_as_a_rebuild_would(
@@ -838,24 +864,28 @@ def test_a_plan_step_continues_the_stored_conversation_exactly_as_a_rebuild_woul
     run_all(db)
     waiting = client.get_state(agent.id)
     client.reject(waiting.id, expected_revision=waiting.revision, actor="bob", reason="enough comments")
-    assert _stored_conversations(db, "req-1") == {"req-1:plan:3": 7}, "waiting on round 3: its plan step's only"
+    assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:3"): 7}, (
+        "waiting on round 3: its plan step's only"
+    )
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
     monkeypatch.undo()
     assert sorted(sent) == [1, 2, 3, 4]
     for n, messages in sent.items():
-        assert messages == rebuild_conversation(db, "req-1", n)[1], f"round {n}"
+        assert messages == rebuild_conversation(db, _request(agent.id), n)[1], f"round {n}"
     last = sent[4]
     roles = ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant", "tool"]
     assert [m["role"] for m in last] == roles
     assert last[-1]["content"] == "A person rejected this call: enough comments"
     assert last[5]["content"].startswith("A person edited this call's arguments")
-    assert _stored_conversations(db, "req-1") == {"req-1:plan:4": 9}
+    assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:4"): 9}
     # A past round's conversation (dropped) and steps stored before plan results carried theirs are rebuilt.
-    assert conversation(db, "req-1", 4) == (_script(), last)
+    assert conversation(db, _request(agent.id), 4) == (_script(), last)
     with psycopg.connect(db.libpq_url, autocommit=True) as raw:
-        raw.execute("UPDATE jobs SET result = result - 'conversation' WHERE request_id = 'req-1'")
-    assert conversation(db, "req-1", 4) == (_script(), last)
+        raw.execute(
+            "UPDATE jobs SET result = result - 'conversation' WHERE agent_id = %s AND request_id = 'req-1'", (agent.id,)
+        )
+    assert conversation(db, _request(agent.id), 4) == (_script(), last)
 
 
 def test_a_replayed_plan_outcome_drops_its_predecessors_conversation_as_the_first_run_would_have(
@@ -867,29 +897,33 @@ def test_a_replayed_plan_outcome_drops_its_predecessors_conversation_as_the_firs
     agent = client.create_agent("replayer")
     client.submit(agent.id, "req-1", {"prompt": "Go", "script": [slack, slack, {"content": "Done."}]})
     runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
-    assert runner.run("req-1:plan:1").status == "succeeded"
-    assert runner.run("req-1:tool:slack_post:1.call_0_0").status == "succeeded"
+    assert runner.run(scoped(agent.id, "req-1:plan:1")).status == "succeeded"
+    assert runner.run(scoped(agent.id, "req-1:tool:slack_post:1.call_0_0")).status == "succeeded"
     real = core.transition
 
     def failing(db_: Database, command: Any, **kw: Any) -> Any:
-        if command.outcome is not None and command.outcome.key == "req-1:plan:2":
+        if command.outcome is not None and command.outcome.key == scoped(agent.id, "req-1:plan:2"):
             outage = psycopg.OperationalError("terminating connection due to administrator command")
             raise StoreError("database error: terminating connection due to administrator command") from outage
         return real(db_, command, **kw)
 
     monkeypatch.setattr(core, "transition", failing)
     with pytest.raises(StoreError):
-        runner.run("req-1:plan:2")
+        runner.run(scoped(agent.id, "req-1:plan:2"))
     monkeypatch.undo()
-    assert _stored_conversations(db, "req-1") == {"req-1:plan:1": 2}, "the failed transition dropped nothing"
-    expire_lease(db, "req-1:plan:2")
+    assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:1"): 2}, (
+        "the failed transition dropped nothing"
+    )
+    expire_lease(db, scoped(agent.id, "req-1:plan:2"))
     with db.transaction() as cur:
-        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == ["req-1:plan:2"]
-    assert runner.run("req-1:plan:2").status == "succeeded"
-    assert _stored_conversations(db, "req-1") == {"req-1:plan:2": 4}
+        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [
+            scoped(agent.id, "req-1:plan:2")
+        ]
+    assert runner.run(scoped(agent.id, "req-1:plan:2")).status == "succeeded"
+    assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:2"): 4}
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
-    assert _stored_conversations(db, "req-1") == {"req-1:plan:3": 6}
+    assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:3"): 6}
 
 
 def test_a_step_after_an_old_row_without_a_conversation_rebuilds_it_and_stores_its_own(
@@ -899,11 +933,13 @@ def test_a_step_after_an_old_row_without_a_conversation_rebuilds_it_and_stores_i
     agent = client.create_agent("upgraded")
     client.submit(agent.id, "req-1", {"prompt": "Go", "script": [slack, slack, {"content": "Done."}]})
     runner = Runner(db, registry, worker="t", lease=timedelta(seconds=30), rules=FAST_RULES)
-    assert runner.run("req-1:plan:1").status == "succeeded"
+    assert runner.run(scoped(agent.id, "req-1:plan:1")).status == "succeeded"
     with psycopg.connect(db.libpq_url, autocommit=True) as raw:  # as an earlier version stored it
-        raw.execute("UPDATE jobs SET result = result - 'conversation' WHERE key = 'req-1:plan:1'")
+        raw.execute(
+            "UPDATE jobs SET result = result - 'conversation' WHERE key = %s", (scoped(agent.id, "req-1:plan:1"),)
+        )
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
-    assert _stored_conversations(db, "req-1") == {"req-1:plan:3": 6}
-    _, last = conversation(db, "req-1", 3)
-    assert last == rebuild_conversation(db, "req-1", 3)[1] and len(last) == 6
+    assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:3"): 6}
+    _, last = conversation(db, _request(agent.id), 3)
+    assert last == rebuild_conversation(db, _request(agent.id), 3)[1] and len(last) == 6

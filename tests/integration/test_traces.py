@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
+from uuid import UUID
 
 import httpx
 import psycopg
@@ -29,6 +30,7 @@ from models.db import Database
 from models.settings import Settings
 from tests.support.broker import Broker
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 from tests.support.runs import FAST_RULES, run_all
 
 pytestmark = pytest.mark.integration
@@ -122,12 +124,13 @@ def submit_run_and_relay(db: Database, db_url: str, broker: Broker, slack: FakeS
 
     submitted = asyncio.run(submit())
     assert submitted.status_code == 201, submitted.text
+    agent_id = UUID(submitted.json()["agent_id"])
     assert run_all(db) == [
-        "req-1:plan:1",
-        "req-1:plan:1",  # the transient failure, then its retry
-        "req-1:tool:slack_post:1.call_0_1",
-        "req-1:tool:trace_search:1.call_0_0",
-        "req-1:plan:2",
+        scoped(agent_id, "req-1:plan:1"),
+        scoped(agent_id, "req-1:plan:1"),  # the transient failure, then its retry
+        scoped(agent_id, "req-1:tool:slack_post:1.call_0_1"),
+        scoped(agent_id, "req-1:tool:trace_search:1.call_0_0"),
+        scoped(agent_id, "req-1:plan:2"),
     ]
     relay = Relay(
         db,
@@ -165,6 +168,7 @@ def test_one_trace_follows_a_request_from_the_http_call_to_the_slack_message(
     db: Database, db_url: str, broker: Broker, slack: FakeSlack, exported: Callable[[], list[ReadableSpan]]
 ) -> None:
     submitted = submit_run_and_relay(db, db_url, broker, slack)
+    agent_id = UUID(submitted.json()["agent_id"])
     spans = exported()
     by_id = {span_id(s): s for s in spans}
 
@@ -200,20 +204,20 @@ def test_one_trace_follows_a_request_from_the_http_call_to_the_slack_message(
     assert [s.attributes["keel.outcome"] for s in plans] == ["retrying", "succeeded", "succeeded"]  # type: ignore[index]
     # The retry continues the trace the submit stored with the job, as the first attempt did.
     assert parent(first) is submit and parent(retry) is submit
-    assert first.attributes["keel.job_key"] == retry.attributes["keel.job_key"] == "req-1:plan:1"  # type: ignore[index]
+    assert first.attributes["keel.job_key"] == retry.attributes["keel.job_key"] == scoped(agent_id, "req-1:plan:1")  # type: ignore[index]
     assert first.status.status_code.name == "ERROR" and retry.status.status_code.name == "UNSET"
     model_calls = [s for s in spans if s.name == "keel.model_call"]
     assert sorted(parent(s).attributes["keel.job_key"] for s in model_calls) == [  # type: ignore[index]
-        "req-1:plan:1",
-        "req-1:plan:1",
-        "req-1:plan:2",
+        scoped(agent_id, "req-1:plan:1"),
+        scoped(agent_id, "req-1:plan:1"),
+        scoped(agent_id, "req-1:plan:2"),
     ]
 
     # The plan's outcome transition, inside the retry's run, schedules the tool steps: they continue from it.
     planned = only("keel.transition plan")
     assert parent(planned) is retry
-    search_job = only("keel.job tool", **{"keel.job_key": "req-1:tool:trace_search:1.call_0_0"})
-    post_job = only("keel.job tool", **{"keel.job_key": "req-1:tool:slack_post:1.call_0_1"})
+    search_job = only("keel.job tool", **{"keel.job_key": scoped(agent_id, "req-1:tool:trace_search:1.call_0_0")})
+    post_job = only("keel.job tool", **{"keel.job_key": scoped(agent_id, "req-1:tool:slack_post:1.call_0_1")})
     assert parent(search_job) is planned and parent(post_job) is planned
     assert parent(only("keel.tool_call trace_search")) is search_job
     assert parent(only("keel.tool_call slack_post")) is post_job
@@ -227,14 +231,14 @@ def test_one_trace_follows_a_request_from_the_http_call_to_the_slack_message(
     emitted, joined = outcome_of(post_job), outcome_of(search_job)
     send = only("keel.outbox_send slack")
     assert parent(send) is emitted
-    assert send.attributes["keel.outbox_key"] == "req-1:slack:call_0_1"  # type: ignore[index]
+    assert send.attributes["keel.outbox_key"] == scoped(agent_id, "req-1:slack:call_0_1")  # type: ignore[index]
     assert send.attributes["keel.outcome"] == "sent"  # type: ignore[index]
     assert parent(second_round) is joined
     assert parent(only("keel.transition finish")) is second_round
 
     # A late copy of a finished job's message is suppressed, in the request's trace too.
     late = Runner(db, registry, worker="late", lease=timedelta(seconds=30), rules=dict(FAST_RULES))
-    assert late.run("req-1:plan:1").status == "suppressed"
+    assert late.run(scoped(agent_id, "req-1:plan:1")).status == "suppressed"
     (suppressed,) = (s for s in exported() if (s.attributes or {}).get("keel.outcome") == "suppressed")
     assert suppressed.name == "keel.job plan" and parent_id(suppressed) == span_id(submit)
 
@@ -243,11 +247,11 @@ def test_one_trace_follows_a_request_from_the_http_call_to_the_slack_message(
         return f"00-{TRACE_ID}-{span_id(span)}-01"
 
     assert stored(db) == {
-        "req-1:plan:1": traceparent(submit),
-        "req-1:tool:trace_search:1.call_0_0": traceparent(planned),
-        "req-1:tool:slack_post:1.call_0_1": traceparent(planned),
-        "req-1:plan:2": traceparent(joined),
-        "req-1:slack:call_0_1": traceparent(emitted),
+        scoped(agent_id, "req-1:plan:1"): traceparent(submit),
+        scoped(agent_id, "req-1:tool:trace_search:1.call_0_0"): traceparent(planned),
+        scoped(agent_id, "req-1:tool:slack_post:1.call_0_1"): traceparent(planned),
+        scoped(agent_id, "req-1:plan:2"): traceparent(joined),
+        scoped(agent_id, "req-1:slack:call_0_1"): traceparent(emitted),
     }
 
 
@@ -300,7 +304,7 @@ def test_an_approval_in_a_trace_of_its_own_keeps_the_request_in_the_requests_tra
     _, secret = create_token(db, "person", ["producer", "approver"], actor="test")
     app = create_app(broker.settings(database_url=db_url))
 
-    async def submit(http: httpx.AsyncClient) -> str:
+    async def submit(http: httpx.AsyncClient) -> UUID:
         agent = await http.post("/v1/agents", json={"name": "commenter"})
         submitted = await http.post(
             f"/v1/agents/{agent.json()['id']}/requests",
@@ -308,10 +312,10 @@ def test_an_approval_in_a_trace_of_its_own_keeps_the_request_in_the_requests_tra
             headers={"Idempotency-Key": "req-a", "traceparent": TRACEPARENT},
         )
         assert submitted.status_code == 201, submitted.text
-        return str(agent.json()["id"])
+        return UUID(agent.json()["id"])
 
     agent_id = call(app, secret, submit)
-    assert run_all(db) == ["req-a:plan:1", "req-a:gate:github_comment:1.call_0_0"]
+    assert run_all(db) == [scoped(agent_id, "req-a:plan:1"), scoped(agent_id, "req-a:gate:github_comment:1.call_0_0")]
 
     async def approve(http: httpx.AsyncClient) -> httpx.Response:
         state = await http.get(f"/v1/agents/{agent_id}")
@@ -328,10 +332,12 @@ def test_an_approval_in_a_trace_of_its_own_keeps_the_request_in_the_requests_tra
     # The request's trace is stored with it; every job and message of the request carries it, those the approval
     # scheduled too.
     with psycopg.connect(db.libpq_url) as conn:
-        (request_trace,) = conn.execute("SELECT traceparent FROM requests WHERE request_id = 'req-a'").fetchone()  # type: ignore[misc]
+        (request_trace,) = conn.execute(  # type: ignore[misc]
+            "SELECT traceparent FROM requests WHERE agent_id = %s AND request_id = 'req-a'", (agent_id,)
+        ).fetchone()
     assert trace_of(request_trace) == TRACE_ID
     rows = stored(db)
-    assert "req-a:github:call_0_0" in rows and len(rows) >= 3, rows
+    assert scoped(agent_id, "req-a:github:call_0_0") in rows and len(rows) >= 3, rows
     assert {key: trace_of(value) for key, value in rows.items()} == dict.fromkeys(rows, TRACE_ID)
 
     spans = exported()

@@ -21,6 +21,7 @@ from agents.core.errors import (
 from agents.core.phases import Event
 from agents.core.transition import transition
 from models.schemas import AgentRow, AgentState
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 ASK = {"prompt": "hi"}
@@ -64,7 +65,9 @@ def test_create_submit_and_move_through_the_phases(client: Client) -> None:
         ("transition", "approve", "bob", 4),
     ]
     assert all(e.request_id == "req-1" for e in events[1:])
-    assert client.journal(request_id="req-1") == events[1:]
+    assert client.journal(agent_id=agent.id, request_id="req-1") == events[1:]
+    with pytest.raises(InvalidInput, match="give its agent too"):  # a request id is its agent's own
+        client.journal(request_id="req-1")
 
 
 def test_stale_command_is_rejected_journaled_and_changes_nothing(client: Client) -> None:
@@ -123,13 +126,26 @@ def test_duplicate_submit_returns_current_state_and_is_suppressed(client: Client
 
 
 def test_a_request_id_belongs_to_one_agent(client: Client) -> None:
+    """Request ids are each agent's own: another agent's submit of the same id is a fresh request of that agent,
+    which neither touches nor names the first agent's request."""
     a, b = client.create_agent("a"), client.create_agent("b")
     client.submit(a.id, "shared", ASK)
+    a_state, a_events = client.get_state(a.id), client.journal(agent_id=a.id)
+    state = client.submit(b.id, "shared", {"prompt": "another"})
+    assert (state.phase, state.request_id, state.revision) == ("planning", "shared", 1)
+    submit = client.journal(agent_id=b.id)[-1]
+    assert (submit.kind, submit.event, submit.request_id) == ("transition", "submit", "shared")
+    assert submit.decision != "request_conflict" and str(a.id) not in str(submit.details)
+    assert client.get_state(a.id) == a_state and client.journal(agent_id=a.id) == a_events
+    assert client.get_request(a.id, "shared").input == ASK
+    assert client.get_request(b.id, "shared").input == {"prompt": "another"}
+    assert [j.key for j in client.request_jobs(a.id, "shared")] == [scoped(a.id, "shared:plan:1")]
+    assert [j.key for j in client.request_jobs(b.id, "shared")] == [scoped(b.id, "shared:plan:1")]
+    # Each agent's retry is its own duplicate; a changed one conflicts with its own request only.
+    assert client.submit(b.id, "shared", {"prompt": "another"}).revision == 1
     with pytest.raises(RequestConflict) as info:
         client.submit(b.id, "shared", ASK)
-    assert info.value.owner == a.id
-    assert client.get_state(b.id).phase == "idle"
-    assert client.journal(agent_id=b.id)[-1].decision == "request_conflict"
+    assert info.value.owner == b.id and info.value.differs == ("input",)
 
 
 def test_effects_commit_with_the_transition_and_roll_back_with_it(client: Client, raw: psycopg.Connection[Any]) -> None:
