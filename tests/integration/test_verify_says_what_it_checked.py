@@ -69,11 +69,14 @@ def test_a_plain_verify_after_an_edit_an_earlier_verify_passed_fails_naming_the_
 
 
 def test_the_incremental_pass_rechecks_each_checkpoints_own_event(
-    client: Client, raw: psycopg.Connection[Any], db_url: str
+    client: Client, db: Database, raw: psycopg.Connection[Any], db_url: str
 ) -> None:
     a = _three_events(client)
     assert _verify(db_url).returncode == 0
     _edit(raw, a, 3)  # the event the checkpoint stands on
+    beats = verify_and_record(db, "beat", full=False)  # the beat's hourly pass, which reads nothing new here
+    assert [(b.agent_id, b.seq) for b in beats.breaks] == [(a, 3)]
+    assert beats.read_events == 0 and "content does not match its HMAC" in beats.breaks[0].reason
     said = _verify(db_url, "--incremental")
     assert said.returncode == 1, said.stdout
     assert f"BROKEN agent 'ledger' ({a}) at event 3" in said.stderr
@@ -118,8 +121,7 @@ def test_the_beats_full_pass_is_due_by_the_last_full_pass_recorded_not_by_a_rest
     client: Client, db: Database, raw: psycopg.Connection[Any]
 ) -> None:
     _three_events(client)
-    assert Settings().audit_verify_full_interval_seconds == 86400, "daily by default"
-    assert verify_and_record(db, "cli").ok  # a person's full pass
+    assert verify_and_record(db, "cli", full=True).ok  # a person's full pass
     daily = Settings(audit_verify_interval_seconds=3600, audit_verify_full_interval_seconds=86400)
     modes = []
     for every in (daily, daily, Settings(audit_verify_full_interval_seconds=0.001)):  # a beat, restarted, then due
@@ -128,3 +130,4 @@ def test_the_beats_full_pass_is_due_by_the_last_full_pass_recorded_not_by_a_rest
             raw.execute("SELECT details->>'mode' FROM audit_verifications ORDER BY id DESC LIMIT 1").fetchone()
         )
     assert modes == [("incremental",), ("incremental",), ("full",)]
+    assert Settings().audit_verify_full_interval_seconds == 86400, "daily by default"
