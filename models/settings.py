@@ -275,10 +275,10 @@ class Settings(BaseSettings):
     # has passed for this long: three of the beat's hourly passes missed.
     alert_audit_verify_stale_max_seconds: float = Field(default=10800.0, gt=0)
     # The leading beat runs `keel audit verify` (in a thread of its own) this often, incrementally: each chain from its
-    # checkpoint; 0: never. Every audit_verify_full_interval_seconds that run is a full pass instead (every chain from
-    # its start: the only pass that sees an edit below a checkpoint); 0: never a full one.
+    # checkpoint; 0: never. Once the last full pass recorded (the beat's or a person's) is this old, that run is a
+    # full pass instead (every chain from its start: the only pass that sees an edit below a checkpoint); 0: never.
     audit_verify_interval_seconds: float = Field(default=3600.0, ge=0)
-    audit_verify_full_interval_seconds: float = Field(default=7 * 86400.0, ge=0)
+    audit_verify_full_interval_seconds: float = Field(default=86400.0, ge=0)
     # Chains a verify walks per transaction: each chunk's snapshot ends with it, so vacuum is held back for one chunk.
     audit_verify_chunk_chains: int = Field(default=500, ge=1, le=100_000)
     # ... and fewer when their walks would read more events than this together (a longer chain is a chunk of its own).

@@ -28,6 +28,7 @@ from agents.core.commands import check_text
 from agents.core.errors import AgentNotFound, InvalidInput, KeelError, StaleRevision
 from agents.core.journal import journal_page
 from agents.core.phases import Phase
+from agents.core.verdict import Verdict
 from agents.ingress.auth import resolve
 from agents.ingress.console import paging, sessions, views
 from agents.ingress.console.headers import STATIC_PATH, ConsoleHeaders
@@ -448,11 +449,13 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
 
 @dataclass(frozen=True, slots=True)
 class FullCheck:
-    """The latest recorded ``keel audit verify`` (a walk of every chain) as the agent page tells it."""
+    """The latest recorded ``keel audit verify`` (full or incremental) as the agent page tells it."""
 
     verification: alerts_sql.Verification
     #: The first broken event of this agent's chain it found, if it listed this agent (it lists 20 at most).
     broken_at: int | None
+    #: What it checked and what it trusted from checkpoints (None: recorded before verify kept them apart).
+    verdict: Verdict | None = None
 
 
 def _full_check(keel: Ingress, agent_id: UUID) -> FullCheck | None:
@@ -461,7 +464,9 @@ def _full_check(keel: Ingress, agent_id: UUID) -> FullCheck | None:
         return None
     breaks = found.details.get("breaks", []) if isinstance(found.details, dict) else []
     mine = next((b.get("seq") for b in breaks if isinstance(b, dict) and b.get("agent_id") == str(agent_id)), None)
-    return FullCheck(found, mine if isinstance(mine, int) else None)
+    details = found.details if isinstance(found.details, dict) else {}
+    verdict = Verdict.recorded(ok=found.ok, agents=found.agents, details=details)
+    return FullCheck(found, mine if isinstance(mine, int) else None, verdict)
 
 
 def _journal_cursor(who: Viewer, cursor: str | None, path: str) -> int | HTMLResponse | None:
