@@ -36,6 +36,7 @@ from celery import Celery
 from agents.cli.progress import Progress
 from agents.core.commands import Command, JobSpec, MessageSpec
 from agents.core.journal import verify
+from agents.core.keys import make_key
 from agents.core.phases import Event
 from agents.core.transition import create_agent, transition
 from agents.jobs.deadlines import enforce
@@ -136,7 +137,7 @@ def measure_relay(bed: Bed) -> float:
 def measure_conversation(bed: Bed) -> float:
     """A plan step's conversation read (agents/runtime/loop.py conversation, over models/jobs_sql.py)."""
     request = bed.live_requests[bed.next() % len(bed.live_requests)]
-    return timed(lambda: conversation(bed.db, request, 2))
+    return timed(lambda: conversation(bed.db, request, make_key(request, "plan", "2")))
 
 
 def measure_deadlines(bed: Bed) -> float:

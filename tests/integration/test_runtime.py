@@ -18,6 +18,7 @@ import agents.runtime.loop  # noqa: F401 - registers plan, tool and gate
 from agents.client import Client
 from agents.core.commands import Usage
 from agents.core.errors import HardDeadlinePassed, InvalidInput, InvalidJob, RateLimited, StaleRevision, TransientError
+from agents.core.keys import make_key
 from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
 from agents.runtime.inference import OpenAICompatible
@@ -76,7 +77,7 @@ def test_a_scripted_conversation_runs_to_done_and_its_usage_adds_up(client: Clie
     assert job_row(db, "req-1:plan:2")["result"]["answer"] == "Three incidents, all about the database."  # type: ignore[index]
     from models.outbox_sql import message_row
 
-    assert message_row(db, "req-1:slack:call_0_1")["payload"] == {"text": "looking"}  # type: ignore[index]
+    assert message_row(db, "req-1:slack:tool.slack_post:1.call_0_1@post")["payload"] == {"text": "looking"}  # type: ignore[index]
     moves = [(e.event, e.to_phase) for e in client.journal(agent_id=agent.id) if e.kind == "transition"]
     assert moves == [
         ("submit", "planning"),
@@ -125,7 +126,7 @@ def test_approval_continues_the_loop_and_a_stale_approval_is_rejected(client: Cl
     assert state.phase == "done"
     from models.outbox_sql import message_row
 
-    assert message_row(db, "req-1:github:call_0_0")["destination"] == "acme/api#7"  # type: ignore[index]
+    assert message_row(db, "req-1:github:tool.github_comment:1.call_0_0@comment")["destination"] == "acme/api#7"  # type: ignore[index]
 
 
 def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
@@ -136,7 +137,7 @@ def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
     assert state.phase == "done"
     from agents.runtime.loop import conversation
 
-    _, messages = conversation(db, "req-1", 2)
+    _, messages = conversation(db, "req-1", make_key("req-1", "plan", "2"))
     assert messages[-1] == {
         "role": "tool",
         "tool_call_id": "call_0_0",
@@ -290,7 +291,7 @@ def test_a_models_bad_arguments_are_told_to_it_and_journaled(client: Client, db:
     assert event.details["tool_error"] == told.removeprefix("error: ")
     from models.outbox_sql import message_row
 
-    assert message_row(db, "req-1:slack:call_1_0")["payload"] == {"text": "hi"}  # type: ignore[index]
+    assert message_row(db, "req-1:slack:tool.slack_post:2.call_1_0@post")["payload"] == {"text": "hi"}  # type: ignore[index]
 
 
 def _a_gated_comment_beside_a_pending_lookup(client: Client, db: Database, name: str) -> Any:
