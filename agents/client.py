@@ -56,7 +56,7 @@ from agents.core.errors import (
     UnknownOperation,
     quoted,
 )
-from agents.core.keys import check_request_id, split_key
+from agents.core.keys import check_request_id, make_key, split_key
 from agents.core.outage import Outage
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
@@ -601,7 +601,7 @@ class Client:
         if row is None or row["details"] is None:
             raise RequestNotFound(request_id)
         details = row["details"]
-        first_job = (details.get("jobs") or [f"{request_id}:plan:1"])[0]
+        first_job = (details.get("jobs") or [make_key(request_id, "plan", "1")])[0]
         return RequestRecord(
             request_id=row["request_id"],
             agent_id=row["agent_id"],

@@ -2,10 +2,14 @@
 
 ``{request}`` is the request's key (:func:`request_key`): its agent and its id, since a request id is its agent's own
 (two tenants may both use ``order-1001``) while a key is unique across Keel (it is the Celery task id).
+
+Every key a step derives (the jobs it schedules, the messages it emits or that are about it, the steps it reads)
+goes through :func:`derive` or :func:`step_message_key`, which take the request from the step's own key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from uuid import UUID
 
@@ -45,12 +49,6 @@ def current_request_key(agent_id: UUID, request_id: str | None, stored: str | No
     return request_key(agent_id, request_id)
 
 
-def derive(step_key: str, operation: str, target: str) -> str:
-    """A key a step derives (the jobs it schedules, the messages it emits, the steps it reads): the same request as
-    the step's own key, so it is its agent's request whatever the id."""
-    return make_key(split_key(step_key)[0], operation, target)
-
-
 def make_key(request: str, operation: str, target: str) -> str:
     """The one way to build a key from a request's key (:func:`request_key`). The same inputs give the same key in
     every process, forever."""
@@ -74,3 +72,29 @@ def request_id_of(key: str) -> str:
     request = split_key(key)[0]
     agent, dot, request_id = request.partition(".")
     return request_id if dot and len(agent) == 32 and _REQUEST_KEY.fullmatch(request) else request
+
+
+def derive(step_key: str, operation: str, target: str) -> str:
+    """The key of ``operation`` on ``target`` that the step ``step_key`` derives (the next plan step, a round's tool
+    steps, a step of the same request it reads): of the step's own request, taken from its key, never from elsewhere."""
+    return make_key(split_key(step_key)[0], operation, target)
+
+
+#: The longest message target; longer step-derived ones keep their head and end in ``#`` and a digest of the whole.
+_MAX_TARGET = 256
+_DIGEST_CHARS = 16
+
+
+def step_message_key(step_key: str, channel: str, name: str) -> str:
+    """The key of the message ``name`` that step ``step_key`` emits on ``channel`` (or that is about that step, as
+    an approval notice is about its gate): ``{request}:{channel}:{operation}.{target}@{name}``, e.g.
+    ``r1:slack:tool.slack_post:2.call_1@post``. Two steps never share a message key, whatever names their tools
+    give their messages, and a model that reuses a call id in a later round gets a new step, so a new key."""
+    _, operation, target = split_key(step_key)
+    if not _TARGET.fullmatch(name):
+        raise InvalidInput(f"message name {quoted(name)} is invalid: 1-256 characters of letters, digits and ._-:/#@")
+    scoped = f"{operation}.{target}@{name}"  # not '/': a key is one segment of an HTTP path (/v1/outbox/{key})
+    if len(scoped) > _MAX_TARGET:
+        digest = hashlib.sha256(scoped.encode()).hexdigest()[:_DIGEST_CHARS]
+        scoped = f"{scoped[: _MAX_TARGET - _DIGEST_CHARS - 1]}#{digest}"
+    return derive(step_key, channel, scoped)

@@ -287,13 +287,13 @@ def test_story_jobs_and_request_lookup(api: Api) -> None:
         story = http.get(found["links"]["story"]).json()
         assert story["jobs"][0]["key"] == "s-1:plan:1"
         assert story["journal"][0]["event"] == "submit" and story["journal"][-1]["to_phase"] == "done"
-        assert [m["key"] for m in story["outbox"]] == ["s-1:slack:call_0_0"]
+        assert [m["key"] for m in story["outbox"]] == ["s-1:slack:tool.slack_post:1.call_0_0@post"]
         job = http.get("/v1/jobs/s-1:plan:1").json()
         assert job["status"] == "succeeded" and job["result"] is not None
         problem(http.get("/v1/jobs/nope:plan:1"), 404, "not-found")
         outbox = http.get("/v1/outbox", params={"status": "pending"}).json()
-        assert [m["key"] for m in outbox["messages"]] == ["s-1:slack:call_0_0"]
-        problem(http.post("/v1/outbox/s-1:slack:call_0_0/retry"), 409, "outbox-message-not-dead")
+        assert [m["key"] for m in outbox["messages"]] == ["s-1:slack:tool.slack_post:1.call_0_0@post"]
+        problem(http.post("/v1/outbox/s-1:slack:tool.slack_post:1.call_0_0@post/retry"), 409, "outbox-message-not-dead")
 
 
 def test_health_and_readiness(api: Api) -> None:

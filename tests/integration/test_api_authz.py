@@ -214,7 +214,7 @@ class World:
             agent=str(uuid.uuid4()),
             request=ghost,
             job=f"{ghost}:plan:1",
-            message=f"{ghost}:slack:call_0_0",
+            message=f"{ghost}:slack:tool.slack_post:1.call_0_0@post",
             waiting=str(uuid.uuid4()),
             new_name=f"{OUTSIDE}story",
         )
@@ -224,7 +224,7 @@ class World:
         request = f"{prefix}r1"
         self.client.submit(story.id, request, SLACK, actor="setup")
         run_all(self.db)
-        message = f"{request}:slack:call_0_0"
+        message = f"{request}:slack:tool.slack_post:1.call_0_0@post"
         self.kill(message)
         waiting, revision = self._waiting(f"{prefix}waiting")
         return Target(prefix, str(story.id), request, f"{request}:plan:1", message, waiting, revision, f"{prefix}new")

@@ -75,9 +75,9 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         ("created", "create", "cli"),
     ]
     assert events[0]["details"] == {"reason": "wrong prompt", "jobs_cancelled": [plan]}
-    by_request = json.loads(
-        keel(db_url, "journal", "--agent", "ops-bot", "--request-id", "req-7", "--json").stdout
-    )["events"]
+    by_request = json.loads(keel(db_url, "journal", "--agent", "ops-bot", "--request-id", "req-7", "--json").stdout)[
+        "events"
+    ]
     assert [e["event"] for e in by_request] == ["cancel", "submit"]
     unscoped = keel(db_url, "journal", "--request-id", "req-7", check=False)  # request ids are each agent's own
     assert unscoped.returncode == 1 and "names a request of one agent: give its agent too" in unscoped.stderr

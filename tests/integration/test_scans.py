@@ -25,6 +25,7 @@ from agents.client import Client
 from agents.core import transition as core
 from agents.core.commands import Command, JobSpec
 from agents.core.errors import StoreError
+from agents.core.keys import make_key
 from agents.core.phases import ACTIVE, Event
 from agents.core.transition import now, transition
 from agents.jobs import deadlines, schedules
@@ -819,7 +820,7 @@ def test_a_request_stores_its_conversation_once_on_its_latest_plan_step(
     monkeypatch.undo()
     assert sorted(sent) == list(range(1, rounds + 2))
     for n, messages in sent.items():
-        assert messages == rebuild_conversation(db, "req-1", n)[1], f"round {n}"
+        assert messages == rebuild_conversation(db, "req-1", make_key("req-1", "plan", str(n)))[1], f"round {n}"
     assert _stored_conversations(db, "req-1") == {f"req-1:plan:{rounds + 1}": 2 + 2 * rounds}
 
 
@@ -844,7 +845,7 @@ def test_a_plan_step_continues_the_stored_conversation_exactly_as_a_rebuild_woul
     monkeypatch.undo()
     assert sorted(sent) == [1, 2, 3, 4]
     for n, messages in sent.items():
-        assert messages == rebuild_conversation(db, "req-1", n)[1], f"round {n}"
+        assert messages == rebuild_conversation(db, "req-1", make_key("req-1", "plan", str(n)))[1], f"round {n}"
     last = sent[4]
     roles = ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant", "tool"]
     assert [m["role"] for m in last] == roles
@@ -852,10 +853,10 @@ def test_a_plan_step_continues_the_stored_conversation_exactly_as_a_rebuild_woul
     assert last[5]["content"].startswith("A person edited this call's arguments")
     assert _stored_conversations(db, "req-1") == {"req-1:plan:4": 9}
     # A past round's conversation (dropped) and steps stored before plan results carried theirs are rebuilt.
-    assert conversation(db, "req-1", 4) == (_script(), last)
+    assert conversation(db, "req-1", make_key("req-1", "plan", "4")) == (_script(), last)
     with psycopg.connect(db.libpq_url, autocommit=True) as raw:
         raw.execute("UPDATE jobs SET result = result - 'conversation' WHERE request_id = 'req-1'")
-    assert conversation(db, "req-1", 4) == (_script(), last)
+    assert conversation(db, "req-1", make_key("req-1", "plan", "4")) == (_script(), last)
 
 
 def test_a_replayed_plan_outcome_drops_its_predecessors_conversation_as_the_first_run_would_have(
@@ -905,5 +906,5 @@ def test_a_step_after_an_old_row_without_a_conversation_rebuilds_it_and_stores_i
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
     assert _stored_conversations(db, "req-1") == {"req-1:plan:3": 6}
-    _, last = conversation(db, "req-1", 3)
-    assert last == rebuild_conversation(db, "req-1", 3)[1] and len(last) == 6
+    _, last = conversation(db, "req-1", make_key("req-1", "plan", "3"))
+    assert last == rebuild_conversation(db, "req-1", make_key("req-1", "plan", "3"))[1] and len(last) == 6
