@@ -221,7 +221,12 @@ def sees_agent(keel: Ingress, token: ApiToken, agent_id: UUID) -> bool:
     (a request, a job, an outbox message), found by its own key."""
     if token.agent_prefix is None:
         return True
-    name = keel.client.agent_names([agent_id]).get(agent_id, "")
+    return sees_named(token, keel.client.agent_names([agent_id]).get(agent_id, ""))
+
+
+def sees_named(token: ApiToken, name: str) -> bool:
+    """:meth:`ApiToken.sees` for a name as ``Client.agent_names`` gives it (a deleted agent's marked so): what the
+    console's live list of agents is woken for (``JournalListener.subscribe(..., sees=...)``)."""
     return token.sees(name.removesuffix(" (deleted)"))
 
 
