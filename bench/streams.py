@@ -103,7 +103,7 @@ class Bench:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
         env.update(
             {
-                "PYTHONPATH": str(ROOT),
+                "PYTHONPATH": self.args.server_code or str(ROOT),
                 "KEEL_DATABASE_URL": self.db_url,
                 "KEEL_BROKER_URL": self.broker_url,
                 "KEEL_BROKER_PREFIX": self.prefix,
@@ -120,7 +120,7 @@ class Bench:
             before, started = transactions(self.admin, self.db_name), time.monotonic()
             time.sleep(seconds)
             after, elapsed = transactions(self.admin, self.db_name), time.monotonic() - started
-        return (after - before - 1) / elapsed  # less the sampling statement's own transaction
+        return max(0.0, (after - before - 1) / elapsed)  # less the sampling statement's own transaction
 
     def latencies(self, url: str) -> list[float]:
         out: list[float] = []
@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=45.0, help="length of each sampling window (default 45)")
     parser.add_argument("--gets", type=int, default=200, help="plain GETs timed after each window (default 200)")
     parser.add_argument("--settle", type=float, default=15.0, help="seconds to wait before each window (default 15)")
+    parser.add_argument(
+        "--server-code",
+        help="serve the keel package found here instead (e.g. `git archive <commit> | tar -x -C DIR`: a before/after)",
+    )
     parser.add_argument("--logs", default=".keel/bench-logs", help="where the API's log goes")
     args = parser.parse_args(argv)
     limit = raise_open_files(args.streams * 2 + 1024)  # the server's sockets and this client's
