@@ -52,8 +52,6 @@ _AUTHENTICATE = (
     " FROM found"
 )
 
-_LIVE = "SELECT EXISTS (SELECT 1 FROM api_tokens WHERE id = %(id)s AND revoked_at IS NULL) AS live"
-
 _LIVE_IDS = "SELECT id FROM api_tokens WHERE id = ANY(%(ids)s) AND revoked_at IS NULL"
 
 _LIST = f"SELECT {TOKEN_COLUMNS} FROM api_tokens ORDER BY created_at, name"
@@ -88,14 +86,6 @@ def authenticate_hash(db: Database, secret_hash: str) -> TokenRow | None:
     with db.autocommit() as plain, plain.connection.cursor(row_factory=class_row(TokenRow)) as cur:
         cur.execute(_AUTHENTICATE, {"secret_hash": secret_hash})
         return cur.fetchone()
-
-
-def is_live(db: Database, token_id: UUID) -> bool:
-    """Whether the token with this id exists and is not revoked (a primary-key lookup; its use is not noted)."""
-    with db.autocommit() as plain, plain.connection.cursor(row_factory=dict_row) as cur:
-        cur.execute(_LIVE, {"id": token_id})
-        row = cur.fetchone()
-    return row is not None and bool(row["live"])
 
 
 def live_token_ids(db: Database, ids: Collection[UUID]) -> set[UUID]:

@@ -224,13 +224,6 @@ def authenticate(db: Database, secret: str) -> ApiToken | None:
     return None if row is None else ApiToken.of(row)
 
 
-def is_live(db: Database, token_id: UUID) -> bool:
-    """Whether the token with this id is still live (not revoked): what an open event stream asks again and again,
-    by id, since it no longer has the secret."""
-    with store_errors():
-        return tokens_sql.is_live(db, token_id)
-
-
 def live_token_ids(db: Database, token_ids: Collection[UUID]) -> set[UUID]:
     """Which of these tokens are still live: what the open event streams of a process ask, for all their tokens at
     once (:class:`agents.ingress.streams.Streams`)."""

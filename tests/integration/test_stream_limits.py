@@ -8,7 +8,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -118,22 +118,20 @@ def serving(db_url: str, broker: Broker) -> Iterator[str]:
 
 @pytest.fixture
 def asked(monkeypatch: pytest.MonkeyPatch) -> Counter[UUID]:
-    """How many times each token's liveness was asked of the database (by id, as open streams ask it)."""
+    """How many times each token's liveness was asked of the database by id (as open streams ask it)."""
     counts: Counter[UUID] = Counter()
-    one, many = tokens_sql.is_live, getattr(tokens_sql, "live_token_ids", None)
+    many, one = tokens_sql.live_token_ids, tokens_sql.token_by_id
 
-    def is_live(db: Database, token_id: UUID) -> bool:
+    def live_token_ids(db: Database, ids: Collection[UUID]) -> set[UUID]:
+        counts.update(set(ids))
+        return many(db, ids)
+
+    def token_by_id(db: Database, token_id: UUID) -> tokens_sql.TokenRow | None:
         counts[token_id] += 1
         return one(db, token_id)
 
-    def live_token_ids(db: Database, ids: Any) -> Any:
-        counts.update(set(ids))
-        assert many is not None
-        return many(db, ids)
-
-    monkeypatch.setattr(tokens_sql, "is_live", is_live)
-    if many is not None:
-        monkeypatch.setattr(tokens_sql, "live_token_ids", live_token_ids)
+    monkeypatch.setattr(tokens_sql, "live_token_ids", live_token_ids)
+    monkeypatch.setattr(tokens_sql, "token_by_id", token_by_id)
     return counts
 
 
