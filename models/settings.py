@@ -317,6 +317,10 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8000, ge=1, le=65535)
     api_workers: int = Field(default=1, ge=1, le=64)  # uvicorn worker processes
     api_max_body_bytes: int = Field(default=256 * 1024, ge=1024)  # larger request bodies are refused with 413
+    #: Live event streams (API and console) one token may hold open in one API process, and all tokens together;
+    #: past either a new one is refused with 429. Each is a socket: keep the process's open-file limit above it.
+    api_max_streams_per_token: int = Field(default=100, ge=1, le=100_000)
+    api_max_streams_per_process: int = Field(default=1000, ge=1, le=100_000)
     #: On SIGTERM, requests in flight get this long to finish (event streams end at once); below compose's 30 s.
     api_shutdown_seconds: int = Field(default=25, ge=0, le=3600)
     #: The address people and producers reach the API at (links in Slack messages, the demo's summary);

@@ -227,7 +227,13 @@ def seen_agents(keel: Ingress, token: ApiToken, agent_ids: list[UUID]) -> list[U
     if token.agent_prefix is None:
         return list(agent_ids)
     names = keel.client.agent_names(agent_ids)
-    return [a for a in agent_ids if token.sees(names.get(a, "").removesuffix(" (deleted)"))]
+    return [a for a in agent_ids if sees_named(token, names.get(a, ""))]
+
+
+def sees_named(token: ApiToken, name: str) -> bool:
+    """:meth:`ApiToken.sees` for a name as ``Client.agent_names`` gives it (a deleted agent's marked so): what the
+    console's live list of agents is woken for (``JournalListener.subscribe(..., sees=...)``)."""
+    return token.sees(name.removesuffix(" (deleted)"))
 
 
 def stale(keel: Ingress, token: ApiToken, exc: StaleRevision, ref: str) -> Problem:

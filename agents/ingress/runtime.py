@@ -11,6 +11,7 @@ from agents.client import Client, Publisher
 from agents.ingress.console.signin_limits import SignInLimits
 from agents.ingress.events import JournalListener
 from agents.ingress.ratelimit import Policy, RateLimiter, policy_for, scope_policies
+from agents.ingress.streams import Streams
 from agents.ingress.tokens import ApiToken
 from models.db import Database
 from models.embedded import broker_url_for
@@ -25,6 +26,7 @@ class Ingress:
     broker_url: str
     limiter: RateLimiter | None
     listener: JournalListener
+    streams: Streams
     redis: redis.Redis | None = None
     policies: dict[str, Policy] = field(default_factory=dict)
     #: The console's sign-in limits (None: KEEL_CONSOLE_SIGNIN_LIMIT_ENABLED=false, or no Redis to count in).
@@ -52,7 +54,12 @@ class Ingress:
             client=client,
             broker_url=broker_url,
             limiter=limiter,
-            listener=JournalListener(db),
+            listener=JournalListener(db, names=client.agent_names),
+            streams=Streams(
+                db,
+                per_token=settings.api_max_streams_per_token,
+                per_process=settings.api_max_streams_per_process,
+            ),
             redis=connection,
             policies=scope_policies(settings.api_rate_limits),
             signin_limits=signin_limits,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from enum import StrEnum
 from uuid import UUID
@@ -224,11 +224,11 @@ def authenticate(db: Database, secret: str) -> ApiToken | None:
     return None if row is None else ApiToken.of(row)
 
 
-def is_live(db: Database, token_id: UUID) -> bool:
-    """Whether the token with this id is still live (not revoked): what an open event stream asks again and again,
-    by id, since it no longer has the secret."""
+def live_token_ids(db: Database, token_ids: Collection[UUID]) -> set[UUID]:
+    """Which of these tokens are still live: what the open event streams of a process ask, for all their tokens at
+    once (:class:`agents.ingress.streams.Streams`)."""
     with store_errors():
-        return tokens_sql.is_live(db, token_id)
+        return tokens_sql.live_token_ids(db, token_ids)
 
 
 def live_token(db: Database, token_id: UUID) -> ApiToken | None:

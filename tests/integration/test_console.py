@@ -1035,3 +1035,21 @@ def test_every_console_answer_carries_the_security_headers_errors_included(serve
     _secured(over)
     with api.http() as http:  # the API's docs are not the console's: Swagger UI loads its assets from elsewhere
         assert "content-security-policy" not in http.get("/docs").headers
+
+
+def test_the_live_list_wakes_only_for_the_tokens_own_agents(api: Api, browsers: Browsers, client: Client) -> None:
+    """Another tenant's journal writes neither wake a prefixed token's live list nor tell it that they happened."""
+    other = client.create_agent("team-b-bot")
+    mine = browsers.signed_in(api.token("approver", prefix="team-a-", name="team-a-watcher"))
+    theirs = browsers.signed_in(api.token("approver", prefix="team-b-"))
+    timeout = httpx.Timeout(30, read=30)
+    with (
+        mine.stream("GET", "/agents/live", timeout=timeout) as quiet,
+        theirs.stream("GET", "/agents/live", timeout=timeout) as woken,
+    ):
+        assert quiet.status_code == woken.status_code == 200
+        client.submit(other.id, "b-1", script({"content": "hi"}), actor="producer")
+        # team-b's list hears of it; by then the listener has dispatched it to every list.
+        assert "event: changed" in next(woken.iter_text())
+        revoke_token(api.db, "team-a-watcher", actor="test")  # ends the quiet stream: it must have sent nothing
+        assert [line for line in quiet.iter_lines() if line.startswith("event:")] == []
