@@ -10,11 +10,12 @@ from fastapi import APIRouter, Depends, Query
 from agents.client import Client
 from agents.core.commands import check_text
 from agents.ingress.auth import require
+from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import ApprovalPage
 
-router = APIRouter(prefix="/v1/approvals", tags=["approvals"])
+router = APIRouter(prefix="/v1/approvals", tags=["approvals"], route_class=JsonBodyRoute)
 
 Keel = Annotated[Ingress, Depends(ingress)]
 MAX_PAGE = 1000
