@@ -56,6 +56,7 @@ from agents.core.errors import (
     UnknownOperation,
     quoted,
 )
+from agents.core.json_input import check_depth
 from agents.core.keys import check_request_id, make_key, split_key
 from agents.core.outage import Outage
 from agents.core.phases import Event, Phase
@@ -654,6 +655,7 @@ class Client:
         if not isinstance(arguments, Mapping):
             raise InvalidInput(f"arguments must be a JSON object, got {type(arguments).__name__}")
         edited = dict(arguments)
+        check_depth("arguments", edited)  # the bound parse_json puts on text, before anything recurses into it
         check_json_text("arguments", edited)
         self._import_handlers()
         tool = tools.stored_tool(tool_name)
@@ -790,6 +792,7 @@ class Client:
         self._imported = True
 
     def _input_json(self, value: Any) -> str:
+        check_depth("input", value)  # the bound parse_json puts on text, before anything recurses into it
         check_json_text("input", value)  # before json.dumps, which would escape a lone surrogate PostgreSQL refuses
         try:
             text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)

@@ -19,7 +19,8 @@ from uuid import UUID
 import click
 from pydantic import BaseModel
 
-from agents.core.errors import KeelError
+from agents.core.errors import InvalidInput, KeelError
+from agents.core.json_input import parse_json
 from agents.core.redaction import register_settings
 from agents.observability.otlp import CLI, traces_endpoint
 from models.clock import rfc3339
@@ -96,6 +97,15 @@ def friendly(fn: Callable[P, R]) -> Callable[P, R]:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
     return wrapper
+
+
+def json_value(option: str, text: str) -> Any:
+    """The JSON an option (``--input``, ``--arguments``, ``--script``) was given, by the one rule every door uses
+    (:func:`~agents.core.json_input.parse_json`); anything else is a usage error naming the option and the rule."""
+    try:
+        return parse_json(option, text)
+    except InvalidInput as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"{option}: "), param_hint=option) from None
 
 
 # One output format for every command (README, "Output"):

@@ -107,7 +107,7 @@ def test_agent_lifecycle_from_the_command_line(db_url: str) -> None:
         (("agent", "show", "ghost"), "no agent has the id or name 'ghost'"),
         (("agent", "create", "bad name"), "name: String should match pattern"),
         (("agent", "create", "x", "--budget-cost", "lots"), "'lots' is not a number"),
-        (("submit", "ops", "r1", "--input", "{oops"), "not JSON"),
+        (("submit", "ops", "r1", "--input", "{oops"), "not valid JSON"),
         (("approve", "ops", "--revision", "0"), "agent 'ops' is idle: 'approve' is not allowed (allowed: submit)"),
         (("cancel", "ops", "--revision", "5"), "stale revision for agent 'ops': the command expected revision 5,"),
         (("submit", "ops", "r1"), "--input is required: the request's input as JSON"),
@@ -289,7 +289,7 @@ def test_run_state_and_kpi_from_the_command_line(db_url: str, tmp_path: Path) ->
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")
     refused = keel(db_url, "run", "helper", "x", "--script", str(bad), check=False)
-    assert refused.returncode == 2 and "not JSON" in refused.stderr
+    assert refused.returncode == 2 and "not valid JSON" in refused.stderr
     kpis = json.loads(keel(db_url, "kpi", "--json").stdout)
     assert sum(kpis["suppressed_duplicates"].values()) == 0 and kpis["side_effect_duplicates"] == 0
 

@@ -756,8 +756,8 @@ def test_edit_and_approve_runs_the_call_with_the_edited_arguments(api: Api, brow
 @pytest.mark.parametrize(
     ("typed", "named"),
     [
-        ('{"repository": "acme/api", "issue": 7, "body": "x",}', "arguments are not valid JSON: Expecting property"),
-        ('{"repository": "acme/api",\n "issue": seven}', "arguments are not valid JSON: Expecting value (line 2"),
+        ('{"repository": "acme/api", "issue": 7, "body": "x",}', "arguments: not valid JSON: Expecting property"),
+        ('{"repository": "acme/api",\n "issue": seven}', "arguments: not valid JSON: Expecting value (line 2"),
         ("[1, 2]", "arguments must be a JSON object"),
         ("   ", "arguments: give the call&#39;s arguments as a JSON object (the field is empty)"),
         ('{"repository": "acme/api", "issue": NaN, "body": "x"}', "NaN is not a JSON value"),

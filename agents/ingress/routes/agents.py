@@ -16,6 +16,7 @@ from agents.core.journal import agent_events_after, events_at_revision
 from agents.core.observe import annotate
 from agents.core.phases import Phase
 from agents.ingress.auth import require, resolve, stale
+from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.etags import etag, none_match
 from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.events import InvalidEventId, parse_last_event_id, sse_events
@@ -26,7 +27,7 @@ from agents.ingress.streams import Hold
 from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import AgentPage, AgentState
 
-router = APIRouter(prefix="/v1/agents", tags=["agents"])
+router = APIRouter(prefix="/v1/agents", tags=["agents"], route_class=JsonBodyRoute)
 
 Keel = Annotated[Ingress, Depends(ingress)]
 IfMatch = Annotated[str | None, Header(description='"r<revision>": the revision the decision was made on')]
