@@ -208,7 +208,9 @@ class Bench:
         log = self.logs / f"api-{workers}w.log"
         argv = [KEEL, "serve", "--port", str(port), "--workers", str(workers), "-l", "warning"]
         with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=out, cwd=ROOT, start_new_session=True)
+            # Several processes need one console session key (keel serve refuses to start without).
+            env = {"KEEL_CONSOLE_SESSION_KEY": "bench-" + "k" * 32, **self.env}
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, cwd=ROOT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
