@@ -147,6 +147,8 @@ def serve(env: dict[str, str], logs: Path, workers: int = 1) -> Iterator[str]:
     port = free_port()
     log = logs / f"api-{workers}w.log"
     argv = [KEEL, "serve", "--port", str(port), "--workers", str(workers), "-l", "warning"]
+    # Several processes need one console session key (keel serve refuses to start without).
+    env = {"KEEL_CONSOLE_SESSION_KEY": "bench-" + "k" * 32, **env}
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -29,13 +29,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def settings_or_exit(*, imports: bool = False) -> Any:
+def settings_or_exit(*, imports: bool = False, **overrides: Any) -> Any:
     """The settings, or one line ``bad configuration: KEEL_X: rule`` and exit 1. ``imports``: also import
-    ``KEEL_IMPORTS`` now (commands that start a worker)."""
+    ``KEEL_IMPORTS`` now (commands that start a worker). ``overrides``: what the command's options say instead of
+    the environment (checked by the same rules)."""
     from models.settings import BadConfiguration, check_imports, load_settings
 
     try:
-        settings = load_settings()
+        settings = load_settings(**overrides)
         if imports:
             check_imports(settings)
     except BadConfiguration as exc:

@@ -41,7 +41,7 @@ from agents.ingress.ratelimit import headers as rate_headers
 from agents.ingress.routes.approvals import approvals_for
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.streams import Hold
-from agents.ingress.tokens import ApiToken, Permission, authenticate, live_token
+from agents.ingress.tokens import ApiToken, Permission, live_token
 from models import alerts_sql, approvals_sql, console_sql, kpi_sql
 from models.jobs_sql import job_row
 from models.outbox_sql import UNSENT, message_row, unsent_page
@@ -246,27 +246,22 @@ async def signin(request: Request, keel: Keel) -> Response:
     key = sessions.session_key(keel.settings)
     if not sessions.signin_nonce_ok(key, request.cookies.get(sessions.SIGNIN_COOKIE), form.get("csrf")):
         return _signin_page(keel, next_url, error="The sign-in form expired: try again.", status=403)
-    limits = keel.signin_limits
-    attempt = None
-    if limits is not None:
-        # Counted before the token is looked up: over the limit not even a correct token is tried.
-        attempt = await run_in_threadpool(limits.attempt, request.client.host if request.client else None)
-        if not attempt.allowed:
-            whose = "from every address together" if attempt.everyone else "from your address"
-            return _signin_page(
-                keel,
-                next_url,
-                error=f"Too many failed sign-ins {whose}: wait {attempt.retry_after} seconds, then try again (the"
-                " token was not checked).",
-                status=429,
-                headers=attempt.headers,
-            )
-    token = await run_in_threadpool(authenticate, keel.db, form.get("token", "").strip())
+    secret = form.get("token", "").strip()
+    attempt = await run_in_threadpool(keel.try_token, request.client.host if request.client else None, secret)
+    if attempt.refused:
+        return _signin_page(
+            keel,
+            next_url,
+            error=f"Too many failed sign-ins from your address: wait {attempt.retry_after} seconds, then try again"
+            " (the token was not checked).",
+            status=429,
+            headers=attempt.headers,
+        )
+    token = attempt.token
     if token is None:
-        headers = None if attempt is None else attempt.headers
-        return _signin_page(keel, next_url, error="That token is unknown or revoked.", status=401, headers=headers)
-    if limits is not None and attempt is not None:
-        await run_in_threadpool(limits.forgive, attempt)  # a real token: no failed guess
+        return _signin_page(
+            keel, next_url, error="That token is unknown or revoked.", status=401, headers=attempt.headers
+        )
     if not sessions.may_sign_in(token):
         return _signin_page(
             keel,
