@@ -18,9 +18,9 @@ from agents.core.errors import InvalidInput, quoted
 # Request ids and operations are single key segments; a target may itself contain ':' (e.g. ``tool:search:c1``).
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 _TARGET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:/#@]{0,255}$")
-# A request's key: ``{agent id as 32 hex digits}.{request id}``; a bare request id in keys written before migration
-# 0028 and in Keel's own system requests (alerts, reports), whose ids no producer can submit.
-_REQUEST_KEY = re.compile(r"^(?:[0-9a-f]{32}\.)?[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+# A request's key: ``{agent id as 32 hex digits}~{request id}`` (no request id has a ``~``: these never equal a bare
+# one); a bare request id in keys written before migration 0028 and in Keel's own system requests (alerts, reports).
+_REQUEST_KEY = re.compile(r"^(?:[0-9a-f]{32}~)?[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 
 
 def check_request_id(request_id: str) -> str:
@@ -36,7 +36,7 @@ def check_request_id(request_id: str) -> str:
 def request_key(agent_id: UUID, request_id: str) -> str:
     """The first segment of every key of request ``request_id`` of agent ``agent_id``: unique across agents, so one
     tenant's request ids can neither occupy nor collide with another's, and the same in every process, forever."""
-    return f"{agent_id.hex}.{check_request_id(request_id)}"
+    return f"{agent_id.hex}~{check_request_id(request_id)}"
 
 
 def current_request_key(agent_id: UUID, request_id: str | None, stored: str | None) -> str:
@@ -53,7 +53,7 @@ def make_key(request: str, operation: str, target: str) -> str:
     """The one way to build a key from a request's key (:func:`request_key`). The same inputs give the same key in
     every process, forever."""
     if not isinstance(request, str) or not _REQUEST_KEY.fullmatch(request):
-        raise InvalidInput(f"request key {quoted(request)} is invalid: expected [<agent hex>.]<request id>")
+        raise InvalidInput(f"request key {quoted(request)} is invalid: expected [<agent hex>~]<request id>")
     if not _SEGMENT.fullmatch(operation):
         raise InvalidInput(f"operation {quoted(operation)} is invalid: one segment of letters, digits, '.', '_', '-'")
     if not _TARGET.fullmatch(target):
@@ -70,8 +70,8 @@ def split_key(key: str) -> tuple[str, str, str]:
 def request_id_of(key: str) -> str:
     """The request id a key names (for log lines and spans: the rows store it), without its agent part."""
     request = split_key(key)[0]
-    agent, dot, request_id = request.partition(".")
-    return request_id if dot and len(agent) == 32 and _REQUEST_KEY.fullmatch(request) else request
+    _, tilde, request_id = request.partition("~")
+    return request_id if tilde else request
 
 
 def derive(step_key: str, operation: str, target: str) -> str:
