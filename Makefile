@@ -1,7 +1,7 @@
 # Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
 PY ?= .venv/bin/python
 
-.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-verify bench-scale bench-peers docs demo
+.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-verify bench-scale bench-peers bench-streams docs demo
 
 install:
 	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
@@ -46,6 +46,10 @@ bench-peers:
 
 bench-verify:
 	$(PY) -m bench.verify
+
+# Not part of `make bench`: holds 3,000 idle event streams open against one keel serve (a few minutes).
+bench-streams:
+	$(PY) -m bench.streams
 
 docs:
 	.venv/bin/keel docs phases

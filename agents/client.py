@@ -56,7 +56,8 @@ from agents.core.errors import (
     UnknownOperation,
     quoted,
 )
-from agents.core.keys import check_request_id, split_key
+from agents.core.json_input import check_depth
+from agents.core.keys import check_request_id, make_key, split_key
 from agents.core.outage import Outage
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
@@ -601,7 +602,7 @@ class Client:
         if row is None or row["details"] is None:
             raise RequestNotFound(request_id)
         details = row["details"]
-        first_job = (details.get("jobs") or [f"{request_id}:plan:1"])[0]
+        first_job = (details.get("jobs") or [make_key(request_id, "plan", "1")])[0]
         return RequestRecord(
             request_id=row["request_id"],
             agent_id=row["agent_id"],
@@ -654,6 +655,7 @@ class Client:
         if not isinstance(arguments, Mapping):
             raise InvalidInput(f"arguments must be a JSON object, got {type(arguments).__name__}")
         edited = dict(arguments)
+        check_depth("arguments", edited)  # the bound parse_json puts on text, before anything recurses into it
         check_json_text("arguments", edited)
         self._import_handlers()
         tool = tools.stored_tool(tool_name)
@@ -790,6 +792,7 @@ class Client:
         self._imported = True
 
     def _input_json(self, value: Any) -> str:
+        check_depth("input", value)  # the bound parse_json puts on text, before anything recurses into it
         check_json_text("input", value)  # before json.dumps, which would escape a lone surrogate PostgreSQL refuses
         try:
             text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)

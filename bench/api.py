@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from uuid import UUID
@@ -140,6 +140,42 @@ def free_port() -> int:
         return port
 
 
+@contextmanager
+def serve(env: dict[str, str], logs: Path, workers: int = 1) -> Iterator[str]:
+    """A ``keel serve`` subprocess with ``env`` on a free port, ready (``/readyz``); its URL. Stopped by its pid
+    after (SIGTERM, then SIGKILL)."""
+    port = free_port()
+    log = logs / f"api-{workers}w.log"
+    argv = [KEEL, "serve", "--port", str(port), "--workers", str(workers), "-l", "warning"]
+    # Several processes need one console session key (keel serve refuses to start without).
+    env = {"KEEL_CONSOLE_SESSION_KEY": "bench-" + "k" * 32, **env}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"keel serve exited with {proc.returncode}; see {log}")
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"keel serve not ready in 60 s; see {log}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         settings = Settings()
@@ -201,37 +237,8 @@ class Bench:
             t.join()
         return out
 
-    @contextmanager
-    def api(self, workers: int) -> Iterator[str]:
-        """A ``keel serve`` subprocess on a free port, ready (``/readyz``); stopped by its pid after."""
-        port = free_port()
-        log = self.logs / f"api-{workers}w.log"
-        argv = [KEEL, "serve", "--port", str(port), "--workers", str(workers), "-l", "warning"]
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=out, cwd=ROOT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"keel serve exited with {proc.returncode}; see {log}")
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"keel serve not ready in 60 s; see {log}")
-                time.sleep(0.1)
-            yield url
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    def api(self, workers: int) -> AbstractContextManager[str]:
+        return serve(self.env, self.logs, workers)
 
     def scenario(self, workers: int) -> tuple[list[Result], list[Result]]:
         """Alternating direct and HTTP runs against one ``keel serve --workers N``."""

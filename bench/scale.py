@@ -36,13 +36,13 @@ from celery import Celery
 from agents.cli.progress import Progress
 from agents.core.commands import Command, JobSpec, MessageSpec
 from agents.core.journal import verify
-from agents.core.keys import make_key, request_key
+from agents.core.keys import make_key, request_id_of, request_key
 from agents.core.phases import Event
 from agents.core.transition import create_agent, transition
 from agents.jobs.deadlines import enforce
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
-from agents.runtime.loop import RequestOf, conversation
+from agents.runtime.loop import conversation
 from bench import seed
 from models import migrations
 from models.db import Database
@@ -85,7 +85,7 @@ class Bed:
     relay: Relay
     sizes: seed.Sizes
     live: list[UUID] = field(default_factory=list)  # agents with a request in flight (planning)
-    live_requests: list[RequestOf] = field(default_factory=list)
+    live_requests: list[str] = field(default_factory=list)  # each live agent's request key
     counter: itertools.count[int] = field(default_factory=itertools.count)
     rng: random.Random = field(default_factory=lambda: random.Random(15))
 
@@ -113,7 +113,7 @@ def measure_claim(bed: Bed) -> float:
     i = bed.next()
     n = i % len(bed.live)
     transition(bed.db, Command(bed.live[n], Event.PROGRESS, "bench", jobs=(JobSpec("tool", f"claim.{i}"),)))
-    key = bed.live_requests[n].key("tool", f"claim.{i}")
+    key = make_key(bed.live_requests[n], "tool", f"claim.{i}")
     return timed(lambda: claim(bed.db, key, "bench", timedelta(minutes=30)))
 
 
@@ -136,8 +136,11 @@ def measure_relay(bed: Bed) -> float:
 
 def measure_conversation(bed: Bed) -> float:
     """A plan step's conversation read (agents/runtime/loop.py conversation, over models/jobs_sql.py)."""
-    request = bed.live_requests[bed.next() % len(bed.live_requests)]
-    return timed(lambda: conversation(bed.db, request, 2))
+    n = bed.next() % len(bed.live_requests)
+    request = bed.live_requests[n]
+    return timed(
+        lambda: conversation(bed.db, bed.live[n], request_id_of(f"{request}::"), make_key(request, "plan", "2"))
+    )
 
 
 def measure_deadlines(bed: Bed) -> float:
@@ -282,7 +285,7 @@ def make_bed(label: str, url: str, sizes: seed.Sizes, live: int, slack_url: str,
             input_json='{"text": "look something up"}',
         )  # fmt: skip
         bed.live.append(row.id)
-        bed.live_requests.append(RequestOf(row.id, request, make_key(request_key(row.id, request), "plan", "1")))
+        bed.live_requests.append(request_key(row.id, request))
     dispatch_once(db, bed.celery, settings)  # the plan steps are published: the steady state every tick starts from
     return bed
 

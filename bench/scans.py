@@ -31,8 +31,9 @@ from typing import Any
 import psycopg
 
 from agents.cli.progress import Progress
+from agents.core.keys import make_key
 from agents.jobs import deadlines, schedules
-from agents.runtime.loop import RequestOf, conversation, rebuild_conversation, step_target
+from agents.runtime.loop import conversation, rebuild_conversation, step_target
 from models import migrations
 from models.audit_keys import audit_keys_for
 from models.db import Database
@@ -121,13 +122,13 @@ def _long_request(raw: psycopg.Connection[Any], owner: Any) -> None:
     for n in range(1, ROUNDS + 1):
         call = {"id": f"call_{n}", "type": "function", "function": {"name": "slack_post", "arguments": "{}"}}
         reply = {"role": "assistant", "content": None, "tool_calls": [call]}
-        tool_key = f"{REQUEST}:tool:{step_target('slack_post', n, call['id'])}"
+        tool_key = make_key(REQUEST, "tool", step_target("slack_post", n, call["id"]))
         content = f"posted message {n} " + "x" * 200
         for key, operation, target, result in (
             # As the loop stores them: only the latest plan step keeps the conversation it sent (a step's outcome
             # drops the previous one's), the others their reply alone.
             (
-                f"{REQUEST}:plan:{n}",
+                make_key(REQUEST, "plan", str(n)),
                 "plan",
                 str(n),
                 {"reply": reply, **({"conversation": sent} if n == ROUNDS else {})},
@@ -188,13 +189,13 @@ def measure(db: Database, repeat: int) -> dict[str, float]:
         (owner,) = conn.execute("SELECT agent_id FROM requests WHERE request_id = %s", (REQUEST,)).fetchone()  # type: ignore[misc]
         conn.commit()
     # Seeded with bare request keys, as requests submitted before migration 0028 are.
-    req = RequestOf(owner, REQUEST, f"{REQUEST}:plan:1")
+    plan_key = make_key(REQUEST, "plan", str(ROUNDS + 1))
 
     def read() -> None:
-        assert len(conversation(db, req, ROUNDS + 1)[1]) == 2 + 2 * ROUNDS
+        assert len(conversation(db, owner, REQUEST, plan_key)[1]) == 2 + 2 * ROUNDS
 
     def rebuild() -> None:
-        assert len(rebuild_conversation(db, req, ROUNDS + 1)[1]) == 2 + 2 * ROUNDS
+        assert len(rebuild_conversation(db, owner, REQUEST, plan_key)[1]) == 2 + 2 * ROUNDS
 
     return {
         "dispatcher tick (10 due)": median_ms(tick, repeat),

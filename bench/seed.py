@@ -29,12 +29,13 @@ import psycopg
 from psycopg.rows import dict_row
 
 from agents.core import journal
+from agents.core.keys import step_message_key
 from models.audit_keys import AuditKeys
 from models.db import Database
 from models.tables import GENESIS_HASH
 
 #: Bumped whenever what a seed writes changes: a database seeded by another version is seeded again.
-SEED_VERSION = 1
+SEED_VERSION = 2
 #: The bench's own audit key: its journals are linked with it (only bench databases ever hold such events).
 BENCH_KEY_ID = "bench-scale-1"
 BENCH_KEYS = AuditKeys.of({BENCH_KEY_ID: "keel-bench-scale-audit-key-for-bench-databases-only"}, BENCH_KEY_ID)
@@ -100,7 +101,8 @@ def _tool(round_: int) -> str:
 
 
 def message_key(k: int) -> str:
-    return f"{request_id(k)}:slack:call_{POSTING_ROUND}"
+    """The message the posting round's tool step emits, keyed from that step's key as the runtime keys it."""
+    return step_message_key(job_key(k, 2 * POSTING_ROUND), "slack", "post")
 
 
 def destination(k: int) -> str:
@@ -235,7 +237,8 @@ _OUTBOX = f"""
 INSERT INTO outbox (key, seq, agent_id, request_id, channel, destination, payload, status, attempts, next_attempt_at,
                     claim_token, external_id, created_at, updated_at, sent_at)
 OVERRIDING SYSTEM VALUE
-SELECT a.request_id || ':slack:call_{POSTING_ROUND}', k + 1, a.id, a.request_id, 'slack',
+SELECT a.request_id || ':slack:tool.slack_post:{POSTING_ROUND}.call_{POSTING_ROUND}@post', k + 1, a.id,
+       a.request_id, 'slack',
        'C' || lpad((k %% {DESTINATIONS})::text, 6, '0'), jsonb_build_object('text', 'item ' || k || ' is in stock'),
        'sent', 1, t.emitted, 1, '1700000000.' || lpad(k::text, 6, '0'), t.emitted, t.sent, t.sent
 FROM (SELECT substr(name, 7)::bigint AS k, * FROM agents

@@ -267,10 +267,24 @@ _SUCCESSES_READ = 100
 def last_success_age_txn(conn: psycopg.Connection[Any], keys: SealKeys | None) -> float | None:
     """Seconds since the latest recorded `keel audit verify` that passed and whose seal holds under ``keys``, on the
     database's clock (it stamped the row); None when none of the latest passing ones can be believed, or none ran."""
+    return _believed_age_txn(conn, keys, "ok")
+
+
+def last_full_age(db: Database) -> float | None:
+    """Seconds since the latest recorded full `keel audit verify` (passed or not) whose seal holds, on the database's
+    clock; None when none can be believed, or none ran. The leading beat's full pass is due by it."""
+    with db.connection() as conn:
+        try:
+            return _believed_age_txn(conn, db.audit_keys, "details->>'mode' = 'full'")
+        finally:
+            end_read(conn)
+
+
+def _believed_age_txn(conn: psycopg.Connection[Any], keys: SealKeys | None, where: str) -> float | None:
     with conn.cursor(row_factory=class_row(Verification)) as cur:
         cur.execute(
             "SELECT id, at, source, ok, agents, events, breaks, details, key_id, seal FROM audit_verifications"
-            " WHERE ok ORDER BY id DESC LIMIT %s",
+            f" WHERE {where} ORDER BY id DESC LIMIT %s",
             (_SUCCESSES_READ,),
         )
         rows = cur.fetchall()

@@ -88,6 +88,8 @@ class Checkpoint:
     key_id: str
     seal: str
     broken_seq: int | None = None
+    #: When the verify that set it ran (the database's clock; not sealed: it says when, it proves nothing).
+    verified_at: datetime | None = None
 
 
 def checkpoint_seal_parts(
@@ -129,8 +131,8 @@ def checkpoint_parts_of(cp: Checkpoint) -> list[str | int | None]:
 
 
 _CHECKPOINTS = (
-    "SELECT agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal, broken_seq"
-    " FROM audit_verified_chains WHERE agent_id {low} %(low)s AND agent_id <= %(high)s ORDER BY agent_id"
+    "SELECT agent_id, seq, hash, revision, phase, request_id, keyed_at, deleted_at, legacy, key_id, seal, broken_seq,"
+    " verified_at FROM audit_verified_chains WHERE agent_id {low} %(low)s AND agent_id <= %(high)s ORDER BY agent_id"
 )
 
 

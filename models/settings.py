@@ -275,10 +275,10 @@ class Settings(BaseSettings):
     # has passed for this long: three of the beat's hourly passes missed.
     alert_audit_verify_stale_max_seconds: float = Field(default=10800.0, gt=0)
     # The leading beat runs `keel audit verify` (in a thread of its own) this often, incrementally: each chain from its
-    # checkpoint; 0: never. Every audit_verify_full_interval_seconds that run is a full pass instead (every chain from
-    # its start: the only pass that sees an edit below a checkpoint); 0: never a full one.
+    # checkpoint; 0: never. Once the last full pass recorded (the beat's or a person's) is this old, that run is a
+    # full pass instead (every chain from its start: the only pass that sees an edit below a checkpoint); 0: never.
     audit_verify_interval_seconds: float = Field(default=3600.0, ge=0)
-    audit_verify_full_interval_seconds: float = Field(default=7 * 86400.0, ge=0)
+    audit_verify_full_interval_seconds: float = Field(default=86400.0, ge=0)
     # Chains a verify walks per transaction: each chunk's snapshot ends with it, so vacuum is held back for one chunk.
     audit_verify_chunk_chains: int = Field(default=500, ge=1, le=100_000)
     # ... and fewer when their walks would read more events than this together (a longer chain is a chunk of its own).
@@ -317,6 +317,10 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8000, ge=1, le=65535)
     api_workers: int = Field(default=1, ge=1, le=64)  # uvicorn worker processes
     api_max_body_bytes: int = Field(default=256 * 1024, ge=1024)  # larger request bodies are refused with 413
+    #: Live event streams (API and console) one token may hold open in one API process, and all tokens together;
+    #: past either a new one is refused with 429. Each is a socket: keep the process's open-file limit above it.
+    api_max_streams_per_token: int = Field(default=100, ge=1, le=100_000)
+    api_max_streams_per_process: int = Field(default=1000, ge=1, le=100_000)
     #: On SIGTERM, requests in flight get this long to finish (event streams end at once); below compose's 30 s.
     api_shutdown_seconds: int = Field(default=25, ge=0, le=3600)
     #: The address people and producers reach the API at (links in Slack messages, the demo's summary);
@@ -327,16 +331,18 @@ class Settings(BaseSettings):
     # to its /v1/traces). Unset, the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT turn
     # them on instead (agents/observability/tracing.py).
     otlp_endpoint: str | None = None
-    # Prometheus metrics. The API serves /metrics on its own port (unauthenticated unless a token is set); workers and
-    # beats each serve it on a port of their own, 0 = not served (several on one host need distinct ports).
-    api_metrics: bool = True
+    # Prometheus metrics (every tenant's spend and alerts are in them). Each process serves /metrics on a port of its
+    # own on KEEL_METRICS_HOST, 0 = not served (several on one host need distinct ports): the API's is served by `keel
+    # serve`'s main process for all its workers. With a token, the API also serves /metrics on its own port to a
+    # scrape that sends it; without one, never there.
+    api_metrics_port: int = Field(default=0, ge=0, le=65535)
     api_metrics_token: SecretStr | None = None
     #: The proxies ``keel serve`` believes the ``X-Forwarded-For`` and ``X-Forwarded-Proto`` headers of (addresses or
     #: networks, e.g. ["10.0.0.0/8"]): the client address the console's sign-in limit counts by comes from them only
     #: when the connection comes from one of these. Empty: believe no one, the connection's own address counts.
     api_forwarded_allow_ips: list[str] = Field(default_factory=list)
     #: Signs the operator console's session cookies (at least 32 characters). None: a random key per API process,
-    #: so sessions end when it restarts and do not carry over between processes (set it with KEEL_API_WORKERS > 1).
+    #: so sessions end when it restarts; required with KEEL_API_WORKERS > 1 (sessions must carry over between them).
     console_session_key: SecretStr | None = None
 
     # The journal's key ring (models/audit_keys.py): key id -> secret (at least 32 bytes), as JSON, e.g.
@@ -345,10 +351,11 @@ class Settings(BaseSettings):
     # in the ring to check older events. Unset outside production: a key generated once under KEEL_HOME.
     audit_keys: dict[str, SecretStr] = Field(default_factory=dict)
     audit_key_id: str | None = None
-    #: Failed console sign-ins (an unknown or revoked token), counted in Redis like the API's rate limits: from one
-    #: client address at most ``burst`` at once, then one more every 60/``per_minute`` seconds; and over all addresses
-    #: together the ``global`` pair, so guessing from many addresses is slowed too. Over either, a sign-in is refused
-    #: (429) before its token is looked up — a correct token too — until the allowance comes back.
+    #: Failed tokens (unknown or revoked, at the console's sign-in or in an API call), counted in Redis like the API's
+    #: rate limits: from one client address at most ``burst`` at once, then one more every 60/``per_minute`` seconds;
+    #: an address over it is refused (429) before its token is looked up, a correct one too. Over all addresses
+    #: together the ``global`` pair: past it, one failure uses up its address's allowance (agents/ingress/console/
+    #: signin_limits.py); it never refuses a real token by itself.
     console_signin_limit_enabled: bool = True
     console_signin_burst: int = Field(default=10, ge=1, le=1_000_000)
     console_signin_per_minute: float = Field(default=5.0, gt=0, le=1_000_000, allow_inf_nan=False)
@@ -486,6 +493,26 @@ class Settings(BaseSettings):
             raise ValueError(
                 "KEEL_CONSOLE_SIGNIN_GLOBAL_BURST: must not be below KEEL_CONSOLE_SIGNIN_BURST (the ceiling over every"
                 " address would be lower than one address's own limit)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _api_metrics_port_is_its_own(self) -> Settings:
+        if self.api_metrics_port == self.api_port:
+            raise ValueError(
+                f"KEEL_API_METRICS_PORT: {self.api_metrics_port} is the API's own port (KEEL_API_PORT or keel serve"
+                " --port): metrics are served on a port of their own"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _several_api_processes_share_a_session_key(self) -> Settings:
+        # `keel serve --workers N` is held to this too: it loads the settings with api_workers=N.
+        if self.api_workers > 1 and self.console_session_key is None:
+            raise ValueError(
+                "KEEL_CONSOLE_SESSION_KEY: required when KEEL_API_WORKERS is above 1 (or keel serve --workers): each"
+                " process would sign console sessions with a random key of its own, so signing in would fail on"
+                " alternate requests"
             )
         return self
 

@@ -67,32 +67,31 @@ def create() -> FastAPI:
     install_log_redaction([logging.getLogger(), *map(logging.getLogger, UVICORN_LOGGERS)])
     use_structlog()  # structlog's lines through uvicorn's handlers; the request's context on every line
     configure_tracing(settings, API)  # in each API process (uvicorn starts its workers afresh): off without an endpoint
-    domain = domain_collectors(settings)
-    metrics = install_metrics("api", collectors=domain.collectors)
-    # The collectors' pool is closed with the app (a reloaded or in-process app leaves no connection behind).
-    app = create_app(settings, publisher=submit_publisher(settings), on_close=(domain.close,))
-    if settings.api_metrics:
-        app.add_api_route(
-            "/metrics", metrics_endpoint(metrics, settings.api_metrics_token), methods=["GET"], include_in_schema=False
-        )
+    token = settings.api_metrics_token
+    # Recorded in every API process (keel serve's exporter, KEEL_API_METRICS_PORT, sums them); on the public port only
+    # behind a token of their own. The collectors' pool is closed with the app (a reloaded or in-process app leaves no
+    # connection behind).
+    domain = None if token is None else domain_collectors(settings)
+    metrics = install_metrics("api", collectors=() if domain is None else domain.collectors)
+    app = create_app(settings, publisher=submit_publisher(settings), on_close=() if domain is None else (domain.close,))
+    if token is not None:
+        app.add_api_route("/metrics", metrics_endpoint(metrics, token), methods=["GET"], include_in_schema=False)
     return app
 
 
-def metrics_endpoint(metrics: Metrics, token: SecretStr | None) -> Callable[[Request], Response]:
-    """``GET /metrics``: what this API exports (every worker process's numbers with ``keel serve --workers N``). With
-    ``token`` (KEEL_API_METRICS_TOKEN) a scrape must send it as a Bearer token; without, anyone who reaches the port
-    may read it."""
-    expected = None if token is None else token.get_secret_value().encode()
+def metrics_endpoint(metrics: Metrics, token: SecretStr) -> Callable[[Request], Response]:
+    """``GET /metrics`` on the API's own port: what this API exports (every worker process's numbers with ``keel
+    serve --workers N``), to a scrape that sends ``token`` (KEEL_API_METRICS_TOKEN) as a Bearer token."""
+    expected = token.get_secret_value().encode()
 
     def scrape(request: Request) -> Response:  # a plain function: FastAPI runs it in its thread pool
-        if expected is not None:
-            scheme, given = get_authorization_scheme_param(request.headers.get("authorization"))
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
-                raise Problem(
-                    UNAUTHORIZED,
-                    "send KEEL_API_METRICS_TOKEN as a Bearer token to read /metrics",
-                    headers={"WWW-Authenticate": 'Bearer realm="keel-metrics"'},
-                )
+        scheme, given = get_authorization_scheme_param(request.headers.get("authorization"))
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected):
+            raise Problem(
+                UNAUTHORIZED,
+                "send KEEL_API_METRICS_TOKEN as a Bearer token to read /metrics",
+                headers={"WWW-Authenticate": 'Bearer realm="keel-metrics"'},
+            )
         body, content_type = metrics.exposition(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 

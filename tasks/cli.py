@@ -61,8 +61,8 @@ def _metrics_port_or_exit(settings: Settings, port: int, variable: str) -> None:
 
     if port and not port_is_free(port, settings.metrics_host):
         raise click.ClickException(
-            f"{variable}={port}: the port is taken on {settings.metrics_host}; give every worker and beat on this"
-            " host its own port, or 0 for no metrics exporter"
+            f"{variable}={port}: the port is taken on {settings.metrics_host}; give every API, worker and beat on"
+            " this host its own port, or 0 for no metrics exporter"
         )
 
 
@@ -187,8 +187,12 @@ def _stopped(sig: int, frame: FrameType | None) -> None:
 @click.option("-l", "--loglevel", default="info", show_default=True)
 def serve(host: str | None, port: int | None, workers: int | None, loglevel: str) -> None:
     """Run the HTTP API (docs at /docs, OpenAPI at /openapi.json) under uvicorn."""
-    settings = _settings(imports=True)
+    # The options go through the settings' checks like the variables they stand for (several processes need a shared
+    # session key; the metrics port is not the API's).
+    given = {"api_host": host, "api_port": port, "api_workers": workers}
+    settings = _settings(imports=True, **{name: value for name, value in given.items() if value is not None})
     _schema_or_exit(settings)
+    _metrics_port_or_exit(settings, settings.api_metrics_port, "KEEL_API_METRICS_PORT")
     register_settings(settings)
     import uvicorn
 
@@ -196,22 +200,25 @@ def serve(host: str | None, port: int | None, workers: int | None, loglevel: str
     from agents.observability.metrics import multiprocess_dir, prepare_multiprocess
     from models.embedded import broker_url_for, database_url_for
     from tasks.api import log_config
+    from tasks.metrics import serve_api_metrics
 
     # Start the embedded servers (if they are the default) once, here, rather than in every worker process.
     database_url_for(settings)
     broker_url_for(settings)
-    processes = workers or settings.api_workers
+    processes = settings.api_workers
     if processes > 1 or multiprocess_dir() is not None:
-        # Each uvicorn worker's /metrics must answer for all of them: they share one multiprocess directory.
+        # This process's exporter (and each worker's token-guarded /metrics) answers for all of them: they share one
+        # multiprocess directory.
         prepare_multiprocess("api")
+    serve_api_metrics(settings)
     # uvicorn handles SIGTERM itself (a graceful shutdown), then raises it again once it has stopped: a stop that was
     # asked for and went well ends with status 0, not as killed by the signal.
     signal.signal(signal.SIGTERM, _stopped)
     uvicorn.run(
         "tasks.api:create",
         factory=True,
-        host=host or settings.api_host,
-        port=port or settings.api_port,
+        host=settings.api_host,
+        port=settings.api_port,
         workers=processes,
         # Keel's lines and uvicorn's (access lines too) with timestamps, every one redacted, in each worker process.
         log_config=log_config(loglevel, json=choose_json(settings.log_format)),

@@ -21,6 +21,7 @@ from datetime import timedelta
 from agents.audit.ship import ShipperBusy, ship_configured
 from agents.audit.verify import verify_and_record
 from agents.core.outage import unreachable
+from agents.core.verdict import Verdict
 from agents.observability import alerts, report
 from models import alerts_sql, partitions_sql, retention_sql
 from models.alerts_sql import Term
@@ -31,7 +32,6 @@ log = logging.getLogger("keel.leader")
 
 ALERTS_CHORE = "alerts"
 AUDIT_VERIFY_CHORE = "audit_verify"
-AUDIT_VERIFY_FULL_CHORE = "audit_verify_full"
 AUDIT_SHIP_CHORE = "audit_ship"
 JOURNAL_PARTITIONS_CHORE = "journal_partitions"
 PRUNE_CHORE = "prune"
@@ -116,10 +116,10 @@ class LeaderDuties:
     def _verify(self) -> None:
         try:
             every = self.settings.audit_verify_full_interval_seconds
-            # Claimed as it starts: a full pass that fails to run waits for the next interval, as every chore does.
-            full = bool(every) and (
-                alerts_sql.claim_chore(self.db, AUDIT_VERIFY_FULL_CHORE, timedelta(seconds=every)) is not None
-            )
+            # Due by the last full pass recorded (sealed, the CLI's too): a restart does not put it off, and one that
+            # died midway recorded nothing, so the next run is full again.
+            age = alerts_sql.last_full_age(self.db) if every else None
+            full = bool(every) and (age is None or age >= every)
             result = verify_and_record(
                 self.db,
                 "beat",
@@ -131,13 +131,7 @@ class LeaderDuties:
             log.exception("periodic audit verify failed to run")
             return
         if result.ok:
-            log.info(
-                "audit verify: %d events in %d chains verified (%s pass: %d events read)",
-                result.events,
-                result.agents,
-                "full" if result.full else "incremental",
-                result.read_events,
-            )
+            log.info("audit verify %s", Verdict.of(result).text())
         else:
             log.error(
                 "audit verify: %d broken chains, %d events not checked (their key is not in KEEL_AUDIT_KEYS);"

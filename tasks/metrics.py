@@ -1,5 +1,5 @@
-"""Prometheus metrics in Keel's processes: the worker's and the beat's exporters (Celery's start signals), and the
-collectors of the domain KPIs every API process and beat exports.
+"""Prometheus metrics in Keel's processes: the API's, the worker's and the beat's exporters (``keel serve``'s main
+process; Celery's start signals), and the collectors of the domain KPIs the API and every beat export.
 
 A worker (any pool) runs in prometheus_client's multiprocess mode: its main process prepares a private directory
 before the pool forks, serves ``/metrics`` on ``KEEL_WORKER_METRICS_PORT`` (0: not served) and sums every child's
@@ -60,6 +60,15 @@ def serve_metrics(metrics: Metrics, settings: Settings, port: int, variable: str
         log.error("metrics not served: %s:%d cannot be bound (%s); set %s", host, port, reason, variable)
         return
     log.info("metrics at http://%s:%d/metrics", settings.metrics_host, port)
+
+
+def serve_api_metrics(settings: Settings) -> None:
+    """In ``keel serve``'s main process, before uvicorn starts: serve ``/metrics`` for every API process it runs (the
+    domain KPIs, and their histograms: in memory with one process, summed from the multiprocess directory with
+    several) on ``KEEL_API_METRICS_PORT`` (0: not served)."""
+    if settings.api_metrics_port:
+        metrics = install_metrics("api", collectors=domain_collectors(settings).collectors)
+        serve_metrics(metrics, settings, settings.api_metrics_port, "KEEL_API_METRICS_PORT")
 
 
 @celeryd_init.connect(weak=False)  # type: ignore[untyped-decorator]

@@ -1,4 +1,5 @@
-"""`keel audit verify` with its outcome recorded (``audit_verifications``), for the ``audit_verify`` alert."""
+"""`keel audit verify` (the CLI's and the beat's, one function), its outcome recorded (``audit_verifications``) for
+the ``audit_verify`` alert and the console with what it checked and what it trusted (agents/core/verdict.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Literal
 
 from agents.core import journal
 from agents.core.journal import VerifyReport
+from agents.core.verdict import Verdict
 from models.alerts_sql import record_verification
 from models.db import Database
 
@@ -14,34 +16,41 @@ def verify_and_record(
     db: Database,
     source: Literal["cli", "beat"],
     *,
-    full: bool = False,
+    full: bool = True,
+    record: bool = True,
     chunk_chains: int = journal.VERIFY_CHUNK_CHAINS,
     chunk_events: int = journal.VERIFY_CHUNK_EVENTS,
 ) -> VerifyReport:
-    """Walk the chains (:func:`agents.core.journal.verify` with ``db``'s audit keys: incremental from each chain's
-    checkpoint, or ``full``), move the checkpoints of the chains found intact, and record whether every chain held,
-    and where not (agent ids, event numbers and key ids, never event contents). Events whose key the ring lacks make
-    it fail too: they were not checked. A pass that dies midway records nothing; the checkpoints it moved are true."""
-    report = journal.verify(db, full=full, save_checkpoints=True, chunk_chains=chunk_chains, chunk_events=chunk_events)
-    record_verification(
-        db,
-        source=source,
-        ok=report.ok,
-        agents=report.agents,
-        events=report.events,
-        breaks=len(report.breaks),
-        details={
-            "mode": "full" if report.full else "incremental",
-            "read_events": report.read_events,
-            "breaks": [{"agent_id": str(b.agent_id), "seq": b.seq} for b in report.breaks[:20]],
-            "unchecked_events": sum(u.events for u in report.unchecked),
-            "unchecked": [
-                {"agent_id": str(u.agent_id), "key_id": u.key_id, "seq": u.seq, "events": u.events}
-                for u in report.unchecked[:20]
-            ],
-            "legacy_events": sum(p.events for p in report.legacy),
-            "archive_problems": len(report.archive_problems),
-            "checkpoint_problems": len(report.checkpoint_problems),
-        },
+    """Walk the chains (:func:`agents.core.journal.verify` with ``db``'s audit keys): ``full``, every chain from its
+    start (the default: what a person asks for), or incremental, each from its checkpoint, trusting the events below
+    it. With ``record``: move the checkpoints of the chains found intact and record whether every chain held, and
+    where not (agent ids, event numbers and key ids, never event contents), with what was checked and what trusted
+    (:class:`Verdict`). Events whose key the ring lacks make it fail too: they were not checked. A pass that dies
+    midway records nothing; the checkpoints it moved are true. Without ``record`` (the auditor's read-only role)
+    nothing is written."""
+    report = journal.verify(
+        db, full=full, save_checkpoints=record, chunk_chains=chunk_chains, chunk_events=chunk_events
     )
+    if record:
+        verdict = Verdict.of(report)
+        record_verification(
+            db,
+            source=source,
+            ok=report.ok,
+            agents=report.agents,
+            events=report.read_events,
+            breaks=len(report.breaks),
+            details={
+                **verdict.details(),
+                "breaks": [{"agent_id": str(b.agent_id), "seq": b.seq} for b in report.breaks[:20]],
+                "unchecked_events": sum(u.events for u in report.unchecked),
+                "unchecked": [
+                    {"agent_id": str(u.agent_id), "key_id": u.key_id, "seq": u.seq, "events": u.events}
+                    for u in report.unchecked[:20]
+                ],
+                "legacy_events": sum(p.events for p in report.legacy),
+                "archive_problems": len(report.archive_problems),
+                "checkpoint_problems": len(report.checkpoint_problems),
+            },
+        )
     return report

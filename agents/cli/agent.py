@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from decimal import Decimal
@@ -21,6 +20,7 @@ from agents.cli.common import (
     emit,
     friendly,
     json_option,
+    json_value,
     open_client,
     settings_or_exit,
     text_value,
@@ -305,10 +305,7 @@ def submit(
     _check_wait(wait, follow, timeout)
     if input_text is None:  # no default: a forgotten --input is not the same as an input of null
         raise click.UsageError('--input is required: the request\'s input as JSON, e.g. --input \'{"prompt": "hi"}\'')
-    try:
-        value = json.loads(input_text)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
+    value = json_value("--input", input_text)
     with open_client() as client:
         state = client.submit(agent_ref, request_id, value, expected_revision=revision, actor=actor)
         _finish(client, state, request_id, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
@@ -347,10 +344,7 @@ def run(
     if script_path is None and settings_or_exit().llm_provider == "scripted":
         raise click.UsageError("KEEL_LLM_PROVIDER is scripted: give the replies with --script, or use openai")
     if script_path is not None:
-        try:
-            value["script"] = json.loads(script_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise click.BadParameter(f"not JSON: {exc}", param_hint="--script") from None
+        value["script"] = json_value("--script", script_path.read_text())
     with open_client() as client:
         request_id = request_id or f"run-{uuid.uuid4().hex[:12]}"
         state = client.submit(agent_ref, request_id, value, actor=actor)
@@ -391,10 +385,7 @@ def _edited_arguments(text: str | None) -> dict[str, Any] | None:
     """``--arguments JSON``: the edited arguments an approval runs the call with."""
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--arguments") from None
+    value = json_value("--arguments", text)
     if not isinstance(value, dict):
         raise click.BadParameter("must be a JSON object of the tool's arguments", param_hint="--arguments")
     return value

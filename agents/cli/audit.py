@@ -130,45 +130,53 @@ SHOWN = 20
     help="With --against: an Ed25519 public key (PEM) the shipped manifests must be signed with.",
 )
 @click.option(
-    "--full",
+    "--incremental",
     is_flag=True,
-    help="Walk every chain from its start, not from its checkpoint: the only pass that sees an event changed,"
-    " removed or inserted below a checkpoint.",
+    help="Faster: walk each chain from its checkpoint (where an earlier verify found it intact), trusting the events"
+    " below it without checking them (only the checkpoint's own event is checked again); says how many it checked"
+    " and how many it trusted, from checkpoints of when.",
 )
+@click.option("--full", is_flag=True, hidden=True)  # the default now; still accepted from older scripts
 @json_option
 @friendly
-def audit_verify(against: str | None, public_key: str | None, full: bool, as_json: bool) -> None:
+def audit_verify(against: str | None, public_key: str | None, incremental: bool, full: bool, as_json: bool) -> None:
     """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link of any
     chain, or when events linked with a key the ring lacks could not be checked. Says how many events of each chain
     are legacy (from before the journal was keyed). The outcome is recorded: the audit_verify alert fires while the
     latest verify (this command's or the beat's periodic one) failed. The auditor role reads only: run by it, the
     outcome is printed and not recorded.
 
-    Incremental by default: each chain is walked from its checkpoint (where the last verify found it intact; sealed
-    with the audit key), so only new events are read, KEEL_AUDIT_VERIFY_CHUNK_CHAINS chains per short transaction.
-    An incremental pass cannot see an edit below a checkpoint: --full walks every chain from its start.
+    Every chain from its start (or its archived head), KEEL_AUDIT_VERIFY_CHUNK_CHAINS chains per short transaction:
+    what it prints as verified, it checked in this run. --incremental reads only what is new since each chain's
+    checkpoint, and says which events it trusted from checkpoints instead of checking them: it cannot see an edit
+    below a checkpoint.
 
     With --against URL: compare the journal with its shipped copy instead (nothing is recorded); exit 1 on any event
     changed, removed or inserted after shipping, any chain re-forged, any segment missing or manifest that fails."""
+    if incremental and full:
+        raise click.UsageError("--incremental and --full do not go together")
     if against is not None:
-        if full:
-            raise click.UsageError("--full does not go with --against (the comparison reads every event anyway)")
+        if incremental or full:
+            flag = "--incremental" if incremental else "--full"
+            raise click.UsageError(f"{flag} does not go with --against (the comparison reads every event anyway)")
         _verify_against(against, public_key, as_json)
         return
     if public_key is not None:
         raise click.UsageError("--public-key goes with --against")
     from agents.audit.verify import verify_and_record
-    from agents.core.journal import verify
+    from agents.core.verdict import Verdict
     from models.alerts_sql import may_record_verification
 
     with open_client(writes=False) as client:
         recorded = may_record_verification(client.db)
-        chunk = client.settings.audit_verify_chunk_chains
-        events = client.settings.audit_verify_chunk_events
-        if recorded:
-            report = verify_and_record(client.db, "cli", full=full, chunk_chains=chunk, chunk_events=events)
-        else:
-            report = verify(client.db, full=full, chunk_chains=chunk, chunk_events=events)
+        report = verify_and_record(
+            client.db,
+            "cli",
+            full=not incremental,
+            record=recorded,
+            chunk_chains=client.settings.audit_verify_chunk_chains,
+            chunk_events=client.settings.audit_verify_chunk_events,
+        )
         names = client.agent_names(
             {
                 *(b.agent_id for b in report.breaks),
@@ -183,8 +191,13 @@ def audit_verify(against: str | None, public_key: str | None, full: bool, as_jso
             to_json(
                 {
                     "ok": report.ok,
+                    "mode": "full" if report.full else "incremental",
                     "agents": report.agents,
-                    "events": report.events,
+                    "checked": report.read_events,
+                    "trusted": report.trusted,
+                    "trusted_chains": report.trusted_chains,
+                    "trusted_from": report.trusted_from,
+                    "trusted_to": report.trusted_to,
                     "breaks": [
                         {
                             "agent_id": str(b.agent_id),
@@ -211,8 +224,6 @@ def audit_verify(against: str | None, public_key: str | None, full: bool, as_jso
                     ],
                     "key_ids": list(report.key_ids),
                     "archive_problems": list(report.archive_problems),
-                    "mode": "full" if report.full else "incremental",
-                    "read_events": report.read_events,
                     "checkpoint_problems": list(report.checkpoint_problems),
                 }
             )
@@ -257,15 +268,11 @@ def audit_verify(against: str | None, public_key: str | None, full: bool, as_jso
             click.echo(f"  agent {agent(u.agent_id)}: {u.events} events, the first at event {u.seq}", err=True)
         if len(chains) > SHOWN:
             click.echo(f"  … and {len(chains) - SHOWN} more chains (--json lists them all)", err=True)
-    if not report.full:
-        click.echo(
-            f"(incremental: {report.read_events} events read past the chains' checkpoints; --full walks every chain"
-            " from its start)",
-            err=True,
-        )
+    verdict = Verdict.of(report)
     if report.ok:
-        click.echo(f"ok: {report.events} events in {report.agents} agent chains verified")
+        click.echo(verdict.text())
     else:
+        click.echo(verdict.text(), err=True)
         sys.exit(1)
 
 

@@ -19,7 +19,8 @@ from uuid import UUID
 import click
 from pydantic import BaseModel
 
-from agents.core.errors import KeelError
+from agents.core.errors import InvalidInput, KeelError
+from agents.core.json_input import parse_json
 from agents.core.redaction import register_settings
 from agents.observability.otlp import CLI, traces_endpoint
 from models.clock import rfc3339
@@ -28,13 +29,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def settings_or_exit(*, imports: bool = False) -> Any:
+def settings_or_exit(*, imports: bool = False, **overrides: Any) -> Any:
     """The settings, or one line ``bad configuration: KEEL_X: rule`` and exit 1. ``imports``: also import
-    ``KEEL_IMPORTS`` now (commands that start a worker)."""
+    ``KEEL_IMPORTS`` now (commands that start a worker). ``overrides``: what the command's options say instead of
+    the environment (checked by the same rules)."""
     from models.settings import BadConfiguration, check_imports, load_settings
 
     try:
-        settings = load_settings()
+        settings = load_settings(**overrides)
         if imports:
             check_imports(settings)
     except BadConfiguration as exc:
@@ -96,6 +98,15 @@ def friendly(fn: Callable[P, R]) -> Callable[P, R]:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
     return wrapper
+
+
+def json_value(option: str, text: str) -> Any:
+    """The JSON an option (``--input``, ``--arguments``, ``--script``) was given, by the one rule every door uses
+    (:func:`~agents.core.json_input.parse_json`); anything else is a usage error naming the option and the rule."""
+    try:
+        return parse_json(option, text)
+    except InvalidInput as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"{option}: "), param_hint=option) from None
 
 
 # One output format for every command (README, "Output"):

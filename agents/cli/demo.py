@@ -13,9 +13,10 @@ if TYPE_CHECKING:
     from agents.cli.supervisor import Child
     from models.settings import Settings
 
-#: Where ``keel up`` serves the worker's and the beat's /metrics unless told otherwise.
+#: Where ``keel up`` serves the API's, the worker's and the beat's /metrics unless told otherwise.
 WORKER_METRICS_PORT = 9808
 BEAT_METRICS_PORT = 9809
+API_METRICS_PORT = 9810
 MIGRATE_HELP = (
     "Migrate a configured database (KEEL_DATABASE_URL) that is behind this code. Without it such a database is"
     " refused; the embedded one is always migrated."
@@ -41,6 +42,11 @@ def demo(migrate: bool) -> None:
 @click.option("--no-api", is_flag=True, help="Do not run the HTTP API.")
 @click.option("--flower-port", default=5555, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--no-flower", is_flag=True, help="Do not run Flower.")
+@click.option(
+    "--api-metrics-port",
+    type=click.IntRange(1, 65535),
+    help=f"The API's /metrics port (default KEEL_API_METRICS_PORT, else {API_METRICS_PORT}).",
+)
 @click.option(
     "--worker-metrics-port",
     type=click.IntRange(1, 65535),
@@ -76,6 +82,7 @@ def up(
     no_api: bool,
     flower_port: int,
     no_flower: bool,
+    api_metrics_port: int | None,
     worker_metrics_port: int | None,
     beat_metrics_port: int | None,
     no_metrics: bool,
@@ -86,7 +93,7 @@ def up(
 ) -> None:
     """Run the whole stack here — worker, beat, the HTTP API (keel serve) and Flower — on the configured or
     embedded servers. It says they are running only once the API answers /readyz and Flower its port, then where
-    each serves its Prometheus metrics (the API at /metrics; the worker and the beat on ports of their own).
+    each serves its Prometheus metrics (the API, the worker and the beat each on a port of its own).
 
     The embedded database is migrated first (one line says so, nothing when it is at this code's revision already);
     a configured one (KEEL_DATABASE_URL) that is not at this code's revision is refused, as `keel worker` refuses it:
@@ -123,11 +130,13 @@ def up(
     if not no_flower and not port_is_free(flower_port):
         raise click.ClickException(_PORT_TAKEN.format(port=flower_port, option="--flower-port", without="--no-flower"))
     env = dict(os.environ)
-    exporters = {} if no_metrics else _metrics_ports(settings, worker_metrics_port, beat_metrics_port)
+    wanted = {"worker": worker_metrics_port, "beat": beat_metrics_port}
+    if not no_api:
+        wanted = {"api": api_metrics_port, **wanted}
+    exporters = {} if no_metrics else _metrics_ports(settings, wanted, taken=set() if no_api else {api_port})
+    env["KEEL_API_METRICS_PORT"] = str(exporters.get("api", 0))
     env["KEEL_WORKER_METRICS_PORT"] = str(exporters.get("worker", 0))
     env["KEEL_BEAT_METRICS_PORT"] = str(exporters.get("beat", 0))
-    if no_metrics:
-        env["KEEL_API_METRICS"] = "false"
     env["KEEL_DATABASE_URL"] = database_url = database_url_for(settings)
     env["KEEL_BROKER_URL"] = broker_url = broker_url_for(settings)
     if settings.otlp_endpoint:  # from .env too: every process exports its spans to the same collector
@@ -169,9 +178,8 @@ def up(
                 urls += [] if no_flower else [f"Flower: http://127.0.0.1:{flower_port}"]
                 shown = f" ({'; '.join(urls)})" if urls else ""
                 say(f"keel up: {names} running{shown}; Ctrl-C stops them")
-                scraped = [] if no_api or no_metrics else [f"{api_url}/metrics (api)"]
                 host = settings.metrics_host
-                scraped += [f"{local_url(host, port)}/metrics ({name})" for name, port in exporters.items()]
+                scraped = [f"{local_url(host, port)}/metrics ({name})" for name, port in exporters.items()]
                 if scraped:
                     say(f"keel up: metrics at {', '.join(scraped)}")
                 with ServerWatch(servers, every=1.0, wake=supervisor.wake) as watch:
@@ -200,19 +208,22 @@ def up(
 _PORT_TAKEN = "port {port} is taken by another process: pick another with {option}, or use {without}"
 
 
-def _metrics_ports(settings: Settings, worker: int | None, beat: int | None) -> dict[str, int]:
-    """The worker's and the beat's metrics ports; one that is taken is left out, with a line saying so (metrics are
-    not worth refusing to start the stack for)."""
+def _metrics_ports(settings: Settings, given: dict[str, int | None], *, taken: set[int]) -> dict[str, int]:
+    """The metrics ports of the processes named in ``given`` (api, worker, beat: the port an option gave, or None);
+    one that is taken (or in ``taken``) is left out, with a line saying so (metrics are not worth refusing to start
+    the stack for)."""
     from agents.cli.supervisor import say
     from models.embedded import port_is_free
 
-    wanted = {
-        "worker": (worker or settings.worker_metrics_port or WORKER_METRICS_PORT, "--worker-metrics-port"),
-        "beat": (beat or settings.beat_metrics_port or BEAT_METRICS_PORT, "--beat-metrics-port"),
+    defaults = {
+        "api": settings.api_metrics_port or API_METRICS_PORT,
+        "worker": settings.worker_metrics_port or WORKER_METRICS_PORT,
+        "beat": settings.beat_metrics_port or BEAT_METRICS_PORT,
     }
     ports: dict[str, int] = {}
-    for name, (port, option) in wanted.items():
-        if port in ports.values() or not port_is_free(port, settings.metrics_host):
+    for name, port_given in given.items():
+        port, option = port_given or defaults[name], f"--{name}-metrics-port"
+        if port in taken or port in ports.values() or not port_is_free(port, settings.metrics_host):
             say(f"keel up: port {port} is taken: the {name} serves no metrics (pick another with {option})")
         else:
             ports[name] = port

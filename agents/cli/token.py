@@ -36,7 +36,11 @@ def token() -> None:
     type=click.Choice(TOKEN_SCOPES),
     help="What the token may do (repeat for several).",
 )
-@click.option("--agent-prefix", metavar="PREFIX", help="Only agents whose name starts with PREFIX (default: all).")
+@click.option(
+    "--agent-prefix",
+    metavar="PREFIX",
+    help="Only agents whose name starts with PREFIX, which ends in '-', '.' or '_' (e.g. acme-; default: all).",
+)
 @actor_option
 @json_option
 @friendly

@@ -1,10 +1,11 @@
 """The Slack messages about a wait for approval: their keys, and the follow-up of a wait that ends undecided.
 
-Each message is keyed by the gate step the wait is on (``{request_id}:slack:{kind}:{gate target}``; a request waits
-on a gate once), one kind per message and channel: :data:`WAITING` (the call waits: the approval channel),
-:data:`ESCALATED` (it waited past its tool's approval timeout: the escalation channel), then, on each channel that
-was told, :data:`DECIDED` / :data:`ESCALATION_DECIDED` once a person or the timeout decides it, or :data:`ENDED` /
-:data:`ESCALATION_ENDED` when the wait ends without a decision. So a redelivered gate, a replayed decision or two
+Each message is keyed from the gate step the wait is on (:func:`key`:
+``{request_id}:slack:gate.{gate target}@{kind}``; a request waits on a gate once), one kind per message and channel:
+:data:`WAITING` (the call waits: the approval channel), :data:`ESCALATED` (it waited past its tool's approval
+timeout: the escalation channel), then, on each channel that was told, :data:`DECIDED` / :data:`ESCALATION_DECIDED`
+once a person or the timeout decides it, or :data:`ENDED` / :data:`ESCALATION_ENDED` when the wait ends without a
+decision. So a redelivered gate, a replayed decision or two
 beats at once still send each message once, and nobody is left reading "Approve or reject it" about a call that no
 longer waits.
 
@@ -20,7 +21,7 @@ from typing import Any
 import psycopg
 
 from agents.core.commands import ACCEPTED, Command, MessageSpec
-from agents.core.keys import derive
+from agents.core.keys import step_message_key
 from agents.core.phases import Event, Phase
 from agents.core.redaction import redact
 from models.approvals_sql import waited_gate_txn
@@ -38,9 +39,14 @@ ESCALATION_ENDED = "approval-escalation-ended"
 MAX_QUOTED_CHARS = 300
 
 
-def target(kind: str, gate_target: str) -> str:
-    """The message target (its key's last part) of the ``kind`` message about the wait on gate ``gate_target``."""
-    return f"{kind}:{gate_target}"
+def key(gate_key: str, kind: str) -> str:
+    """The outbox key of the ``kind`` message about the wait on the gate step ``gate_key``."""
+    return step_message_key(gate_key, "slack", kind)
+
+
+def notice(channel: str, gate_key: str, kind: str, text: str) -> MessageSpec:
+    """The ``kind`` message about the wait on the gate step ``gate_key``, to ``channel``: keyed by :func:`key`."""
+    return MessageSpec("slack", channel, kind, {"text": text}, step=gate_key)
 
 
 def ends_undecided(before: AgentRow, after: AgentRow, command: Command) -> bool:
@@ -76,15 +82,11 @@ def ended_notices_txn(cur: psycopg.Cursor[Any], before: AgentRow, command: Comma
     gate = waited_gate_txn(cur, before.id, before.request_id)
     if gate is None:
         return ()
-    told = {kind: derive(gate.key, "slack", target(kind, gate.target)) for kind in (WAITING, ESCALATED)}
+    told = {kind: key(gate.key, kind) for kind in (WAITING, ESCALATED)}
     found = destinations_txn(cur, list(told.values()))
     text = (
         f"Agent {before.name}'s call to {gate.tool or 'its tool'} no longer waits for approval:"
         f" {how_it_ended(command)} (by {command.actor}). There is nothing to approve."
     )
     follow_ups = ((WAITING, ENDED), (ESCALATED, ESCALATION_ENDED))
-    return tuple(
-        MessageSpec("slack", found[told[sent]], target(kind, gate.target), {"text": text})
-        for sent, kind in follow_ups
-        if told[sent] in found
-    )
+    return tuple(notice(found[told[sent]], gate.key, kind, text) for sent, kind in follow_ups if told[sent] in found)

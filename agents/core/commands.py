@@ -23,7 +23,7 @@ from agents.core.errors import (
     Rejected,
     StaleRevision,
 )
-from agents.core.keys import check_request_id, make_key, request_key, split_key
+from agents.core.keys import check_request_id, make_key, request_key, split_key, step_message_key
 from agents.core.phases import COMMAND_EVENTS, Event, Phase, allowed_events, target_of
 from models.clock import parse_time, rfc3339
 from models.schemas import AgentRow, Submitted
@@ -139,13 +139,18 @@ def check_json_text(field: str, value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class MessageSpec:
-    """A Slack or GitHub message a transition emits through the outbox. Its key is
-    ``{request_id}:{channel}:{target}``; the same key is never delivered twice."""
+    """A Slack or GitHub message a transition emits through the outbox; the same key is never delivered twice.
+    A message a step's outcome emits, or that names the step it is about (``step``), is keyed from that step's key
+    (:func:`~agents.core.keys.step_message_key`: ``target`` names it within the step); any other is
+    ``{request_id}:{channel}:{target}``."""
 
     channel: str  # slack | github
     destination: str  # Slack conversation id (C…/G…/D…); GitHub "owner/repo#number"
-    target: str  # names this message within the request, e.g. "approval-1"
+    target: str  # names this message within its step (e.g. "post"), or within the request (e.g. "hard-deadline")
     payload: Mapping[str, Any]  # slack: {"text": …, "blocks": […]}; github: {"body": …}
+    #: The key of the step this message is about when that is not the step whose outcome emits it (an approval's
+    #: follow-up is about its gate); None: the emitting step's, or the request's if no step emits it.
+    step: str | None = None
 
     def __post_init__(self) -> None:
         if self.channel not in MESSAGE_LIMITS:
@@ -155,6 +160,10 @@ class MessageSpec:
             shape = "a conversation id like C0123ABCD" if self.channel == "slack" else "owner/repo#number"
             raise InvalidInput(f"{self.channel} destination {self.destination!r} is invalid: expected {shape}")
         make_key("r", self.channel, self.target)
+        if self.step is not None:
+            if not isinstance(self.step, str) or self.step.count(":") < 2:
+                raise InvalidInput(f"message step {self.step!r} is not a step's key (request:operation:target)")
+            step_message_key(self.step, self.channel, self.target)
         field_name, limit = MESSAGE_LIMITS[self.channel]
         text = self.payload.get(field_name)
         if not isinstance(text, str) or not text.strip():

@@ -36,7 +36,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -375,6 +375,18 @@ def agent_events_after(
     return [JournalEvent.model_validate(r) for r in rows]
 
 
+_HEADS = "SELECT id, journal_seq FROM agents WHERE id = ANY(%s)"
+
+
+def journal_heads(db: Database, agent_ids: list[UUID]) -> dict[UUID, int]:
+    """The seq of each of these agents' last journal event (a deleted agent is left out): one statement for all."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_HEADS, (agent_ids,))
+        rows = cur.fetchall()
+        end_read(conn)
+    return {row["id"]: row["journal_seq"] for row in rows}
+
+
 @dataclass(frozen=True, slots=True)
 class ChainBreak:
     """The first broken link of one agent's chain."""
@@ -408,13 +420,16 @@ class LegacyPart:
 @dataclass(frozen=True, slots=True)
 class ChainCheck:
     """What checking one chain found: its first broken link (None: none), the events it could not check, and how
-    many of its events are legacy (unkeyed)."""
+    many of its events are legacy (unkeyed). ``events``: those read and checked in this walk; ``trusted``: those an
+    incremental pass took on the strength of the checkpoint made at ``checkpoint_at``, not checked again."""
 
     agent_id: UUID
     events: int
     broken: ChainBreak | None
     unchecked: tuple[Unchecked, ...] = ()
     legacy: int = 0
+    trusted: int = 0
+    checkpoint_at: datetime | None = None
 
     @property
     def ok(self) -> bool:
@@ -435,11 +450,17 @@ class VerifyReport:
     archive_problems: tuple[str, ...] = ()
     #: Every chain walked from its start (True), or each from its checkpoint (an incremental pass).
     full: bool = True
-    #: The events this pass read and checked (``events`` counts every event in the database it vouches for: an
-    #: incremental pass vouches for those below a checkpoint on the strength of the pass that sealed it).
+    #: The events this pass read and checked: the only ones it may call verified. ``events`` adds ``trusted``.
     read_events: int = 0
     #: Checkpoints (audit_verified_chains) whose seal does not hold: not Keel's, so not believed.
     checkpoint_problems: tuple[str, ...] = ()
+    #: Events an incremental pass did not check but took from the checkpoints of ``trusted_chains`` chains, made
+    #: (by an earlier verify) between ``trusted_from`` and ``trusted_to``; only each checkpoint's own event was
+    #: checked again (its stored hash and its HMAC), not its link to the events below it.
+    trusted: int = 0
+    trusted_chains: int = 0
+    trusted_from: datetime | None = None
+    trusted_to: datetime | None = None
 
     @property
     def ok(self) -> bool:
@@ -562,6 +583,24 @@ class ChainPosition:
         )
 
 
+def _link_problem(
+    agent_id: UUID, keys: AuditKeys | None, key_id: str | None, fields: Mapping[str, Any], digest: str
+) -> str | None:
+    """Why an event's content does not match its link: its plain hash (a legacy event, ``key_id`` None) or its HMAC
+    under ``key_id``, which the ring must hold; None: it matches."""
+    if key_id is None:
+        if event_hash(agent_id=agent_id, **fields) == digest:
+            return None
+        return "the event's content does not match its hash"
+    assert keys is not None and key_id in keys
+    if keys.verifies(key_id, mac_parts(key_id, agent_id=agent_id, **fields), digest):
+        return None
+    return (
+        f"the event's content does not match its HMAC under key {key_id!r}: it was changed or forged (or"
+        " KEEL_AUDIT_KEYS holds another secret under that id)"
+    )
+
+
 class ChainWalk:
     """The one check of one chain's events, one at a time in seq order, from a :class:`ChainPosition`: seq continuity,
     ``prev_hash``, the keyed link (or, for a legacy event, its plain hash and the upgrade's seal), nothing after the
@@ -654,8 +693,8 @@ class ChainWalk:
                     seq, jid, f"event {seq} has no key, but only events 1-{seal.seq} of this chain were written before"
                     " the journal was keyed: it was written without the key",
                 )  # fmt: skip
-            if event_hash(agent_id=agent_id, **fields) != digest:
-                return self._break(seq, jid, "the event's content does not match its hash")
+            if problem := _link_problem(agent_id, keys, None, fields, digest):
+                return self._break(seq, jid, problem)
             if seq == seal.seq and digest != seal.head:
                 return self._break(
                     seq, jid, f"events 1-{seq} were written before the journal was keyed, but they no longer end at"
@@ -671,11 +710,8 @@ class ChainWalk:
             self.keyed_at = self.keyed_at or seq
             if keys is None or key_id not in keys:
                 self._not_checked(key_id, seq)
-            elif not keys.verifies(key_id, mac_parts(key_id, agent_id=agent_id, **fields), digest):
-                return self._break(
-                    seq, jid, f"the event's content does not match its HMAC under key {key_id!r}: it was changed or"
-                    " forged (or KEEL_AUDIT_KEYS holds another secret under that id)",
-                )  # fmt: skip
+            elif problem := _link_problem(agent_id, keys, key_id, fields, digest):
+                return self._break(seq, jid, problem)
         if fields["kind"] == "transition":
             self.state = (fields["revision"], fields["to_phase"], fields["request_id"])
         if _is_delete(fields):
@@ -1091,13 +1127,17 @@ class _Planned:
     broken: int | None = None
 
     @property
-    def walked(self) -> int:
-        return 0 if self.start is None else self.start.seq
+    def trusted(self) -> Checkpoint | None:
+        """The checkpoint the walk starts from (None: it starts at genesis or at its archived head)."""
+        return self.cp if self.start is not None and not self.start.archived else None
 
     @property
     def read_after(self) -> int:
-        # From an archived head the chain is read whole: an event inserted at or below that head is a break.
-        return 0 if self.start is None or self.start.archived else self.start.seq
+        # From an archived head the chain is read whole: an event inserted at or below that head is a break. From a
+        # checkpoint, its own event is read again (:func:`_checkpoint_event`).
+        if self.start is None or self.start.archived:
+            return 0
+        return self.start.seq - 1
 
 
 class _Rows:
@@ -1142,6 +1182,31 @@ def _checkpoint_problem(cp: Checkpoint, keys: AuditKeys | None) -> tuple[str | N
         f" {problem}; the chain was walked from its start instead",
         True,
     )
+
+
+def _checkpoint_event(
+    w: _Planned, cp: Checkpoint, row: Mapping[str, Any] | None, keys: AuditKeys | None
+) -> tuple[ChainBreak | None, Unchecked | None]:
+    """Check the event an incremental walk's checkpoint stands on, as it is now: there, with the hash the checkpoint
+    holds, and its content still matching that hash (its HMAC, or a legacy event's plain hash). An edit of that
+    event, or of the chain at it, is caught without reading the events below it; an edit below it is not."""
+    agent_id, seq = w.head.agent_id, cp.seq
+    where = f"the event an earlier verify checked this chain up to (audit_verified_chains, of {_utc(cp.verified_at)})"
+    if row is None or row["seq"] != seq:
+        return ChainBreak(agent_id, seq, None, f"event {seq} is missing: it is {where}"), None
+    if row["hash"] != cp.hash:
+        return ChainBreak(agent_id, seq, row["id"], f"event {seq} no longer has the hash of {where}: rewritten"), None
+    key_id = row.get("key_id")
+    if key_id is not None and (keys is None or key_id not in keys):
+        return None, Unchecked(agent_id, key_id, seq, 1)
+    problem = _link_problem(agent_id, keys, key_id, {name: row[name] for name in _HASHED}, row["hash"])
+    if problem is not None:
+        return ChainBreak(agent_id, seq, row["id"], f"{problem}; it is {where}"), None
+    return None, None
+
+
+def _utc(at: datetime | None) -> str:
+    return "an unknown time" if at is None else at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _sealed(agent_id: UUID, position: ChainPosition, keys: AuditKeys, *, broken_seq: int | None = None) -> Checkpoint:
@@ -1193,6 +1258,7 @@ def verify(
     chunk_chains: int = VERIFY_CHUNK_CHAINS,
     chunk_events: int = VERIFY_CHUNK_EVENTS,
     on_chunk: Callable[[psycopg.Connection[Any]], None] | None = None,
+    on_chain: Callable[[ChainCheck], None] | None = None,
 ) -> VerifyReport:
     """Walk every agent's chain to its head (a deleted agent's: to its tombstone's, which must be its delete event)
     with ``db``'s key ring, ``chunk_chains`` chains per transaction and fewer when their walks would read more than
@@ -1202,17 +1268,20 @@ def verify(
 
     ``full``: every chain from genesis, or from the head of its archived part as the newest archive record holding
     it says. Otherwise (incremental) each chain from its checkpoint (``audit_verified_chains``) when its seal holds:
-    only the events after it are read, so the pass costs the new events, not the history. An incremental pass cannot
-    see what changed at or below a checkpoint (an edited, removed or inserted old event), nor events of an agent that
-    has no row, no tombstone and no checkpoint: the full pass does. A checkpoint whose seal fails is reported, and
-    its chain walked from its start. ``save_checkpoints``: each chain found intact, every link checked, gets its
-    checkpoint moved to its head, committed after its chunk (a pass killed midway leaves only true checkpoints); each
+    only the checkpoint's own event (:func:`_checkpoint_event`) and the events after it are read, so the pass costs
+    the new events, not the history; the report counts the events below a checkpoint as ``trusted``, never as
+    checked. An incremental pass cannot see what changed below a checkpoint (an edited, removed or inserted old
+    event), nor events of an agent that has no row, no tombstone and no checkpoint: the full pass does. A checkpoint
+    whose seal fails is reported, and its chain walked from its start. ``save_checkpoints``: each chain found
+    intact, every link checked, gets its checkpoint moved to its head (a full pass stamps it anew), committed after
+    its chunk (a pass killed midway leaves only true checkpoints); each
     chain found broken gets its checkpoint marked with the break, so every later pass, incremental or full, walks it
     from its start and fails on it (on the mark itself, should the chain walk intact again) until the owner deletes
     the checkpoint: an edit below a checkpoint that only a full pass saw is not forgotten by the next incremental one.
 
     Each chunk's heads and chains are read in one snapshot, so transitions committing meanwhile cannot look like
-    tampering; ``on_chunk`` is called inside each chunk's transaction, once its reads are done.
+    tampering; ``on_chunk`` is called inside each chunk's transaction, once its reads are done; ``on_chain`` with
+    each chain's check once it is walked (its events checked and trusted).
     """
     if chunk_chains < 1:
         raise ValueError(f"chunk_chains must be at least 1, got {chunk_chains}")
@@ -1223,7 +1292,9 @@ def verify(
     unchecked: list[Unchecked] = []
     legacy: list[LegacyPart] = []
     problems: list[str] = []
-    chains = total = read = 0
+    chains = total = read = trusted = trusted_chains = 0
+    trusted_from: datetime | None = None
+    trusted_to: datetime | None = None
     with _snapshot(db) as raw:
         parts = archived_parts(raw)
     archive_problems, archived = archived_heads(parts, keys)
@@ -1269,7 +1340,7 @@ def verify(
                     seals.pop(head.agent_id, None)
                     chains += 1
                     continue
-                if cp is not None and not full and cp.seq >= base and broken is None:
+                if cp is not None and not full and cp.seq > base and broken is None:
                     start = _position_of(cp)
                 walks.append(_Planned(head, start, cp, seals.pop(head.agent_id, None), base, broken))
             with raw.cursor(name="keel-verify-chunk", row_factory=dict_row) as cur:
@@ -1281,11 +1352,29 @@ def verify(
                 )
                 rows = _Rows(iter(cur))
                 for w in walks:
-                    checked, position = _check_chain_at(rows.of(w.head.agent_id), w.head, w.seal, keys, w.start)
+                    chain_rows = rows.of(w.head.agent_id)
+                    tcp, cp_break, cp_unchecked = w.trusted, None, None
+                    if tcp is not None:
+                        cp_break, cp_unchecked = _checkpoint_event(w, tcp, next(chain_rows, None), keys)
+                    if tcp is not None and cp_break is not None:
+                        checked, position = ChainCheck(w.head.agent_id, 0, cp_break), _position_of(tcp)
+                    else:
+                        checked, position = _check_chain_at(chain_rows, w.head, w.seal, keys, w.start)
                     rows.skip(w.head.agent_id)  # what a broken walk left unread
+                    if cp_unchecked is not None:
+                        checked = replace(checked, unchecked=(cp_unchecked, *checked.unchecked))
+                    if tcp is not None and cp_break is None:
+                        checked = replace(checked, trusted=tcp.seq - w.base, checkpoint_at=tcp.verified_at)
+                        trusted_chains += 1
+                        if (at := tcp.verified_at) is not None:
+                            trusted_from = at if trusted_from is None else min(trusted_from, at)
+                            trusted_to = at if trusted_to is None else max(trusted_to, at)
                     chains += 1
                     read += checked.events
-                    total += checked.events + (w.walked - w.base)
+                    trusted += checked.trusted
+                    total += checked.events + checked.trusted
+                    if on_chain is not None:
+                        on_chain(checked)
                     if checked.broken is not None:
                         breaks.append(checked.broken)
                         if save_checkpoints and keys is not None and w.cp is not None and w.broken is None:
@@ -1302,7 +1391,8 @@ def verify(
                     if checked.legacy:
                         legacy.append(LegacyPart(w.head.agent_id, checked.legacy))
                     if save_checkpoints and keys is not None and checked.ok and position.seq > 0 and w.broken is None:
-                        if w.cp is None or position.seq != w.cp.seq:
+                        # A full pass stamps every chain anew: its checkpoint's time says when it was last walked whole.
+                        if w.cp is None or position.seq != w.cp.seq or full:
                             saved.append(_sealed(w.head.agent_id, position, keys))
             if full:
                 with raw.cursor(row_factory=dict_row) as cur:
@@ -1361,4 +1451,8 @@ def verify(
         full=full,
         read_events=read,
         checkpoint_problems=tuple(problems),
+        trusted=trusted,
+        trusted_chains=trusted_chains,
+        trusted_from=trusted_from,
+        trusted_to=trusted_to,
     )

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from agents.core.commands import LOW, JobSpec
-from agents.core.keys import current_request_key, make_key
+from agents.core.keys import current_request_key, derive, make_key
 from models.jobs_sql import NewJob
 from models.schemas import AgentRow
 from models.tables import JOBS_QUEUE, LOW_QUEUE
@@ -20,11 +20,18 @@ def queue_for(agent: AgentRow, spec: JobSpec) -> str:
 
 
 def new_jobs(
-    agent: AgentRow, specs: Sequence[JobSpec], now: datetime, *, publish_due: bool, traceparent: str | None = None
+    agent: AgentRow,
+    specs: Sequence[JobSpec],
+    now: datetime,
+    *,
+    publish_due: bool,
+    traceparent: str | None = None,
+    step: str | None = None,
 ) -> list[NewJob]:
-    """The rows for ``specs`` under ``agent``'s current request. Jobs due now are inserted already ``enqueued``
-    when the caller publishes them right after commit (the dispatcher re-publishes any that never arrive).
-    ``traceparent``: the trace their runs continue (the scheduling work's), None when traces are off."""
+    """The rows for ``specs`` under ``agent``'s current request, keyed from ``step``'s key when a step's outcome
+    schedules them. Jobs due now are inserted already ``enqueued`` when the caller publishes them right after commit
+    (the dispatcher re-publishes any that never arrive). ``traceparent``: the trace their runs continue (the
+    scheduling work's), None when traces are off."""
     if specs and agent.request_id is None:
         raise ValueError("jobs need a request in flight")
     request = current_request_key(agent.id, agent.request_id, agent.request_key) if specs else ""
@@ -34,7 +41,11 @@ def new_jobs(
         due = run_at <= now
         rows.append(
             NewJob(
-                key=make_key(request, spec.operation, spec.target),
+                key=(
+                    derive(step, spec.operation, spec.target)
+                    if step is not None
+                    else make_key(request, spec.operation, spec.target)
+                ),
                 agent_id=agent.id,
                 request_id=agent.request_id or "",
                 operation=spec.operation,

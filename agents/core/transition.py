@@ -46,7 +46,7 @@ from agents.core.errors import (
     StaleRevision,
     StoreError,
 )
-from agents.core.keys import current_request_key, make_key
+from agents.core.keys import current_request_key, make_key, step_message_key
 from agents.core.observe import current, current_traceparent, link, observe
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
@@ -454,15 +454,18 @@ def _apply_txn(
             details["effects"] = summary
     to_publish: tuple[Due, ...] = ()
     inserted: list[dict[str, Any]] = []
-    messages = command.messages
+    # What a job's outcome schedules and emits is keyed from that job's own key.
+    step = command.outcome.key if command.outcome is not None else None
+    messages = [(message_key(after, m, step), m) for m in command.messages]
     if approval_notices.ends_undecided(before, after, command):
         # Whoever was told the call waits is told it waits no more, however the wait ended (a cancel, a deadline, a
         # failure): every way out is this transition, so no caller can forget it.
-        messages += approval_notices.ended_notices_txn(cur, before, command)
+        ended = approval_notices.ended_notices_txn(cur, before, command)
+        messages += [(message_key(after, m, None), m) for m in ended]
     # The jobs and messages this transition causes continue the request's trace.
     traceparent = _request_trace(before, after, request_traceparent) if command.jobs or messages else None
     if command.jobs:
-        rows = new_jobs(after, command.jobs, at, publish_due=publish_due, traceparent=traceparent)
+        rows = new_jobs(after, command.jobs, at, publish_due=publish_due, traceparent=traceparent, step=step)
         inserted, suppressed = insert_jobs_txn(cur, rows, at)
         fresh = [job["key"] for job in inserted]
         details["jobs"] = fresh
@@ -601,24 +604,31 @@ def _joined(command: Command, row: AgentRow, live_jobs: int) -> Command:
     return replace(command, event=command.join.event, jobs=command.jobs + command.join.jobs, join=None)
 
 
+def message_key(agent: AgentRow, message: MessageSpec, emitted_by: str | None) -> str:
+    """The outbox key of ``message``, emitted by the outcome of the step ``emitted_by`` (None: by no step): keyed
+    from the step it is about (its own ``step``, else the emitting one's), or from the request if there is none. A
+    step cannot key its messages from another step's key: two steps could then suppress each other's messages."""
+    if emitted_by is not None and message.step not in (None, emitted_by):
+        raise InvalidInput(
+            f"step {emitted_by} emitted a message naming step {message.step}: a step's messages are keyed by that step"
+        )
+    step = message.step or emitted_by
+    if step is not None:
+        return step_message_key(step, message.channel, message.target)
+    request = current_request_key(agent.id, agent.request_id, agent.request_key)
+    return make_key(request, message.channel, message.target)
+
+
 def _emit_messages_txn(
-    cur: psycopg.Cursor[Any], agent: AgentRow, messages: tuple[MessageSpec, ...], traceparent: str | None
+    cur: psycopg.Cursor[Any], agent: AgentRow, messages: list[tuple[str, MessageSpec]], traceparent: str | None
 ) -> dict[str, Any]:
-    """Put the transition's messages in the outbox, in order; a key already there is a suppressed duplicate."""
+    """Put the transition's messages (each with its key) in the outbox, in order; a key already there is a
+    suppressed duplicate."""
     if agent.request_id is None:
         raise InvalidInput("messages need a request in flight: their keys start with its id")
-    request = current_request_key(agent.id, agent.request_id, agent.request_key)
     rows = [
-        NewMessage(
-            make_key(request, m.channel, m.target),
-            agent.id,
-            agent.request_id,
-            m.channel,
-            m.destination,
-            dict(m.payload),
-            traceparent,
-        )
-        for m in messages
+        NewMessage(key, agent.id, agent.request_id, m.channel, m.destination, dict(m.payload), traceparent)
+        for key, m in messages
     ]
     inserted, suppressed = insert_messages_txn(cur, rows)
     summary: dict[str, Any] = {"messages": inserted}

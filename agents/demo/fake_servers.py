@@ -8,6 +8,10 @@ per key and check the order per destination. Faults are chosen per request by a 
 - ``429``: refuse with 429 and a Retry-After; ``403_secondary`` (GitHub): a secondary rate limit;
 - ``500``: refuse with a server error; ``slow``: answer correctly, slowly;
 - ``echo_token_500``: a 500 whose body echoes the Authorization header (a leaky proxy), for redaction tests.
+
+Each says who the token belongs to as the real one does (Slack ``auth.test``; GitHub ``GET /user``) and stamps what
+it accepts with that author; ``plant`` puts a message carrying a key there as someone else (another app in the
+channel, another user on the issue), as anyone allowed to post there could.
 """
 
 from __future__ import annotations
@@ -136,10 +140,18 @@ class FakeBase:
 
 @dataclass
 class FakeSlack(FakeBase):
-    """``POST /api/chat.postMessage`` and ``GET /api/conversations.history`` (with metadata and cursors)."""
+    """``POST /api/chat.postMessage``, ``GET /api/conversations.history`` (with metadata and cursors) and
+    ``POST /api/auth.test``. The token is a bot token (``bot_id``) of app ``app_id`` whose bot user is ``user_id``;
+    ``auth_error`` makes ``auth.test`` answer with that error (e.g. ``internal_error``)."""
 
     channels: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     ts_counter: int = 0
+    team_id: str = "T0KEEL0001"
+    user_id: str = "U0KEELBOT1"
+    bot_id: str = "B0KEELBOT1"
+    app_id: str = "A0KEELAPP1"
+    auth_error: str | None = None
+    auth_tests: int = 0
 
     def route(self, request: BaseHTTPRequestHandler, method: str, raw: bytes) -> None:
         url = urlparse(request.path)
@@ -147,6 +159,8 @@ class FakeSlack(FakeBase):
             return self.reply(request, 200, {"ok": False, "error": "invalid_auth"})
         if url.path == "/api/chat.postMessage" and method == "POST":
             return self.post_message(request, json.loads(raw or b"{}"))
+        if url.path == "/api/auth.test":
+            return self.auth_test(request)
         if url.path == "/api/conversations.history":
             # Slack takes arguments in the query string or as a form body (slack_sdk sends the latter).
             args = {k: v[0] for k, v in parse_qs(url.query).items()}
@@ -174,7 +188,12 @@ class FakeSlack(FakeBase):
         with self.lock:
             self.ts_counter += 1
             ts = f"{int(time.time())}.{self.ts_counter:06d}"
-            message = {"type": "message", "ts": ts, "text": body.get("text"), "metadata": metadata}
+            message = self.authored(
+                {"type": "message", "ts": ts, "text": body.get("text"), "metadata": metadata},
+                self.user_id,
+                self.bot_id,
+                self.app_id,
+            )
             self.channels.setdefault(channel, []).append(message)
             self.accepted.append(Accepted(channel, key, ts))
         if fault == "apply_then_internal_error":  # Slack: "some aspect of the operation may have succeeded"
@@ -184,6 +203,49 @@ class FakeSlack(FakeBase):
             fault,
             lambda: self.reply(request, 200, {"ok": True, "channel": channel, "ts": ts, "message": message}),
         )
+
+    def authored(self, message: dict[str, Any], user: str, bot_id: str, app_id: str) -> dict[str, Any]:
+        """``message`` as an app's bot posts it (Slack stamps the bot user, the bot and its app)."""
+        profile = {"id": bot_id, "app_id": app_id, "name": "keel", "deleted": False, "team_id": self.team_id}
+        return {
+            **message,
+            "user": user,
+            "bot_id": bot_id,
+            "app_id": app_id,
+            "team": self.team_id,
+            "bot_profile": profile,
+        }
+
+    def auth_test(self, request: BaseHTTPRequestHandler) -> None:
+        with self.lock:
+            self.auth_tests += 1
+        if self.auth_error is not None:
+            return self.reply(request, 200, {"ok": False, "error": self.auth_error})
+        self.reply(
+            request,
+            200,
+            {
+                "ok": True,
+                "url": "https://keel-test.slack.com/",
+                "team": "Keel Test",
+                "user": "keel",
+                "team_id": self.team_id,
+                "user_id": self.user_id,
+                "bot_id": self.bot_id,
+                "is_enterprise_install": False,
+            },
+        )
+
+    def plant(self, channel: str, key: str, *, user: str = "U0OTHERBOT", bot_id: str = "B0OTHERBOT") -> str:
+        """Another app's bot in ``channel`` posts a message whose metadata carries ``key`` (not counted as
+        accepted: Keel did not send it). Its ts."""
+        with self.lock:
+            self.ts_counter += 1
+            ts = f"{int(time.time())}.{self.ts_counter:06d}"
+            metadata = {"event_type": "keel_outbox", "event_payload": {"key": key}}
+            message = {"type": "message", "ts": ts, "text": "not from Keel", "metadata": metadata}
+            self.channels.setdefault(channel, []).append(self.authored(message, user, bot_id, "A0OTHERAPP"))
+        return ts
 
     def history(self, request: BaseHTTPRequestHandler, query: dict[str, str]) -> None:
         channel = query.get("channel", "")
@@ -210,10 +272,18 @@ class FakeSlack(FakeBase):
 
 @dataclass
 class FakeGitHub(FakeBase):
-    """``POST``/``GET /repos/{owner}/{repo}/issues/{number}/comments`` with ``since``, ``per_page``, ``page``."""
+    """``POST``/``GET /repos/{owner}/{repo}/issues/{number}/comments`` with ``since``, ``per_page``, ``page``, and
+    ``GET /user``. The token is user ``login`` (``user_id``)'s; with ``installation`` it is a GitHub App
+    installation token instead (``GET /user`` refuses it, its comments are the app's bot's). ``user_status`` makes
+    ``GET /user`` answer with that status (e.g. 500)."""
 
     comments: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     next_id: int = 1000
+    login: str = "keel-bot"
+    user_id: int = 4242
+    installation: bool = False
+    user_status: int | None = None
+    user_requests: int = 0
 
     PATH = re.compile(r"^/repos/(?P<owner>[^/]+)/(?P<repo>[^/]+)/issues/(?P<number>\d+)/comments$")
 
@@ -221,6 +291,8 @@ class FakeGitHub(FakeBase):
         url = urlparse(request.path)
         if request.headers.get("Authorization") not in (f"Bearer {self.token}", f"token {self.token}"):
             return self.reply(request, 401, {"message": "Bad credentials", "documentation_url": "https://docs"})
+        if url.path == "/user" and method == "GET":
+            return self.user(request)
         match = self.PATH.match(url.path)
         if match is None or match["repo"].startswith("missing"):
             return self.reply(request, 404, {"message": "Not Found"})
@@ -247,19 +319,58 @@ class FakeGitHub(FakeBase):
             )
         if fault == "500":
             return self.reply(request, 500, {"message": "Server Error"})
+        if self.installation:  # an installation token posts as the app's bot user
+            author, app = self.account("keel-app[bot]", 9_000_001, "Bot"), {"id": 77, "slug": "keel-app"}
+        else:
+            author, app = self.account(self.login, self.user_id, "User"), None
         with self.lock:
-            self.next_id += 1
-            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            comment = {
-                "id": self.next_id,
-                "body": text,
-                "html_url": f"{self.url}/{destination.replace('#', '/issues/')}#issuecomment-{self.next_id}",
-                "created_at": now,
-                "updated_at": now,
-            }
-            self.comments.setdefault(destination, []).append(comment)
-            self.accepted.append(Accepted(destination, key, str(self.next_id)))
+            comment = self.add_comment(destination, text, author, app)
+            self.accepted.append(Accepted(destination, key, str(comment["id"])))
         self.finish_after_apply(request, fault, lambda: self.reply(request, 201, comment))
+
+    @staticmethod
+    def account(login: str, user_id: int, kind: str) -> dict[str, Any]:
+        return {"login": login, "id": user_id, "node_id": f"U_{user_id}", "type": kind, "site_admin": False}
+
+    def add_comment(
+        self, destination: str, text: str, author: dict[str, Any], app: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """A comment on ``destination`` by ``author`` (call holding the lock)."""
+        self.next_id += 1
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        comment = {
+            "id": self.next_id,
+            "body": text,
+            "user": author,
+            "author_association": "NONE",
+            "performed_via_github_app": app,
+            "html_url": f"{self.url}/{destination.replace('#', '/issues/')}#issuecomment-{self.next_id}",
+            "created_at": now,
+            "updated_at": now,
+        }
+        self.comments.setdefault(destination, []).append(comment)
+        return comment
+
+    def plant(self, destination: str, key: str, *, login: str = "mallory", user_id: int = 6666) -> int:
+        """Another user comments on the issue with Keel's marker for ``key`` (not counted as accepted: Keel did
+        not send it). The comment's id."""
+        with self.lock:
+            comment = self.add_comment(
+                destination, f"first!\n\n<!-- keel:{key} -->", self.account(login, user_id, "User"), None
+            )
+        return int(comment["id"])
+
+    def user(self, request: BaseHTTPRequestHandler) -> None:
+        with self.lock:
+            self.user_requests += 1
+        if self.user_status is not None:
+            return self.reply(request, self.user_status, {"message": "Server Error"})
+        if self.installation:
+            docs = "https://docs.github.com/rest/users/users#get-the-authenticated-user"
+            body = {"message": "Resource not accessible by integration", "documentation_url": docs, "status": "403"}
+            return self.reply(request, 403, body)
+        profile = self.account(self.login, self.user_id, "User")
+        self.reply(request, 200, {**profile, "html_url": f"https://github.com/{self.login}", "name": "Keel"})
 
     def list(self, request: BaseHTTPRequestHandler, destination: str, query: dict[str, str]) -> None:
         since = query.get("since", "")

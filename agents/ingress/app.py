@@ -193,12 +193,14 @@ def create_app(
             raise
         app.state.ingress = keel
         await keel.listener.start()
+        await keel.streams.start()
         restore = _end_streams_on_shutdown_signal(keel.listener)
         try:
             yield
         finally:
             restore()
             await keel.listener.stop()
+            await keel.streams.stop()
             keel.close()
             for close in on_close:
                 close()

@@ -1,7 +1,9 @@
 """Who is calling and what they may do: the bearer token, its scopes, its agent prefix, its rate.
 
 :class:`TokenGate` (an ASGI middleware on every ``/v1/`` path) decides before anything reads the request's body, in
-this order: a bad, revoked or missing token is a 401, a token over its rate a 429, a token whose scopes do not
+this order: an address over its allowance of failed tokens is a 429 before any lookup
+(:meth:`~agents.ingress.runtime.Ingress.try_token`, shared with the console's sign-in), a bad, revoked or missing
+token a 401, a token over its rate a 429, a token whose scopes do not
 allow the route a 403. Only then is the body read (413, 422), and an agent outside the token's prefix is a 404
 exactly like an agent that does not exist. Every answer to an authenticated request carries the token's
 ``RateLimit`` headers. Refusals change nothing.
@@ -33,7 +35,7 @@ from agents.ingress.etags import etag
 from agents.ingress.problems import FORBIDDEN, RATE_LIMITED, UNAUTHORIZED, Problem, kind_of
 from agents.ingress.ratelimit import headers as rate_headers
 from agents.ingress.runtime import Ingress
-from agents.ingress.tokens import ApiToken, Permission, authenticate
+from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import AgentRow
 
 # Declared on current_token for the OpenAPI document (its security scheme); TokenGate does the checking.
@@ -159,7 +161,16 @@ class TokenGate:
             raise Problem(
                 UNAUTHORIZED, "send an API token as a Bearer token in the Authorization header", headers=_CHALLENGE
             )
-        token = await run_in_threadpool(authenticate, keel.db, secret)
+        client = scope.get("client")
+        attempt = await run_in_threadpool(keel.try_token, client[0] if client else None, secret)
+        if attempt.refused:
+            raise Problem(
+                RATE_LIMITED,
+                f"too many failed tokens from your address: retry after {attempt.retry_after} s (the token was not"
+                " checked)",
+                headers=attempt.headers,
+            )
+        token = attempt.token
         if token is None:
             raise Problem(UNAUTHORIZED, "the API token is unknown or revoked", headers=_CHALLENGE)
         if keel.limiter is not None:
@@ -227,7 +238,13 @@ def seen_agents(keel: Ingress, token: ApiToken, agent_ids: list[UUID]) -> list[U
     if token.agent_prefix is None:
         return list(agent_ids)
     names = keel.client.agent_names(agent_ids)
-    return [a for a in agent_ids if token.sees(names.get(a, "").removesuffix(" (deleted)"))]
+    return [a for a in agent_ids if sees_named(token, names.get(a, ""))]
+
+
+def sees_named(token: ApiToken, name: str) -> bool:
+    """:meth:`ApiToken.sees` for a name as ``Client.agent_names`` gives it (a deleted agent's marked so): what the
+    console's live list of agents is woken for (``JournalListener.subscribe(..., sees=...)``)."""
+    return token.sees(name.removesuffix(" (deleted)"))
 
 
 def stale(keel: Ingress, token: ApiToken, exc: StaleRevision, ref: str) -> Problem:

@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 import psycopg
@@ -35,12 +35,12 @@ from models.sql import JOURNAL_CHANNEL
 
 log = logging.getLogger("keel.ingress.events")
 
-#: Seconds a subscriber waits for a wake-up before it re-reads the journal anyway (a safety net: notifications are
-#: never the only way an event reaches a stream).
+#: Seconds between two reads of the journal heads of every agent a stream follows, by one query for the whole
+#: process: a stream whose agent moved past what it read is woken (a safety net: notifications are never the only
+#: way an event reaches a stream).
 SAFETY_INTERVAL = 15.0
-#: Seconds at most between two checks that a stream's token is still live (:func:`agent_events`'s ``allowed``): a
-#: revoked token's open streams end within this time, or at their next event if that comes first.
-TOKEN_RECHECK_INTERVAL = 5.0
+#: Agent names the listener keeps, for the wake-ups of scoped subscribers of every agent (names never change).
+NAMES_KEPT = 10_000
 #: Seconds of silence after which the listener checks that its connection is still alive, and how long it gives the
 #: check: a peer that vanished without closing the connection sends neither notifications nor an error.
 PING_INTERVAL = 15.0
@@ -82,14 +82,20 @@ def parse_last_event_id(value: str | None, *, head: int | None = None) -> int:
     return seq
 
 
+#: Whether an agent of this name is within a subscriber's reach (the token's scope: ``auth.sees_named``).
+Sees = Callable[[str], bool]
+
+
 class Subscription:
     """One stream's interest in one agent. Its wake-up is a single flag, not a queue: any number of notifications
     that arrive while the stream is busy coalesce into one re-read, so a slow client costs no memory."""
 
-    def __init__(self, agent_id: UUID, seen: int) -> None:
+    def __init__(self, agent_id: UUID, seen: int, sees: Sees | None = None) -> None:
         self.agent_id = agent_id
         #: The last seq the stream read: a notification at or below it needs no re-read.
         self.seen = seen
+        #: For a subscriber of every agent (:data:`ANY_AGENT`): only the agents it sees wake it.
+        self.sees = sees
         self._wake = asyncio.Event()
 
     def wake(self, seq: int | None = None) -> None:
@@ -99,11 +105,19 @@ class Subscription:
     def clear(self) -> None:
         self._wake.clear()
 
-    async def wait(self, timeout: float) -> bool:
-        """Until woken, or ``timeout`` seconds at most: whether it was woken."""
+    async def wait(self, timeout: float | None = None, *, or_: asyncio.Event | None = None) -> bool:
+        """Until woken (or ``or_`` is set), or ``timeout`` seconds at most: whether it was woken."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                await self._wake.wait()
+                if or_ is None:
+                    await self._wake.wait()
+                else:
+                    waits = {asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(or_.wait())}
+                    try:
+                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for pending in waits:
+                            pending.cancel()
         return self._wake.is_set()
 
 
@@ -123,8 +137,11 @@ class JournalListener:
         ping_timeout: float = PING_TIMEOUT,
         backoff: tuple[float, float] = BACKOFF,
         read_batch: int = journal.FOLLOW_BATCH,
+        names: Callable[[list[UUID]], dict[UUID, str]] | None = None,
     ) -> None:
         self.db = db
+        #: Agents' names by id (``Client.agent_names``), for subscribers of every agent that see only some.
+        self.names = names
         self.safety_interval = safety_interval
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
@@ -134,6 +151,10 @@ class JournalListener:
         self.backend_pid: int | None = None
         self._subscribers: dict[UUID, set[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._safety: asyncio.Task[None] | None = None
+        self._known: dict[UUID, str] = {}
+        self._unnamed: set[UUID] = set()
+        self._naming: asyncio.Task[None] | None = None
         self._listening = asyncio.Event()
         self._stopped = False
 
@@ -147,15 +168,17 @@ class JournalListener:
             return
         self._stopped = False
         self._task = asyncio.create_task(self._run(), name="keel-journal-listener")
+        self._safety = asyncio.create_task(self._reread_heads(), name="keel-journal-heads")
 
     async def stop(self) -> None:
         """Close the connection and end every stream (each returns after the events it already read)."""
         self._stopped = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        tasks, self._task, self._safety, self._naming = (self._task, self._safety, self._naming), None, None, None
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._wake_all()
 
     def end_streams(self) -> None:
@@ -181,12 +204,15 @@ class JournalListener:
                 return self.backend_pid
 
     @contextlib.contextmanager
-    def subscribe(self, agent_id: UUID, after_seq: int = 0) -> Iterator[Subscription]:
+    def subscribe(self, agent_id: UUID, after_seq: int = 0, *, sees: Sees | None = None) -> Iterator[Subscription]:
         """Wake-ups for ``agent_id``'s journal events past ``after_seq``, for as long as the block runs. Subscribe
-        before reading the journal, so that nothing committing meanwhile goes unannounced."""
+        before reading the journal, so that nothing committing meanwhile goes unannounced. Under :data:`ANY_AGENT`
+        with ``sees``: wake-ups for the events of the agents whose name it accepts, no others."""
         if self._task is None:
             raise RuntimeError("the journal listener is not running: await its start() when the application starts")
-        sub = Subscription(agent_id, after_seq)
+        if sees is not None and self.names is None:
+            raise RuntimeError("the journal listener was given no names to scope its subscribers with")
+        sub = Subscription(agent_id, after_seq, sees)
         self._subscribers.setdefault(agent_id, set()).add(sub)
         try:
             yield sub
@@ -211,8 +237,55 @@ class JournalListener:
             return
         for sub in self._subscribers.get(agent_id, ()):
             sub.wake(seq)
+        self._wake_any(agent_id)
+
+    def _wake_any(self, agent_id: UUID) -> None:
+        """Wake the subscribers of every agent that see ``agent_id``; its name is looked up once per process."""
+        name = self._known.get(agent_id)
+        scoped = False
         for sub in self._subscribers.get(ANY_AGENT, ()):
-            sub.wake()
+            if sub.sees is None:
+                sub.wake()
+            elif name is not None:
+                if sub.sees(name):
+                    sub.wake()
+            else:
+                scoped = True
+        if scoped:
+            self._unnamed.add(agent_id)
+            if self._naming is None or self._naming.done():
+                self._naming = asyncio.create_task(self._name_unnamed(), name="keel-journal-names")
+
+    async def _name_unnamed(self) -> None:
+        assert self.names is not None
+        while self._unnamed:
+            ids, self._unnamed = list(self._unnamed), set()
+            try:
+                names = await asyncio.to_thread(self.names, ids)
+            except Exception as exc:  # no wake-up: better a list not redrawn than one woken by another tenant
+                log.warning("live events: could not look up the names of %d agents: %s", len(ids), exc)
+                continue
+            for agent_id, name in names.items():
+                if len(self._known) >= NAMES_KEPT:
+                    del self._known[next(iter(self._known))]
+                self._known[agent_id] = name
+                self._wake_any(agent_id)
+
+    async def _reread_heads(self) -> None:
+        """Every safety interval, one read of the journal heads of the agents streams follow; wake those behind."""
+        while True:
+            await asyncio.sleep(self.safety_interval)
+            followed = [agent_id for agent_id in self._subscribers if agent_id != ANY_AGENT]
+            if not followed:
+                continue
+            try:
+                heads = await asyncio.to_thread(_heads, self.db, followed)
+            except StoreError as exc:
+                log.warning("live events: could not read the journal heads of %d agents: %s", len(followed), exc)
+                continue
+            for agent_id in followed:
+                for sub in list(self._subscribers.get(agent_id, ())):
+                    sub.wake(heads.get(agent_id))  # no head: deleted since; its stream reads to the delete event
 
     async def _run(self) -> None:
         failures = 0
@@ -264,6 +337,11 @@ def _delay(backoff: tuple[float, float], failures: int) -> float:
     return float(min(last, first * 2 ** min(max(0, failures - 1), 30)))
 
 
+def _heads(db: Database, agent_ids: list[UUID]) -> dict[UUID, int]:
+    with store_errors():
+        return journal.journal_heads(db, agent_ids)
+
+
 def _ends_chain(event: JournalEvent) -> bool:
     # A deleted agent's chain ends with its delete event: nothing can follow it.
     return event.kind == "operator" and event.event == "delete"
@@ -277,42 +355,46 @@ async def _read(listener: JournalListener, agent_id: UUID, after_seq: int) -> li
     return await asyncio.to_thread(read)
 
 
-#: Asked by a stream whether it may go on (its token is still live); it may raise :class:`StoreError`.
-Allowed = Callable[[], Awaitable[bool]]
+class Guard(Protocol):
+    """What a stream asks whether it may go on (its token's liveness: :class:`agents.ingress.streams.Hold`)."""
+
+    #: Set once the stream must end (its token was found revoked).
+    ended: asyncio.Event
+
+    async def allowed(self) -> bool:
+        """Whether the stream may go on, asked now; may raise :class:`StoreError`."""
+        ...
 
 
 async def agent_events(
-    listener: JournalListener,
-    agent_id: UUID,
-    after_seq: int = 0,
-    *,
-    allowed: Allowed | None = None,
-    recheck: float = TOKEN_RECHECK_INTERVAL,
+    listener: JournalListener, agent_id: UUID, after_seq: int = 0, *, guard: Guard | None = None
 ) -> AsyncIterator[JournalEvent]:
     """Every journal event of ``agent_id`` with ``seq > after_seq``, in seq order, each once: first those already
     committed, then each new one as it commits. Ends when the listener stops or after the agent's delete event.
 
-    With ``allowed`` the stream also ends as soon as it answers false: it is asked after every journal read and
-    before anything read is yielded (so an event committed after a token's revocation is never yielded), and every
-    ``recheck`` seconds while the stream waits.
+    With ``guard`` the stream also ends as soon as ``guard.ended`` is set, or when ``guard.allowed()`` answers
+    false: it is asked after every journal read that found events, before any is yielded (so an event committed
+    after a token's revocation is never yielded). A quiet stream asks nothing of the database: the listener's
+    notifications and its shared safety re-read wake it.
 
     A failed journal read (the database restarting) is retried with backoff, and at once when the listener
     reconnects: the stream goes on from the last event it yielded."""
+    ended = None if guard is None else guard.ended
     with listener.subscribe(agent_id, after_seq) as sub:
         failures = 0
-        while not listener.stopped:
+        while not listener.stopped and not (ended is not None and ended.is_set()):
             sub.clear()  # before the read: a wake-up that arrives during it asks for another
             try:
                 batch = await _read(listener, agent_id, sub.seen)
                 # After the read: what it found committed before this check, hence before any revocation it missed.
-                if allowed is not None and not await allowed():
+                if batch and guard is not None and not await guard.allowed():
                     return
             except StoreError as exc:
                 failures += 1
                 # Once per outage and stream: a thousand streams retrying must not be a thousand lines a second.
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "live events of agent %s: journal read failed (%s); retrying", agent_id, exc)
-                await sub.wait(min(_delay(listener.backoff, failures), listener.safety_interval))
+                await sub.wait(min(_delay(listener.backoff, failures), listener.safety_interval), or_=ended)
                 continue
             failures = 0
             for event in batch:
@@ -320,26 +402,8 @@ async def agent_events(
                 yield event
                 if _ends_chain(event):
                     return
-            if len(batch) < listener.read_batch and not await _rest(sub, listener.safety_interval, allowed, recheck):
-                return
-
-
-async def _rest(sub: Subscription, timeout: float, allowed: Allowed | None, recheck: float) -> bool:
-    """Wait until ``sub`` is woken or ``timeout`` seconds passed, asking ``allowed`` every ``recheck`` seconds
-    meanwhile; false as soon as it says no."""
-    if allowed is None:
-        await sub.wait(timeout)
-        return True
-    deadline = asyncio.get_running_loop().time() + timeout
-    while (left := deadline - asyncio.get_running_loop().time()) > 0:
-        if await sub.wait(min(recheck, left)):
-            return True
-        try:
-            if not await allowed():
-                return False
-        except StoreError:
-            return True  # the read that follows retries, and asks again before it yields anything
-    return True
+            if len(batch) < listener.read_batch:
+                await sub.wait(or_=ended)
 
 
 def event_data(event: JournalEvent) -> dict[str, Any]:
@@ -355,9 +419,9 @@ def to_sse(event: JournalEvent) -> ServerSentEvent:
 
 
 async def sse_events(
-    listener: JournalListener, agent_id: UUID, after_seq: int = 0, *, allowed: Allowed | None = None
+    listener: JournalListener, agent_id: UUID, after_seq: int = 0, *, guard: Guard | None = None
 ) -> AsyncIterator[ServerSentEvent]:
     """:func:`agent_events` as Server-Sent Events, for a FastAPI path operation with
     ``response_class=EventSourceResponse`` to yield from (FastAPI adds keep-alive pings while it is quiet)."""
-    async for event in agent_events(listener, agent_id, after_seq, allowed=allowed):
+    async for event in agent_events(listener, agent_id, after_seq, guard=guard):
         yield to_sse(event)

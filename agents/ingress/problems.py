@@ -75,6 +75,7 @@ TOO_LARGE = Kind(413, "payload-too-large", "Request body too large")
 UNSUPPORTED_MEDIA = Kind(415, "unsupported-media-type", "Unsupported media type")
 PRECONDITION_REQUIRED = Kind(428, "precondition-required", "If-Match required")
 RATE_LIMITED = Kind(429, "rate-limited", "Too many requests")
+TOO_MANY_STREAMS = Kind(429, "too-many-streams", "Too many live event streams")
 INTERNAL = Kind(500, "internal-error", "Internal error")
 UNAVAILABLE = Kind(503, "unavailable", "Service unavailable")
 
@@ -87,7 +88,8 @@ def all_kinds() -> dict[str, Kind]:
     """Every problem type the API answers with, by slug."""
     kinds = [kind for _, kind in _ERRORS]
     kinds += [VALIDATION, BAD_REQUEST, UNAUTHORIZED, FORBIDDEN, NOT_FOUND, METHOD_NOT_ALLOWED, NOT_ACCEPTABLE]
-    kinds += [TOO_LARGE, UNSUPPORTED_MEDIA, PRECONDITION_REQUIRED, RATE_LIMITED, INTERNAL, UNAVAILABLE]
+    kinds += [TOO_LARGE, UNSUPPORTED_MEDIA, PRECONDITION_REQUIRED, RATE_LIMITED, TOO_MANY_STREAMS, INTERNAL]
+    kinds += [UNAVAILABLE]
     return {k.slug: k for k in kinds}
 
 

@@ -43,13 +43,15 @@ TIMEOUT_SECONDS = 0.5
 # What a policy's name may hold: it goes into the headers as a Structured Field string, unescaped.
 _POLICY_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
-# KEYS[1]: the token's key. ARGV[1]: the emission interval (microseconds per request, >= 1); ARGV[2]: the burst.
+# KEYS[1]: the token's key. ARGV[1]: the emission interval (microseconds per request, >= 1); ARGV[2]: the burst;
+# ARGV[3]: 1 to count the request, 0 only to say whether it would be allowed (a peek changes nothing).
 # All times are whole microseconds of Redis's clock, exact in Lua's doubles (2**53 us is 285 years).
 # Returns {allowed (1/0), remaining, microseconds until the bucket is full, microseconds until the next request is
 # allowed (0 when allowed)}. The key expires when the bucket is full again: a missing key is a full bucket.
 _GCRA = """
 local interval = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
+local count = ARGV[3] == '1'
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local tat = tonumber(redis.call('GET', KEYS[1]) or now)
@@ -61,22 +63,23 @@ if now < allow_at then
   return {0, 0, tat - now, allow_at - now}
 end
 local new_tat = tat + interval
-redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.ceil((new_tat - now) / 1000))
+if count then
+  redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.ceil((new_tat - now) / 1000))
+end
 return {1, math.floor((now - allow_at) / interval), new_tat - now, 0}
 """
 
-# Give back one request's allowance counted by _GCRA (a request that turned out not to count): the TAT moves one
-# interval earlier, never before now (a full bucket stays full). KEYS and ARGV[1] as above. Returns nothing.
-_REFUND = """
+# Take what is left of a bucket (it is empty now: the next request is allowed after one interval). KEYS, ARGV[1] and
+# ARGV[2] as above. Returns nothing.
+_DRAIN = """
 local interval = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-local new_tat = tat - interval
-if new_tat <= now then
-  redis.call('DEL', KEYS[1])
-else
-  redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.ceil((new_tat - now) / 1000))
+local empty = now + interval * burst
+if tat < empty then
+  redis.call('SET', KEYS[1], string.format('%.0f', empty), 'PX', math.ceil((empty - now) / 1000))
 end
 return 0
 """
@@ -169,7 +172,7 @@ class RateLimiter:
         self.prefix = prefix
         # EVALSHA, loading the script again when Redis lost it (a restart, SCRIPT FLUSH).
         self._script = client.register_script(_GCRA)
-        self._refund = client.register_script(_REFUND)
+        self._drain = client.register_script(_DRAIN)
         self._outage = Outage("rate limiting: Redis", log)
 
     @classmethod
@@ -192,8 +195,9 @@ class RateLimiter:
         """The Redis key holding ``key``'s state."""
         return f"{self.prefix}{KEY_NAMESPACE}{key}"
 
-    def check(self, key: str, policy: Policy) -> Decision:
-        """Count one request of ``key`` (a token id) against ``policy``: one atomic script call.
+    def check(self, key: str, policy: Policy, *, count: bool = True) -> Decision:
+        """Count one request of ``key`` (a token id) against ``policy``: one atomic script call. With ``count``
+        false, only say whether it would be allowed (a peek: nothing is counted).
 
         When Redis cannot be reached or refuses, the request is allowed (``enforced`` false): the limiter protects
         capacity, while correctness rests on PostgreSQL (revisions, idempotency keys). One WARNING when that starts
@@ -203,7 +207,7 @@ class RateLimiter:
             return self._unenforced(policy)
         try:
             allowed, remaining, reset_us, retry_us = self._script(
-                keys=[self.key(key)], args=[policy.interval_microseconds, policy.burst]
+                keys=[self.key(key)], args=[policy.interval_microseconds, policy.burst, 1 if count else 0]
             )
         except redis.RedisError as exc:
             self._outage.failed(exc)
@@ -216,13 +220,13 @@ class RateLimiter:
             retry_after_seconds=None if allowed else int(retry_us) / 1_000_000,
         )
 
-    def refund(self, key: str, policy: Policy, decision: Decision) -> None:
-        """Give back the allowance :meth:`check` took for ``decision`` (it was allowed and enforced): what was
-        counted turned out not to count (a sign-in whose token was good). Nothing when Redis cannot be asked."""
-        if not (decision.allowed and decision.enforced) or self._outage.wait() > 0:
+    def drain(self, key: str, policy: Policy) -> None:
+        """Take what is left of ``key``'s allowance: its next request is allowed one interval from now. Nothing when
+        Redis cannot be asked."""
+        if self._outage.wait() > 0:
             return
         try:
-            self._refund(keys=[self.key(key)], args=[policy.interval_microseconds])
+            self._drain(keys=[self.key(key)], args=[policy.interval_microseconds, policy.burst])
         except redis.RedisError as exc:
             self._outage.failed(exc)
             return

@@ -8,10 +8,12 @@ import redis
 from fastapi import Request
 
 from agents.client import Client, Publisher
-from agents.ingress.console.signin_limits import SignInLimits
+from agents.ingress.console.signin_limits import Attempt, SignInLimits, client_key
 from agents.ingress.events import JournalListener
 from agents.ingress.ratelimit import Policy, RateLimiter, policy_for, scope_policies
-from agents.ingress.tokens import ApiToken
+from agents.ingress.readiness import SharedCheck
+from agents.ingress.streams import Streams
+from agents.ingress.tokens import ApiToken, authenticate
 from models.db import Database
 from models.embedded import broker_url_for
 from models.settings import Settings
@@ -25,10 +27,13 @@ class Ingress:
     broker_url: str
     limiter: RateLimiter | None
     listener: JournalListener
+    streams: Streams
     redis: redis.Redis | None = None
     policies: dict[str, Policy] = field(default_factory=dict)
     #: The console's sign-in limits (None: KEEL_CONSOLE_SIGNIN_LIMIT_ENABLED=false, or no Redis to count in).
     signin_limits: SignInLimits | None = None
+    #: The last answer of /readyz's checks, shared by the probes of the next second or two.
+    readiness: SharedCheck[dict[str, str]] = field(default_factory=SharedCheck)
 
     @classmethod
     def open(cls, settings: Settings, *, publisher: Publisher | None = None) -> Ingress:
@@ -52,7 +57,12 @@ class Ingress:
             client=client,
             broker_url=broker_url,
             limiter=limiter,
-            listener=JournalListener(db),
+            listener=JournalListener(db, names=client.agent_names),
+            streams=Streams(
+                db,
+                per_token=settings.api_max_streams_per_token,
+                per_process=settings.api_max_streams_per_process,
+            ),
             redis=connection,
             policies=scope_policies(settings.api_rate_limits),
             signin_limits=signin_limits,
@@ -60,6 +70,13 @@ class Ingress:
 
     def policy_for(self, token: ApiToken) -> Policy:
         return policy_for(token.scopes, self.policies)
+
+    def try_token(self, host: str | None, secret: str) -> Attempt:
+        """Authenticate ``secret`` sent from ``host``, the API's bearer token and the console's sign-in alike, under
+        the limits on guessing (:meth:`SignInLimits.try_token`; none when they are off)."""
+        if self.signin_limits is None:
+            return Attempt(client_key(host), authenticate(self.db, secret), {})
+        return self.signin_limits.try_token(host, lambda: authenticate(self.db, secret))
 
     def public_url(self) -> str:
         return self.settings.api_public_url or f"http://{self.settings.api_host}:{self.settings.api_port}"

@@ -190,7 +190,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     413: problem_doc("Request body too large"),
     422: problem_doc("Invalid input: `errors` names each field and rule"),
     428: problem_doc("If-Match is required"),
-    429: problem_doc("Over the token's rate: see Retry-After and the RateLimit headers"),
+    429: problem_doc(
+        "Over the token's rate (see Retry-After and the RateLimit headers), or, for a live event stream, too many open"
+    ),
     503: problem_doc("The database is unavailable: retry"),
 }
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from enum import StrEnum
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from agents.core.commands import MAX_ACTOR_CHARS, check_text
 from agents.core.errors import InvalidInput, TokenExists, TokenNotFound, quoted
@@ -94,6 +94,27 @@ def grants(scopes: Iterable[Scope]) -> frozenset[Permission]:
     return granted.union(*(GRANTS[Scope(s)] for s in scopes))
 
 
+#: What a token's agent prefix ends in, so that ``acme-`` never covers ``acmecorp-…`` (agent names hold letters,
+#: digits and these three only).
+PREFIX_DELIMITERS = ("-", ".", "_")
+
+
+def scope_prefix(stored: str | None) -> str | None:
+    """The prefix a token's reach is checked with: as stored, if it ends in a delimiter (every prefix made since the
+    rule does). One stored before the rule without one (``acme``) reaches only ``acme-…``: never ``acmecorp-…``, never
+    more than it was given (re-create the token for ``acme.…`` or ``acme_…`` names)."""
+    if stored is None or stored.endswith(PREFIX_DELIMITERS):
+        return stored
+    return stored + "-"
+
+
+def covers(prefix: str | None, agent_name: str) -> bool:
+    """Whether a token with this (checked) prefix reaches the agent called ``agent_name``: the one prefix-match rule.
+    The lists filter with ``starts_with(name, prefix)`` in SQL on the same prefix, which is this rule since the
+    prefix ends in a delimiter."""
+    return prefix is None or agent_name.startswith(prefix)
+
+
 class ApiToken(BaseModel):
     """An API token as Keel knows it: never its secret. ``agent_prefix``: the token sees only agents whose name
     starts with it (None: every agent)."""
@@ -111,6 +132,11 @@ class ApiToken(BaseModel):
     revoked_at: datetime | None
     revoked_by: str | None = None
 
+    @field_validator("agent_prefix")
+    @classmethod
+    def _reach(cls, value: str | None) -> str | None:
+        return scope_prefix(value)  # however the token was read: every scope check gets the checked prefix
+
     def can(self, permission: Permission) -> bool:
         """Whether this token may do ``permission`` (never, once revoked)."""
         return self.revoked_at is None and permission in grants(self.scopes)
@@ -118,7 +144,7 @@ class ApiToken(BaseModel):
     def sees(self, agent_name: str) -> bool:
         """Whether the agent called ``agent_name`` is within this token's reach (its name starts with the prefix).
         The ingress answers for an agent it does not see exactly as for one that does not exist."""
-        return self.agent_prefix is None or agent_name.startswith(self.agent_prefix)
+        return covers(self.agent_prefix, agent_name)
 
     @classmethod
     def of(cls, row: TokenRow) -> ApiToken:
@@ -161,6 +187,16 @@ def _check_name(field: str, value: object) -> str:
     return text
 
 
+def _check_prefix(value: object) -> str:
+    prefix = _check_name("agent prefix", value)
+    if not prefix.endswith(PREFIX_DELIMITERS):
+        raise InvalidInput(
+            f"agent prefix {quoted(prefix)} must end in '-', '.' or '_', so that it covers no other tenant's names"
+            f" (as {prefix}corp-… would be): e.g. {quoted(prefix + '-')}"
+        )
+    return prefix
+
+
 def _check_scopes(scopes: Iterable[Scope | str]) -> tuple[Scope, ...]:
     if isinstance(scopes, str):  # one scope given bare would otherwise be read letter by letter
         scopes = [scopes]
@@ -191,7 +227,7 @@ def create_token(
         raise InvalidInput("token name must not look like a UUID: tokens are revoked by id or name")
     checked = _check_scopes(scopes)
     if agent_prefix is not None:
-        agent_prefix = _check_name("agent prefix", agent_prefix)
+        agent_prefix = _check_prefix(agent_prefix)
     if isinstance(actor, str) and not actor:
         raise InvalidInput(f"actor must be 1-{MAX_ACTOR_CHARS} characters: every change names who made it")
     check_text("actor", actor, limit=MAX_ACTOR_CHARS)
@@ -224,11 +260,11 @@ def authenticate(db: Database, secret: str) -> ApiToken | None:
     return None if row is None else ApiToken.of(row)
 
 
-def is_live(db: Database, token_id: UUID) -> bool:
-    """Whether the token with this id is still live (not revoked): what an open event stream asks again and again,
-    by id, since it no longer has the secret."""
+def live_token_ids(db: Database, token_ids: Collection[UUID]) -> set[UUID]:
+    """Which of these tokens are still live: what the open event streams of a process ask, for all their tokens at
+    once (:class:`agents.ingress.streams.Streams`)."""
     with store_errors():
-        return tokens_sql.is_live(db, token_id)
+        return tokens_sql.live_token_ids(db, token_ids)
 
 
 def live_token(db: Database, token_id: UUID) -> ApiToken | None:

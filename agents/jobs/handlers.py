@@ -75,10 +75,7 @@ class JobResult:
             "usage": _usage_json(self.usage),
             "event": None if self.event is None else self.event.value,
             "jobs": [_spec_json(s) for s in self.jobs],
-            "messages": [
-                {"channel": m.channel, "destination": m.destination, "target": m.target, "payload": dict(m.payload)}
-                for m in self.messages
-            ],
+            "messages": [_message_json(m) for m in self.messages],
             "join": None
             if self.join is None
             else {"event": self.join.event.value, "jobs": [_spec_json(s) for s in self.join.jobs]},
@@ -101,6 +98,12 @@ class JobResult:
             details=dict(data.get("details") or {}),
             drops=tuple((str(key), str(name)) for key, name in data.get("drops") or ()),
         )
+
+
+def _message_json(message: MessageSpec) -> dict[str, Any]:
+    data: dict[str, Any] = {"channel": message.channel, "destination": message.destination, "target": message.target}
+    data["payload"] = dict(message.payload)
+    return data if message.step is None else {**data, "step": message.step}
 
 
 def _usage_json(usage: Usage) -> dict[str, Any]:

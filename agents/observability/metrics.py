@@ -7,7 +7,7 @@ values are bounded: route templates (never raw paths), known events and methods,
 
 :func:`install_metrics` registers the observer in this process and returns what the process exports
 (:class:`Metrics`): its registry, an HTTP exporter (:meth:`Metrics.serve`) and the body of a scrape
-(:meth:`Metrics.exposition`, for the API's own ``/metrics``). Two ways to keep the process-local numbers:
+(:meth:`Metrics.exposition`, for the API's token-guarded ``/metrics``). Two ways to keep the process-local numbers:
 
 - **One process** (beat; ``keel serve`` with one worker): in memory, exported with the process's own CPU and memory
   figures.

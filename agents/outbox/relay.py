@@ -4,8 +4,8 @@ A pass finds the lines whose head is due by a bounded skip scan of the line inde
 last one stopped: it costs the same with a backlog of ten or of a million), then works through each line in its own
 thread (bounded by ``KEEL_OUTBOX_CONCURRENCY``): a message is sent only after every earlier one to the same
 destination is settled, so nothing overtakes. Before re-sending a message whose previous attempt's outcome is
-unknown, the relay asks the receiver whether it already has it (by the key it carries) and, if so, records it as
-delivered without sending.
+unknown, the relay asks the receiver whether it already has it (by the key it carries, in a message Keel itself
+wrote) and, if so, records it as delivered without sending.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from agents.core import transition as core
 from agents.core.errors import LostClaim, MessageNotDead, MessageNotFound
 from agents.core.keys import request_id_of
 from agents.core.observe import observe
+from agents.outbox.identity import Planted
 from agents.outbox.senders import (
     Delivered,
     FailureKind,
@@ -71,6 +72,7 @@ class RelayReport:
     retried: int = 0
     dead: int = 0
     lost: int = 0  # another relay took the message over: this one's outcome was dropped
+    planted: int = 0  # messages at a receiver carrying a key that someone other than Keel wrote (ignored)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, outcome: str, n: int = 1) -> None:
@@ -224,7 +226,7 @@ class Relay:
         done: list[Delivery] = []
         try:
             for index, message in enumerate(run):
-                outcome = self._attempt(run, message)
+                outcome = self._attempt(run, message, report)
                 if isinstance(outcome, Delivery):
                     done.append(outcome)
                     continue
@@ -262,18 +264,22 @@ class Relay:
         if not renew(self.db, run, self.lease):
             raise LostClaim(message.key)
 
-    def _attempt(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
+    def _attempt(
+        self, run: list[ClaimedMessage], message: ClaimedMessage, report: RelayReport
+    ) -> Delivery | SendFailed:
         with observe(
             "outbox_send",
             message.channel,
             **_about(message),
             traceparent=message.traceparent,  # the trace of the work that emitted it, on every attempt
         ) as op:
-            outcome = self._attempt_once(run, message)
+            outcome = self._attempt_once(run, message, report)
             op.outcome = outcome.how if isinstance(outcome, Delivery) else outcome.kind
             return outcome
 
-    def _attempt_once(self, run: list[ClaimedMessage], message: ClaimedMessage) -> Delivery | SendFailed:
+    def _attempt_once(
+        self, run: list[ClaimedMessage], message: ClaimedMessage, report: RelayReport
+    ) -> Delivery | SendFailed:
         sender = self.senders.get(message.channel)
         if sender is None:
             return SendFailed(
@@ -283,9 +289,11 @@ class Relay:
             self._hold(run, message)
             limit = ScanLimit(self.reconcile_pages, time.monotonic() + self.reconcile_seconds)
             try:
-                found = sender.find(message.key, message.destination, message.created_at - CLOCK_SLACK, limit)
+                lookup = sender.find(message.key, message.destination, message.created_at - CLOCK_SLACK, limit)
             except Exception as exc:  # a sender bug: keep the message, never lose the line
                 return self._unexpected(message, exc, "transient")
+            self._warn_planted(message, lookup.planted, report)
+            found = lookup.outcome
             if isinstance(found, Delivered):
                 return Delivery(message, found.external_id, found.url, "reconciled")
             if isinstance(found, SendFailed):  # cannot tell whether it arrived: do not send blind, wait
@@ -299,6 +307,19 @@ class Relay:
         if isinstance(result, Delivered):
             return Delivery(message, result.external_id, result.url, "sent")
         return result
+
+    @staticmethod
+    def _warn_planted(message: ClaimedMessage, planted: tuple[Planted, ...], report: RelayReport) -> None:
+        for other in planted:
+            log.warning(
+                "outbox %s: %s at %s carries this message's key but is not Keel's (written by %s): ignored",
+                message.key,
+                other.external_id,
+                message.destination,
+                other.author,
+                extra=_about(message),
+            )
+        report.add("planted", len(planted))
 
     def _unexpected(self, message: ClaimedMessage, exc: Exception, kind: FailureKind) -> SendFailed:
         log.error("outbox %s: unexpected failure: %s", message.key, redact(repr(exc), *self.secrets))

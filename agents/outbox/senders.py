@@ -2,27 +2,33 @@
 
 Each can ``send`` a message carrying its key (Slack: message metadata; GitHub: a hidden ``<!-- keel:KEY -->``
 marker) and ``find`` it again among what the receiver already holds, which is how the relay settles an attempt
-whose outcome it could not see. The client libraries' own retries are off: the outbox owns retries. Every error
-text is built from the receiver's status and reason, never from headers, and is scrubbed of the token anyway.
+whose outcome it could not see: only a message Keel itself wrote counts (:mod:`agents.outbox.identity`), so each
+sender first learns from the receiver who it posts as. The client libraries' own retries are off: the outbox owns
+retries. Every error text is built from the receiver's status and reason, never from headers, and is scrubbed of
+the token anyway.
 """
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import logging
 import re
 import socket
+import threading
 import time
 import urllib.error
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import httpx
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
+
+from agents.outbox.identity import METADATA_EVENT, GitHubIdentity, Planted, SlackIdentity, marker
 
 FailureKind = Literal["ambiguous", "rate_limited", "transient", "permanent"]
 
@@ -60,14 +66,24 @@ class ScanLimit:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What a look for a key at the receiver found. ``outcome``: Keel's own message carrying it, None if the receiver
+    surely holds none, a failure if that cannot be told; ``planted``: messages carrying it that others wrote."""
+
+    outcome: Delivered | SendFailed | None
+    planted: tuple[Planted, ...] = ()
+
+
 class Sender(Protocol):
     """Sends messages to one receiver (Slack, GitHub) and finds them there again by key."""
 
     def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed: ...
 
-    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Delivered | SendFailed | None:
-        """The message carrying ``key`` if the receiver has it (looking only at what is newer than ``since``);
-        None if it surely does not; a failure if that cannot be told within ``limit``."""
+    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Lookup:
+        """Keel's own message carrying ``key`` if the receiver has it (looking only at what is newer than
+        ``since``); None if it surely does not; a failure if that cannot be told within ``limit`` — or without
+        knowing who Keel posts there as."""
         ...
 
     def close(self) -> None: ...
@@ -81,6 +97,55 @@ def redact(text: str, *secrets: str | None) -> str:
     return text
 
 
+Who = TypeVar("Who", SlackIdentity, GitHubIdentity)
+
+
+class Learnt(Generic[Who]):
+    """One sender's identity, learnt from the receiver once per token and kept for the process; a failure is not
+    kept (the next call asks again). One call asks at a time; the others wait for its answer at most ``wait``
+    seconds (one HTTP timeout: a send's lease was renewed just before), then take its failure or give up for now."""
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        self._lock = threading.Lock()
+        self._known: tuple[bytes, Who] | None = None
+        self._asking: threading.Event | None = None
+        self._failure = SendFailed("transient", "still asking the receiver who Keel posts as")
+
+    def get(self, token: str, learn: Callable[[], Who | SendFailed]) -> Who | SendFailed:
+        digest = hashlib.sha256(token.encode()).digest()
+        with self._lock:
+            if self._known is not None and self._known[0] == digest:
+                return self._known[1]
+            asking = self._asking
+            if asking is None:  # nobody is asking: this call does
+                self._asking = threading.Event()
+        if asking is not None:
+            asking.wait(self.wait)
+            with self._lock:
+                known = self._known[1] if self._known is not None and self._known[0] == digest else None
+                return known if known is not None else self._failure
+        found: Who | SendFailed = self._failure
+        try:
+            found = learn()
+            return found
+        finally:
+            with self._lock:
+                if isinstance(found, SendFailed):
+                    self._failure = found
+                else:
+                    self._known = (digest, found)
+                event, self._asking = self._asking, None
+            if event is not None:
+                event.set()
+
+
+def _unknown_identity(failure: SendFailed) -> SendFailed:
+    """Reconciliation cannot take anything for Keel's without knowing who Keel is: never "delivered", wait."""
+    kind: FailureKind = "rate_limited" if failure.kind == "rate_limited" else "transient"
+    return SendFailed(kind, f"who Keel posts as is unknown: {failure.error}", failure.retry_after)
+
+
 def _network_failure(exc: BaseException) -> SendFailed:
     """Before the request was written (refused, DNS) nothing happened; after, the receiver may have it."""
     reason = getattr(exc, "reason", exc)
@@ -91,7 +156,6 @@ def _network_failure(exc: BaseException) -> SendFailed:
 
 # --- Slack ------------------------------------------------------------------------------------------------------
 
-METADATA_EVENT = "keel_outbox"
 # Slack says of these that some of the operation may have succeeded: after a send, the outcome is unknown.
 _SLACK_MAYBE_APPLIED = {"internal_error", "fatal_error", "request_timeout"}
 # Worth retrying, nothing applied. Every other Slack error (channel_not_found, not_in_channel, invalid_auth, …)
@@ -122,6 +186,24 @@ class SlackSender:
         self.client = WebClient(
             token=token, base_url=base_url, timeout=int(max(1, timeout)), retry_handlers=[], logger=sdk_log
         )
+        self._identity: Learnt[SlackIdentity] = Learnt(timeout)
+
+    def identity(self) -> SlackIdentity | SendFailed:
+        """Who Keel posts as, by ``auth.test`` (a bot token: its bot user and bot), once per token."""
+        return self._identity.get(self.token, self._auth_test)
+
+    def _auth_test(self) -> SlackIdentity | SendFailed:
+        try:
+            response = self.client.auth_test()
+        except SlackApiError as exc:
+            failure = self._api_failure(exc, sent=False)
+            return failure if failure.kind != "ambiguous" else SendFailed("transient", failure.error)
+        except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
+            return self._scrub(SendFailed("transient", f"auth.test failed: {type(exc).__name__}"))
+        user_id, bot_id = response.get("user_id"), response.get("bot_id")
+        if not isinstance(user_id, str) or not user_id:
+            return SendFailed("transient", "slack: auth.test named no user_id")
+        return SlackIdentity(user_id, bot_id if isinstance(bot_id, str) and bot_id else None)
 
     def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed:
         try:
@@ -137,13 +219,17 @@ class SlackSender:
             return self._scrub(_network_failure(exc))
         return Delivered(str(response["ts"]), None)
 
-    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Delivered | SendFailed | None:
+    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Lookup:
+        identity = self.identity()
+        if isinstance(identity, SendFailed):
+            return Lookup(_unknown_identity(identity))
+        planted: list[Planted] = []
         cursor: str | None = None
         pages = 0
         try:
             while True:
                 if pages and (stop := limit.reached(pages)):
-                    return stop
+                    return Lookup(stop, tuple(planted))
                 pages += 1
                 page = self.client.conversations_history(
                     channel=destination,
@@ -154,20 +240,19 @@ class SlackSender:
                 )
                 messages: list[dict[str, Any]] = page.get("messages", [])
                 for message in messages:
-                    metadata = message.get("metadata") or {}
-                    if (
-                        metadata.get("event_type") == METADATA_EVENT
-                        and (metadata.get("event_payload") or {}).get("key") == key
-                    ):
-                        return Delivered(str(message["ts"]), None)
+                    claim = identity.claim(message, key)
+                    if claim == "keel":
+                        return Lookup(Delivered(str(message["ts"]), None), tuple(planted))
+                    if claim == "planted":
+                        planted.append(Planted(str(message.get("ts")), identity.author(message)))
                 cursor = (page.get("response_metadata") or {}).get("next_cursor") or None
                 if not page.get("has_more") or not cursor:
-                    return None
+                    return Lookup(None, tuple(planted))
         except SlackApiError as exc:
             failure = self._api_failure(exc, sent=False)
-            return failure if failure.kind != "ambiguous" else SendFailed("transient", failure.error)
+            return Lookup(failure if failure.kind != "ambiguous" else SendFailed("transient", failure.error))
         except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
-            return self._scrub(SendFailed("transient", f"history read failed: {type(exc).__name__}"))
+            return Lookup(self._scrub(SendFailed("transient", f"history read failed: {type(exc).__name__}")))
 
     def _api_failure(self, exc: SlackApiError, *, sent: bool) -> SendFailed:
         response = exc.response
@@ -196,10 +281,6 @@ _GITHUB_DESTINATION = re.compile(r"^(?P<owner>[^/]+)/(?P<repo>[^#]+)#(?P<number>
 _PERMANENT_STATUSES = {400, 401, 403, 404, 410, 422}
 
 
-def marker(key: str) -> str:
-    return f"<!-- keel:{key} -->"
-
-
 class GitHubSender:
     def __init__(self, token: str, base_url: str, timeout: float, transport: httpx.BaseTransport | None = None) -> None:
         self.token = token
@@ -215,6 +296,32 @@ class GitHubSender:
                 "User-Agent": "keel-outbox",
             },
         )
+        self._identity: Learnt[GitHubIdentity] = Learnt(timeout)
+
+    def identity(self) -> GitHubIdentity | SendFailed:
+        """The account Keel comments as, by ``GET /user``, once per token. A GitHub App installation token cannot
+        say (GitHub answers 403): it is refused, since no comment of Keel's could then be told from a planted one."""
+        return self._identity.get(self.token, self._whoami)
+
+    def _whoami(self) -> GitHubIdentity | SendFailed:
+        try:
+            response = self.client.get("/user")
+        except httpx.TransportError as exc:
+            return self._scrub(SendFailed("transient", f"GET /user failed: {type(exc).__name__}"))
+        if response.status_code == 200:
+            user = response.json()
+            if isinstance(user, dict) and isinstance(user.get("id"), int):
+                return GitHubIdentity(user["id"], str(user.get("login")))
+            return SendFailed("transient", "github: GET /user named no account id")
+        failure = self._http_failure(response, sent=False)
+        if response.status_code == 403 and failure.kind == "permanent":
+            return SendFailed(
+                "permanent",
+                f"{failure.error} (GET /user): this token cannot say which account it comments as, so Keel could not"
+                " tell its own comments from planted ones; a GitHub App installation token is not supported: use a"
+                " personal access token of the account Keel comments as",
+            )
+        return failure
 
     @staticmethod
     def _path(destination: str) -> str:
@@ -224,6 +331,9 @@ class GitHubSender:
         return f"/repos/{match['owner']}/{match['repo']}/issues/{match['number']}/comments"
 
     def send(self, key: str, destination: str, payload: Mapping[str, Any]) -> Delivered | SendFailed:
+        identity = self.identity()  # a token whose comments could never be reconciled posts none
+        if isinstance(identity, SendFailed):
+            return identity
         body = f"{payload['body']}\n\n{marker(key)}"
         try:
             response = self.client.post(self._path(destination), json={"body": body})
@@ -234,28 +344,35 @@ class GitHubSender:
             return Delivered(str(data["id"]), data.get("html_url"))
         return self._http_failure(response, sent=True)
 
-    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Delivered | SendFailed | None:
-        wanted = marker(key)
+    def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Lookup:
+        identity = self.identity()
+        if isinstance(identity, SendFailed):
+            return Lookup(_unknown_identity(identity))
+        planted: list[Planted] = []
         url: str | None = self._path(destination)
         params: dict[str, Any] | None = {"since": since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "per_page": 100}
         pages = 0
         try:
             while url:
                 if pages and (stop := limit.reached(pages)):
-                    return stop
+                    return Lookup(stop, tuple(planted))
                 pages += 1
                 response = self.client.get(url, params=params)
                 if response.status_code != 200:
                     failure = self._http_failure(response, sent=False)
-                    return failure if failure.kind != "ambiguous" else SendFailed("transient", failure.error)
+                    unsure = failure if failure.kind != "ambiguous" else SendFailed("transient", failure.error)
+                    return Lookup(unsure, tuple(planted))
                 for comment in response.json():
-                    if wanted in (comment.get("body") or ""):
-                        return Delivered(str(comment["id"]), comment.get("html_url"))
+                    claim = identity.claim(comment, key)
+                    if claim == "keel":
+                        return Lookup(Delivered(str(comment["id"]), comment.get("html_url")), tuple(planted))
+                    if claim == "planted":
+                        planted.append(Planted(str(comment.get("id")), identity.author(comment)))
                 next_link = response.links.get("next", {}).get("url")
                 url, params = (next_link, None) if next_link else (None, None)
         except httpx.TransportError as exc:
-            return self._scrub(SendFailed("transient", f"comment listing failed: {type(exc).__name__}"))
-        return None
+            return Lookup(self._scrub(SendFailed("transient", f"comment listing failed: {type(exc).__name__}")))
+        return Lookup(None, tuple(planted))
 
     def _http_failure(self, response: httpx.Response, *, sent: bool) -> SendFailed:
         status = response.status_code

@@ -95,7 +95,7 @@ def _command(db: Database, settings: Settings, call: WaitingCall, actor: str) ->
         if channel:
             notice = escalation_notice(
                 channel,
-                call.target,
+                call.key,
                 agent=call.agent,
                 tool=pending.tool,
                 waited=waited,

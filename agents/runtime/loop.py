@@ -4,8 +4,11 @@ planning: job ``{request_id}:plan:{n}`` asks the model. A final answer finishes 
 agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{n}.{call_key}``, where ``call_key`` is
 the model's call id made safe for a key (:func:`~agents.runtime.inference.tool_call_key`); the model always gets its
 own id back, and a step's payload carries both (``call_id``: the key-safe one tools see; ``tool_call_id``: the model's).
-The last tool result of a round sends the conversation back to the model (``plan:{n+1}``). A reply that calls a
-tool Keel does not have fails the request (``unknown_tool``), naming the tool and the tools there are. A call to a
+Every key a step schedules or reads is derived from its own key (:func:`~agents.core.keys.derive`), and the messages
+its tool emits from its step's key, so a later round may reuse a call id. The last tool result of a round sends the
+conversation back to the model (``plan:{n+1}``). A reply that calls a tool Keel does not have fails the request
+(``unknown_tool``), naming the tool and the tools there are; one that uses a call id twice fails it as ``invalid``
+(which call would a result answer?), naming the ids. A call to a
 tool that needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
 ``reject`` asks the model to revise. Every step's result is stored on its job, in the transition that schedules the
 next step; a plan step's result also carries the conversation it sent the model, so the next one reads that, the
@@ -33,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from agents.core import approval_notices
 from agents.core.commands import JobSpec, Join, MessageSpec
 from agents.core.errors import InvalidInput, InvalidJob, UnknownTool
-from agents.core.keys import derive
+from agents.core.keys import derive, split_key
 from agents.core.observe import observe
 from agents.core.phases import Event
 from agents.core.transition import STAGED_SPEND
@@ -130,59 +133,46 @@ def step_target(tool_name: str, round_: int, call_id: str) -> str:
     return f"{tool_name}:{round_}.{tool_call_key(call_id)}"
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOf:
-    """The request a step is of, as its reads name it: its agent and id (each agent's ids are its own), and a step
-    key of the request, which every key the step derives comes from."""
-
-    agent_id: UUID
-    request_id: str
-    step_key: str
-
-    @classmethod
-    def of(cls, ctx: JobContext) -> RequestOf:
-        return cls(ctx.agent_id, ctx.request_id, ctx.key)
-
-    def key(self, operation: str, target: str) -> str:
-        return derive(self.step_key, operation, target)
-
-
-def conversation(db: Database, req: RequestOf, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
-    """The messages of rounds 1..upto_round-1: the conversation the previous plan step was sent (stored with its
-    result), its reply, and the results of that reply's calls — a few rows by key, however long the request. When
-    the previous step holds no conversation (recorded by an earlier version, or a past round's, dropped once the
-    step after it was recorded) it is rebuilt from the request's steps."""
-    previous = upto_round - 1
-    this_key, plan_key = req.key("plan", str(upto_round)), req.key("plan", str(previous))
-    request_input, found = request_steps_by_key(db, req.agent_id, req.request_id, [this_key, plan_key])
+def conversation(db: Database, agent_id: UUID, request_id: str, plan_key: str) -> tuple[Any, list[dict[str, Any]]]:
+    """The messages the plan step ``plan_key`` (of round n) sends: those of rounds 1..n-1, i.e. the conversation the
+    previous plan step was sent (stored with its result), its reply, and the results of that reply's calls — a few
+    rows by key, however long the request. When the previous step holds no conversation (recorded by an earlier
+    version, or a past round's, dropped once the step after it was recorded) it is rebuilt from the request's
+    steps. The keys it reads are derived from ``plan_key``; the agent and ``request_id`` scope the read (request ids
+    are each agent's own)."""
+    previous = int(split_key(plan_key)[2]) - 1
+    previous_key = derive(plan_key, "plan", str(previous))
+    request_input, found = request_steps_by_key(db, agent_id, request_id, [plan_key, previous_key])
     if previous < 1:
         return request_input, _opening(request_input)
-    prior = (found.get(plan_key) or {}).get("result")
+    prior = (found.get(previous_key) or {}).get("result")
     if not (isinstance(prior, Mapping) and isinstance(prior.get("conversation"), list) and "reply" in prior):
-        return rebuild_conversation(db, req, upto_round)
+        return rebuild_conversation(db, agent_id, request_id, plan_key)
     reply = prior["reply"]
     calls = reply.get("tool_calls") or []
-    keys = [_tool_key(req, previous, call) for call in calls]
-    _, steps = request_steps_by_key(db, req.agent_id, req.request_id, keys)
+    keys = [_tool_key(plan_key, previous, call) for call in calls]
+    _, steps = request_steps_by_key(db, agent_id, request_id, keys)
     # This step's own payload says which calls of the round before it a person (or a timeout) rejected.
-    rejected = _rejections([found[this_key]] if this_key in found else [])
-    messages = [*prior["conversation"], reply, *_results(req, previous, calls, steps, rejected)]
+    rejected = _rejections([found[plan_key]] if plan_key in found else [])
+    messages = [*prior["conversation"], reply, *_results(plan_key, previous, calls, steps, rejected)]
     return request_input, messages
 
 
-def rebuild_conversation(db: Database, req: RequestOf, upto_round: int) -> tuple[Any, list[dict[str, Any]]]:
-    """The messages of rounds 1..upto_round-1, rebuilt from every stored step result of the request."""
-    request_input, steps = request_steps(db, req.agent_id, req.request_id)
+def rebuild_conversation(
+    db: Database, agent_id: UUID, request_id: str, plan_key: str
+) -> tuple[Any, list[dict[str, Any]]]:
+    """The messages the plan step ``plan_key`` sends, rebuilt from every stored step result of the request."""
+    request_input, steps = request_steps(db, agent_id, request_id)
     messages = _opening(request_input)
     by_key = {s["key"]: s for s in steps}
     rejected = _rejections(steps)
-    for n in range(1, upto_round):
-        plan_step = by_key.get(req.key("plan", str(n)))
+    for n in range(1, int(split_key(plan_key)[2])):
+        plan_step = by_key.get(derive(plan_key, "plan", str(n)))
         if plan_step is None or plan_step["result"] is None:
             break
         reply = plan_step["result"]["reply"]
         messages.append(reply)
-        messages.extend(_results(req, n, reply.get("tool_calls") or [], by_key, rejected))
+        messages.extend(_results(plan_key, n, reply.get("tool_calls") or [], by_key, rejected))
     return request_input, messages
 
 
@@ -205,13 +195,14 @@ def _rejections(steps: list[dict[str, Any]]) -> dict[tuple[int, str], str]:
     return rejected
 
 
-def _tool_key(req: RequestOf, round_: int, call: Mapping[str, Any]) -> str:
+def _tool_key(step_key: str, round_: int, call: Mapping[str, Any]) -> str:
+    """The key of the tool step that ran ``call`` of round ``round_``, in the request of the step ``step_key``."""
     tool = by_name(call["function"]["name"])
-    return req.key("tool", step_target(tool.name if tool else "unknown", round_, call["id"]))
+    return derive(step_key, "tool", step_target(tool.name if tool else "unknown", round_, call["id"]))
 
 
 def _results(
-    req: RequestOf,
+    step_key: str,
     round_: int,
     calls: list[dict[str, Any]],
     steps: Mapping[str, dict[str, Any]],
@@ -220,7 +211,7 @@ def _results(
     """The tool messages answering a round's calls, in the order the model made them."""
     messages: list[dict[str, Any]] = []
     for call in calls:
-        done = steps.get(_tool_key(req, round_, call))
+        done = steps.get(_tool_key(step_key, round_, call))
         key = (round_, tool_call_key(call["id"]))
         if done is not None and done["status"] == "succeeded" and done["result"] is not None:
             content = done["result"]["content"]
@@ -239,7 +230,7 @@ def _results(
 @handler("plan", input=PlanInput)
 def plan(ctx: JobContext) -> JobResult:
     round_ = int(ctx.target)
-    request_input, messages = conversation(ctx.db, RequestOf.of(ctx), round_)
+    request_input, messages = conversation(ctx.db, ctx.agent_id, ctx.request_id, ctx.key)
     tools = registered()
     if ctx.checkpointed and "reply" in ctx.checkpointed:  # an earlier attempt got (and paid for) the reply
         reply = Reply.from_checkpoint(ctx.checkpointed)
@@ -349,7 +340,7 @@ def gate(ctx: JobContext) -> JobResult:
         name = agent_name(ctx.db, ctx.agent_id) or str(ctx.agent_id)
         notice = waiting_notice(
             channel,
-            ctx.target,
+            ctx.key,
             agent=name,
             tool=str(ctx.payload.get("tool")),
             arguments=ctx.payload.get("arguments") or {},
@@ -366,8 +357,10 @@ class PendingApproval:
     call_id: str
     arguments: Mapping[str, Any]
     round: int
-    #: The gate step's target (``{tool}:{round}.{call_key}``): what the approval's messages are keyed by.
+    #: The gate step's target (``{tool}:{round}.{call_key}``).
     target: str = ""
+    #: The gate step's key: what the approval's messages are keyed from.
+    gate: str = ""
     #: When the call started waiting (the database's clock).
     since: datetime | None = None
     #: The channel told that the call waits (None: nobody was): the decision is followed up there.
@@ -380,12 +373,12 @@ class PendingApproval:
 
     def decided_messages(self, agent: str, outcome: str, by: str) -> tuple[MessageSpec, ...]:
         """The follow-ups of the waiting notice and of the escalation notice, for those that were sent."""
-        if not self.target:
+        if not self.gate:
             return ()
         told = ((self.notice_channel, False), (self.escalation_channel, True))
         return tuple(
             decided_notice(
-                channel, self.target, agent=agent, tool=self.tool, outcome=outcome, by=by, escalation=escalation
+                channel, self.gate, agent=agent, tool=self.tool, outcome=outcome, by=by, escalation=escalation
             )
             for channel, escalation in told
             if channel
@@ -399,31 +392,35 @@ def pending_approval(db: Database, agent_id: UUID, request_id: str | None) -> Pe
     gates = request_gates(db, agent_id, request_id)
     # What answered each gate, if anything did: its call scheduled as a tool step (approved), or the next round's
     # plan step naming it rejected. Read by key: a waiting agent's view costs its gates, not its whole request.
-    answers = [derive(g["key"], "tool", g["target"]) for g in gates]
+    answers = [_approved_key(g) for g in gates]
     answers += [derive(g["key"], "plan", str(int(g["payload"]["round"]) + 1)) for g in gates]
     _, found = request_steps_by_key(db, agent_id, request_id, answers) if gates else (None, {})
     rejected = _rejections([s for s in found.values() if s["operation"] == "plan"])
     for step in gates:
         payload = step["payload"]
         round_, call_id = int(payload["round"]), str(payload.get("tool_call_id", payload["call_id"]))
-        if derive(step["key"], "tool", step["target"]) in found or (round_, tool_call_key(call_id)) in rejected:
+        if _approved_key(step) in found or (round_, tool_call_key(call_id)) in rejected:
             continue
         output = (step["result"] or {}) if isinstance(step["result"], Mapping) else {}
         channel = output.get("notice_channel")
-        target = str(step["target"])
-        escalation = approval_notices.target(approval_notices.ESCALATED, target)
-        escalated = message_row(db, derive(step["key"], "slack", escalation))
+        escalated = message_row(db, approval_notices.key(step["key"], approval_notices.ESCALATED))
         return PendingApproval(
             str(payload["tool"]),
             call_id,
             payload.get("arguments", {}),
             round_,
-            target=target,
+            target=str(step["target"]),
+            gate=str(step["key"]),
             since=step["finished_at"],
             notice_channel=channel if isinstance(channel, str) else None,
             escalation_channel=None if escalated is None else str(escalated["destination"]),
         )
     return None
+
+
+def _approved_key(gate: Mapping[str, Any]) -> str:
+    """The key of the tool step an approval of ``gate`` schedules (it shares the gate's target)."""
+    return derive(gate["key"], "tool", gate["target"])
 
 
 def edit_summary(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """What people are told about a call that waits for approval: Slack messages sent through the outbox.
 
-Each message is keyed by the gate step it is about (the kinds are in :mod:`agents.core.approval_notices`, which also
+Each message is keyed from the gate step it is about (the kinds are in :mod:`agents.core.approval_notices`, which also
 sends the follow-up of a wait that ends undecided): a gate delivered twice, a decision replayed or two beats
 escalating at once still send each one once. A decision is followed up on every channel that was told of the call:
 the approval channel, and the escalation channel if it was escalated. Arguments are redacted and bounded: the channel
@@ -38,35 +38,31 @@ def shown_arguments(arguments: Mapping[str, Any]) -> str:
 
 
 def waiting_notice(
-    channel: str, target: str, *, agent: str, tool: str, arguments: Mapping[str, Any], link: str
+    channel: str, gate: str, *, agent: str, tool: str, arguments: Mapping[str, Any], link: str
 ) -> MessageSpec:
     """ "A call waits for you": the agent, the tool, its arguments and where to decide."""
     text = (
         f"Agent {agent} waits for approval to call {tool} with {shown_arguments(arguments)}.\n"
         f"Approve or reject it: {link}"
     )
-    return MessageSpec("slack", channel, kinds.target(kinds.WAITING, target), {"text": text})
+    return kinds.notice(channel, gate, kinds.WAITING, text)
 
 
 def decided_notice(
-    channel: str, target: str, *, agent: str, tool: str, outcome: str, by: str, escalation: bool = False
+    channel: str, gate: str, *, agent: str, tool: str, outcome: str, by: str, escalation: bool = False
 ) -> MessageSpec:
     """The follow-up once the call is decided, on the approval channel (or, with ``escalation``, the escalation
     channel): ``outcome`` is approved, approved with edited arguments, rejected, or rejected: timed out."""
-    return MessageSpec(
-        "slack",
-        channel,
-        kinds.target(kinds.ESCALATION_DECIDED if escalation else kinds.DECIDED, target),
-        {"text": f"Agent {agent}'s call to {tool}: {outcome} (by {by})."},
-    )
+    kind = kinds.ESCALATION_DECIDED if escalation else kinds.DECIDED
+    return kinds.notice(channel, gate, kind, f"Agent {agent}'s call to {tool}: {outcome} (by {by}).")
 
 
 def escalation_notice(
-    channel: str, target: str, *, agent: str, tool: str, waited: str, arguments: Mapping[str, Any], link: str
+    channel: str, gate: str, *, agent: str, tool: str, waited: str, arguments: Mapping[str, Any], link: str
 ) -> MessageSpec:
     """The call waited longer than its tool's approval timeout and still waits: the escalation channel is told."""
     text = (
         f"Escalated: agent {agent} has waited {waited} for approval to call {tool} with"
         f" {shown_arguments(arguments)}.\nApprove or reject it: {link}"
     )
-    return MessageSpec("slack", channel, kinds.target(kinds.ESCALATED, target), {"text": text})
+    return kinds.notice(channel, gate, kinds.ESCALATED, text)

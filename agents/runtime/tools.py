@@ -6,8 +6,10 @@ most 64), which is also the name in its steps' keys, in the state and in the jou
 
 A tool gets its validated arguments and a :class:`ToolContext`, and returns a :class:`ToolOutput`: the content the
 model sees next, and any Slack/GitHub messages to send — through the outbox, in the transition that records the
-result, never from inside the tool. Tools with ``needs_approval`` wait for a person before they run.
-Modules in ``KEEL_IMPORTS`` and ``keel.tools`` entry points are imported at worker start.
+result, never from inside the tool. A message's ``target`` names it within its call: its key is derived from the
+call's step key (``{request_id}:slack:tool.{tool}:{round}.{call}@{target}``), so calls never share one. Tools with
+``needs_approval`` wait for a person before they run. Modules in ``KEEL_IMPORTS`` and ``keel.tools`` entry points
+are imported at worker start.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class SlackPost(BaseModel):
 
 @tool("slack_post", description="Post a message to a Slack channel (sent once, through Keel's outbox).")
 def slack_post(args: SlackPost, ctx: ToolContext) -> ToolOutput:
-    message = MessageSpec("slack", args.channel, ctx.call_id, {"text": args.text})
+    message = MessageSpec("slack", args.channel, "post", {"text": args.text})
     return ToolOutput(f"queued for {args.channel}", messages=(message,))
 
 
@@ -179,5 +181,5 @@ class GitHubComment(BaseModel):
     description="Comment on a GitHub issue or pull request (a person approves it first; sent once).",
 )
 def github_comment(args: GitHubComment, ctx: ToolContext) -> ToolOutput:
-    message = MessageSpec("github", f"{args.repository}#{args.issue}", ctx.call_id, {"body": args.body})
+    message = MessageSpec("github", f"{args.repository}#{args.issue}", "comment", {"body": args.body})
     return ToolOutput(f"comment queued on {args.repository}#{args.issue}", messages=(message,))

@@ -4,7 +4,8 @@
   a read by id alone (``GET /v1/requests/{id}``, which keeps the agents its token sees); ``ix_requests_agent_id`` is
   dropped (the key leads with the agent).
 - ``agents.request_key``: the first segment of the keys of the request in flight (``agents.core.keys.request_key``:
-  the agent's id as 32 hex digits, a dot, the request id). A request in flight at the upgrade keeps the bare id its
+  the agent's id as 32 hex digits, ``~``, the request id: no request id has a ``~``, so
+  these keys never meet the bare ones of requests submitted before). A request in flight at the upgrade keeps the bare id its
   jobs and messages were keyed by, so its steps go on finding each other.
 - ``keel_kpi_journal()`` reads a finished request's submit time by agent and id.
 

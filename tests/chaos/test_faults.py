@@ -71,7 +71,9 @@ def test_sigkill_between_the_staged_outcome_and_its_transition_replays_it_once(s
     stack.worker("w2")
     wait_until("the request to finish", lambda: client.get_state(agent.id).phase == "done", 60)
     assert executions(stack, "tool") == {key: 1}, "the tool ran once"
-    assert stack.query("SELECT key, destination FROM outbox") == [(scoped(agent.id, "req-1:slack:call_0_0"), "C0PS")]
+    assert stack.query("SELECT key, destination FROM outbox") == [
+        (scoped(agent.id, "req-1:slack:tool.test_post:1.call_0_0@call_0_0"), "C0PS")
+    ]
     assert client.get_state(agent.id).spent_tokens == 100 + 40 + 50, "the tool's usage was charged once"
     assert job(stack, key)["result"] == {"tool_call_id": "call_0_0", "content": "posted to C0PS"}
 

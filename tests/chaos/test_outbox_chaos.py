@@ -1,5 +1,6 @@
-"""500 messages to 20 destinations through ambiguous failures, rate limits and a relay SIGKILLed twice:
-every key arrives exactly once, in order per destination, with one confirmation each. And two relays whose clocks
+"""500 messages to 20 destinations through ambiguous failures, rate limits and a relay SIGKILLed twice, with Keel's
+key planted at the receiver by someone else ahead of a third of them: every key arrives exactly once (by Keel), in
+order per destination, with one confirmation each. And two relays whose clocks
 are five minutes apart either side of the database's: the same, on the database's clock."""
 
 from __future__ import annotations
@@ -30,18 +31,22 @@ SLACK_TOKEN = "xoxb-chaos-slack-token-000"
 GITHUB_TOKEN = "ghp_chaosGithubToken000"
 
 
+def bucket(key: str) -> int:
+    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100
+
+
 def fault(destination: str, key: str, attempt: int) -> str | None:
     """Deterministic per key: 20% of first attempts end ambiguously; some hit rate limits or plain 500s."""
     if attempt > 1:
         return None
-    bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100
-    if bucket < 10:
+    share = bucket(key)
+    if share < 10:
         return "apply_then_timeout"
-    if bucket < 20:
+    if share < 20:
         return "apply_then_drop"
-    if bucket < 24:
+    if share < 24:
         return "429" if ":slack:" in key else "403_secondary"
-    if bucket < 27:
+    if share < 27:
         return "500"
     return None
 
@@ -96,8 +101,15 @@ def twenty_lines(
                 MessageSpec(channel, destination, f"m{batch * 5 + i:02d}", {field: f"update {batch * 5 + i}"})
                 for i in range(5)
             )
+            keys = [f"{request_id}:{channel}:{s.target}" for s in specs]
+            for key in keys:
+                if bucket(key) % 3 == 0:  # someone else posts Keel's key first (a third: ambiguous sends among them)
+                    if channel == "github":
+                        github.plant(destination, key)
+                    else:
+                        slack.plant(destination, key)
             transition(client.db, Command(agent_id, Event.PROGRESS, "notifier", messages=specs))
-            expected[destination] += [f"{request_id}:{channel}:{s.target}" for s in specs]
+            expected[destination] += keys
 
     return expected, emit
 
@@ -141,6 +153,8 @@ def test_five_hundred_messages_survive_faults_and_two_relay_kills(
     assert per_key == [(500, 500)], "one confirmation per key"
     reconciled = stack.query("SELECT count(*) FROM delivery_log WHERE how = 'reconciled'")[0][0]
     assert reconciled > 0, "the ambiguous failures were settled by asking the receivers"
+    logs = "".join(stack.log(name) for name in ("relay-1", "relay-2", "relay-3"))
+    assert "is not Keel's" in logs, "no planted key was read and reported"
     assert stack.query("SELECT count(*) FROM outbox WHERE status = 'dead'") == [(0,)]
 
 

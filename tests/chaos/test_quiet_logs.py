@@ -152,7 +152,7 @@ def test_a_broker_outage_is_one_line_going_and_one_coming_back(
         # A tick that tries the away broker can outlast the beat's lease (3 s here): the beat says so, once per
         # lapse, without a traceback (its lease is renewed between ticks, and nobody else is there to take over).
         quiet = (
-            r"broker (down|back)|dispatched \d+ jobs|audit verify: \d+ events in \d+ chains verified"
+            r"broker (down|back)|dispatched \d+ jobs|audit verify ok: \d+ events in \d+ agent chains verified"
             r"|this beat's lease lapsed between two ticks \([\d.]+s apart, lease [\d.]+s\); nobody took over"
         )
         others = [line for line in lines if not re.search(quiet, line)]

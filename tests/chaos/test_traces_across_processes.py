@@ -177,7 +177,7 @@ def test_one_trace_follows_a_request_across_the_api_the_worker_children_and_the_
     assert {s.service for s in spans if s.name.startswith(("HTTP ", "keel.transition submit"))} == {"keel-api"}
     (send,) = (s for s in spans if s.name == "keel.outbox_send slack")
     assert send.service == "keel-worker" and send.attributes["keel.outbox_key"] == scoped(
-        UUID(agent["id"]), "req-x:slack:call_0_0"
+        UUID(agent["id"]), "req-x:slack:tool.slack_post:1.call_0_0@post"
     )
     worker_pids = {s.instance.rsplit(":", 1)[1] for s in spans if s.service == "keel-worker"}
     assert str(stack.procs["w1"].pid) not in worker_pids

@@ -120,13 +120,14 @@ def test_up_migrates_a_configured_database_when_given_migrate_and_says_so(
 def test_up_serves_metrics_from_the_api_the_worker_and_the_beat_and_says_where(
     db_url: str, broker: Broker, tmp_path: Path
 ) -> None:
-    api_port, worker_port, beat_port = free_port(), free_port(), free_port()
+    api_port, api_metrics_port, worker_port, beat_port = free_port(), free_port(), free_port(), free_port()
     log = tmp_path / "up.log"
     ports = ["--worker-metrics-port", str(worker_port), "--beat-metrics-port", str(beat_port)]
+    ports += ["--api-metrics-port", str(api_metrics_port)]
     with keel_up(db_url, broker.env, log, "--no-flower", "--api-port", str(api_port), *ports) as up:
         running(up, log)
         urls = [
-            f"http://127.0.0.1:{api_port}/metrics (api)",
+            f"http://127.0.0.1:{api_metrics_port}/metrics (api)",
             f"http://127.0.0.1:{worker_port}/metrics (worker)",
             f"http://127.0.0.1:{beat_port}/metrics (beat)",
         ]
@@ -134,8 +135,9 @@ def test_up_serves_metrics_from_the_api_the_worker_and_the_beat_and_says_where(
         for url in urls:
             answer = httpx.get(url.split(" ")[0], timeout=30)
             assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain"), url
-        # The API's own probes (/readyz) are among its requests already.
-        assert 'route="/readyz"' in httpx.get(f"http://127.0.0.1:{api_port}/metrics", timeout=30).text
+        # The API's own probes (/readyz) are among its requests already; its public port serves no metrics.
+        assert 'route="/readyz"' in httpx.get(f"http://127.0.0.1:{api_metrics_port}/metrics", timeout=30).text
+        assert httpx.get(f"http://127.0.0.1:{api_port}/metrics", timeout=30).status_code == 404
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=90) == 0, log.read_text()
 

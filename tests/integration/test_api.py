@@ -3,16 +3,22 @@ revisions as ETags, idempotent submits, problem details, refusals that change no
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
+import httpx
 import psycopg
 import pytest
+import sqlalchemy
 from sqlalchemy.engine import make_url
 
 from agents.client import Client
+from agents.ingress.app import create_app
 from models import migrations
 from models.db import Database
 from models.urls import libpq_url, with_database
@@ -287,7 +293,10 @@ def test_story_jobs_and_request_lookup(api: Api) -> None:
         found = http.get("/v1/requests/s-1").json()
         assert found["agent_id"] == agent["id"]
         story = http.get(found["links"]["story"]).json()
-        plan, message = scoped(UUID(agent["id"]), "s-1:plan:1"), scoped(UUID(agent["id"]), "s-1:slack:call_0_0")
+        plan, message = (
+            scoped(UUID(agent["id"]), "s-1:plan:1"),
+            scoped(UUID(agent["id"]), "s-1:slack:tool.slack_post:1.call_0_0@post"),
+        )
         assert story["jobs"][0]["key"] == plan
         assert story["journal"][0]["event"] == "submit" and story["journal"][-1]["to_phase"] == "done"
         assert [m["key"] for m in story["outbox"]] == [message]
@@ -307,6 +316,36 @@ def test_health_and_readiness(api: Api) -> None:
         schema = http.get("/openapi.json").json()
         assert "/v1/agents/{agent}/requests" in schema["paths"]
         assert http.get("/docs").status_code == 200
+
+
+def test_readiness_probes_share_one_check_per_second_or_two(db_url: str, broker: Broker) -> None:
+    """Unauthenticated probes cannot make every call cost a connection, a schema read and a Redis ping: concurrent
+    ones share the check in flight, later ones reuse its answer for a moment, and then it is checked again."""
+    app = create_app(broker.settings(database_url=db_url))
+    schema_reads: list[str] = []
+
+    def counted(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("SELECT version_num FROM alembic_version"):
+            schema_reads.append(statement)
+
+    async def probe() -> list[int]:
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://keel.test") as http,
+        ):
+            sqlalchemy.event.listen(app.state.ingress.db.engine, "before_cursor_execute", counted)
+            answers = await asyncio.gather(*(http.get("/readyz") for _ in range(20)))
+            assert len(schema_reads) == 1, "twenty probes at once: one check"
+            answers.append(await http.get("/readyz"))
+            assert len(schema_reads) == 1, "right after: the same answer"
+            deadline = time.monotonic() + 30
+            while len(schema_reads) == 1 and time.monotonic() < deadline:
+                answers.append(await http.get("/readyz"))
+                await asyncio.sleep(0.1)
+            assert len(schema_reads) == 2, "a moment later it is checked again"
+            return [answer.status_code for answer in answers]
+
+    assert set(asyncio.run(probe())) == {200}
 
 
 def test_over_its_rate_a_token_gets_429_with_retry_after_and_ratelimit_headers(
@@ -344,7 +383,9 @@ def test_readiness_names_what_is_missing(db: Database, db_url: str, broker: Brok
         with db.connection() as conn:
             conn.execute("UPDATE alembic_version SET version_num = %s", (behind,))
             conn.commit()
-        answer = http.get("/readyz")
+        deadline = time.monotonic() + 30  # the last answer is reused for a second or two
+        while (answer := http.get("/readyz")).json()["checks"]["database"] == "ok" and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert answer.status_code == 503
         expected = f"database at {behind}, code at {migrations.head()}: run 'keel db upgrade'"
         assert answer.json()["checks"]["database"] == expected

@@ -206,6 +206,25 @@ def test_an_unexpected_error_is_logged_once_with_its_incident_id_and_no_secret(t
     assert FAKE_SECRET not in text
 
 
+def test_keel_serve_exports_metrics_on_a_loopback_port_of_their_own_not_on_the_api_port(
+    db: Database, db_url: str, broker: Broker, tmp_path: Any
+) -> None:
+    """They hold every tenant's spend and alerts: unauthenticated, only on ``KEEL_API_METRICS_PORT`` (loopback by
+    default), served by keel serve's main process for its API processes; the public port answers 404."""
+    port = free_port()
+    with running_api(db, db_url, broker, tmp_path, env={"KEEL_API_METRICS_PORT": str(port)}) as api:
+        with api.http() as http:
+            assert http.get("/metrics").status_code == 404
+            assert http.get("/healthz").status_code == 200
+        scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        assert scraped.status_code == 200, scraped.text
+        assert "keel_kpi_up 1.0" in scraped.text
+        assert 'keel_http_request_seconds_count{method="GET",route="/healthz",status="200"}' in scraped.text
+        assert 'route="/metrics"' not in scraped.text  # the 404 above: no route, no label
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)  # gone with keel serve
+
+
 def test_the_api_app_closes_its_kpi_collectors_pool_when_it_stops(
     db_url: str, broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -215,7 +234,8 @@ def test_the_api_app_closes_its_kpi_collectors_pool_when_it_stops(
     from agents.observability import metrics
     from tasks.api import create
 
-    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env}.items():
+    secret = "scrape-secret-0123456789"
+    for name, value in {"KEEL_DATABASE_URL": db_url, "KEEL_API_METRICS_TOKEN": secret, **broker.env}.items():
         monkeypatch.setenv(name, value)
     dbname = db_url.rsplit("/", 1)[1]
     before = observe.observers()
@@ -237,7 +257,7 @@ def test_the_api_app_closes_its_kpi_collectors_pool_when_it_stops(
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=transport, base_url="http://k") as http,
         ):
-            scraped = await http.get("/metrics")
+            scraped = await http.get("/metrics", headers={"Authorization": f"Bearer {secret}"})
             assert scraped.status_code == 200 and "keel_kpi_up 1.0" in scraped.text, scraped.text[-2000:]
             assert connections() > 0
 

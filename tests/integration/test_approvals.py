@@ -119,9 +119,9 @@ def test_the_waiting_notice_is_sent_once_even_when_the_gate_is_delivered_twice(
     Runner(db, registry, worker="t2", lease=timedelta(seconds=30), rules=dict(FAST_RULES)).run(
         scoped(waiting.id, f"req-1:gate:{GATE}")
     )
-    notices = {k: m for k, m in slack_messages(db).items() if ":approval:" in k}
-    assert list(notices) == [scoped(waiting.id, f"req-1:slack:approval:{GATE}")]
-    notice = notices[scoped(waiting.id, f"req-1:slack:approval:{GATE}")]
+    notices = {k: m for k, m in slack_messages(db).items() if k.endswith("@approval")}
+    assert list(notices) == [scoped(waiting.id, f"req-1:slack:gate.{GATE}@approval")]
+    notice = notices[scoped(waiting.id, f"req-1:slack:gate.{GATE}@approval")]
     assert notice["destination"] == CHANNEL
     text = notice["payload"]["text"]
     assert "release-bot" in text and "github_comment" in text and '"acme/api"' in text
@@ -130,7 +130,7 @@ def test_the_waiting_notice_is_sent_once_even_when_the_gate_is_delivered_twice(
     assert client.get_state(waiting.id).revision == waiting.revision
 
     client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
-    decided = message_row(db, scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}"))
+    decided = message_row(db, scoped(waiting.id, f"req-1:slack:gate.{GATE}@approval-decided"))
     assert decided is not None and decided["destination"] == CHANNEL
     assert "approved (by carol)" in decided["payload"]["text"]
 
@@ -158,8 +158,8 @@ def test_each_notice_reaches_slack_once(told: None, client: Client, db: Database
         for _ in range(3):
             relay.run_pass()
         delivered = slack.delivered_keys()
-        assert delivered[scoped(waiting.id, f"req-1:slack:approval:{GATE}")] == 1
-        assert delivered[scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}")] == 1
+        assert delivered[scoped(waiting.id, f"req-1:slack:gate.{GATE}@approval")] == 1
+        assert delivered[scoped(waiting.id, f"req-1:slack:gate.{GATE}@approval-decided")] == 1
     finally:
         relay.close()
         slack.stop()
@@ -168,7 +168,7 @@ def test_each_notice_reaches_slack_once(told: None, client: Client, db: Database
 def test_a_rejection_is_followed_up_and_no_channel_means_no_message(told: None, client: Client, db: Database) -> None:
     waiting = to_approval(client, db, "reviewer", "req-1", comment_script())
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="not on a Friday")
-    decided = message_row(db, scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}"))
+    decided = message_row(db, scoped(waiting.id, f"req-1:slack:gate.{GATE}@approval-decided"))
     assert decided is not None and "rejected: not on a Friday (by dana)" in decided["payload"]["text"]
 
 
@@ -205,7 +205,7 @@ def test_edited_arguments_are_checked_journaled_and_told_to_the_model(client: Cl
     assert details["call"]["arguments"]["body"] == "Fixed" and details["edited_arguments"] == edited
     run_all(db)
     assert client.get_state(waiting.id).phase == "done"
-    sent = message_row(db, scoped(waiting.id, "req-1:github:call_0_0"))
+    sent = message_row(db, scoped(waiting.id, "req-1:github:tool.github_comment:1.call_0_0@comment"))
     assert sent is not None and sent["payload"]["body"] == "Fixed in v2.1"
     request = loop.RequestOf(waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
     _, messages = loop.conversation(db, request, 2)
@@ -316,7 +316,7 @@ def test_a_timeout_rejects_exactly_once_under_two_concurrent_enforcers(
     assert enforce_timeouts(db, settings).rejected == [], "a restarted beat finds nothing left to do"
     rejects = [t for t in transitions(db, waiting.id) if t[0] == "transition" and t[1] == "reject"]
     assert len(rejects) == 1 and rejects[0][2] == "approval_timed_out"
-    decided = message_row(db, scoped(waiting.id, "req-1:slack:approval-decided:deploy_service:1.call_0_0"))
+    decided = message_row(db, scoped(waiting.id, "req-1:slack:gate.deploy_service:1.call_0_0@approval-decided"))
     assert decided is not None and "timed out" in decided["payload"]["text"]
     run_all(db)
     assert client.get_state(waiting.id).phase == "done"
@@ -388,7 +388,7 @@ def test_a_timeout_escalates_once_and_the_call_keeps_waiting(client: Client, db:
     assert state.phase == "waiting_approval" and state.pending_approval is not None
     escalations = [t for t in transitions(db, waiting.id) if t[2] == "approval_escalated" and t[0] == "transition"]
     assert len(escalations) == 1
-    notice = message_row(db, scoped(waiting.id, "req-1:slack:approval-escalated:page_oncall:1.call_0_0"))
+    notice = message_row(db, scoped(waiting.id, "req-1:slack:gate.page_oncall:1.call_0_0@approval-escalated"))
     assert notice is not None and notice["destination"] == ESCALATION and "pager" in notice["payload"]["text"]
     client.approve(waiting.id, expected_revision=state.revision, actor="oncall-lead")
     run_all(db)
@@ -502,8 +502,8 @@ def test_a_decision_after_an_escalation_is_followed_up_on_both_channels(
 ) -> None:
     state = _escalated(client, db, "pager")
     client.approve(state.id, expected_revision=state.revision, actor="oncall-lead")
-    first = message_row(db, scoped(state.id, f"req-1:slack:approval-decided:{PAGE_GATE}"))
-    second = message_row(db, scoped(state.id, f"req-1:slack:approval-escalation-decided:{PAGE_GATE}"))
+    first = message_row(db, scoped(state.id, f"req-1:slack:gate.{PAGE_GATE}@approval-decided"))
+    second = message_row(db, scoped(state.id, f"req-1:slack:gate.{PAGE_GATE}@approval-escalation-decided"))
     assert first is not None and first["destination"] == CHANNEL
     assert second is not None and second["destination"] == ESCALATION
     assert "pager's call to page_oncall: approved (by oncall-lead)" in second["payload"]["text"]
@@ -517,15 +517,15 @@ def test_a_decision_without_an_escalation_is_followed_up_on_the_first_channel_on
     waiting = to_approval(client, db, "reviewer", "req-1", comment_script())
     client.reject(waiting.id, expected_revision=waiting.revision, actor="dana", reason="no")
     assert [k for k in slack_messages(db) if "decided" in k] == [
-        scoped(waiting.id, f"req-1:slack:approval-decided:{GATE}")
+        scoped(waiting.id, f"req-1:slack:gate.{GATE}@approval-decided")
     ]
 
 
 def test_a_cancel_while_waiting_tells_both_channels_the_wait_ended(told: None, client: Client, db: Database) -> None:
     state = _escalated(client, db, "pager")
     client.cancel(state.id, expected_revision=state.revision, actor="dana", reason="wrong service")
-    first = message_row(db, scoped(state.id, f"req-1:slack:approval-ended:{PAGE_GATE}"))
-    second = message_row(db, scoped(state.id, f"req-1:slack:approval-escalation-ended:{PAGE_GATE}"))
+    first = message_row(db, scoped(state.id, f"req-1:slack:gate.{PAGE_GATE}@approval-ended"))
+    second = message_row(db, scoped(state.id, f"req-1:slack:gate.{PAGE_GATE}@approval-escalation-ended"))
     assert first is not None and first["destination"] == CHANNEL
     assert second is not None and second["destination"] == ESCALATION
     text = first["payload"]["text"]
@@ -549,14 +549,14 @@ def test_a_stop_at_the_hard_deadline_while_waiting_is_followed_up_once(
         conn.rollback()
     assert deadlines.enforce(db, later).stopped == [agent.id]
     assert deadlines.enforce(db, later).stopped == []
-    ended = message_row(db, scoped(agent.id, f"req-1:slack:approval-ended:{GATE}"))
+    ended = message_row(db, scoped(agent.id, f"req-1:slack:gate.{GATE}@approval-ended"))
     assert ended is not None and ended["destination"] == CHANNEL
     assert "the request passed its hard deadline and was stopped (by deadline-enforcer)" in ended["payload"]["text"]
     assert [k for k in slack_messages(db) if "approval" in k] == [
-        scoped(agent.id, f"req-1:slack:approval:{GATE}"),
-        scoped(agent.id, f"req-1:slack:approval-ended:{GATE}"),
+        scoped(agent.id, f"req-1:slack:gate.{GATE}@approval"),
+        scoped(agent.id, f"req-1:slack:gate.{GATE}@approval-ended"),
     ]
-    never = scoped(agent.id, f"req-1:slack:approval-escalation-ended:{GATE}")
+    never = scoped(agent.id, f"req-1:slack:gate.{GATE}@approval-escalation-ended")
     assert message_row(db, never) is None  # it was never escalated
 
 

@@ -36,7 +36,7 @@ from models.jobs_sql import job_row
 from models.schemas import AgentState
 from models.settings import Settings
 from models.urls import libpq_url
-from tests.support.api import Api, journal_count, running_api, script, waiting_agent
+from tests.support.api import Api, journal_count, problem, running_api, script, waiting_agent
 from tests.support.audit import TEST_KEYS as KEYS
 from tests.support.audit import as_superuser
 from tests.support.broker import Broker
@@ -271,7 +271,7 @@ def test_failed_sign_ins_from_one_address_are_refused_until_the_allowance_comes_
     wait = int(limited.headers["retry-after"])
     assert 1 <= wait <= 10
     assert f"Too many failed sign-ins from your address: wait {wait} seconds, then try again" in unescape(limited.text)
-    assert limited.headers["ratelimit-policy"] == '"console-signin-address";q=3;w=30'
+    assert limited.headers["ratelimit-policy"] == '"signin-address";q=3;w=30'
 
     # Over the limit a correct token is refused too, without being looked up (its last use is not noted).
     _, refused = browsers.sign_in(alice, client=guesser)
@@ -291,9 +291,10 @@ def test_failed_sign_ins_from_one_address_are_refused_until_the_allowance_comes_
     assert guesser.get("/agents").status_code == 200
 
 
-def test_behind_a_trusted_proxy_each_forwarded_address_counts_and_all_of_them_together_too(
+def test_a_spray_from_many_addresses_never_locks_out_a_correct_token_at_a_console_or_the_api(
     serve: Serve, browse: Browse
 ) -> None:
+    # Behind a trusted proxy each forwarded address counts; every address together may fail 3 times, then 1 a minute.
     api = serve(
         {
             "KEEL_API_FORWARDED_ALLOW_IPS": '["127.0.0.1"]',
@@ -305,19 +306,45 @@ def test_behind_a_trusted_proxy_each_forwarded_address_counts_and_all_of_them_to
     )
     browsers = browse(api)
     secret = api.token("operator", name="olga")
+    wrong = "keel_" + "x" * 43
 
-    def attempt(address: str, token: str) -> httpx.Response:
+    def sign_in(address: str, token: str) -> httpx.Response:
         return browsers.sign_in(token, headers={"X-Forwarded-For": address})[1]
 
-    assert [attempt("203.0.113.5", "keel_" + "x" * 43).status_code for _ in range(2)] == [401, 401]
-    own = attempt("203.0.113.5", secret)
-    assert own.status_code == 429 and "from your address" in own.text
-    assert attempt("203.0.113.6", secret).status_code == 303  # its own bucket; a success counts nowhere
-    assert attempt("203.0.113.7", "keel_" + "x" * 43).status_code == 401  # the third failure over all addresses
-    everyone = attempt("203.0.113.8", secret)
-    assert everyone.status_code == 429 and int(everyone.headers["retry-after"]) >= 1
-    assert "Too many failed sign-ins from every address together" in everyone.text
-    assert everyone.headers["ratelimit-policy"].startswith('"console-signin-all";q=3')
+    def call(address: str, token: str) -> int:
+        with api.http(token) as http:
+            return http.get("/v1/agents", headers={"X-Forwarded-For": address}).status_code
+
+    assert [sign_in("203.0.113.5", wrong).status_code for _ in range(2)] == [401, 401]
+    own = sign_in("203.0.113.5", secret)
+    assert own.status_code == 429 and "from your address" in own.text  # the address's own failures
+    assert own.headers["ratelimit-policy"].startswith('"signin-address";q=2')
+    assert call("203.0.113.5", secret) == 429  # the same allowance at the API's door
+    assert sign_in("203.0.113.6", secret).status_code == 303  # its own bucket; a success counts nowhere
+    assert call("203.0.113.7", wrong) == 401  # the third failure over every address: the ceiling is reached
+    # Sprayed from more addresses: each gets one failure, then its address is out of allowance.
+    for n in range(10, 14):
+        assert sign_in(f"203.0.113.{n}", wrong).status_code == 401
+        assert call(f"203.0.113.{n}", wrong) == 429
+        assert sign_in(f"203.0.113.{n}", secret).status_code == 429
+    # Every operator at an address of their own still signs in and calls the API: successes are charged nowhere.
+    for n in range(20, 24):
+        assert sign_in(f"203.0.113.{n}", secret).status_code == 303
+        assert call(f"203.0.113.{n}", secret) == 200
+
+
+def test_failed_api_tokens_from_one_address_are_refused_before_the_lookup(serve: Serve) -> None:
+    api = serve({"KEEL_CONSOLE_SIGNIN_BURST": "3", "KEEL_CONSOLE_SIGNIN_PER_MINUTE": "1"})
+    secret = api.token("auditor", name="ada")
+    with api.http("keel_" + "z" * 43) as guesser:
+        assert [guesser.get("/v1/agents").status_code for _ in range(3)] == [401, 401, 401]
+        over = guesser.get("/v1/agents")
+    refused = problem(over, 429, "rate-limited")
+    assert "too many failed tokens from your address" in refused["detail"]
+    assert int(over.headers["retry-after"]) >= 1
+    with api.http(secret) as http:
+        assert http.get("/v1/agents").status_code == 429
+    assert not _token_used(api, "ada")  # not looked up
 
 
 def test_console_posts_count_against_the_tokens_rate_like_its_api_calls(serve: Serve, browse: Browse) -> None:
@@ -758,8 +785,8 @@ def test_edit_and_approve_runs_the_call_with_the_edited_arguments(api: Api, brow
 @pytest.mark.parametrize(
     ("typed", "named"),
     [
-        ('{"repository": "acme/api", "issue": 7, "body": "x",}', "arguments are not valid JSON: Expecting property"),
-        ('{"repository": "acme/api",\n "issue": seven}', "arguments are not valid JSON: Expecting value (line 2"),
+        ('{"repository": "acme/api", "issue": 7, "body": "x",}', "arguments: not valid JSON: Expecting property"),
+        ('{"repository": "acme/api",\n "issue": seven}', "arguments: not valid JSON: Expecting value (line 2"),
         ("[1, 2]", "arguments must be a JSON object"),
         ("   ", "arguments: give the call&#39;s arguments as a JSON object (the field is empty)"),
         ('{"repository": "acme/api", "issue": NaN, "body": "x"}', "NaN is not a JSON value"),
@@ -1037,3 +1064,21 @@ def test_every_console_answer_carries_the_security_headers_errors_included(serve
     _secured(over)
     with api.http() as http:  # the API's docs are not the console's: Swagger UI loads its assets from elsewhere
         assert "content-security-policy" not in http.get("/docs").headers
+
+
+def test_the_live_list_wakes_only_for_the_tokens_own_agents(api: Api, browsers: Browsers, client: Client) -> None:
+    """Another tenant's journal writes neither wake a prefixed token's live list nor tell it that they happened."""
+    other = client.create_agent("team-b-bot")
+    mine = browsers.signed_in(api.token("approver", prefix="team-a-", name="team-a-watcher"))
+    theirs = browsers.signed_in(api.token("approver", prefix="team-b-"))
+    timeout = httpx.Timeout(30, read=30)
+    with (
+        mine.stream("GET", "/agents/live", timeout=timeout) as quiet,
+        theirs.stream("GET", "/agents/live", timeout=timeout) as woken,
+    ):
+        assert quiet.status_code == woken.status_code == 200
+        client.submit(other.id, "b-1", script({"content": "hi"}), actor="producer")
+        # team-b's list hears of it; by then the listener has dispatched it to every list.
+        assert "event: changed" in next(woken.iter_text())
+        revoke_token(api.db, "team-a-watcher", actor="test")  # ends the quiet stream: it must have sent nothing
+        assert [line for line in quiet.iter_lines() if line.startswith("event:")] == []

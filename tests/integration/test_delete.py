@@ -452,14 +452,17 @@ def test_keel_agent_delete_asks_first_and_the_journal_stays_readable(db_url: str
     assert by_id[0]["details"] == {"name": "old-bot", "reason": "twice"}
     assert json.loads(keel(db_url, "audit", "verify", "--json").stdout) == {
         "ok": True,
+        "mode": "full",
         "agents": 2,
-        "events": len(events) + 3,
+        "checked": len(events) + 3,
+        "trusted": 0,
+        "trusted_chains": 0,
+        "trusted_from": None,
+        "trusted_to": None,
         "breaks": [],
         "unchecked": [],
         "legacy": [],
         "key_ids": ["test-1"],
         "archive_problems": [],
-        "mode": "incremental",
-        "read_events": len(events) + 3,
         "checkpoint_problems": [],
     }

@@ -118,7 +118,9 @@ def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usag
         assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [tool_key]
     assert runner.run(tool_key).status == "succeeded"
     assert POSTS == ["call_0_0"], "the tool did not run again"
-    assert outbox_keys(db) == [scoped(agent.id, "req-1:slack:call_0_0")], "its message was emitted, once, under its key"
+    assert outbox_keys(db) == [scoped(agent.id, "req-1:slack:tool.test_announce:1.call_0_0@call_0_0")], (
+        "its message was emitted, once, under its key"
+    )
     assert runner.run(scoped(agent.id, "req-1:plan:2")).status == "succeeded"
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens) == ("done", 100 + 40 + 50), "the tool's usage was charged once"

@@ -221,7 +221,7 @@ def test_a_reply_calling_a_tool_that_does_not_exist_fails_the_request_naming_it(
     job = job_row(db, scoped(agent.id, "r1:plan:1"))
     assert job is not None and (job["status"], job["error_class"]) == ("failed", "invalid")
     assert job["last_error"].startswith("the model called a tool that does not exist: 'github.comment' (tools: ")
-    assert message_row(db, scoped(agent.id, "r1:github:c1")) is None
+    assert message_row(db, scoped(agent.id, "r1:github:tool.github_comment:1.c1@comment")) is None
 
 
 ODD_IDS = ["call 1", "a/b:c", "ünï-côdé", "x" * 500, "", " ", "call_0_0:..#@"]

@@ -79,21 +79,18 @@ def test_after_waiting_retry_after_the_next_request_is_allowed(broker: Broker, c
     assert limiter.check("token", policy).allowed
 
 
-def test_a_refund_gives_one_request_back_and_never_more_than_a_full_bucket(broker: Broker, connect: Connect) -> None:
+def test_a_peek_counts_nothing_and_a_drain_empties_the_bucket(broker: Broker, connect: Connect) -> None:
     limiter = connect(broker.url, broker.prefix)
-    policy = Policy(rate_per_second=SLOW, burst=2, name="console-signin-address")
-    first, second = limiter.check("address", policy), limiter.check("address", policy)
-    assert first.allowed and second.allowed and not limiter.check("address", policy).allowed
-    limiter.refund("address", policy, second)
-    again = limiter.check("address", policy)
-    assert again.allowed and again.remaining == 0, "exactly the one request given back"
+    policy = Policy(rate_per_second=SLOW, burst=3, name="signin-address")
+    assert [limiter.check("address", policy, count=False).remaining for _ in range(5)] == [2] * 5
+    assert limiter.check("address", policy).remaining == 2
+    assert limiter.check("address", policy, count=False).remaining == 1
+    limiter.drain("address", policy)
+    refused = limiter.check("address", policy, count=False)
+    assert not refused.allowed and refused.retry_after_seconds is not None and 90 < refused.retry_after_seconds <= 100
     assert not limiter.check("address", policy).allowed
-    for decision in (first, second, again, first):  # more refunds than were taken: the bucket is just full
-        limiter.refund("address", policy, decision)
-    assert [limiter.check("address", policy).allowed for _ in range(3)] == [True, True, False]
-    refused = limiter.check("address", policy)
-    limiter.refund("address", policy, refused)  # a refused request took nothing, so nothing is given back
-    assert not limiter.check("address", policy).allowed
+    limiter.drain("address", policy)  # an empty bucket stays as it is
+    assert 90 < (limiter.check("address", policy).retry_after_seconds or 0) <= 100
 
 
 def test_two_api_processes_share_one_limit(broker: Broker, connect: Connect) -> None:

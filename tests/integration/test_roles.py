@@ -248,7 +248,10 @@ def test_the_auditor_reads_every_table_and_writes_none(journaled: RoledDatabase)
 def test_the_auditor_verifies_the_journal_without_recording(journaled: RoledDatabase) -> None:
     result = keel(journaled.auditor_url, "audit", "verify", names=journaled.names)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "ok: 3 events in 1 agent chains verified\n"
+    assert (
+        result.stdout
+        == "ok: 3 events in 1 agent chains verified in this run (full: every chain walked from its start)\n"
+    )
     assert "not recorded: this database role may only read" in result.stderr
     listed = keel(journaled.auditor_url, "journal", "--agent", "ledger", names=journaled.names)
     assert listed.returncode == 0 and "changed my mind" not in listed.stderr

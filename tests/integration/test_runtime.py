@@ -79,7 +79,9 @@ def test_a_scripted_conversation_runs_to_done_and_its_usage_adds_up(client: Clie
     )  # type: ignore[index]
     from models.outbox_sql import message_row
 
-    assert message_row(db, scoped(agent.id, "req-1:slack:call_0_1"))["payload"] == {"text": "looking"}  # type: ignore[index]
+    assert message_row(db, scoped(agent.id, "req-1:slack:tool.slack_post:1.call_0_1@post"))["payload"] == {
+        "text": "looking"
+    }  # type: ignore[index]
     moves = [(e.event, e.to_phase) for e in client.journal(agent_id=agent.id) if e.kind == "transition"]
     assert moves == [
         ("submit", "planning"),
@@ -128,7 +130,10 @@ def test_approval_continues_the_loop_and_a_stale_approval_is_rejected(client: Cl
     assert state.phase == "done"
     from models.outbox_sql import message_row
 
-    assert message_row(db, scoped(waiting.id, "req-1:github:call_0_0"))["destination"] == "acme/api#7"  # type: ignore[index]
+    assert (
+        message_row(db, scoped(waiting.id, "req-1:github:tool.github_comment:1.call_0_0@comment"))["destination"]
+        == "acme/api#7"
+    )  # type: ignore[index]
 
 
 def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
@@ -137,9 +142,9 @@ def test_reject_makes_the_model_revise(client: Client, db: Database) -> None:
     run_all(db)
     state = client.get_state(waiting.id)
     assert state.phase == "done"
-    from agents.runtime.loop import RequestOf, conversation
+    from agents.runtime.loop import conversation
 
-    _, messages = conversation(db, RequestOf(waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2")), 2)
+    _, messages = conversation(db, waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
     assert messages[-1] == {
         "role": "tool",
         "tool_call_id": "call_0_0",
@@ -297,7 +302,7 @@ def test_a_models_bad_arguments_are_told_to_it_and_journaled(client: Client, db:
     assert event.details["tool_error"] == told.removeprefix("error: ")
     from models.outbox_sql import message_row
 
-    assert message_row(db, scoped(agent.id, "req-1:slack:call_1_0"))["payload"] == {"text": "hi"}  # type: ignore[index]
+    assert message_row(db, scoped(agent.id, "req-1:slack:tool.slack_post:2.call_1_0@post"))["payload"] == {"text": "hi"}  # type: ignore[index]
 
 
 def _a_gated_comment_beside_a_pending_lookup(client: Client, db: Database, name: str) -> Any:

@@ -87,9 +87,9 @@ def test_a_request_id_is_each_agents_own_and_runs_apart(api: Api) -> None:
         assert sorted(ambiguous["agents"]) == sorted([a["id"], b["id"]])
     for agent_id, story in stories.items():
         hexed = agent_id.replace("-", "")
-        assert story["jobs"] and all(j["key"].startswith(f"{hexed}.order-1001:") for j in story["jobs"]), story
+        assert story["jobs"] and all(j["key"].startswith(f"{hexed}~order-1001:") for j in story["jobs"]), story
         assert all(e["agent_id"] == agent_id for e in story["journal"])
-        assert all(m["key"].startswith(f"{hexed}.") for m in story["outbox"])
+        assert all(m["key"].startswith(f"{hexed}~") for m in story["outbox"])
     assert [m["destination"] for m in stories[b["id"]]["outbox"]] == [SECRET_CHANNEL]
     assert stories[a["id"]]["outbox"] == []
 

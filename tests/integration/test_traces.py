@@ -231,7 +231,7 @@ def test_one_trace_follows_a_request_from_the_http_call_to_the_slack_message(
     emitted, joined = outcome_of(post_job), outcome_of(search_job)
     send = only("keel.outbox_send slack")
     assert parent(send) is emitted
-    assert send.attributes["keel.outbox_key"] == scoped(agent_id, "req-1:slack:call_0_1")  # type: ignore[index]
+    assert send.attributes["keel.outbox_key"] == scoped(agent_id, "req-1:slack:tool.slack_post:1.call_0_1@post")  # type: ignore[index]
     assert send.attributes["keel.outcome"] == "sent"  # type: ignore[index]
     assert parent(second_round) is joined
     assert parent(only("keel.transition finish")) is second_round
@@ -251,7 +251,7 @@ def test_one_trace_follows_a_request_from_the_http_call_to_the_slack_message(
         scoped(agent_id, "req-1:tool:trace_search:1.call_0_0"): traceparent(planned),
         scoped(agent_id, "req-1:tool:slack_post:1.call_0_1"): traceparent(planned),
         scoped(agent_id, "req-1:plan:2"): traceparent(joined),
-        scoped(agent_id, "req-1:slack:call_0_1"): traceparent(emitted),
+        scoped(agent_id, "req-1:slack:tool.slack_post:1.call_0_1@post"): traceparent(emitted),
     }
 
 
@@ -337,7 +337,7 @@ def test_an_approval_in_a_trace_of_its_own_keeps_the_request_in_the_requests_tra
         ).fetchone()
     assert trace_of(request_trace) == TRACE_ID
     rows = stored(db)
-    assert scoped(agent_id, "req-a:github:call_0_0") in rows and len(rows) >= 3, rows
+    assert scoped(agent_id, "req-a:github:tool.github_comment:1.call_0_0@comment") in rows and len(rows) >= 3, rows
     assert {key: trace_of(value) for key, value in rows.items()} == dict.fromkeys(rows, TRACE_ID)
 
     spans = exported()

@@ -64,23 +64,23 @@ def test_an_incremental_pass_reads_only_new_events_and_catches_a_tampered_one(
     client: Client, db: Database, raw: psycopg.Connection[Any]
 ) -> None:
     a, b, c = _agents(client, 3)
-    first = verify_and_record(db, "cli")
+    first = verify_and_record(db, "cli", full=False)
     assert first.ok and (first.full, first.read_events, first.events) == (False, 6, 6)
     assert [_checkpoint(raw, x) for x in (a, b, c)] == [2, 2, 2]
-    again = verify_and_record(db, "cli")
+    again = verify_and_record(db, "cli", full=False)
     assert again.ok and (again.read_events, again.events, again.agents) == (0, 6, 3)
 
     _another_event(client, b)
     _another_event(client, b)
     _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 4", b)
-    report = verify_and_record(db, "cli")
+    report = verify_and_record(db, "cli", full=False)
     assert not report.ok
     assert report.read_events == 2, "only the events past b's checkpoint were read"
     assert [(x.agent_id, x.seq) for x in report.breaks] == [(b, 4)]
     assert "content does not match its HMAC" in report.breaks[0].reason
     assert _checkpoint(raw, b) == 2, "a broken chain's checkpoint stays where it was intact"
     # Still caught the next time: the events past the checkpoint are read again.
-    assert [(x.agent_id, x.seq) for x in verify_and_record(db, "cli").breaks] == [(b, 4)]
+    assert [(x.agent_id, x.seq) for x in verify_and_record(db, "cli", full=False).breaks] == [(b, 4)]
 
 
 def test_an_edit_below_the_checkpoint_is_caught_by_the_full_pass_only(
@@ -88,10 +88,11 @@ def test_an_edit_below_the_checkpoint_is_caught_by_the_full_pass_only(
 ) -> None:
     a, _b = _agents(client, 2)
     _another_event(client, a)
-    assert verify_and_record(db, "beat").ok
+    assert verify_and_record(db, "beat", full=False).ok
     _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 2", a)
-    blind = verify_and_record(db, "beat")
+    blind = verify_and_record(db, "beat", full=False)
     assert blind.ok and blind.read_events == 0, "what README says: an incremental pass cannot see below a checkpoint"
+    assert (blind.trusted, blind.trusted_chains) == (5, 2), "and it says it trusted them, not that it checked them"
     full = verify_and_record(db, "beat", full=True)
     assert not full.ok and full.full and full.read_events == 4  # a read up to its break at event 2, b whole
     assert [(x.agent_id, x.seq) for x in full.breaks] == [(a, 2)]
@@ -106,25 +107,25 @@ def test_a_break_a_full_pass_found_is_reported_by_every_later_pass(
     back to reporting the chain clean from the checkpoint it had: the checkpoint is marked broken, for good."""
     a, b = _agents(client, 2)
     _another_event(client, a)
-    assert verify_and_record(db, "beat").ok
+    assert verify_and_record(db, "beat", full=False).ok
     found = raw.execute("SELECT actor FROM audit.journal WHERE agent_id = %s AND seq = 2", (a,)).fetchone()
     assert found is not None
     _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 2", a)
     assert not verify_and_record(db, "beat", full=True).ok
     for _ in range(2):
-        later = verify_and_record(db, "beat")
+        later = verify_and_record(db, "beat", full=False)
         assert not later.ok and not later.full
         assert [(x.agent_id, x.seq) for x in later.breaks] == [(a, 2)]
         assert "content does not match its HMAC" in later.breaks[0].reason
     # Put back as it was (say, from a backup): the chain walks intact, yet the mark stays until an operator clears it.
     _tamper(raw, "UPDATE audit.journal SET actor = %s WHERE agent_id = %s AND seq = 2", found[0], a)
     assert journal.verify_chain(db, a).ok
-    held = verify_and_record(db, "beat")
+    held = verify_and_record(db, "beat", full=False)
     assert [(x.agent_id, x.seq) for x in held.breaks] == [(a, 2)]
     assert "an earlier keel audit verify found this chain broken at event 2" in held.breaks[0].reason
     assert _checkpoint(raw, b) == 2, "the other chain's checkpoint is as it was"
     raw.execute("DELETE FROM audit_verified_chains WHERE agent_id = %s", (a,))  # the runbook's resolution
-    assert verify_and_record(db, "beat").ok
+    assert verify_and_record(db, "beat", full=False).ok
     assert _checkpoint(raw, a) == 3
 
 
@@ -136,7 +137,7 @@ def test_the_beats_incremental_pass_after_its_failed_full_one_still_fails(
     (a,) = _agents(client, 1)
     settings = Settings(audit_verify_interval_seconds=3600, audit_verify_full_interval_seconds=7 * 86400)
     duties = LeaderDuties(db, settings)
-    assert verify_and_record(db, "beat").ok
+    assert verify_and_record(db, "beat", full=False).ok
     _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 1", a)
     recorded = []
     for _ in range(2):  # the first run claims the full chore, the second finds it not due: incremental
@@ -154,7 +155,7 @@ def test_a_chain_cut_back_behind_its_checkpoint_is_caught(
     can tell (the shipped copy is for that), but the sealed checkpoint says the chain was longer."""
     (a,) = _agents(client, 1)
     _another_event(client, a)
-    assert verify_and_record(db, "cli").ok
+    assert verify_and_record(db, "cli", full=False).ok
     as_superuser(
         raw,
         ("DELETE FROM audit.journal WHERE agent_id = %s AND seq = 3", (a,)),
@@ -199,13 +200,13 @@ def test_a_checkpoint_forged_with_the_applications_credentials_is_reported_and_n
     try:
         client = Client(db)
         (a,) = _agents(client, 1)
-        assert verify_and_record(db, "beat").ok
+        assert verify_and_record(db, "beat", full=False).ok
         _another_event(client, a)
         with psycopg.connect(libpq_url(roles_db.app_url), autocommit=True) as app:
             _forge_checkpoint(app, a, None)
         with psycopg.connect(libpq_url(roles_db.url), autocommit=True) as su:
             _tamper(su, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 3", a)
-        report = verify_and_record(db, "beat")
+        report = verify_and_record(db, "beat", full=False)
         assert not report.ok
         assert len(report.checkpoint_problems) == 1
         assert "its seal does not match its content" in report.checkpoint_problems[0]
@@ -219,7 +220,7 @@ def test_a_checkpoint_forged_by_a_superuser_without_the_key_is_reported_then_rep
     client: Client, db: Database, raw: psycopg.Connection[Any], db_url: str
 ) -> None:
     a, _b = _agents(client, 2)
-    assert verify_and_record(db, "cli").ok
+    assert verify_and_record(db, "cli", full=False).ok
     _another_event(client, a)
     _forge_checkpoint(raw, a, AuditKeys.of({TEST_KEY_ID: "not-the-secret-but-long-enough-0123456789"}, TEST_KEY_ID))
     said = subprocess.run(
@@ -229,7 +230,7 @@ def test_a_checkpoint_forged_by_a_superuser_without_the_key_is_reported_then_rep
     assert f"FORGED checkpoint: the checkpoint of agent {a}'s chain" in said.stderr, said.stderr
     # The genuine walk replaced it: believed again, and the next pass is clean.
     assert _checkpoint(raw, a) == 3
-    again = verify_and_record(db, "cli")
+    again = verify_and_record(db, "cli", full=False)
     assert again.ok and again.read_events == 0
 
 
@@ -285,10 +286,10 @@ def test_long_chains_make_short_chunks_and_no_chain_is_skipped_at_their_ends(
     broken = journal.verify(db, full=True, chunk_chains=100, chunk_events=5)
     assert [(b.agent_id, b.seq) for b in broken.breaks] == [(ids[4], 5)] and broken.agents == 6
     # Incremental, from checkpoints: only what is new counts towards a chunk.
-    assert verify_and_record(db, "cli", chunk_events=5).breaks  # the tampered chain keeps failing
+    assert verify_and_record(db, "cli", full=False, chunk_events=5).breaks  # the tampered chain keeps failing
     _tamper(raw, "UPDATE audit.journal SET actor = 'late' WHERE agent_id = %s AND seq = 5", ids[4])
     raw.execute("DELETE FROM audit_verified_chains WHERE agent_id = %s", (ids[4],))  # looked at: the mark cleared
-    assert verify_and_record(db, "cli", chunk_events=5).ok
+    assert verify_and_record(db, "cli", full=False, chunk_events=5).ok
     chunks.clear()
     again = journal.verify(db, full=False, chunk_chains=100, chunk_events=5, on_chunk=lambda conn: chunks.append(1))
     assert again.ok and again.read_events == 0 and len(chunks) == 1, "nothing new: one chunk for every chain"
@@ -303,7 +304,7 @@ def test_a_verify_killed_midway_records_nothing_false_and_the_next_one_resumes(
     client: Client, db: Database, raw: psycopg.Connection[Any], db_url: str
 ) -> None:
     ids = _agents(client, 6)
-    assert verify_and_record(db, "cli").ok
+    assert verify_and_record(db, "cli", full=False).ok
     for agent_id in ids:
         _another_event(client, agent_id)
     recorded = raw.execute("SELECT count(*) FROM audit_verifications").fetchone()
@@ -311,7 +312,7 @@ def test_a_verify_killed_midway_records_nothing_false_and_the_next_one_resumes(
     with psycopg.connect(libpq_url(db_url)) as holder:
         holder.execute("SELECT 1 FROM audit_verified_chains WHERE agent_id = %s FOR UPDATE", (ids[2],))
         child = subprocess.Popen(
-            [KEEL, "audit", "verify"],
+            [KEEL, "audit", "verify", "--incremental"],
             env=_env(db_url, KEEL_AUDIT_VERIFY_CHUNK_CHAINS="2"),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -339,7 +340,7 @@ def test_a_verify_killed_midway_records_nothing_false_and_the_next_one_resumes(
     assert [_checkpoint(raw, x) for x in ids] == [3, 3, 2, 2, 2, 2], "chunk 1 committed, nothing after it"
 
     _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 3", ids[4])
-    resumed = verify_and_record(db, "cli", chunk_chains=2)
+    resumed = verify_and_record(db, "cli", full=False, chunk_chains=2)
     assert resumed.read_events == 4, "only the chains the killed pass did not finish were read"
     assert [(x.agent_id, x.seq) for x in resumed.breaks] == [(ids[4], 3)]
     assert [_checkpoint(raw, x) for x in ids] == [3, 3, 3, 3, 2, 3]

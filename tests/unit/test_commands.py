@@ -92,7 +92,7 @@ def test_a_submit_keys_its_request_by_its_agent() -> None:
     agent = row("idle")
     result = decide(agent, cmd(Event.SUBMIT, request_id="r1"), NOW)
     assert isinstance(result, Accept)
-    assert result.after.request_key == f"{agent.id.hex}.r1"
+    assert result.after.request_key == f"{agent.id.hex}~r1"
 
 
 def test_submit_sets_request_and_deadlines() -> None:

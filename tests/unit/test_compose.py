@@ -324,12 +324,18 @@ def test_every_keel_variable_in_compose_is_a_setting(monkeypatch: pytest.MonkeyP
 
 
 def _port_of(service: dict[str, Any], name: str, variables: dict[str, str]) -> int:
-    """The port ``service`` serves /metrics on: the API's own port, or its KEEL_*_METRICS_PORT."""
+    """The port ``service`` serves /metrics on: its KEEL_*_METRICS_PORT, which is never the API's own port."""
+    variable = {
+        "serve": "KEEL_API_METRICS_PORT",
+        "beat": "KEEL_BEAT_METRICS_PORT",
+        "worker": "KEEL_WORKER_METRICS_PORT",
+    }
+    port = int(variables[variable[_command(service)[1]]])
     if name == "api":
         argv = _command(service)
-        return int(argv[argv.index("--port") + 1])
-    variable = "KEEL_BEAT_METRICS_PORT" if _command(service)[:2] == ["keel", "beat"] else "KEEL_WORKER_METRICS_PORT"
-    return int(variables[variable])
+        assert port != int(argv[argv.index("--port") + 1]), "the API's metrics are not on its published port"
+        assert all(not published.endswith(f":{port}") for published in service["ports"])
+    return port
 
 
 def test_the_observability_profile_runs_prometheus_and_grafana_on_files_that_exist() -> None:
@@ -379,8 +385,7 @@ def test_prometheus_scrapes_every_keel_process_where_it_serves_metrics() -> None
         shared = {k: v for k, v in service["environment"].items() if k not in SHIPPING}  # the beat ships too
         assert shared == variables, f"{name} runs with the shared settings"
         assert _port_of(service, name, variables) == port, f"{name} serves metrics on another port than {port}"
-        if name != "api":  # the API's port is published already
-            assert service["expose"] == [str(port)], f"{name} does not expose {port}"
+        assert service["expose"] == [str(port)], f"{name} does not expose {port}"
 
 
 def test_grafana_refuses_to_start_without_its_admin_password() -> None:

@@ -272,14 +272,14 @@ def test_edited_arguments_must_be_a_json_object_and_the_error_says_where() -> No
     refusals = {
         "": "arguments: give the call's arguments as a JSON object (the field is empty)",
         '{"issue": 7,}': "not valid JSON: Expecting property name enclosed in double quotes (line 1, column 13)",
-        '{\n"issue": seven}': "arguments are not valid JSON: Expecting value (line 2, column 10)",
-        '{"issue": NaN}': "arguments are not valid JSON: NaN is not a JSON value",
-        '{"issue": -Infinity}': "arguments are not valid JSON: -Infinity is not a JSON value",
+        '{\n"issue": seven}': "arguments: not valid JSON: Expecting value (line 2, column 10)",
+        '{"issue": NaN}': "arguments: not valid JSON: NaN is not a JSON value",
+        '{"issue": -Infinity}': "arguments: not valid JSON: -Infinity is not a JSON value",
         "[1]": "arguments must be a JSON object",
         '"text"': "got a string",
         "null": "got null",
         "7": "got a number",
-        " " + "1" * views.MAX_ARGUMENTS_CHARS: f"arguments must be at most {views.MAX_ARGUMENTS_CHARS} characters",
+        " " + "1" * views.MAX_ARGUMENTS_CHARS: f"arguments: must be at most {views.MAX_ARGUMENTS_CHARS} characters",
     }
     for typed, message in refusals.items():
         with pytest.raises(ValueError) as refused:

@@ -96,6 +96,8 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ),
         ({"KEEL_API_RATE_LIMITS": "producer=50"}, "KEEL_API_RATE_LIMITS: must be JSON"),
         ({"KEEL_API_RATE_LIMIT_ENABLED": "maybe"}, "KEEL_API_RATE_LIMIT_ENABLED: Input should be a valid boolean"),
+        ({"KEEL_API_WORKERS": "2"}, "KEEL_CONSOLE_SESSION_KEY: required when KEEL_API_WORKERS is above 1"),
+        ({"KEEL_API_METRICS_PORT": "8000"}, "KEEL_API_METRICS_PORT: 8000 is the API's own port"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_the_variable_and_the_rule(
@@ -185,3 +187,21 @@ def test_a_worker_refuses_to_start_on_a_module_it_cannot_import(command: list[st
         "keel: error: bad configuration: KEEL_IMPORTS: module 'no_such_keel_module' cannot be imported"
         " (ModuleNotFoundError: No module named 'no_such_keel_module')"
     )
+
+
+def test_serve_refuses_several_processes_without_a_shared_session_key() -> None:
+    """Each process would sign console sessions with a random key of its own: sign-in would fail on alternate
+    requests. ``--workers`` is held to the same rule as KEEL_API_WORKERS."""
+    for args, env in ((["--workers", "2"], {}), ([], {"KEEL_API_WORKERS": "3"})):
+        done = _keel("serve", "--port", "1", *args, **env)
+        assert done.returncode != 0
+        assert done.stderr.strip().splitlines() == [
+            "keel: error: bad configuration: KEEL_CONSOLE_SESSION_KEY: required when KEEL_API_WORKERS is above 1"
+            " (or keel serve --workers): each process would sign console sessions with a random key of its own,"
+            " so signing in would fail on alternate requests"
+        ], done.stderr
+
+
+def test_several_processes_with_a_session_key_pass() -> None:
+    settings = load_settings(api_workers=4, console_session_key="k" * 32)
+    assert settings.api_workers == 4

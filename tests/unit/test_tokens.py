@@ -86,3 +86,16 @@ def test_can_follows_the_scopes_and_a_revoked_token_can_nothing() -> None:
 def test_a_prefix_limits_the_agents_a_token_sees(agent_name: str, seen: bool) -> None:
     assert token(Scope.PRODUCER, prefix="acme-").sees(agent_name) is seen
     assert token(Scope.PRODUCER).sees(agent_name)  # no prefix: every agent
+
+
+@pytest.mark.parametrize(
+    ("agent_name", "seen"),
+    [("acme-bot", True), ("acmecorp-bot", False), ("acme.bot", False), ("acme_bot", False), ("acme", False)],
+)
+def test_a_prefix_stored_without_a_delimiter_reaches_only_its_names_followed_by_a_dash(
+    agent_name: str, seen: bool
+) -> None:
+    legacy = token(Scope.APPROVER, prefix="acme")
+    assert legacy.agent_prefix == "acme-"  # what every scope check (SQL lists too) is given
+    assert legacy.sees(agent_name) is seen
+    assert token(Scope.APPROVER, prefix="acme.").sees("acme.bot")  # one with a delimiter is kept as it is

@@ -8,9 +8,10 @@ says who moved the agent, and to which revision."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, quote, urlencode
@@ -28,7 +29,8 @@ from agents.core.commands import check_text
 from agents.core.errors import AgentNotFound, InvalidInput, KeelError, StaleRevision
 from agents.core.journal import journal_page
 from agents.core.phases import Phase
-from agents.ingress.auth import resolve
+from agents.core.verdict import Verdict
+from agents.ingress.auth import resolve, sees_named
 from agents.ingress.console import paging, sessions, views
 from agents.ingress.console.headers import STATIC_PATH, ConsoleHeaders
 from agents.ingress.console.paging import BadCursor
@@ -38,7 +40,8 @@ from agents.ingress.problems import kind_of
 from agents.ingress.ratelimit import headers as rate_headers
 from agents.ingress.routes.approvals import approvals_for
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.tokens import ApiToken, Permission, authenticate, live_token
+from agents.ingress.streams import Hold
+from agents.ingress.tokens import ApiToken, Permission, live_token
 from models import alerts_sql, approvals_sql, console_sql, kpi_sql
 from models.jobs_sql import job_row
 from models.outbox_sql import UNSENT, message_row, unsent_page
@@ -243,27 +246,22 @@ async def signin(request: Request, keel: Keel) -> Response:
     key = sessions.session_key(keel.settings)
     if not sessions.signin_nonce_ok(key, request.cookies.get(sessions.SIGNIN_COOKIE), form.get("csrf")):
         return _signin_page(keel, next_url, error="The sign-in form expired: try again.", status=403)
-    limits = keel.signin_limits
-    attempt = None
-    if limits is not None:
-        # Counted before the token is looked up: over the limit not even a correct token is tried.
-        attempt = await run_in_threadpool(limits.attempt, request.client.host if request.client else None)
-        if not attempt.allowed:
-            whose = "from every address together" if attempt.everyone else "from your address"
-            return _signin_page(
-                keel,
-                next_url,
-                error=f"Too many failed sign-ins {whose}: wait {attempt.retry_after} seconds, then try again (the"
-                " token was not checked).",
-                status=429,
-                headers=attempt.headers,
-            )
-    token = await run_in_threadpool(authenticate, keel.db, form.get("token", "").strip())
+    secret = form.get("token", "").strip()
+    attempt = await run_in_threadpool(keel.try_token, request.client.host if request.client else None, secret)
+    if attempt.refused:
+        return _signin_page(
+            keel,
+            next_url,
+            error=f"Too many failed sign-ins from your address: wait {attempt.retry_after} seconds, then try again"
+            " (the token was not checked).",
+            status=429,
+            headers=attempt.headers,
+        )
+    token = attempt.token
     if token is None:
-        headers = None if attempt is None else attempt.headers
-        return _signin_page(keel, next_url, error="That token is unknown or revoked.", status=401, headers=headers)
-    if limits is not None and attempt is not None:
-        await run_in_threadpool(limits.forgive, attempt)  # a real token: no failed guess
+        return _signin_page(
+            keel, next_url, error="That token is unknown or revoked.", status=401, headers=attempt.headers
+        )
     if not sessions.may_sign_in(token):
         return _signin_page(
             keel,
@@ -378,29 +376,29 @@ def agents_rows(keel: Keel, who: Who, phase: Annotated[str | None, Query()] = No
     return _unknown_phase(who, phase) or _page("agents_rows.html", who, **_agents_list(keel, who, phase or None, None))
 
 
-async def _live(keel: Ingress, who: Viewer) -> Callable[[], Awaitable[bool]]:
-    async def allowed() -> bool:
-        return await run_in_threadpool(live_token, keel.db, who.token.id) is not None
+async def _hold(keel: Keel, who: Who) -> AsyncIterator[Hold]:
+    """A live stream's place among the process's open streams (a 429 past the caps), held until it ends."""
+    with keel.streams.admit(who.token) as hold:
+        yield hold
 
-    return allowed
+
+Held = Annotated[Hold, Depends(_hold)]
 
 
 @router.get("/agents/live", response_class=EventSourceResponse)
-async def agents_live(keel: Keel, who: Who) -> AsyncIterator[ServerSentEvent]:
-    """A ``changed`` event whenever any agent's journal moves (at most every half second): the script then fetches
-    the rows again. Ends when the session's token is revoked."""
-    allowed = await _live(keel, who)
-    with keel.listener.subscribe(ANY_AGENT) as sub:
-        while not keel.listener.stopped:
-            woken = await sub.wait(15.0)
-            sub.clear()  # at once: what commits while the event goes out or the redraw pause lasts wakes it again
-            if woken:
-                if not await allowed():
-                    return
-                yield ServerSentEvent(event="changed", data={})
-                await asyncio.sleep(LIST_REDRAW_SECONDS)
-            elif not await allowed():
+async def agents_live(keel: Keel, who: Who, hold: Held) -> AsyncIterator[ServerSentEvent]:
+    """A ``changed`` event whenever the journal of an agent the session's token sees moves (at most every half
+    second): the script then fetches the rows again. Ends when the session's token is revoked."""
+    with keel.listener.subscribe(ANY_AGENT, sees=partial(sees_named, who.token)) as sub:
+        while True:
+            await sub.wait(or_=hold.ended)
+            if keel.listener.stopped or hold.ended.is_set():
                 return
+            sub.clear()  # at once: what commits while the event goes out or the redraw pause lasts wakes it again
+            if not await hold.allowed():
+                return
+            yield ServerSentEvent(event="changed", data={})
+            await asyncio.sleep(LIST_REDRAW_SECONDS)
 
 
 def _found(keel: Ingress, who: Viewer, ref: str) -> tuple[UUID, AgentState] | None:
@@ -448,11 +446,13 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
 
 @dataclass(frozen=True, slots=True)
 class FullCheck:
-    """The latest recorded ``keel audit verify`` (a walk of every chain) as the agent page tells it."""
+    """The latest recorded ``keel audit verify`` (full or incremental) as the agent page tells it."""
 
     verification: alerts_sql.Verification
     #: The first broken event of this agent's chain it found, if it listed this agent (it lists 20 at most).
     broken_at: int | None
+    #: What it checked and what it trusted from checkpoints (None: recorded before verify kept them apart).
+    verdict: Verdict | None = None
 
 
 def _full_check(keel: Ingress, agent_id: UUID) -> FullCheck | None:
@@ -461,7 +461,9 @@ def _full_check(keel: Ingress, agent_id: UUID) -> FullCheck | None:
         return None
     breaks = found.details.get("breaks", []) if isinstance(found.details, dict) else []
     mine = next((b.get("seq") for b in breaks if isinstance(b, dict) and b.get("agent_id") == str(agent_id)), None)
-    return FullCheck(found, mine if isinstance(mine, int) else None)
+    details = found.details if isinstance(found.details, dict) else {}
+    verdict = Verdict.recorded(ok=found.ok, agents=found.agents, details=details)
+    return FullCheck(found, mine if isinstance(mine, int) else None, verdict)
 
 
 def _journal_cursor(who: Viewer, cursor: str | None, path: str) -> int | HTMLResponse | None:
@@ -508,7 +510,7 @@ def agent_panel(
 
 @router.get("/agents/{ref}/live", response_class=EventSourceResponse)
 async def agent_live(
-    ref: str, keel: Keel, who: Who, after: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None
+    ref: str, keel: Keel, who: Who, hold: Held, after: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None
 ) -> AsyncIterator[ServerSentEvent]:
     """The agent's journal events as they commit (the API's live events, for the session's token), after the
     journal seq the page was drawn at: what committed while the page loaded arrives too."""
@@ -518,7 +520,7 @@ async def agent_live(
     agent_id, _ = found
     head = (await run_in_threadpool(keel.client.agent_row, agent_id)).journal_seq
     start = head if after is None else min(after, head)
-    async for message in sse_events(keel.listener, agent_id, start, allowed=await _live(keel, who)):
+    async for message in sse_events(keel.listener, agent_id, start, guard=hold):
         yield message
 
 

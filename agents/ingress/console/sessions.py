@@ -32,6 +32,8 @@ from models.settings import Settings
 #: The session cookie and the sign-in form's pre-session cookie.
 SESSION_COOKIE = "keel_session"
 SIGNIN_COOKIE = "keel_signin"
+#: Every cookie the console reads (a test sends each one hostile bytes).
+COOKIES = (SESSION_COOKIE, SIGNIN_COOKIE)
 #: How long a session lasts (seconds) from sign-in; then the person signs in again.
 SESSION_SECONDS = 12 * 3600
 SIGNIN_SECONDS = 600
@@ -67,7 +69,7 @@ def _sign(key: bytes, purpose: str, payload: bytes) -> str:
 def _unsign(key: bytes, purpose: str, value: str) -> bytes | None:
     body, _, mac = value.rpartition(".")
     expected = hmac.new(key, f"{purpose}.{body}".encode(), hashlib.sha256).hexdigest()
-    if not body or not hmac.compare_digest(mac, expected):
+    if not body or not _same(expected, mac):
         return None
     try:
         return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))

@@ -1,35 +1,41 @@
-"""How fast the console's sign-in may be tried: failed sign-ins counted per client address and over every address
-together, with the ingress's rate limiter (GCRA in Redis, :mod:`agents.ingress.ratelimit`).
+"""How fast API tokens may be guessed, at the console's sign-in form and in the API's ``Authorization`` header
+alike: failed attempts (an unknown or revoked token) counted per client address and over every address together,
+with the ingress's rate limiter (GCRA in Redis, :mod:`agents.ingress.ratelimit`). :meth:`SignInLimits.try_token` is
+the one place that decides which bucket is charged when; both doors go through it.
 
-Every attempt is counted before its token is looked up, against the address's bucket and then the global one; an
-attempt either bucket refuses is answered 429 without a lookup, so a correct token is refused too until the
-allowance comes back (otherwise a guesser would simply keep guessing: only its failures would be refused). An attempt
-whose token turns out to exist is given back to both buckets: only failures count. Counting first and giving back
-after, rather than looking first and counting failures after, keeps the limit exact under concurrent attempts.
+Only failures are charged, never a token that turns out to be real. An address over its own allowance is refused
+(429) before its token is looked up, a correct token too (otherwise a guesser would simply keep guessing: only its
+failures would be refused). The ceiling over every address never refuses a token by itself, so a spray from many
+addresses cannot lock out a person at an address of their own: while it is exceeded, a failure costs its address the
+rest of its allowance, so each spraying address gets one guess per refill instead of a burst. The address's bucket is
+peeked before the lookup and charged after a failure: concurrent failures from one address may overshoot its burst by
+as many as are in flight, the price of a single Redis call for every good token.
 
 The client address is the connection's, or — when ``keel serve`` believes the proxy it came through
 (``KEEL_API_FORWARDED_ALLOW_IPS``) — the one that proxy names in ``X-Forwarded-For`` (uvicorn sets it as the ASGI
 ``client`` before the app sees the request). An IPv6 address counts by its /64 network: one host usually holds a
 whole /64, so counting single addresses would give it billions of buckets.
 
-Like the API's limits this fails open: without an answer from Redis a sign-in is not limited (tokens are 256-bit
+Like the API's limits this fails open: without an answer from Redis an attempt is not limited (tokens are 256-bit
 random secrets: the limit slows guessing and spares the database, it does not make a guess feasible or not)."""
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from agents.ingress.ratelimit import Decision, Policy, RateLimiter
+from agents.ingress.ratelimit import Policy, RateLimiter
 from agents.ingress.ratelimit import headers as rate_headers
+from agents.ingress.tokens import ApiToken
 from models.settings import Settings
 
-#: Under the rate limiter's namespace: one key per client address, one over every address.
-ADDRESS_KEY = "console-signin:address:"
-GLOBAL_KEY = "console-signin:all"
+#: Under the rate limiter's namespace: one key per client address, one over every address (both doors share them).
+ADDRESS_KEY = "signin:address:"
+GLOBAL_KEY = "signin:all"
 #: What the ``RateLimit`` headers call the two limits.
-ADDRESS_POLICY = "console-signin-address"
-GLOBAL_POLICY = "console-signin-all"
+ADDRESS_POLICY = "signin-address"
+GLOBAL_POLICY = "signin-all"
 
 
 def client_key(host: str | None) -> str:
@@ -49,20 +55,23 @@ def client_key(host: str | None) -> str:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One counted sign-in attempt: allowed (its token may be looked up) or refused (``retry_after`` seconds, whole,
-    at least 1; ``everyone``: the global ceiling refused it, not the address's own limit)."""
+    """One try of a token: the token, if it was looked up and found (a live one); ``retry_after`` (whole seconds, at
+    least 1) when the address was over its allowance and nothing was looked up; ``headers``: the address's
+    ``RateLimit`` headers."""
 
     address: str
-    allowed: bool
+    token: ApiToken | None
     headers: dict[str, str]
     retry_after: int | None = None
-    everyone: bool = False
-    counted: tuple[tuple[str, Policy, Decision], ...] = field(default=(), repr=False)
+
+    @property
+    def refused(self) -> bool:
+        return self.retry_after is not None
 
 
 @dataclass(frozen=True)
 class SignInLimits:
-    """The two sign-in limits of one API process, on its rate limiter."""
+    """The two limits on guessing tokens of one API process, on its rate limiter."""
 
     limiter: RateLimiter
     per_address: Policy
@@ -76,30 +85,20 @@ class SignInLimits:
             Policy(settings.console_signin_global_per_minute / 60, settings.console_signin_global_burst, GLOBAL_POLICY),
         )
 
-    def attempt(self, host: str | None) -> Attempt:
-        """Count one sign-in attempt from ``host``: first against its address, then against every address (an
-        attempt the global ceiling refuses is given back to the address: a refused attempt costs nothing)."""
+    def try_token(self, host: str | None, lookup: Callable[[], ApiToken | None]) -> Attempt:
+        """Try a token from ``host`` (the ASGI client address): refused if the address is over its allowance, else
+        ``lookup()`` it; a failure is charged to the address and to every address together (see the module)."""
         address = client_key(host)
-        own = self.limiter.check(ADDRESS_KEY + address, self.per_address)
+        key = ADDRESS_KEY + address
+        own = self.limiter.check(key, self.per_address, count=False)
         if not own.allowed:
-            return self._refused(address, own, self.per_address, everyone=False)
-        overall = self.limiter.check(GLOBAL_KEY, self.overall)
-        if not overall.allowed:
-            self.limiter.refund(ADDRESS_KEY + address, self.per_address, own)
-            return self._refused(address, overall, self.overall, everyone=True)
-        return Attempt(
-            address,
-            True,
-            rate_headers(own, self.per_address),
-            counted=((ADDRESS_KEY + address, self.per_address, own), (GLOBAL_KEY, self.overall, overall)),
-        )
-
-    def forgive(self, attempt: Attempt) -> None:
-        """Give ``attempt`` back to both buckets: its token was a real one, so it was no failed guess."""
-        for key, policy, decision in attempt.counted:
-            self.limiter.refund(key, policy, decision)
-
-    @staticmethod
-    def _refused(address: str, decision: Decision, policy: Policy, *, everyone: bool) -> Attempt:
-        found = rate_headers(decision, policy)
-        return Attempt(address, False, found, retry_after=int(found["Retry-After"]), everyone=everyone)
+            found = rate_headers(own, self.per_address)
+            return Attempt(address, None, found, retry_after=int(found["Retry-After"]))
+        token = lookup()
+        if token is not None:
+            return Attempt(address, token, {})  # a success is charged nowhere
+        failed = self.limiter.check(key, self.per_address)
+        if not self.limiter.check(GLOBAL_KEY, self.overall).allowed:
+            self.limiter.drain(key, self.per_address)
+            failed = replace(failed, remaining=0)
+        return Attempt(address, None, rate_headers(failed, self.per_address))

@@ -11,6 +11,8 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from agents.core.errors import InvalidInput
+from agents.core.json_input import parse_json
 from models.schemas import AgentState, WaitingApproval
 
 
@@ -186,23 +188,15 @@ def text_rows(text: str, *, least: int = 4, most: int = 18) -> int:
 MAX_ARGUMENTS_CHARS = 100_000
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
 def edited_arguments(text: str) -> dict[str, Any]:
     """The arguments a person typed into the edit form: a JSON object, else :class:`ValueError` naming the field and
-    the rule (where the JSON breaks, by line and column)."""
+    the rule (where the JSON breaks, by line and column), as :func:`~agents.core.json_input.parse_json` has it."""
     if not text.strip():
         raise ValueError("arguments: give the call's arguments as a JSON object (the field is empty)")
-    if len(text) > MAX_ARGUMENTS_CHARS:
-        raise ValueError(f"arguments must be at most {MAX_ARGUMENTS_CHARS} characters, got {len(text)}")
     try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"arguments are not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
-    except ValueError as exc:
-        raise ValueError(f"arguments are not valid JSON: {exc}") from None
+        value = parse_json("arguments", text, limit=MAX_ARGUMENTS_CHARS)
+    except InvalidInput as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(value, dict):
         kinds = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}
         kind = kinds.get(type(value), "a number")

@@ -16,16 +16,18 @@ from agents.core.journal import agent_events_after, events_at_revision
 from agents.core.observe import annotate
 from agents.core.phases import Phase
 from agents.ingress.auth import require, resolve, stale
+from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.etags import etag, none_match
 from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.events import InvalidEventId, parse_last_event_id, sse_events
 from agents.ingress.problems import BAD_REQUEST, FORBIDDEN, Problem
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import MAX_BIGINT, Approval, CreateAgent, Decision, JournalPage
-from agents.ingress.tokens import ApiToken, Permission, is_live
+from agents.ingress.streams import Hold
+from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import AgentPage, AgentState
 
-router = APIRouter(prefix="/v1/agents", tags=["agents"])
+router = APIRouter(prefix="/v1/agents", tags=["agents"], route_class=JsonBodyRoute)
 
 Keel = Annotated[Ingress, Depends(ingress)]
 IfMatch = Annotated[str | None, Header(description='"r<revision>": the revision the decision was made on')]
@@ -195,7 +197,7 @@ def journal(
 class _Start:
     agent_id: UUID
     after_seq: int
-    token_id: UUID
+    token: ApiToken
 
 
 async def _stream_start(
@@ -222,7 +224,15 @@ async def _stream_start(
         start = after
     if found.row is None and (start is None or start >= found.journal_seq):
         await run_in_threadpool(resolve, keel, token, agent)  # nothing left to deliver: the deleted agent's 404
-    return _Start(found.id, found.journal_seq if start is None else start, token.id)
+    return _Start(found.id, found.journal_seq if start is None else start, token)
+
+
+async def _stream_hold(
+    keel: Keel, start: Annotated[_Start, Depends(_stream_start)]
+) -> AsyncIterator[tuple[_Start, Hold]]:
+    """The stream's place among the process's open streams (a 429 past the caps), held until the stream ends."""
+    with keel.streams.admit(start.token) as hold:
+        yield start, hold
 
 
 @router.get(
@@ -230,15 +240,16 @@ async def _stream_start(
     summary="Follow an agent live (Server-Sent Events)",
     response_class=EventSourceResponse,
 )
-async def agent_events(keel: Keel, start: Annotated[_Start, Depends(_stream_start)]) -> AsyncIterator[ServerSentEvent]:
+async def agent_events(
+    keel: Keel, held: Annotated[tuple[_Start, Hold], Depends(_stream_hold)]
+) -> AsyncIterator[ServerSentEvent]:
     """Each committed journal event of the agent as it commits: ``id`` = its journal seq, ``event`` = its kind
     (transition, rejected, suppressed, created, operator), ``data`` = JSON with revision, phase, from_phase, event,
     actor, request_id, decision, at, details. Reconnect with ``Last-Event-ID`` to get every event missed meanwhile,
     in order, then the live stream; without it the stream starts now (or after ``?after=<seq>``). The stream ends
-    once its token is revoked: at its next event, or within 5 s."""
-
-    async def token_live() -> bool:
-        return await run_in_threadpool(is_live, keel.db, start.token_id)
-
-    async for message in sse_events(keel.listener, start.agent_id, start.after_seq, allowed=token_live):
+    once its token is revoked: at its next event, or within 5 s. A token holds at most
+    ``KEEL_API_MAX_STREAMS_PER_TOKEN`` streams open, a process ``KEEL_API_MAX_STREAMS_PER_PROCESS``: past either,
+    a 429."""
+    start, hold = held
+    async for message in sse_events(keel.listener, start.agent_id, start.after_seq, guard=hold):
         yield message

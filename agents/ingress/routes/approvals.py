@@ -10,11 +10,12 @@ from fastapi import APIRouter, Depends, Query
 from agents.client import Client
 from agents.core.commands import check_text
 from agents.ingress.auth import require
+from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.tokens import ApiToken, Permission
+from agents.ingress.tokens import ApiToken, Permission, covers
 from models.schemas import ApprovalPage
 
-router = APIRouter(prefix="/v1/approvals", tags=["approvals"])
+router = APIRouter(prefix="/v1/approvals", tags=["approvals"], route_class=JsonBodyRoute)
 
 Keel = Annotated[Ingress, Depends(ingress)]
 MAX_PAGE = 1000
@@ -71,6 +72,6 @@ def _narrowest(granted: str | None, asked: str | None) -> str | None:
     """The prefix that satisfies both the token's and the query's (None: none does, or neither was given)."""
     if granted is None or asked is None:
         return asked if granted is None else granted
-    if asked.startswith(granted):
+    if covers(granted, asked):  # every name starting with what was asked is the token's
         return asked
-    return granted if granted.startswith(asked) else None
+    return granted if granted.startswith(asked) else None  # what was asked is wider: the token's prefix

@@ -45,6 +45,10 @@ def _broker(keel: Ingress) -> str:
     return "ok"
 
 
+async def _checks(keel: Ingress) -> dict[str, str]:
+    return {"database": await run_in_threadpool(_database, keel), "broker": await run_in_threadpool(_broker, keel)}
+
+
 @router.get(
     "/readyz",
     response_model=Health,
@@ -53,8 +57,9 @@ def _broker(keel: Ingress) -> str:
 )
 async def readyz(keel: Keel) -> Any:
     """200 when the database is reachable and migrated to this code's head and the broker answers; else 503 naming
-    what is wrong (no secrets: URLs are never echoed)."""
-    checks = {"database": await run_in_threadpool(_database, keel), "broker": await run_in_threadpool(_broker, keel)}
+    what is wrong (no secrets: URLs are never echoed). Checked at most once per process every second or two: probes
+    that come meanwhile share that answer (agents/ingress/readiness.py)."""
+    checks = await keel.readiness.get(lambda: _checks(keel))
     ready = all(value.startswith("ok") for value in checks.values())
     body = Health(status="ok" if ready else "unavailable", checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

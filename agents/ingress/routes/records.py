@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Query
 
 from agents.core.errors import InvalidInput, quoted
 from agents.ingress.auth import require, sees_agent
+from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.problems import NOT_FOUND, Problem
 from agents.ingress.runtime import Ingress, ingress
 from agents.ingress.schemas import MAX_BIGINT, JobOut, OutboxMessage, OutboxPage
@@ -15,7 +16,7 @@ from agents.ingress.tokens import ApiToken, Permission
 from models.jobs_sql import job_row
 from models.outbox_sql import message_row, page_messages
 
-router = APIRouter(prefix="/v1", tags=["records"])
+router = APIRouter(prefix="/v1", tags=["records"], route_class=JsonBodyRoute)
 
 Keel = Annotated[Ingress, Depends(ingress)]
 MAX_PAGE = 1000

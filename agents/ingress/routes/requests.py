@@ -14,6 +14,7 @@ from agents.core.keys import check_request_id
 from agents.core.observe import annotate
 from agents.ingress.auth import require as require_permission
 from agents.ingress.auth import resolve, seen_agents, stale
+from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.problems import BAD_REQUEST, Problem, kind_for
 from agents.ingress.runtime import Ingress, ingress
@@ -21,7 +22,7 @@ from agents.ingress.schemas import Links, OutboxMessage, RequestOut, RequestStor
 from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import RequestRecord
 
-router = APIRouter(prefix="/v1/agents/{agent}/requests", tags=["requests"])
+router = APIRouter(prefix="/v1/agents/{agent}/requests", tags=["requests"], route_class=JsonBodyRoute)
 
 Keel = Annotated[Ingress, Depends(ingress)]
 
@@ -143,7 +144,7 @@ def story(
     )
 
 
-by_id = APIRouter(prefix="/v1/requests", tags=["requests"])
+by_id = APIRouter(prefix="/v1/requests", tags=["requests"], route_class=JsonBodyRoute)
 
 
 @by_id.get("/{request_id}", response_model=RequestOut, summary="A request by its id alone")

@@ -7,9 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 
 from agents.ingress.auth import current_token
+from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.tokens import ApiToken
 
-router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
+router = APIRouter(prefix="/v1/tokens", tags=["tokens"], route_class=JsonBodyRoute)
 
 
 @router.get("/me", response_model=ApiToken, summary="The calling token")
