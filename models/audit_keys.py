@@ -69,8 +69,9 @@ class AuditKeys:
         return hmac.digest(self.secrets[key_id], message, "sha256").hex()
 
     def verifies(self, key_id: str, parts: Sequence[str | int | None], digest: str) -> bool:
-        """Whether ``digest`` is :meth:`mac` of ``parts`` under ``key_id`` (compared in constant time)."""
-        return hmac.compare_digest(self.mac(key_id, parts), digest)
+        """Whether ``digest`` is :meth:`mac` of ``parts`` under ``key_id`` (compared in constant time, as bytes: a
+        tampered digest with characters that are not ASCII is a mismatch, not a TypeError)."""
+        return hmac.compare_digest(self.mac(key_id, parts).encode(), digest.encode("utf-8", "surrogatepass"))
 
 
 def legacy_seal_parts(agent_id: str, seq: int, head: str) -> list[str | int | None]:

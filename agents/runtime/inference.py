@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from agents.core.commands import MAX_COST, MAX_TOKENS, Usage, check_json_text
 from agents.core.errors import InvalidInput, InvalidJob, RateLimited, TransientError
+from agents.core.json_input import parse_json
 from agents.jobs.handlers import describe
 
 Message = Mapping[str, Any]
@@ -129,7 +130,7 @@ class OpenAICompatible:
             raise self._error(response)
         try:
             data = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the parser can follow
             kind = response.headers.get("content-type", "no content type")
             raise InvalidJob(
                 f"the model endpoint answered 200 with a body that is not JSON ({kind}, {len(response.content)} bytes)",
@@ -152,7 +153,7 @@ class OpenAICompatible:
         status = response.status_code
         try:
             body = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):
             body = None
         raw_error = body.get("error") if isinstance(body, dict) else None
         error = raw_error if isinstance(raw_error, dict) else {"message": str(raw_error or "")}
@@ -222,10 +223,10 @@ def parse_reply(data: Mapping[str, Any], usage: Usage) -> Reply:
         if raw_arguments is None or raw_arguments == "":
             arguments: Any = {}
         elif isinstance(raw_arguments, str):
-            try:
-                arguments = json.loads(raw_arguments)
-            except json.JSONDecodeError:
-                raise InvalidJob(f"the model sent malformed arguments for {name[:64]!a}", usage=usage) from None
+            try:  # the same bounds as a person's JSON: a reply nested 100,000 deep is malformed, not a crash
+                arguments = parse_json("arguments", raw_arguments, limit=MAX_ARGUMENT_CHARS)
+            except InvalidInput as exc:
+                raise InvalidJob(f"the model sent malformed arguments for {name[:64]!a} ({exc})", usage=usage) from None
         else:
             arguments = raw_arguments
         if not isinstance(arguments, dict):
@@ -241,6 +242,8 @@ def parse_reply(data: Mapping[str, Any], usage: Usage) -> Reply:
     return reply
 
 
+#: The most a tool call's arguments may hold (a Slack post is at most 40,000 characters, a GitHub comment 65,000).
+MAX_ARGUMENT_CHARS = 1_048_576
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 

@@ -132,6 +132,14 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("arguments a string", _reply(_call(id="c1", function={"name": "probe_echo", "arguments": '"q"'})), "object"),
     ("arguments not JSON", _reply(_call(id="c1", function={"name": "probe_echo", "arguments": "{q:"})), "malformed"),
     (
+        "arguments nested 100,000 deep",  # was a RecursionError out of the step
+        _reply(
+            _call(id="c1", function={"name": "probe_echo", "arguments": '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"})
+        ),
+        "malformed arguments .*more than 64 deep",
+    ),
+    ("body nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+    (
         "text not Unicode",  # JSON may escape a lone surrogate; PostgreSQL cannot store it
         b'{"choices": [{"message": {"role": "assistant", "content": "bad \\ud800"}}], "usage": '
         b'{"prompt_tokens": 1000, "completion_tokens": 200, "total_tokens": 1200}}',

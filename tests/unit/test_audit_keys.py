@@ -152,3 +152,11 @@ def test_audit_secrets_are_masked_in_every_log_line(tmp_path: Path) -> None:
         assert record.getMessage() == f"key was {MASK}"
     finally:
         clear_secrets()
+
+
+def test_a_stored_digest_that_is_not_ascii_is_a_mismatch_not_a_crash() -> None:
+    keys = AuditKeys.of({"k1": SECRET}, "k1")
+    good = keys.mac("k1", ["tag", 1])
+    assert keys.verifies("k1", ["tag", 1], good)
+    for tampered in (good[:-1] + "é", "ü" * len(good), good[:-1] + "\udc80"):
+        assert not keys.verifies("k1", ["tag", 1], tampered)
