@@ -4,6 +4,7 @@ the issue, another app's bot in the channel) is ignored, warned about, and the m
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from models.db import Database
 from models.outbox_sql import message_row
 from tests.integration.test_outbox import GITHUB_TOKEN, OPEN, SLACK_TOKEN, drain, emit, gh_msg, relay, slack_msg
 from tests.support.fakes import FakeGitHub, FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +63,8 @@ def test_a_key_planted_by_someone_else_is_ignored_and_the_message_delivered_once
     """Someone who may post where Keel posts plants Keel's key there first; Keel's send then ends ambiguously
     (refused with a 5xx, or applied and timed out). Reconciliation must not take the planted message for Keel's:
     the message is sent (500) or found (applied) — Keel's own, once."""
-    key = f"req-bot:{channel}:m"
+    bot = client.create_agent("bot")
+    key = scoped(bot.id, f"req-bot:{channel}:m")
     fake: FakeSlack | FakeGitHub
     if channel == "github":
         fake, destination = github, "acme/api#7"
@@ -72,7 +75,6 @@ def test_a_key_planted_by_someone_else_is_ignored_and_the_message_delivered_once
         planted = slack.plant(destination, key)
         message = slack_msg(destination, "m")
     fake.faults = lambda dest, k, attempt: fault if attempt == 1 else None
-    client.create_agent("bot")
     emit(client, "bot", message)
     caplog.set_level(logging.WARNING, logger="keel.outbox")
     drain(relay(db, slack, github), pause=0.3)
@@ -88,6 +90,18 @@ def test_a_key_planted_by_someone_else_is_ignored_and_the_message_delivered_once
         assert any(planted in w and "not Keel's" in w for w in warnings), warnings
 
 
+def _wait_until_due(db: Database, key: str) -> None:
+    """Wait (at most 10 s) until the message's retry is due on the database's clock: its backoff has passed."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with psycopg.connect(db.libpq_url) as conn:
+            due = conn.execute("SELECT next_attempt_at <= now() FROM outbox WHERE key = %s", (key,)).fetchone()
+        if due == (True,):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"message {key} was not due again within 10 s")
+
+
 @pytest.mark.parametrize("channel", ["github", "slack"])
 def test_without_its_own_identity_reconciliation_waits_and_never_resends(
     client: Client, db: Database, slack: FakeSlack, github: FakeGitHub, channel: str
@@ -95,10 +109,9 @@ def test_without_its_own_identity_reconciliation_waits_and_never_resends(
     """A send ends ambiguously; a relay that cannot learn who it posts as (the receiver's ``GET /user`` or
     ``auth.test`` fails) neither records the message as delivered nor sends it again: it waits, and reconciles once
     the receiver says who it is."""
-    key = f"req-bot:{channel}:m"
+    key = scoped(client.create_agent("bot").id, f"req-bot:{channel}:m")
     fake: FakeSlack | FakeGitHub = github if channel == "github" else slack
     fake.faults = lambda dest, k, attempt: "apply_then_timeout" if attempt == 1 else None
-    client.create_agent("bot")
     emit(client, "bot", gh_msg("acme/api#7", "m") if channel == "github" else slack_msg("C1", "m"))
     relay(db, slack, github).run_pass()  # the send: applied, no answer
     assert message_row(db, key)["needs_reconcile"] is True  # type: ignore[index]
@@ -108,6 +121,7 @@ def test_without_its_own_identity_reconciliation_waits_and_never_resends(
     else:
         slack.auth_error = "internal_error"
     fresh = relay(db, slack, github)  # a relay process started since: it has not learnt its identity yet
+    _wait_until_due(db, key)
     fresh.run_pass()
     row = message_row(db, key)
     assert row is not None and row["status"] == "pending", row["status"]
@@ -139,10 +153,10 @@ def test_a_github_app_installation_token_is_refused_with_the_reason(
     """An installation token cannot say whose comments are Keel's (``GET /user`` refuses it): Keel refuses to post
     with it, once, saying so, rather than post what it could never reconcile."""
     github.installation = True
-    client.create_agent("bot")
+    bot = client.create_agent("bot")
     emit(client, "bot", gh_msg("acme/api#7", "m"))
     relay(db, slack, github).run_pass()
-    row = message_row(db, "req-bot:github:m")
+    row = message_row(db, scoped(bot.id, "req-bot:github:m"))
     assert row is not None and row["status"] == "dead"
     assert "GitHub App installation token" in row["last_error"] and "403" in row["last_error"], row["last_error"]
     assert github.accepted == []

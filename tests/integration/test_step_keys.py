@@ -18,7 +18,7 @@ from pydantic import BaseModel
 import agents.runtime.loop  # noqa: F401 - registers plan, tool and gate
 from agents.client import Client
 from agents.core.commands import MessageSpec
-from agents.core.keys import step_message_key
+from agents.core.keys import derive, step_message_key
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
 from agents.runtime import loop as runtime
@@ -28,6 +28,7 @@ from models.jobs_sql import job_row
 from models.outbox_sql import message_row
 from tests.support import runs
 from tests.support.fakes import FakeLLM, FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -119,18 +120,19 @@ def test_a_call_id_reused_in_the_next_round_still_sends_both_messages(
     agent = client.create_agent("reuser")
     client.submit(agent.id, "r1", {"prompt": "post twice"})
     ran = runs.run_all(db)
-    assert ran == ["r1:plan:1", "r1:tool:slack_post:1.call_1", "r1:plan:2", "r1:tool:slack_post:2.call_1", "r1:plan:3"]
+    steps = ["plan:1", "tool:slack_post:1.call_1", "plan:2", "tool:slack_post:2.call_1", "plan:3"]
+    assert ran == [scoped(agent.id, f"r1:{step}") for step in steps]
     assert client.get_state(agent.id).phase == "done"
     suppressed = [e.details.get("messages_suppressed") for e in client.journal(agent_id=agent.id)]
     assert not any(suppressed), f"a message was dropped as a duplicate: {suppressed}"
     deliver(db, slack, 2)
     assert [m["text"] for m in slack.channels["C111"]] == ["first"]
     assert [m["text"] for m in slack.channels["C222"]] == ["second"]
-    first = message_row(db, step_message_key("r1:tool:slack_post:1.call_1", "slack", "post"))
-    second = message_row(db, step_message_key("r1:tool:slack_post:2.call_1", "slack", "post"))
+    first = message_row(db, step_message_key(scoped(agent.id, "r1:tool:slack_post:1.call_1"), "slack", "post"))
+    second = message_row(db, step_message_key(scoped(agent.id, "r1:tool:slack_post:2.call_1"), "slack", "post"))
     assert first is not None and second is not None
     assert (first["destination"], second["destination"]) == ("C111", "C222")
-    assert first["key"] == "r1:slack:tool.slack_post:1.call_1@post"
+    assert first["key"] == scoped(agent.id, "r1:slack:tool.slack_post:1.call_1@post")
 
 
 def test_a_user_tool_naming_its_message_alike_in_two_calls_sends_both(
@@ -150,8 +152,8 @@ def test_a_user_tool_naming_its_message_alike_in_two_calls_sends_both(
     assert not any(suppressed), f"a message was dropped as a duplicate: {suppressed}"
     deliver(db, slack, 3)
     assert sorted(m["text"] for m in slack.channels["C0SUM"]) == ["one", "three", "two"]
-    key = step_message_key("r1:tool:post_summary:2.s", "slack", "summary")
-    assert key == "r1:slack:tool.post_summary:2.s@summary"
+    key = step_message_key(scoped(agent.id, "r1:tool:post_summary:2.s"), "slack", "summary")
+    assert key == scoped(agent.id, "r1:slack:tool.post_summary:2.s@summary")
     assert slack.delivered_keys()[key] == 1
 
 
@@ -161,11 +163,11 @@ def test_the_same_call_id_twice_in_one_reply_is_refused_visibly(
     llm.replies = [{"tool_calls": [_post("call_1", "C111", "first"), _post("call_1", "C222", "second")]}]
     agent = client.create_agent("repeater")
     client.submit(agent.id, "r1", {"prompt": "post twice"})
-    assert runs.run_all(db) == ["r1:plan:1"], "no call of the malformed reply ran"
+    assert runs.run_all(db) == [scoped(agent.id, "r1:plan:1")], "no call of the malformed reply ran"
     assert len(llm.requests_seen) == 1, "an invalid reply was asked for again"
     state = client.get_state(agent.id)
     assert state.phase == "failed" and state.spent_tokens > 0
-    job = job_row(db, "r1:plan:1")
+    job = job_row(db, scoped(agent.id, "r1:plan:1"))
     assert job is not None and (job["status"], job["error_class"]) == ("failed", "invalid")
     assert "call_1" in job["last_error"] and "twice" in job["last_error"]
     last = client.journal(agent_id=agent.id)[-1]
@@ -177,7 +179,7 @@ def test_the_same_call_id_twice_in_one_reply_is_refused_visibly(
 
 @tool("forge_post", description="Post a message it claims another step emitted.")
 def forge_post(args: Summary, ctx: ToolContext) -> ToolOutput:
-    forged = MessageSpec("slack", "C0SUM", "post", {"text": args.text}, step=f"{ctx.request_id}:tool:slack_post:1.x")
+    forged = MessageSpec("slack", "C0SUM", "post", {"text": args.text}, step=derive(ctx.key, "tool", "slack_post:1.x"))
     return ToolOutput("queued", messages=(forged,))
 
 
@@ -186,7 +188,7 @@ def test_a_step_cannot_key_its_message_from_another_step(client: Client, db: Dat
     agent = client.create_agent("forger")
     client.submit(agent.id, "r1", {"prompt": "forge"})
     runs.run_all(db)
-    job = job_row(db, "r1:tool:forge_post:1.f")
+    job = job_row(db, scoped(agent.id, "r1:tool:forge_post:1.f"))
     assert job is not None and (job["status"], job["error_class"]) == ("failed", "invalid")
     assert "a step's messages are keyed by that step" in job["last_error"]
     assert client.get_state(agent.id).phase == "failed"
