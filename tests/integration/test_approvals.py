@@ -207,8 +207,7 @@ def test_edited_arguments_are_checked_journaled_and_told_to_the_model(client: Cl
     assert client.get_state(waiting.id).phase == "done"
     sent = message_row(db, scoped(waiting.id, "req-1:github:tool.github_comment:1.call_0_0@comment"))
     assert sent is not None and sent["payload"]["body"] == "Fixed in v2.1"
-    request = loop.RequestOf(waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
-    _, messages = loop.conversation(db, request, 2)
+    _, messages = loop.conversation(db, waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
     told = messages[-1]["content"]
     assert 'body: "Fixed" → "Fixed in v2.1"' in told and "A person edited" in told
 
@@ -320,8 +319,7 @@ def test_a_timeout_rejects_exactly_once_under_two_concurrent_enforcers(
     assert decided is not None and "timed out" in decided["payload"]["text"]
     run_all(db)
     assert client.get_state(waiting.id).phase == "done"
-    request = loop.RequestOf(waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
-    _, messages = loop.conversation(db, request, 2)
+    _, messages = loop.conversation(db, waiting.id, "req-1", scoped(waiting.id, "req-1:plan:2"))
     assert messages[-1]["content"].startswith("This call was rejected: no one approved it within 0:00:01")
     call = scoped(waiting.id, "req-1:tool:deploy_service:1.call_0_0")
     assert job_row(db, call) is None, "the timed-out call never ran"

@@ -33,7 +33,7 @@ from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
 from agents.runtime import loop
 from agents.runtime.inference import ScriptedProvider
-from agents.runtime.loop import RequestOf, conversation, rebuild_conversation
+from agents.runtime.loop import conversation, rebuild_conversation
 from models.db import Database
 from models.deadlines_sql import START, past_deadline_query
 from models.jobs_sql import REQUEST_GATES, REQUEST_STEPS, STEPS_BY_KEY, ClaimedJob, claim, take_due, take_due_statement
@@ -807,9 +807,9 @@ def _record_what_the_model_is_sent(monkeypatch: pytest.MonkeyPatch) -> dict[int,
     return sent
 
 
-def _request(agent_id: UUID, request_id: str = "req-1") -> RequestOf:
-    """The agent's request, as a step of it names it for its reads."""
-    return RequestOf(agent_id, request_id, scoped(agent_id, f"{request_id}:plan:1"))
+def _request(agent_id: UUID, round_: int, request_id: str = "req-1") -> tuple[UUID, str, str]:
+    """The agent, the request and the key of its plan step of ``round_``: what that step's reads are given."""
+    return agent_id, request_id, scoped(agent_id, f"{request_id}:plan:{round_}")
 
 
 def _stored_conversations(db: Database, agent_id: UUID, request_id: str) -> dict[str, int]:
@@ -843,7 +843,7 @@ def test_a_request_stores_its_conversation_once_on_its_latest_plan_step(
     monkeypatch.undo()
     assert sorted(sent) == list(range(1, rounds + 2))
     for n, messages in sent.items():
-        assert messages == rebuild_conversation(db, _request(agent.id), n)[1], f"round {n}"
+        assert messages == rebuild_conversation(db, *_request(agent.id, n))[1], f"round {n}"
     assert _stored_conversations(db, agent.id, "req-1") == {
         scoped(agent.id, f"req-1:plan:{rounds + 1}"): 2 + 2 * rounds
     }
@@ -872,7 +872,7 @@ def test_a_plan_step_continues_the_stored_conversation_exactly_as_a_rebuild_woul
     monkeypatch.undo()
     assert sorted(sent) == [1, 2, 3, 4]
     for n, messages in sent.items():
-        assert messages == rebuild_conversation(db, _request(agent.id), n)[1], f"round {n}"
+        assert messages == rebuild_conversation(db, *_request(agent.id, n))[1], f"round {n}"
     last = sent[4]
     roles = ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant", "tool"]
     assert [m["role"] for m in last] == roles
@@ -880,12 +880,12 @@ def test_a_plan_step_continues_the_stored_conversation_exactly_as_a_rebuild_woul
     assert last[5]["content"].startswith("A person edited this call's arguments")
     assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:4"): 9}
     # A past round's conversation (dropped) and steps stored before plan results carried theirs are rebuilt.
-    assert conversation(db, _request(agent.id), 4) == (_script(), last)
+    assert conversation(db, *_request(agent.id, 4)) == (_script(), last)
     with psycopg.connect(db.libpq_url, autocommit=True) as raw:
         raw.execute(
             "UPDATE jobs SET result = result - 'conversation' WHERE agent_id = %s AND request_id = 'req-1'", (agent.id,)
         )
-    assert conversation(db, _request(agent.id), 4) == (_script(), last)
+    assert conversation(db, *_request(agent.id, 4)) == (_script(), last)
 
 
 def test_a_replayed_plan_outcome_drops_its_predecessors_conversation_as_the_first_run_would_have(
@@ -941,5 +941,5 @@ def test_a_step_after_an_old_row_without_a_conversation_rebuilds_it_and_stores_i
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
     assert _stored_conversations(db, agent.id, "req-1") == {scoped(agent.id, "req-1:plan:3"): 6}
-    _, last = conversation(db, _request(agent.id), 3)
-    assert last == rebuild_conversation(db, _request(agent.id), 3)[1] and len(last) == 6
+    _, last = conversation(db, *_request(agent.id, 3))
+    assert last == rebuild_conversation(db, *_request(agent.id, 3))[1] and len(last) == 6
