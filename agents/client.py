@@ -57,7 +57,7 @@ from agents.core.errors import (
     quoted,
 )
 from agents.core.json_input import check_depth
-from agents.core.keys import check_request_id, make_key, split_key
+from agents.core.keys import check_request_id, split_key
 from agents.core.outage import Outage
 from agents.core.phases import Event, Phase
 from agents.core.redaction import register_settings
@@ -436,7 +436,7 @@ class Client:
         operation: str = "plan",
     ) -> AgentState:
         """Start request ``request_id`` on an idle, done or failed agent; its first job is ``operation``
-        (key ``{request_id}:{operation}:1``), which gets the input as ``payload["input"]``.
+        (key ``{request}:{operation}:1``), which gets the input as ``payload["input"]``.
 
         The input is checked against the operation's input model first (``plan``: ``{"prompt": …, "script": […]}``);
         input that does not fit raises :class:`InvalidInput` naming the field and the rule, an operation no handler
@@ -602,11 +602,11 @@ class Client:
         if row is None or row["details"] is None:
             raise RequestNotFound(request_id)
         details = row["details"]
-        first_job = (details.get("jobs") or [make_key(request_id, "plan", "1")])[0]
+        jobs = details.get("jobs")
         return RequestRecord(
             request_id=row["request_id"],
             agent_id=row["agent_id"],
-            operation=split_key(first_job)[1],
+            operation=split_key(jobs[0])[1] if jobs else "plan",  # its first job's; a submit without one: plan
             input=row["input"],
             soft_deadline=details.get("soft_deadline"),
             hard_deadline=details.get("hard_deadline"),

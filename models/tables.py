@@ -272,7 +272,7 @@ fencing_tokens = Sequence("job_fencing_token_seq", metadata=metadata)
 jobs = Table(
     "jobs",
     metadata,
-    Column("key", Text, primary_key=True),  # {request_id}:{operation}:{target}, also the Celery task id
+    Column("key", Text, primary_key=True),  # {request}:{operation}:{target}, also the Celery task id
     Column("agent_id", UUID(as_uuid=True), nullable=False),  # KEPT_AFTER_DELETE
     Column("request_id", Text, nullable=False),
     Column("operation", Text, nullable=False),
@@ -355,7 +355,7 @@ schedules = Table(
 outbox = Table(
     "outbox",
     metadata,
-    # {request_id}:{channel}:{target}; also the marker at the receiver. Keel's own messages read
+    # {request}:{channel}:{target}; also the marker at the receiver. Keel's own messages read
     # alert:{name}:{episode start}:{firing|resolved} and kpi:daily-report:{date} (their 2nd segment is never a channel)
     Column("key", Text, primary_key=True),
     Column("seq", BigInteger, Identity(always=True), nullable=False, unique=True),  # creation order

@@ -13,7 +13,7 @@ from agents.core.errors import quoted
 @json_option
 @friendly
 def job_show(key: str, as_json: bool) -> None:
-    """Show one job by its key ({request_id}:{operation}:{target})."""
+    """Show one job by its key ({request}:{operation}:{target}; {request} is the agent id in hex, ~, the request id)."""
     from models.jobs_sql import job_row
 
     with open_client(writes=False) as client:

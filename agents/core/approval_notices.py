@@ -1,7 +1,7 @@
 """The Slack messages about a wait for approval: their keys, and the follow-up of a wait that ends undecided.
 
 Each message is keyed from the gate step the wait is on (:func:`key`:
-``{request_id}:slack:gate.{gate target}@{kind}``; a request waits on a gate once), one kind per message and channel:
+``{request}:slack:gate.{gate target}@{kind}``; a request waits on a gate once), one kind per message and channel:
 :data:`WAITING` (the call waits: the approval channel), :data:`ESCALATED` (it waited past its tool's approval
 timeout: the escalation channel), then, on each channel that was told, :data:`DECIDED` / :data:`ESCALATION_DECIDED`
 once a person or the timeout decides it, or :data:`ENDED` / :data:`ESCALATION_ENDED` when the wait ends without a

@@ -68,7 +68,7 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """A job a transition schedules. Its key is ``{request_id}:{operation}:{target}`` of the agent's request."""
+    """A job a transition schedules. Its key is ``{request}:{operation}:{target}`` of the agent's request."""
 
     operation: str
     target: str
@@ -142,7 +142,7 @@ class MessageSpec:
     """A Slack or GitHub message a transition emits through the outbox; the same key is never delivered twice.
     A message a step's outcome emits, or that names the step it is about (``step``), is keyed from that step's key
     (:func:`~agents.core.keys.step_message_key`: ``target`` names it within the step); any other is
-    ``{request_id}:{channel}:{target}``."""
+    ``{request}:{channel}:{target}``."""
 
     channel: str  # slack | github
     destination: str  # Slack conversation id (C…/G…/D…); GitHub "owner/repo#number"

@@ -625,7 +625,7 @@ def _emit_messages_txn(
     """Put the transition's messages (each with its key) in the outbox, in order; a key already there is a
     suppressed duplicate."""
     if agent.request_id is None:
-        raise InvalidInput("messages need a request in flight: their keys start with its id")
+        raise InvalidInput("messages need a request in flight: their keys start with its key")
     rows = [
         NewMessage(key, agent.id, agent.request_id, m.channel, m.destination, dict(m.payload), traceparent)
         for key, m in messages

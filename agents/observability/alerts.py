@@ -41,7 +41,7 @@ from models.settings import Settings
 log = logging.getLogger("keel.alerts")
 
 #: The request id (first key segment) of every alert message; its second segment is the alert's name, never a
-#: channel, so no alert key can equal an agent's message key (``{request_id}:{channel}:{target}``).
+#: channel, so no alert key can equal an agent's message key (``{request}:{channel}:{target}``).
 ALERT_REQUEST_ID = "alert"
 
 

@@ -178,7 +178,7 @@ _KEY_SAFE_CALL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 
 
 def tool_call_key(call_id: str) -> str:
-    """The model's tool call id as it appears in keys (``{request_id}:tool:{name}:{round}.{key}``).
+    """The model's tool call id as it appears in keys (``{request}:tool:{name}:{round}.{key}``).
 
     An id of up to 64 letters, digits, '_' and '-' is kept as it is; any other (spaces, slashes, colons, non-ASCII,
     empty, long) becomes a readable prefix plus a hash of the whole id: the same id always gives the same key,

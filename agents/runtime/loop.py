@@ -1,7 +1,7 @@
 """The agent loop as job handlers: plan (a model call), tool (one tool call), gate (wait for a person).
 
-planning: job ``{request_id}:plan:{n}`` asks the model. A final answer finishes the request; tool calls move the
-agent to executing and schedule one job per call, ``{request_id}:tool:{name}:{n}.{call_key}``, where ``call_key`` is
+planning: job ``{request}:plan:{n}`` asks the model. A final answer finishes the request; tool calls move the
+agent to executing and schedule one job per call, ``{request}:tool:{name}:{n}.{call_key}``, where ``call_key`` is
 the model's call id made safe for a key (:func:`~agents.runtime.inference.tool_call_key`); the model always gets its
 own id back, and a step's payload carries both (``call_id``: the key-safe one tools see; ``tool_call_id``: the model's).
 Every key a step schedules or reads is derived from its own key (:func:`~agents.core.keys.derive`), and the messages

@@ -7,7 +7,7 @@ most 64), which is also the name in its steps' keys, in the state and in the jou
 A tool gets its validated arguments and a :class:`ToolContext`, and returns a :class:`ToolOutput`: the content the
 model sees next, and any Slack/GitHub messages to send — through the outbox, in the transition that records the
 result, never from inside the tool. A message's ``target`` names it within its call: its key is derived from the
-call's step key (``{request_id}:slack:tool.{tool}:{round}.{call}@{target}``), so calls never share one. Tools with
+call's step key (``{request}:slack:tool.{tool}:{round}.{call}@{target}``), so calls never share one. Tools with
 ``needs_approval`` wait for a person before they run. Modules in ``KEEL_IMPORTS`` and ``keel.tools`` entry points
 are imported at worker start.
 """

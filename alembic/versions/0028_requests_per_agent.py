@@ -7,7 +7,8 @@
   the agent's id as 32 hex digits, ``~``, the request id: no request id has a ``~``, so
   these keys never meet the bare ones of requests submitted before). A request in flight at the upgrade keeps the bare id its
   jobs and messages were keyed by, so its steps go on finding each other.
-- ``keel_kpi_journal()`` reads a finished request's submit time by agent and id.
+- ``keel_kpi_journal()`` reads a finished request's submit time by agent and id; the agents' revision guard refuses a
+  change of ``request_key`` that does not bump the revision, as of the request id.
 
 The new primary key is built under the table's lock: submits wait while it builds (the table has a row per request).
 
@@ -29,13 +30,19 @@ _GLOBAL = "(SELECT submitted_at FROM requests WHERE request_id = NEW.request_id)
 _SCOPED = "(SELECT submitted_at FROM requests WHERE agent_id = NEW.agent_id AND request_id = NEW.request_id)"
 
 
-def _rewrite_kpi_trigger(old: str, new: str) -> None:
-    """Swap one expression of ``keel_kpi_journal()`` as it is defined now (0009, as later migrations left it)."""
+def _rewrite(function: str, *swaps: tuple[str, str]) -> None:
+    """Swap expressions of ``function`` as it is defined now (by earlier migrations) and define it again."""
     bind = op.get_bind()
-    body = bind.exec_driver_sql("SELECT pg_get_functiondef('keel_kpi_journal()'::regprocedure)").scalar_one()
-    if old not in body:
-        raise RuntimeError(f"keel_kpi_journal() does not read {old!r}: migration 0028 cannot rewrite it")
-    bind.exec_driver_sql(body.replace(old, new).replace("%", "%%"))
+    body = bind.exec_driver_sql(f"SELECT pg_get_functiondef('{function}'::regprocedure)").scalar_one()
+    for old, new in swaps:
+        if old not in body:
+            raise RuntimeError(f"{function} does not read {old!r}: migration 0028 cannot rewrite it")
+        body = body.replace(old, new)
+    bind.exec_driver_sql(body.replace("%", "%%"))
+
+
+# The request's key changes only with a revision, like the request id (0014's guard, whose list ends at waiting_since).
+_GUARDED = (("NEW.waiting_since)", "NEW.waiting_since, NEW.request_key)"), ("OLD.waiting_since)", "OLD.waiting_since, OLD.request_key)"))
 
 
 def upgrade() -> None:
@@ -45,7 +52,8 @@ def upgrade() -> None:
     op.execute("CREATE INDEX ix_requests_request_id ON requests (request_id)")
     op.execute("ALTER TABLE agents ADD COLUMN request_key text")
     op.execute("UPDATE agents SET request_key = request_id WHERE request_id IS NOT NULL")
-    _rewrite_kpi_trigger(_GLOBAL, _SCOPED)
+    _rewrite("keel_kpi_journal()", (_GLOBAL, _SCOPED))
+    _rewrite("keel_agents_revision_guard()", *_GUARDED)
 
 
 def downgrade() -> None:
@@ -67,7 +75,8 @@ END;
 $$;
 """
     )
-    _rewrite_kpi_trigger(_SCOPED, _GLOBAL)
+    _rewrite("keel_kpi_journal()", (_SCOPED, _GLOBAL))
+    _rewrite("keel_agents_revision_guard()", *((new, old) for old, new in _GUARDED))
     op.execute("ALTER TABLE agents DROP COLUMN request_key")
     op.execute("DROP INDEX ix_requests_request_id")
     op.execute("CREATE INDEX ix_requests_agent_id ON requests (agent_id)")

@@ -10,6 +10,7 @@ from typing import Any
 from uuid import UUID
 
 import httpx
+import psycopg
 import pytest
 
 from agents.client import Client
@@ -132,3 +133,12 @@ def test_every_request_scoped_read_names_its_agent(client: Client) -> None:
         client.follow_journal(request_id="r-1")
     assert client.journal(agent_id=agent.id, request_id="r-1") == []
     assert client.request_jobs(agent.id, "r-1") == []
+
+
+def test_a_requests_key_changes_only_with_a_journaled_transition(client: Client, raw: Any) -> None:
+    agent = client.create_agent("keyed")
+    client.submit(agent.id, "r-1", script({"content": "hi"}))
+    with pytest.raises(psycopg.errors.RaiseException, match="a change of state must bump the revision"):
+        raw.execute("UPDATE agents SET request_key = 'elsewhere' WHERE id = %s", (agent.id,))
+    (stored,) = raw.execute("SELECT request_key FROM agents WHERE id = %s", (agent.id,)).fetchone()
+    assert stored == f"{agent.id.hex}~r-1"
