@@ -18,6 +18,7 @@ from agents.client import Client
 from tasks.app import make_app
 from tests.chaos.conftest import Stack, wait_until
 from tests.support.broker import Broker, new_prefix
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -90,12 +91,12 @@ def test_worker_beat_and_a_revoke_use_only_keys_and_channels_under_the_prefix(
             wait_until("both jobs to be claimed or waiting", lambda: len(stack.query("SELECT 1 FROM executions")) >= 1)
             celery = make_app(broker.settings(database_url=db_url))
             try:
-                celery.control.revoke("req-revoked:block:1")  # a broadcast on the pidbox channel
+                celery.control.revoke(scoped(revoked.id, "req-revoked:block:1"))  # a broadcast on the pidbox channel
             finally:
                 celery.close()
             wait_until("the revoke to cancel its request", lambda: client.get_state(revoked.id).phase == "failed", 30)
-            stack.release("req-done:block:1")
-            stack.release("req-revoked:block:1")
+            stack.release(scoped(done.id, "req-done:block:1"))
+            stack.release(scoped(revoked.id, "req-revoked:block:1"))
             wait_until("the other request to finish", lambda: client.get_state(done.id).phase == "done", 60)
         stack.stop_all()
         names, kinds = names_used(broker.url, commands)

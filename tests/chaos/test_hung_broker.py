@@ -17,6 +17,7 @@ import pytest
 from agents.client import Client
 from tests.chaos.conftest import Stack, wait_until
 from tests.support.broker import Broker, new_prefix
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -39,7 +40,9 @@ def test_a_hung_broker_holds_up_neither_the_leader_nor_its_deadlines(
         stack.beat()
         warm = client.create_agent("warm").id
         client.submit(warm, "warm", None, operation="count")
-        wait_until("the beat leads and publishes", lambda: _status(stack, "warm:count:1") == "enqueued", 60)
+        wait_until(
+            "the beat leads and publishes", lambda: _status(stack, scoped(warm, "warm:count:1")) == "enqueued", 60
+        )
         late = client.create_agent("late").id
         os.kill(redis_pid, signal.SIGSTOP)  # Redis keeps its port open, and answers nothing
         paused = True
@@ -51,10 +54,12 @@ def test_a_hung_broker_holds_up_neither_the_leader_nor_its_deadlines(
         later = client.create_agent("later").id
         client.submit(later, "later", None, operation="count")
         time.sleep(4)  # more than the leader's lease (KEEL_BEAT_LEASE_SECONDS=3), Redis still hung
-        assert _status(stack, "later:count:1") == "pending", "nothing reached the paused broker"
+        assert _status(stack, scoped(later, "later:count:1")) == "pending", "nothing reached the paused broker"
         os.kill(redis_pid, signal.SIGCONT)
         paused = False
-        wait_until("published once Redis answers", lambda: _status(stack, "later:count:1") == "enqueued", 60)
+        wait_until(
+            "published once Redis answers", lambda: _status(stack, scoped(later, "later:count:1")) == "enqueued", 60
+        )
         log = stack.log("beat")
         assert "this beat is the leader (term 1)" in log
         assert "(term 2)" not in log, "the leader lost its lease while Redis hung"

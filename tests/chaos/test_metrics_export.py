@@ -14,6 +14,7 @@ from models.db import Database
 from tests.chaos.conftest import Stack, free_port, wait_until
 from tests.support.api import running_api
 from tests.support.broker import Broker
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -69,9 +70,9 @@ def test_a_prefork_worker_exports_both_childrens_job_runs_in_one_scrape(stack: S
     stack.beat(KEEL_BEAT_METRICS_PORT=str(beat_port))
     keys = []
     for i in range(2):
-        name = client.create_agent(f"metered-{i}").name
-        client.submit(name, f"req-{i}", None, operation="block")
-        keys.append(f"req-{i}:block:1")
+        agent = client.create_agent(f"metered-{i}")
+        client.submit(agent.name, f"req-{i}", None, operation="block")
+        keys.append(scoped(agent.id, f"req-{i}:block:1"))
     # Both jobs running at once: each in its own child of the pool.
     started = "SELECT count(DISTINCT pid) FROM executions WHERE phase = 'start'"
     wait_until("both jobs running in two processes", lambda: stack.query(started) == [(2,)], 60)

@@ -17,6 +17,7 @@ from agents.core.phases import Event
 from agents.core.transition import transition
 from tests.chaos.conftest import ROUTES, Stack, skewed, wait_until
 from tests.support.fakes import FakeGitHub, FakeSlack
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -101,7 +102,7 @@ def twenty_lines(
                 MessageSpec(channel, destination, f"m{batch * 5 + i:02d}", {field: f"update {batch * 5 + i}"})
                 for i in range(5)
             )
-            keys = [f"{request_id}:{channel}:{s.target}" for s in specs]
+            keys = [scoped(agent_id, f"{request_id}:{channel}:{s.target}") for s in specs]
             for key in keys:
                 if bucket(key) % 3 == 0:  # someone else posts Keel's key first (a third: ambiguous sends among them)
                     if channel == "github":

@@ -17,6 +17,7 @@ from agents.core.phases import Event
 from agents.core.transition import transition
 from tests.chaos.conftest import Stack, unless_kombu_crashed_the_worker, wait_until
 from tests.support.fakes import FakeSlack
+from tests.support.keys import scoped
 from tests.support.logs import log_lines
 from tests.support.proxy import database_behind
 
@@ -44,25 +45,24 @@ def test_the_relay_is_quiet_at_info_and_jobs_are_not(stack: Stack, client: Clien
     stack.beat()
     agent = client.create_agent("talker")
     client.submit(agent.id, "req-1", None, operation="noop")
-    wait_until("the job to succeed", lambda: status(stack, "req-1:noop:1") == "succeeded", 60)
+    first = scoped(agent.id, "req-1:noop:1")
+    wait_until("the job to succeed", lambda: status(stack, first) == "succeeded", 60)
     client.submit(agent.id, "req-2", None, operation="block")  # a request in flight, to emit a message from
     message = MessageSpec("slack", "C0Q", "m", {"text": "hi"})
     transition(client.db, Command(agent.id, Event.PROGRESS, "t", messages=(message,)))
-    stack.release("req-2:block:1")
+    stack.release(scoped(agent.id, "req-2:block:1"))
     wait_until("the relay to deliver", lambda: sum(slack.delivered_keys().values()) == 1, 60)
     # The pass logs what it did after the receiver has the message: wait for that line, not only the delivery.
     wait_until("the relay to say what it did", lambda: "outbox pass:" in stack.log("w1"), 30)
     worker, beat = stack.log("w1"), stack.log("beat")
     at_info = [line["event"] for line in log_lines(worker) if line["level"] == "info"]
-    assert "Task keel.run_job[req-1:noop:1] received" in at_info, "a job's lines stay at INFO"
-    assert any(re.match(r"Task keel\.run_job\[req-1:noop:1\] succeeded", event) for event in at_info)
+    assert f"Task keel.run_job[{first}] received" in at_info, "a job's lines stay at INFO"
+    assert any(re.match(rf"Task keel\.run_job\[{re.escape(first)}\] succeeded", event) for event in at_info)
     assert "keel.relay_outbox[" not in worker, "the relay's received/succeeded lines are DEBUG"
     assert "Sending due task relay-outbox" not in beat, "beat's half-second sends are DEBUG"
     # Celery's lines about a job name it as fields too: a search by request finds them.
-    celery = [line for line in log_lines(worker) if line["event"].startswith("Task keel.run_job[req-1:noop:1]")]
-    assert len(celery) == 2 and all(
-        (line["job_key"], line["request_id"]) == ("req-1:noop:1", "req-1") for line in celery
-    )
+    celery = [line for line in log_lines(worker) if line["event"].startswith(f"Task keel.run_job[{first}]")]
+    assert len(celery) == 2 and all((line["job_key"], line["request_id"]) == (first, "req-1") for line in celery)
     # Every line either process wrote is a JSON line (the log is a file): no banner, no raw warning (Celery's
     # SecurityWarning when it runs as root included).
     for text in (worker, beat):
@@ -81,10 +81,13 @@ def test_a_database_outage_is_one_line_going_and_one_coming_back(stack: Stack, c
         stack.beat()
         busy, other = client.create_agent("busy"), client.create_agent("other")
         client.submit(other.id, "req-warm", None, operation="count")
-        wait_until("the worker to be warm", lambda: status(stack, "req-warm:count:1") == "succeeded", 60)
+        wait_until(
+            "the worker to be warm", lambda: status(stack, scoped(other.id, "req-warm:count:1")) == "succeeded", 60
+        )
         client.submit(busy.id, "req-busy", None, operation="block")
-        started = "SELECT 1 FROM executions WHERE key = 'req-busy:block:1' AND phase = 'start'"
-        wait_until("the step to run", lambda: stack.query(started), 30)
+        busy_key = scoped(busy.id, "req-busy:block:1")
+        started = "SELECT 1 FROM executions WHERE key = %s AND phase = 'start'"
+        wait_until("the step to run", lambda: stack.query(started, busy_key), 30)
 
         proxy.down()
         wait_until("beat to say the database is down", lambda: "database down" in stack.log("beat"), 30)
@@ -92,9 +95,9 @@ def test_a_database_outage_is_one_line_going_and_one_coming_back(stack: Stack, c
         time.sleep(4)  # the outage goes on: beat ticks every 0.2 s and the lease keeper retries every second
         proxy.up()
 
-        stack.release("req-busy:block:1")
+        stack.release(busy_key)
         client.submit(other.id, "req-after", None, operation="count")
-        wait_until("jobs to run again", lambda: status(stack, "req-after:count:1") == "succeeded", 60)
+        wait_until("jobs to run again", lambda: status(stack, scoped(other.id, "req-after:count:1")) == "succeeded", 60)
         wait_until("the step to finish", lambda: client.get_state(busy.id).phase == "done", 60)
         wait_until("beat to say the database is back", lambda: "database back" in stack.log("beat"), 30)
 
@@ -123,14 +126,15 @@ def test_a_broker_outage_is_one_line_going_and_one_coming_back(
     agent = client.create_agent("stepper")
     gate = tmp_path / "gate"
     client.submit(agent.id, "req-1", {"gate": str(gate), "steps": 3}, operation="gated")
-    started = "SELECT 1 FROM executions WHERE key = 'req-1:gated:1' AND phase = 'start'"
-    wait_until("the first step to run", lambda: stack.query(started), 60)
+    gated = scoped(agent.id, "req-1:gated:1")
+    started = "SELECT 1 FROM executions WHERE key = %s AND phase = 'start'"
+    wait_until("the first step to run", lambda: stack.query(started, gated), 60)
 
     try:
         own_redis["stop"]()
         wait_until("the worker to lose the broker", lambda: "Connection to broker lost" in stack.log("w1"), 30)
         gate.touch()  # the step finishes during the outage: publishing the next one fails, the dispatcher has it
-        wait_until("the step to be recorded", lambda: status(stack, "req-1:gated:1") == "succeeded", 30)
+        wait_until("the step to be recorded", lambda: status(stack, gated) == "succeeded", 30)
         wait_until("the worker to say the broker is down", lambda: "broker down" in stack.log("w1"), 30)
         wait_until("beat to say the broker is down", lambda: "broker down" in stack.log("beat"), 30)
         time.sleep(4)  # the outage goes on: beat would send the relay task every half second

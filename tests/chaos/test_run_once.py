@@ -11,6 +11,7 @@ import pytest
 
 from agents.client import Client
 from tests.chaos.conftest import ROOT, ROUTES, Stack, free_port, wait_until
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -73,7 +74,7 @@ def test_four_processes_publishing_the_same_hundred_messages_run_each_key_once(s
     keys = []
     for i, name in enumerate(names):
         client.submit(name, f"req-{i}", None, operation="count")
-        keys.append(f"req-{i}:count:1")
+        keys.append(scoped(client.get_state(name).id, f"req-{i}:count:1"))
     stack.worker("w1", concurrency=2)
     stack.worker("w2", concurrency=2)
     publishers = [
@@ -103,7 +104,7 @@ def test_sigkill_mid_job_then_restart_completes_once_and_suppresses_the_redelive
     stack.worker("w1")
     stack.beat()
     client.submit(agent.id, "req-kill", None, operation="block")
-    key = "req-kill:block:1"
+    key = scoped(agent.id, "req-kill:block:1")
     wait_until("the job to start", lambda: executions(stack).get(key) == 1)
     assert f"keel.run_job[{key}] received" in stack.log("w1"), "the Celery task id is the job key"
     stack.kill("w1")
@@ -135,17 +136,18 @@ def test_flushed_broker_loses_nothing(stack: Stack, client: Client) -> None:
     stack.worker("w1", concurrency=1)
     stack.beat()
     client.submit(names[0], "req-busy", None, operation="block")
-    wait_until("the worker to be busy", lambda: executions(stack).get("req-busy:block:1") == 1)
+    busy = scoped(client.get_state(names[0]).id, "req-busy:block:1")
+    wait_until("the worker to be busy", lambda: executions(stack).get(busy) == 1)
     for i, name in enumerate(names[1:]):
         client.submit(name, f"req-{i}", None, operation="count")
     wait_until("ten jobs to wait on the broker", lambda: list(statuses(stack).values()).count("enqueued") == 10)
     with stack.broker.redis() as broker:
         assert broker.llen(stack.broker.key("keel.jobs")) == 10
     assert stack.broker.wipe() > 0
-    stack.release("req-busy:block:1")
+    stack.release(busy)
     wait_until("every job to succeed after the flush", lambda: all_succeeded(stack, 11), 60)
     counts = executions(stack)
-    assert counts.pop("req-busy:block:1") == 1
+    assert counts.pop(busy) == 1
     assert len(counts) == 10 and set(counts.values()) == {1}
     assert "recovered" in stack.log("beat")
 
@@ -186,7 +188,7 @@ def test_a_job_past_its_hard_deadline_fails_the_agent_and_its_late_outcome_is_fe
     # deadline passed before the job ever ran. The deadline must pass while the job runs.
     wait_until("the beat to start", lambda: "Starting..." in stack.log("beat"), 60)
     client.submit(agent.id, "req-late", None, operation="block", hard_deadline=timedelta(seconds=4))
-    key = "req-late:block:1"
+    key = scoped(agent.id, "req-late:block:1")
     wait_until("the job to start", lambda: executions(stack).get(key) == 1)
     wait_until("the deadline to stop the agent", lambda: client.get_state(agent.id).phase == "failed", 30)
     assert statuses(stack)[key] == "cancelled"
@@ -222,22 +224,28 @@ def test_retry_caps_per_error_class(stack: Stack, client: Client) -> None:
     finals = {"failed", "dead", "succeeded"}
     wait_until("all four to finish", lambda: all(s in finals for s in statuses(stack).values()), 60)
 
-    assert executions(stack)["req-invalid:invalid:1"] == 1, "invalid is never retried"
-    assert _job(stack, "req-invalid:invalid:1")["status"] == "failed"
+    def k(name: str, key: str) -> str:
+        return scoped(client.get_state(name).id, key)
+
+    assert executions(stack)[k(invalid, "req-invalid:invalid:1")] == 1, "invalid is never retried"
+    assert _job(stack, k(invalid, "req-invalid:invalid:1"))["status"] == "failed"
     assert client.journal(agent_id=invalid)[-1].decision == "invalid_not_retried"
 
-    job = _job(stack, "req-flaky:flaky:1")
-    assert executions(stack)["req-flaky:flaky:1"] == 3 == job["attempts"], "transient runs up to its cap (3 here)"
+    job = _job(stack, k(flaky, "req-flaky:flaky:1"))
+    assert executions(stack)[k(flaky, "req-flaky:flaky:1")] == 3 == job["attempts"], (
+        "transient runs up to its cap (3 here)"
+    )
     assert (job["status"], job["error_attempts"], job["failed_tokens"]) == ("dead", {"transient": 3}, 30)
     state = client.get_state(flaky)
     assert (state.phase, state.spent_tokens) == ("failed", 30), "failed attempts' spend is charged"
     assert client.journal(agent_id=flaky)[-1].decision == "transient_cap_reached"
 
-    runs = stack.query("SELECT at FROM executions WHERE key = 'req-limited:ratelimited:1' ORDER BY at")
+    limited_key = k(limited, "req-limited:ratelimited:1")
+    runs = stack.query("SELECT at FROM executions WHERE key = %s ORDER BY at", limited_key)
     assert len(runs) == 2 and (runs[1][0] - runs[0][0]).total_seconds() >= 2.0, "429 waits its retry-after"
-    assert _job(stack, "req-limited:ratelimited:1")["status"] == "succeeded"
+    assert _job(stack, limited_key)["status"] == "succeeded"
 
-    job = _job(stack, "req-recovers:flaky:1")
+    job = _job(stack, k(recovers, "req-recovers:flaky:1"))
     assert (job["status"], job["attempts"], job["failed_tokens"]) == ("succeeded", 2, 10)
     state = client.get_state(recovers)
     assert (state.phase, state.spent_tokens) == ("done", 15), "retry-caused 10 plus the successful attempt's 5"
@@ -254,7 +262,7 @@ def test_budget_stops_spending_before_the_next_step(stack: Stack, client: Client
     assert len(executions(stack)) == 4
     last = client.journal(agent_id=agent.id)[-1]
     assert (last.event, last.decision) == ("fail", "budget_exhausted")
-    assert _job(stack, "req-spend:spend:5")["status"] == "failed"
+    assert _job(stack, scoped(agent.id, "req-spend:spend:5"))["status"] == "failed"
 
 
 def test_flower_lists_the_worker(stack: Stack) -> None:

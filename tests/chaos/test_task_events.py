@@ -12,6 +12,7 @@ import pytest
 import tests.support.handlers  # noqa: F401 - registers the `count` handler submitted to here
 from agents.client import Client
 from tests.chaos.conftest import Stack, wait_until
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.chaos
 
@@ -75,8 +76,8 @@ def test_task_events_are_off_until_flower_asks_for_them(stack: Stack, client: Cl
         celery.control.enable_events()  # what a running Flower broadcasts (its --enable_events, on by default)
         client.submit(second.id, "req-seen", None, operation="count")
         wait_until("the second job", lambda: client.get_state(second.id).phase == "done", 60)
-        wait_until("its task events", lambda: "req-seen:count:1" in _succeeded(seen), 30)
-        assert "req-quiet:count:1" not in _succeeded(seen)
+        wait_until("its task events", lambda: scoped(second.id, "req-seen:count:1") in _succeeded(seen), 30)
+        assert scoped(first.id, "req-quiet:count:1") not in _succeeded(seen)
     finally:
         stop.set()
         celery.close()

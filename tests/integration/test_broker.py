@@ -22,6 +22,7 @@ from models.settings import Settings
 from tasks.app import make_app, publisher
 from tests.conftest import TEST_REDIS_DB
 from tests.support.broker import Broker, own_prefix
+from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
 
@@ -111,12 +112,12 @@ def test_two_prefixes_on_one_database_see_neither_messages_nor_broadcasts(
         Client(db, publisher=publisher(theirs)).submit(other.id, "theirs", None, operation="count")
         with theirs.connection_for_read() as conn:
             first = conn.default_channel.basic_get("keel.jobs")
-            assert first is not None and first.headers["id"] == "theirs:count:1"
+            assert first is not None and first.headers["id"] == scoped(other.id, "theirs:count:1")
             first.ack()
             assert conn.default_channel.basic_get("keel.jobs") is None
         with ours.connection_for_read() as conn:
             mine = conn.default_channel.basic_get("keel.jobs")
-            assert mine is not None and mine.headers["id"] == "ours:count:1"
+            assert mine is not None and mine.headers["id"] == scoped(agent.id, "ours:count:1")
             mine.ack()
         ours.close()
         theirs.close()
@@ -144,8 +145,8 @@ def test_a_client_from_settings_publishes_a_submits_first_job_at_once(
     with Client.from_settings(broker.settings(database_url=db.url)) as producer:
         assert producer.publisher is not None
         producer.submit(agent.id, "req-at-once", None, operation="count")
-    assert _queued(broker) == ["req-at-once:count:1"]
-    assert _status(db, "req-at-once:count:1") == "enqueued"
+    assert _queued(broker) == [scoped(agent.id, "req-at-once:count:1")]
+    assert _status(db, scoped(agent.id, "req-at-once:count:1")) == "enqueued"
 
 
 def test_with_publish_at_submit_off_a_submit_leaves_its_job_to_the_dispatcher(
@@ -156,7 +157,7 @@ def test_with_publish_at_submit_off_a_submit_leaves_its_job_to_the_dispatcher(
         assert producer.publisher is None
         producer.submit(agent.id, "req-later", None, operation="count")
     assert _queued(broker) == []
-    assert _status(db, "req-later:count:1") == "pending"
+    assert _status(db, scoped(agent.id, "req-later:count:1")) == "pending"
 
 
 def test_a_submit_while_the_broker_is_unreachable_is_kept_and_left_to_the_dispatcher(
@@ -169,7 +170,7 @@ def test_a_submit_while_the_broker_is_unreachable_is_kept_and_left_to_the_dispat
     with Client.from_settings(settings) as producer:
         state = producer.submit(agent.id, "req-no-broker", None, operation="count")
     assert state.phase == "planning"
-    assert _status(db, "req-no-broker:count:1") == "pending"
+    assert _status(db, scoped(agent.id, "req-no-broker:count:1")) == "pending"
 
 
 def test_the_embedded_default_publishes_at_submit_only_when_its_redis_runs(tmp_path: Path, db: Database) -> None:
