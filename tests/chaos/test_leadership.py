@@ -31,7 +31,7 @@ def _signal_family(stack: Stack, name: str, sig: signal.Signals) -> None:
 
 
 def _succeeded(stack: Stack, prefix: str) -> int:
-    rows = stack.query("SELECT count(*) FROM jobs WHERE status = 'succeeded' AND starts_with(key, %s)", prefix)
+    rows = stack.query("SELECT count(*) FROM jobs WHERE status = 'succeeded' AND starts_with(request_id, %s)", prefix)
     return int(rows[0][0])
 
 

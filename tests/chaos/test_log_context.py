@@ -15,6 +15,7 @@ from uuid import UUID
 import httpx
 import pytest
 
+from agents.core.keys import request_key
 from agents.demo.fake_servers import FakeLLM
 from models.db import Database
 from tests.chaos.conftest import Stack, wait_until
@@ -43,7 +44,7 @@ REPLIES = [
 ]
 #: A job key or an outbox message key of the request, in a line's text (its agent's 32 hex digits lead it; a key
 #: without them is caught too, and then names no key in the line's fields).
-KEY = re.compile(rf"(?:[0-9a-f]{{32}}\.)?{REQUEST}:[a-z_]+:[\w.:-]*[\w.-]")
+KEY = re.compile(rf"(?:[0-9a-f]{{32}}~)?{REQUEST}:[a-z_]+:[\w.:-]*[\w.-]")
 
 
 @dataclass
@@ -199,7 +200,7 @@ def test_every_line_about_the_request_names_it_in_every_process(
     assert submit and submit[0]["actor"] == "ctx-caller", api_lines
 
     worker = ours["worker"]
-    mine = f"{UUID(run.agent_id).hex}.{REQUEST}"  # the request's key: every key of the request starts with it
+    mine = request_key(UUID(run.agent_id), REQUEST)  # the request's key: every key of the request starts with it
     # The model's HTTP call ran on the job's own thread, inside the model call: the job's context followed it.
     model_calls = [line for line in worker if "chat/completions" in line["event"]]
     assert model_calls and all(line["job_key"].startswith(f"{mine}:plan:") for line in model_calls), worker

@@ -25,6 +25,7 @@ from agents.core.errors import (
     RequestConflict,
     StaleRevision,
 )
+from agents.core.keys import request_key
 from models.db import Database
 from models.schemas import AgentState
 from tests.support.api import COMMENT, Api, running_api, script
@@ -56,7 +57,7 @@ def producer(keel: Client | HttpClient, db: Database, tag: str, me: str) -> dict
 
     def unkeyed(key: str) -> str:
         """A key of the bot's request without its agent and tag (they differ between runs), checked to be there."""
-        mine = f"{bot.id.hex}.{tag}"
+        mine = request_key(bot.id, tag)
         assert key.startswith(mine), key
         return key.removeprefix(mine)
 
