@@ -256,7 +256,7 @@ def test_odd_call_ids_are_mapped_for_keys_and_given_back_to_the_model_as_sent(
         row = job_row(db, make_key(request_key(agent.id, "r1"), "tool", f"probe_echo:1.{key}"))
         assert row is not None and row["status"] == "succeeded", (ODD_IDS[n], row)
     assert sorted(SEEN) == sorted(keys[:-1]), "tools see the key-safe id"
-    assert message_row(db, scoped(agent.id, f"r1:slack:{keys[-1]}")) is not None
+    assert message_row(db, scoped(agent.id, f"r1:slack:tool.slack_post:1.{keys[-1]}@post")) is not None
     # The model gets its own ids back, each paired with its call's result.
     second = openai.requests_seen[-1]["messages"]
     results = [(m["tool_call_id"], m["content"]) for m in second if m["role"] == "tool"]
@@ -287,7 +287,8 @@ def test_an_approved_call_with_an_odd_id_runs_and_the_model_sees_its_id(
     client.approve(waiting.id, expected_revision=waiting.revision, actor="carol")
     run_all(db)
     assert client.get_state(waiting.id).phase == "done"
-    assert message_row(db, scoped(waiting.id, f"r1:github:{tool_call_key('call: 1/ü')}")) is not None
+    odd = tool_call_key("call: 1/ü")
+    assert message_row(db, scoped(waiting.id, f"r1:github:tool.github_comment:1.{odd}@comment")) is not None
     results = [m for m in openai.requests_seen[-1]["messages"] if m["role"] == "tool"]
     assert results == [{"role": "tool", "tool_call_id": "call: 1/ü", "content": "comment queued on acme/api#7"}]
 
