@@ -187,7 +187,7 @@ def test_outbox_stats_still_count_what_retention_removed(db: Database, slack: Fa
     """The delivery log goes with its pruned message; the outbox's figures (delivered, reconciled) are counters, not
     counts of what is left."""
     # r-old's message is applied by Slack and its answer lost: the relay reconciles it instead of sending again.
-    old_note = ".r-old:slack:note"  # its key: old's id, then the request's (only old has a request r-old)
+    old_note = "~r-old:slack:note"  # its key: old's id, then the request's (only old has a request r-old)
     slack.faults = lambda dest, key, attempt: "apply_then_drop" if key.endswith(old_note) and attempt == 1 else None
     s = story()
     assert sql(db, "SELECT how FROM delivery_log WHERE key = %s", k(s, "r-old:slack:note")) == [{"how": "reconciled"}]
