@@ -13,7 +13,7 @@ from models.errors import KeelError as KeelError
 from models.schemas import DeletedAgent
 
 #: How much of a long value an error message quotes: the rest is counted, not echoed.
-QUOTED_CHARS = 160  # a whole key (its agent, request, operation and target) fits
+QUOTED_CHARS = 60
 
 
 def quoted(value: object) -> str:
