@@ -1,8 +1,6 @@
-"""Alembic environment: the URL comes from Keel's settings unless the caller put one in the config.
-
-With roles (the caller's ``roles`` attribute; run by hand, the configured names) and the owner role in the cluster,
-the migrations run as the owner (``SET ROLE``) and end by bringing the application's and auditor's grants up to date
-in the same transaction (models/roles.py)."""
+"""Alembic environment: the URL comes from Keel's settings unless the caller put one in the config. With roles (the
+caller's ``roles`` attribute; run by hand, the configured names) and the owner role in the cluster, the migrations
+run as the owner (``SET ROLE``) and end by bringing the grants up to date in the same transaction (models/roles.py)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
-"""Benchmark: submits over HTTP (``keel serve``) beside ``Client.submit`` directly, on one database, in one run.
-
-Both sides submit the same request (the ``plan`` operation, a small scripted input) from the same 8 threads, each
-thread working through its own share of freshly created idle agents: one request per agent, so every submit is a
-real ``idle -> planning`` transition that inserts the request's first job, and no other transition (a cancel to
-reset the agent) runs inside the measured window. Agents are created before each run, outside the timing.
-
-* direct: ``agents.client.Client.submit`` in this process (its database pool holds one connection per thread).
-* HTTP: ``POST /v1/agents/{id}/requests`` (``Idempotency-Key`` = the request id, a producer token) to a real
-  ``keel serve`` subprocess; each thread has its own keep-alive ``httpx.Client``. Then the same with
-  ``keel serve --workers 2``.
-
-Both publish the request's first job to the broker at once with Celery's publisher (``tasks.api:create`` passes it,
-so the direct client gets it too); no worker runs, so the messages wait in Redis until the run deletes them. The
-API's per-token rate limit is off for the run (``KEEL_API_RATE_LIMIT_ENABLED=false``): it would otherwise cap a
-producer token at 50/s. Direct and HTTP runs alternate, so drift on the machine hits both alike; the bench client,
-the server and PostgreSQL share the machine's cores.
-
-Run with ``make bench-api`` (or ``python -m bench.api``). Uses KEEL_DATABASE_URL / KEEL_BROKER_URL's servers, else
-the embedded ones; it creates and drops a database of its own and, on the broker's Redis database, uses (and then
-deletes, SCAN + DEL) only keys under a prefix of its own (``KEEL_BROKER_PREFIX=keel-bench-api-…:``).
+"""Benchmark: submits over HTTP (``keel serve``) beside ``Client.submit`` directly, on one database, in one run
+(``make bench-api``; :data:`DESCRIPTION`, its ``--help``, says how it measures).
 """
 
 from __future__ import annotations
@@ -52,6 +33,31 @@ from models.embedded import broker_url_for, database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, with_database
 from tasks.app import make_app, publisher
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: submits over HTTP (``keel serve``) beside ``Client.submit`` directly, on one database, in one run.
+
+Both sides submit the same request (the ``plan`` operation, a small scripted input) from the same 8 threads, each
+thread working through its own share of freshly created idle agents: one request per agent, so every submit is a
+real ``idle -> planning`` transition that inserts the request's first job, and no other transition (a cancel to
+reset the agent) runs inside the measured window. Agents are created before each run, outside the timing.
+
+* direct: ``agents.client.Client.submit`` in this process (its database pool holds one connection per thread).
+* HTTP: ``POST /v1/agents/{id}/requests`` (``Idempotency-Key`` = the request id, a producer token) to a real
+  ``keel serve`` subprocess; each thread has its own keep-alive ``httpx.Client``. Then the same with
+  ``keel serve --workers 2``.
+
+Both publish the request's first job to the broker at once with Celery's publisher (``tasks.api:create`` passes it,
+so the direct client gets it too); no worker runs, so the messages wait in Redis until the run deletes them. The
+API's per-token rate limit is off for the run (``KEEL_API_RATE_LIMIT_ENABLED=false``): it would otherwise cap a
+producer token at 50/s. Direct and HTTP runs alternate, so drift on the machine hits both alike; the bench client,
+the server and PostgreSQL share the machine's cores.
+
+Run with ``make bench-api`` (or ``python -m bench.api``). Uses KEEL_DATABASE_URL / KEEL_BROKER_URL's servers, else
+the embedded ones; it creates and drops a database of its own and, on the broker's Redis database, uses (and then
+deletes, SCAN + DEL) only keys under a prefix of its own (``KEEL_BROKER_PREFIX=keel-bench-api-…:``).
+"""
 
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
@@ -279,7 +285,7 @@ def line(label: str, runs: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=1000, help="submits per measured run (default 1000)")
     parser.add_argument("--rounds", type=int, default=2, help="direct/HTTP alternations per scenario (default 2)")
     parser.add_argument("--threads", type=int, default=8)

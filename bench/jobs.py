@@ -1,14 +1,5 @@
-"""Benchmark: end-to-end Keel jobs/s beside bare Celery on the same broker, in the same run.
-
-Keel: a backlog of N jobs (one per agent, each from a submit) is dispatched by a real beat, claimed by a real
-worker, run by a no-op handler and finished through the outcome transition. Bare Celery: N no-op tasks with the
-same reliability settings (acks_late, prefetch 1) on the same Redis. Both with 1 and with 2 worker processes,
-throughput measured from the first completion to the last. Then the delay from a job's due time to its start at a
-light load (one job every 50 ms), through the dispatcher and through the client's publish-at-once path.
-
-Run with ``make bench-jobs`` (or ``python -m bench.jobs``). Uses KEEL_DATABASE_URL / KEEL_BROKER_URL's servers,
-else the embedded ones; it creates and drops a database of its own and, on the broker's Redis database, uses (and
-then deletes) only keys under a prefix of its own (``KEEL_BROKER_PREFIX=keel-bench-…:``).
+"""Benchmark: end-to-end Keel jobs/s beside bare Celery on the same broker, in the same run, then the delay from a
+job's due time to its start (``make bench-jobs``; :data:`DESCRIPTION`, its ``--help``, says how it measures).
 """
 
 from __future__ import annotations
@@ -40,6 +31,21 @@ from models.db import Database
 from models.embedded import broker_url_for, database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, with_database
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: end-to-end Keel jobs/s beside bare Celery on the same broker, in the same run.
+
+Keel: a backlog of N jobs (one per agent, each from a submit) is dispatched by a real beat, claimed by a real
+worker, run by a no-op handler and finished through the outcome transition. Bare Celery: N no-op tasks with the
+same reliability settings (acks_late, prefetch 1) on the same Redis. Both with 1 and with 2 worker processes,
+throughput measured from the first completion to the last. Then the delay from a job's due time to its start at a
+light load (one job every 50 ms), through the dispatcher and through the client's publish-at-once path.
+
+Run with ``make bench-jobs`` (or ``python -m bench.jobs``). Uses KEEL_DATABASE_URL / KEEL_BROKER_URL's servers,
+else the embedded ones; it creates and drops a database of its own and, on the broker's Redis database, uses (and
+then deletes) only keys under a prefix of its own (``KEEL_BROKER_PREFIX=keel-bench-…:``).
+"""
 
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
@@ -255,7 +261,7 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=1000, help="jobs per throughput run (default 1000)")
     parser.add_argument("--rounds", type=int, default=3, help="bare/keel alternations per setting (default 3)")
     parser.add_argument("--logs", default=".keel/bench-logs", help="where worker and beat logs go")

@@ -1,17 +1,6 @@
-"""Benchmark: messages/s the outbox relay delivers to a local fake Slack that answers at once, beside a raw loop
-posting the same payloads with the same HTTP client (slack_sdk's WebClient) in the same run.
-
-Like for like, the relay runs with one destination line at a time (``concurrency=1``, one message in flight, as
-the raw loop); it is also shown with its default concurrency over 8 destinations. Run with ``make bench-outbox``.
-
-Two more measures, each beside its baseline in the same run:
-
-- how long a relay pass takes to find the due lines' heads with a live backlog (``--backlog`` messages over
-  ``--lines`` destinations, a quarter of the lines waiting out a backoff), and with ten messages: the skip scan
-  Keel runs now, beside the ``DISTINCT ON`` over every live message it ran before;
-- emitters/s to one destination (``--emitters`` threads, each its own agent, each transition emitting one message
-  to the same channel, as every hard-deadline notice does): now, beside the same transitions holding the
-  destination's advisory lock to commit, as they did before.
+"""Benchmark: messages/s the outbox relay delivers to a local fake Slack beside a raw loop posting the same payloads,
+then the relay's head scan and emitters to one destination, each beside its baseline (``make bench-outbox``;
+:data:`DESCRIPTION`, its ``--help``, says how it measures).
 """
 
 from __future__ import annotations
@@ -47,6 +36,24 @@ from models.outbox_sql import NewMessage, due_destinations, insert_messages_txn
 from models.settings import Settings
 from models.urls import libpq_url, with_database
 from tests.support.fakes import FakeSlack
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: messages/s the outbox relay delivers to a local fake Slack that answers at once, beside a raw loop
+posting the same payloads with the same HTTP client (slack_sdk's WebClient) in the same run.
+
+Like for like, the relay runs with one destination line at a time (``concurrency=1``, one message in flight, as
+the raw loop); it is also shown with its default concurrency over 8 destinations. Run with ``make bench-outbox``.
+
+Two more measures, each beside its baseline in the same run:
+
+- how long a relay pass takes to find the due lines' heads with a live backlog (``--backlog`` messages over
+  ``--lines`` destinations, a quarter of the lines waiting out a backoff), and with ten messages: the skip scan
+  Keel runs now, beside the ``DISTINCT ON`` over every live message it ran before;
+- emitters/s to one destination (``--emitters`` threads, each its own agent, each transition emitting one message
+  to the same channel, as every hard-deadline notice does): now, beside the same transitions holding the
+  destination's advisory lock to commit, as they did before.
+"""
 
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
@@ -241,7 +248,7 @@ def outbox_figures(db: Database, client: Client, args: argparse.Namespace) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backlog", type=int, default=100_000, help="live messages for the pass measure")

@@ -1,7 +1,6 @@
 """The peers of ``bench.peers``: a no-op job in procrastinate and in DBOS Transact, each on a PostgreSQL database of
-its own, recording its finish time in Redis under the run's key prefix (as ``bench.bare`` does for bare Celery).
-
-Run as ``python -m bench.peer_worker {procrastinate|dbos} {setup|worker}`` with ``BENCH_DATABASE_URL``,
+its own, recording its finish time in Redis under the run's key prefix (as ``bench.bare`` does for bare Celery). Run
+as ``python -m bench.peer_worker {procrastinate|dbos} {setup|worker}`` with ``BENCH_DATABASE_URL``,
 ``BENCH_BROKER_URL`` and ``BENCH_BROKER_PREFIX`` set; ``setup`` creates the peer's schema, ``worker`` runs one worker
 process until it is terminated. Both peers come from the optional ``bench`` extra (``pip install -e '.[bench]'``).
 """

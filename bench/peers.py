@@ -1,23 +1,5 @@
-"""Benchmark: Keel beside its peers — bare Celery, procrastinate and DBOS Transact — on the same servers, in one run.
-
-Each system gets a backlog of N no-op jobs on a fresh database of the same PostgreSQL server (Keel's cloned from a
-migrated template), then its workers start (1, then 2 processes) and take the backlog. Runs alternate between the
-systems, so drift on the machine hits all of them alike; each figure is the median of ``--rounds`` runs:
-
-  jobs/s          first completion to last (completion times: Keel's ``jobs.finished_at``, the others' own record)
-  first done      seconds from starting the workers to the first completion (boot, leadership, first poll)
-  commits/job     ``pg_stat_database.xact_commit`` of the run's database while the workers took the backlog, per job
-                  (Keel's include its beat's chores; the benchmark's own polling queries are not counted)
-
-Then the delay from submit to start of the first job of a burst of 20 (Keel, a worker and a beat already running,
-median of 5 bursts): through the dispatcher, and published at submit (``Client(publisher=…)``).
-
-Keel's backlog is published at submit, as by default (KEEL_PUBLISH_AT_SUBMIT): it waits on the broker, as bare
-Celery's does. Keel and bare Celery run under Keel's Celery configuration (acks_late, prefetch 1); procrastinate
-and DBOS with their defaults, one process per worker. The peers come from the ``bench`` extra: ``make bench-peers``
-installs it (``pip install -e '.[bench]'``) and runs ``python -m bench.peers``. Uses KEEL_DATABASE_URL /
-KEEL_BROKER_URL's servers, else the embedded ones; on the broker it touches only keys under a prefix of its own, and
-deletes them afterwards. ``--systems`` runs only some of them.
+"""Benchmark: Keel beside its peers — bare Celery, procrastinate and DBOS Transact — on the same servers, in one run
+(``make bench-peers``; :data:`DESCRIPTION`, its ``--help``, says how it measures).
 """
 
 from __future__ import annotations
@@ -50,6 +32,30 @@ from models.db import Database
 from models.embedded import broker_url_for, database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, with_database
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: Keel beside its peers — bare Celery, procrastinate and DBOS Transact — on the same servers, in one run.
+
+Each system gets a backlog of N no-op jobs on a fresh database of the same PostgreSQL server (Keel's cloned from a
+migrated template), then its workers start (1, then 2 processes) and take the backlog. Runs alternate between the
+systems, so drift on the machine hits all of them alike; each figure is the median of ``--rounds`` runs:
+
+  jobs/s          first completion to last (completion times: Keel's ``jobs.finished_at``, the others' own record)
+  first done      seconds from starting the workers to the first completion (boot, leadership, first poll)
+  commits/job     ``pg_stat_database.xact_commit`` of the run's database while the workers took the backlog, per job
+                  (Keel's include its beat's chores; the benchmark's own polling queries are not counted)
+
+Then the delay from submit to start of the first job of a burst of 20 (Keel, a worker and a beat already running,
+median of 5 bursts): through the dispatcher, and published at submit (``Client(publisher=…)``).
+
+Keel's backlog is published at submit, as by default (KEEL_PUBLISH_AT_SUBMIT): it waits on the broker, as bare
+Celery's does. Keel and bare Celery run under Keel's Celery configuration (acks_late, prefetch 1); procrastinate
+and DBOS with their defaults, one process per worker. The peers come from the ``bench`` extra: ``make bench-peers``
+installs it (``pip install -e '.[bench]'``) and runs ``python -m bench.peers``. Uses KEEL_DATABASE_URL /
+KEEL_BROKER_URL's servers, else the embedded ones; on the broker it touches only keys under a prefix of its own, and
+deletes them afterwards. ``--systems`` runs only some of them.
+"""
 
 OUT = Progress()
 ROOT = Path(__file__).resolve().parent.parent
@@ -324,7 +330,7 @@ def missing_peers() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=1000, help="no-op jobs per run (default 1000)")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each system per setting (default 4)")
     parser.add_argument("--processes", default="1,2", help="worker process counts, comma-separated (default 1,2)")

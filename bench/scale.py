@@ -1,18 +1,6 @@
-"""Benchmark: does the cost of Keel's hot paths grow with history? The same measures on a database holding
-1,000,000 agents' finished history (10,000,000 jobs, 1,000,000 delivered messages, 12,000,000 journal events) and on
-one holding 1/1000 of it, in the same run; the target is every p95 at 1M within 1.2x of its value at 1k.
-
-The histories are seeded once (bench/seed.py: COPY and generate_series, minutes) into databases of their own,
-``keel_bench_scale_1m`` and ``keel_bench_scale_1k``, which later runs reuse: a database comment records the seed's
-version and sizes (``--reseed`` rebuilds them). Each run migrates them to the code's head (a migration adding an
-index lands on 10M jobs, as it would in production), measures on throwaway copies of them
-(``CREATE DATABASE … TEMPLATE``, dropped at the end), so the seeds stay as they were, and on both starts the same
-work in flight: ``--live`` agents, each with a request whose plan step is due.
-
-Each measure is a small function calling the Keel function that does the work (``MEASURES``): when that function
-changes, the bench measures the new code. Run with ``make bench-scale`` (or ``python -m bench.scale``). Uses
-KEEL_DATABASE_URL's server (as a superuser: the seed switches the journal's guards off), else the embedded one,
-and KEEL_BROKER_URL's Redis, under a key prefix of its own that it deletes afterwards.
+"""Benchmark: does the cost of Keel's hot paths grow with history? The same measures on 1,000,000 agents' seeded
+history and on 1/1000 of it, in one run (``make bench-scale``; :data:`DESCRIPTION`, its ``--help``, says how it
+measures).
 """
 
 from __future__ import annotations
@@ -54,6 +42,25 @@ from models.urls import libpq_url, with_database
 from tasks.app import make_app
 from tasks.dispatcher import dispatch_once
 from tests.support.fakes import FakeSlack
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: does the cost of Keel's hot paths grow with history? The same measures on a database holding
+1,000,000 agents' finished history (10,000,000 jobs, 1,000,000 delivered messages, 12,000,000 journal events) and on
+one holding 1/1000 of it, in the same run; the target is every p95 at 1M within 1.2x of its value at 1k.
+
+The histories are seeded once (bench/seed.py: COPY and generate_series, minutes) into databases of their own,
+``keel_bench_scale_1m`` and ``keel_bench_scale_1k``, which later runs reuse: a database comment records the seed's
+version and sizes (``--reseed`` rebuilds them). Each run migrates them to the code's head (a migration adding an
+index lands on 10M jobs, as it would in production), measures on throwaway copies of them
+(``CREATE DATABASE … TEMPLATE``, dropped at the end), so the seeds stay as they were, and on both starts the same
+work in flight: ``--live`` agents, each with a request whose plan step is due.
+
+Each measure is a small function calling the Keel function that does the work (``MEASURES``): when that function
+changes, the bench measures the new code. Run with ``make bench-scale`` (or ``python -m bench.scale``). Uses
+KEEL_DATABASE_URL's server (as a superuser: the seed switches the journal's guards off), else the embedded one,
+and KEEL_BROKER_URL's Redis, under a key prefix of its own that it deletes afterwards.
+"""
 
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
@@ -331,10 +338,9 @@ RESAMPLES = 2000
 def ratio_interval(
     small: list[float], large: list[float], p: float = 95, *, level: float = 0.90, resamples: int = RESAMPLES
 ) -> tuple[float, float]:
-    """A bootstrap interval (percentile method, ``level`` of the resamples) of ``pct(large, p) / pct(small, p)``:
-    each side resampled with replacement on its own. A p95 of a few dozen millisecond samples rests on its two or
-    three slowest, so a single ratio cannot tell growth from one slow tail; the interval says how far it could move
-    on the same measure taken again. Its lower end above the target means the cost grew with the history."""
+    """A bootstrap interval (percentile method, ``level`` of the resamples) of ``pct(large, p) / pct(small, p)``,
+    each side resampled with replacement on its own: how far the ratio could move on the same measure taken again
+    (why: docs/explanation/runtime-outbox-and-workers.md#ratio-intervals-in-the-scale-benchmark)."""
     if not small or not large:
         raise ValueError("a ratio interval needs samples on both sides")
     rng = random.Random(15)
@@ -384,7 +390,7 @@ def _positive(minimum: int) -> Callable[[str], int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.scale", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--agents",

@@ -1,20 +1,6 @@
-"""Benchmark: the periodic passes and a plan step's conversation read at a small and a large backlog, same run.
-
-Two databases of the same server are seeded (SQL, generate_series) with the same shape at two sizes: N finished jobs
-(history), N enqueued jobs waiting their turn (a queue's backlog: not due), N idle agents and N/10 active agents whose
-deadlines are ahead, N/10 schedules not due, and one request of ROUNDS plan/tool rounds. Then, on each, medians of
-repeated runs of:
-
-- a dispatcher tick's scan (``take_due``: 10 jobs due, taken in a transaction that is rolled back, so each run finds
-  them again), beside the scan as it was before 0.x (one range over every live job, the clock compared per row);
-- a deadline pass with nothing due (``deadlines.enforce``), beside the scan as it was (every active agent);
-- a schedule pass with nothing due (``schedules.fire_due``);
-- the conversation a plan step reads for its last round (``conversation``: the previous step's stored one and that
-  round's results), beside the rebuild from every step of the request (``rebuild_conversation``, what each step did).
-
-The ratio large/small is what this measures: a pass whose cost is its batch stays near 1x however much history the
-tables hold. Run with ``make bench-scans`` (or ``python -m bench.scans --small 1000 --large 100000``). Uses
-KEEL_DATABASE_URL's server, else the embedded one; it creates and drops databases of its own.
+"""Benchmark: the periodic passes and a plan step's conversation read at a small and a large backlog, in the same
+run: a pass whose cost is its batch stays near 1x (``make bench-scans``; :data:`DESCRIPTION`, its ``--help``, says
+how it measures).
 """
 
 from __future__ import annotations
@@ -41,6 +27,27 @@ from models.embedded import database_url_for
 from models.jobs_sql import take_due
 from models.settings import Settings
 from models.urls import libpq_url, with_database
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: the periodic passes and a plan step's conversation read at a small and a large backlog, same run.
+
+Two databases of the same server are seeded (SQL, generate_series) with the same shape at two sizes: N finished jobs
+(history), N enqueued jobs waiting their turn (a queue's backlog: not due), N idle agents and N/10 active agents whose
+deadlines are ahead, N/10 schedules not due, and one request of ROUNDS plan/tool rounds. Then, on each, medians of
+repeated runs of:
+
+- a dispatcher tick's scan (``take_due``: 10 jobs due, taken in a transaction that is rolled back, so each run finds
+  them again), beside the scan as it was before 0.x (one range over every live job, the clock compared per row);
+- a deadline pass with nothing due (``deadlines.enforce``), beside the scan as it was (every active agent);
+- a schedule pass with nothing due (``schedules.fire_due``);
+- the conversation a plan step reads for its last round (``conversation``: the previous step's stored one and that
+  round's results), beside the rebuild from every step of the request (``rebuild_conversation``, what each step did).
+
+The ratio large/small is what this measures: a pass whose cost is its batch stays near 1x however much history the
+tables hold. Run with ``make bench-scans`` (or ``python -m bench.scans --small 1000 --large 100000``). Uses
+KEEL_DATABASE_URL's server, else the embedded one; it creates and drops databases of its own.
+"""
 
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
@@ -209,7 +216,7 @@ def measure(db: Database, repeat: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", type=int, default=1000, help="backlog rows of the small database")
     parser.add_argument("--large", type=int, default=100_000, help="backlog rows of the large database")
     parser.add_argument("--repeat", type=int, default=30)

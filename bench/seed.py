@@ -1,18 +1,7 @@
-"""The history `make bench-scale` measures against: agents that each finished one request of ten steps, written
-with COPY and generate_series instead of Keel's per-row code, yet exactly as Keel would have left them.
-
-Per agent ``k`` (name ``scale-{k:07d}``, request ``req-{k:07d}``): a ``created`` event, a submit, then five rounds of
-a ``plan`` step and a tool step (round 3's tool is ``slack_post``, which emitted one Slack message, delivered and
-confirmed in ``delivery_log``; the others a user tool, ``lookup``), each step's outcome recorded by one transition
-(plan, observe, ..., finish): 10 finished jobs, 12 journal events, revision 11, phase ``done``. The journal's links are
-HMACs under :data:`BENCH_KEYS` computed by :mod:`agents.core.journal` itself, so `keel audit verify` with that key
-passes (checked on a sample after seeding). Histories follow each other in time, 12 ms apart, ending before the
-seed starts, on the database's clock; ids and sequences continue after them.
-
-The seed bypasses the per-row guards (``session_replication_role = replica``, which needs a superuser): they would
-refuse rows whose ids, times and heads Keel's own code did not draw in that very transaction. What they guard is
-checked afterwards instead (:func:`check`). The KPI counters are seeded as their running totals only (jobs finished,
-deliveries confirmed); the per-minute history of the seeded span is left out.
+"""The history `make bench-scale` measures against: agents that each finished one request of ten steps, written with
+COPY and generate_series instead of Keel's per-row code, yet exactly as Keel would have left them (what each agent
+holds, and which guards the seed bypasses:
+docs/explanation/runtime-outbox-and-workers.md#the-benchmarks-seeded-history).
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
-"""Benchmark: what idle live event streams cost the database and the plain requests beside them.
-
-Starts a real ``keel serve`` on a database of its own, then measures twice in one run: with no stream open (the
-baseline), and with N idle Server-Sent Event streams open (default 3,000, all of one producer token, spread over
-``--agents`` agents that do not move). Each measure samples ``pg_stat_database.xact_commit + xact_rollback`` of that
-database at the start and the end of a ``--seconds`` window in which nothing else runs (transactions per second),
-then times ``--gets`` plain ``GET /v1/agents/{id}`` one after another (median and worst latency). The stream caps
-are raised for the run (``KEEL_API_MAX_STREAMS_PER_TOKEN``/``_PER_PROCESS`` = N) and the rate limit is off; the
-open-file limit of this process (and so of the server it starts) is raised to its hard limit. The bench client,
-the server and PostgreSQL share the machine's cores.
-
-Run with ``make bench-streams`` (or ``python -m bench.streams --streams 3000``). Uses KEEL_DATABASE_URL /
-KEEL_BROKER_URL's servers, else the embedded ones; it creates and drops a database of its own, and touches only Redis
-keys under a prefix of its own.
+"""Benchmark: what idle live event streams cost the database and the plain requests beside them
+(``make bench-streams``; :data:`DESCRIPTION`, its ``--help``, says how it measures).
 """
 
 from __future__ import annotations
@@ -43,6 +31,24 @@ from models.db import Database
 from models.embedded import broker_url_for, database_url_for
 from models.settings import Settings
 from models.urls import libpq_url, with_database
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: what idle live event streams cost the database and the plain requests beside them.
+
+Starts a real ``keel serve`` on a database of its own, then measures twice in one run: with no stream open (the
+baseline), and with N idle Server-Sent Event streams open (default 3,000, all of one producer token, spread over
+``--agents`` agents that do not move). Each measure samples ``pg_stat_database.xact_commit + xact_rollback`` of that
+database at the start and the end of a ``--seconds`` window in which nothing else runs (transactions per second),
+then times ``--gets`` plain ``GET /v1/agents/{id}`` one after another (median and worst latency). The stream caps
+are raised for the run (``KEEL_API_MAX_STREAMS_PER_TOKEN``/``_PER_PROCESS`` = N) and the rate limit is off; the
+open-file limit of this process (and so of the server it starts) is raised to its hard limit. The bench client,
+the server and PostgreSQL share the machine's cores.
+
+Run with ``make bench-streams`` (or ``python -m bench.streams --streams 3000``). Uses KEEL_DATABASE_URL /
+KEEL_BROKER_URL's servers, else the embedded ones; it creates and drops a database of its own, and touches only Redis
+keys under a prefix of its own.
+"""
 
 OUT = Progress()
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,7 +186,7 @@ def summary(label: str, tps: float, lat: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=3000, help="idle streams to hold open (default 3000)")
     parser.add_argument("--agents", type=int, default=100, help="agents the streams follow (default 100)")
     parser.add_argument("--seconds", type=float, default=45.0, help="length of each sampling window (default 45)")

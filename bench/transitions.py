@@ -1,22 +1,5 @@
-"""Benchmark: transitions through ``agents.core.transition()`` beside a raw psycopg baseline, in the same run.
-
-The baseline runs the same statements with no Keel code around them — ``SELECT … FOR UPDATE`` on the agent row,
-``INSERT`` one journal event, ``UPDATE`` the row, ``COMMIT`` — on its own connections and its own agents, with the same
-threads. Keel's transitions run twice per round: with metrics on (the KPI triggers of migration 0009 counting in
-every transaction, the leading beat's fold every ``KEEL_KPI_FOLD_SECONDS``, and the observers in
-:data:`OBSERVERS`) and with metrics off (those triggers disabled in the benchmark's own database, no observer, no
-fold); the target is on within 10% of off. Scenarios:
-
-  (a) one connection, one agent
-  (b) 8 connections over 1,000 agents (each connection works through its own share of them)
-  (c) 8 connections on one agent (every transaction waits for the row lock)
-  (d) a producer's commands: submit and cancel in turn, 8 connections over 400 agents — raw psycopg running the
-      statements a submit and a cancel run (lock the row, insert the request and its job or cancel the jobs,
-      insert the event, update the row), ``transition()`` with the same commands, and ``Client.submit`` /
-      ``Client.cancel`` (input checks, the command, the state it returns); metrics on throughout
-
-Run with ``make bench`` (or ``python -m bench.transitions``). Uses KEEL_DATABASE_URL's server, else the embedded one;
-the benchmark creates and drops a database of its own there.
+"""Benchmark: transitions through ``agents.core.transition()`` beside a raw psycopg baseline, in the same run, with
+metrics on and off (``make bench-transitions``; :data:`DESCRIPTION`, its ``--help``, says how it measures).
 """
 
 from __future__ import annotations
@@ -54,6 +37,29 @@ from models.embedded import database_url_for
 from models.kpi_sql import fold
 from models.settings import Settings
 from models.urls import libpq_url, with_database
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: transitions through ``agents.core.transition()`` beside a raw psycopg baseline, in the same run.
+
+The baseline runs the same statements with no Keel code around them — ``SELECT … FOR UPDATE`` on the agent row,
+``INSERT`` one journal event, ``UPDATE`` the row, ``COMMIT`` — on its own connections and its own agents, with the same
+threads. Keel's transitions run twice per round: with metrics on (the KPI triggers of migration 0009 counting in
+every transaction, the leading beat's fold every ``KEEL_KPI_FOLD_SECONDS``, and the observers in
+:data:`OBSERVERS`) and with metrics off (those triggers disabled in the benchmark's own database, no observer, no
+fold); the target is on within 10% of off. Scenarios:
+
+  (a) one connection, one agent
+  (b) 8 connections over 1,000 agents (each connection works through its own share of them)
+  (c) 8 connections on one agent (every transaction waits for the row lock)
+  (d) a producer's commands: submit and cancel in turn, 8 connections over 400 agents — raw psycopg running the
+      statements a submit and a cancel run (lock the row, insert the request and its job or cancel the jobs,
+      insert the event, update the row), ``transition()`` with the same commands, and ``Client.submit`` /
+      ``Client.cancel`` (input checks, the command, the state it returns); metrics on throughout
+
+Run with ``make bench`` (or ``python -m bench.transitions``). Uses KEEL_DATABASE_URL's server, else the embedded one;
+the benchmark creates and drops a database of its own there.
+"""
 
 Step = Callable[[int], None]  # does one transition; the argument is the iteration number
 
@@ -406,7 +412,7 @@ def transitions(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per measured run (default 4)")
     parser.add_argument("--rounds", type=int, default=2, help="raw/keel alternations per scenario (default 2)")
     parser.add_argument("--threads", type=int, default=8)

@@ -1,13 +1,5 @@
-"""Benchmark: `keel audit verify` on a journal of 1,000 and of 100,000 events, in one run: the full pass (every chain
-from its start) beside an incremental pass (each chain from its sealed checkpoint) after a few new events, and the
-longest chunk of each (one chunk = one transaction = the longest any snapshot of the verify lives).
-
-Each database is seeded directly (COPY, triggers off, as history is: the links are real HMACs under the audit key,
-so the walk checks every one): 1k events = 500 agents x 2 events, 100k events = 1,000 agents x 100 events, so a
-chunk of 500 chains is full in both. A full pass with checkpoints saved comes first (it is also what sets them),
-then 10 chains get one event each and the incremental pass is timed; medians of ``--rounds``. Run with ``make
-bench-verify`` (or ``python -m bench.verify``). Uses KEEL_DATABASE_URL's server, else the embedded one; it
-creates and drops databases of its own.
+"""Benchmark: `keel audit verify`'s full pass beside an incremental one, on journals of 1,000 and of 100,000 events,
+in one run (``make bench-verify``; :data:`DESCRIPTION`, its ``--help``, says how it measures).
 """
 
 from __future__ import annotations
@@ -32,6 +24,20 @@ from models.embedded import database_url_for
 from models.settings import Settings
 from models.tables import GENESIS_HASH
 from models.urls import libpq_url, with_database
+
+#: The benchmark's ``--help``: what it measures and how.
+DESCRIPTION = """\
+Benchmark: `keel audit verify` on a journal of 1,000 and of 100,000 events, in one run: the full pass (every chain
+from its start) beside an incremental pass (each chain from its sealed checkpoint) after a few new events, and the
+longest chunk of each (one chunk = one transaction = the longest any snapshot of the verify lives).
+
+Each database is seeded directly (COPY, triggers off, as history is: the links are real HMACs under the audit key,
+so the walk checks every one): 1k events = 500 agents x 2 events, 100k events = 1,000 agents x 100 events, so a
+chunk of 500 chains is full in both. A full pass with checkpoints saved comes first (it is also what sets them),
+then 10 chains get one event each and the incremental pass is timed; medians of ``--rounds``. Run with ``make
+bench-verify`` (or ``python -m bench.verify``). Uses KEEL_DATABASE_URL's server, else the embedded one; it
+creates and drops databases of its own.
+"""
 
 OUT = Progress()  # live on a terminal, plain lines in a pipe or a file
 
@@ -144,7 +150,7 @@ def measure(server: str, keys: AuditKeys, agents: int, per_chain: int, rounds: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     settings = Settings()

@@ -68,9 +68,8 @@ def create() -> FastAPI:
     use_structlog()  # structlog's lines through uvicorn's handlers; the request's context on every line
     configure_tracing(settings, API)  # in each API process (uvicorn starts its workers afresh): off without an endpoint
     token = settings.api_metrics_token
-    # Recorded in every API process (keel serve's exporter, KEEL_API_METRICS_PORT, sums them); on the public port only
-    # behind a token of their own. The collectors' pool is closed with the app (a reloaded or in-process app leaves no
-    # connection behind).
+    # Recorded in every API process (keel serve's exporter sums them), on the public port only behind their own
+    # token; the collectors' pool closes with the app.
     domain = None if token is None else domain_collectors(settings)
     metrics = install_metrics("api", collectors=() if domain is None else domain.collectors)
     app = create_app(settings, publisher=submit_publisher(settings), on_close=() if domain is None else (domain.close,))

@@ -1,7 +1,6 @@
-"""The Celery app, built from Keel's settings with reliable defaults.
-
-``celery -A tasks.app worker`` and ``keel worker`` both use :data:`app`. Its configuration is computed the first
-time Celery reads it, so importing this module starts nothing (the embedded Redis starts only when needed).
+"""The Celery app, built from Keel's settings with reliable defaults: ``celery -A tasks.app worker`` and ``keel
+worker`` both use :data:`app`, whose configuration is computed when Celery first reads it, so importing this module
+starts nothing (the embedded Redis starts only when needed).
 """
 
 from __future__ import annotations
@@ -68,9 +67,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # On warm shutdown, give running jobs time to finish before their messages go back to the queue.
         "worker_soft_shutdown_timeout": 10.0,
         "worker_enable_soft_shutdown_on_idle": True,
-        # A broker outage must not interrupt a running step: PostgreSQL leases own recovery (invariant 12). Celery
-        # would otherwise cancel every late-ack task in flight when the Redis connection drops, and each cancel
-        # would count as a lost run: three blips and a long tool call fails its agent, then runs again.
+        # A broker outage must not interrupt a running step (invariant 12): Celery would cancel every late-ack task
+        # in flight when Redis drops, and each cancel counts as a lost run.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Task events cost broker messages on every job (received, started, succeeded; sent at publish): off unless
         # KEEL_WORKER_TASK_EVENTS. Flower turns them on in the workers while it runs (its enable_events broadcast).
@@ -240,10 +238,9 @@ def publisher(celery: Celery | None = None, *, timeout: float | None = None) -> 
 
 
 def submit_publisher(settings: Settings) -> Publisher | None:
-    """What a producer's submits publish with (``Client.from_settings``, the CLI, the API; the ``keel.publishers``
-    entry point named ``celery``): bounded by :data:`PUBLISH_TIMEOUT_SECONDS`, so that a lost Redis delays a submit
-    by about that long and leaves its job to the dispatcher. None when ``KEEL_PUBLISH_AT_SUBMIT`` is off, or on the
-    embedded default while its Redis is not running (the beat starts it; its dispatcher then publishes the job)."""
+    """What a producer's submits publish with (the ``keel.publishers`` entry point ``celery``), bounded by
+    :data:`PUBLISH_TIMEOUT_SECONDS` so a lost Redis leaves the job to the dispatcher. None when
+    ``KEEL_PUBLISH_AT_SUBMIT`` is off, or while the embedded Redis is not running."""
     if not settings.publish_at_submit:
         return None
     if settings.broker_url is None and not redis_status(settings.home).running:

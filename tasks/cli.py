@@ -38,10 +38,8 @@ def _structured_logs(settings: Settings, role: str) -> None:
 
 
 def _json_from_the_start(settings: Settings, role: str) -> list[str]:
-    """When the lines are JSON (``KEEL_LOG_FORMAT``, or stderr is not a terminal), make every line Celery writes one
-    of them: Python's warnings go through logging, to a Keel handler until Celery sets up its own (Celery warns that
-    it runs as root before it sets up logging: a raw, multi-line warning on stderr), and Celery's banner (a
-    multi-line picture on stdout) stays off. Returns Celery's global options for that (``--quiet``)."""
+    """With JSON lines (``KEEL_LOG_FORMAT``, or stderr not a terminal), keep everything Celery writes JSON: warnings
+    go to a Keel handler until Celery sets up its own, and the banner stays off. Returns Celery's global options."""
     from agents.observability.logs import choose_json, configure_logging
 
     if not choose_json(settings.log_format):
@@ -78,11 +76,9 @@ def _embedded_or_exit(settings: Settings, *, database: bool = True) -> None:
 
 
 def _schema_or_exit(settings: Settings) -> None:
-    """Refuse to start on a database whose schema is not this code's (one line: where each is, what to run), and in
-    production as a database role that could rewrite the journal (a superuser, its owner: models/roles.py), nor on a
-    route where the statement timeout would not hold or the direct URL is a pooler (models/db.py ``check_route``). An
-    unreachable database is not refused: in development the worker and beat start and wait for it, as they do when
-    it goes away later; in production they wait for it here, so that no process starts before its role is checked."""
+    """Refuse to start, in one line, on a database whose schema is not this code's, and in production as a role that
+    could rewrite the journal (models/roles.py) or on a route where the statement timeout would not hold
+    (models/db.py ``check_route``). An unreachable database is waited for here in production only."""
     import sqlalchemy
 
     from models.db import Database, check_route

@@ -1,30 +1,7 @@
-"""The beat dispatcher: Postgres decides what is due, Redis only carries it.
-
-Every ``KEEL_DISPATCH_INTERVAL_SECONDS`` the beat leader publishes due jobs (task id = key): new ones whose
-``run_at`` has come, enqueued ones whose message never got claimed (the broker lost it), and running ones whose
-lease expired (the worker died). Nothing is ever put on Redis with an ETA. Each case is read through its own
-partial index a batch at a time, so a tick costs what it publishes, not what waits. Back-pressure: a tick publishes
-at most ``KEEL_DISPATCH_MAX_PER_TICK`` jobs, for at most half the leader's lease (batches sized to the broker's pace
-lately: a slow broker cannot stretch a tick past the lease; a publish that runs into that deadline stops within one
-message and its batch is rolled back, to be taken again by the next tick), and none to a job queue that holds
-``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages — asked before each batch, queue by queue: a full ``keel.jobs.low`` holds
-back its own jobs only. Due jobs wait in PostgreSQL, not in Redis. Claims use ``FOR UPDATE SKIP LOCKED``, so two
-dispatchers never publish the same row at once; a lease on the database's clock keeps a single beat leader anyway
-(tasks/leadership.py): a beat that stops hands leadership over at once, one that dies within
-``KEEL_BEAT_LEASE_SECONDS``.
-
-Each tick the leader also records its heartbeat and, at their own intervals, evaluates the alerts, runs the periodic
-audit verify and posts the daily KPI report (tasks/leader.py).
-
-Due schedules (every dispatch interval), approval timeouts (``KEEL_APPROVAL_CHECK_SECONDS``: a call that waited too
-long is rejected or escalated, once; agents/runtime/approvals.py) and deadlines (``KEEL_DEADLINE_CHECK_SECONDS``)
-run in the beat process too, each on a thread of its own (tasks/passes.py), so a slow one never delays dispatching:
-a deadline must bite even when every worker is busy with the very job that overran it. Every
-``KEEL_KPI_FOLD_SECONDS`` it folds the KPI counters' deltas into their rollups (models/kpi_sql.py); a fold that
-fails never stops dispatching.
-
-When the database (or the broker) cannot be reached, beat says so once ("database down: …; retrying with
-backoff"), tries again with exponential backoff, and says so once more when it is back: no traceback per tick.
+"""The beat dispatcher: PostgreSQL decides what is due, Redis only carries it. Every ``KEEL_DISPATCH_INTERVAL_SECONDS``
+the beat leader publishes due jobs (new, lost and lease-expired ones; task id = key), held back by a per-tick cap, a
+time budget and each queue's depth, never with an ETA; it also starts the timed passes (tasks/passes.py) and runs the
+leader's chores (tasks/leader.py). How and why: docs/explanation/runtime-outbox-and-workers.md#the-beat-dispatcher.
 """
 
 from __future__ import annotations
@@ -151,13 +128,9 @@ def dispatch_once(
     deadline: float | None = None,
     pace: Pace | None = None,
 ) -> DispatchReport:
-    """One pass: fire due schedules (unless ``fire_schedules`` is False: the beat fires them on a thread of its
-    own), then publish due jobs in batches (on the database's clock, whatever this host's says) until none are
-    left, ``KEEL_DISPATCH_MAX_PER_TICK`` are published, or ``deadline`` (this host's monotonic clock) comes: each batch
-    is sized by ``pace`` to the time left, and one that runs into the deadline anyway is rolled back (what of it was
-    sent already goes out again later: the claim suppresses the copy). Before each batch the job queues' depths on
-    the broker are asked: a queue that holds ``KEEL_DISPATCH_MAX_QUEUE_DEPTH`` messages is held back, its due jobs not
-    even read; the other queue's are published. What is not published stays due in PostgreSQL."""
+    """One pass: fire due schedules (unless ``fire_schedules`` is False), then publish due jobs in batches sized by
+    ``pace`` until none are left, ``KEEL_DISPATCH_MAX_PER_TICK`` are published or ``deadline`` (monotonic) comes; a
+    full queue is held back and a batch past the deadline rolled back. What is not published stays due."""
     fired = fire_schedules_once(db, settings) if fire_schedules else []
     published = recovered = 0
     stopped: str | None = None
@@ -306,9 +279,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
             outage = timed.poke(started, back_since=self._database_back_since)
             if outage is not None:
                 return self.database.failed(outage)
-        # The broker away (or in its backoff): nothing is published, but the leader's duties below still run every
-        # tick (heartbeat, alerts, audit chores need the database only) and the lease is renewed every interval (a
-        # backoff longer than the lease would hand leadership over for nothing).
+        # With the broker away nothing is published, but the duties below still run and the lease is renewed every
+        # interval (a backoff longer than the lease would hand leadership over for nothing).
         backoff = self.broker.wait()
         if not backoff:
             try:
@@ -428,15 +400,12 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         return self.connection.ensure_connection(max_retries=0)
 
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
-        """Send a periodic task (the outbox relay's pass). Celery would log "Couldn't apply scheduled task" with a
-        traceback on every failed send, twice a second while Redis is away: an outage is one line going and one
-        coming back, and beat waits with backoff in between (the pass it missed is not owed: the next one does it)."""
+        """Send a periodic task (the outbox relay's pass), without Celery's traceback per failed send: an outage is
+        one line going and one coming back (a missed pass is not owed: the next one does it)."""
         try:
             if entry.task == RELAY_OUTBOX and self._relay_pass_waiting():
-                # A pass sent earlier still waits on keel.outbox (the relay workers are all busy, with a slow
-                # receiver say): another would only queue behind it, and passes would pile up for as long as the
-                # relay is slower than the interval. Not an expiry: that would be stamped on this host's clock and
-                # checked on the worker's (invariant 10).
+                # An earlier pass still waits on keel.outbox: another would only pile up behind it (not an expiry,
+                # which would be stamped on this host's clock and checked on the worker's: invariant 10).
                 celery_beat_log.debug("Scheduler: %s not sent: a pass still waits on %s", entry.name, OUTBOX_QUEUE)
                 return
             celery_beat_log.info("Scheduler: Sending due task %s (%s)", entry.name, entry.task)
@@ -455,17 +424,8 @@ class KeelScheduler(Scheduler):  # type: ignore[misc]
         return queue_depths(self.publishing, (OUTBOX_QUEUE,))[OUTBOX_QUEUE] > 0
 
     def close(self) -> None:
-        # Celery closes a scheduler twice on SIGTERM/SIGINT (in its signal handler, then as its loop ends): the second
-        # close must not wait again. Every pass under way shares one budget of CLOSE_WAIT_SECONDS to finish (not one
-        # each: three slow passes would outlast a supervisor's stop timeout); one that takes longer ends with the
-        # process, which is safe: each of its moves is a transaction of its own, and what it did not reach the next
-        # leader finds again.
-        # Celery's handler runs on the main thread wherever that thread is. Inside a tick, that can be in the middle
-        # of a statement on the lease connection (the database slow to answer), and a close there would wait for that
-        # connection for ever: so a close asked inside a tick does nothing, the handler's SystemExit unwinds the tick,
-        # and the close Celery makes as its loop ends does the work. Likewise a second stop signal while a close runs
-        # (a supervisor's SIGTERM beside the kernel's parent-death one): a close is never re-entered, and the stop
-        # signals are ignored while it runs (the beat is stopping already). The rest is repeatable.
+        # A close inside a tick or inside another close does nothing (the close as Celery's loop ends does the work);
+        # passes share one CLOSE_WAIT_SECONDS budget. Why: docs/explanation/runtime-outbox-and-workers.md#closing-a-beat
         if self._closing or self._ticking is threading.current_thread():
             return
         with _stop_signals_ignored():

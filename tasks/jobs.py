@@ -1,8 +1,6 @@
-"""The job task. Its Celery task id is the job key; it only hands the key to the runner.
-
-No message is acknowledged unless its job reached a claim, a retry or a journaled decision (invariant 12): when the
-database cannot be reached the message is handed back to the broker, and a revoke (Flower, ``celery control``)
-becomes a journaled cancel of the request the job belongs to.
+"""The job task: its Celery task id is the job key, and it only hands the key to the runner. No message is
+acknowledged unless its job reached a claim, a retry or a journaled decision (invariant 12), and a revoke becomes a
+journaled cancel of the job's request (docs/explanation/runtime-outbox-and-workers.md#the-job-task).
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ def run_job(self: Any, key: str) -> str:
     except StoreError as exc:
         if not is_outage(exc):
             raise  # the database refused something: not a reason to deliver the message again
-        # The claim or the outcome could not be written (the database restarted, a failover, a stale connection):
-        # the message goes back to the broker instead of being acked and dropped. If the job did get claimed,
-        # its lease expires and the dispatcher recovers it; a copy that arrives meanwhile is suppressed.
+        # The claim or the outcome could not be written: hand the message back rather than ack and drop it (a job
+        # that was claimed is recovered by the dispatcher once its lease expires).
         rt.outage.failed(exc)  # logs when the database goes down, not once per message handed back
         log.debug("job %s: database unavailable; message handed back to the broker", key)
         time.sleep(random.uniform(*STORE_BACKOFF_SECONDS))
@@ -98,10 +95,9 @@ END_PROCESS_FLUSH_SECONDS = 0.5
 
 
 def end_process(key: str) -> NoReturn:
-    """End this worker process at once (status 70): job ``key``'s handler left a thread running that nothing can stop
-    (a tool past its timeout). Its outcome is recorded, so the process ends before that thread can do anything more;
-    the worker replaces it, and the message, handed back as a lost worker's, is suppressed as a duplicate when it
-    comes again. The spans that ended get :data:`END_PROCESS_FLUSH_SECONDS` to be exported, no more."""
+    """End this worker process at once (status 70), its outcome recorded: job ``key``'s handler left a thread running
+    that nothing can stop (a tool past its timeout). The worker replaces the process; the redelivered message is
+    suppressed as a duplicate."""
     log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
     flush_tracing(END_PROCESS_FLUSH_SECONDS)
     logging.shutdown()

@@ -1,11 +1,7 @@
-"""What the leading beat does besides dispatching: its heartbeat, alert evaluation, the periodic audit verify,
-shipping the journal to its separate store, the journal's partitions for the months ahead, the daily KPI
-report and retention's prune. Called from the dispatcher's tick (tasks/dispatcher.py) only while this beat leads.
-
-Each chore is due on the database's clock (``beat_chores``): two beats, or a beat restarted, never run one more
-often than its interval. The audit verify is a full pass over the journal and shipping waits on an object store, so
-each runs in a thread of its own and the dispatcher never waits for them; so does the prune (batches of short
-transactions, which may take a while the first time it runs on a large database).
+"""What the leading beat does besides dispatching: its heartbeat, alerts, the audit verify, shipping the journal, the
+journal's partitions ahead, the daily KPI report and retention's prune, each due on the database's clock so no chore
+runs more often than its interval; the slow ones run on threads of their own
+(docs/explanation/runtime-outbox-and-workers.md#the-leaders-chores).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Which beat leads: a lease on the database's clock (models/leadership_sql.py), renewed on every tick.
-
-A session advisory lock (what beat used before) lives in one server session, and a transaction pooler (PgBouncer
-``pool_mode=transaction``) gives a client no session of its own: the lock would be taken on one server connection and
-"held" by whichever client is handed that connection next. A lease row works through any pooler.
-
-- One leader at a time: taking the lease is one statement that succeeds for one beat only; a leader renews only
-  its own term, so a leader that was paused past its lease (SIGSTOP, a partition) while another took over finds a
-  higher term on its next tick and steps down before it dispatches again.
-- Handover: a beat stopping cleanly ends its lease at once; one that dies (SIGKILL, its machine lost) is taken over
-  once its lease has run out, at most ``KEEL_BEAT_LEASE_SECONDS`` after its last renewal, plus one dispatch interval
-  of the standby's.
-- This beat trusts a renewal only for the lease the database granted, counted on its own monotonic clock from
-  before it asked: a reply that arrives late (a slow network) cannot extend leadership past what the database
-  granted.
+"""Which beat leads: a lease row on the database's clock (models/leadership_sql.py), renewed on every tick, which unlike
+a session advisory lock works through a transaction pooler; one leader at a time, handed over at once on a clean stop
+and within ``KEEL_BEAT_LEASE_SECONDS`` of a death (docs/explanation/runtime-outbox-and-workers.md#beat-leadership).
 """
 
 from __future__ import annotations
@@ -44,9 +32,8 @@ class Leadership:
 
     def __init__(self, url: str, settings: Settings, *, name: str = BEAT, holder: str | None = None) -> None:
         self.url = url
-        # A renewal blocked on the lease row's lock must give up within the lease, not hang the beat's loop: a
-        # statement timeout of half the lease, sent at connect — except behind a transaction pooler, which refuses
-        # startup options (there the role's own timeout holds: README, Behind PgBouncer).
+        # A statement timeout of half the lease, so a blocked renewal gives up within it; a transaction pooler
+        # refuses startup options, so there the role's own timeout holds (README, Behind PgBouncer).
         self._options: dict[str, Any] = (
             {}
             if settings.database_pooler == "transaction"

@@ -1,19 +1,7 @@
-"""What Keel's Celery processes log at INFO: the jobs, not the housekeeping.
-
-Beat sends the outbox relay task every ``KEEL_OUTBOX_INTERVAL_SECONDS`` (half a second by default); Celery would
-log "Sending due task" in beat and "Task … received" / "Task … succeeded" in the worker for every one of them, and
-bury the jobs' lines. Those three lines are logged at DEBUG for the housekeeping tasks (``-l debug`` shows them);
-every other task keeps them at INFO. What a relay pass did (sent, retried, dead) is still logged at INFO.
-
-Likewise a job message handed back to the broker while the database is away (:class:`HandedBack`): Celery would log
-a traceback for each one, every few seconds for as long as the outage lasts; the outage itself is logged once. And
-Celery's warning, at every lost broker connection, that ``worker_cancel_long_running_tasks_on_connection_loss`` will
-default to True in Celery 6: Keel sets it to False on purpose (invariant 12), so the advice does not apply.
-
-And the lines' format: :func:`structured_logs` puts Keel's (JSON or readable lines with the job's context, see
-:mod:`agents.observability.logs`) on the handlers Celery sets up. Celery's lines about a job's task ("Task
-keel.run_job[KEY] received", "succeeded", "retry", "raised") name it in their text only; :class:`NamesTheJob` adds
-``job_key`` and ``request_id`` to them, so a search by request finds them too.
+"""What Keel's Celery processes log at INFO: the jobs, not the housekeeping (the relay task's send and receive lines, a
+traceback per message handed back during an outage, a warning that does not apply go to DEBUG), in Keel's line format,
+with the job's key and request added to Celery's own lines
+(docs/explanation/runtime-outbox-and-workers.md#what-celery-processes-log).
 """
 
 from __future__ import annotations

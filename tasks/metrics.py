@@ -1,9 +1,7 @@
 """Prometheus metrics in Keel's processes: the API's, the worker's and the beat's exporters (``keel serve``'s main
-process; Celery's start signals), and the collectors of the domain KPIs the API and every beat export.
-
-A worker (any pool) runs in prometheus_client's multiprocess mode: its main process prepares a private directory
-before the pool forks, serves ``/metrics`` on ``KEEL_WORKER_METRICS_PORT`` (0: not served) and sums every child's
-numbers at each scrape (see :mod:`agents.observability.metrics`). A beat is one process: ``KEEL_BEAT_METRICS_PORT``.
+process; Celery's start signals), and the collectors of the domain KPIs the API and every beat export. A worker
+runs in multiprocess mode, its main process serving every child's numbers on ``KEEL_WORKER_METRICS_PORT``; a beat is
+one process (``KEEL_BEAT_METRICS_PORT``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The leading beat's timed passes — schedules, deadlines, approval timeouts — each on a thread of its own.
-
-They used to run inside the dispatcher's tick, one after the other: a deadline pass over many agents, or a schedule
-pass waiting on a lock, held up every job behind it. Now the tick only starts a pass that is due and not already
-running (on a thread of its own, like the audit verify in tasks/leader.py) and goes on dispatching.
-
-Still one leader: a pass is only ever started by a tick that has just confirmed this beat holds the lock. A pass
-already running when leadership is lost runs to its end; that is safe, because every pass is safe to run twice at
-once (each move is a transition under the agent's lock that a lost race turns into a rejection, and due schedules
-are locked with ``SKIP LOCKED`` and fire under a deterministic request id). What is due is judged on the
-database's clock inside each pass; the host's monotonic clock only spaces the attempts.
+"""The leading beat's timed passes (schedules, deadlines, approval timeouts, the KPI fold), each on a thread of its
+own so a slow one never holds up dispatching; a pass is safe to run twice at once, so one still running after
+leadership is lost does no harm (docs/explanation/runtime-outbox-and-workers.md#timed-passes).
 """
 
 from __future__ import annotations
@@ -37,11 +29,9 @@ class TimedPass:
         self._lock = threading.Lock()
 
     def poke(self, now: float, *, back_since: float = 0.0) -> BaseException | None:
-        """Start the pass if it is due (``now``: the monotonic clock) and not running. Returns the error that made
-        the last run find the database away, once, for the caller's backoff; None otherwise. ``back_since``: when
-        the caller last saw the database come back after an outage (0: never). A run that started before then met
-        that outage, which has ended: saying it now would log a second "database down" right after "database
-        back", so it is logged as such instead, and the pass runs again when due."""
+        """Start the pass if it is due (``now``: monotonic) and not running. Returns, once, the error with which the
+        last run found the database away, for the caller's backoff; a run that started before ``back_since`` (the
+        database came back since) is only logged."""
         with self._lock:
             outage, self._outage = self._outage, None
             run_started = self._outage_run_started

@@ -1,17 +1,7 @@
-"""Local Slack, GitHub and chat-completions sinks in the real wire formats, with fault injection (tests, demo).
-
-They record every message they accept (and the key it carries) in arrival order, so tests can count deliveries
-per key and check the order per destination. Faults are chosen per request by a ``faults`` function:
-
-- ``apply_then_timeout``: accept the message, then answer only after the client has given up;
-- ``apply_then_drop``: accept the message, then close the connection without an answer;
-- ``429``: refuse with 429 and a Retry-After; ``403_secondary`` (GitHub): a secondary rate limit;
-- ``500``: refuse with a server error; ``slow``: answer correctly, slowly;
-- ``echo_token_500``: a 500 whose body echoes the Authorization header (a leaky proxy), for redaction tests.
-
-Each says who the token belongs to as the real one does (Slack ``auth.test``; GitHub ``GET /user``) and stamps what
-it accepts with that author; ``plant`` puts a message carrying a key there as someone else (another app in the
-channel, another user on the issue), as anyone allowed to post there could.
+"""Local Slack, GitHub and chat-completions sinks in the real wire formats, with fault injection (tests, demo): they
+record every message they accept, with its key, in arrival order, inject the fault a ``faults`` function picks per
+request (``apply_then_timeout``, ``apply_then_drop``, ``429``, ``403_secondary``, ``500``, ``slow``, ``echo_token_500``:
+docs/explanation/runtime-outbox-and-workers.md#the-fake-servers) and can ``plant`` a key in someone else's message.
 """
 
 from __future__ import annotations
@@ -272,10 +262,9 @@ class FakeSlack(FakeBase):
 
 @dataclass
 class FakeGitHub(FakeBase):
-    """``POST``/``GET /repos/{owner}/{repo}/issues/{number}/comments`` with ``since``, ``per_page``, ``page``, and
-    ``GET /user``. The token is user ``login`` (``user_id``)'s; with ``installation`` it is a GitHub App
-    installation token instead (``GET /user`` refuses it, its comments are the app's bot's). ``user_status`` makes
-    ``GET /user`` answer with that status (e.g. 500)."""
+    """``POST``/``GET /repos/{owner}/{repo}/issues/{number}/comments`` (``since``, ``per_page``, ``page``) and
+    ``GET /user`` (answering ``user_status`` if set). The token is ``login``'s (``user_id``), or with ``installation``
+    an App installation token, which ``GET /user`` refuses and whose comments are the app's bot's."""
 
     comments: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     next_id: int = 1000
@@ -388,11 +377,9 @@ class FakeGitHub(FakeBase):
 
 @dataclass
 class FakeLLM(FakeBase):
-    """``POST /v1/chat/completions`` in OpenAI's wire format. The reply is chosen by the conversation's turn (the
-    number of assistant messages in it), so a retried call gets the same reply; past the list, a plain answer.
-    ``fault`` injects ``429`` (Retry-After: 3), ``500``, ``timeout``, ``context`` (400 context_length_exceeded),
-    ``401``; ``slow_turns`` delays the answer to those turns. ``completed`` counts answers actually delivered per
-    turn (a call whose caller died or gave up does not count)."""
+    """``POST /v1/chat/completions`` in OpenAI's wire format, replying by the conversation's turn so a retried call
+    gets the same reply. ``fault``: ``429``, ``500``, ``timeout``, ``context`` or ``401``; ``slow_turns`` delays those
+    turns; ``completed`` counts answers actually delivered per turn."""
 
     replies: list[dict[str, Any]] = field(default_factory=list)
     fault: str | None = None

@@ -1,9 +1,6 @@
-"""``keel demo``: Keel's main job. Scripted agents plan, call tools, wait for approval, post to Slack and GitHub —
-while the worker is SIGKILLed midway — and the run ends with the numbers that say whether anything ran twice.
-
-It starts (on the embedded default unless configured) a worker, a beat, the HTTP API (``keel serve``) and local
-Slack/GitHub sinks, runs the agents, approves the waiting ones through the API with an approver token of its own, and
-exits 0 only if every invariant it checks held.
+"""``keel demo``: scripted agents plan, call tools, wait for approval and post to Slack and GitHub while the worker
+is SIGKILLed midway, on a worker, beat, API and local sinks the demo starts itself; it exits 0 only if the numbers
+say nothing ran twice and every invariant it checks held (docs/explanation/runtime-outbox-and-workers.md#the-demo).
 """
 
 from __future__ import annotations
@@ -167,20 +164,17 @@ class DemoRunning(KeelError):
     """Another ``keel demo`` is running on the same database."""
 
 
-#: The demo's session advisory lock, ``pg_try_advisory_lock(int4, int4)``: "keel", "demo" in ASCII. (The outbox's
-#: locks take a single bigint key: another key space, they never meet this one. On the direct URL: a session lock.)
+#: The demo's session advisory lock, ``pg_try_advisory_lock(int4, int4)``: "keel", "demo" in ASCII (a key space the
+#: outbox's single-bigint locks never meet).
 DEMO_LOCK = (0x6B65656C, 0x64656D6F)
 _HOLDER = re.compile(r"keel demo: pid (?P<pid>\d+) on (?P<host>.+)")
 
 
 @contextmanager
 def only_demo_on(database_url: str, embedded_home: Path | None) -> Iterator[None]:
-    """Hold the demo's advisory lock on its database for the block, or raise :class:`DemoRunning` naming the demo
-    that holds it (its pid and host, from its connection's ``application_name``). Two demos on one database would
-    each relay the other's messages to their own sinks, and both fail — wherever they run, whatever their
-    ``KEEL_HOME``. The lock is the server's, held by a connection of its own: it goes with that connection, so with
-    the process however it ends (SIGKILL included). ``embedded_home``: the database is the embedded one under it
-    (the advice differs)."""
+    """Hold the demo's advisory lock on its database for the block, on a connection of its own (so the lock goes with
+    the process however it ends), or raise :class:`DemoRunning` naming the demo that holds it. ``embedded_home``: the
+    database is the embedded one under it (the advice differs)."""
     me = f"keel demo: pid {os.getpid()} on {socket.gethostname()}"[:63]  # application_name holds 63 bytes
     with psycopg.connect(
         libpq_url(database_url), autocommit=True, application_name=me, **tcp_options(database_url)
@@ -242,11 +236,8 @@ def _forget_broker_keys(url: str, prefix: str) -> None:
 
 
 class Shutdown:
-    """Stops the demo on SIGTERM (a process manager), SIGHUP (the terminal closed) or SIGQUIT: the handler itself
-    stops the worker, beat and API (each group SIGTERM, then SIGKILL) and exits 128 + the signal's number. It does not
-    raise into whatever the main thread was doing: an exception in the middle of a database call leaves the
-    connection unusable for the clean-up. (A SIGKILL cannot be handled: the children's parent-death signal covers
-    it.)"""
+    """Stops the demo on SIGTERM, SIGHUP or SIGQUIT from within the handler (the worker, beat and API, then exit 128 +
+    the signal's number), raising nothing into the main thread, whose database connection the clean-up may need."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -281,10 +272,8 @@ class Shutdown:
 
 
 def run_demo(settings: Settings, out: Progress | None = None, *, migrate: bool = False) -> int:
-    """Run the demo, showing its progress on ``out`` (live on a terminal, plain lines elsewhere); 0 if every
-    invariant held. The embedded database is migrated first; a configured one only with ``migrate`` (else it must be
-    at this code's revision). A termination signal stops what it started and exits 128 + its number
-    (:class:`Shutdown`)."""
+    """Run the demo, showing its progress on ``out``; 0 if every invariant held. The embedded database is migrated
+    first, a configured one only with ``migrate`` (else it must be at this code's revision)."""
     with Shutdown().installed() as shutdown, ExitStack() as held:
         return _run_demo(settings, out or Progress(), shutdown, migrate, held)
 

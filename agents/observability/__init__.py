@@ -1,3 +1,4 @@
-"""Reserved for observability: Prometheus metrics, structured logging and alerts. Empty until its issue lands; it
-may import ``agents.core`` and ``models``.
+"""Observability: Prometheus metrics (``metrics``, ``names``, ``kpis``, ``scrape``), structured logging (``logs``),
+traces (``tracing``, ``otlp``), alerts and the daily KPI report (``alerts``, ``report``). Imports ``agents.core`` and
+``models`` only.
 """

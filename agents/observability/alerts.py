@@ -1,20 +1,6 @@
-"""Alerts: rules over the KPIs, episodes in ``alert_episodes``, posts through Keel's own outbox.
-
-The rules are pure: :func:`evaluate` turns :class:`Measures` and :class:`Thresholds` into one :class:`Verdict` per
-alert (firing or not, with the value). :func:`record` turns verdicts into episodes on the database's clock:
-
-- an alert that fires with no open episode opens one (``started_at`` = now), and in the same transaction inserts its
-  "firing" message into the outbox under ``alert:{name}:{started_at}:firing``;
-- an open episode resolves only once its condition has been clear for ``KEEL_ALERT_RESOLVE_AFTER_SECONDS`` in a row
-  (one evaluation that fires again starts that count over): a measure wobbling around its threshold keeps one
-  episode open instead of posting firing/resolved pairs. The resolution and its "resolved" message
-  (``alert:{name}:{started_at}:resolved``) commit together.
-
-Exactly once, whatever happens: the database allows one open episode per alert (a partial unique index), every
-evaluation of an alert holds that alert's transaction-scoped advisory lock, and a message's key is made from the
-episode's own start, so two beats, a beat killed between two steps, or a restarted one can neither open an episode
-twice nor post one twice (a second insert of a key is a no-op). Without ``KEEL_ALERT_SLACK_CHANNEL`` episodes are
-recorded and listed (`keel alerts`) and nothing is posted; an episode's resolved notice goes where its firing went.
+"""Alerts: pure rules over the KPIs (:func:`evaluate`), episodes in ``alert_episodes`` opened and resolved on the
+database's clock (:func:`record`), and their Slack posts through Keel's own outbox, each exactly once however many
+beats evaluate (how: docs/explanation/runtime-outbox-and-workers.md#alerts).
 """
 
 from __future__ import annotations
@@ -475,13 +461,9 @@ def leader_tick_age(db: Database) -> float | None:
 
 
 class AlertsCollector:
-    """``keel_alerts_firing{alert}`` and ``keel_beat_leader_last_tick_age_seconds`` for a Prometheus registry: read
-    from the database at most every ``cache_seconds``, each read cut short after ``read_timeout``, never two scrapes
-    reading at once (:mod:`agents.observability.scrape`); every process that exports them says the same. When the
-    database cannot be read in time, nothing (``keel_kpi_up`` says so).
-
-    The age, not the time of the last tick: it is computed where the tick was stamped, on one clock (invariant 10),
-    so Prometheus's own clock never enters the comparison."""
+    """``keel_alerts_firing{alert}``, ``keel_beat_leader_last_tick_age_seconds`` and the audit gauges, read as
+    :mod:`agents.observability.scrape` reads; nothing when the database cannot be read in time. The tick's age, not
+    its time, so that one clock (the database's) measures it."""
 
     def __init__(
         self,

@@ -1,11 +1,6 @@
-"""The domain KPIs as Prometheus metrics, and as the table people read (``keel kpi``, the daily report).
-
-The figures come from PostgreSQL (:mod:`models.kpi_sql`): every process that exports them says the same, so the
-dashboard and the alert rules take ``max`` over them. :class:`DomainCollector` reads them at most every few seconds
-(a scrape from several Prometheus servers costs one read), in one transaction cut short after a few seconds, and a
-scrape never queues behind another's read (:mod:`agents.observability.scrape`); when the database cannot be read in
-time it exports ``keel_kpi_up 0`` alone — a figure that is missing is not a figure that is 0. Values stay exact
-(Decimal) until they become a sample.
+"""The domain KPIs as Prometheus metrics, and as the table people read (``keel kpi``, the daily report), computed
+in PostgreSQL so every exporting process says the same; a database that cannot be read in time exports
+``keel_kpi_up 0`` alone, never a figure of 0 (docs/explanation/runtime-outbox-and-workers.md#kpi-metrics).
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""Keel's log lines: structlog over the standard library, with the context of the work in progress on every line.
-
-Keel, Celery and uvicorn all log through ``logging.getLogger(...)``; one :class:`structlog.stdlib.ProcessorFormatter`
-on the process's handlers renders each of their records — and those of ``structlog.get_logger()`` — as one JSON
-object per line (production) or as a readable line (development). :func:`choose_json` picks between them:
-``KEEL_LOG_FORMAT`` when set, else readable on a terminal and JSON otherwise (``keel up`` and ``keel demo`` ask their
-children for readable lines).
-
-Every line logged while a unit of work is observed (:func:`agents.core.observe.observe`: an HTTP request, a
-transition, a job run, a model or tool call, an outbox send) carries that work's ``request_id``, ``agent_id``,
-``job_key``, ``outbox_key`` and ``actor`` — those of the enclosing units too (a model call inside a job run has the
-job's agent) — and ``trace_id`` / ``span_id`` when an OpenTelemetry span is current. :class:`LogContext`, the
-observer, keeps the stack of units in progress in a context variable; the line's context is read from it when the
-line is written, so what a unit learns later (its agent, once claimed; its actor, once the token is known) shows on
-later lines, even when it was learnt on another thread. Values bound with ``structlog.contextvars`` show too.
-
-Every value on a line goes through :func:`agents.core.redaction.redact` (tracebacks included) just before it is
-rendered, once: a handler with this formatter needs no :class:`~agents.core.redaction.RedactingFilter` (and
-:func:`~agents.core.redaction.install_log_redaction` puts none on it). A JSON line is one line for any reader: the
-characters other than ``\n`` that some readers split lines on (U+0085, U+2028, U+2029) are written escaped.
+"""Keel's log lines: one structlog formatter on the process's handlers writes every record (Keel's, Celery's,
+uvicorn's) as a JSON or a readable line, with the context of the work in progress (request, agent, job, outbox key,
+actor, trace) and every value redacted once (docs/explanation/runtime-outbox-and-workers.md#log-lines).
 """
 
 from __future__ import annotations
@@ -48,11 +31,8 @@ _ops: ContextVar[tuple[observe.Op, ...]] = ContextVar("keel_logged_ops", default
 
 
 class LogContext:
-    """The observer that puts the context of the units of work in progress on every line logged within them.
-
-    Units nest (an HTTP request → its transition; a job run → a model call → a transition): a unit's context adds
-    to its enclosing units' and is gone when it ends. Registered by :func:`use_structlog`.
-    """
+    """The observer that puts the context of the units of work in progress on every line logged within them; units
+    nest (a job run → a model call → a transition), each adding to its enclosing units' context until it ends."""
 
     def start(self, op: observe.Op) -> None:
         _ops.set((*_ops.get(), op))
@@ -153,12 +133,8 @@ class Formatter(structlog.stdlib.ProcessorFormatter):
 
 
 def formatter(role: str, json: bool) -> Formatter:
-    """The formatter for a handler of a Keel process (``role``: api, worker, beat, cli …): JSON lines
-    (``timestamp`` in UTC ISO 8601, ``level``, ``logger``, ``event``, ``role``, ``pid``, the work's context,
-    ``exception``) or readable ones (local time, level, message, logger, then the context as ``key=value``).
-
-    Usable from ``logging.config.dictConfig``: ``{"()": "agents.observability.logs.formatter", "role": …,
-    "json": …}``."""
+    """The formatter for a handler of a Keel process (``role``: api, worker, beat, cli …): JSON lines or readable
+    ones, each with the work's context. Usable from ``dictConfig`` (:func:`log_config_formatter`)."""
     last: list[Any]
     if json:
         timestamps = structlog.processors.TimeStamper(fmt="iso", utc=True)
@@ -236,10 +212,8 @@ def configure_logging(
     stream: IO[str] | None = None,
     setting: str | None = None,
 ) -> bool:
-    """Set up this process's logging: one handler on the root logger, writing to ``stream`` (stderr) with
-    :func:`formatter`, every line redacted (by the formatter); structlog through it (:func:`use_structlog`). ``json``
-    None: from ``setting`` (``KEEL_LOG_FORMAT``) or the stream (:func:`choose_json`). Returns whether lines are
-    JSON."""
+    """Set up this process's logging: one root handler on ``stream`` (stderr) with :func:`formatter`, and structlog
+    through it. ``json`` None: chosen by :func:`choose_json`. Returns whether lines are JSON."""
     stream = stream if stream is not None else sys.stderr
     as_json = choose_json(setting, stream) if json is None else json
     handler = logging.StreamHandler(stream)

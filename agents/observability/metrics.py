@@ -1,28 +1,7 @@
-"""Prometheus metrics: the process-local histograms of Keel's units of work, and their export per process role.
-
-:class:`MetricsObserver` is an :mod:`agents.core.observe` observer: every transition, job run, model call, tool call,
-outbox send and HTTP request it sees ends in one histogram observation (``agents.observability.names``). Label
-values are bounded: route templates (never raw paths), known events and methods, and per label at most
-:data:`LABEL_LIMIT` distinct values per process; anything else is ``other``.
-
-:func:`install_metrics` registers the observer in this process and returns what the process exports
-(:class:`Metrics`): its registry, an HTTP exporter (:meth:`Metrics.serve`) and the body of a scrape
-(:meth:`Metrics.exposition`, for the API's token-guarded ``/metrics``). Two ways to keep the process-local numbers:
-
-- **One process** (beat; ``keel serve`` with one worker): in memory, exported with the process's own CPU and memory
-  figures.
-- **Several processes behind one scrape** (a Celery prefork worker's children; ``keel serve --workers N``):
-  prometheus_client's multiprocess mode. Each process writes its histograms to memory-mapped files in
-  ``PROMETHEUS_MULTIPROC_DIR``; a scrape sums every file, so it sees every process's observations, including those of
-  processes that have exited (a histogram's counts never go back). :func:`prepare_multiprocess` makes (or wipes) that
-  directory in the parent before it starts its processes. A private directory is named after the parent's pid and
-  removed when it exits; one whose parent was killed (SIGKILL runs no exit handler) is removed by the next Keel
-  process that prepares one (:func:`sweep_orphaned_dirs`). One exporter per child process was the other choice: it
-  would need a port per child, Prometheus could not scrape a child that Celery replaced, and what a replaced child
-  counted would be lost.
-
-Domain collectors (the KPIs computed from PostgreSQL) are added to a role's registry with ``install_metrics(role,
-collectors=[...])``; every API process and every beat exports them.
+"""Prometheus metrics: :class:`MetricsObserver` turns each observed unit of work into one histogram observation with
+bounded labels, and :func:`install_metrics` returns what a process exports, kept in memory for one process or in
+prometheus_client's multiprocess mode for several behind one scrape
+(docs/explanation/runtime-outbox-and-workers.md#metrics-across-processes).
 """
 
 from __future__ import annotations
@@ -181,10 +160,9 @@ def multiprocess_dir() -> Path | None:
 
 
 def prepare_multiprocess(role: Role) -> Path:
-    """Switch this process, and the processes it starts after this, to multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR``
-    if set (its ``*.db`` files are deleted: the numbers of an earlier run), else a new private directory, removed
-    when this process exits. Call it in the parent before the children start (the worker before its pool forks,
-    ``keel serve`` before uvicorn starts its workers). A directory is for one such family of processes only."""
+    """Switch this process and those it starts afterwards to multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR`` if set
+    (an earlier run's ``*.db`` files deleted), else a private directory removed at exit. Call it in the parent
+    before its children start; a directory serves one such family of processes only."""
     given = multiprocess_dir()
     if given is not None:
         given.mkdir(parents=True, exist_ok=True)
@@ -204,10 +182,9 @@ def prepare_multiprocess(role: Role) -> Path:
 
 
 def sweep_orphaned_dirs(where: Path | None = None) -> list[Path]:
-    """Remove the private multiprocess directories in ``where`` (the temporary directory) whose maker is dead — a
-    worker or API parent killed outright leaves its directory behind. Only directories named as Keel names them
-    (:data:`PRIVATE_DIR`, with the maker's pid), owned by this user, not a link, and whose pid is no live process are
-    touched; returns those removed."""
+    """Remove the private multiprocess directories in ``where`` (the temporary directory) left by a parent killed
+    outright: only those named :data:`PRIVATE_DIR`, owned by this user, not links, whose pid is no live process.
+    Returns those removed."""
     base = Path(where or tempfile.gettempdir())
     removed: list[Path] = []
     try:

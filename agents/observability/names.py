@@ -1,7 +1,6 @@
 """The Prometheus metrics Keel exports, in one place: the dashboard (deploy/grafana/keel.json), the alert rules
-(deploy/prometheus/alerts.yml), the exporters and their tests all use exactly these names.
-
-Counters are named as they are scraped (``…_total``); a collector builds them as families without it.
+(deploy/prometheus/alerts.yml), the exporters and their tests all use exactly these names. Counters are named as they
+are scraped (``…_total``); a collector builds them as families without it.
 """
 
 from __future__ import annotations

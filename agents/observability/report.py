@@ -1,11 +1,6 @@
-"""The daily KPI report: the last 24 hours' KPI table, posted to Slack through the outbox once a day.
-
-The leading beat asks :func:`post_daily_report` once per alert evaluation. A day's report is due from that day's
-``KEEL_KPI_REPORT_AT`` (UTC, on the database's clock) until the next day's: the day due is the day of the most recent
-``HH:MM`` passed, so an evaluation that comes a minute late — past midnight for a report at 23:59 — still posts it.
-It is inserted into the outbox under ``kpi:daily-report:{date}``, so two beats, or one restarted, never post one day
-twice (a second insert of the key is a no-op). A report missed for a whole day (no beat led from one ``HH:MM`` to the
-next) is not caught up: only the latest day due is posted, late rather than never.
+"""The daily KPI report: the last 24 hours' KPI table, posted to Slack through the outbox once a day from
+``KEEL_KPI_REPORT_AT`` (UTC, on the database's clock), keyed by its date so no day is posted twice
+(docs/explanation/runtime-outbox-and-workers.md#the-daily-kpi-report).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """How a collector that reads the database answers a scrape: from one read at most every few seconds, never queued
-behind a read in progress, never waiting on the database longer than :data:`READ_TIMEOUT`.
-
-A scrape runs in the thread that serves it (an API request thread, the exporter's thread). Were a read to wait on the
-database (a lock held elsewhere, a partition) while holding a lock that the next scrape waits on, every scrape would
-queue behind it and tie up a thread each. Here one scrape reads; a scrape that comes meanwhile answers at once with
-what the last read found (or with ``busy()`` before any read has finished), and the read itself is cut short by a
-statement timeout (:meth:`models.db.Database.reading`).
+behind a read in progress, never waiting on the database longer than :data:`READ_TIMEOUT`, so a slow database
+cannot tie up a thread per scrape (docs/explanation/runtime-outbox-and-workers.md#scrapes-that-read-the-database).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""OpenTelemetry traces: one span per observed unit of work, one trace per request across every process.
-
-Off unless an OTLP endpoint is configured: ``KEEL_OTLP_ENDPOINT`` (an OTLP/HTTP collector's base URL, e.g.
-``http://otel-collector:4318``; spans go to its ``/v1/traces``), else the standard
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (the full URL) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base URL).
-``OTEL_SDK_DISABLED=true`` keeps them off whatever is set. The exporter reads the other standard
-``OTEL_EXPORTER_OTLP_*`` variables itself (headers, timeout, compression, certificates), the provider
-``OTEL_TRACES_SAMPLER``.
-
-When on, every ``observe(...)`` block (:mod:`agents.core.observe`) is a span, current while the block runs, so the
-work it does (a transition inside a job run, a tool call inside it) is its child. A block that names a
-``traceparent`` and runs under no span continues that trace: the HTTP request's header, and the one a transition
-stored with the jobs and outbox messages it inserted (:func:`agents.core.observe.current_traceparent`), so a job's
-run and a message's send — in a worker, retried, redelivered — belong to the request that caused them.
+"""OpenTelemetry traces: one span per observed unit of work, one trace per request across every process (the
+``traceparent`` stored with jobs and outbox messages carries it). Off unless an OTLP endpoint is configured
+(``KEEL_OTLP_ENDPOINT`` or the standard ``OTEL_EXPORTER_OTLP_*`` variables:
+docs/explanation/runtime-outbox-and-workers.md#traces).
 """
 
 from __future__ import annotations
@@ -209,11 +199,9 @@ _installed: Tracing | None = None
 
 
 def configure_tracing(settings: Settings, service_name: str, exporter: SpanExporter | None = None) -> Tracing | None:
-    """Turn traces on in this process when an OTLP endpoint is configured (see the module's docstring); returns
-    None, doing nothing, when none is. ``service_name`` is the process's role (:data:`API`, :data:`WORKER`,
-    :data:`BEAT`). ``exporter`` replaces the OTLP/HTTP exporter (tests); it too is used only when an endpoint is
-    configured. Configuring again replaces what this process had configured (not what a forked parent had: a
-    prefork worker child calls this after the fork, with a provider and export thread of its own)."""
+    """Turn traces on in this process as ``service_name`` (:data:`API`, :data:`WORKER`, :data:`BEAT`) when an OTLP
+    endpoint is configured, else return None. ``exporter`` replaces the OTLP/HTTP one (tests); configuring again
+    replaces what this process configured, not what a forked parent had."""
     global _installed
     endpoint = traces_endpoint(settings)
     if endpoint is None:
@@ -236,9 +224,8 @@ def configure_tracing(settings: Settings, service_name: str, exporter: SpanExpor
     # then its retries) before the process could end.
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=endpoint)))
-    # Not installed as OpenTelemetry's global provider: libraries that trace through it on their own (FastAPI's
-    # native telemetry, say) stay off, and every span is one of Keel's units of work. The current span is global
-    # all the same: spans a tool makes through a global provider of its process's own join the trace.
+    # Not OpenTelemetry's global provider, so libraries' own telemetry stays off; the current span is global all the
+    # same, so spans a tool makes through a provider of its own join the trace.
     observer = TracingObserver(provider.get_tracer("keel", version("keel")))
     observe.register(observer)
     observe.set_trace_context(observer)

@@ -1,10 +1,6 @@
-"""Who Keel posts as at each receiver, as the receiver itself says (never configured), and the one test of whether a
-message found there is Keel's delivery of a key.
-
-Anyone who may post where Keel posts can put Keel's key in a message of their own (a ``<!-- keel:KEY -->`` marker in
-an issue comment, the key in a Slack message's metadata). Reconciliation takes a message for Keel's only if it
-carries the key *and* Keel wrote it: :meth:`SlackIdentity.claim` and :meth:`GitHubIdentity.claim` are where that is
-decided. Each sender learns its identity once per token and keeps it for the relay process.
+"""Who Keel posts as at each receiver, as the receiver itself says (never configured), and the one test (``claim``)
+of whether a message found there is Keel's delivery of a key: anyone who may post there can copy Keel's key into a
+message of their own (docs/explanation/runtime-outbox-and-workers.md#reconciliation-and-planted-keys).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The outbox relay: the only place Slack and GitHub are called.
-
-A pass finds the lines whose head is due by a bounded skip scan of the line index (each pass going on from where the
-last one stopped: it costs the same with a backlog of ten or of a million), then works through each line in its own
-thread (bounded by ``KEEL_OUTBOX_CONCURRENCY``): a message is sent only after every earlier one to the same
-destination is settled, so nothing overtakes. Before re-sending a message whose previous attempt's outcome is
-unknown, the relay asks the receiver whether it already has it (by the key it carries, in a message Keel itself
-wrote) and, if so, records it as delivered without sending.
+"""The outbox relay, the only place Slack and GitHub are called: a pass finds the destinations whose line is due,
+sends each line in order on a thread of its own, and asks the receiver before re-sending a message whose earlier
+attempt's outcome is unknown (docs/explanation/runtime-outbox-and-workers.md#the-outbox-relay).
 """
 
 from __future__ import annotations
@@ -193,10 +188,8 @@ class Relay:
         report = RelayReport()
         deadline = time.monotonic() + self.pass_seconds
         with self._cursor_lock:
-            # A walk that looked at its ``head_probes`` lines and found none due (their heads back off: a receiver
-            # away) goes straight on from where it stopped, up to ``walks`` of them: a due line behind thousands of
-            # backing-off ones is found within a pass or a few, not after lines / probes passes.
-            # A walk ending where an earlier one of this pass ended has come round (every line looked at): stop.
+            # Walk on past lines whose heads all back off, up to ``walks`` times, so a due line behind thousands of
+            # them is found within a pass or a few; a walk that comes round to where an earlier one ended stops.
             ended = {self._cursor}
             for _ in range(self.walks):
                 destinations, self._cursor = due_destinations(
@@ -220,9 +213,8 @@ class Relay:
                 return
 
     def _send_run(self, run: list[ClaimedMessage], report: RelayReport) -> bool:
-        """Send a claimed run in order. Confirmations are written once for the run: should the relay die first, the
-        messages are still ``sending`` and get reconciled, not re-sent. Stops at the first failure, which is
-        recorded, and gives the rest of the run back untouched. True if the whole run went through."""
+        """Send a claimed run in order and confirm it in one write (a relay that dies first leaves it ``sending``, to
+        be reconciled, not re-sent). The first failure is recorded and the rest given back; True if all went."""
         done: list[Delivery] = []
         try:
             for index, message in enumerate(run):

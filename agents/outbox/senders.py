@@ -1,11 +1,6 @@
-"""The outbox's senders: Slack (slack_sdk) and GitHub (REST over httpx).
-
-Each can ``send`` a message carrying its key (Slack: message metadata; GitHub: a hidden ``<!-- keel:KEY -->``
-marker) and ``find`` it again among what the receiver already holds, which is how the relay settles an attempt
-whose outcome it could not see: only a message Keel itself wrote counts (:mod:`agents.outbox.identity`), so each
-sender first learns from the receiver who it posts as. The client libraries' own retries are off: the outbox owns
-retries. Every error text is built from the receiver's status and reason, never from headers, and is scrubbed of
-the token anyway.
+"""The outbox's senders, Slack (slack_sdk) and GitHub (REST over httpx): each sends a message carrying its key and
+finds it again at the receiver (only a message Keel itself wrote counts), with the client's own retries off and every
+error text scrubbed of the token (docs/explanation/runtime-outbox-and-workers.md#senders).
 """
 
 from __future__ import annotations
@@ -101,9 +96,8 @@ Who = TypeVar("Who", SlackIdentity, GitHubIdentity)
 
 
 class Learnt(Generic[Who]):
-    """One sender's identity, learnt from the receiver once per token and kept for the process; a failure is not
-    kept (the next call asks again). One call asks at a time; the others wait for its answer at most ``wait``
-    seconds (one HTTP timeout: a send's lease was renewed just before), then take its failure or give up for now."""
+    """One sender's identity, learnt from the receiver once per token and kept for the process (a failure is not
+    kept). One call asks at a time; the others wait at most ``wait`` seconds for its answer."""
 
     def __init__(self, wait: float) -> None:
         self.wait = wait

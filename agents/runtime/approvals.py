@@ -1,11 +1,7 @@
-"""Approval timeouts: a call that waited longer than its tool's ``approval_timeout`` is rejected (the model is told
-it timed out) or escalated (``KEEL_APPROVAL_ESCALATION_SLACK_CHANNEL`` is told once; the call keeps waiting).
-
-Enforced by the leading beat on the database's clock, like deadlines. Each move is a transition made against the
-revision the pass read: two beats (or a beat and a person deciding) race on the agent's lock, and the loser's
-command is a stale revision, rejected and journaled, that changes nothing. An escalation is a ``progress`` event
-journaled as ``approval_escalated`` with the gate's key; the pass skips a call whose escalation is journaled, and its
-message is keyed by the gate, so a restart or a second beat never sends it twice.
+"""Approval timeouts, enforced by the leading beat on the database's clock: a call that waited longer than its
+tool's ``approval_timeout`` is rejected (the model is told) or escalated (the escalation channel is told, once), each
+move a transition against the revision the pass read, so racing beats or people never apply one twice (why:
+docs/explanation/runtime-outbox-and-workers.md#approval-timeouts).
 """
 
 from __future__ import annotations
@@ -50,9 +46,8 @@ DEFAULT_BATCH = 200
 def enforce_timeouts(
     db: Database, settings: Settings, *, actor: str = ACTOR, batch: int = DEFAULT_BATCH
 ) -> TimeoutReport:
-    """Apply every passed approval timeout, once (see the module's docstring), ``batch`` calls per query, each batch
-    read on from where the last one ended: a call whose move failed (logged, and the pass goes on with the others)
-    is not read again in the same pass, and the pass ends."""
+    """Reject or escalate every call past its approval timeout, ``batch`` calls per query, each batch read on from
+    where the last ended: a call whose move failed is logged and not read again in this pass."""
     if batch < 1:
         raise InvalidInput(f"batch must be at least 1, got {batch}")
     report = TimeoutReport()

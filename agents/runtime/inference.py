@@ -1,13 +1,7 @@
-"""Inference providers: one protocol, an OpenAI-compatible chat-completions client, and a scripted provider.
-
-A provider turns a conversation (OpenAI-style messages) and the tools on offer into a :class:`Reply`: either a
-final answer or tool calls, with the usage the provider reported and its cost from the price table. Failures are
-raised as :class:`~agents.core.errors.JobError` subclasses, so the job runner retries them by class: 429 →
-``rate_limited`` (with Retry-After), 5xx and timeouts → ``transient``, 400 and context overflow → ``invalid``.
-A 200 whose body is malformed (not JSON, no choices, a tool call without an id or a name, arguments that are not a
-JSON object, text PostgreSQL cannot store) is ``invalid`` too, carrying the usage the provider reported, so it is
-charged and never asked for again. Tool call ids are the model's to choose: :func:`tool_call_key` makes any of them
-safe for a job key, while the model always gets its own id back.
+"""Inference providers: one protocol, an OpenAI-compatible chat-completions client, and a scripted provider. A
+provider turns a conversation and the tools on offer into a :class:`Reply` (a final answer or tool calls, with usage
+and cost) and raises failures as :class:`~agents.core.errors.JobError` subclasses, so the job runner retries them by
+class (which class for which answer: docs/explanation/runtime-outbox-and-workers.md#inference-providers).
 """
 
 from __future__ import annotations
@@ -178,12 +172,9 @@ _KEY_SAFE_CALL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 
 
 def tool_call_key(call_id: str) -> str:
-    """The model's tool call id as it appears in keys (``{request}:tool:{name}:{round}.{key}``).
-
-    An id of up to 64 letters, digits, '_' and '-' is kept as it is; any other (spaces, slashes, colons, non-ASCII,
-    empty, long) becomes a readable prefix plus a hash of the whole id: the same id always gives the same key,
-    different ids different keys, and a key maps to itself. Only keys use it: the model is answered with its own id.
-    """
+    """The model's tool call id as it appears in keys (``{request}:tool:{name}:{round}.{key}``): kept if it is 1-64
+    letters, digits, '_' and '-', else a readable prefix plus a hash of the whole id (stable, distinct, idempotent).
+    Only keys use it: the model is answered with its own id."""
     if _KEY_SAFE_CALL_ID.fullmatch(call_id):
         return call_id
     digest = hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
@@ -315,14 +306,8 @@ def parse_script(script: Any) -> tuple[ScriptEntry, ...]:
 
 @dataclass
 class ScriptedProvider:
-    """Replays a scripted conversation: the n-th call gets the n-th reply. Deterministic, offline (tests, demo).
-
-    Each entry (:class:`ScriptEntry`) is a final answer ``{"content": "…"}`` or tool calls
-    ``{"tool_calls": [{"name": "…", "arguments": {…}}]}``; each may carry ``"tokens"`` (default 100) and ``"cost"``
-    (default 0.001), and ``"error": "transient" | "rate_limited" | "invalid"``, which fails the step's first
-    ``"times"`` attempts (default 1) before the entry is replied. Which entry to play is decided by the number of
-    assistant messages already in the conversation, so a replay after a crash gives the same reply.
-    """
+    """Replays a script of :class:`ScriptEntry` replies, deterministic and offline (tests, demo): the entry played is
+    the number of assistant messages already in the conversation, so a replay after a crash gives the same reply."""
 
     script: Sequence[ScriptEntry]
 

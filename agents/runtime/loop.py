@@ -1,21 +1,7 @@
-"""The agent loop as job handlers: plan (a model call), tool (one tool call), gate (wait for a person).
-
-planning: job ``{request}:plan:{n}`` asks the model. A final answer finishes the request; tool calls move the
-agent to executing and schedule one job per call, ``{request}:tool:{name}:{n}.{call_key}``, where ``call_key`` is
-the model's call id made safe for a key (:func:`~agents.runtime.inference.tool_call_key`); the model always gets its
-own id back, and a step's payload carries both (``call_id``: the key-safe one tools see; ``tool_call_id``: the model's).
-Every key a step schedules or reads is derived from its own key (:func:`~agents.core.keys.derive`), and the messages
-its tool emits from its step's key, so a later round may reuse a call id. The last tool result of a round sends the
-conversation back to the model (``plan:{n+1}``). A reply that calls a tool Keel does not have fails the request
-(``unknown_tool``), naming the tool and the tools there are; one that uses a call id twice fails it as ``invalid``
-(which call would a result answer?), naming the ids. A call to a
-tool that needs approval is a ``gate`` job that moves the agent to waiting_approval; ``approve`` schedules the tool,
-``reject`` asks the model to revise. Every step's result is stored on its job, in the transition that schedules the
-next step; a plan step's result also carries the conversation it sent the model, so the next one reads that, the
-reply and the round's tool results (a few rows by key, not the whole request), and drops the previous step's copy in
-the transition that records its own: a request stores its conversation once, on its latest plan step (storage grows
-with its rounds, not with their square). After a crash the request resumes at the first unfinished step, and a
-finished model call or tool call is never made again.
+"""The agent loop as job handlers: ``plan`` (a model call), ``tool`` (one tool call), ``gate`` (wait for a person).
+Each step's keys derive from its own key, and its result is stored in the transition that schedules the next step,
+so after a crash a request resumes at its first unfinished step and never repeats a model or tool call (the whole
+loop: docs/explanation/runtime-outbox-and-workers.md#the-agent-loop).
 """
 
 from __future__ import annotations
@@ -134,12 +120,9 @@ def step_target(tool_name: str, round_: int, call_id: str) -> str:
 
 
 def conversation(db: Database, agent_id: UUID, request_id: str, plan_key: str) -> tuple[Any, list[dict[str, Any]]]:
-    """The messages the plan step ``plan_key`` (of round n) sends: those of rounds 1..n-1, i.e. the conversation the
-    previous plan step was sent (stored with its result), its reply, and the results of that reply's calls — a few
-    rows by key, however long the request. When the previous step holds no conversation (recorded by an earlier
-    version, or a past round's, dropped once the step after it was recorded) it is rebuilt from the request's
-    steps. The keys it reads are derived from ``plan_key``; the agent and ``request_id`` scope the read (request ids
-    are each agent's own)."""
+    """The messages plan step ``plan_key`` sends: the previous plan step's stored conversation, its reply and its
+    calls' results, a few rows read by key (rebuilt from every step when that step holds none). The agent and
+    ``request_id`` scope the read."""
     previous = int(split_key(plan_key)[2]) - 1
     previous_key = derive(plan_key, "plan", str(previous))
     request_input, found = request_steps_by_key(db, agent_id, request_id, [plan_key, previous_key])
@@ -240,9 +223,8 @@ def plan(ctx: JobContext) -> JobResult:
             reply = provider.complete(messages, [t.schema() for t in tools.values()], attempt=ctx.attempt)
         ctx.checkpoint(reply.checkpoint())
     message = reply.as_message()
-    # What the model was sent, stored with its reply: the next step reads this one row and the round's results. The
-    # previous step's copy is dropped as this one is recorded (its reply stays): a request stores its conversation
-    # once, on its latest plan step, not once per round.
+    # Stored with the reply, so the next step reads this one row; the previous step's copy is dropped (its reply
+    # stays), so a request stores its conversation once, not once per round.
     sent = {"reply": message, "conversation": messages}
     drops = ((derive(ctx.key, "plan", str(round_ - 1)), "conversation"),) if round_ > 1 else ()
     if not reply.tool_calls:
@@ -313,9 +295,8 @@ def run_tool(ctx: JobContext) -> JobResult:
         try:
             output = future.result(timeout=tool.timeout)
         except FutureTimeout:
-            # It may still have had its effect: never run it again; tell the model. Its thread cannot be stopped,
-            # so the worker ends this process once the outcome is recorded: nothing it returns or does later can
-            # land.
+            # It may have had its effect, so it never runs again. Its thread cannot be stopped: the worker ends this
+            # process once the outcome is recorded, so nothing it does later can land.
             op.outcome = "timeout"
             ctx.abandoned.set()
             return said(f"error: {tool.name} did not finish within {tool.timeout:g}s; its outcome is unknown")

@@ -1,10 +1,6 @@
-"""What people are told about a call that waits for approval: Slack messages sent through the outbox.
-
-Each message is keyed from the gate step it is about (the kinds are in :mod:`agents.core.approval_notices`, which also
-sends the follow-up of a wait that ends undecided): a gate delivered twice, a decision replayed or two beats
-escalating at once still send each one once. A decision is followed up on every channel that was told of the call:
-the approval channel, and the escalation channel if it was escalated. Arguments are redacted and bounded: the channel
-is read by more people than the journal.
+"""What people are told about a call that waits for approval: Slack messages sent through the outbox, each keyed
+from the gate step it is about so it is sent once, with the call's arguments redacted and bounded (more:
+docs/explanation/runtime-outbox-and-workers.md#approval-notices).
 """
 
 from __future__ import annotations

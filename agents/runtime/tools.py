@@ -1,15 +1,7 @@
-"""Tools the model may call: registered with ``@tool``, their input validated by pydantic.
-
-A tool has one name, the one the model calls it by (an OpenAI function name: letters, digits, ``_`` and ``-``, at
-most 64), which is also the name in its steps' keys, in the state and in the journal: ``slack_post``,
-``github_comment``.
-
-A tool gets its validated arguments and a :class:`ToolContext`, and returns a :class:`ToolOutput`: the content the
-model sees next, and any Slack/GitHub messages to send — through the outbox, in the transition that records the
-result, never from inside the tool. A message's ``target`` names it within its call: its key is derived from the
-call's step key (``{request}:slack:tool.{tool}:{round}.{call}@{target}``), so calls never share one. Tools with
-``needs_approval`` wait for a person before they run. Modules in ``KEEL_IMPORTS`` and ``keel.tools`` entry points
-are imported at worker start.
+"""Tools the model may call: registered with ``@tool`` under the one name the model calls them by, their input
+validated by pydantic. A tool returns the content the model sees next and any Slack/GitHub messages, which the
+outbox sends in the transition that records the result, never the tool itself (names, message keys, approval:
+docs/explanation/runtime-outbox-and-workers.md#tools).
 """
 
 from __future__ import annotations
@@ -95,10 +87,9 @@ def tool(
     approval_timeout: timedelta | None = None,
     on_timeout: str = "reject",
 ) -> Callable[[Callable[[Any, ToolContext], ToolOutput]], Callable[[Any, ToolContext], ToolOutput]]:
-    """Register a tool called ``name`` (letters, digits, ``_``, ``-``; at most 64: the model calls it by this
-    name). Its first parameter's annotation is the pydantic model of its input. A tool that ``needs_approval`` may
-    set ``approval_timeout``: a call waiting longer is rejected (``on_timeout="reject"``, the model is told) or
-    escalated (``"escalate"``: ``KEEL_APPROVAL_ESCALATION_SLACK_CHANNEL`` is told once, the call keeps waiting)."""
+    """Register a tool called ``name`` (1-64 letters, digits, ``_``, ``-``), its input model the annotation of its
+    first parameter. With ``needs_approval``, ``approval_timeout`` rejects a call that waits longer, or escalates it
+    once with ``on_timeout="escalate"``."""
     if approval_timeout is not None and not needs_approval:
         raise ValueError(f"tool {name}: approval_timeout needs needs_approval=True")
     if approval_timeout is not None and approval_timeout <= timedelta(0):

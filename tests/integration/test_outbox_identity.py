@@ -14,9 +14,9 @@ import pytest
 from agents.client import Client
 from models.db import Database
 from models.outbox_sql import message_row
-from tests.integration.test_outbox import GITHUB_TOKEN, OPEN, SLACK_TOKEN, drain, emit, gh_msg, relay, slack_msg
 from tests.support.fakes import FakeGitHub, FakeSlack
 from tests.support.keys import scoped
+from tests.support.outbox import GITHUB_TOKEN, OPEN, SLACK_TOKEN, drain, emit, gh_msg, relay, slack_msg
 
 pytestmark = pytest.mark.integration
 

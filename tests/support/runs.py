@@ -1,15 +1,17 @@
-"""Run an agent's due jobs in-process, as a worker would, until none is left."""
+"""Run jobs in-process, as a worker would: every due job until none is left (:func:`run_all`), or through a runner
+with handlers of the test's own (:func:`make_runner`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 
 import agents.runtime.loop  # noqa: F401 - registers plan, tool and gate
 from agents.core.policies import DEFAULT_RULES, ErrorClass, RetryRule
-from agents.jobs.handlers import registry
+from agents.jobs.handlers import JobContext, JobResult, Registry, registry
 from agents.jobs.runner import Runner
 from models.db import Database
 
@@ -32,3 +34,15 @@ def run_all(db: Database, limit: int = 50, rules: Mapping[ErrorClass, RetryRule]
         runner.run(row[0])
         ran.append(row[0])
     raise AssertionError(f"still running after {limit} jobs: {ran[-5:]}")
+
+
+def make_runner(
+    db: Database, handlers: dict[str, Callable[[JobContext], JobResult]] | None = None, **kw: Any
+) -> Runner:
+    """A worker's runner; with ``handlers``, those are its whole registry (else the global one: plan, tool, gate)."""
+    own: Registry = registry
+    if handlers:
+        own = Registry()
+        for name, fn in handlers.items():
+            own.register(name, fn)
+    return Runner(db, own, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES, **kw)
