@@ -22,6 +22,7 @@ from models.embedded import broker_url_for, redis_status
 from models.jobs_sql import Due
 from models.settings import Settings
 from tasks import metrics as _metrics  # noqa: F401  (connects the worker's and the beat's exporters to their start)
+from tasks.kombu_guard import guard_redis_transport
 from tasks.logs import quiet_housekeeping
 
 RUN_JOB = "keel.run_job"
@@ -29,6 +30,10 @@ RELAY_OUTBOX = "keel.relay_outbox"
 OUTBOX_QUEUE = "keel.outbox"  # the relay's own queue: a dedicated worker (`keel worker -Q keel.outbox`) may take it
 #: Periodic tasks beat sends every few seconds: Celery's received/succeeded/sending lines for them go to DEBUG.
 HOUSEKEEPING = frozenset({RELAY_OUTBOX})
+
+
+# Before any broker connection: a worker that loses Redis while it holds a message must reconnect, not stop.
+guard_redis_transport()
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

@@ -216,17 +216,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     setattr(item, f"rep_{report.when}", report)
-
-
-#: What a worker prints when kombu's Redis transport crashes it on a lost connection (restore_unacked on a
-#: connection whose client is gone): a known, open bug (docs/runbook.md), seen about one broker loss in five.
-KOMBU_CLOSE_CRASH = "Unrecoverable error: AttributeError(\"'NoneType' object has no attribute 'hostname'\")"
-
-
-def unless_kombu_crashed_the_worker(*logs: str) -> None:
-    """An expected failure naming the known kombu bug if it is what ended a worker; otherwise nothing."""
-    if any(KOMBU_CLOSE_CRASH in log.replace('\\"', '"') for log in logs):  # readable lines or JSON ones
-        pytest.xfail(
-            "known, open: kombu's Redis transport crashed the worker while closing the lost connection "
-            "(restore_unacked on a connection whose client is gone); see docs/runbook.md"
-        )

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import redis.exceptions
+from kombu import Connection
+from kombu.transport import redis as kombu_redis
 from pydantic import ValidationError
 
 from models.settings import Settings
 from tasks.app import celery_config
+from tasks.kombu_guard import guard_redis_transport
 
 PG = "postgresql://u@localhost/db"
 
@@ -22,6 +26,22 @@ def test_reliable_defaults() -> None:
     assert config["task_routes"]["keel.relay_outbox"] == {"queue": "keel.outbox"}
     relay = config["beat_schedule"]["relay-outbox"]
     assert (relay["task"], relay["options"]["queue"]) == ("keel.relay_outbox", "keel.outbox")
+
+
+def test_a_redis_channel_still_knows_its_server_after_its_transport_was_detached() -> None:
+    """The app guards kombu's Redis channels (tasks/kombu_guard.py): Celery's cleanup of a lost connection detaches
+    the transport before it closes the channel that restores the unacknowledged message (the bare worker's crash:
+    tests/chaos/test_kombu_lost_connection.py)."""
+    guard_redis_transport()  # again: it wraps once
+    assert not getattr(kombu_redis.Channel._connparams.__wrapped__, "keel_guard", False)
+    connection = Connection("redis://127.0.0.1:6390/5")
+    used, unused = kombu_redis.Channel.__new__(kombu_redis.Channel), kombu_redis.Channel.__new__(kombu_redis.Channel)
+    used.connection = unused.connection = connection.transport
+    assert used._connparams()["port"] == 6390
+    connection.transport.client = None  # what Connection.collect() does
+    assert (used._connparams()["port"], used._connparams()["db"]) == (6390, 5)
+    with pytest.raises(redis.exceptions.ConnectionError):  # which Celery's cleanup ignores, as when Redis is down
+        unused._connparams()
 
 
 def test_task_events_are_off_unless_asked_for() -> None:
