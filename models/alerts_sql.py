@@ -1,8 +1,6 @@
-"""Alerts SQL: episodes, the beat leader's terms, the leader's periodic chores, recorded audit verifies.
-
-Every time here is the database's (``clock_timestamp()``): two beats whose hosts disagree by minutes still agree on
-when an episode started, when a chore is due and how long nobody led.
-"""
+"""Alerts SQL: episodes, the beat leader's terms, the leader's periodic chores, recorded audit verifies. Every time
+here is the database's (``clock_timestamp()``), so two beats whose hosts disagree by minutes still agree on when an
+episode started, when a chore is due and how long nobody led."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Calls waiting for approval across agents: the inbox, and the ones past their tool's approval timeout.
-
-An agent waiting for approval waits on the latest gate step of its request (the transition into
-waiting_approval recorded it). Both queries start from the waiting agents (``ix_agents_waiting``) and find each
-one's gate by ``ix_jobs_gates``; times are the database's clock.
-"""
+"""Calls waiting for approval across agents: the inbox, and the ones past their tool's approval timeout. An agent
+waits on the latest gate step of its request; both queries start from the waiting agents (``ix_agents_waiting``),
+find each one's gate by ``ix_jobs_gates``, and take their times from the database's clock."""
 
 from __future__ import annotations
 

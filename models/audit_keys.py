@@ -1,14 +1,7 @@
-"""The journal's key ring: the secrets every journal event's link is an HMAC under, kept outside the database.
-
-``KEEL_AUDIT_KEYS`` holds the ring (key id -> secret, as JSON) and ``KEEL_AUDIT_KEY_ID`` the id new events are linked
-with; every event stores the id of its key, so a new key can take over while the old ones stay in the ring to check
-the events they linked. Production refuses to start without a ring (models/settings.py). Elsewhere, with none set,
-Keel uses a key it generated once under ``KEEL_HOME`` (``audit-key.json``, mode 0600), so ``keel up`` and ``keel demo``
-just work; every process writing the same journal must then share that home (or set the ring).
-
-A secret never leaves :class:`AuditKeys`: not in its repr, not in an error text; :func:`audit_key_secrets` hands
-them to the log redaction (agents/core/redaction.py) and nowhere else.
-"""
+"""The journal's key ring (``KEEL_AUDIT_KEYS``, ``KEEL_AUDIT_KEY_ID``): the secrets every journal event's link is an
+HMAC under, kept outside the database; outside production, a key generated once under ``KEEL_HOME``. A secret never
+leaves :class:`AuditKeys` (not in its repr, not in an error text) except through :func:`audit_key_secrets`, to the log
+redaction. How keys rotate: docs/explanation/storage-and-jobs.md ("The journal's key ring")."""
 
 from __future__ import annotations
 

@@ -1,34 +1,7 @@
-"""Seals on Keel's own audit records: ``audit_verifications`` (the outcome of every `keel audit verify`, which the
-``audit_verify`` alert and the console read), ``audit_shipments`` (how far the journal was shipped, which the
-shipper resumes from and the ship-lag measures read) and ``audit_verified_chains`` (how far each chain was verified,
-which an incremental `keel audit verify` starts from).
-
-The application role must be able to INSERT both (the beat and the CLI write them as it), so grants alone cannot
-keep someone holding only its database credentials from inserting an "ok" verification or a shipment that never
-happened. Each row therefore carries an HMAC under the journal's audit key ring (``key_id``, ``seal``), made of every
-field a reader acts on, and readers take a row whose seal does not hold for a forgery: a forged verification makes
-the alert fire, a forged shipment is passed over. What this stops, and what not: someone with the database
-credentials but not the key ring (a leaked ``KEEL_DATABASE_URL``, a SQL injection, a database-side compromise) can
-no longer make a record that is believed; someone who also holds the key ring — a compromised Keel process — can,
-as they can link journal events. Against them the separate store is the defence (its own credentials, Object Lock,
-and `keel audit verify --against` run by an auditor). A SECURITY DEFINER function would not help: the database
-cannot tell a real verification's result from a made-up one, since checking the chains needs the key it does not
-hold.
-
-A forged checkpoint would be the worst of the three: it would make an incremental verify skip the events below it.
-So a checkpoint whose seal does not hold is reported as a problem (the verify fails) and its chain is walked from its
-start, as if it had none. Replaying a genuine older checkpoint of the same chain only makes the next pass read more;
-one of another chain does not verify (the agent id is sealed).
-
-A verify that finds a chain broken marks its checkpoint (``broken_seq``), so that a break only the full pass could
-see (an edit below the checkpoint) is not forgotten by the incremental passes after it. A mark only ever makes a
-verify fail, so it is honoured even when its seal cannot be checked; a guard refuses every UPDATE of a marked row and
-the application has no DELETE, so neither a replayed older checkpoint nor the application's credentials clear it:
-the owner does, once the chain has been looked at.
-
-Replays are closed by the tables: a verification's ``seal`` is unique (its time is sealed with it), so a genuine
-row cannot be inserted again under a newer id, and a shipment's key includes its manifest's sha256.
-"""
+"""Seals on Keel's own audit records (``audit_verifications``, ``audit_shipments``, ``audit_verified_chains``): the
+application role writes them, so each row carries an HMAC under the journal's key ring, and a row whose seal does not
+hold is taken for a forgery. What that stops and what not, and how checkpoints and their marks hold:
+docs/explanation/storage-and-jobs.md ("Sealed audit records")."""
 
 from __future__ import annotations
 

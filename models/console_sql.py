@@ -1,16 +1,7 @@
-"""The console's list of agents, a page at a time, in the order people handle them.
-
-The order is one run per phase: waiting for approval first (longest waiting first: by when the wait began,
-``waiting_since``, the inbox's "since" — not by the agent's last move, since an escalation or another step of the
-round finishing moves it within the wait), then executing, planning, failed, idle and done, newest first within each.
-A wait that began before migration 0014 has no ``waiting_since`` and is placed by ``updated_at`` instead. A page is
-read run by run with keyset conditions, each run by an index that holds it in order (``ix_agents_waiting_since``,
-migration 0014; ``ix_agents_by_phase``, 0012), so a page costs a few index scans of at most a page's rows however
-many agents there are — never a sort of them all, never an OFFSET.
-
-The runs are read in one REPEATABLE READ snapshot, so an agent that moves between phases while a page is read is
-seen once, in one place. Between pages it may move, and then appear on two pages or on none; the first page is
-always current."""
+"""The console's list of agents, a page at a time, in the order people handle them: waiting for approval first
+(longest waiting first), then executing, planning, failed, idle and done, newest first within each; each page read
+run by run with keyset conditions in one REPEATABLE READ snapshot. Why, and what a page costs:
+docs/explanation/storage-and-jobs.md ("The console's agent list")."""
 
 from __future__ import annotations
 

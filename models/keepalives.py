@@ -1,11 +1,6 @@
-"""TCP keepalives and the TCP user timeout for Keel's connections to PostgreSQL.
-
-A server that goes away cleanly (a restart, a terminated backend) closes its connections and the client hears of it
-at once. One that vanishes without a word (a network partition, a host powered off) leaves a client blocked in recv
-until the kernel gives up on its own, about two hours later with Linux's defaults: a worker would sit on its claim, a
-relay on its send, the API's listener would hear nothing. Keepalive probes on an idle connection and a TCP user
-timeout on unacknowledged data bound that wait. libpq applies them to TCP connections only; Keel leaves them out of a
-Unix socket's options altogether (the embedded server's)."""
+"""TCP keepalives and the TCP user timeout for Keel's connections to PostgreSQL over TCP: a server that vanished
+without a word (a partition, a host powered off) is given up on in about a minute, not after the kernel's two hours
+(docs/explanation/storage-and-jobs.md, "TCP keepalives")."""
 
 from __future__ import annotations
 

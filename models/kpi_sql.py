@@ -1,23 +1,7 @@
-"""The KPIs: counters kept in the transactions that move them, folded into rollups, read back cheaply.
-
-Triggers (migration 0009) insert one ``kpi_deltas`` row per counter a transaction moves — a journal event, a job's
-outcome, a confirmed delivery — so a KPI moves if and only if what it counts committed. The leading beat calls
-:func:`fold` every few seconds: a batch of deltas is summed into per-minute rollups and into one running total per
-counter (bucket ``-infinity``), and deleted, in one transaction. A reader sums rollups and the deltas not folded
-yet in one statement, so it sees each delta exactly once whenever the fold runs: :func:`totals` (everything since
-the counters began) and :func:`window` (the last ``since``); :func:`gauges` reads the live state the counters do not
-hold (queue, outbox backlog, dead letters) through partial indexes. Nothing here scans history.
-
-Values are ``numeric`` in the database and :class:`~decimal.Decimal` here, exact until they leave for a person or
-Prometheus: a float sum depends on the order of its terms, so a counter read before and after a fold (rollup + d1 + d2
-against rollup + (d1 + d2)) could differ in its last bit, and a counter that goes back a hair is a reset to
-Prometheus.
-
-Counter rows are ``(name, label)``: ``label`` is ``k=v`` pairs joined by ``,`` (every labelled value — kind, channel,
-outcome, operation, status, error class, event, bucket bound — is an identifier without ``,`` or ``=``). A histogram
-is stored as Prometheus stores one: ``NAME_bucket`` rows counting the observations per bucket (the label ends with
-``le=UPPER``; counts are per bucket, not cumulative), ``NAME_sum`` and ``NAME_count``.
-"""
+"""The KPIs: counters kept in the transactions that move them (triggers insert ``kpi_deltas`` rows), folded by the
+leading beat into per-minute rollups, and read back cheaply as rollups plus the deltas not folded yet, exactly, in
+``Decimal``. How the fold, the readers and the rows fit together: docs/explanation/storage-and-jobs.md ("KPI
+counters")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Leadership leases (the beat leader's: tasks/leadership.py), on the database's clock.
-
-One row per leadership. Its holder renews it before ``lease_until``; once that has passed anybody may take it, and
-taking it raises ``term`` by one. A holder renews only its own term: a holder that was paused (SIGSTOP, a long GC, a
-partition) past its lease while another took over finds a higher term and steps down. Every statement is a single
-autocommit statement on no session state, so a transaction pooler (PgBouncer ``pool_mode=transaction``) carries it.
-"""
+"""Leadership leases (the beat leader's: tasks/leadership.py), on the database's clock: a holder renews only its own
+term, so one paused past its lease steps down. Single autocommit statements, so a transaction pooler carries them
+(docs/explanation/storage-and-jobs.md, "Leadership leases")."""
 
 from __future__ import annotations
 

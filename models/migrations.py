@@ -1,9 +1,6 @@
 """Running the Alembic migrations from code (``keel db upgrade``, tests, the demo), and telling whether a database's
-schema is the one this code was written for.
-
-The migrations live in the checkout's ``alembic/`` folder and ship as the package ``keel_migrations`` (see
-pyproject.toml), so an installed wheel migrates too: the Alembic config is built here from that package's location,
-not read from ``alembic.ini`` (which stays for running ``alembic`` by hand in a checkout)."""
+schema is the one this code was written for. The configuration is built from the ``keel_migrations`` package, so an
+installed wheel migrates too (docs/explanation/storage-and-jobs.md, "Migrations from an installed wheel")."""
 
 from __future__ import annotations
 

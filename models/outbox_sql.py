@@ -62,13 +62,8 @@ def insert_messages_txn(cur: psycopg.Cursor[Any], messages: Sequence[NewMessage]
     duplicate) keys."""
     inserted: list[str] = []
     suppressed: list[str] = []
-    # No lock on the destination's line (there was one, held to commit, until 0.x: it made every emitter to a busy
-    # channel wait for the one before it to commit). The order a line keeps is causal: a message is never sent before
-    # one emitted by a transaction that committed before its own began (successive transitions of one agent, which
-    # serialize on the agent row), nor before an earlier one of its own transaction (one seq after the other, one
-    # commit). Messages of transactions that were in flight together go in the order the relay finds them
-    # committed: neither came first. A key pruned by retention is refused here as an existing one (a trigger,
-    # migration 0021), so it counts as a suppressed duplicate too.
+    # No lock on the destination's line: the order it keeps is causal (docs/explanation/storage-and-jobs.md, "The
+    # outbox's order per destination"). A key pruned by retention is refused as an existing one: a suppressed duplicate.
     for m in messages:
         cur.execute(
             "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, traceparent,"

@@ -1,17 +1,7 @@
-"""Retention: finished jobs, sent outbox messages (their delivery log rows go with them by the foreign key's cascade)
-and old requests' inputs are pruned after a configurable age, a short transaction per batch.
-
-What is never pruned: anything of a request in flight (its agent is on it and not at rest), a job that is not final,
-a message that is not sent (pending, sending, and dead letters an operator may retry), the journal (``keel audit
-archive`` has its own way). What stays of a pruned job or message is its key (``pruned_keys``, written by the
-DELETE's own trigger, migration 0021): an insert of that key is skipped as a duplicate, and a late broker copy of the
-job is suppressed and counted. What stays of a pruned request is its row without its input (JSON null and the
-input's sha256): a request id stays its agent's, and a repeated submit is still compared with what was asked.
-
-Every age is measured on the database's clock (``now()``). Batches lock what they take ``FOR UPDATE SKIP LOCKED``,
-so two pruners at once (two beats, a beat and ``keel db prune``) take different rows and neither waits on the other,
-nor on a worker or a relay holding a row.
-"""
+"""Retention: finished jobs, sent outbox messages (with their delivery log rows) and old requests' inputs are pruned
+after a configurable age, a short transaction per batch, on the database's clock; a pruned key stays in
+``pruned_keys``. What is never pruned, and why two pruners never wait on each other:
+docs/explanation/storage-and-jobs.md ("Retention")."""
 
 from __future__ import annotations
 

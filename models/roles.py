@@ -1,45 +1,39 @@
-"""The database roles Keel runs under, so that the journal holds against someone with the application's credentials.
-
-Three roles, named by settings (``KEEL_DB_OWNER_ROLE``, ``KEEL_DB_APP_ROLE``, ``KEEL_DB_AUDITOR_ROLE``):
-
-- the **owner** (``keel_owner``, NOLOGIN) owns every table, sequence and function of Keel's schemas (``public`` and
-  ``audit``) and the ``audit`` schema itself. Migrations run as it (``alembic/env.py`` SETs ROLE to it), so only it and
-  superusers may alter or drop a table, turn a trigger off, replace a trigger function or TRUNCATE.
-- the **application** role (``keel_app``, LOGIN) is what the API, workers, beat, relay and the CLI log in as. It holds
-  exactly :data:`APP_PRIVILEGES`: on ``audit.journal`` SELECT and INSERT and nothing more, on the other tables what
-  the code does to them. It is no superuser, owns nothing, cannot create roles, and cannot set
-  ``session_replication_role`` (which would turn every trigger off for its session).
-- the **auditor** (``keel_auditor``, LOGIN) may SELECT every table of Keel's schemas and nothing else.
-
-Grants are one table here, applied at the end of every migration run and by ``keel db roles``, rather than default
-privileges or a GRANT in each migration: default privileges give every new table the same set (an append-only table
-would get UPDATE with the rest), and grants spread over migrations cannot be read in one place or repaired. A privilege
-beyond the table is revoked, from the roles and from PUBLIC, and tests/integration/test_roles.py fails on a table of
-``models/tables.py`` that the table does not name.
-"""
+"""The database roles Keel runs under, so that the journal holds against someone with the application's credentials:
+the owner of Keel's schema (migrations act as it), the application role (reads the journal and appends to it, and
+on the other tables does exactly :data:`APP_PRIVILEGES`), and a read-only auditor. Why the grants are one table
+here: docs/explanation/storage-and-jobs.md ("Database roles")."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
-import re
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import sqlalchemy
 from psycopg import sql
-from psycopg.rows import dict_row
 
 from models.errors import KeelError
 from models.keepalives import tcp_options
+from models.role_steps import (
+    RELATION_KINDS,
+    SCHEMAS,
+    Conn,
+    database_privileges,
+    fetch_row,
+    fetch_rows,
+    grantee_sql,
+    idle_timeout,
+    listed,
+    memberships,
+    ownership,
+    password_is,
+    plain_login,
+    privileges_sql,
+    role_oid,
+    run,
+)
 from models.settings import Settings
 from models.urls import libpq_url
-
-#: The schemas whose objects are Keel's (README: Keel's database is its own).
-SCHEMAS = ("public", "audit")
 
 #: What the application role may do, table by table: exactly what the code in agents/, tasks/ and models/ does.
 #: ``SELECT … FOR UPDATE/SHARE`` needs UPDATE; ``RETURNING`` and ``ON CONFLICT DO UPDATE`` need SELECT; the KPI
@@ -94,8 +88,6 @@ JOURNAL_TAMPER_PRIVILEGES = ("UPDATE", "DELETE", "TRUNCATE", "TRIGGER", "REFEREN
 
 _TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 _SEQUENCE_PRIVILEGES = ("SELECT", "UPDATE", "USAGE")
-_RELATION_KINDS = ("r", "p", "v", "m", "f", "S")  # tables, partitioned tables, views, materialized, foreign, sequences
-_ALTER = {"r": "TABLE", "p": "TABLE", "f": "FOREIGN TABLE", "v": "VIEW", "m": "MATERIALIZED VIEW", "S": "SEQUENCE"}
 
 
 class RolesError(KeelError):
@@ -117,38 +109,6 @@ class RoleNames:
         return cls(settings.db_owner_role, settings.db_app_role, settings.db_auditor_role)
 
 
-Conn = psycopg.Connection[Any]
-
-
-def _rows(
-    conn: Conn, query: str | sql.SQL | sql.Composed, params: dict[str, Any] | Sequence[Any] = ()
-) -> list[dict[str, Any]]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(query, params)
-        return cur.fetchall() if cur.description else []
-
-
-def _one(
-    conn: Conn, query: str | sql.SQL | sql.Composed, params: dict[str, Any] | Sequence[Any] = ()
-) -> dict[str, Any]:
-    rows = _rows(conn, query, params)
-    assert len(rows) == 1, rows
-    return rows[0]
-
-
-def _run(conn: Conn, statement: sql.Composed) -> None:
-    conn.execute(statement)
-
-
-def _role_oid(conn: Conn, name: str) -> int | None:
-    rows = _rows(conn, "SELECT oid FROM pg_roles WHERE rolname = %s", (name,))
-    return int(rows[0]["oid"]) if rows else None
-
-
-def _listed(words: Iterable[str]) -> str:
-    return ", ".join(words)
-
-
 # --- the owner, for migrations -----------------------------------------------------------------------------------
 
 
@@ -157,10 +117,10 @@ def become_owner(conn: Conn, names: RoleNames) -> bool:
     done, when the owner role does not exist (a database set up before roles, or the embedded development server);
     :class:`RolesError` when it exists but this login may not act as it, or Keel's tables belong to another role
     (``keel db roles`` hands them over)."""
-    owner = _role_oid(conn, names.owner)
+    owner = role_oid(conn, names.owner)
     if owner is None:
         return False
-    me = _one(
+    me = fetch_row(
         conn,
         "SELECT session_user AS name, pg_has_role(session_user, %(owner)s::oid, 'MEMBER') AS member,"
         " (SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = to_regclass('audit.journal')) AS journal_owner,"
@@ -183,7 +143,7 @@ def become_owner(conn: Conn, names: RoleNames) -> bool:
             f"role {names.owner!r} may not create Keel's schema in database {me['database']!r}: run 'keel db roles'"
             " on it first (as a superuser)"
         )
-    _run(conn, sql.SQL("SET ROLE {}").format(sql.Identifier(names.owner)))
+    run(conn, sql.SQL("SET ROLE {}").format(sql.Identifier(names.owner)))
     return True
 
 
@@ -192,7 +152,7 @@ def become_owner(conn: Conn, names: RoleNames) -> bool:
 
 def _relations(conn: Conn) -> list[dict[str, Any]]:
     """Every table, view and sequence of Keel's schemas that no extension owns, with its kind."""
-    return _rows(
+    return fetch_rows(
         conn,
         "SELECT n.nspname AS schema, c.relname AS name, c.relkind AS kind, c.oid, c.relispartition AS partition"
         " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
@@ -200,14 +160,14 @@ def _relations(conn: Conn) -> list[dict[str, Any]]:
         " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid"
         "                 AND d.deptype = 'e')"
         " ORDER BY 1, 2",
-        {"schemas": list(SCHEMAS), "kinds": list(_RELATION_KINDS)},
+        {"schemas": list(SCHEMAS), "kinds": list(RELATION_KINDS)},
     )
 
 
 def _held(conn: Conn, grantee: int) -> dict[int, set[str]]:
     """The table-level privileges granted to ``grantee`` (0: PUBLIC) on Keel's relations, by relation oid."""
     held: dict[int, set[str]] = {}
-    for row in _rows(
+    for row in fetch_rows(
         conn,
         "SELECT c.oid, a.privilege_type AS privilege FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,"
         " aclexplode(c.relacl) a WHERE n.nspname = ANY(%(schemas)s) AND a.grantee = %(grantee)s::oid",
@@ -219,7 +179,7 @@ def _held(conn: Conn, grantee: int) -> dict[int, set[str]]:
 
 def _column_grants(conn: Conn, grantee: int) -> list[dict[str, Any]]:
     """Column-level privileges granted to ``grantee`` (0: PUBLIC) on Keel's tables: Keel grants none."""
-    return _rows(
+    return fetch_rows(
         conn,
         "SELECT n.nspname AS schema, c.relname AS name, att.attname AS column, a.privilege_type AS privilege"
         " FROM pg_attribute att JOIN pg_class c ON c.oid = att.attrelid"
@@ -229,21 +189,13 @@ def _column_grants(conn: Conn, grantee: int) -> list[dict[str, Any]]:
     )
 
 
-def _grantee(role: str | None) -> sql.Composable:
-    return sql.SQL("PUBLIC") if role is None else sql.Identifier(role)
-
-
-def _privileges(words: Iterable[str]) -> sql.Composable:
-    return sql.SQL(", ").join(sql.SQL(word) for word in words)  # from fixed tables above, never from input
-
-
 def apply_grants(conn: Conn, names: RoleNames) -> list[str]:
     """Make the application's and the auditor's privileges on Keel's relations exactly :data:`APP_PRIVILEGES` and
     SELECT on every table, revoking anything else they (or PUBLIC) hold there. Run as the owner or a superuser,
     inside the caller's transaction. Returns one line per role that changed."""
     relations = _relations(conn)
     targets: list[tuple[str | None, dict[int, tuple[str, ...]]]] = []
-    app, auditor = _role_oid(conn, names.app), _role_oid(conn, names.auditor)
+    app, auditor = role_oid(conn, names.app), role_oid(conn, names.auditor)
     if app is not None:
         by_name = {f"{r['schema']}.{r['name']}": int(r["oid"]) for r in relations}
         targets.append((names.app, {by_name[n]: p for n, p in APP_PRIVILEGES.items() if n in by_name}))
@@ -255,14 +207,14 @@ def apply_grants(conn: Conn, names: RoleNames) -> list[str]:
     oids = {None: 0, names.app: app or 0, names.auditor: auditor or 0}
     lines = []
     for reader in [r for r, oid in ((names.app, app), (names.auditor, auditor)) if oid is not None]:
-        for schema in _rows(
+        for schema in fetch_rows(
             conn,
             "SELECT nspname FROM pg_namespace WHERE nspname = ANY(%s) AND NOT has_schema_privilege(%s, oid, 'USAGE')"
             " ORDER BY 1",
             (list(SCHEMAS), reader),
         ):
             name = schema["nspname"]
-            _run(conn, sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(name), sql.Identifier(reader)))
+            run(conn, sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(name), sql.Identifier(reader)))
             lines.append(f"granted USAGE on schema {name} to {reader}")
     for role, wanted in targets:
         held = _held(conn, oids[role])
@@ -275,28 +227,28 @@ def apply_grants(conn: Conn, names: RoleNames) -> list[str]:
             has = held.get(oid, set())
             if want - has:
                 order = _SEQUENCE_PRIVILEGES if kind == "S" else _TABLE_PRIVILEGES
-                _run(
+                run(
                     conn,
                     sql.SQL("GRANT {} ON {}{} TO {}").format(
-                        _privileges(p for p in order if p in want - has), on, target, _grantee(role)
+                        privileges_sql(p for p in order if p in want - has), on, target, grantee_sql(role)
                     ),
                 )
                 granted += 1
             if has - want:
                 extra = sorted(has - want)
-                _run(
+                run(
                     conn,
-                    sql.SQL("REVOKE {} ON {}{} FROM {}").format(_privileges(extra), on, target, _grantee(role)),
+                    sql.SQL("REVOKE {} ON {}{} FROM {}").format(privileges_sql(extra), on, target, grantee_sql(role)),
                 )
-                revoked.append(f"{_listed(extra)} on {relation['schema']}.{relation['name']}")
+                revoked.append(f"{listed(extra)} on {relation['schema']}.{relation['name']}")
         for column in _column_grants(conn, oids[role]):
-            _run(
+            run(
                 conn,
                 sql.SQL("REVOKE {} ({}) ON TABLE {} FROM {}").format(
-                    _privileges([column["privilege"]]),
+                    privileges_sql([column["privilege"]]),
                     sql.Identifier(column["column"]),
                     sql.Identifier(column["schema"], column["name"]),
-                    _grantee(role),
+                    grantee_sql(role),
                 ),
             )
             revoked.append(f"{column['privilege']} ({column['column']}) on {column['schema']}.{column['name']}")
@@ -315,7 +267,7 @@ def _function_grants(conn: Conn, role: str | None, grantee: int, names: RoleName
     """EXECUTE on Keel's SECURITY DEFINER functions (which act as their owner): exactly the application's entries
     in :data:`APP_PRIVILEGES`, nothing for the auditor or PUBLIC (which PostgreSQL gives EXECUTE by default).
     Returns how many it granted and what it revoked."""
-    functions = _rows(
+    functions = fetch_rows(
         conn,
         "SELECT n.nspname || '.' || p.proname || '(' || oidvectortypes(p.proargtypes) || ')' AS name,"
         " p.oid::regprocedure::text AS signature,"
@@ -333,10 +285,10 @@ def _function_grants(conn: Conn, role: str | None, grantee: int, names: RoleName
         want = role is not None and role == names.app and "EXECUTE" in APP_PRIVILEGES.get(function["name"], ())
         target = sql.SQL(function["signature"])  # regprocedure's text: the catalog's own, quoted where needed
         if want and not function["held"]:
-            _run(conn, sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(target, _grantee(role)))
+            run(conn, sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(target, grantee_sql(role)))
             granted += 1
         elif function["held"] and not want:
-            _run(conn, sql.SQL("REVOKE EXECUTE ON FUNCTION {} FROM {}").format(target, _grantee(role)))
+            run(conn, sql.SQL("REVOKE EXECUTE ON FUNCTION {} FROM {}").format(target, grantee_sql(role)))
             revoked.append(f"EXECUTE on {function['name']}")
     return granted, revoked
 
@@ -374,24 +326,24 @@ def set_up(url: str, names: RoleNames, passwords: Passwords = Passwords()) -> li
 
 
 def _set_up(conn: Conn, names: RoleNames, passwords: Passwords) -> list[str]:
-    me = _one(
+    me = fetch_row(
         conn,
         "SELECT session_user AS name, rolsuper AS superuser, rolcreaterole AS createrole,"
         " current_database() AS database FROM pg_roles WHERE rolname = session_user",
     )
     lines: list[str] = []
-    missing = [n for n in (names.owner, names.app, names.auditor) if _role_oid(conn, n) is None]
+    missing = [n for n in (names.owner, names.app, names.auditor) if role_oid(conn, n) is None]
     if missing and not (me["superuser"] or me["createrole"]):
         raise RolesError(
-            f"database role {me['name']!r} cannot create roles (missing: {_listed(missing)}): run 'keel db roles'"
+            f"database role {me['name']!r} cannot create roles (missing: {listed(missing)}): run 'keel db roles'"
             " as a superuser (KEEL_MIGRATION_DATABASE_URL)"
         )
     lines += _roles(conn, names, passwords, missing)
-    lines += _memberships(conn, names, me)
-    lines += _database(conn, names, str(me["database"]))
-    lines += _ownership(conn, names)
+    lines += memberships(conn, names.owner, names.app, names.auditor, me)
+    lines += database_privileges(conn, names.owner, names.app, names.auditor, str(me["database"]))
+    lines += ownership(conn, names.owner)
     lines += apply_grants(conn, names)
-    lines += _idle_timeout(conn, names.app)
+    lines += idle_timeout(conn, names.app, APP_IDLE_IN_TRANSACTION_TIMEOUT)
     for role in (names.app, names.auditor):
         problems = role_problems(conn, role, names.owner)
         if problems:
@@ -402,221 +354,27 @@ def _set_up(conn: Conn, names: RoleNames, passwords: Passwords) -> list[str]:
 def _roles(conn: Conn, names: RoleNames, passwords: Passwords, missing: list[str]) -> list[str]:
     lines = []
     if names.owner in missing:
-        _run(conn, sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(names.owner)))
+        run(conn, sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(names.owner)))
         lines.append(f"created role {names.owner} (NOLOGIN): it owns Keel's schema; migrations act as it")
     for role, password, variable in (
         (names.app, passwords.app, "KEEL_DB_APP_PASSWORD"),
         (names.auditor, passwords.auditor, "KEEL_DB_AUDITOR_PASSWORD"),
     ):
         if role in missing:
-            _run(conn, sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+            run(conn, sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
             lines.append(
                 f"created role {role} (LOGIN)"
                 + ("" if password else f", without a password: set {variable} and run again, or ALTER ROLE … PASSWORD")
             )
         else:
-            lines += _plain_login(conn, role)
-        if password and not _password_is(conn, role, password):
+            lines += plain_login(conn, role)
+        if password and not password_is(conn, role, password):
             encrypted = conn.pgconn.encrypt_password(password.encode(), role.encode())
-            _run(
+            run(
                 conn,
                 sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(role), sql.Literal(encrypted.decode())),
             )
             lines.append(f"set the password of {role} ({variable})")
-    return lines
-
-
-def _idle_timeout(conn: Conn, role: str) -> list[str]:
-    """``idle_in_transaction_session_timeout`` for every session of ``role``: one left idle inside a transaction
-    cannot hold a lock on the journal (or an agent row) for ever."""
-    wanted = f"idle_in_transaction_session_timeout={APP_IDLE_IN_TRANSACTION_TIMEOUT}"
-    rows = _rows(
-        conn,
-        "SELECT s.setconfig FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole"
-        " WHERE r.rolname = %s AND s.setdatabase = 0",
-        (role,),
-    )
-    if rows and wanted in (rows[0]["setconfig"] or []):
-        return []
-    _run(
-        conn,
-        sql.SQL("ALTER ROLE {} SET idle_in_transaction_session_timeout = {}").format(
-            sql.Identifier(role), sql.Literal(APP_IDLE_IN_TRANSACTION_TIMEOUT)
-        ),
-    )
-    return [f"role {role}: idle_in_transaction_session_timeout = {APP_IDLE_IN_TRANSACTION_TIMEOUT}"]
-
-
-def _password_is(conn: Conn, role: str, password: str) -> bool:
-    """Whether ``role``'s stored password is ``password`` (a SCRAM-SHA-256 or MD5 verifier recomputed with its own
-    salt); False when it differs, is unset, or cannot be read (only superusers read pg_authid)."""
-    try:
-        with conn.transaction():
-            rows = _rows(conn, "SELECT rolpassword FROM pg_authid WHERE rolname = %s", (role,))
-    except psycopg.errors.InsufficientPrivilege:
-        return False
-    stored = rows[0]["rolpassword"] if rows else None
-    if not stored:
-        return False
-    if stored.startswith("md5"):
-        return hmac.compare_digest(stored, "md5" + hashlib.md5((password + role).encode()).hexdigest())
-    scram = re.fullmatch(r"SCRAM-SHA-256\$(\d+):([^$]+)\$([^:]+):(.+)", stored)
-    if scram is None:
-        return False
-    iterations, salt, stored_key, server_key = scram.groups()
-    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), base64.b64decode(salt), int(iterations))
-    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
-    mine = base64.b64encode(hashlib.sha256(client_key).digest()).decode()
-    server = base64.b64encode(hmac.new(salted, b"Server Key", "sha256").digest()).decode()
-    return hmac.compare_digest(mine, stored_key) and hmac.compare_digest(server, server_key)
-
-
-_POWERS = {
-    "rolsuper": "SUPERUSER",
-    "rolcreaterole": "CREATEROLE",
-    "rolcreatedb": "CREATEDB",
-    "rolreplication": "REPLICATION",
-    "rolbypassrls": "BYPASSRLS",
-}
-
-
-def _plain_login(conn: Conn, role: str) -> list[str]:
-    """An existing application or auditor role: LOGIN, and none of the powers that would reach past its grants."""
-    row = _one(conn, f"SELECT rolcanlogin, {_listed(_POWERS)} FROM pg_roles WHERE rolname = %s", (role,))
-    drop = [word for column, word in _POWERS.items() if row[column]]
-    options = [f"NO{word}" for word in drop] + ([] if row["rolcanlogin"] else ["LOGIN"])
-    if not options:
-        return []
-    _run(conn, sql.SQL("ALTER ROLE {} {}").format(sql.Identifier(role), _privileges(options)))
-    return [f"role {role}: {_listed(options)}"]
-
-
-def _memberships(conn: Conn, names: RoleNames, me: dict[str, Any]) -> list[str]:
-    lines = []
-    for role in (names.app, names.auditor):
-        for granted in _rows(
-            conn,
-            "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid"
-            " JOIN pg_roles r ON r.oid = m.member WHERE r.rolname = %s AND g.rolname = ANY(%s)",
-            (role, [names.owner, names.app, names.auditor]),
-        ):
-            _run(conn, sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(granted["rolname"]), sql.Identifier(role)))
-            lines.append(f"revoked membership of {granted['rolname']} from {role}")
-    if not me["superuser"]:
-        member = _one(conn, "SELECT pg_has_role(session_user, %s, 'MEMBER') AS yes", (names.owner,))
-        if not member["yes"]:
-            _run(conn, sql.SQL("GRANT {} TO {}").format(sql.Identifier(names.owner), sql.Identifier(me["name"])))
-            lines.append(f"granted {names.owner} to {me['name']} (to run migrations as it)")
-    return lines
-
-
-def _database(conn: Conn, names: RoleNames, database: str) -> list[str]:
-    """The database and schema privileges: the owner may create in the database (the audit schema) and in public;
-    nobody else creates anything there, nor temporary tables (which would shadow Keel's tables inside its triggers:
-    a trigger function finds ``pg_temp`` first)."""
-    lines = []
-    db = sql.Identifier(database)
-    owner = sql.Identifier(names.owner)
-
-    def has(role: str, privilege: str, on: str = "database", name: str = database) -> bool:
-        check = "has_database_privilege" if on == "database" else "has_schema_privilege"
-        return bool(_one(conn, f"SELECT {check}(%s, %s, %s) AS yes", (role, name, privilege))["yes"])
-
-    if not has(names.owner, "CREATE"):
-        _run(conn, sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(db, owner))
-        lines.append(f"granted CREATE on database {database} to {names.owner}")
-    for role in (names.app, names.auditor):
-        if not has(role, "CONNECT"):
-            _run(conn, sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(db, sql.Identifier(role)))
-            lines.append(f"granted CONNECT on database {database} to {role}")
-    public = "public"
-    if not (has(names.owner, "USAGE", "schema", public) and has(names.owner, "CREATE", "schema", public)):
-        _run(conn, sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(owner))
-        lines.append(f"granted USAGE, CREATE on schema public to {names.owner}")
-    audit = _rows(conn, "SELECT pg_get_userbyid(nspowner) AS owner FROM pg_namespace WHERE nspname = 'audit'")
-    if audit and audit[0]["owner"] != names.owner:
-        _run(conn, sql.SQL("ALTER SCHEMA audit OWNER TO {}").format(owner))
-        lines.append(f"schema audit: owner {audit[0]['owner']} → {names.owner}")
-    schemas = ["public"] + (["audit"] if audit else [])
-    # What PUBLIC, the application and the auditor hold directly: CREATE and TEMPORARY on the database, CREATE on
-    # Keel's schemas (PostgreSQL before 15 gave PUBLIC CREATE on public).
-    grantees = [0] + [oid for oid in (_role_oid(conn, names.app), _role_oid(conn, names.auditor)) if oid is not None]
-    excess = _rows(
-        conn,
-        "SELECT 'DATABASE' AS kind, d.datname AS name, a.grantee, a.privilege_type AS privilege"
-        " FROM pg_database d, aclexplode(coalesce(d.datacl, acldefault('d', d.datdba))) a"
-        " WHERE d.datname = current_database() AND a.privilege_type IN ('CREATE', 'TEMPORARY')"
-        " AND a.grantee = ANY(%(grantees)s::oid[])"
-        " UNION ALL SELECT 'SCHEMA', n.nspname, a.grantee, a.privilege_type"
-        " FROM pg_namespace n, aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a"
-        " WHERE n.nspname = ANY(%(schemas)s) AND a.privilege_type = 'CREATE' AND a.grantee = ANY(%(grantees)s::oid[])"
-        " ORDER BY 1, 2, 4",
-        {"grantees": grantees, "schemas": schemas},
-    )
-    for row in excess:
-        who = (
-            None
-            if int(row["grantee"]) == 0
-            else _one(conn, "SELECT %s::oid::regrole::text AS n", (row["grantee"],))["n"]
-        )
-        _run(
-            conn,
-            sql.SQL("REVOKE {} ON {} {} FROM {}").format(
-                sql.SQL(row["privilege"]), sql.SQL(row["kind"]), sql.Identifier(row["name"]), _grantee(who)
-            ),
-        )
-        lines.append(f"revoked {row['privilege']} on {row['kind'].lower()} {row['name']} from {who or 'PUBLIC'}")
-    return lines
-
-
-def _ownership(conn: Conn, names: RoleNames) -> list[str]:
-    """Hand every relation and function of Keel's schemas to the owner (a database migrated before roles: they
-    belong to whoever ran the migrations). Indexes and the sequences of identity columns follow their tables."""
-    relations = _rows(
-        conn,
-        "SELECT n.nspname AS schema, c.relname AS name, c.relkind AS kind, pg_get_userbyid(c.relowner) AS owner"
-        " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = ANY(%(schemas)s) AND c.relkind = ANY(%(kinds)s)"
-        " AND pg_get_userbyid(c.relowner) <> %(owner)s"
-        " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid"
-        "                 AND (d.deptype = 'e' OR (c.relkind = 'S' AND d.refclassid = 'pg_class'::regclass"
-        "                                          AND d.deptype IN ('a', 'i'))))"
-        " ORDER BY 1, 2",
-        {"schemas": list(SCHEMAS), "kinds": list(_RELATION_KINDS), "owner": names.owner},
-    )
-    functions = _rows(
-        conn,
-        "SELECT p.oid::regprocedure::text AS signature, pg_get_userbyid(p.proowner) AS owner"
-        " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
-        " WHERE n.nspname = ANY(%(schemas)s) AND pg_get_userbyid(p.proowner) <> %(owner)s"
-        " AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid"
-        "                 AND d.deptype = 'e')"
-        " ORDER BY 1",
-        {"schemas": list(SCHEMAS), "owner": names.owner},
-    )
-    owner = sql.Identifier(names.owner)
-    moved: dict[str, list[int]] = {}
-    for relation in relations:
-        _run(
-            conn,
-            sql.SQL("ALTER {} {} OWNER TO {}").format(
-                sql.SQL(_ALTER[relation["kind"]]), sql.Identifier(relation["schema"], relation["name"]), owner
-            ),
-        )
-        counts = moved.setdefault(relation["owner"], [0, 0, 0])
-        counts[1 if relation["kind"] == "S" else 0] += 1
-    for function in functions:
-        # regprocedure's text is the catalog's own, quoted and qualified where needed.
-        _run(conn, sql.SQL("ALTER ROUTINE {} OWNER TO {}").format(sql.SQL(function["signature"]), owner))
-        moved.setdefault(function["owner"], [0, 0, 0])[2] += 1
-    lines = []
-    for previous, (tables, sequences, routines) in sorted(moved.items()):
-        what = [
-            f"{n} {word}{'' if n == 1 else 's'}"
-            for n, word in ((tables, "table"), (sequences, "sequence"), (routines, "function"))
-            if n
-        ]
-        lines.append(f"handed {_listed(what)} from {previous} to {names.owner}")
     return lines
 
 
@@ -626,7 +384,7 @@ def _ownership(conn: Conn, names: RoleNames) -> list[str]:
 def role_problems(conn: Conn, role: str, owner: str) -> list[str]:
     """What ``role`` could do to the journal beyond reading and appending to it, as phrases (``is a superuser``);
     empty when it can do no more."""
-    row = _one(
+    row = fetch_row(
         conn,
         "SELECT r.rolsuper AS superuser, r.rolcreaterole AS createrole,"
         " j.oid IS NOT NULL AS journal, pg_get_userbyid(j.relowner) AS journal_owner,"
@@ -648,7 +406,7 @@ def role_problems(conn: Conn, role: str, owner: str) -> list[str]:
     # Whoever owns the schema may drop or rename anything in it, and whoever owns the database may drop the schema,
     # whatever the journal's own grants say. (Through the owner role: said above already.)
     said = {row["journal_owner"], owner} if row["owns_journal"] or row["in_owner"] else set()
-    for held in _rows(
+    for held in fetch_rows(
         conn,
         "SELECT n.nspname AS name, pg_get_userbyid(n.nspowner) AS owner FROM pg_namespace n"
         " WHERE n.nspname = 'audit' AND pg_has_role(%(role)s, n.nspowner, 'MEMBER')",
@@ -658,7 +416,7 @@ def role_problems(conn: Conn, role: str, owner: str) -> list[str]:
             continue
         via = "" if held["owner"] == role else f" (as a member of {held['owner']!r})"
         problems.append(f"owns the schema audit{via} (and so may drop or rename audit.journal)")
-    for held in _rows(
+    for held in fetch_rows(
         conn,
         "SELECT d.datname AS name, pg_get_userbyid(d.datdba) AS owner FROM pg_database d"
         " WHERE d.datname = current_database() AND pg_has_role(%(role)s, d.datdba, 'MEMBER')",
@@ -674,7 +432,7 @@ def role_problems(conn: Conn, role: str, owner: str) -> list[str]:
         extra = [
             p
             for p in JOURNAL_TAMPER_PRIVILEGES
-            if _one(
+            if fetch_row(
                 conn,
                 "SELECT has_table_privilege(%(role)s, 'audit.journal', %(p)s)"
                 " OR has_any_column_privilege(%(role)s, 'audit.journal', %(p)s) AS yes"
@@ -684,11 +442,9 @@ def role_problems(conn: Conn, role: str, owner: str) -> list[str]:
             )["yes"]
         ]
         if extra:
-            problems.append(f"may {_listed(extra)} audit.journal")
-    if (
-        row["has_parameter_acl"]
-        and _one(conn, "SELECT has_parameter_privilege(%s, 'session_replication_role', 'SET') AS yes", (role,))["yes"]
-    ):
+            problems.append(f"may {listed(extra)} audit.journal")
+    replication = "SELECT has_parameter_privilege(%s, 'session_replication_role', 'SET') AS yes"
+    if row["has_parameter_acl"] and fetch_row(conn, replication, (role,))["yes"]:
         problems.append("may set session_replication_role (which turns the journal's triggers off)")
     return problems
 
@@ -702,7 +458,7 @@ def refuse_privileged(engine: sqlalchemy.Engine, settings: Settings) -> None:
     with engine.connect() as connection:
         conn = connection.connection.driver_connection
         assert isinstance(conn, psycopg.Connection)
-        role = str(_one(conn, "SELECT session_user AS name")["name"])
+        role = str(fetch_row(conn, "SELECT session_user AS name")["name"])
         problems = role_problems(conn, role, settings.db_owner_role)
         connection.rollback()
     if problems:
@@ -720,5 +476,6 @@ def missing(url: str, names: RoleNames) -> list[str]:
 
     wanted = [names.owner, names.app, names.auditor]
     with psycopg.connect(libpq_url(url), **tcp_options(url)) as conn:
-        found = {r["rolname"] for r in _rows(conn, "SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", (wanted,))}
+        rows = fetch_rows(conn, "SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)", (wanted,))
+    found = {r["rolname"] for r in rows}
     return [name for name in wanted if name not in found]

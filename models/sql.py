@@ -1,8 +1,6 @@
-"""Hot-path SQL, run on raw psycopg cursors inside the caller's transaction.
-
-Each ``*_txn`` helper takes the caller's cursor and never commits: it succeeds or rolls back with the transition
-that called it. Statements are plain strings so psycopg can prepare them once per connection.
-"""
+"""Hot-path SQL, run on raw psycopg cursors inside the caller's transaction: each ``*_txn`` helper takes the caller's
+cursor and never commits, so it succeeds or rolls back with the transition that called it. Statements are plain
+strings so psycopg can prepare them once per connection."""
 
 from __future__ import annotations
 
@@ -34,12 +32,8 @@ AGENT_COLUMNS = ", ".join(field.name for field in fields(AgentRow))
 AGENT_ROW = args_row(AgentRow)
 
 _LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
-# After the lock, in a statement of its own: the number of the agent's live jobs, so a transition to rest can skip an
-# empty sweep; the database's clock, the one time every event, due check and deadline is measured against; and the
-# trace context of the request in flight (a primary-key read), which the rows the transition inserts continue. Not in
-# the locking statement: correlated with the row there, the planner counted through ix_jobs_due — every agent's live
-# jobs and the dead entries a busy table leaves in it — instead of this agent's in ix_jobs_agent_live; and a statement
-# of its own reads with a snapshot taken once the lock is granted. Pipelined with the lock: one round trip still.
+# After the lock, in a statement of its own pipelined with it: the agent's live job count, the database's clock and
+# the request's trace context (why apart: docs/explanation/storage-and-jobs.md, "The transition's statements").
 _LIVE_JOB_COUNT = (
     "(SELECT count(*) FROM jobs j WHERE j.agent_id = %(agent_id)s AND j.status IN ('pending', 'enqueued', 'running'))"
     " AS live_jobs"
@@ -51,10 +45,8 @@ _REQUEST_TRACEPARENT = (
 )
 _AFTER_LOCK = f"SELECT {_LIVE_JOB_COUNT}, clock_timestamp() AS at, {_REQUEST_TRACEPARENT}"
 
-# A submit's request claimed in the read after the lock, in its round trip: inserted only if the agent exists and is
-# not on that request already (a producer's retry claims nothing; under the lock this is exactly the retry check),
-# timed by the database's clock after the lock, which is then the transition's time too. ``claimed`` false for a new
-# request id means this agent had that request before (request ids are each agent's own).
+# A submit's request claimed in the read after the lock: inserted only if the agent is not on it already (a producer's
+# retry claims nothing), at the transition's time. ``claimed`` false for a new request id: the agent had it before.
 _AFTER_LOCK_CLAIMING = (
     "WITH claimed AS (INSERT INTO requests (request_id, agent_id, input, actor, submitted_at, traceparent)"
     " SELECT %(request_id)s, a.id, %(input)s::jsonb, %(actor)s, clock_timestamp(), %(traceparent)s FROM agents a"
@@ -68,10 +60,8 @@ _EVENT_COLUMNS = (
     "agent_id, seq, kind, event, actor, request_id, from_phase, to_phase, revision, decision, details, at,"
     " prev_hash, hash, key_id"
 )
-#: The channel every appended journal event is announced on, with the payload ``"<agent id>:<seq>"``. A notification
-#: is only a wake-up (listeners read the events from the journal); it is sent once the event's transaction has
-#: committed (:func:`models.db.notify_after_commit`) and never if it rolls back, so nothing is announced that did not
-#: happen.
+#: The channel every appended journal event is announced on (payload ``"<agent id>:<seq>"``): only a wake-up, sent
+#: once its transaction committed (:func:`models.db.notify_after_commit`), never if it rolls back.
 JOURNAL_CHANNEL = "keel_journal"
 # Every journal append goes through this one INSERT (and announces itself after the commit: _appended).
 _EVENT_CTE = f"WITH ev AS (INSERT INTO audit.journal ({_EVENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)}) RETURNING 1) "

@@ -325,7 +325,7 @@ jobs = Table(
     ),
     # A request's jobs in order: a plan step's conversation, a waiting agent's approval, superseding a round.
     Index("ix_jobs_request", "request_id", "created_at", "key"),
-    # The dispatcher's three cases, each read a batch at a time (models/jobs_sql.py take_due): new jobs due, by
+    # The dispatcher's three cases, each read a batch at a time (models/dispatch_sql.py take_due): new jobs due, by
     # priority; enqueued ones never claimed; running ones whose lease expired.
     Index("ix_jobs_pending", "queue", "priority", "run_at", postgresql_where=text("status = 'pending'")),
     Index("ix_jobs_enqueued", "queue", "enqueued_at", postgresql_where=text("status = 'enqueued'")),

@@ -1,8 +1,5 @@
-"""API token SQL: create a token, find one by its secret's hash (noting its use), list and revoke them.
-
-Every time here is the database's (``now()``), never a host's. The secret's hash is written once and never read
-back: no statement here selects it.
-"""
+"""API token SQL: create a token, find one by its secret's hash (noting its use), list and revoke them. Every time here
+is the database's (``now()``), never a host's; the secret's hash is written once and never read back."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Deadline enforcement: past the soft deadline an agent's jobs drop to the low-priority queue; past the hard one
-the request is stopped (phase failed, live jobs cancelled, running ones fenced off). Journaled like any transition.
-
-Deadlines are judged on the database's clock, never the enforcing host's. Each agent is enforced on its own: one
-agent whose move fails (any error) is logged and journaled, and the pass goes on with the others.
-"""
+the request is stopped (phase failed, live jobs cancelled, running ones fenced off). Journaled like any transition,
+judged on the database's clock, one agent at a time: one whose move fails is logged and journaled, and the pass goes
+on."""
 
 from __future__ import annotations
 
@@ -84,11 +82,8 @@ def _move(
     notice_problem: str | None,
     report: EnforceReport,
 ) -> None:
-    # The move carries the revision the agent was seen at: if it moved on since (its request cancelled and another
-    # submitted, another enforcer was first), the move is a journaled StaleRevision, never a stop or a demotion of
-    # a request that did not pass the deadline. If it only made progress on the same request (a busy agent's jobs
-    # finishing between the read and the move), it is read again and the move retried, up to STALE_RETRIES times:
-    # a busy agent must not keep winning against its own demotion.
+    # The move carries the revision the agent was seen at; an agent that only made progress on the same request is
+    # read again and the move retried, up to STALE_RETRIES times (docs/explanation/storage-and-jobs.md, "Deadlines").
     done = report.stopped if past.hard else report.demoted
     for attempt in range(STALE_RETRIES + 1):
         command = _command(past, actor, notice, notice_problem)

@@ -1,10 +1,7 @@
-"""Job handlers, registered by operation name, each with the pydantic model of the input it reads (if declared).
-
-A handler takes a :class:`JobContext` and returns a :class:`JobResult` (or raises a
-:class:`~agents.core.errors.JobError` subclass to say how it failed). Modules listed in ``KEEL_IMPORTS`` and entry
-points in the ``keel.handlers`` group are imported at worker start so their ``@handler`` decorators run; the client
-imports them too, so that a submit is checked against the operation's input model before anything is written.
-"""
+"""Job handlers, registered by operation name, each with the pydantic model of the input it reads (if declared). A
+handler takes a :class:`JobContext` and returns a :class:`JobResult` (or raises a
+:class:`~agents.core.errors.JobError` subclass to say how it failed). ``KEEL_IMPORTS`` modules and ``keel.handlers``
+entry points are imported at worker start (and by the client, which checks a submit against the input model)."""
 
 from __future__ import annotations
 

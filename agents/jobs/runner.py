@@ -1,28 +1,18 @@
-"""Running one job: claim it, check the agent may spend, run its handler under a renewed lease, write the outcome.
-
-The claim makes a job run once per key: a delivery that finds the job running under a live lease, or finished,
-is suppressed (counted on the job, journaled on the agent). The outcome is written through ``transition()`` and
-only while this worker's fencing token is still the job's; a worker that lost its lease writes nothing.
-This module knows nothing of Celery: ``tasks/jobs.py`` calls :meth:`Runner.run` with the task id.
-"""
+"""Running one job: claim it (a delivery that finds it running under a live lease, or finished, is suppressed:
+counted on the job, journaled on the agent), check the agent may spend, run its handler under a renewed lease, and
+write the outcome through ``transition()`` only while this worker's fencing token is still the job's. Knows nothing
+of Celery: ``tasks/jobs.py`` calls :meth:`Runner.run` with the task id."""
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import queue
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from contextvars import copy_context
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
-
-import psycopg
-import sqlalchemy.exc
 
 from agents.core import transition as core
 from agents.core.commands import ACCEPTED, Command, JobOutcome, Usage, check_json_text
@@ -41,17 +31,18 @@ from agents.core.observe import observe
 from agents.core.outage import Outage, is_outage
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
+from agents.jobs.handler_threads import HandlerThreads
 from agents.jobs.handlers import JobContext, JobResult, Registry
+from agents.jobs.leases import LeaseKeeper
 from models.db import Database
+from models.dispatch_sql import Due
 from models.jobs_sql import (
     ClaimedJob,
-    Due,
     JobStatus,
     checkpoint,
     claim,
     count_suppressed_txn,
     drop_result_fields_txn,
-    extend_lease,
     job_row,
     release_staged_txn,
 )
@@ -108,117 +99,6 @@ class _Failure:
             data.get("decision"),
             dict(data.get("details") or {}),
         )
-
-
-class LeaseKeeper:
-    """One thread per process renews the leases of the jobs running in it, every third of the lease; a job whose
-    lease was taken over (or cancelled) gets its ``lost`` flag set and is dropped."""
-
-    def __init__(self, db: Database, lease: timedelta, outage: Outage | None = None) -> None:
-        self.db = db
-        self.lease = lease
-        self.outage = outage or Outage("database", log)
-        # Keyed by (key, token): a fenced-off older run ending must not drop a newer claim's renewal.
-        self._held: dict[tuple[str, int], tuple[threading.Event, contextvars.Context]] = {}
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    @contextmanager
-    def hold(self, key: str, token: int, lost: threading.Event) -> Iterator[None]:
-        with self._lock:
-            self._held[(key, token)] = (lost, contextvars.copy_context())
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._renew_forever, name="keel-leases", daemon=True)
-                self._thread.start()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._held.pop((key, token), None)
-
-    def _renew_forever(self) -> None:
-        interval = self.lease.total_seconds() / 3
-        # After a failed renewal (the database restarting) try again every second, not a third of a lease later:
-        # the lease must be renewed before it runs out, or a live step is recovered and runs twice.
-        retry = min(1.0, interval)
-        wait = interval
-        while True:
-            time.sleep(wait)
-            with self._lock:
-                held = list(self._held.items())
-            wait = interval
-            for (key, token), (lost, context) in held:
-                # In the job's context: a line about its lease carries the job's request, agent and key.
-                if not context.run(self._renew, key, token, lost, retry):
-                    wait = retry
-
-    def _renew(self, key: str, token: int, lost: threading.Event, retry: float) -> bool:
-        """Renew one job's lease; False if the database could not be asked (try again in ``retry`` seconds)."""
-        try:
-            renewed = extend_lease(self.db, key, token, self.lease)
-        except (psycopg.Error, sqlalchemy.exc.SQLAlchemyError) as exc:
-            if not is_outage(exc):
-                log.warning("job %s: lease renewal failed; retrying in %.1fs", key, retry, exc_info=True)
-            else:  # one line per outage, not one per second (the retry does not back off: see above)
-                self.outage.failed(exc)
-            return False
-        self.outage.recovered()
-        if not renewed:
-            lost.set()
-            with self._lock:
-                self._held.pop((key, token), None)
-        return True
-
-
-class HandlerThreads:
-    """The threads handlers run on, kept for the next job: a thread started per job costs more than a short step.
-    A handler runs on a thread of its own so that its run limit holds even when it never returns; a thread whose
-    handler did not return in time is never given another job (its process ends: :func:`tasks.jobs.end_process`)."""
-
-    def __init__(self) -> None:
-        self._idle: list[_HandlerThread] = []
-        self._lock = threading.Lock()
-
-    def run(self, name: str, context: contextvars.Context, call: Callable[[], None], limit: float) -> bool:
-        """Run ``call`` in ``context`` on a free thread named ``name``; True if it returned within ``limit``."""
-        with self._lock:
-            thread = self._idle.pop() if self._idle else None
-        if thread is None or not thread.is_alive():  # none free (or one inherited across a fork: dead)
-            thread = _HandlerThread()
-        if not thread.call(name, context, call, limit):
-            return False
-        with self._lock:
-            self._idle.append(thread)
-        return True
-
-
-class _HandlerThread:
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[str, contextvars.Context, Callable[[], None], threading.Event]]
-        self._calls = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="keel-job", daemon=True)
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def call(self, name: str, context: contextvars.Context, call: Callable[[], None], limit: float) -> bool:
-        done = threading.Event()
-        self._calls.put((name, context, call, done))
-        return done.wait(limit)
-
-    def _serve(self) -> None:
-        me = threading.current_thread()
-        while True:
-            name, context, call, done = self._calls.get()
-            me.name = name
-            try:
-                context.run(call)
-            except BaseException:  # what a handler raised past Exception: the step ends without a result
-                log.exception("a handler thread ended its call with an exception it did not catch")
-            finally:
-                me.name = "keel-job"
-                done.set()
 
 
 class Runner:

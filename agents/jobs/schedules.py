@@ -1,14 +1,6 @@
-"""Recurring schedules: every N seconds, or a cron expression, submit a request to an agent.
-
-``ensure_schedule`` is idempotent: registering the same schedule on every restart changes nothing. Each fire is a
-submit whose request id is made from the schedule name and the fire time, so a fire that is attempted twice
-(two dispatchers, a crash between submit and bookkeeping) is a suppressed duplicate, not a second run.
-
-Time is the database's and it is UTC: what is due is judged on the database's clock, cron expressions name UTC
-times, and fire ids are written in UTC, whatever the server's, the session's or the host's time zone (psycopg
-reads timestamps back in the session's zone; on a zone with daylight saving two fires an hour apart would
-otherwise share a name on the fall-back day).
-"""
+"""Recurring schedules: every N seconds, or a cron expression, submit a request to an agent. Registering is
+idempotent, and each fire's request id is made from the schedule and the fire time, so a fire attempted twice is a
+suppressed duplicate. Times are the database's, in UTC (docs/explanation/storage-and-jobs.md, "Schedules")."""
 
 from __future__ import annotations
 

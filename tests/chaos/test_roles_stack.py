@@ -13,12 +13,11 @@ import pytest
 
 from models.db import Database
 from tests.chaos.conftest import Stack, wait_until
-from tests.integration.test_roles import keel
 from tests.support.api import running_api
 from tests.support.audit import TEST_ENV, TEST_KEYS
 from tests.support.broker import Broker
 from tests.support.fakes import FakeSlack
-from tests.support.roles import RoledDatabase
+from tests.support.roles import RoledDatabase, keel
 
 pytestmark = pytest.mark.chaos
 

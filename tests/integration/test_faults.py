@@ -281,8 +281,8 @@ def test_a_message_whose_claim_cannot_reach_the_database_goes_back_to_the_broker
 
 
 def test_a_failed_lease_renewal_is_retried_within_a_second(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agents.jobs import runner as runner_module
-    from agents.jobs.runner import LeaseKeeper
+    from agents.jobs import leases
+    from agents.jobs.leases import LeaseKeeper
 
     calls: list[float] = []
 
@@ -292,7 +292,7 @@ def test_a_failed_lease_renewal_is_retried_within_a_second(db: Database, monkeyp
             raise psycopg.OperationalError("the database is restarting")
         return True
 
-    monkeypatch.setattr(runner_module, "extend_lease", flaky_extend)
+    monkeypatch.setattr(leases, "extend_lease", flaky_extend)
     keeper = LeaseKeeper(db, timedelta(seconds=9))  # renewed every 3 s while all is well
     with keeper.hold("k", 1, threading.Event()):
         deadline = time.monotonic() + 8

@@ -1,21 +1,18 @@
-"""The KPI counters: moved by the transactions that cause them, folded once, exported with the scenario's values."""
+"""The KPI counters: moved by the transactions that cause them (and by nothing else), with the values the scenario
+implies. Folding them is test_kpi_folding.py; exporting and scraping them, test_kpi_export.py."""
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agents.client import Client
 from agents.core.commands import Command, JobSpec, MessageSpec, Usage
@@ -25,22 +22,18 @@ from agents.jobs import deadlines
 from agents.jobs.handlers import JobContext, JobResult, Registry, registry
 from agents.jobs.runner import Runner
 from agents.observability import alerts
-from agents.observability.alerts import AlertsCollector, Thresholds
-from agents.observability.kpis import DomainCollector, report_lines
-from agents.observability.names import ALERTS, DOMAIN
+from agents.observability.alerts import Thresholds
+from agents.observability.kpis import report_lines
 from agents.outbox.relay import Backoff, Relay
 from agents.outbox.senders import SlackSender
 from models import outbox_sql
 from models.db import Database
 from models.jobs_sql import ClaimedJob, checkpoint, claim, extend_lease
-from models.kpi_sql import REQUEST_SECONDS_BUCKETS, TRANSITION_SECONDS_BUCKETS, fold, gauges, totals, window
-from models.settings import Settings
-from models.urls import libpq_url
-from tests.support.broker import Broker
+from models.kpi_sql import REQUEST_SECONDS_BUCKETS, TRANSITION_SECONDS_BUCKETS, fold, totals, window
 from tests.support.db import expire_lease
 from tests.support.fakes import FakeSlack
 from tests.support.keys import scoped
-from tests.support.metrics import contract_problems
+from tests.support.kpis import deltas, exported
 from tests.support.runs import FAST_RULES, run_all
 
 pytestmark = pytest.mark.integration
@@ -68,18 +61,6 @@ def post(channel: str, text: str = "hello") -> dict[str, Any]:
 
 def script(*entries: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": "Summarise open incidents", "script": list(entries)}
-
-
-def exported(db: Database) -> dict[str, float]:
-    """Every sample the domain collector exports, as ``name{label="v",...}`` -> value."""
-    registry = CollectorRegistry()
-    registry.register(DomainCollector(db))
-    out = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
 
 
 def relay_pass(db: Database, slack: FakeSlack) -> None:
@@ -271,73 +252,6 @@ def test_every_exported_kpi_has_the_value_the_scenario_implies(client: Client, d
     assert k.mean_request_seconds == pytest.approx(histograms["keel_request_duration_seconds_sum"] / 7, abs=1e-6)
 
 
-def deltas(raw: psycopg.Connection[Any]) -> int:
-    (n,) = raw.execute("SELECT count(*) FROM kpi_deltas").fetchone()  # type: ignore[misc]
-    return int(n)
-
-
-def test_folds_at_once_never_count_a_delta_twice_and_readers_never_see_one_twice(
-    db: Database, raw: psycopg.Connection[Any]
-) -> None:
-    raw.execute(
-        "INSERT INTO kpi_deltas (name, label, value) SELECT 'suppressed_duplicates', 'kind=submit', 1"
-        " FROM generate_series(1, 3000)"
-    )
-    folded: list[int] = []
-    seen: list[int] = []
-    start = threading.Barrier(3)
-    done = threading.Event()
-
-    def folder() -> None:
-        start.wait()
-        while n := fold(db, limit=100):
-            folded.append(n)
-
-    def reader() -> None:
-        start.wait()
-        while not done.is_set():
-            seen.append(totals(db).suppressed_duplicates["submit"])
-
-    threads = [threading.Thread(target=folder), threading.Thread(target=folder)]
-    watcher = threading.Thread(target=reader)
-    for t in [*threads, watcher]:
-        t.start()
-    for t in threads:
-        t.join(60)
-    done.set()
-    watcher.join(60)
-    assert sum(folded) == 3000 and deltas(raw) == 0
-    assert set(seen) == {3000}, "a reader saw a delta twice or not at all while it was being folded"
-    assert totals(db).suppressed_duplicates["submit"] == 3000
-    rows = raw.execute("SELECT bucket = '-infinity', sum(value) FROM kpi_rollups GROUP BY 1 ORDER BY 1").fetchall()
-    assert rows == [(False, 3000.0), (True, 3000.0)]  # the minutes, and the running total
-
-
-def test_a_window_leaves_out_what_is_older_and_old_minutes_are_pruned(
-    db: Database, raw: psycopg.Connection[Any]
-) -> None:
-    for age, n in (("3 hours", 4), ("2 hours", 2), ("10 minutes", 1)):
-        raw.execute(
-            "INSERT INTO kpi_deltas (at, name, label, value) VALUES (now() - %s::interval, 'budget_stops', '', %s)",
-            (age, n),
-        )
-    assert (window(db, timedelta(hours=1)).budget_stops, window(db, timedelta(minutes=150)).budget_stops) == (1, 3)
-    assert fold(db) == 3
-    # The same figures once folded: whole minutes, the first one inside the window included, older ones not.
-    assert (window(db, timedelta(hours=1)).budget_stops, window(db, timedelta(minutes=150)).budget_stops) == (1, 3)
-    assert window(db, timedelta(hours=4)).budget_stops == totals(db).budget_stops == 7
-    raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")  # not folded yet: counted too
-    assert (window(db, timedelta(minutes=1)).budget_stops, totals(db).budget_stops) == (1, 8)
-    # Pruning drops per-minute history beyond the retention; the running totals stay.
-    fold(db, retention=timedelta(minutes=150))
-    assert window(db, timedelta(hours=4)).budget_stops == 4
-    assert totals(db).budget_stops == 8
-    # A window is whole minutes: a shorter one would hold nothing most of the time (`keel kpi --since 30s`).
-    for short in (timedelta(0), timedelta(seconds=30)):
-        with pytest.raises(ValueError, match="at least a minute"):
-            window(db, short)
-
-
 def test_a_rolled_back_transition_moves_no_counter(client: Client, db: Database, raw: psycopg.Connection[Any]) -> None:
     agent = client.create_agent("a")
     client.submit(agent.id, "r-1", script({"content": "ok"}))
@@ -385,29 +299,6 @@ def test_the_trigger_buckets_are_the_exporters(raw: psycopg.Connection[Any]) -> 
     assert labels == ["0.5", "0.5", "1", "2.5", "+Inf"]
 
 
-def test_gauges_read_live_rows_through_partial_indexes(db: Database, raw: psycopg.Connection[Any]) -> None:
-    from models import kpi_sql
-
-    raw.execute("SET enable_seqscan = off")  # as on a big table: only an index (or nothing) may be used
-    for query in (kpi_sql._JOBS_BY_STATUS, kpi_sql._OLDEST_DUE, kpi_sql._BACKLOG, kpi_sql._DEAD):
-        plan = "\n".join(r[0] for r in raw.execute(f"EXPLAIN {query}"))
-        assert "Seq Scan" not in plan, plan
-        assert re.search(r"ix_jobs_due|ix_outbox_line|ix_outbox_dead", plan), plan
-    assert gauges(db).jobs_by_status == {"pending": 0, "enqueued": 0, "running": 0}
-
-
-def test_an_unreachable_database_exports_kpi_up_zero_and_nothing_else(tmp_path: Path) -> None:
-    down = Database("postgresql://postgres@127.0.0.1:1/nowhere", pool_size=1)
-    try:
-        registry = CollectorRegistry()
-        registry.register(DomainCollector(down))
-        text = generate_latest(registry).decode()
-    finally:
-        down.dispose()
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    assert [(s.name, s.value) for s in samples] == [("keel_kpi_up", 0.0)]
-
-
 def test_the_spend_of_a_fenced_off_outcome_is_counted_as_retry_caused(client: Client, db: Database) -> None:
     agent = client.create_agent("a")
     client.submit(agent.id, "r-1", None, operation="slow")
@@ -432,105 +323,6 @@ def test_the_spend_of_a_fenced_off_outcome_is_counted_as_retry_caused(client: Cl
     k = totals(db)
     assert (k.fenced_outcomes, k.spent_tokens, k.retry_tokens, k.spent_cost, k.retry_cost) == (1, 250, 250, 0.25, 0.25)
     assert (k.requests_failed, k.counters[("jobs_finished", "operation=slow,status=cancelled")]) == (1, 1)
-
-
-def test_the_leading_beat_folds_the_counters_and_a_failed_fold_stops_no_dispatch(
-    db_url: str,
-    broker: Broker,
-    client: Client,
-    raw: psycopg.Connection[Any],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """The fold is a pass of the leading beat's own, on a thread of its own: at most every KEEL_KPI_FOLD_SECONDS,
-    and neither a slow fold nor a failed one holds up dispatching."""
-    from celery import Celery
-
-    from tasks import dispatcher
-    from tasks.app import celery_config
-    from tasks.dispatcher import KeelScheduler
-
-    for name, value in {"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_KPI_FOLD_SECONDS": "3600"}.items():
-        monkeypatch.setenv(name, value)
-    app = Celery("kpi-test", set_as_current=False)
-    app.conf.update(celery_config(Settings()))
-    beat = KeelScheduler(app=app)
-    (folding,) = [timed for timed in beat.passes if timed.name == "kpi-fold"]
-    entered, release = threading.Event(), threading.Event()
-    real_fold = dispatcher.fold
-    try:
-        raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
-        beat.tick()
-        folding.join(30)
-        assert deltas(raw) == 0 and totals(client.db).budget_stops == 1
-        raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
-        beat.tick()
-        folding.join(30)
-        assert deltas(raw) == 1, "folded at most every KEEL_KPI_FOLD_SECONDS"
-
-        def slow(*args: Any, **kw: Any) -> int:
-            entered.set()
-            release.wait(60)
-            return real_fold(*args, **kw)
-
-        # A slow fold: the tick returns while it runs, and dispatches.
-        monkeypatch.setattr(dispatcher, "fold", slow)
-        folding._next = 0.0
-        agent = client.create_agent("a")
-        beat.tick()
-        assert entered.wait(30) and folding.running()
-        client.submit(agent.id, "r-1", None, operation="slow")
-        beat.tick()
-        (status,) = raw.execute(  # type: ignore[misc]
-            "SELECT status FROM jobs WHERE key = %s", (scoped(agent.id, "r-1:slow:1"),)
-        ).fetchone()
-        assert status == "enqueued", "dispatched while the fold is under way"
-        release.set()
-        folding.join(30)
-        assert deltas(raw) == 0
-        # A fold that fails (here: its table is gone) is logged; the jobs are dispatched all the same.
-        monkeypatch.setattr(dispatcher, "fold", real_fold)
-        raw.execute("ALTER TABLE kpi_rollups RENAME TO kpi_rollups_away")
-        raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('budget_stops', 1)")
-        folding._next = 0.0
-        other = client.create_agent("b")
-        client.submit(other.id, "r-2", None, operation="slow")
-        with caplog.at_level(logging.ERROR, logger="keel.dispatcher"):
-            beat.tick()
-            folding.join(30)
-        (status,) = raw.execute(  # type: ignore[misc]
-            "SELECT status FROM jobs WHERE key = %s", (scoped(other.id, "r-2:slow:1"),)
-        ).fetchone()
-        assert status == "enqueued", "dispatched although the fold failed"
-        assert "kpi-fold pass failed; retrying at its next interval" in caplog.text
-        assert deltas(raw) >= 1, "the deltas wait for a fold that works"
-    finally:
-        release.set()
-        raw.execute("ALTER TABLE IF EXISTS kpi_rollups_away RENAME TO kpi_rollups")
-        beat.close()
-
-
-def test_the_domain_collector_exports_exactly_the_contract_names(db: Database) -> None:
-    """The dashboard and the alert rules are checked against agents/observability/names.py; this holds the collector
-    that exports the domain KPIs (and the alerts') to the same list, both ways."""
-    domain, alerting = DomainCollector(db, cache_seconds=0), AlertsCollector(db, cache_seconds=0)
-    assert contract_problems(domain, DOMAIN) == []
-    assert contract_problems(alerting, ALERTS) == []
-    exported_families = {f.name for f in domain.collect()}
-    assert exported_families == {m.family for m in DOMAIN}
-
-
-def test_a_counter_reads_the_same_before_and_after_a_fold(db: Database, raw: psycopg.Connection[Any]) -> None:
-    """Exact sums: rollup + 0.2 + 0.3 before the fold and rollup + (0.2 + 0.3) after it are one figure (in floats the
-    first is 0.6000000000000001, the second 0.6: a counter going back, which Prometheus takes for a reset)."""
-    raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('spent_cost', 0.1)")
-    fold(db)
-    raw.execute("INSERT INTO kpi_deltas (name, value) VALUES ('spent_cost', 0.2), ('spent_cost', 0.3)")
-    before = exported(db)["keel_spent_cost_total"]
-    assert fold(db) == 2
-    after = exported(db)["keel_spent_cost_total"]
-    assert before == after == 0.6
-    assert totals(db).spent_cost == 0.6
 
 
 def test_recovery_is_judged_when_a_job_that_failed_finishes(
@@ -595,83 +387,3 @@ def test_the_duplicate_rate_is_deliveries_per_key_minus_one_everywhere(
     assert dict(report_lines(k))["side-effect duplicates"] == (
         "2 of 4 confirmed deliveries (duplicate rate 100.0%: deliveries per key - 1)"
     )
-
-
-@pytest.fixture
-def patient_db(db_url: str) -> Iterator[Database]:
-    """The test database with a statement timeout of 10 minutes: a read that waits on a lock waits that long unless
-    the reader cuts it short itself."""
-    database = Database(db_url, pool_size=4, statement_timeout_ms=600_000)
-    yield database
-    database.dispose()
-
-
-@pytest.fixture
-def locked(db_url: str) -> Iterator[Any]:
-    """``locked(table)``: another connection holds ``table`` in ACCESS EXCLUSIVE mode until the test ends (or it
-    calls ``.release()``)."""
-    holders: list[psycopg.Connection[Any]] = []
-
-    class Locker:
-        def __call__(self, table: str) -> None:
-            conn = psycopg.connect(libpq_url(db_url))
-            conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
-            holders.append(conn)
-
-        def release(self) -> None:
-            for conn in holders:
-                conn.rollback()
-
-    yield Locker()
-    for conn in holders:
-        conn.close()
-
-
-def scrape_in_thread(registry: CollectorRegistry) -> tuple[threading.Thread, list[str]]:
-    out: list[str] = []
-    thread = threading.Thread(target=lambda: out.append(generate_latest(registry).decode()), daemon=True)
-    thread.start()
-    return thread, out
-
-
-def samples_of(text: str) -> list[tuple[str, float]]:
-    return [(s.name, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
-
-
-def test_a_scrape_answers_within_its_read_timeout_while_a_lock_holds_the_counters(
-    patient_db: Database, locked: Any
-) -> None:
-    locked("kpi_rollups")
-    locked("alert_episodes")
-    registry = CollectorRegistry()
-    registry.register(DomainCollector(patient_db, cache_seconds=0, read_timeout=timedelta(seconds=1)))
-    registry.register(AlertsCollector(patient_db, cache_seconds=0, read_timeout=timedelta(seconds=1)))
-    thread, out = scrape_in_thread(registry)
-    thread.join(120)  # it takes about a second; without its own timeout it would wait the database's 10 minutes
-    assert not thread.is_alive(), "the scrape waited on the lock"
-    assert samples_of(out[0]) == [("keel_kpi_up", 0.0)]
-
-
-def test_a_scrape_never_queues_behind_another_scrapes_read(
-    patient_db: Database, locked: Any, raw: psycopg.Connection[Any]
-) -> None:
-    locked("kpi_rollups")
-    registry = CollectorRegistry()
-    registry.register(DomainCollector(patient_db, cache_seconds=0, read_timeout=timedelta(minutes=10)))
-    first, first_out = scrape_in_thread(registry)
-    deadline = time.monotonic() + 60
-    while not raw.execute(
-        "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        " AND query LIKE '%%kpi_rollups%%' AND pid <> pg_backend_pid()"
-    ).fetchone():
-        assert time.monotonic() < deadline, "the first scrape's read never reached the lock"
-        time.sleep(0.05)
-    # The first scrape is reading (held up by the lock): a second one answers at once, without a figure.
-    second, second_out = scrape_in_thread(registry)
-    second.join(60)
-    assert not second.is_alive(), "the second scrape queued behind the first"
-    assert samples_of(second_out[0]) == [("keel_kpi_up", 0.0)]
-    assert first.is_alive()  # still held up: the lock is ours until we let go
-    locked.release()
-    first.join(60)
-    assert ("keel_kpi_up", 1.0) in samples_of(first_out[0])

@@ -1,12 +1,14 @@
-"""Dispatchers racing on one database: what each took, in one list."""
+"""Dispatchers racing on one database: what each took, in one list; and what they published to the broker."""
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 
 from models.db import Database
-from models.jobs_sql import take_due
+from models.dispatch_sql import take_due
+from tests.support.broker import Broker
 
 
 def race_dispatchers(db: Database, *, dispatchers: int = 4, batch: int = 3) -> list[str]:
@@ -32,3 +34,10 @@ def race_dispatchers(db: Database, *, dispatchers: int = 4, batch: int = 3) -> l
     for t in threads:
         t.join()
     return taken
+
+
+def published(broker: Broker, queue: str = "keel.jobs") -> list[str]:
+    """The task ids (job keys) of the messages waiting on ``queue``, oldest first."""
+    with broker.redis() as redis:
+        raw = redis.lrange(broker.key(queue), 0, -1)
+    return [json.loads(m)["headers"]["id"] for m in raw]

@@ -4,16 +4,24 @@ the session created, at the end; nothing else is touched."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from agents.client import Client
+from models.db import Database
 from models.roles import RoleNames
 from models.urls import libpq_url, with_database
+from tests.support.audit import TEST_ENV, TEST_KEYS
 
 #: The passwords the tests give the application and auditor roles (the local server trusts 127.0.0.1 anyway).
 APP_PASSWORD = "app-role-test-password"
@@ -65,3 +73,51 @@ def drop_roles(server_url: str, roles: Iterable[str], databases: Iterable[str] =
         for role in roles:
             if role in existing:
                 admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+KEEL = str(Path(sys.executable).parent / "keel")
+
+
+def keel(url: str, *args: str, names: RoleNames | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``keel`` on ``url`` (KEEL_DATABASE_URL) with the roles ``names``, in a directory of its own."""
+    child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
+    child["KEEL_DATABASE_URL"] = url
+    child |= TEST_ENV  # the journal's key ring (production refuses to start without one)
+    if names is not None:
+        child |= {
+            "KEEL_DB_OWNER_ROLE": names.owner,
+            "KEEL_DB_APP_ROLE": names.app,
+            "KEEL_DB_AUDITOR_ROLE": names.auditor,
+        }
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "keel-roles-tests"
+    scratch.mkdir(exist_ok=True)
+    return subprocess.run(
+        [KEEL, *args], env=child | env, capture_output=True, text=True, timeout=120, cwd=scratch, check=False
+    )
+
+
+def connect(url: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(libpq_url(url), autocommit=True)
+
+
+def journal_digest(url: str) -> tuple[Any, ...]:
+    """The journal as it is: its rows, their order and contents (and whether the table is there at all)."""
+    with connect(url) as conn:
+        row = conn.execute("SELECT count(*), md5(string_agg(j::text, '|' ORDER BY id)) FROM audit.journal j").fetchone()
+        assert row is not None
+        return tuple(row)
+
+
+def with_a_journal(roles_db: RoledDatabase) -> RoledDatabase:
+    """``roles_db`` with events in its journal, written through the client as the application role (what the
+    ``journaled`` fixtures of the roles tests return)."""
+    db = Database(roles_db.app_url, pool_size=2, audit_keys=TEST_KEYS)
+    try:
+        client = Client(db)
+        agent = client.create_agent("ledger", actor="alice")
+        client.submit(agent.id, "r-1", {"prompt": "Summarise open incidents"}, actor="alice")
+        client.cancel(agent.id, actor="alice", reason="changed my mind")
+    finally:
+        db.dispose()
+    assert journal_digest(roles_db.url)[0] == 3
+    return roles_db

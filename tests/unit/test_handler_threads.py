@@ -1,4 +1,4 @@
-"""Handlers run on threads kept for the next job (agents/jobs/runner.py HandlerThreads): one thread serves job after
+"""Handlers run on threads kept for the next job (agents/jobs/handler_threads.py): one thread serves job after
 job, in each job's own context; a thread whose handler overran its limit is never given another job."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextvars
 import threading
 
-from agents.jobs.runner import HandlerThreads
+from agents.jobs.handler_threads import HandlerThreads
 
 JOB: contextvars.ContextVar[str] = contextvars.ContextVar("JOB", default="none")
 

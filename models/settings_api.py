@@ -1,0 +1,115 @@
+"""The settings of the HTTP API and the operator console (`keel serve`): a part of :class:`models.settings.Settings`."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+#: What an API token may be allowed to do (see agents/ingress). Rate limits are set per scope.
+SCOPES = ("producer", "approver", "operator", "auditor")
+
+
+class ScopeRateLimit(BaseModel):
+    """One scope's default rate control: ``rate`` requests per second sustained, ``burst`` at once (a token
+    bucket holding ``burst`` requests that refills at ``rate`` per second)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rate: float = Field(gt=0, le=1_000_000, allow_inf_nan=False)
+    burst: int = Field(ge=1, le=1_000_000)
+
+    @field_validator("rate", "burst", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: object) -> object:
+        if isinstance(value, bool):  # JSON true would otherwise pass as 1
+            raise ValueError("must be a number, not true or false")
+        return value
+
+
+#: Producers are services submitting work: the most headroom. Approvers are people in the console (a page makes a
+#: few reads, an approval one write). Operators are people and their scripts (retries, cancels). Auditors read the
+#: journal page by page.
+DEFAULT_API_RATE_LIMITS: dict[str, ScopeRateLimit] = {
+    "producer": ScopeRateLimit(rate=50, burst=100),
+    "approver": ScopeRateLimit(rate=5, burst=20),
+    "operator": ScopeRateLimit(rate=20, burst=50),
+    "auditor": ScopeRateLimit(rate=10, burst=50),
+}
+
+
+class ApiFields(BaseModel):
+    """``KEEL_API_*`` and ``KEEL_CONSOLE_*``."""
+
+    # The HTTP API's rate control per token, shared by every API process through Redis. Per scope, e.g.
+    # {"producer": {"rate": 100, "burst": 200}}; scopes not named keep their defaults. A token with several scopes
+    # gets the most generous of their limits.
+    api_rate_limit_enabled: bool = True
+    api_rate_limits: dict[str, ScopeRateLimit] = Field(default_factory=lambda: dict(DEFAULT_API_RATE_LIMITS))
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=1, le=65535)
+    api_workers: int = Field(default=1, ge=1, le=64)  # uvicorn worker processes
+    api_max_body_bytes: int = Field(default=256 * 1024, ge=1024)  # larger request bodies are refused with 413
+    #: Live event streams (API and console) one token may hold open in one API process, and all tokens together;
+    #: past either a new one is refused with 429. Each is a socket: keep the process's open-file limit above it.
+    api_max_streams_per_token: int = Field(default=100, ge=1, le=100_000)
+    api_max_streams_per_process: int = Field(default=1000, ge=1, le=100_000)
+    #: On SIGTERM, requests in flight get this long to finish (event streams end at once); below compose's 30 s.
+    api_shutdown_seconds: int = Field(default=25, ge=0, le=3600)
+    #: The address people and producers reach the API at (links in Slack messages, the demo's summary);
+    #: None: http://{api_host}:{api_port}.
+    api_public_url: str | None = None
+    #: The proxies whose ``X-Forwarded-For`` and ``X-Forwarded-Proto`` headers ``keel serve`` believes (addresses or
+    #: networks, e.g. ["10.0.0.0/8"]); only these set the client address the console's sign-in limit counts by.
+    #: Empty: believe no one, the connection's own address counts.
+    api_forwarded_allow_ips: list[str] = Field(default_factory=list)
+
+    #: Signs the operator console's session cookies (at least 32 characters). None: a random key per API process,
+    #: so sessions end when it restarts; required with KEEL_API_WORKERS > 1 (sessions must carry over between them).
+    console_session_key: SecretStr | None = None
+    #: Failed tokens (unknown or revoked, at the console's sign-in or in an API call), counted in Redis per client
+    #: address: at most ``burst`` at once, then one more every 60/``per_minute`` seconds; past it the address is
+    #: refused (429) before its token is looked up, a correct one too. The ``global`` pair caps all addresses
+    #: together: past it, one failure uses up its address's allowance (agents/ingress/console/signin_limits.py); it
+    #: never refuses a real token by itself.
+    console_signin_limit_enabled: bool = True
+    console_signin_burst: int = Field(default=10, ge=1, le=1_000_000)
+    console_signin_per_minute: float = Field(default=5.0, gt=0, le=1_000_000, allow_inf_nan=False)
+    console_signin_global_burst: int = Field(default=100, ge=1, le=1_000_000)
+    console_signin_global_per_minute: float = Field(default=60.0, gt=0, le=1_000_000, allow_inf_nan=False)
+    #: Rows per page of the console's lists: the agents, the outbox's unsent messages, an agent's journal.
+    console_page_size: int = Field(default=100, ge=1, le=1000)
+
+    @field_validator("api_rate_limits")
+    @classmethod
+    def _rate_limits_are_per_known_scope(cls, value: dict[str, ScopeRateLimit]) -> dict[str, ScopeRateLimit]:
+        unknown = set(value) - set(SCOPES)
+        if unknown:
+            raise ValueError(f"unknown scopes {sorted(unknown)}; known: {list(SCOPES)}")
+        return {**DEFAULT_API_RATE_LIMITS, **value}
+
+    @field_validator("api_forwarded_allow_ips")
+    @classmethod
+    def _forwarded_allow_ips_are_addresses(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if entry.strip() == "*":
+                raise ValueError(
+                    "name the proxies' addresses or networks (e.g. 10.0.0.0/8), not '*': with '*' any client could"
+                    " claim any address"
+                )
+            try:
+                ipaddress.ip_network(entry.strip(), strict=True)
+            except ValueError:
+                raise ValueError(
+                    f"{entry[:60]!r} is not an IP address or network (e.g. 10.0.0.7, 10.0.0.0/8, fd00::/8; a network"
+                    " without host bits set)"
+                ) from None
+        return [entry.strip() for entry in value]
+
+    @field_validator("console_session_key")
+    @classmethod
+    def _session_key_is_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("must be at least 32 characters (it signs the console's session cookies)")
+        return value
