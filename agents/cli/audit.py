@@ -61,16 +61,14 @@ SHOWN = 20
 @json_option
 @friendly
 def audit_verify(against: str | None, public_key: str | None, incremental: bool, full: bool, as_json: bool) -> None:
-    """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link of any
-    chain, or when events linked with a key the ring lacks could not be checked. Says how many events of each chain
-    are legacy (from before the journal was keyed). The outcome is recorded: the audit_verify alert fires while the
-    latest verify (this command's or the beat's periodic one) failed. The auditor role reads only: run by it, the
-    outcome is printed and not recorded.
+    """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link, or when
+    events linked with a key the ring lacks could not be checked. Says how many events of each chain are legacy
+    (from before the journal was keyed). The outcome is recorded, and the audit_verify alert fires while the latest
+    verify failed; run by the read-only auditor role, it is printed only.
 
-    Every chain from its start (or its archived head), KEEL_AUDIT_VERIFY_CHUNK_CHAINS chains per short transaction:
-    what it prints as verified, it checked in this run. --incremental reads only what is new since each chain's
-    checkpoint, and says which events it trusted from checkpoints instead of checking them: it cannot see an edit
-    below a checkpoint.
+    Each chain is checked from its start (or its archived head), KEEL_AUDIT_VERIFY_CHUNK_CHAINS chains per short
+    transaction. --incremental checks only what is new since each chain's checkpoint and says which events it
+    trusted instead: it cannot see an edit below a checkpoint.
 
     With --against URL: compare the journal with its shipped copy instead (nothing is recorded); exit 1 on any event
     changed, removed or inserted after shipping, any chain re-forged, any segment missing or manifest that fails."""

@@ -125,7 +125,7 @@ class AgentsMixin(ClientBase):
     ) -> DeletedAgent:
         """Delete an archived agent at rest; its name is free again, its journal and requests stay. Returns its
         tombstone. Raises ``StaleRevision`` or ``AgentInUse`` (journaled). See docs/explanation/clients.md,
-        "Deleted agents"."""
+        "Archived and deleted agents"."""
         check_actor(actor)
         check_reason(reason)
         if expected_revision is not None:

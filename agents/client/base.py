@@ -106,7 +106,7 @@ class ClientBase:
 
     def _chain_id(self, agent: AgentRef) -> UUID:
         """The agent whose journal to read: a live one by id or name, else a deleted one (docs/explanation/clients.md,
-        "Deleted agents")."""
+        "Archived and deleted agents")."""
         try:
             return self._row(agent).id
         except AgentNotFound as exc:
