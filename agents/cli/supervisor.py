@@ -1,15 +1,7 @@
-"""What ``keel up`` runs on: child processes started in process groups of their own, their output relayed line by
-line, a start that counts only once each child shows it is ready, a stop on any termination signal (forwarded, waited
-for within a bound, then SIGKILL), and a watch on the servers that gives up after a bounded outage.
-
-Signals: SIGINT (Ctrl-C), SIGTERM (a process manager, ``docker stop``) and SIGHUP (the terminal closed) stop the
-children warmly (SIGTERM to each group: the worker lets running jobs finish). SIGQUIT is passed on as SIGQUIT,
-Celery's cold shutdown, which Keel's worker settings start with a soft shutdown: the worker waits
-``worker_soft_shutdown_timeout`` (10 s, even when idle) for running jobs, then cancels the rest (their messages go
-back to the queue) and exits — not sooner than SIGTERM. A child that is not Celery's (the HTTP API) is sent SIGTERM
-for it instead (its ``quit_as``): SIGQUIT would kill it without its graceful shutdown. A second signal while stopping
-kills every group with SIGKILL: that is the stop "at once" (leases hand the killed jobs to the next worker).
-"""
+"""What ``keel up`` runs on: child processes in process groups of their own, their output relayed line by line, a
+start that counts once each child shows it is ready, a stop on any termination signal (forwarded, waited for, then
+SIGKILL), and a watch on the servers that gives up after a bounded outage. Which signal does what:
+docs/explanation/clients.md, "Stopping keel up"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Following what happens: the journal as text lines, ``keel journal --follow``, ``keel wait`` and ``keel
-run/submit --wait`` / ``--follow`` (until the request rests, with an exit status that says how it ended).
-
-Plain lines when stdout is not a terminal (a pipe, a file, CI); a Rich live display when it is.
-"""
+"""Following what happens: the journal as text lines, ``keel journal --follow``, and ``keel wait`` / ``--wait`` /
+``--follow`` until a request rests, exiting with how it ended; a Rich live display on a terminal, plain lines
+elsewhere."""
 
 from __future__ import annotations
 
@@ -108,10 +106,8 @@ def wait_for_rest(
     timeout: float | None,
     details: bool,
 ) -> tuple[int, Any]:
-    """Wait until request ``request_id`` of the agent in ``state`` rests (done, failed, waiting for approval) or
-    ``timeout`` seconds pass; with ``follow``, show its progress meanwhile. Where the request stands is read from its
-    own journal events (its last transition), so an older request's outcome is its own, not the agent's current
-    request's. Returns the exit status and the request's last transition event."""
+    """Wait until the request rests or ``timeout`` passes, showing its progress with ``follow``. Returns the exit
+    status and the request's last transition: read from its own events, so an older request's outcome is its own."""
     history = client.journal(agent_id=state.id, request_id=request_id)
     last = last_transition(history, state.id, request_id)
     if last is None:

@@ -28,8 +28,8 @@ from models import alerts_sql
 from models.clock import rfc3339
 from models.db import Database
 from models.settings import Settings
-from tests.integration.test_cli import keel
 from tests.support.audit import TEST_KEYS
+from tests.support.cli import keel
 from tests.support.fakes import FakeSlack
 from tests.support.keys import scoped
 

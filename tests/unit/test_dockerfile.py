@@ -141,7 +141,7 @@ def test_the_build_context_leaves_out_secrets_state_builds_caches_and_tests() ->
         ".git/config",
         ".venv/bin/python",
         ".keel/postgres/postmaster.pid",
-        "build/lib/agents/client.py",
+        "build/lib/agents/client/base.py",
         "dist/keel-0.1.0-py3-none-any.whl",
         "keel.egg-info/PKG-INFO",
         "agents/core/__pycache__/phases.cpython-311.pyc",
@@ -151,5 +151,5 @@ def test_the_build_context_leaves_out_secrets_state_builds_caches_and_tests() ->
         "tests/conftest.py",
     ):
         assert ignored(path), f"{path} would be sent to the build"
-    for path in ("pyproject.toml", "README.md", "agents/client.py", "alembic/env.py", "models/db.py", "tasks/app.py"):
+    for path in ("pyproject.toml", "README.md", "agents/__init__.py", "alembic/env.py", "models/db.py", "tasks/app.py"):
         assert not ignored(path), f"{path} is needed to build the wheel"

@@ -158,7 +158,7 @@ def test_imports_point_down_only() -> None:
         ("agents/outbox/relay.py", "from agents.jobs import runner", "outbox may import only core, models"),
         ("agents/runtime/loop.py", "from agents.client import Client", "runtime may import only core, jobs, models"),
         ("agents/runtime/tools.py", "from agents.cli.common import emit", "runtime may import only"),
-        ("agents/client.py", "from agents.demo import run", "client may import only"),
+        ("agents/client/base.py", "from agents.demo import run", "client may import only"),
         ("models/db.py", "from agents.core import errors", "models may import only nothing of Keel"),
         ("models/db.py", "import tasks.app", "models may import only nothing of Keel"),
         ("agents/cli/db.py", "import tasks.app", "cli may import only"),
@@ -166,7 +166,7 @@ def test_imports_point_down_only() -> None:
         ("tasks/jobs.py", "from agents.demo.fake_servers import FakeSlack", "tasks may import only"),
         ("agents/jobs/schedules.py", "def later() -> None:\n    from models import db", "inside a function"),
         (
-            "agents/client.py",
+            "agents/client/base.py",
             "class C:\n    def m(self) -> None:\n        import agents.runtime.loop",
             "inside a function",
         ),
