@@ -375,13 +375,14 @@ def agent_events_after(
     return [JournalEvent.model_validate(r) for r in rows]
 
 
-_HEADS = "SELECT id, journal_seq FROM agents WHERE id = ANY(%s)"
+# Named apart from the verify's _HEADS below, which would otherwise replace it.
+_SEQ_HEADS = "SELECT id, journal_seq FROM agents WHERE id = ANY(%s)"
 
 
 def journal_heads(db: Database, agent_ids: list[UUID]) -> dict[UUID, int]:
     """The seq of each of these agents' last journal event (a deleted agent is left out): one statement for all."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(_HEADS, (agent_ids,))
+        cur.execute(_SEQ_HEADS, (agent_ids,))
         rows = cur.fetchall()
         end_read(conn)
     return {row["id"]: row["journal_seq"] for row in rows}
