@@ -41,7 +41,7 @@ pytestmark = pytest.mark.integration
 
 KEEL = str(Path(sys.executable).parent / "keel")
 ASK = {"prompt": "What changed?", "script": [{"content": "Nothing.", "cost": "0.5"}]}
-HASHED = journal._HASHED  # the linked fields, as the chain query names them
+HASHED = journal.HASHED  # the linked fields, as the chain query names them
 #: An event's columns in INSERT order (below), as chain() names them.
 COLUMNS = ("agent_id", *HASHED[1:], "prev_hash", "hash", "key_id")
 FORGER = "mallory-has-the-database-but-not-the-key-000"
