@@ -61,6 +61,8 @@ class ChainCheck:
 
 @dataclass(frozen=True, slots=True)
 class ChainHead:
+    """Where a chain ends, as its agent row (or a deleted agent's tombstone) says, with the state it records."""
+
     agent_id: UUID
     seq: int
     hash: str
@@ -81,6 +83,7 @@ class LegacySeal:
     seal: str
 
 
+#: The legacy seals, as :class:`LegacySeal` rows; callers add the agents they want.
 SEALS_QUERY = "SELECT agent_id, seq, head, key_id, seal FROM audit.legacy_chains"
 
 
