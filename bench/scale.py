@@ -173,7 +173,7 @@ class _OneChunk(Exception):
 
 
 def measure_verify(bed: Bed) -> float:
-    """One chunk of `keel audit verify` (agents/core/journal.py verify, incremental, VERIFY_BATCH chains a chunk):
+    """One chunk of `keel audit verify` (agents/core/journal/verification.py, incremental, VERIFY_BATCH chains a chunk):
     timed from the call to the end of its first chunk's reads and checks, when ``on_chunk`` stops it."""
 
     def stop(raw: Any) -> None:

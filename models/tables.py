@@ -194,7 +194,7 @@ journal = Table(
     Column("details", JSON, nullable=False),
     Column("at", DateTime(timezone=True), primary_key=True),
     Column("prev_hash", Text, nullable=False),
-    # An HMAC-SHA256 (agents/core/journal.py) under the audit key ``key_id``; a legacy event, written before the
+    # An HMAC-SHA256 (agents/core/journal/chain.py) under the audit key ``key_id``; a legacy event, written before the
     # journal was keyed (migration 0015), has no key id and a plain sha256 here.
     Column("hash", Text, nullable=False),
     Column("key_id", Text),
@@ -565,7 +565,7 @@ audit_shipments = Table(
 
 #: How far `keel audit verify` has verified each chain: its last verified event (``seq``) and that event's link
 #: (``hash``), with the state the walk had reached there, so an incremental pass reads only the events after it
-#: (agents/core/journal.py). One row per chain, replaced as it advances. Sealed like audit_verifications
+#: (agents/core/journal/verification.py). One row per chain, replaced as it advances. Sealed like audit_verifications
 #: (models/audit_records.py): a row whose seal does not hold is reported and ignored, never trusted. ``broken_seq``:
 #: a verify found the chain broken there; every later pass reports it, and a guard (migration 0024) refuses to
 #: change the row, until the owner deletes it.

@@ -16,8 +16,8 @@ from datetime import timedelta
 
 from agents.audit.ship import ShipperBusy, ship_configured
 from agents.audit.verify import verify_and_record
+from agents.core.journal.verdict import Verdict
 from agents.core.outage import unreachable
-from agents.core.verdict import Verdict
 from agents.observability import alerts, report
 from models import alerts_sql, partitions_sql, retention_sql
 from models.alerts_sql import Term

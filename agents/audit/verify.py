@@ -1,5 +1,5 @@
 """`keel audit verify` (the CLI's and the beat's, one function), its outcome recorded (``audit_verifications``) for
-the ``audit_verify`` alert and the console with what it checked and what it trusted (agents/core/verdict.py)."""
+the ``audit_verify`` alert and the console with what it checked and what it trusted (agents/core/journal/verdict.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from agents.core import journal
 from agents.core.journal import VerifyReport
-from agents.core.verdict import Verdict
+from agents.core.journal.verdict import Verdict
 from models.alerts_sql import record_verification
 from models.db import Database
 

@@ -83,7 +83,7 @@ def audit_verify(against: str | None, public_key: str | None, incremental: bool,
     if public_key is not None:
         raise click.UsageError("--public-key goes with --against")
     from agents.audit.verify import verify_and_record
-    from agents.core.verdict import Verdict
+    from agents.core.journal.verdict import Verdict
     from models.alerts_sql import may_record_verification
 
     with open_client(writes=False) as client:

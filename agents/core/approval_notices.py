@@ -1,18 +1,7 @@
-"""The Slack messages about a wait for approval: their keys, and the follow-up of a wait that ends undecided.
-
-Each message is keyed from the gate step the wait is on (:func:`key`:
-``{request}:slack:gate.{gate target}@{kind}``; a request waits on a gate once), one kind per message and channel:
-:data:`WAITING` (the call waits: the approval channel), :data:`ESCALATED` (it waited past its tool's approval
-timeout: the escalation channel), then, on each channel that was told, :data:`DECIDED` / :data:`ESCALATION_DECIDED`
-once a person or the timeout decides it, or :data:`ENDED` / :data:`ESCALATION_ENDED` when the wait ends without a
-decision. So a redelivered gate, a replayed decision or two
-beats at once still send each message once, and nobody is left reading "Approve or reject it" about a call that no
-longer waits.
-
-The runtime sends the others (agents/runtime/notices.py). The undecided end is sent here, by ``transition()``:
-cancelling the request, stopping it at its hard deadline or a worker failing it are all transitions out of
-waiting_approval, whoever makes them, so none of them can forget it.
-"""
+"""The Slack messages about a wait for approval, each keyed from the gate step the wait is on (:func:`key`), one
+kind per message and channel, so each is sent once; and the follow-up of a wait that ends undecided, which
+``transition()`` sends since every way out of waiting_approval is a transition (the runtime sends the others, from
+agents/runtime/notices.py). The kinds and why: docs/explanation/journal-and-transitions.md#approval-notices."""
 
 from __future__ import annotations
 

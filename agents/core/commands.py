@@ -1,7 +1,5 @@
-"""Commands and the pure decision on each: accept, suppress as a duplicate, or reject.
-
-Nothing here touches the database: :func:`decide` sees the locked row and returns what should happen.
-"""
+"""Commands and the pure decision on each: accept, suppress as a duplicate, or reject. Nothing here touches the
+database: :func:`decide` sees the locked row and returns what should happen."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Deterministic keys: ``{request}:{operation}:{target}`` names a unit of work everywhere it appears.
-
-``{request}`` is the request's key (:func:`request_key`): its agent and its id, since a request id is its agent's own
-(two tenants may both use ``order-1001``) while a key is unique across Keel (it is the Celery task id).
-
-Every key a step derives (the jobs it schedules, the messages it emits or that are about it, the steps it reads)
-goes through :func:`derive` or :func:`step_message_key`, which take the request from the step's own key.
-"""
+"""Deterministic keys: ``{request}:{operation}:{target}`` names a unit of work everywhere it appears. ``{request}``
+is :func:`request_key`, the agent and the request id together, since a request id is its agent's own while a key is
+unique across Keel (it is the Celery task id); every key a step derives goes through :func:`derive` or
+:func:`step_message_key`, which take the request from the step's own key."""
 
 from __future__ import annotations
 

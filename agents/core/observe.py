@@ -1,16 +1,8 @@
-"""Where Keel's units of work are observed: one hook, many observers.
-
-A transition, a job run, a model call, a tool call, an outbox send and an HTTP request each run inside
-``with observe(kind, name, **context):``. Observers registered by :mod:`agents.observability` (metrics, traces, log
-context) see each one start and end; core, runtime, jobs and outbox never import them (imports point down), and
-with none registered ``observe`` costs a clock read.
-
-``context`` names what the work is about — ``request_id``, ``agent_id``, ``job_key``, ``outbox_key``, ``actor``,
-``traceparent`` (a stored W3C trace context to continue), ``link`` (one the work relates to without continuing it,
-see :func:`link`) — with values as strings (``None`` values are left out).
-The work may set ``op.outcome`` (e.g. ``applied``, ``rejected``, ``suppressed``); an exception that leaves the block
-makes the outcome the exception's class name unless one was set. An observer that fails never fails the work.
-"""
+"""Where Keel's units of work are observed, one hook for many observers: a transition, a job run, a model call, a
+tool call, an outbox send and an HTTP request each run inside ``with observe(kind, name, **context):``, and the
+observers :mod:`agents.observability` registers (metrics, traces, log context) see each start and end. Core,
+runtime, jobs and outbox never import them (imports point down); with none registered ``observe`` costs a clock
+read."""
 
 from __future__ import annotations
 
@@ -130,7 +122,11 @@ def link(traceparent: str) -> None:
 
 @contextmanager
 def observe(kind: str, name: str, **context: Any) -> Iterator[Op]:
-    """Run the block as one unit of work of ``kind`` named ``name`` (see the module's docstring)."""
+    """Run the block as one unit of work of ``kind`` named ``name``. ``context`` names what it is about
+    (``request_id``, ``agent_id``, ``job_key``, ``outbox_key``, ``actor``, ``traceparent``: a stored W3C trace context
+    to continue, ``link``: one it relates to without continuing it), as strings, ``None`` left out. The block may set
+    ``op.outcome`` (``applied``, ``rejected``, …); an exception leaving it makes the outcome its class name unless one
+    was set. An observer that fails never fails the work."""
     op = Op(kind, name, {k: str(v) for k, v in context.items() if v is not None})
     reset = _current.set(op)
     try:

@@ -1,8 +1,6 @@
 """The phase machine: one declarative table of allowed moves, enforced by ``transition()`` and drawn in the docs.
-
-Every change of an agent's phase is an *event* applied in a phase; the table says where it leads. A move that is
-not in the table is illegal. Nothing else in Keel decides which moves exist.
-"""
+Every change of an agent's phase is an *event* applied in a phase, and the table says where it leads; a move not in
+it is illegal, and nothing else in Keel decides which moves exist."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Secrets out of everything Keel writes down: the journal, ``last_error``, and every log line.
-
-One function, :func:`redact`, replaces with ``***`` the secrets Keel was configured with (registered with
-:func:`register_secrets` or :func:`register_settings`) and anything shaped like a credential: Slack, GitHub,
-OpenAI-style, AWS and Keel's own API keys, ``Bearer …`` and ``Authorization: …`` values, and the password in a
-URL's userinfo.
-:class:`RedactingFilter` applies it to log records; :func:`install_log_redaction` puts that filter on the root
-logger's handlers (not on those whose formatter redacts itself). Every pattern takes time linear in the text's
-length, whatever the text: a log line may quote what an unauthenticated client sent. Pure: no database, no network.
-"""
+"""Secrets out of everything Keel writes down (the journal, ``last_error``, every log line): :func:`redact` replaces
+with ``***`` the secrets Keel was configured with (:func:`register_secrets`, :func:`register_settings`) and anything
+shaped like a credential (Slack, GitHub, OpenAI-style, AWS and Keel's own tokens, ``Bearer``/``Authorization``
+values, a URL's password); :class:`RedactingFilter` applies it to log records. Every pattern takes time linear in the
+text's length, since a log line may quote what an unauthenticated client sent. Pure: no database, no network."""
 
 from __future__ import annotations
 

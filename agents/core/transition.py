@@ -1,94 +1,73 @@
-"""The single writer of agent state.
-
-``transition()`` is the only code that changes an agent row. It runs one transaction that locks the row
-(``SELECT … FOR UPDATE``), decides the command (:func:`agents.core.commands.decide`), writes the new row, the command's
-effects and exactly one journal event, and commits — all or nothing. A rejected command rolls back and is then
-journaled in a transaction of its own, so the rejection is on record while the agent stays as it was.
-"""
+"""The single writer of agent state: ``transition()`` is the only code that changes an agent row, in one transaction
+that locks the row, decides the command (:func:`agents.core.commands.decide`), writes the row, the command's effects and
+exactly one journal event, and commits, all or nothing; a rejected command is journaled in a transaction of its own.
+What it writes, in which order and why: docs/explanation/journal-and-transitions.md."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
 import psycopg
-import sqlalchemy.exc
 
 from agents.core import approval_notices, journal
 from agents.core.commands import (
     LOW,
     Accept,
     Command,
-    JobOutcome,
     MessageSpec,
     Reject,
     Suppress,
-    Usage,
     as_given,
     decide,
     differences,
 )
-from agents.core.errors import (
-    AgentBusy,
-    AgentExists,
-    AgentInUse,
-    AgentNotFound,
-    FencedOff,
-    InvalidInput,
-    LostUpdate,
-    Rejected,
-    RequestConflict,
-    StaleRevision,
-    StoreError,
-)
+from agents.core.errors import FencedOff, InvalidInput, LostUpdate, RequestConflict, StoreError
 from agents.core.keys import current_request_key, make_key, step_message_key
+from agents.core.lifecycle import create_agent as create_agent
+from agents.core.lifecycle import delete_agent as delete_agent
+from agents.core.lifecycle import missing_agent
+from agents.core.lifecycle import set_archived as set_archived
 from agents.core.observe import current, current_traceparent, link, observe
+from agents.core.outcomes import (
+    charge_staged_txn,
+    outcome_finish_params,
+    outcome_goes_with_the_row,
+    write_outcome_txn,
+)
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.queues import LOW_QUEUE, new_jobs
-from agents.core.redaction import redact
+from agents.core.store import store_errors as store_errors
 from models.audit_keys import AuditKeys
 from models.clock import rfc3339
 from models.db import Database
 from models.jobs_sql import (
     Due,
     cancel_agent_jobs_txn,
-    charge_void_attempt_txn,
     demote_agent_jobs_txn,
-    finish_params,
-    finish_txn,
     holds,
     insert_jobs_txn,
     live_jobs_txn,
-    retry_txn,
 )
 from models.outbox_sql import NewMessage, insert_messages_txn
-from models.schemas import AgentRow, DeletedAgent, JobView
+from models.schemas import AgentRow, JobView
 from models.sql import (
     RequestClaim,
-    agent_schedules_txn,
-    delete_agent_txn,
-    deleted_agent_txn,
-    insert_agent_txn,
     lock_agent_txn,
     request_as_submitted_txn,
-    set_archived_txn,
     update_agent_and_commit_txn,
 )
-
-log = logging.getLogger("keel.core")
 
 #: Where an effect that cancelled jobs returns the usage of the staged outcomes it took out of them (by job key, as
 #: :class:`models.jobs_sql.Swept` has it): the transition charges that spend, once, and journals what it charged.
 STAGED_SPEND = "staged_spend"
 
 #: Writes a transition's effects (jobs, outbox messages, …) with the caller's cursor, inside the transition's
-#: transaction, after the agent row is updated. Gets the row before and after; what it returns is journaled, except
-#: under :data:`STAGED_SPEND`.
+#: transaction, once the command is decided and before the event and the row are written. Gets the row before and
+#: after; what it returns is journaled, except under :data:`STAGED_SPEND`.
 EffectsTxn = Callable[[psycopg.Cursor[Any], AgentRow, AgentRow], Mapping[str, Any] | None]
 
 
@@ -112,186 +91,6 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
-@contextmanager
-def store_errors() -> Iterator[None]:
-    """The one boundary where driver errors become :class:`StoreError`."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        raise StoreError(f"database error: {_message(exc)}") from exc
-    except sqlalchemy.exc.DBAPIError as exc:
-        raise StoreError(f"database error: {_message(exc.orig)}") from exc
-    except sqlalchemy.exc.TimeoutError as exc:  # no pooled connection came free in time: as good as unreachable
-        raise StoreError(f"database error: {exc}") from exc
-
-
-#: A table, column or function the code needs is not in the database: its schema is missing or not this code's.
-_SCHEMA_STATES = {"42P01", "42703", "42883"}
-
-
-def _message(exc: BaseException | None) -> str:
-    diag = getattr(exc, "diag", None)
-    primary = getattr(diag, "message_primary", None)
-    message = str(primary or exc).strip()
-    if getattr(exc, "sqlstate", None) in _SCHEMA_STATES:
-        message += " (the database schema is missing or not this version's: run 'keel db upgrade')"
-    return message
-
-
-def create_agent(db: Database, name: str, *, budget_tokens: int | None, budget_cost: Any, actor: str) -> AgentRow:
-    """Insert a new idle agent at revision 0 and start its journal chain with a ``created`` event."""
-    keys = journal.signing_keys(db)
-    with store_errors(), db.transaction() as cur:
-        row = insert_agent_txn(cur, name=name, budget_tokens=budget_tokens, budget_cost=budget_cost)
-        if row is None:
-            raise AgentExists(name)
-        at = row.created_at
-        details = {
-            "budget_tokens": budget_tokens,
-            "budget_cost": None if budget_cost is None else str(budget_cost),
-        }
-        link = journal.append_side_event_txn(
-            cur,
-            row,
-            keys=keys,
-            kind="created",
-            event="create",
-            actor=actor,
-            decision="accepted",
-            details=details,
-            at=at,
-        )
-    return replace(row, journal_seq=link.seq, journal_head=link.hash)
-
-
-def set_archived(db: Database, agent_id: UUID, *, archived: bool, actor: str) -> AgentRow:
-    """Archive (or unarchive) a resting agent: an archived agent refuses new requests and is left out of lists;
-    its row, phase, revision and journal stay as they are. Journaled as an ``operator`` event (``archive`` /
-    ``unarchive``); archiving an agent with a request in flight is refused with :class:`AgentBusy` and journaled
-    as ``rejected``. Archiving an archived agent (or unarchiving one in use) changes nothing and journals nothing."""
-    event = "archive" if archived else "unarchive"
-    keys = journal.signing_keys(db)
-    with store_errors(), db.transaction() as cur:
-        locked = lock_agent_txn(cur, agent_id)
-        if locked is None:
-            raise _missing(cur, agent_id)
-        row, at = locked.row, locked.at
-        if (row.archived_at is not None) == archived:
-            return row
-        if archived and Phase(row.phase) not in RESTING:
-            busy = AgentBusy(agent_id=row.id, name=row.name, phase=row.phase)
-            journal.append_side_event_txn(
-                cur, row, keys=keys, kind="rejected", event=event, actor=actor, decision="agent_busy",
-                details={"error": str(busy)}, at=at,
-            )  # fmt: skip
-            refused: AgentBusy | None = busy
-        else:
-            refused = None
-            appended = journal.new_event(
-                row,
-                keys=keys,
-                kind="operator",
-                event=event,
-                actor=actor,
-                request_id=row.request_id,
-                from_phase=row.phase,
-                to_phase=row.phase,
-                revision=row.revision,
-                decision="archived" if archived else "unarchived",
-                details={},
-                at=at,
-            )
-            archived_at = at if archived else None
-            if not set_archived_txn(cur, appended, archived_at):
-                raise LostUpdate(f"agent {row.id}'s journal chain is no longer at event {row.journal_seq}")
-            row = replace(row, archived_at=archived_at, journal_seq=appended.seq, journal_head=appended.hash)
-    if refused is not None:
-        raise refused  # after the commit: the refusal is on record
-    return row
-
-
-def delete_agent(
-    db: Database, agent_id: UUID, *, actor: str, reason: str | None = None, expected_revision: int | None = None
-) -> DeletedAgent:
-    """Delete an archived agent at rest: its row and schedules go (its name is free again), its journal, requests,
-    jobs and outbox messages stay. The last event of its chain is an ``operator``/``delete`` event, and its tombstone
-    (``audit.deleted_agents``) keeps the chain's head, so ``keel audit verify`` goes on checking it; the agent is then
-    :class:`AgentNotFound`, which says when and by whom it was deleted.
-
-    A stale ``expected_revision`` (:class:`StaleRevision`), an agent that is not archived or not at rest
-    (:class:`AgentInUse`) is refused, journaled as ``rejected``, and nothing else changes."""
-    keys = journal.signing_keys(db)
-    with store_errors(), db.transaction() as cur:
-        locked = lock_agent_txn(cur, agent_id)
-        if locked is None:
-            raise _missing(cur, agent_id)
-        row, at = locked.row, locked.at
-        refused: Rejected | None = None
-        if expected_revision is not None and expected_revision != row.revision:
-            refused = StaleRevision(agent_id=row.id, name=row.name, expected=expected_revision, current=row.revision)
-            decision = "stale_revision"
-        elif row.archived_at is None or Phase(row.phase) not in RESTING or locked.live_jobs:
-            at_rest = Phase(row.phase) in RESTING and not locked.live_jobs
-            refused = AgentInUse(
-                agent_id=row.id, name=row.name, phase=row.phase, archived=row.archived_at is not None, at_rest=at_rest
-            )
-            decision = "agent_in_use"
-        details: dict[str, Any] = {} if reason is None else {"reason": reason}
-        if refused is not None:
-            details["error"] = str(refused)
-            if expected_revision is not None:
-                details["expected_revision"] = expected_revision
-            journal.append_side_event_txn(
-                cur,
-                row,
-                keys=keys,
-                kind="rejected",
-                event="delete",
-                actor=actor,
-                decision=decision,
-                details=details,
-                at=at,
-            )
-        else:
-            schedules = agent_schedules_txn(cur, row.id)
-            details["name"] = row.name
-            if schedules:
-                details["schedules_removed"] = schedules
-            link = journal.append_side_event_txn(
-                cur,
-                row,
-                keys=keys,
-                kind="operator",
-                event="delete",
-                actor=actor,
-                decision="deleted",
-                details=details,
-                at=at,
-            )
-            tombstone = DeletedAgent(
-                id=row.id,
-                name=row.name,
-                created_at=row.created_at,
-                deleted_at=at,
-                deleted_by=actor,
-                phase=row.phase,
-                revision=row.revision,
-                request_id=row.request_id,
-                journal_seq=link.seq,
-                journal_head=link.hash,
-            )
-            if not delete_agent_txn(cur, tombstone):
-                raise LostUpdate(f"agent {row.id}'s journal chain is no longer at event {link.seq}")
-    if refused is not None:
-        raise refused  # after the commit: the refusal is on record
-    return tombstone
-
-
-def _missing(cur: psycopg.Cursor[Any], agent_id: UUID) -> AgentNotFound:
-    """The error for an agent id with no row: saying when and by whom it was deleted, if it was."""
-    return AgentNotFound(agent_id, deleted=deleted_agent_txn(cur, agent_id))
-
-
 def transition(
     db: Database,
     command: Command,
@@ -301,23 +100,13 @@ def transition(
     publish_due: bool = False,
     with_jobs: bool = False,
 ) -> Transitioned:
-    """Apply ``command`` to its agent: the only way an agent's state changes.
-
-    Raises :class:`~agents.core.errors.StaleRevision`, :class:`~agents.core.errors.IllegalTransition` or
+    """Apply ``command`` to its agent: the only way an agent's state changes. Raises
+    :class:`~agents.core.errors.StaleRevision`, :class:`~agents.core.errors.IllegalTransition` or
     :class:`~agents.core.errors.RequestConflict` (each journaled as ``rejected``), or
-    :class:`~agents.core.errors.AgentNotFound`. A submit of a request id the agent already had returns the current
-    state unchanged, journaled as ``suppressed``. ``input_json`` is a submit's request input.
-
-    In the same transaction it inserts ``command.jobs`` (an existing key is a suppressed duplicate, journaled in the
-    event's details), cancels the agent's live jobs when it comes to rest (done/failed; running ones are fenced off),
-    demotes them to the low queue when ``command.priority`` is low, runs ``effects``, and inserts ``command.messages``
-    — with, when it ends a wait for approval undecided, the follow-ups of that wait's notices
-    (:mod:`agents.core.approval_notices`).
-
-    With ``with_jobs`` the result carries the agent's live jobs as committed (``pending_jobs``), read in the same
-    transaction, or known without a read when the transition's own effects tell them (it came to rest, or it
-    inserted the only ones): a producer's command and the state it answers with are one transaction.
-    """
+    :class:`~agents.core.errors.AgentNotFound`; a submit of a request id the agent already had changes nothing and is
+    journaled as ``suppressed``. ``input_json`` is a submit's request input; ``effects`` run in the transaction; with
+    ``with_jobs`` the result carries the agent's live jobs as committed. What else the same transaction writes:
+    docs/explanation/journal-and-transitions.md#what-one-transition-writes-in-one-transaction."""
     with observe(
         "transition", command.event.value, request_id=command.request_id, agent_id=command.agent_id, actor=command.actor
     ) as op:
@@ -347,7 +136,7 @@ def _transition(
                 claim = RequestClaim(command.request_id, input_json, command.actor, current_traceparent())
             locked = lock_agent_txn(cur, command.agent_id, claim=claim)
             if locked is None:
-                raise _missing(cur, command.agent_id)
+                raise missing_agent(cur, command.agent_id)
             # The database's clock, read after the lock: along a chain time never goes back, and every host agrees.
             row, live_jobs, at = locked.row, locked.live_jobs, locked.at
             command = _joined(command, row, live_jobs)
@@ -427,8 +216,7 @@ def _apply_txn(
     """Write the accepted transition and commit it; returns the row as stored, the jobs to publish, and (with
     ``with_jobs``) the agent's live jobs as committed: known from this transaction's own effects, or read just before
     the commit, in its round trip."""
-    # The journal event's hash covers what the effects did, so effects run before the event is written;
-    # the row is written last, carrying the new chain head.
+    # The event's hash covers what the effects did, so they run first; the row, last, carries the new chain head.
     details: dict[str, Any] = dict(command.details)
     if command.event is Event.SUBMIT:
         details["soft_deadline"] = None if after.soft_deadline is None else rfc3339(after.soft_deadline)
@@ -441,10 +229,11 @@ def _apply_txn(
     if command.outcome is not None:
         if not command.outcome.leaves_job_live:
             live_jobs -= 1
-        if _outcome_goes_with_the_row(before, after, command, effects, live_jobs):
-            finish = _finish_params(command.outcome, at)  # written by the row's statement, under the fencing token
+        if outcome_goes_with_the_row(before, after, command, effects is not None, live_jobs):
+            # Written by the row's statement, under the fencing token.
+            finish = outcome_finish_params(command.outcome, at)
         else:
-            _write_outcome_txn(cur, command.outcome, at, LOW_QUEUE if after.priority == LOW else None)
+            write_outcome_txn(cur, command.outcome, at, LOW_QUEUE if after.priority == LOW else None)
         details["job_status"] = command.outcome.status
     staged: dict[str, Any] = {}  # spend of staged outcomes that this transition's cancels took out of their jobs
     if effects is not None:
@@ -475,10 +264,8 @@ def _apply_txn(
         to_publish = tuple(Due(r.key, r.queue, False) for r in rows if r.key in new_keys and r.status == "enqueued")
     if messages:
         details.update(_emit_messages_txn(cur, after, messages, traceparent))
-    # Which live jobs the agent has now, when this transaction's own effects tell: under the row's lock no other
-    # transaction can insert one (each insert takes the agent row FOR KEY SHARE) or finish one (only a transition
-    # does). Anything else — effects, jobs from before that are still live, a demotion, several new jobs (their
-    # order is the database's collation's, not Python's) — is read instead.
+    # The agent's live jobs, when this transaction's own writes tell them (no one else can insert or finish one under
+    # the row's lock); otherwise they are read at the commit. Why: docs/explanation/journal-and-transitions.md.
     known: list[dict[str, Any]] | None = None
     if live_jobs == 0 and effects is None and len(inserted) <= 1:
         known = inserted
@@ -491,7 +278,7 @@ def _apply_txn(
             staged.update(swept.staged)
         known = []
     if staged:
-        after, charged = _charge_staged_txn(cur, after, staged)
+        after, charged = charge_staged_txn(cur, after, staged)
         if charged:
             details["staged_spend_charged"] = charged
     if after.priority == LOW and before.priority != LOW:
@@ -536,42 +323,14 @@ def _apply_txn(
     return stored, to_publish, known if known is not None else read
 
 
-def _charge_staged_txn(
-    cur: psycopg.Cursor[Any], after: AgentRow, staged: Mapping[str, Any]
-) -> tuple[AgentRow, dict[str, Any] | None]:
-    """Charge the spend of the staged outcomes a sweep took out of their jobs (their workers died, or will find
-    themselves fenced off): no attempt will record them now, and what they spent was spent. Charged to the agent, and
-    recorded on each job as the spend of a void attempt; once, as the outcome left its job in the same transaction.
-    Returns the agent's row as charged and what the event says of it (None: nothing to charge)."""
-    keys: list[str] = []
-    tokens, cost = 0, Usage().cost
-    for key, usage in staged.items():
-        try:
-            spend = Usage.from_json(usage)
-        except (AttributeError, TypeError, ValueError, ArithmeticError, InvalidInput):
-            log.warning("job %s: its staged outcome's usage cannot be read (%.200r): not charged", key, usage)
-            continue
-        if not spend:
-            continue
-        charge_void_attempt_txn(cur, key, spend.tokens, spend.cost)
-        keys.append(key)
-        tokens, cost = tokens + spend.tokens, cost + spend.cost
-    if not keys:
-        return after, None
-    charged = replace(after, spent_tokens=after.spent_tokens + tokens, spent_cost=after.spent_cost + cost)
-    return charged, {"jobs": keys, "tokens": tokens, "cost": str(cost)}
-
-
 def _views(jobs: list[dict[str, Any]]) -> tuple[JobView, ...]:
     return tuple(JobView(**job) for job in jobs)
 
 
 def _request_trace(before: AgentRow, after: AgentRow, stored: str | None) -> str | None:
-    """The trace context the jobs and messages a transition inserts carry: their request's, so one request is one
-    trace. The transition's own (its span their parent) when it runs in that trace — a job's outcome — or when there
-    is no request in flight with a stored one (a submit: the request's trace starts here; None when traces are off).
-    Otherwise — an approval, a cancel, a deadline stop: work of a trace of its own acting on the request — the one
-    stored with the request, and the transition's span is linked to it."""
+    """The trace context the jobs and messages a transition inserts carry, so one request is one trace: the
+    transition's own when it runs in the request's trace or starts it, else the request's stored one, linked to the
+    transition's span (docs/explanation/journal-and-transitions.md#traces)."""
     current = current_traceparent()
     if stored is None or after.request_id is None or after.request_id != before.request_id:
         return current
@@ -637,65 +396,6 @@ def _emit_messages_txn(
     return summary
 
 
-def _outcome_goes_with_the_row(
-    before: AgentRow, after: AgentRow, command: Command, effects: EffectsTxn | None, live_jobs: int
-) -> bool:
-    """Whether a job's final outcome can be written by the statement that writes the event and the row (one round
-    trip less): when nothing else this transition writes comes between them — no effects, jobs, messages (nor the
-    notices of an undecided approval's end), no sweep of live jobs at rest, no demotion."""
-    outcome = command.outcome
-    if outcome is None or outcome.leaves_job_live or effects is not None or command.jobs or command.messages:
-        return False
-    if approval_notices.ends_undecided(before, after, command):
-        return False
-    coming_to_rest = Phase(after.phase) in RESTING and Phase(before.phase) not in RESTING
-    if coming_to_rest and live_jobs > 0:
-        return False
-    return not (after.priority == LOW and before.priority != LOW)
-
-
-def _finish_params(outcome: JobOutcome, at: datetime) -> tuple[Any, ...]:
-    """The final outcome of a job, as written (its error redacted), at ``at``, the database's clock."""
-    return finish_params(
-        outcome.key,
-        outcome.fencing_token,
-        status=outcome.status,
-        now=at,
-        result=None if outcome.result is None else dict(outcome.result),
-        tokens=outcome.usage.tokens,
-        cost=outcome.usage.cost,
-        error=None if outcome.error is None else redact(outcome.error),
-        error_class=outcome.error_class,
-        failed_tokens=outcome.failed_usage.tokens,
-        failed_cost=outcome.failed_usage.cost,
-        error_attempts=None if outcome.error_attempts is None else dict(outcome.error_attempts),
-    )
-
-
-def _write_outcome_txn(cur: psycopg.Cursor[Any], outcome: JobOutcome, at: datetime, queue: str | None) -> None:
-    """Write a job's outcome under its fencing token; raises :class:`~agents.core.errors.FencedOff` if the claim
-    is no longer the writer's. A retry is due ``retry_delay`` after ``at``, the database's clock."""
-    if outcome.status == "pending":
-        assert outcome.retry_delay is not None
-        written = retry_txn(
-            cur,
-            outcome.key,
-            outcome.fencing_token,
-            run_at=at + outcome.retry_delay,
-            now=at,
-            error=redact(outcome.error or ""),
-            error_class=outcome.error_class or "unknown",
-            error_attempts=dict(outcome.error_attempts or {}),
-            failed_tokens=outcome.failed_usage.tokens,
-            failed_cost=outcome.failed_usage.cost,
-            queue=queue,  # a retry of an agent past its soft deadline goes to the low-priority queue
-        )
-    else:
-        written = finish_txn(cur, _finish_params(outcome, at))
-    if not written:
-        raise FencedOff(outcome.key)
-
-
 def record_side_event(
     db: Database,
     agent_id: UUID,
@@ -713,7 +413,7 @@ def record_side_event(
     with store_errors(), db.transaction() as cur:
         locked = lock_agent_txn(cur, agent_id)
         if locked is None:
-            raise _missing(cur, agent_id)
+            raise missing_agent(cur, agent_id)
         if effects is not None:
             effects(cur)
         journal.append_side_event_txn(

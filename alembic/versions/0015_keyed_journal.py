@@ -1,6 +1,6 @@
 """A keyed journal: every new event's link is an HMAC under an audit key kept outside the database.
 
-``audit.journal.key_id`` names the key an event's ``hash`` is an HMAC-SHA256 under (agents/core/journal.py); NULL
+``audit.journal.key_id`` names the key an event's ``hash`` is an HMAC-SHA256 under (agents/core/journal/chain.py); NULL
 marks a legacy event, written before this migration, whose ``hash`` stays the plain sha256 it was written with (the
 journal is immutable: nothing is re-hashed).
 

@@ -59,6 +59,16 @@ def test_verify_passes_on_an_intact_journal(client: Client, db: Database) -> Non
     assert report.events == len(client.journal())
 
 
+def test_journal_heads_gives_each_agents_last_seq_and_leaves_a_deleted_one_out(client: Client, db: Database) -> None:
+    """What a live stream's safety re-read uses to wake streams that fell behind."""
+    agent = _history(client)
+    gone = client.create_agent("gone")
+    client.archive(gone.id, actor="op")
+    client.delete_agent(gone.id, actor="op")
+    last = client.journal(agent_id=agent.id)[-1].seq
+    assert journal.journal_heads(db, [agent.id, gone.id]) == {agent.id: last}
+
+
 def _tamper(raw: psycopg.Connection[Any], sql: str, *params: Any) -> None:
     # A superuser can switch the triggers off; the keyed chain still tells.
     raw.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")

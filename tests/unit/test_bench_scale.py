@@ -74,7 +74,7 @@ def _walk(k: int, rows: list[dict[str, Any]], head: str) -> journal.ChainBreak |
             return broken
     last = rows[-1]
     return walk.end(
-        journal._Head(seed.agent_id(k), last["seq"], head, last["revision"], "done", seed.request_id(k), False)
+        journal.ChainHead(seed.agent_id(k), last["seq"], head, last["revision"], "done", seed.request_id(k), False)
     )
 
 

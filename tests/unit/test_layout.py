@@ -152,7 +152,7 @@ def test_imports_point_down_only() -> None:
     ("path", "bad_import", "message"),
     [
         ("agents/core/phases.py", "from agents.jobs.handlers import handler", "core may import only models"),
-        ("agents/core/journal.py", "from agents import client", "core may import only models"),
+        ("agents/core/journal/verification.py", "from agents import client", "core may import only models"),
         ("agents/jobs/runner.py", "from agents.runtime import loop", "jobs may import only core, models"),
         ("agents/jobs/runner.py", "from agents.outbox.relay import Relay", "jobs may import only core, models"),
         ("agents/outbox/relay.py", "from agents.jobs import runner", "outbox may import only core, models"),

@@ -1,5 +1,5 @@
-"""Only agents.core.transition() (and create_agent beside it) writes agent rows: the SQL that does lives in
-models/sql.py, and only the core and the journal it calls use those helpers."""
+"""Only agents.core.transition() (and the agent's create, archive and delete in agents.core.lifecycle) writes agent
+rows: the SQL that does lives in models/sql.py, and only the core and the journal it calls use those helpers."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_agent_row_sql_lives_only_in_models_sql() -> None:
 
 
 def test_only_the_core_and_its_journal_call_the_row_writers() -> None:
-    allowed = {"models/sql.py", "agents/core/transition.py", "agents/core/journal.py"}
+    allowed = {"models/sql.py", "agents/core/transition.py", "agents/core/lifecycle.py", "agents/core/journal/write.py"}
     for path in SOURCES:
         rel = str(path.relative_to(ROOT))
         used = [h for h in HELPERS if re.search(rf"\b{h}\b", path.read_text())]

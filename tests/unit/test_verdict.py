@@ -1,10 +1,10 @@
-"""The one sentence every reader uses to say what a `keel audit verify` proved (agents/core/verdict.py)."""
+"""The one sentence every reader uses to say what a `keel audit verify` proved (agents/core/journal/verdict.py)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from agents.core.verdict import Verdict
+from agents.core.journal.verdict import Verdict
 
 
 def test_only_checked_events_are_called_verified_and_trusted_ones_carry_their_checkpoints_times() -> None:

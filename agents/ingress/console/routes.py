@@ -28,8 +28,8 @@ from starlette.staticfiles import StaticFiles
 from agents.core.commands import check_text
 from agents.core.errors import AgentNotFound, InvalidInput, KeelError, StaleRevision
 from agents.core.journal import journal_page
+from agents.core.journal.verdict import Verdict
 from agents.core.phases import Phase
-from agents.core.verdict import Verdict
 from agents.ingress.auth import resolve, sees_named
 from agents.ingress.console import paging, sessions, views
 from agents.ingress.console.headers import STATIC_PATH, ConsoleHeaders

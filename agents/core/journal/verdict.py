@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from agents.core.journal import VerifyReport
+from agents.core.journal.verification import VerifyReport
 
 
 def _utc(at: datetime) -> str:
