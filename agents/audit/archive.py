@@ -5,7 +5,7 @@ store — not against the database's own notes (``audit_shipments``) — to be s
 
 1. its ids are all in shipped segments whose manifests verify (HMAC under the key ring, or the Ed25519 signature;
    each manifest's link to the one before; each segment's sha256 and bytes);
-2. each event's shipped line is byte for byte the row's line (:func:`agents.audit.ship.event_line`), and the count
+2. each event's shipped line is byte for byte the row's line (:func:`agents.audit.segments.event_line`), and the count
    matches;
 3. each chain with events in it verifies over them (:class:`agents.core.journal.ChainWalk`, the check ``keel audit
    verify`` makes) from the previous archive's head for it, or from genesis (and the chain's legacy seal);
@@ -33,16 +33,8 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from agents.audit.ship import (
-    MANIFEST_SUFFIX,
-    Manifest,
-    ShipError,
-    differing_fields,
-    event_line,
-    parse_manifest,
-    parse_name,
-    read_segment,
-)
+from agents.audit.compare import differing_fields, read_segment
+from agents.audit.segments import MANIFEST_SUFFIX, Manifest, ShipError, event_line, parse_manifest, parse_name
 from agents.audit.store import SegmentStore
 from agents.core.errors import quoted
 from agents.core.journal import (
