@@ -25,8 +25,8 @@ _STILL_IN_FLIGHT = (
 
 
 def settled_id(conn: psycopg.Connection[Any], *, timeout: timedelta) -> int | None:
-    """The highest journal id below which every id is final (committed, or never to be): see the module's
-    docstring. None when a transaction writing the journal is still open after ``timeout``."""
+    """The highest journal id below which every id is final (committed, or never to be), once every transaction that
+    held the journal's insert lock has ended. None when one is still open after ``timeout``."""
     row = conn.execute("SELECT coalesce(max(id), 0) FROM audit.journal").fetchone()
     highest = int(row[0]) if row else 0
     row = conn.execute(_IN_FLIGHT).fetchone()

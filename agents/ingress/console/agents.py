@@ -71,9 +71,9 @@ def agents_page(
     phase: Annotated[str | None, Query()] = None,
     cursor: Annotated[str | None, Query()] = None,
 ) -> HTMLResponse:
-    refused = _unknown_phase(who, phase)
-    if refused is not None:
-        return refused
+    refusal = _unknown_phase(who, phase)
+    if refusal is not None:
+        return refusal
     try:
         listed = _agents_list(keel, who, phase or None, cursor or None)
     except BadCursor as exc:

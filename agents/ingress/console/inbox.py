@@ -77,7 +77,7 @@ INBOX_FIELDS = ("tool", "min_age", "agent_prefix", "limit", "cursor")
 def _inbox(keel: Ingress, who: Viewer, q: InboxQuery) -> dict[str, Any]:
     """One page of the calls waiting, through the API's own query; a bad filter is an ``error`` naming it."""
     try:
-        page = approvals_for(
+        found = approvals_for(
             keel.client,
             who.token,
             tool=q.tool or None,
@@ -92,10 +92,10 @@ def _inbox(keel: Ingress, who: Viewer, q: InboxQuery) -> dict[str, Any]:
         return {"q": q, "calls": (), "error": error, "error_field": field, "next_url": None, "first_url": None}
     return {
         "q": q,
-        "calls": page.approvals,
+        "calls": found.approvals,
         "error": None,
         "error_field": None,
-        "next_url": q.url("/inbox", cursor=page.next) if page.next else None,
+        "next_url": q.url("/inbox", cursor=found.next) if found.next else None,
         "first_url": q.url("/inbox") if q.cursor else None,
     }
 
