@@ -1,21 +1,8 @@
-"""`keel audit archive`: the only way journal rows leave the database (docs/audit-retention.md).
-
-A month of the journal (a partition of ``audit.journal``) leaves only once every event in it is proved, against the
-store — not against the database's own notes (``audit_shipments``) — to be shipped and verified:
-
-1. its ids are all in shipped segments whose manifests verify (HMAC under the key ring, or the Ed25519 signature;
-   each manifest's link to the one before; each segment's sha256 and bytes);
-2. each event's shipped line is byte for byte the row's line (:func:`agents.audit.ship.event_line`), and the count
-   matches;
-3. each chain with events in it verifies over them (:class:`agents.core.journal.ChainWalk`, the check ``keel audit
-   verify`` makes) from the previous archive's head for it, or from genesis (and the chain's legacy seal);
-4. each agent's last event in it is the head the last manifest holding it names.
-
-:func:`check_archivable` makes these checks for an id range of any relation (the whole journal, or a partition), so
-it does not need the partitions to exist; :func:`archive_partition` picks the partition, takes its lock, makes the
-checks and then, in one transaction, records the sealed ``audit.archived_partitions`` row and detaches and drops the
-partition. Every refusal (:class:`ArchiveRefused`) says what is missing or different and changes nothing.
-"""
+"""`keel audit archive`: the only way journal rows leave the database (docs/audit-retention.md). A month of the journal
+leaves only once every event in it is proved, against the store, to be shipped and verified (four checks:
+:func:`check_archivable`); :func:`archive_partition` then records the sealed archive row and drops the month in one
+transaction, and every refusal (:class:`ArchiveRefused`) changes nothing. The checks, one by one:
+docs/explanation/ingress-and-audit.md, "Archiving a month"."""
 
 from __future__ import annotations
 
@@ -33,16 +20,8 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from agents.audit.ship import (
-    MANIFEST_SUFFIX,
-    Manifest,
-    ShipError,
-    differing_fields,
-    event_line,
-    parse_manifest,
-    parse_name,
-    read_segment,
-)
+from agents.audit.compare import differing_fields, read_segment
+from agents.audit.segments import MANIFEST_SUFFIX, Manifest, ShipError, event_line, parse_manifest, parse_name
 from agents.audit.store import SegmentStore
 from agents.core.errors import quoted
 from agents.core.journal import (
@@ -107,9 +86,9 @@ def check_archivable(
     public_key: Ed25519PublicKey | None = None,
 ) -> Archivable:
     """Prove that the ``events`` events of ``relation`` with ids in [``first_id``, ``last_id``] are shipped and
-    verified, as the module's docstring says, in the caller's transaction (which should hold a lock that keeps them
-    as they are); :class:`ArchiveRefused` naming the first thing missing or different. ``what`` names the range in
-    those messages (``partition journal_2027_01``). Reads only."""
+    verified (the four checks of docs/explanation/ingress-and-audit.md, "Archiving a month"), in the caller's
+    transaction (which should hold a lock that keeps them as they are); :class:`ArchiveRefused` naming the first thing
+    missing or different. ``what`` names the range in those messages (``partition journal_2027_01``). Reads only."""
     if events == 0 or first_id is None or last_id is None:
         return Archivable(None, None, 0, [], {})
     with conn.cursor(row_factory=dict_row) as cur:

@@ -1,20 +1,7 @@
-"""`keel audit export`: one request's story for an auditor — every journal event carrying its request id, across
-agents, oldest first (by the journal's global id), every stored field, as JSON Lines or CSV.
-
-The events are read through a server-side cursor in one read-only REPEATABLE READ snapshot and written as they come,
-a batch at a time: a request with millions of events never sits in memory, and events committing meanwhile do not
-show up half-way. Every column of ``audit.journal`` is written, whatever its schema holds (a ``key_id`` included),
-in the table's column order, with the agent's name after its id.
-
-- ``details`` is the stored JSON text, exactly the text that was hashed (``details::text``): in CSV as that text, in
-  JSON Lines parsed into an object (``canonical_json`` of it gives the stored text back).
-- Times are in Keel's one format (:func:`models.clock.rfc3339`).
-- CSV (RFC 4180: a header row, ``\\r\\n`` line ends, fields with commas, quotes or line breaks quoted, quotes doubled;
-  UTF-8) cannot tell a spreadsheet "this is text": a cell starting with ``=``, ``+``, ``-`` or ``@`` would run as a
-  formula. So, as OWASP advises, such a cell — and one starting with a tab or a carriage return — gets a leading
-  ``'``; so does a cell that starts with ``'`` itself, so the rule is reversible (:func:`csv_cell_value`). A missing
-  value (SQL NULL) is an empty cell. JSON Lines is exact and needs no such guard.
-"""
+"""`keel audit export`: one request's story for an auditor — every journal event carrying its request id, across agents,
+oldest first (by the journal's global id), every stored field, as JSON Lines or CSV — read in one snapshot and written a
+batch at a time. How ``details``, times and formula-looking CSV cells are written:
+docs/explanation/ingress-and-audit.md, "Exporting one request's story"."""
 
 from __future__ import annotations
 
@@ -41,7 +28,8 @@ FORMATS: tuple[Format, ...] = ("jsonl", "csv")
 #: Events fetched per round trip of the server-side cursor.
 BATCH = 1000
 
-#: A CSV cell starting with one of these is written with a leading ``'`` (see the module's docstring).
+#: A CSV cell starting with one of these is written with a leading ``'``, so a spreadsheet does not run it as a
+#: formula (docs/explanation/ingress-and-audit.md).
 CSV_GUARDED = ("=", "+", "-", "@", "\t", "\r", "'")
 
 

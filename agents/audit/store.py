@@ -1,11 +1,6 @@
-"""The separate store the journal is shipped to: an S3-compatible bucket (boto3) or a local directory.
-
-A store only ever adds objects: :meth:`SegmentStore.put_new` writes an object that is not there yet, and an object
-already there is never overwritten — with identical content it counts as written (a retry after a lost answer, a
-shipper resuming), with other content it is :class:`SegmentConflict`, naming it. S3 makes this one conditional
-request (``If-None-Match: *``); a store that does not support it is asked first (HEAD) and then written, which is
-safe while only one shipper writes (the shipper holds a database lock for that).
-"""
+"""The separate store the journal is shipped to: an S3-compatible bucket (boto3) or a local directory. A store only ever
+adds objects (:meth:`SegmentStore.put_new`): one already there is never overwritten, and one there with other content is
+:class:`SegmentConflict`. How: docs/explanation/ingress-and-audit.md, "The store only adds objects"."""
 
 from __future__ import annotations
 

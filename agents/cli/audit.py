@@ -196,7 +196,8 @@ def audit_verify(against: str | None, public_key: str | None, incremental: bool,
 
 
 def _verify_against(url: str, public_key_path: str | None, as_json: bool) -> None:
-    from agents.audit.ship import destination_of, open_configured_store, verify_against
+    from agents.audit.compare import verify_against
+    from agents.audit.ship import destination_of, open_configured_store
     from models.audit_destination import load_public_key
     from models.audit_keys import AuditKeyMissing, audit_keys_for
 

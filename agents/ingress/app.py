@@ -1,7 +1,6 @@
-"""The HTTP API: ``create_app(settings)`` builds it; ``keel serve`` runs it under uvicorn.
-
-Keel's semantics in HTTP's own words: revisions are ETags (``"r<revision>"``), stale writes are 412s, a submit's
-``Idempotency-Key`` is its request id, errors are RFC 9457 problem details."""
+"""The HTTP API: ``create_app(settings)`` builds it; ``keel serve`` runs it under uvicorn. Keel's semantics in HTTP's
+own words: revisions are ETags (``"r<revision>"``), stale writes are 412s, a submit's ``Idempotency-Key`` is its request
+id, errors are RFC 9457 problem details."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Who is calling and what they may do: the bearer token, its scopes, its agent prefix, its rate.
-
-:class:`TokenGate` (an ASGI middleware on every ``/v1/`` path) decides before anything reads the request's body, in
-this order: an address over its allowance of failed tokens is a 429 before any lookup
-(:meth:`~agents.ingress.runtime.Ingress.try_token`, shared with the console's sign-in), a bad, revoked or missing
-token a 401, a token over its rate a 429, a token whose scopes do not
-allow the route a 403. Only then is the body read (413, 422), and an agent outside the token's prefix is a 404
-exactly like an agent that does not exist. Every answer to an authenticated request carries the token's
-``RateLimit`` headers. Refusals change nothing.
-
-Every route declares the permission it needs with :func:`require`; the gate finds it on the matched route."""
+"""Who is calling and what they may do: the bearer token, its scopes, its agent prefix, its rate. :class:`TokenGate`
+decides on every ``/v1/`` path before anything reads the body (failed-token allowance 429, token 401, rate 429, scope
+403), and each route declares the permission it needs with :func:`require`. The order and why:
+docs/explanation/ingress-and-audit.md, "Who is calling: the token gate"."""
 
 from __future__ import annotations
 

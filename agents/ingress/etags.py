@@ -1,7 +1,6 @@
-"""Revisions as entity tags: an agent at revision 7 has the ETag ``"r7"``.
-
-``If-Match`` compares strongly (RFC 9110 §13.1.1): one tag ``"r<revision>"`` — the revision the caller saw — or
-``*`` where any revision will do. ``If-None-Match`` compares weakly and takes ``*`` or a list of tags."""
+"""Revisions as entity tags: an agent at revision 7 has the ETag ``"r7"``. ``If-Match`` compares strongly (RFC 9110
+§13.1.1): one tag ``"r<revision>"`` — the revision the caller saw — or ``*`` where any revision will do.
+``If-None-Match`` compares weakly and takes ``*`` or a list of tags."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Live journal events: each committed journal event of an agent, pushed as it commits (Server-Sent Events).
-
-Every journal append announces itself with ``pg_notify`` (:data:`models.sql.JOURNAL_CHANNEL`, payload
-``"<agent id>:<seq>"``) once its transaction has committed (:func:`models.db.notify_after_commit`), never when it
-rolls back. A notification is only a wake-up: the events themselves are always read from the journal, after the last
-one a subscriber got. A lost, merged or late notification can therefore delay an event but never drop or repeat one,
-and the event ids a client sees are journal sequence numbers it can resume from (``Last-Event-ID``).
-
-One :class:`JournalListener` per process holds one ``LISTEN`` connection and wakes the subscribers of the agent a
-notification names. It reconnects with backoff when the connection is lost and then wakes every subscriber, which
-re-reads the journal: what committed during the outage arrives in order.
-"""
+"""Live journal events: each committed journal event of an agent, pushed as it commits (Server-Sent Events). A
+``pg_notify`` after commit only wakes subscribers; the events are always read from the journal, so a lost or late
+notification delays an event but never drops or repeats one. How: docs/explanation/ingress-and-audit.md, "Live journal
+events"."""
 
 from __future__ import annotations
 

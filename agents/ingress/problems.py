@@ -1,8 +1,6 @@
-"""Errors as RFC 9457 problem details: one stable ``type`` per Keel error, the field path for bad input, never a
-stack trace or a secret.
-
-Every refusal the API makes goes through here, so a client learns the kind of problem from ``type`` (stable, one per
-error) and the facts from the extension members (``current_revision``, ``allowed``, ``differs``, ``errors``)."""
+"""Errors as RFC 9457 problem details: one stable ``type`` per Keel error, the facts in extension members
+(``current_revision``, ``allowed``, ``differs``, ``errors``), the field path for bad input, never a stack trace or a
+secret. Every refusal the API makes goes through here."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""Rate control per API token, shared by every API process: one atomic Redis script call per request.
-
-The algorithm is GCRA (the generic cell rate algorithm): token-bucket semantics — a token may make ``burst``
-requests at once, and its allowance refills at ``rate`` requests per second — kept as a single number per token,
-the "theoretical arrival time" (TAT) at which its bucket would be full again. A refused request changes nothing, so
-hammering while refused does not prolong the wait.
-
-Why a script of our own rather than a library: ``limits`` (the kept Python rate-limiting library) offers fixed
-window, moving window and sliding-window-counter strategies, none with a sustained rate and a separate burst.
-``throttled-py`` has a GCRA script close to this one, but puts its own ``throttled:v1:gcra:`` namespace in front
-of every key (so ``KEEL_BROKER_PREFIX`` could not come first, and a deployment's keys would no longer be exactly
-``SCAN MATCH <prefix>*``), builds its own Redis connection from a URL instead of taking the client given, and keeps
-its period in whole seconds (a rate such as 0.3/s cannot be said). The script is twenty lines of arithmetic.
-
-Time is Redis's own (``TIME`` inside the script), never a host's: API processes whose clocks disagree by minutes
-still share one limit (invariant 10, "one clock").
-"""
+"""Rate control per API token, shared by every API process: one atomic Redis script call per request, GCRA (token-bucket
+semantics: ``burst`` requests at once, refilled at ``rate`` a second) on Redis's own clock. Why a script of our own
+rather than a library: docs/explanation/ingress-and-audit.md, "Rate limits: GCRA in Redis"."""
 
 from __future__ import annotations
 
@@ -43,11 +29,9 @@ TIMEOUT_SECONDS = 0.5
 # What a policy's name may hold: it goes into the headers as a Structured Field string, unescaped.
 _POLICY_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
-# KEYS[1]: the token's key. ARGV[1]: the emission interval (microseconds per request, >= 1); ARGV[2]: the burst;
-# ARGV[3]: 1 to count the request, 0 only to say whether it would be allowed (a peek changes nothing).
-# All times are whole microseconds of Redis's clock, exact in Lua's doubles (2**53 us is 285 years).
-# Returns {allowed (1/0), remaining, microseconds until the bucket is full, microseconds until the next request is
-# allowed (0 when allowed)}. The key expires when the bucket is full again: a missing key is a full bucket.
+# KEYS[1]: the token's key; ARGV: the emission interval (microseconds per request, >= 1), the burst, and 1 to count
+# the request or 0 to peek. Returns {allowed (1/0), remaining, microseconds until the bucket is full, microseconds
+# until the next request is allowed}; the key expires when the bucket is full (a missing key is a full bucket).
 _GCRA = """
 local interval = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])

@@ -1,8 +1,7 @@
-"""One answer shared by the callers of an expensive check (``/readyz``: a database connection, a schema read and a
-Redis ping): reused for a second or two, and computed once for every caller that comes while it is being computed.
-
-Per process, in its event loop. Unauthenticated probes can then cost the dependencies at most one check per process
-per :data:`READY_CACHE_SECONDS`, however many arrive."""
+"""One answer shared by the callers of an expensive check (``/readyz``: a database connection, a schema read and a Redis
+ping): reused for a second or two, and computed once for every caller that comes while it is being computed. Per
+process, in its event loop: unauthenticated probes cost the dependencies at most one check per process per
+:data:`READY_CACHE_SECONDS`."""
 
 from __future__ import annotations
 

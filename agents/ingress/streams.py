@@ -1,12 +1,7 @@
-"""The live event streams one API process holds open (the API's and the console's): how many each token may hold and
-the process in all, and whether each token is still live.
-
-Every stream is admitted by :meth:`Streams.admit` before its 200 goes out: past ``KEEL_API_MAX_STREAMS_PER_TOKEN`` or
-``KEEL_API_MAX_STREAMS_PER_PROCESS`` it is refused with a 429. A token's liveness is asked of the database for all
-its open streams together, and for all tokens in one statement: every :data:`TOKEN_RECHECK_INTERVAL` seconds (a
-revoked token's streams all end from the round that finds it revoked), and whenever a stream is about to send what
-it read (:meth:`Hold.allowed`: the question is asked after the read, and joins whatever other streams ask meanwhile).
-So idle streams cost the database one small query per interval, however many there are."""
+"""The live event streams one API process holds open (the API's and the console's): how many each token may hold and the
+process in all (:meth:`Streams.admit`, a 429 past either), and whether each token is still live, asked for all streams
+together. Why idle streams cost one small query per interval: docs/explanation/ingress-and-audit.md, "Open streams and
+revoked tokens"."""
 
 from __future__ import annotations
 
@@ -62,8 +57,8 @@ class Hold:
 
 
 class Streams:
-    """The process's open streams and their tokens' liveness (see the module's docstring). ``await start()`` when
-    the application starts, ``await stop()`` when it stops."""
+    """The process's open streams and their tokens' liveness (docs/explanation/ingress-and-audit.md). ``await
+    start()`` when the application starts, ``await stop()`` when it stops."""
 
     def __init__(
         self, db: Database, *, per_token: int, per_process: int, recheck: float = TOKEN_RECHECK_INTERVAL

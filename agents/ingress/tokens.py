@@ -1,11 +1,7 @@
-"""API tokens: who may do what, to which agents, over HTTP.
-
-A token has a name, one or more :class:`Scope` values and optionally an agent-name prefix (it then sees only the
-agents whose name starts with it: one tenant's agents). What each scope grants is one small table,
-:data:`GRANTS`; :meth:`ApiToken.can` and :meth:`ApiToken.sees` are the two questions the ingress asks. The secret
-(``keel_…``) is shown once, by :func:`create_token`; only its sha256 is stored, and :func:`authenticate` finds a
-token by the hash of the secret a request presents.
-"""
+"""API tokens: who may do what, to which agents, over HTTP. A token has a name, one or more :class:`Scope` values and
+optionally an agent-name prefix (it then sees only the agents whose name starts with it); :data:`GRANTS` says what each
+scope grants, and :meth:`ApiToken.can` and :meth:`ApiToken.sees` are the two questions the ingress asks. The secret
+(``keel_…``) is shown once, by :func:`create_token`; only its sha256 is stored."""
 
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ from agents.audit.archive import (
     insert_record_txn,
     sealed_record,
 )
-from agents.audit.ship import ship, verify_against
+from agents.audit.compare import verify_against
+from agents.audit.ship import ship
 from agents.audit.store import S3Store
 from agents.client import Client
 from agents.core import journal

@@ -22,7 +22,8 @@ from uuid import UUID
 import psycopg
 import pytest
 
-from agents.audit.ship import ship, verify_against
+from agents.audit.compare import verify_against
+from agents.audit.ship import ship
 from agents.audit.store import FileStore
 from agents.client import Client
 from agents.core import journal

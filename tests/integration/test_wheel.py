@@ -199,7 +199,7 @@ def test_the_wheel_ships_the_consoles_templates_and_static_files(installed: Inst
         [
             str(installed.bin / "python"),
             "-c",
-            "from agents.ingress.console.routes import templates;"
+            "from agents.ingress.console.common import templates;"
             " print(templates.get_template('signin.html').render(csrf='x', next_url='/'))",
         ],
         capture_output=True,

@@ -1,12 +1,19 @@
-"""Signing in to the operator console over plain HTTP (what a browser without JavaScript does)."""
+"""Signing in to the operator console over plain HTTP (what a browser without JavaScript does), an API started with
+a test's own settings, and walking a list's pages by their "next" links."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from html import unescape
+from pathlib import Path
 
 import httpx
 
-from tests.support.api import Api
+from models.db import Database
+from tests.support.api import Api, running_api
+from tests.support.broker import Broker
 
 _CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 
@@ -55,3 +62,57 @@ class Browsers:
     def close(self) -> None:
         for client in self.clients:
             client.close()
+
+
+#: Starts ``keel serve`` with these KEEL_* settings on the test's database and Redis prefix; stopped after the test.
+Serve = Callable[[dict[str, str]], Api]
+Browse = Callable[[Api], Browsers]
+
+
+@contextmanager
+def serving(db: Database, db_url: str, broker: Broker, tmp_path: Path) -> Iterator[Serve]:
+    """What a test's ``serve`` fixture hands out: every API it starts is stopped at the end."""
+    with ExitStack() as stack:
+
+        def start(env: dict[str, str]) -> Api:
+            return stack.enter_context(running_api(db, db_url, broker, tmp_path, env=env))
+
+        yield start
+
+
+@contextmanager
+def browsing() -> Iterator[Browse]:
+    """What a test's ``browse`` fixture hands out: browsers of an API started by ``serve``, closed at the end."""
+    made: list[Browsers] = []
+
+    def of(api: Api) -> Browsers:
+        made.append(Browsers(api))
+        return made[-1]
+
+    yield of
+    for browsers in made:
+        browsers.close()
+
+
+#: A row of the agents list (its phase and name) and a page's link to the next page.
+AGENT_ROW = re.compile(r'<tr class="phase-(\w+)" data-agent="([^"]+)"')
+NEXT_PAGE = re.compile(r'<a href="([^"]+)" rel="next"')
+
+
+def walk(client: httpx.Client, url: str, row: re.Pattern[str]) -> list[tuple[list[tuple[str, ...]], str]]:
+    """Every page of a list from ``url`` by its "next" links: each page's rows and its text."""
+    pages = []
+    while True:
+        page = client.get(url)
+        assert page.status_code == 200, page.text
+        pages.append(([tuple(m) if isinstance(m, tuple) else (m,) for m in row.findall(page.text)], page.text))
+        found = NEXT_PAGE.search(page.text)
+        if found is None:
+            return pages
+        url = unescape(found.group(1))
+        assert len(pages) < 50, "the pages do not end"
+
+
+def inbox_rows(page: httpx.Response) -> list[str]:
+    """The agents of the inbox's rows, in order."""
+    return re.findall(r'<tr data-call="([^"]+)"', page.text)

@@ -1,9 +1,7 @@
-"""The headers every answer of the console carries, whoever made it: a page, a redirect, the 401 a script gets, a
-refusal FastAPI answered with a problem document, a static file, an internal error.
-
-Nothing loaded from elsewhere and no inline script (CSP), never framed by another site (CSP ``frame-ancestors`` and,
-for older browsers, ``X-Frame-Options``), never read as another type than the one sent, no address sent to another
-site, and, but for the static files, never cached."""
+"""The headers every answer of the console carries, whoever made it (a page, a redirect, the 401 a script gets, a
+problem document, a static file, an internal error): nothing loaded from elsewhere and no inline script (CSP), never
+framed by another site (CSP ``frame-ancestors`` and ``X-Frame-Options``), never read as another type than the one sent,
+no address sent to another site, and, but for the static files, never cached."""
 
 from __future__ import annotations
 

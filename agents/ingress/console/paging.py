@@ -1,7 +1,6 @@
-"""The console's page cursors: where the next page of a list starts, carried by its "Next page" link.
-
-The agents list's cursor is its last agent's key (:class:`models.console_sql.AgentKey`) in URL-safe base64; the
-outbox's and the journal's are a sequence number: the next page holds what comes before it."""
+"""The console's page cursors, carried by a list's "Next page" link: the agents list's is its last agent's key
+(:class:`models.console_sql.AgentKey`) in URL-safe base64; the outbox's and the journal's are a sequence number, and the
+next page holds what comes before it."""
 
 from __future__ import annotations
 

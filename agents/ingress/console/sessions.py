@@ -1,15 +1,6 @@
-"""Console sessions: a signed cookie naming the API token a person signed in with, and its CSRF token.
-
-The cookie holds no secret of the API token: only its id, when the session began and a random CSRF token, signed
-with HMAC-SHA256 under the console's session key (``KEEL_CONSOLE_SESSION_KEY``; unset: a random key per process, so
-sessions end when the API restarts). Every request looks the token up again by id: a revoked token's sessions end
-at once, and so does a session signed out: sign-out records it (``console_signouts``) until it would have expired,
-so a copy of the cookie kept elsewhere stops working too. Every form carries the session's CSRF token and every
-POST is checked against it (a cross-site page cannot read it); the cookie is HttpOnly, SameSite=Strict, and Secure
-unless ``KEEL_ENVIRONMENT=development``.
-
-Before sign-in there is no session yet, so the sign-in form is protected the same way by a short-lived signed
-pre-session cookie (the double-submit pattern)."""
+"""Console sessions: a signed cookie naming the API token a person signed in with (never its secret), and its CSRF
+token; before sign-in, a short-lived signed pre-session cookie guards the sign-in form. How sessions end (revoked token,
+sign-out, restart) and what the cookie's flags are: docs/explanation/ingress-and-audit.md, "Sessions and CSRF"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
-"""How fast API tokens may be guessed, at the console's sign-in form and in the API's ``Authorization`` header
-alike: failed attempts (an unknown or revoked token) counted per client address and over every address together,
-with the ingress's rate limiter (GCRA in Redis, :mod:`agents.ingress.ratelimit`). :meth:`SignInLimits.try_token` is
-the one place that decides which bucket is charged when; both doors go through it.
-
-Only failures are charged, never a token that turns out to be real. An address over its own allowance is refused
-(429) before its token is looked up, a correct token too (otherwise a guesser would simply keep guessing: only its
-failures would be refused). The ceiling over every address never refuses a token by itself, so a spray from many
-addresses cannot lock out a person at an address of their own: while it is exceeded, a failure costs its address the
-rest of its allowance, so each spraying address gets one guess per refill instead of a burst. The address's bucket is
-peeked before the lookup and charged after a failure: concurrent failures from one address may overshoot its burst by
-as many as are in flight, the price of a single Redis call for every good token.
-
-The client address is the connection's, or — when ``keel serve`` believes the proxy it came through
-(``KEEL_API_FORWARDED_ALLOW_IPS``) — the one that proxy names in ``X-Forwarded-For`` (uvicorn sets it as the ASGI
-``client`` before the app sees the request). An IPv6 address counts by its /64 network: one host usually holds a
-whole /64, so counting single addresses would give it billions of buckets.
-
-Like the API's limits this fails open: without an answer from Redis an attempt is not limited (tokens are 256-bit
-random secrets: the limit slows guessing and spares the database, it does not make a guess feasible or not)."""
+"""How fast API tokens may be guessed, at the console's sign-in form and in the API's ``Authorization`` header alike:
+failed attempts counted per client address and over every address together, with the ingress's rate limiter.
+:meth:`SignInLimits.try_token` is the one place that decides which bucket is charged when. Why only failures are
+charged, and why a spray cannot lock a person out: docs/explanation/ingress-and-audit.md, "Guessing tokens: the sign-in
+limits"."""
 
 from __future__ import annotations
 

@@ -72,9 +72,8 @@ def submit(
     request_id = check_request_id(idempotency_key)
     annotate(request_id=request_id)  # authenticated and checked: the request's lines and span name it from here
     expected = if_match_revision(if_match)
-    # A token that sees every agent needs no read before the transition when given an id: the transition's locking
-    # read finds the agent, or answers as for a missing one. A prefixed token's agent must be checked by name first.
-    # Request ids are each agent's own: no other agent's requests are looked at (nor can they conflict).
+    # Given an id, a token that sees every agent needs no read first (the transition's locking read finds the agent or
+    # answers as for a missing one); a prefixed token's agent is checked by name. Request ids are each agent's own.
     agent_id = _uuid(agent) if token.agent_prefix is None else None
     if agent_id is None:
         agent_id = resolve(keel, token, agent).id
