@@ -42,6 +42,7 @@ from agents.core.transition import transition
 from models.audit_destination import parse_store_url
 from models.db import Database
 from models.urls import libpq_url
+from tests.support.cli import run_keel
 from tests.support.roles import RoledDatabase
 from tests.support.s3 import AWS_ENV, KEYS, KEYS_ENV, MotoS3, moto_s3
 
@@ -344,7 +345,7 @@ def keel(db_url: str, *args: str, s3: MotoS3 | None = None) -> subprocess.Comple
     }
     if s3 is not None:
         env["KEEL_AUDIT_S3_ENDPOINT_URL"] = s3.url
-    return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=120)
+    return run_keel(args, env)
 
 
 @pytest.fixture

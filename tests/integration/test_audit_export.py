@@ -24,6 +24,7 @@ from models.db import Database
 from models.roles import RoleNames
 from models.urls import libpq_url
 from tests.support.audit import TEST_ENV, TEST_KEYS
+from tests.support.cli import run_keel
 from tests.support.roles import RoledDatabase
 
 pytestmark = pytest.mark.integration
@@ -56,9 +57,7 @@ def keel(url: str, *args: str, names: RoleNames | None = None, **env: str) -> su
         }
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "keel-export-tests"
     scratch.mkdir(exist_ok=True)
-    done = subprocess.run([KEEL, *args], env=child | env, capture_output=True, timeout=120, cwd=scratch, check=False)
-    # Decoded by hand: text mode would turn CSV's \r\n line ends into \n.
-    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
+    return run_keel(args, child | env, scratch)  # as printed: CSV's \r\n line ends stay
 
 
 def story(client: Client, request_id: str = "r-1") -> None:

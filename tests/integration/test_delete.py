@@ -34,6 +34,7 @@ from models.migrations import DowngradeRefused
 from models.outbox_sql import message_row
 from models.sql import lock_agent_txn
 from tests.support.audit import TEST_KEYS, clean_env
+from tests.support.cli import run_keel
 from tests.support.fakes import FakeSlack
 from tests.support.keys import scoped
 
@@ -394,10 +395,7 @@ def _env(db_url: str) -> dict[str, str]:
 
 
 def keel(db_url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [KEEL, *args], env=_env(db_url), capture_output=True, text=True, timeout=180, cwd=SCRATCH,
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    result = run_keel(args, _env(db_url))
     if check:
         assert result.returncode == 0, result.stderr
     return result

@@ -34,6 +34,7 @@ from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
 from tests.support.audit import clean_env
+from tests.support.cli import run_keel
 from tests.support.keys import scoped
 
 pytestmark = pytest.mark.integration
@@ -115,7 +116,7 @@ def test_commands_refuse_unstorable_details(client: Client) -> None:
 def keel(db_url: str, *args: str | bytes) -> subprocess.CompletedProcess[str]:
     env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
-    return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=120, cwd=SCRATCH)
+    return run_keel(args, env)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from agents.ingress.bodies import JsonBodyRoute
 from tests.support.api import Api, journal_count, problem, waiting_agent
 from tests.support.audit import clean_env
 from tests.support.broker import Broker
+from tests.support.cli import run_keel
 from tests.support.console import Browsers, csrf_of
 
 pytestmark = pytest.mark.integration
@@ -114,7 +115,7 @@ def test_the_console_edit_form_refuses_arguments_nested_too_deep(api: Api, brows
 def keel(db_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
-    return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=120)
+    return run_keel(args, env)
 
 
 @pytest.mark.parametrize("depth", TOO_DEEP)

@@ -17,6 +17,7 @@ from agents.core.errors import InvalidInput, KeelError, TokenExists, TokenNotFou
 from agents.ingress.tokens import Permission, Scope, authenticate, create_token, list_tokens, revoke_token
 from models.db import Database
 from tests.support.audit import clean_env
+from tests.support.cli import run_keel
 
 pytestmark = pytest.mark.integration
 
@@ -209,7 +210,7 @@ def test_the_database_keeps_a_token_as_created_and_a_revocation_for_good(
 def keel(db_url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
-    result = subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=180, cwd=SCRATCH)
+    result = run_keel(args, env)
     if check:
         assert result.returncode == 0, result.stderr
     return result

@@ -1,13 +1,24 @@
-"""Running the `keel` command as a user would: the installed console script, a clean environment, a directory of
-its own."""
+"""Running the `keel` command as a user would: a process of its own with a clean environment, a directory of its own
+and its own stdin, stdout and stderr.
+
+The process is a fork of the test's, which has Keel imported already, so a command costs milliseconds instead of an
+interpreter start (a second of CPU: the CLI tests ran hundreds). The command's code, arguments, environment and exit
+are the real ones; the console script itself is run by tests/integration/test_wheel.py and the chaos tests."""
 
 from __future__ import annotations
 
+import atexit
+import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.support.audit import TEST_ENV
@@ -19,16 +30,123 @@ SCRATCH = tempfile.mkdtemp(prefix="keel-cli-")
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 
 
+def run_keel(
+    args: Sequence[str | bytes],
+    env: dict[str, str],
+    cwd: str | Path = SCRATCH,
+    *,
+    input: str | None = None,
+    timeout: float = 180,
+) -> subprocess.CompletedProcess[str]:
+    """``keel ARGS`` in a forked process with exactly ``env`` in ``cwd``; what it printed and its exit status."""
+    argv = ["keel", *(os.fsdecode(arg) for arg in args)]
+    stdin_r, stdin_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the command's process: never returns into the test
+        _child(argv, env, cwd, stdin_r, out_w, err_w, (stdin_w, out_r, err_r))
+    for fd in (stdin_r, out_w, err_w):
+        os.close(fd)
+    output: dict[int, bytes] = {}
+    readers = [threading.Thread(target=_read_all, args=(fd, output), daemon=True) for fd in (out_r, err_r)]
+    for reader in readers:
+        reader.start()
+    with os.fdopen(stdin_w, "wb") as stdin:
+        try:
+            stdin.write((input or "").encode())
+        except BrokenPipeError:  # the command did not read its input
+            pass
+    status = _wait(pid, timeout, argv)
+    for reader in readers:
+        reader.join()
+    return subprocess.CompletedProcess(
+        argv, status, output[out_r].decode(errors="replace"), output[err_r].decode(errors="replace")
+    )
+
+
+def _child(
+    argv: list[str], env: dict[str, str], cwd: str | Path, stdin: int, out: int, err: int, close: tuple[int, ...]
+) -> None:
+    status = 1
+    try:
+        for fd in close:
+            os.close(fd)
+        os.dup2(stdin, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in (stdin, out, err):
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # The test's stdio objects are pytest's captures: the command gets its own, on its own descriptors.
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), "utf-8")
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), "utf-8", line_buffering=True)
+        err_stream = io.FileIO(2, "w", closefd=False)
+        sys.stderr = io.TextIOWrapper(err_stream, "utf-8", "backslashreplace", line_buffering=True)
+        sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+        atexit._clear()  # the test's exit handlers are not the command's; the command's own run at its exit
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = argv
+        from agents.cli import main
+
+        main()
+        status = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            status = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(status)
+
+
+def _read_all(fd: int, into: dict[int, bytes]) -> None:
+    with os.fdopen(fd, "rb") as stream:
+        into[fd] = stream.read()
+
+
+def _wait(pid: int, timeout: float, argv: list[str]) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(argv, timeout)
+        time.sleep(0.005)
+
+
+def keel_env(db_url: str | None = None, **more: str) -> dict[str, str]:
+    """The environment a test's ``keel`` runs with: the test process's, less any Keel or OpenTelemetry setting, plus
+    the journal's test key, ``KEEL_DATABASE_URL`` and ``more``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))} | TEST_ENV | more
+    if db_url is not None:
+        env["KEEL_DATABASE_URL"] = db_url
+    return env
+
+
 def keel(
     db_url: str, *args: str, check: bool = True, broker: str | None = None, **more: str
 ) -> subprocess.CompletedProcess[str]:
     """``keel ARGS`` on the database at ``db_url``; with ``check``, it must exit 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))} | TEST_ENV | more
-    env["KEEL_DATABASE_URL"] = db_url
+    env = keel_env(db_url, **more)
     if broker:
         env["KEEL_BROKER_URL"] = broker
     # In a directory of its own: a developer's .env must not leak into the test.
-    result = subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=180, cwd=SCRATCH)
+    result = run_keel(args, env)
     if check:
         assert result.returncode == 0, result.stderr
     return result
