@@ -54,8 +54,25 @@ def die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    threading.Thread(target=_end_when_orphaned, args=(int(parent),), daemon=True, name="keel-orphan-watch").start()
     if os.getppid() != int(parent):  # the supervisor died before the request above was made
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+#: How long a child whose supervisor died may take over the stop that SIGTERM starts before it kills itself.
+ORPHAN_GRACE_SECONDS = 10.0
+
+
+def _end_when_orphaned(parent: int, grace: float = ORPHAN_GRACE_SECONDS) -> None:
+    """A warm shutdown waits for the jobs running (a model call may take minutes) and nobody is left to cut it short:
+    once orphaned, SIGKILL this process's group (its pool processes too) after ``grace``; unfinished jobs are retried
+    when their leases lapse."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    time.sleep(grace)
+    if os.getpgrp() == os.getpid():  # a group of its own, as supervisors start their children
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class StartFailed(KeelError):

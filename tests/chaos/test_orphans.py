@@ -10,19 +10,26 @@ import sys
 from pathlib import Path
 
 import psutil
+import psycopg
 import pytest
 
+from agents.cli.supervisor import ORPHAN_GRACE_SECONDS
+from agents.client import Client
+from models.urls import libpq_url
 from tests.chaos.conftest import free_port, wait_until
 from tests.support.audit import clean_env
 from tests.support.broker import Broker
+from tests.support.handlers import EXECUTIONS_DDL
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.chaos
 KEEL = str(Path(sys.executable).parent / "keel")
 
 
-def _start(db_url: str, broker: Broker, log: Path, *args: str) -> subprocess.Popen[bytes]:
+def _start(db_url: str, broker: Broker, log: Path, *args: str, **more: str) -> subprocess.Popen[bytes]:
     env = clean_env()
-    env.update({"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_HOME": str(log.parent / ".keel")})
+    env.update({"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_HOME": str(log.parent / ".keel"), **more})
     with open(log, "wb") as out:
         return subprocess.Popen([KEEL, *args], env=env, stdout=out, stderr=out, cwd=log.parent)
 
@@ -74,6 +81,34 @@ def test_a_sigkilled_keel_up_leaves_no_orphans(db_url: str, broker: Broker, tmp_
         up.wait()
         _gone, alive = psutil.wait_procs(family, timeout=60)
         assert alive == [], f"outlived a SIGKILLed keel up: {_named(alive)}"
+    finally:
+        _cleanup(up, family)
+
+
+def test_a_sigkilled_keel_up_with_a_job_running_leaves_no_orphans(
+    db_url: str, broker: Broker, client: Client, tmp_path: Path
+) -> None:
+    """The kernel's SIGTERM starts a warm shutdown, which waits for the running job (here: forever): once orphaned,
+    a child kills its own group after ORPHAN_GRACE_SECONDS."""
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        conn.execute(EXECUTIONS_DDL)
+    log = tmp_path / "up.log"
+    imports = {"KEEL_IMPORTS": '["tests.support.handlers"]', "PYTHONPATH": str(ROOT)}
+    up = _start(db_url, broker, log, "up", "--no-flower", "--api-port", str(free_port()), **imports)
+    family: list[psutil.Process] = []
+    try:
+        wait_until("keel up to run", lambda: "running" in log.read_text() or up.poll() is not None, 120, every=0.2)
+        assert up.poll() is None, log.read_text()
+        agent = client.create_agent("held")
+        client.submit(agent.id, "req-held", None, operation="block")
+        started = "SELECT count(*) FROM executions WHERE phase = 'start'"
+        with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+            wait_until("the blocking job to start", lambda: conn.execute(started).fetchone() == (1,), 60)
+        family = _family(up.pid)
+        up.kill()
+        up.wait()
+        _gone, alive = psutil.wait_procs(family, timeout=ORPHAN_GRACE_SECONDS + 30)
+        assert alive == [], f"outlived a SIGKILLed keel up by {ORPHAN_GRACE_SECONDS + 30}s: {_named(alive)}"
     finally:
         _cleanup(up, family)
 
