@@ -14,6 +14,7 @@ from models import migrations
 from models.urls import libpq_url
 from tests.support.audit import clean_env
 from tests.support.broker import Broker
+from tests.support.cli import run_keel
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +26,7 @@ def keel(db_url: str, *args: str, cwd: Path, broker: Broker | None = None) -> su
     env["KEEL_DATABASE_URL"] = db_url
     env["KEEL_HOME"] = str(cwd / ".keel")
     env.update(broker.env if broker else {"KEEL_BROKER_URL": "redis://127.0.0.1:1/0"})
-    return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=180, cwd=cwd)
+    return run_keel(args, env, cwd)
 
 
 def _set_revision(db_url: str, revision: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
@@ -28,6 +27,7 @@ from models.settings import Settings
 from models.urls import libpq_url
 from tasks.leader import LeaderDuties
 from tests.support.audit import TEST_KEYS, clean_env
+from tests.support.cli import run_keel
 from tests.support.roles import RoledDatabase
 
 pytestmark = pytest.mark.integration
@@ -451,7 +451,7 @@ def test_keel_audit_partitions_lists_bounds_and_counts_and_creates_months(client
     agent = client.create_agent("counted", actor="alice")
     client.submit(agent.id, "r-1", {"prompt": "go"}, actor="alice")
     env = {**clean_env(), "KEEL_DATABASE_URL": db_url}
-    listed = subprocess.run([KEEL, "audit", "partitions"], env=env, capture_output=True, text=True, check=False)
+    listed = run_keel(["audit", "partitions"], env)
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
     assert lines[0].split() == ["partition", "from", "to", "events"]
@@ -459,13 +459,7 @@ def test_keel_audit_partitions_lists_bounds_and_counts_and_creates_months(client
     assert [line.split()[0] for line in lines[2:5]] == sorted(n for n in partitions(db_url) if PARTITION.match(n))
     assert all(line.endswith(" 0") for line in lines[2:5])
     assert lines[-1] == "3 whole month(s) after this one have a partition"
-    made = subprocess.run(
-        [KEEL, "audit", "partitions", "--create", "--months", "4", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    made = run_keel(["audit", "partitions", "--create", "--months", "4", "--json"], env)
     assert made.returncode == 0, made.stderr
     report = json.loads(made.stdout)
     assert len(report["created"]) == 1 and report["months_ahead"] == 4
@@ -475,7 +469,7 @@ def test_keel_audit_partitions_lists_bounds_and_counts_and_creates_months(client
         "to": report["partitions"][1]["from"],
         "events": 2,
     }
-    bad = subprocess.run([KEEL, "audit", "partitions", "--months", "4"], env=env, capture_output=True, text=True)
+    bad = run_keel(["audit", "partitions", "--months", "4"], env)
     assert bad.returncode == 2 and "--months goes with --create" in bad.stderr
 
 

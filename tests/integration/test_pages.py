@@ -24,6 +24,7 @@ from models.db import Database
 from models.tables import agents as agents_table
 from models.tables import journal as journal_table
 from tests.support.audit import TEST_ENV, as_superuser
+from tests.support.cli import run_keel
 
 pytestmark = pytest.mark.integration
 KEEL = str(Path(sys.executable).parent / "keel")
@@ -32,7 +33,7 @@ KEEL = str(Path(sys.executable).parent / "keel")
 def keel(db_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
     env |= TEST_ENV | {"KEEL_DATABASE_URL": db_url}
-    return subprocess.run([KEEL, *args], env=env, capture_output=True, text=True, timeout=120, check=False)
+    return run_keel(args, env)
 
 
 def _refusals(client: Client, agent_id: Any, n: int) -> None:

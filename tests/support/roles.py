@@ -22,6 +22,7 @@ from models.db import Database
 from models.roles import RoleNames
 from models.urls import libpq_url, with_database
 from tests.support.audit import TEST_ENV, TEST_KEYS
+from tests.support.cli import run_keel
 
 #: The passwords the tests give the application and auditor roles (the local server trusts 127.0.0.1 anyway).
 APP_PASSWORD = "app-role-test-password"
@@ -91,9 +92,7 @@ def keel(url: str, *args: str, names: RoleNames | None = None, **env: str) -> su
         }
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "keel-roles-tests"
     scratch.mkdir(exist_ok=True)
-    return subprocess.run(
-        [KEEL, *args], env=child | env, capture_output=True, text=True, timeout=120, cwd=scratch, check=False
-    )
+    return run_keel(args, child | env, scratch)
 
 
 def connect(url: str) -> psycopg.Connection[Any]:

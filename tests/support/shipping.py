@@ -22,6 +22,7 @@ from agents.core.phases import Event
 from agents.core.transition import transition
 from models.audit_destination import parse_store_url
 from models.db import Database
+from tests.support.cli import run_keel
 from tests.support.s3 import AWS_ENV, KEYS, KEYS_ENV, MotoS3
 
 KEEL = str(Path(sys.executable).parent / "keel")
@@ -79,6 +80,4 @@ def assert_shipped_once(store: Any, raw: psycopg.Connection[Any]) -> None:
 
 def keel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
-    return subprocess.run(
-        [KEEL, *args], env=child | AWS_ENV | KEYS_ENV | env, capture_output=True, text=True, timeout=120, check=False
-    )
+    return run_keel(args, child | AWS_ENV | KEYS_ENV | env)
