@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,23 +18,18 @@ from agents.ingress.tokens import create_token
 from models.db import Database
 from tests.support.audit import clean_env
 from tests.support.broker import Broker
+from tests.support.cli import Forked, fork_keel
+from tests.support.ports import free_port
 from tests.support.runs import run_all
 
 ROOT = Path(__file__).resolve().parents[2]
 KEEL = str(Path(sys.executable).parent / "keel")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Api:
     """One running API process: ``url``, ``token(...)`` for a secret, ``http(secret)`` for a client, ``log()``."""
 
-    def __init__(self, db: Database, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    def __init__(self, db: Database, url: str, proc: Forked, log: Path) -> None:
         self.db = db
         self.url = url
         self.proc = proc
@@ -83,14 +77,16 @@ def running_api(
         }
     )
     log = logs / f"api-{port}.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [KEEL, "serve", "--port", str(port), "-l", "warning", *args],
-            env=child_env,
-            stdout=out,
-            stderr=out,
-            cwd=logs,
-            start_new_session=True,
+    with open(log, "ab") as out, open(os.devnull, "rb") as nothing:
+        # A fork of this process, which has Keel imported: no interpreter start per test (tests/support/cli.py).
+        proc = fork_keel(
+            ["serve", "--port", str(port), "-l", "warning", *args],
+            child_env,
+            logs,
+            stdin=nothing.fileno(),
+            stdout=out.fileno(),
+            stderr=out.fileno(),
+            new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
     api = Api(db, url, proc, log)

@@ -30,6 +30,59 @@ SCRATCH = tempfile.mkdtemp(prefix="keel-cli-")
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 
 
+class Forked:
+    """A command running in a forked process: the part of :class:`subprocess.Popen` the tests use."""
+
+    def __init__(self, pid: int, argv: list[str]) -> None:
+        self.pid, self.args = pid, argv
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def fork_keel(
+    args: Sequence[str | bytes],
+    env: dict[str, str],
+    cwd: str | Path,
+    *,
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    new_session: bool = False,
+    close: Sequence[int] = (),
+) -> Forked:
+    """Start ``keel ARGS`` in a forked process with exactly ``env`` in ``cwd``, on the given descriptors."""
+    argv = ["keel", *(os.fsdecode(arg) for arg in args)]
+    pid = os.fork()
+    if pid == 0:  # the command's process: never returns into the test
+        _child(argv, env, cwd, (stdin, stdout, stderr), tuple(close), new_session)
+    return Forked(pid, argv)
+
+
 def run_keel(
     args: Sequence[str | bytes],
     env: dict[str, str],
@@ -39,13 +92,10 @@ def run_keel(
     timeout: float = 180,
 ) -> subprocess.CompletedProcess[str]:
     """``keel ARGS`` in a forked process with exactly ``env`` in ``cwd``; what it printed and its exit status."""
-    argv = ["keel", *(os.fsdecode(arg) for arg in args)]
     stdin_r, stdin_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the command's process: never returns into the test
-        _child(argv, env, cwd, stdin_r, out_w, err_w, (stdin_w, out_r, err_r))
+    proc = fork_keel(args, env, cwd, stdin=stdin_r, stdout=out_w, stderr=err_w, close=(stdin_w, out_r, err_r))
     for fd in (stdin_r, out_w, err_w):
         os.close(fd)
     output: dict[int, bytes] = {}
@@ -57,25 +107,37 @@ def run_keel(
             stdin.write((input or "").encode())
         except BrokenPipeError:  # the command did not read its input
             pass
-    status = _wait(pid, timeout, argv)
+    try:
+        status = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     for reader in readers:
         reader.join()
     return subprocess.CompletedProcess(
-        argv, status, output[out_r].decode(errors="replace"), output[err_r].decode(errors="replace")
+        proc.args, status, output[out_r].decode(errors="replace"), output[err_r].decode(errors="replace")
     )
 
 
 def _child(
-    argv: list[str], env: dict[str, str], cwd: str | Path, stdin: int, out: int, err: int, close: tuple[int, ...]
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | Path,
+    stdio: tuple[int, int, int],
+    close: tuple[int, ...],
+    new_session: bool,
 ) -> None:
     status = 1
     try:
         for fd in close:
             os.close(fd)
-        os.dup2(stdin, 0)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        for fd in (stdin, out, err):
+        if new_session:
+            os.setsid()
+        _die_with_the_test()
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        for fd in set(stdio) - {0, 1, 2}:
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -102,31 +164,24 @@ def _child(
     except BaseException:
         traceback.print_exc()
     finally:
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
+        try:
+            atexit._run_exitfuncs()
+            for stream in (sys.stdout, sys.stderr):
                 stream.flush()
-            except Exception:
-                pass
-        os._exit(status)
+        finally:
+            os._exit(status)
+
+
+def _die_with_the_test() -> None:
+    """SIGKILL from the kernel when the test process ends, however it ends (Linux)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _read_all(fd: int, into: dict[int, bytes]) -> None:
     with os.fdopen(fd, "rb") as stream:
         into[fd] = stream.read()
-
-
-def _wait(pid: int, timeout: float, argv: list[str]) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired(argv, timeout)
-        time.sleep(0.005)
 
 
 def keel_env(db_url: str | None = None, **more: str) -> dict[str, str]:
