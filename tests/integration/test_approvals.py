@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -36,6 +34,7 @@ from models.outbox_sql import message_row
 from models.settings import Settings
 from tests.support.api import COMMENT, Api, problem, waiting_agent
 from tests.support.audit import clean_env
+from tests.support.cli import run_keel
 from tests.support.fakes import FakeSlack
 from tests.support.keys import scoped
 from tests.support.runs import FAST_RULES, run_all
@@ -258,10 +257,9 @@ def test_the_command_line_lists_and_edits(db_url: str, client: Client, db: Datab
     waiting = to_approval(client, db, "cli-editor", "req-1", comment_script())
     env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
-    keel = str(Path(sys.executable).parent / "keel")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([keel, *args], env=env, capture_output=True, text=True, timeout=180)
+        return run_keel(args, env)
 
     listed = run("approvals", "--agent-prefix", "cli-")
     assert listed.returncode == 0, listed.stderr
