@@ -35,6 +35,7 @@ from models import migrations
 from models.db import Database
 from models.sql import advance_chain_txn, lock_agent_txn
 from tests.support.audit import TEST_ENV, TEST_KEYS, clean_env
+from tests.support.cli import run_keel
 from tests.support.timepg import TimeTravelServer, time_travel_postgres
 
 KEEL = str(Path(sys.executable).parent / "keel")
@@ -69,13 +70,7 @@ def _archive(server: TimeTravelServer, store: Path, *args: str) -> subprocess.Co
     env = clean_env()
     env.update(TEST_ENV)
     env.update({"KEEL_DATABASE_URL": server.url(), "KEEL_MIGRATION_DATABASE_URL": server.url()})
-    return subprocess.run(
-        [KEEL, "audit", "archive", "--against", store.as_uri(), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_keel(["audit", "archive", "--against", store.as_uri(), *args], env)
 
 
 def _step(client: Client, agent_id: UUID, event: Event) -> None:

@@ -24,9 +24,10 @@ from agents.audit.segments import segment_name
 from agents.audit.store import FileStore
 from agents.client import Client
 from models.db import Database
+from tests.support.cli import run_keel
 from tests.support.roles import RoledDatabase
 from tests.support.s3 import AWS_ENV, KEYS, MotoS3, moto_s3
-from tests.support.shipping import KEEL, history, journal_ids, keel, ship_all, store_for
+from tests.support.shipping import history, journal_ids, keel, ship_all, store_for
 
 pytestmark = pytest.mark.integration
 
@@ -180,14 +181,7 @@ def test_signed_manifests_verify_with_the_public_key_alone(client: Client, db_ur
     child = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
 
     def verify(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [KEEL, "audit", "verify", "--against", url, *args],
-            env=child | outsider,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        return run_keel(["audit", "verify", "--against", url, *args], child | outsider)
 
     fine = verify("--public-key", str(public))
     assert fine.returncode == 0, fine.stderr

@@ -20,6 +20,7 @@ from agents.core.transition import transition
 from models.db import Database
 from models.outbox_sql import message_row, stats
 from tests.support.audit import clean_env
+from tests.support.cli import run_keel
 from tests.support.fakes import FakeGitHub, FakeSlack
 from tests.support.keys import scoped
 from tests.support.outbox import (
@@ -182,8 +183,6 @@ def test_outbox_commands_and_kpis(
 ) -> None:
     import json
     import subprocess
-    import sys
-    from pathlib import Path
 
     bot = client.create_agent("bot")
     emit(client, "bot", slack_msg("C1", "ok"), slack_msg("CMISSING3", "bad"))
@@ -191,10 +190,9 @@ def test_outbox_commands_and_kpis(
     drain(relay(db, slack, github), pause=0.3)
     env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
-    keel = str(Path(sys.executable).parent / "keel")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([keel, *args], env=env, capture_output=True, text=True, timeout=60, cwd="/")
+        return run_keel(args, env, "/")
 
     listed = json.loads(run("outbox", "list", "--status", "dead", "--json").stdout)
     assert [m["key"] for m in listed["messages"]] == [scoped(bot.id, "req-bot:slack:bad")]

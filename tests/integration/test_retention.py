@@ -31,6 +31,7 @@ from models.jobs_sql import NewJob, insert_jobs_txn, job_row
 from models.outbox_sql import NewMessage, insert_messages_txn, message_row, stats
 from models.retention_sql import IN_FLIGHT, Retention, prune
 from models.urls import libpq_url
+from tests.support.cli import run_keel
 from tests.support.fakes import FakeSlack
 from tests.support.keys import scoped
 
@@ -390,17 +391,14 @@ def test_the_leading_beat_prunes_once_per_interval_whichever_beat_asks(db_url: s
 
 def test_keel_db_prune_prints_what_it_removed(db_url: str, story: Any) -> None:
     import subprocess
-    import sys
-    from pathlib import Path
 
     from tests.support.audit import clean_env
 
     story()
     env = {**clean_env(), "KEEL_DATABASE_URL": db_url, "KEEL_REQUESTS_RETENTION_DAYS": "0"}
-    keel = str(Path(sys.executable).parent / "keel")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([keel, "db", "prune", *args], env=env, capture_output=True, text=True, timeout=60)
+        return run_keel(["db", "prune", *args], env)
 
     dry = run("--dry-run")
     assert dry.returncode == 0, dry.stderr

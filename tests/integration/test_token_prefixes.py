@@ -4,7 +4,6 @@ without one is refused at every door that makes a token, and one stored before t
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from models import tokens_sql
 from models.db import Database
 from tests.support.api import Api, waiting_agent
 from tests.support.audit import clean_env
+from tests.support.cli import run_keel
 from tests.support.console import Browsers
 
 pytestmark = pytest.mark.integration
@@ -42,14 +42,7 @@ def test_a_prefix_that_does_not_end_in_a_delimiter_is_refused_naming_the_rule(
     assert f"agent prefix {prefix!r} must end in '-', '.' or '_'" in str(refused.value)
     env = clean_env()
     env["KEEL_DATABASE_URL"] = db_url
-    result = subprocess.run(
-        [KEEL, "token", "create", "tenant", "--scope", "approver", "--agent-prefix", prefix],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=SCRATCH,
-    )
+    result = run_keel(["token", "create", "tenant", "--scope", "approver", "--agent-prefix", prefix], env, SCRATCH)
     assert result.returncode == 1 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "must end in '-', '.' or '_'" in lines[0], result.stderr

@@ -26,6 +26,7 @@ from models.settings import Settings
 from models.urls import libpq_url
 from tasks.leader import LeaderDuties
 from tests.support.audit import TEST_ENV, TEST_KEY_ID, TEST_KEYS, as_superuser
+from tests.support.cli import run_keel
 from tests.support.roles import RoledDatabase
 
 pytestmark = pytest.mark.integration
@@ -223,9 +224,7 @@ def test_a_checkpoint_forged_by_a_superuser_without_the_key_is_reported_then_rep
     assert verify_and_record(db, "cli", full=False).ok
     _another_event(client, a)
     _forge_checkpoint(raw, a, AuditKeys.of({TEST_KEY_ID: "not-the-secret-but-long-enough-0123456789"}, TEST_KEY_ID))
-    said = subprocess.run(
-        [KEEL, "audit", "verify"], env=_env(db_url), capture_output=True, text=True, timeout=120, check=False
-    )
+    said = run_keel(["audit", "verify"], _env(db_url))
     assert said.returncode == 1
     assert f"FORGED checkpoint: the checkpoint of agent {a}'s chain" in said.stderr, said.stderr
     # The genuine walk replaced it: believed again, and the next pass is clean.

@@ -23,6 +23,7 @@ from models.settings import Settings
 from tasks.leader import LeaderDuties
 from tests.support.api import Api
 from tests.support.audit import TEST_ENV, as_superuser
+from tests.support.cli import run_keel
 from tests.support.console import Browsers
 
 pytestmark = pytest.mark.integration
@@ -40,14 +41,7 @@ def _three_events(client: Client, name: str = "ledger") -> UUID:
 
 def _verify(db_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))}
-    return subprocess.run(
-        [KEEL, "audit", "verify", *args],
-        env=env | TEST_ENV | {"KEEL_DATABASE_URL": db_url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_keel(["audit", "verify", *args], env | TEST_ENV | {"KEEL_DATABASE_URL": db_url})
 
 
 def _edit(raw: psycopg.Connection[Any], agent_id: UUID, seq: int) -> None:
