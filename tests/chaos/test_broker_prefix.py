@@ -32,7 +32,8 @@ def monitored(url: str) -> Iterator[list[list[bytes]]]:
     """Every command the server runs meanwhile (MONITOR), as argument lists."""
     commands: list[list[bytes]] = []
     stop = b"keel-test-monitor-stop"
-    client = redis.Redis.from_url(url)
+    # No read timeout (redis-py's default is 5 s): the worker may issue no command for longer while it starts.
+    client = redis.Redis.from_url(url, socket_timeout=None)
     monitor = client.monitor().__enter__()
 
     def read() -> None:
