@@ -35,6 +35,7 @@ from models.embedded import redis_executable  # noqa: E402
 from models.roles import RoleNames  # noqa: E402
 from models.urls import libpq_url, with_database  # noqa: E402
 from tests.support.broker import Broker, own_prefix  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 from tests.support.roles import APP_PASSWORD, AUDITOR_PASSWORD, RoledDatabase, drop_roles, unique_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,14 +221,11 @@ def own_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A Redis server of this test's own (no persistence), which the test may stop, restart or inspect whole:
     ``url``, ``start()``, ``stop()``. For what must see every key of a server, or runs code that ignores prefixes."""
     import shutil
-    import socket
     import subprocess
     import time
 
     binary = shutil.which("redis-server") or redis_executable()
-    with socket.socket() as sock:  # a port nobody listens on right now (asked of the kernel, not guessed)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # from this xdist worker's own range
     server: dict[str, Any] = {"url": f"redis://127.0.0.1:{port}/0", "proc": None}
 
     def start() -> None:

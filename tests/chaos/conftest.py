@@ -20,6 +20,7 @@ from tests.support.audit import clean_env
 from tests.support.broker import Broker
 from tests.support.handlers import EXECUTIONS_DDL
 from tests.support.logs import log_lines
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KEEL = str(Path(sys.executable).parent / "keel")
@@ -42,14 +43,7 @@ FAST = {
 }
 
 
-def free_port() -> int:
-    """A port nobody listens on right now (asked of the kernel, not guessed)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+__all__ = ["free_port"]  # this xdist worker's own range (tests/support/ports.py), imported from here by the tests
 
 
 def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:

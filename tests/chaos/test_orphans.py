@@ -30,6 +30,7 @@ KEEL = str(Path(sys.executable).parent / "keel")
 def _start(db_url: str, broker: Broker, log: Path, *args: str, **more: str) -> subprocess.Popen[bytes]:
     env = clean_env()
     env.update({"KEEL_DATABASE_URL": db_url, **broker.env, "KEEL_HOME": str(log.parent / ".keel"), **more})
+    env["KEEL_API_METRICS_PORT"] = str(free_port())  # not the default 9810: tests run side by side
     with open(log, "wb") as out:
         return subprocess.Popen([KEEL, *args], env=env, stdout=out, stderr=out, cwd=log.parent)
 

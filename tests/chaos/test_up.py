@@ -35,6 +35,10 @@ def keel_up(db_url: str, broker_env: dict[str, str], log: Path, *args: str) -> I
         args = ("--api-port", str(free_port()), *args)
     if "--worker-metrics-port" not in args and "--no-metrics" not in args:
         args = ("--worker-metrics-port", str(free_port()), "--beat-metrics-port", str(free_port()), *args)
+    if "--api-metrics-port" not in args and "--no-metrics" not in args and "--no-api" not in args:
+        args = ("--api-metrics-port", str(free_port()), *args)  # not the default 9810: tests run side by side
+    if "--flower-port" not in args and "--no-flower" not in args:
+        args = ("--flower-port", str(free_port()), *args)
     env = clean_env()
     env.update({"KEEL_DATABASE_URL": db_url, **broker_env, "FLOWER_UNAUTHENTICATED_API": "true"})
     with open(log, "wb") as out:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import psycopg
 from sqlalchemy.engine import make_url
+
+from tests.support.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,7 @@ class Bouncer:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:  # a port nobody listens on right now (asked of the kernel, not guessed)
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_port()  # from this xdist worker's own range
 
 
 def binary() -> str:
