@@ -187,9 +187,18 @@ def test_a_job_past_its_hard_deadline_fails_the_agent_and_its_late_outcome_is_fe
     # The beat both dispatches the job and enforces the deadline: started late (a loaded machine), it would find the
     # deadline passed before the job ever ran. The deadline must pass while the job runs.
     wait_until("the beat to start", lambda: "Starting..." in stack.log("beat"), 60)
-    client.submit(agent.id, "req-late", None, operation="block", hard_deadline=timedelta(seconds=4))
+    # 8 s: time enough for the job to start on a loaded machine before the deadline passes (the deadline stopping a
+    # request whose job never started is another test's subject).
+    client.submit(agent.id, "req-late", None, operation="block", hard_deadline=timedelta(seconds=8))
     key = scoped(agent.id, "req-late:block:1")
-    wait_until("the job to start", lambda: executions(stack).get(key) == 1)
+
+    def started() -> bool:
+        assert client.get_state(agent.id).phase != "failed" or executions(stack).get(key), (
+            "the deadline passed before the job started: the worker took over 8 s to start it"
+        )
+        return executions(stack).get(key) == 1
+
+    wait_until("the job to start", started)
     wait_until("the deadline to stop the agent", lambda: client.get_state(agent.id).phase == "failed", 30)
     assert statuses(stack)[key] == "cancelled"
     stopped_at = client.get_state(agent.id)
