@@ -15,20 +15,9 @@ ConnParams = Callable[..., dict[str, Any]]
 
 
 def guard_redis_transport() -> None:
-    """Make every kombu Redis channel keep the connection parameters it last built a pool from (once per process).
-
-    On a lost connection Celery calls ``Connection.collect()``, then ``close()``. ``collect()`` detaches the transport
-    (``transport.client = None``) even when it could not close every channel: the one holding the message is left
-    open when its in-flight BRPOP fails on the dead socket and another channel (remote control's) then fails to
-    close. ``close()`` closes it, and its restore of the message builds a pool from ``transport.client.hostname``.
-    With kept parameters the restore (and the later ack) reach Redis, or raise the ``ConnectionError`` Celery's
-    cleanup ignores, as when Redis is down.
-
-    Upstream, the same AttributeError from other callers of a detached channel:
-    https://github.com/celery/kombu/issues/582 (closing the gossip channel), https://github.com/celery/kombu/issues/970
-    (restoring at shutdown). kombu 5.7.0 and Celery 5.7.0, the newest releases, still reach it. Remove the guard once
-    kombu no longer reads a detached transport: tests/chaos/test_kombu_lost_connection.py's unguarded case then fails.
-    """
+    """Make every kombu Redis channel keep the connection parameters it last built a pool from (once per process),
+    so that closing a channel after Celery detached its transport restores its messages instead of crashing the
+    worker. Why and when to remove it: docs/explanation/runtime-outbox-and-workers.md#kombus-lost-connection-crash."""
     channel = kombu_redis.Channel
     connparams = getattr(channel, "_connparams", None)  # a kombu without it is another one: the tests say so
     if connparams is not None and not getattr(connparams, "keel_guard", False):
