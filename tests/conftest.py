@@ -35,8 +35,12 @@ from models.embedded import redis_executable  # noqa: E402
 from models.roles import RoleNames  # noqa: E402
 from models.urls import libpq_url, with_database  # noqa: E402
 from tests.support.broker import Broker, own_prefix  # noqa: E402
+from tests.support.cli import remember_built_ins  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.roles import APP_PASSWORD, AUDITOR_PASSWORD, RoledDatabase, drop_roles, unique_names  # noqa: E402
+
+# Before any test module registers its own tools and handlers: what a forked `keel` starts from.
+remember_built_ins()
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"

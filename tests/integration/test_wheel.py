@@ -10,6 +10,7 @@ own .pth files, the editable install's finder among them, are not run)."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import os
 import shutil
@@ -61,9 +62,30 @@ class Installed:
         )
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    work = tmp_path_factory.mktemp("wheel")
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Iterator[Installed]:
+    """One wheel build and install per run: the xdist workers share it (the first builds it under a lock)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # the run's own directory, above each worker's
+    with open(shared / "wheel.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        work = shared / "wheel"
+        if not (work / "installed").exists():
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            _build_and_install(work)
+            (work / "installed").touch()
+    venv = work / "venv"
+    site = Path(
+        subprocess.run(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True, capture_output=True, text=True, timeout=300,
+        ).stdout.strip()
+    )  # fmt: skip
+    yield Installed(venv / "bin", site)
+
+
+def _build_and_install(work: Path) -> None:
     source = work / "src"  # pip builds in the tree it is given, and the checkout must stay as it is
     shutil.copytree(
         CHECKOUT,
@@ -89,7 +111,6 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
             (dependencies / entry.name).symlink_to(entry)
     (site / "test_dependencies.pth").write_text(f"{dependencies}\n")
     subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", wheel], **run)
-    yield Installed(venv / "bin", site)
 
 
 def test_the_wheel_is_what_runs_and_knows_its_version(installed: Installed, tmp_path: Path) -> None:

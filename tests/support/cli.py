@@ -8,7 +8,13 @@ are the real ones; the console script itself is run by tests/integration/test_wh
 from __future__ import annotations
 
 import atexit
+import copy
+import faulthandler
+import gc
+import importlib
 import io
+import json
+import logging
 import os
 import re
 import signal
@@ -18,8 +24,10 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.support.audit import TEST_ENV
 
@@ -109,7 +117,7 @@ def run_keel(
             pass
     try:
         status = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException:  # a timeout, or the test interrupted: the command does not outlive it
         proc.kill()
         proc.wait()
         raise
@@ -128,6 +136,8 @@ def _child(
     close: tuple[int, ...],
     new_session: bool,
 ) -> None:
+    atexit._clear()  # first: the test's exit handlers are not the command's, even if what follows fails
+    gc.freeze()  # the test's garbage (pooled connections among it) is never finalized here
     status = 1
     try:
         for fd in close:
@@ -139,19 +149,17 @@ def _child(
             os.dup2(fd, target)
         for fd in set(stdio) - {0, 1, 2}:
             os.close(fd)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # The test's stdio objects are pytest's captures: the command gets its own, on its own descriptors.
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), "utf-8")
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), "utf-8", line_buffering=True)
         err_stream = io.FileIO(2, "w", closefd=False)
         sys.stderr = io.TextIOWrapper(err_stream, "utf-8", "backslashreplace", line_buffering=True)
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-        atexit._clear()  # the test's exit handlers are not the command's; the command's own run at its exit
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = argv
+        _as_a_fresh_process(env)
         from agents.cli import main
 
         main()
@@ -170,6 +178,52 @@ def _child(
                 stream.flush()
         finally:
             os._exit(status)
+
+
+#: What a fresh ``keel`` process has registered before it reads KEEL_IMPORTS (taken by tests/conftest.py before
+#: any test module registers its own tools and handlers).
+_BUILT_IN: dict[str, Any] = {}
+
+
+def remember_built_ins() -> None:
+    from agents.jobs.handlers import registry
+    from agents.runtime import tools
+
+    _BUILT_IN["tools"] = dict(tools._TOOLS)
+    _BUILT_IN["handlers"] = {name: copy.copy(value) for name, value in vars(registry).items()}
+
+
+def _as_a_fresh_process(env: dict[str, str]) -> None:
+    """Undo what the test process holds that a fresh ``keel`` would not: tests' tools and handlers, secrets others
+    registered for redaction, pytest's warning filters and hooks, a cached temporary directory."""
+    from agents.core import redaction
+    from agents.jobs.handlers import registry
+    from agents.runtime import tools
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.excepthook = threading.__excepthook__
+    sys.unraisablehook = sys.__unraisablehook__
+    faulthandler.disable()
+    warnings.resetwarnings()
+    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    importlib.reload(warnings)  # warnings are printed again, not recorded for pytest
+    tempfile.tempdir = None
+    redaction.clear_secrets()
+    assert _BUILT_IN, "tests/conftest.py calls remember_built_ins() first"
+    tools._TOOLS.clear()
+    tools._TOOLS.update(_BUILT_IN["tools"])
+    vars(registry).update({name: copy.copy(value) for name, value in _BUILT_IN["handlers"].items()})
+    for module in json.loads(env.get("KEEL_IMPORTS") or "[]"):  # imported again: they register themselves again
+        for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+            del sys.modules[name]
+    # Registered once per process at import (the trace exporter's flush): this process's exit needs them too.
+    atexit.register(logging.shutdown)
+    tracing = sys.modules.get("agents.observability.tracing")
+    if tracing is not None:
+        atexit.register(tracing._shutdown_at_exit)
 
 
 def _die_with_the_test() -> None:
