@@ -189,6 +189,7 @@ def remember_built_ins() -> None:
     from agents.jobs.handlers import registry
     from agents.runtime import tools
 
+    _BUILT_IN["modules"] = set(sys.modules)
     _BUILT_IN["tools"] = dict(tools._TOOLS)
     _BUILT_IN["handlers"] = {name: copy.copy(value) for name, value in vars(registry).items()}
 
@@ -216,7 +217,12 @@ def _as_a_fresh_process(env: dict[str, str]) -> None:
     tools._TOOLS.clear()
     tools._TOOLS.update(_BUILT_IN["tools"])
     vars(registry).update({name: copy.copy(value) for name, value in _BUILT_IN["handlers"].items()})
-    for module in json.loads(env.get("KEEL_IMPORTS") or "[]"):  # imported again: they register themselves again
+    # Keel's and the tests' modules imported since (the demo's tools, KEEL_IMPORTS' handlers) are imported again
+    # where the command needs them, and register themselves again.
+    ours = ("agents.", "tasks.", "models.", "tests.", "keel_migrations.")
+    for name in [m for m in sys.modules if m not in _BUILT_IN["modules"] and m.startswith(ours)]:
+        del sys.modules[name]
+    for module in json.loads(env.get("KEEL_IMPORTS") or "[]"):
         for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
             del sys.modules[name]
     # Registered once per process at import (the trace exporter's flush): this process's exit needs them too.
