@@ -39,3 +39,19 @@ def test_every_pointer_names_a_page_and_a_heading_that_exist() -> None:
         elif anchor and anchor not in {slug(h) for h in HEADING.findall(path.read_text())}:
             broken.append(f"{source}: {pointer} (no such heading)")
     assert broken == []
+
+
+TEST_REFERENCE = re.compile(r"\b(test_\w+\.py)(?:::(test_\w+))?")
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    """A page that says which test holds a rule (docs/choke-points.md, the runbook) names a test that exists."""
+    files = {path.name: path for path in (ROOT / "tests").rglob("test_*.py")}
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for file, name in TEST_REFERENCE.findall(page.read_text()):
+            if file not in files:
+                missing.append(f"{page.name}: {file}")
+            elif name and not re.search(rf"^(async )?def {name}\(", files[file].read_text(), re.M):
+                missing.append(f"{page.name}: {file}::{name}")
+    assert missing == []
