@@ -43,6 +43,7 @@ bench-scale:
 bench-peers:
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.peers
+	$(PY) -m bench.io_peers
 
 bench-verify:
 	$(PY) -m bench.verify

@@ -13,6 +13,7 @@ import redis
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
+from bench.io_apps import wait as io_wait
 from models.settings import Settings
 from tasks.app import celery_config
 
@@ -39,4 +40,11 @@ def _redis(pid: int) -> redis.Redis:
 
 @app.task(name="bench.noop")  # type: ignore[untyped-decorator]
 def noop(i: int) -> None:
+    _redis(os.getpid()).rpush(PREFIX + "bench:done", time.time())
+
+
+@app.task(name="bench.wait")  # type: ignore[untyped-decorator]
+def wait(seconds: float, url: str | None) -> None:
+    """The I/O workload's job (bench.io_peers): waits as a model call would, then records its finish."""
+    io_wait(seconds, url)
     _redis(os.getpid()).rpush(PREFIX + "bench:done", time.time())

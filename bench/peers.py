@@ -50,7 +50,8 @@ Then the delay from submit to start of the first job of a burst of 20 (Keel, a w
 median of 5 bursts): through the dispatcher, and published at submit (``Client(publisher=…)``).
 
 Keel's backlog is published at submit, as by default (KEEL_PUBLISH_AT_SUBMIT): it waits on the broker, as bare
-Celery's does. Keel and bare Celery run under Keel's Celery configuration (acks_late, prefetch 1); procrastinate
+Celery's does. Keel and bare Celery run under Keel's Celery configuration (acks_late, prefetch 1), prefork (a process
+per job: --keel-threads runs Keel's as threads); procrastinate
 and DBOS with their defaults, one process per worker. The peers come from the ``bench`` extra: ``make bench-peers``
 installs it (``pip install -e '.[bench]'``) and runs ``python -m bench.peers``. Uses KEEL_DATABASE_URL /
 KEEL_BROKER_URL's servers, else the embedded ones; on the broker it touches only keys under a prefix of its own, and
@@ -243,7 +244,8 @@ class Peers:
                     for i in range(n_processes)
                 ]
             else:
-                workers = [[str(BIN / "keel"), "worker", "-c", str(n_processes), "-n", node, "-l", "warning"]]
+                prefork = ["-P", "prefork", "-c", str(n_processes)]  # as bare Celery runs: a process per job
+                workers = [[str(BIN / "keel"), "worker", *prefork, "-n", node, "-l", "warning"]]
             beat = [str(BIN / "keel"), "beat", "-l", "warning"]
             started = time.time()
             polls = 0
@@ -289,7 +291,7 @@ class Peers:
                 client = Client(database, publisher=publisher(celery))
             ids = [client.create_agent(f"burst-{i}").id for i in range(BURST * bursts)]
             node = f"burst-{self.run_id}@{socket.gethostname()}"
-            worker = [str(BIN / "keel"), "worker", "-c", "2", "-n", node, "-l", "warning"]
+            worker = [str(BIN / "keel"), "worker", "-n", node, "-l", "warning"]  # as it starts by default
             beat = [str(BIN / "keel"), "beat", "-l", "warning"]
             delays: list[float] = []
             with processes([worker, beat], env, self.logs / "keel-burst.log") as procs:
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="run each Keel worker process as a pool of N threads (`keel worker --pool threads -c N`) instead of"
-        " prefork's one job per process (default: prefork, as `keel worker` runs)",
+        " prefork's one job per process, as bare Celery's run (default: prefork)",
     )
     args = parser.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)

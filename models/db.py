@@ -117,6 +117,7 @@ class Database:
         direct_url: str | None = None,
         keepalives: Keepalives | None = None,
         pool_timeout_seconds: float = 30.0,
+        max_overflow: int | None = None,
     ) -> None:
         self.url = sqlalchemy_url(url)
         self.direct_url = sqlalchemy_url(direct_url) if direct_url is not None else self.url
@@ -136,7 +137,9 @@ class Database:
         self.engine: Engine = create_engine(
             self.url,
             pool_size=pool_size,
-            max_overflow=pool_size,
+            # A burst opens as many again (None), closed once returned; a process that must not churn through
+            # connections (a threads worker: hundreds of jobs borrowing in turn) passes 0 and keeps exactly its size.
+            max_overflow=pool_size if max_overflow is None else max_overflow,
             # Every connection busy that long (a slow or hung database): the checkout raises, which Keel counts as
             # the database being away (agents.core.outage.is_outage) — a worker hands its message back.
             pool_timeout=pool_timeout_seconds,
@@ -149,7 +152,12 @@ class Database:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, *, pool_size: int | None = None, connect_timeout_seconds: int | None = None
+        cls,
+        settings: Settings,
+        *,
+        pool_size: int | None = None,
+        connect_timeout_seconds: int | None = None,
+        max_overflow: int | None = None,
     ) -> Database:
         """The configured database, or the embedded one when ``KEEL_DATABASE_URL`` is unset, with the configured
         audit key ring (or the development key: see models/audit_keys.py)."""
@@ -162,6 +170,7 @@ class Database:
             pooler=settings.database_pooler,
             direct_url=settings.database_direct_url,
             keepalives=Keepalives.from_settings(settings),
+            max_overflow=max_overflow,
         )
 
     @property

@@ -246,13 +246,43 @@ def claim(db: Database, key: str, worker: str, lease: timedelta) -> ClaimedJob |
 
 def extend_lease(db: Database, key: str, token: int, lease: timedelta) -> bool:
     """Heartbeat: push the lease out. False if this worker no longer holds the job."""
+    return (key, token) in extend_leases(db, [(key, token)], lease)
+
+
+def extend_leases(db: Database, held: Sequence[tuple[str, int]], lease: timedelta) -> set[tuple[str, int]]:
+    """Heartbeat for every job a process runs, in one statement: push each lease out; the ``(key, token)`` pairs
+    still held (a job missing from the answer was taken over, cancelled or finished)."""
+    if not held:
+        return set()
+    keys, tokens = [key for key, _ in held], [token for _, token in held]
     with db.autocommit() as cur:
         cur.execute(
-            "UPDATE jobs SET lease_until = clock_timestamp() + %s"
-            " WHERE key = %s AND fencing_token = %s AND status = 'running'",
-            (lease, key, token),
+            "UPDATE jobs j SET lease_until = clock_timestamp() + %s"
+            " FROM unnest(%s::text[], %s::bigint[]) AS h(key, token)"
+            " WHERE j.key = h.key AND j.fencing_token = h.token AND j.status = 'running'"
+            " RETURNING j.key, j.fencing_token",
+            (lease, keys, tokens),
         )
-        return cur.rowcount == 1
+        return {(str(key), int(token)) for key, token in cur.fetchall()}
+
+
+def hand_back(db: Database, held: Sequence[tuple[str, int]]) -> list[str]:
+    """Give back jobs this process claimed but will not finish (it is being replaced): pending again, due now, not
+    counted as a failure (a late write of this run is refused: it needs the job running); the dispatcher
+    publishes them on its next pass. The keys handed back."""
+    if not held:
+        return []
+    keys, tokens = [key for key, _ in held], [token for _, token in held]
+    with db.autocommit() as cur:
+        cur.execute(
+            "UPDATE jobs j SET status = 'pending', lease_until = NULL, enqueued_at = NULL,"
+            " run_at = LEAST(j.run_at, clock_timestamp()),"
+            " updated_at = clock_timestamp()"
+            " FROM unnest(%s::text[], %s::bigint[]) AS h(key, token)"
+            " WHERE j.key = h.key AND j.fencing_token = h.token AND j.status = 'running' RETURNING j.key",
+            (keys, tokens),
+        )
+        return [str(key) for (key,) in cur.fetchall()]
 
 
 def finish_txn(cur: psycopg.Cursor[Any], params: tuple[Any, ...]) -> bool:

@@ -3,11 +3,17 @@ of :class:`models.settings.Settings`."""
 
 from __future__ import annotations
 
+import os
 import re
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+#: Steps in flight per threads worker when KEEL_WORKER_CONCURRENCY is not set.
+THREADS_DEFAULT = 200
+_QUEUE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_KEEL_QUEUES = {"keel.jobs", "keel.jobs.low", "keel.outbox"}
 _RETRY_FIELDS = {"max_attempts", "base_seconds", "max_seconds", "jitter"}
 
 
@@ -16,7 +22,18 @@ class JobFields(BaseModel):
     ``KEEL_RUN_LIMITS``."""
 
     imports: list[str] = Field(default_factory=list)  # modules with @handler functions, loaded by workers
-    worker_concurrency: int = Field(default=2, ge=1, le=64)
+    # How a worker runs jobs (`keel worker --pool`): ``threads`` keeps up to KEEL_WORKER_CONCURRENCY steps in flight in
+    # one process (steps wait on models); ``prefork`` runs one step per process, for CPU-heavy handlers.
+    worker_pool: Literal["threads", "prefork", "solo"] = "threads"
+    # Jobs in flight per `keel worker`: threads of its one process, or prefork processes. None: 200 threads, or one
+    # process per CPU.
+    worker_concurrency: int | None = Field(default=None, ge=1, le=5000)
+    # A threads worker whose handler or tool threads still running past their limits reach this many is replaced: it
+    # stops taking jobs, lets the others finish, and exits with status 70 (`keel up` starts it again).
+    worker_stuck_limit: int = Field(default=10, ge=1, le=1000)
+    # Operations whose jobs go to a queue of their own, e.g. {"summarise": "keel.cpu"}, for a worker that consumes it
+    # (`keel worker -P prefork -Q keel.cpu`): CPU-heavy handlers. Every publish routes by it.
+    operation_queues: dict[str, str] = Field(default_factory=dict)
     # Celery's task events (what Flower's task views show) cost a few broker messages per job: off unless asked for.
     # A running Flower asks for them itself (its enable_events, on by default), so its views work either way.
     worker_task_events: bool = False
@@ -60,10 +77,18 @@ class JobFields(BaseModel):
     visibility_timeout_seconds: int = Field(default=3600, ge=10)
     # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.
     retry_policy: dict[str, dict[str, float]] = Field(default_factory=dict)
-    # How long one attempt of an operation may run before it is ended for real (its worker process is replaced)
-    # and counted as an ``unknown`` failure: per operation, e.g. {"plan": 120, "tool": 300}; others get the default.
+    # How long one attempt of an operation may run before it is ended (its thread fenced off, or its prefork process
+    # replaced) and counted as an ``unknown`` failure: per operation, e.g. {"plan": 120, "tool": 300}; others get
+    # the default.
     run_limit_seconds: float = Field(default=900.0, gt=0)
     run_limits: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def worker_slots(self) -> int:
+        """Jobs in flight per ``keel worker``: KEEL_WORKER_CONCURRENCY, else 200 threads or a process per CPU."""
+        if self.worker_concurrency is not None:
+            return self.worker_concurrency
+        return THREADS_DEFAULT if self.worker_pool == "threads" else max(1, os.cpu_count() or 1)
 
     @field_validator("retry_policy")
     @classmethod
@@ -89,6 +114,16 @@ class JobFields(BaseModel):
         for never in ("invalid", "budget"):
             if value.get(never, {}).get("max_attempts", 1) != 1:
                 raise ValueError(f"{never} failures are never retried: its max_attempts must stay 1")
+        return value
+
+    @field_validator("operation_queues")
+    @classmethod
+    def _operation_queues_are_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for operation, queue in value.items():
+            if not _QUEUE_NAME.fullmatch(queue):
+                raise ValueError(f"{operation}: {queue!r} is not a queue name (letters, digits, '.', '_', '-')")
+            if queue in _KEEL_QUEUES:
+                raise ValueError(f"{operation}: {queue!r} is one of Keel's own queues; name a queue of its own")
         return value
 
     @field_validator("imports")

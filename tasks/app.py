@@ -16,6 +16,7 @@ from celery.signals import after_setup_logger, beat_init, worker_init, worker_pr
 from kombu import Queue  # type: ignore[attr-defined]
 from kombu.exceptions import OperationalError as BrokerError
 
+from agents.core.keys import split_key
 from agents.core.queues import JOBS_QUEUE, LOW_QUEUE
 from agents.observability.tracing import BEAT, WORKER, configure_tracing, flush_tracing
 from models.embedded import broker_url_for, redis_status
@@ -97,6 +98,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             },
         },
         "imports": ["tasks.jobs", "tasks.outbox"],
+        # Keel's own: the queues of operations routed elsewhere (KEEL_OPERATION_QUEUES), which publish() applies.
+        "keel_operation_queues": dict(settings.operation_queues),
     }
 
 
@@ -155,15 +158,28 @@ def publish(due: Sequence[Due], celery: Celery | None = None, *, deadline: float
     if not due:
         return
     celery = celery or app
+    queues = [queue_of(job, celery) for job in due]
     with celery.producer_or_acquire() as producer:
         # Declared on every publish, not once per connection: if Redis lost its keys (FLUSHALL, a failover),
         # a cached declaration would route every message to nowhere until a restart.
-        for name in {job.queue for job in due}:
+        for name in set(queues):
             celery.amqp.queues[name](producer.channel).declare()
-        for sent, job in enumerate(due):
+        for sent, (job, queue) in enumerate(zip(due, queues, strict=True)):
             if deadline is not None and time.monotonic() >= deadline:
                 raise PastDeadline(sent)
-            celery.send_task(RUN_JOB, args=(job.key,), task_id=job.key, queue=job.queue, producer=producer)
+            celery.send_task(RUN_JOB, args=(job.key,), task_id=job.key, queue=queue, producer=producer)
+
+
+def queue_of(job: Due, celery: Celery | None = None) -> str:
+    """The queue job ``job`` is published to: its operation's own (KEEL_OPERATION_QUEUES), else its row's."""
+    routes = (celery or app).conf.get("keel_operation_queues")
+    if not routes:
+        return job.queue
+    try:
+        operation = split_key(job.key)[1]
+    except ValueError:
+        return job.queue
+    return str(routes.get(operation, job.queue))
 
 
 def queue_depths(celery: Celery, names: Sequence[str]) -> dict[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.util
+import os
 import signal
 import sys
 import time
@@ -116,15 +117,28 @@ def _schema_or_exit(settings: Settings) -> None:
 
 @click.command()
 @click.option(
-    "-c", "--concurrency", type=click.IntRange(min=1), help="Worker processes (default KEEL_WORKER_CONCURRENCY)."
+    "-c",
+    "--concurrency",
+    type=click.IntRange(min=1),
+    help="Jobs in flight: threads, or prefork processes (default KEEL_WORKER_CONCURRENCY: 200 threads, a process per"
+    " CPU).",
 )
 @click.option("-Q", "--queues", default=ALL_QUEUES, show_default=True, help="Queues to consume, comma-separated.")
 @click.option("-n", "--name", default="keel@%h", show_default=True, help="Node name (unique per host).")
 @click.option("-l", "--loglevel", default="info", show_default=True)
-@click.option("--pool", default="prefork", show_default=True, help="prefork, threads or solo.")
-def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str) -> None:
+@click.option(
+    "-P",
+    "--pool",
+    type=click.Choice(["threads", "prefork", "solo"]),
+    help="threads (one process, steps that wait), prefork (a process per job, CPU-heavy handlers) or solo (default"
+    " KEEL_WORKER_POOL: threads).",
+)
+def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool: str | None) -> None:
     """Run a Celery worker that executes Keel jobs."""
-    settings = _settings(imports=True)
+    # The options stand for their variables: the job runner of this process reads the pool it runs in from them.
+    given = {"worker_pool": pool, "worker_concurrency": concurrency}
+    settings = _settings(imports=True, **{field: value for field, value in given.items() if value is not None})
+    os.environ["KEEL_WORKER_POOL"] = settings.worker_pool
     _embedded_or_exit(settings)
     _schema_or_exit(settings)
     _metrics_port_or_exit(settings, settings.worker_metrics_port, "KEEL_WORKER_METRICS_PORT")
@@ -133,12 +147,12 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     quiet = _json_from_the_start(settings, "worker")
     from tasks.app import app
 
-    processes = concurrency or settings.worker_concurrency
+    slots = str(settings.worker_slots)
     # Gossip (worker-to-worker events) is not needed: revokes travel as broadcasts, Flower reads task events. And
     # Celery's gossip step logs a traceback at every lost broker connection (it cleans up a connection it closed).
     without = ["--without-mingle", "--without-gossip"]
     events = ["-E"] if settings.worker_task_events else []  # else Flower turns them on while it runs
-    argv = ["worker", "-c", str(processes), "-Q", queues, "-n", name, "-l", loglevel, "-P", pool]
+    argv = ["worker", "-c", slots, "-Q", queues, "-n", name, "-l", loglevel, "-P", settings.worker_pool]
     app.worker_main([*quiet, *argv, *events, *without])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -15,6 +16,7 @@ from celery import shared_task
 from celery.signals import task_revoked
 from celery.utils.functional import maybe_list
 from celery.worker import control as celery_control
+from celery.worker import state as worker_state
 
 from agents.core import transition as core
 from agents.core.commands import Command
@@ -22,6 +24,7 @@ from agents.core.errors import KeelError, Rejected, StoreError
 from agents.core.keys import request_id_of
 from agents.core.outage import is_outage
 from agents.core.phases import Event
+from agents.jobs.handler_threads import STUCK
 from agents.jobs.runner import RunOutcome
 from agents.observability.logs import log_context
 from agents.observability.tracing import flush_tracing
@@ -42,6 +45,8 @@ def run_job(self: Any, key: str) -> str:
     if self.request.id != key:
         log.warning("run_job for %s arrived with task id %s; the key is what counts", key, self.request.id)
     rt = runtime()
+    if _replacing.is_set():  # a job this process would start now would only be handed back
+        raise HandedBack("this worker process is being replaced", requeue=True)
     try:
         with core.store_errors():  # every driver error, wherever it is raised, is a StoreError here
             outcome = rt.runner.run(key)
@@ -93,15 +98,57 @@ def _finish(self: Any, rt: Runtime, key: str, outcome: RunOutcome) -> str:
 #: moment it waits, the work it ends itself to stop may still act.
 END_PROCESS_FLUSH_SECONDS = 0.5
 
+#: The exit status of a worker process that asks to be replaced (``keel up`` starts it again).
+EX_SOFTWARE = os.EX_SOFTWARE
 
-def end_process(key: str) -> NoReturn:
-    """End this worker process at once (status 70), its outcome recorded: job ``key``'s handler left a thread running
-    that nothing can stop (a tool past its timeout). The worker replaces the process; the redelivered message is
-    suppressed as a duplicate."""
-    log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
+#: How long a threads worker being replaced gives the jobs it runs to finish before it hands the rest back.
+REPLACE_GRACE_SECONDS = 10.0
+
+_replacing = threading.Event()
+
+
+def end_process(key: str) -> None:
+    """Replace this worker process: job ``key`` left work running past its limit that nothing can stop, as much as
+    the process may carry (KEEL_WORKER_STUCK_LIMIT; one job for prefork and solo)."""
+    rt = runtime()
+    if rt.settings.worker_pool != "threads":
+        log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
+        _exit_now()
+    if _replacing.is_set():
+        return
+    _replacing.set()
+    log.warning(
+        "job %s: this worker process carries %d threads past their limits (KEEL_WORKER_STUCK_LIMIT): it takes no"
+        " more jobs, gives its %d running ones %gs to finish, hands back the rest, and exits with status %d to be"
+        " replaced",
+        key,
+        STUCK.count(),
+        rt.runner.leases.held(),
+        REPLACE_GRACE_SECONDS,
+        EX_SOFTWARE,
+    )
+    worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown: no more messages, the running ones finish
+    threading.Thread(target=_hand_back_then_exit, args=(rt,), name="keel-replace", daemon=True).start()
+
+
+def _hand_back_then_exit(rt: Runtime) -> NoReturn:
+    deadline = time.monotonic() + REPLACE_GRACE_SECONDS
+    while rt.runner.leases.held() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        given = rt.runner.leases.hand_back()
+    except Exception:  # the database is away: their leases expire, and the dispatcher recovers them
+        log.exception("could not hand back the jobs this process runs; they are recovered once their leases expire")
+    else:
+        if given:
+            log.warning("handed back %d running jobs to be run again elsewhere: %s", len(given), ", ".join(given))
+    _exit_now()
+
+
+def _exit_now() -> NoReturn:
     flush_tracing(END_PROCESS_FLUSH_SECONDS)
     logging.shutdown()
-    os._exit(70)
+    os._exit(EX_SOFTWARE)
 
 
 @task_revoked.connect  # type: ignore[untyped-decorator]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
@@ -35,7 +36,9 @@ class Runtime:
 def _runtime(pid: int) -> Runtime:
     # Keyed by pid: a forked pool child must not share its parent's connections.
     settings = Settings()
-    db = Database.from_settings(settings, pool_size=settings.db_pool_size_worker)
+    # Exactly its size, no burst above it: the jobs of a threads worker borrow a connection in turn, and a burst of
+    # connections opened and closed again costs the server a process each.
+    db = Database.from_settings(settings, pool_size=settings.db_pool_size_worker, max_overflow=0)
     register_settings(settings)  # again: opening the database may have generated the development audit key
     # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
     registry: Registry = load(["agents.runtime.loop", *settings.imports])
@@ -52,9 +55,25 @@ def _runtime(pid: int) -> Runtime:
         run_limits=settings.run_limits,
         default_run_limit=settings.run_limit_seconds,
         outage=outage,
+        # A threads worker carries some stuck work and runs on; a process that runs one job at a time ends with it.
+        stuck_limit=settings.worker_stuck_limit if settings.worker_pool == "threads" else 1,
     )
     return Runtime(settings, db, runner, outage, broker)
 
 
+_lock = threading.Lock()
+
+
+def _new_lock() -> None:
+    global _lock
+    _lock = threading.Lock()  # a fork copies a lock as it was: held, if a thread of the parent held it then
+
+
+os.register_at_fork(after_in_child=_new_lock)
+
+
 def runtime() -> Runtime:
-    return _runtime(os.getpid())
+    """This process's runtime, built once: the first jobs of a threads worker arrive at once, and each would
+    otherwise build a pool, a lease keeper and handler threads of its own."""
+    with _lock:
+        return _runtime(os.getpid())

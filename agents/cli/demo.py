@@ -58,7 +58,11 @@ def demo(migrate: bool) -> None:
     help=f"The beat's /metrics port (default KEEL_BEAT_METRICS_PORT, else {BEAT_METRICS_PORT}).",
 )
 @click.option("--no-metrics", is_flag=True, help="Serve no /metrics (the API's, the worker's and the beat's).")
-@click.option("--concurrency", default=2, show_default=True, type=click.IntRange(1, 256))
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 5000),
+    help="Jobs in flight in the worker (default KEEL_WORKER_CONCURRENCY: 200 threads).",
+)
 @click.option("--migrate", is_flag=True, help=MIGRATE_HELP)
 @click.option(
     "--give-up-after",
@@ -86,7 +90,7 @@ def up(
     worker_metrics_port: int | None,
     beat_metrics_port: int | None,
     no_metrics: bool,
-    concurrency: int,
+    concurrency: int | None,
     migrate: bool,
     give_up_after: int,
     stop_timeout: int,
@@ -148,8 +152,9 @@ def up(
     if migrated is not None:
         say(migrated)
     keel = [sys.executable, "-m", "agents"]
+    worker_args = ["-c", str(concurrency)] if concurrency is not None else []  # else KEEL_WORKER_CONCURRENCY's
     children = [
-        Child("worker", [*keel, "worker", "-c", str(concurrency)], ready_line=lambda line: " ready." in line),
+        Child("worker", [*keel, "worker", *worker_args], ready_line=lambda line: " ready." in line, replaceable=True),
         Child("beat", [*keel, "beat"], ready_line=lambda line: "beat: Starting" in line),
     ]
     if not no_api:
@@ -183,6 +188,8 @@ def up(
                 with ServerWatch(servers, every=1.0, wake=supervisor.wake) as watch:
                     while supervisor.received is None:
                         if (culprit := supervisor.first_exited()) is not None:
+                            if supervisor.replaced(culprit):
+                                continue
                             failure = f"{culprit.why_exited()}; stopped the rest"
                             break
                         if (down := watch.given_up) is not None:

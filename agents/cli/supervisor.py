@@ -75,6 +75,10 @@ def _end_when_orphaned(parent: int, grace: float = ORPHAN_GRACE_SECONDS) -> None
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: The exit status of a child that asks to be started again (a worker carrying too many threads past their limits).
+REPLACE_ME = os.EX_SOFTWARE
+
+
 class StartFailed(KeelError):
     """A child exited, or did not show it was ready in time, while the stack started."""
 
@@ -128,6 +132,8 @@ class Child:
     ready_line: Callable[[str], bool] | None
     probe: Callable[[], bool] | None = None
     quit_as: signal.Signals = signal.SIGQUIT
+    #: Started again when it exits with :data:`REPLACE_ME` (a worker), instead of stopping the stack.
+    replaceable: bool = False
     proc: subprocess.Popen[bytes] | None = None
     relay: threading.Thread | None = None
     saw_ready_line: threading.Event = field(default_factory=threading.Event)
@@ -191,16 +197,29 @@ class Supervisor:
 
     def start(self) -> None:
         for child in self.children:
-            child.proc = subprocess.Popen(
-                child.argv,
-                env=supervised_env(self.env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: the terminal's signals reach only us
-            )
-            child.relay = threading.Thread(target=self._relay, args=(child,), daemon=True, name=f"relay-{child.name}")
-            child.relay.start()
+            self._start(child)
+
+    def _start(self, child: Child) -> None:
+        child.proc = subprocess.Popen(
+            child.argv,
+            env=supervised_env(self.env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the terminal's signals reach only us
+        )
+        child.relay = threading.Thread(target=self._relay, args=(child,), daemon=True, name=f"relay-{child.name}")
+        child.relay.start()
+
+    def replace(self, child: Child) -> None:
+        """Start ``child`` again: it exited asking to be replaced (:data:`REPLACE_ME`). What is left of its group
+        (threads past their limits are gone with it) is killed first."""
+        assert child.proc is not None
+        _signal_group(child.proc.pid, signal.SIGKILL)
+        if child.relay is not None:
+            child.relay.join(timeout=2)
+        child.saw_ready_line.clear()
+        self._start(child)
 
     def _relay(self, child: Child) -> None:
         """Copy the child's output to ours, prefixed with its name, and watch it for the ready line. Keeps reading
@@ -235,6 +254,15 @@ class Supervisor:
 
     def first_exited(self) -> Child | None:
         return next((child for child in self.children if child.exited), None)
+
+    def replaced(self, child: Child) -> bool:
+        """Start ``child`` again if it exited asking for it; False if it exited otherwise."""
+        assert child.proc is not None
+        if child.proc.returncode != REPLACE_ME or not child.replaceable:
+            return False
+        say(f"keel up: {child.name} exited to be replaced (status {REPLACE_ME}); starting it again")
+        self.replace(child)
+        return True
 
     def stop(self) -> None:
         """Send each child's group its stop signal, wait up to ``stop_timeout`` for all, then SIGKILL the groups

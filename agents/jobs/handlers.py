@@ -17,10 +17,48 @@ from uuid import UUID
 from pydantic import BaseModel, ValidationError
 
 from agents.core.commands import JobSpec, Join, MessageSpec, Usage
-from agents.core.errors import InvalidInput, UnknownOperation
+from agents.core.errors import FencedOff, InvalidInput, UnknownOperation
 from agents.core.phases import Event
 from models.db import Database
 from models.jobs_sql import checkpoint
+
+
+class FencedDatabase:
+    """The database as a job's handler sees it (``ctx.db``): once the job is lost to this run (its run limit passed,
+    its lease taken over, its agent stopped), every new connection, transaction or session is refused with
+    :class:`~agents.core.errors.FencedOff`, so a handler left running cannot act through Keel afterwards."""
+
+    def __init__(self, db: Database, key: str, lost: threading.Event) -> None:
+        self._db = db
+        self._key = key
+        self._lost = lost
+
+    def _open(self) -> Database:
+        if self._lost.is_set():
+            raise FencedOff(self._key)
+        return self._db
+
+    def connection(self) -> Any:
+        return self._open().connection()
+
+    def transaction(self) -> Any:
+        return self._open().transaction()
+
+    def autocommit(self) -> Any:
+        return self._open().autocommit()
+
+    def reading(self, **kwargs: Any) -> Any:
+        return self._open().reading(**kwargs)
+
+    def session(self, **kwargs: Any) -> Any:
+        return self._open().session(**kwargs)
+
+    @property
+    def engine(self) -> Any:
+        return self._open().engine
+
+    def __getattr__(self, name: str) -> Any:  # its URL, audit keys and the like: read, not a way in
+        return getattr(self._db, name)
 
 
 @dataclass(frozen=True, slots=True)

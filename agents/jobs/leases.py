@@ -1,5 +1,5 @@
-"""The lease keeper: one thread per worker process renews the leases of the jobs running in it, so a live step is
-never recovered and run twice, and a step whose lease was taken over learns it."""
+"""The lease keeper: one thread per worker process renews the leases of every job running in it, in one statement,
+so a live step is never recovered and run twice, and a step whose lease was taken over learns it."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ import sqlalchemy.exc
 
 from agents.core.outage import Outage, is_outage
 from models.db import Database
-from models.jobs_sql import extend_lease
+from models.jobs_sql import extend_leases, hand_back
 
 log = logging.getLogger("keel.runner")  # part of running a job: the runner's logger
 
 
 class LeaseKeeper:
-    """One thread per process renews the leases of the jobs running in it, every third of the lease; a job whose
-    lease was taken over (or cancelled) gets its ``lost`` flag set and is dropped."""
+    """One thread per process renews the leases of the jobs running in it, every third of the lease, with one
+    statement for all of them; a job whose lease was taken over (or cancelled) gets its ``lost`` flag set and is
+    dropped."""
 
     def __init__(self, db: Database, lease: timedelta, outage: Outage | None = None) -> None:
         self.db = db
@@ -47,6 +48,22 @@ class LeaseKeeper:
             with self._lock:
                 self._held.pop((key, token), None)
 
+    def held(self) -> int:
+        """How many jobs this process runs now."""
+        with self._lock:
+            return len(self._held)
+
+    def hand_back(self) -> list[str]:
+        """Fence off every job this process runs (their ``lost`` set: their database refused) and give them back to
+        be run again elsewhere, not counted as failures (:func:`models.jobs_sql.hand_back`): the process is being
+        replaced. The keys given back."""
+        with self._lock:
+            held = dict(self._held)
+            self._held.clear()
+        for lost, _ in held.values():
+            lost.set()
+        return hand_back(self.db, list(held))
+
     def _renew_forever(self) -> None:
         interval = self.lease.total_seconds() / 3
         # After a failed renewal (the database restarting) try again every second, not a third of a lease later:
@@ -55,27 +72,30 @@ class LeaseKeeper:
         wait = interval
         while True:
             time.sleep(wait)
-            with self._lock:
-                held = list(self._held.items())
-            wait = interval
-            for (key, token), (lost, context) in held:
-                # In the job's context: a line about its lease carries the job's request, agent and key.
-                if not context.run(self._renew, key, token, lost, retry):
-                    wait = retry
+            wait = interval if self._renew_all(retry) else retry
 
-    def _renew(self, key: str, token: int, lost: threading.Event, retry: float) -> bool:
-        """Renew one job's lease; False if the database could not be asked (try again in ``retry`` seconds)."""
+    def _renew_all(self, retry: float) -> bool:
+        """Renew every lease held; False if the database could not be asked (try again in ``retry`` seconds)."""
+        with self._lock:
+            held = dict(self._held)
+        if not held:
+            return True
         try:
-            renewed = extend_lease(self.db, key, token, self.lease)
+            renewed = extend_leases(self.db, list(held), self.lease)
         except (psycopg.Error, sqlalchemy.exc.SQLAlchemyError) as exc:
             if not is_outage(exc):
-                log.warning("job %s: lease renewal failed; retrying in %.1fs", key, retry, exc_info=True)
+                log.warning("%d leases: renewal failed; retrying in %.1fs", len(held), retry, exc_info=True)
             else:  # one line per outage, not one per second (the retry does not back off: see above)
                 self.outage.failed(exc)
             return False
         self.outage.recovered()
-        if not renewed:
-            lost.set()
+        for pair, (lost, context) in held.items():
+            if pair in renewed:
+                continue
             with self._lock:
-                self._held.pop((key, token), None)
+                if self._held.pop(pair, None) is None:
+                    continue  # its run ended meanwhile: it wrote its outcome, nothing was lost
+            # In the job's context: the line about its lease carries the job's request, agent and key.
+            context.run(log.info, "job %s: its lease was taken over or its job was ended; this run stops", pair[0])
+            lost.set()
         return True

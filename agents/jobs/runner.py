@@ -12,7 +12,7 @@ from contextvars import copy_context
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 from agents.core import transition as core
 from agents.core.commands import ACCEPTED, Command, JobOutcome, Usage, check_json_text
@@ -31,8 +31,8 @@ from agents.core.observe import observe
 from agents.core.outage import Outage, is_outage
 from agents.core.phases import RESTING, Event, Phase
 from agents.core.policies import ErrorClass, GiveUp, RetryRule, decide_retry, over_budget, past
-from agents.jobs.handler_threads import HandlerThreads
-from agents.jobs.handlers import JobContext, JobResult, Registry
+from agents.jobs.handler_threads import STUCK, HandlerThreads, StuckWork
+from agents.jobs.handlers import FencedDatabase, JobContext, JobResult, Registry
 from agents.jobs.leases import LeaseKeeper
 from models.db import Database
 from models.dispatch_sql import Due
@@ -62,7 +62,8 @@ class RunOutcome:
     status: str  # succeeded, retrying, dead, failed, cancelled, suppressed, fenced, missing
     detail: str = ""
     to_publish: tuple[Due, ...] = ()
-    #: The handler left work running that it could not stop: the caller must end this process now.
+    #: Work past its limit that nothing can stop still runs in this process, as much as it may hold
+    #: (``stuck_limit``): the caller must replace this process.
     end_process: bool = False
     #: The agent the job belongs to, once its claim found it (for the caller's lines about the job).
     agent_id: str | None = None
@@ -114,6 +115,8 @@ class Runner:
         run_limits: Mapping[str, float] | None = None,
         default_run_limit: float = 900.0,
         outage: Outage | None = None,
+        stuck_limit: int = 1,
+        stuck: StuckWork = STUCK,
     ) -> None:
         self.db = db
         self.registry = registry
@@ -124,7 +127,11 @@ class Runner:
         # What this process knows of the database being away (shared with whatever else it runs: the relay).
         self.outage = outage or Outage("database", log)
         self.leases = LeaseKeeper(db, lease, self.outage)
-        self.threads = HandlerThreads()
+        self.stuck = stuck
+        self.threads = HandlerThreads(stuck)
+        # How much stuck work this process may carry before it is replaced: 1 where a process runs one job (prefork,
+        # solo: ending it ends the work), KEEL_WORKER_STUCK_LIMIT where it runs hundreds (threads).
+        self.stuck_limit = stuck_limit
         self.run_limits = dict(run_limits or {})
         self.default_run_limit = default_run_limit
 
@@ -198,8 +205,8 @@ class Runner:
                 failure = _Failure(ErrorClass.INVALID, message, spend or Usage(), None)
                 # Staged: whoever takes the outcome out of the job charges its spend (a sweep may, meanwhile).
                 outcome = self._fail(job, failure, staged=spend is not None)
-        if abandoned.is_set():
-            # Work the handler could not stop still runs on a thread of this process: the process must end.
+        if abandoned.is_set() and self.stuck.count() >= self.stuck_limit:
+            # Work that nothing can stop still runs on threads of this process, as much as it may hold: replace it.
             return replace(outcome, end_process=True)
         return outcome
 
@@ -334,7 +341,8 @@ class Runner:
             payload=job.payload,
             attempt=job.attempts,
             fencing_token=job.fencing_token,
-            db=self.db,
+            # Refused once ``lost`` is set: a handler left running past its limit cannot act through Keel.
+            db=cast(Database, FencedDatabase(self.db, job.key, lost)),
             lost=lost,
             checkpointed=job.checkpoint,
             abandoned=abandoned,
@@ -359,11 +367,11 @@ class Runner:
         # In this context: the handler's model and tool calls belong to this job's run (its span, its log context).
         finished = self.threads.run(f"keel-job-{job.operation}", copy_context(), call, limit)
         if not finished or not box:
-            lost.set()  # a cooperative handler stops; one that does not is ended with this process
+            lost.set()  # a cooperative handler stops; one that does not is fenced off (and counted as stuck)
             abandoned.set()
             message = (
-                f"ran past its run limit of {limit:g}s (KEEL_RUN_LIMITS); the attempt was ended with its process,"
-                " its outcome is unknown"
+                f"ran past its run limit of {limit:g}s (KEEL_RUN_LIMITS); the attempt was fenced off, its outcome is"
+                " unknown"
             )
             log.warning("job %s: %s", job.key, message)
             return _Failure(ErrorClass.UNKNOWN, message, Usage(), None), None

@@ -26,6 +26,7 @@ from agents.core.keys import derive, split_key
 from agents.core.observe import observe
 from agents.core.phases import Event
 from agents.core.transition import STAGED_SPEND
+from agents.jobs.handler_threads import STUCK
 from agents.jobs.handlers import JobContext, JobResult, handler
 from agents.runtime.inference import (
     OpenAICompatible,
@@ -295,9 +296,10 @@ def run_tool(ctx: JobContext) -> JobResult:
         try:
             output = future.result(timeout=tool.timeout)
         except FutureTimeout:
-            # It may have had its effect, so it never runs again. Its thread cannot be stopped: the worker ends this
-            # process once the outcome is recorded, so nothing it does later can land.
+            # It may have had its effect, so it never runs again. Its thread cannot be stopped: what it returns is
+            # dropped, the database refuses it (ctx.db), and it counts as this process's stuck work.
             op.outcome = "timeout"
+            STUCK.add(lambda: not future.done())
             ctx.abandoned.set()
             return said(f"error: {tool.name} did not finish within {tool.timeout:g}s; its outcome is unknown")
         except InvalidInput as exc:

@@ -105,9 +105,10 @@ def test_journal_follow_prints_every_new_event_once(stack: Stack, tmp_path: Path
     stack.worker()
     stack.beat()
     errors = stack.logs / "follower.err"
+    # As a terminal starts it: Ctrl-C is not ignored (a shell's background job would have it ignored, inherited).
     with open(errors, "w") as err, subprocess.Popen(
         [KEEL, "journal", "--follow", "--json"], env=stack.env, stdout=subprocess.PIPE, stderr=err, text=True,
-        cwd=stack.logs,
+        cwd=stack.logs, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as follower:  # fmt: skip
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(follower.stdout or ()), daemon=True)
@@ -125,7 +126,12 @@ def test_journal_follow_prints_every_new_event_once(stack: Stack, tmp_path: Path
             wait_until("the follower to print every event", lambda: len(lines) >= len(expected), 60)
         finally:
             follower.send_signal(signal.SIGINT)
-            follower.wait(timeout=30)
+            try:
+                follower.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # killed, or leaving the block would wait for it (and its pipe) forever
+                follower.kill()
+                follower.wait()
+                raise AssertionError("keel journal --follow did not stop on Ctrl-C within 30 s") from None
             reader.join(timeout=10)
     got = [(e["agent_id"], e["seq"]) for e in map(json.loads, lines)]
     assert sorted(got) == sorted(expected) and len(got) == len(set(got))

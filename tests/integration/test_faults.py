@@ -286,13 +286,13 @@ def test_a_failed_lease_renewal_is_retried_within_a_second(db: Database, monkeyp
 
     calls: list[float] = []
 
-    def flaky_extend(*args: Any) -> bool:
+    def flaky_extend(*args: Any) -> set[tuple[str, int]]:
         calls.append(time.monotonic())
         if len(calls) == 1:
             raise psycopg.OperationalError("the database is restarting")
-        return True
+        return {("k", 1)}
 
-    monkeypatch.setattr(leases, "extend_lease", flaky_extend)
+    monkeypatch.setattr(leases, "extend_leases", flaky_extend)
     keeper = LeaseKeeper(db, timedelta(seconds=9))  # renewed every 3 s while all is well
     with keeper.hold("k", 1, threading.Event()):
         deadline = time.monotonic() + 8

@@ -101,6 +101,15 @@ def slow(ctx: JobContext) -> JobResult:
     return JobResult(event=Event.FINISH)
 
 
+@handler("nap")
+def nap(ctx: JobContext) -> JobResult:
+    """Waits ``seconds`` (the request input) as a model call would, between a start and a finish record."""
+    record(ctx, "start")
+    time.sleep(float((ctx.payload.get("input") or {}).get("seconds", 1)))
+    record(ctx, "finish")
+    return JobResult(event=Event.FINISH)
+
+
 @handler("flaky")
 def flaky(ctx: JobContext) -> JobResult:
     """Fails transiently (spending 10 tokens each time) until attempt ``succeed_on``; never if it is 0."""

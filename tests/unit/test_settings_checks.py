@@ -52,6 +52,10 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ({"KEEL_LLM_PROVIDER": "openai"}, "KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai"),
         ({"KEEL_DB_POOL_SIZE": "0"}, "KEEL_DB_POOL_SIZE: Input should be greater than or equal to 1"),
         ({"KEEL_DB_POOL_SIZE_WORKER": "0"}, "KEEL_DB_POOL_SIZE_WORKER: Input should be greater than or equal to 1"),
+        ({"KEEL_WORKER_POOL": "gevent"}, "KEEL_WORKER_POOL: Input should be 'threads', 'prefork' or 'solo'"),
+        ({"KEEL_WORKER_CONCURRENCY": "0"}, "KEEL_WORKER_CONCURRENCY: Input should be greater than or equal to 1"),
+        ({"KEEL_OPERATION_QUEUES": '{"summarise": "keel.jobs"}'}, "summarise: 'keel.jobs' is one of Keel's own queues"),
+        ({"KEEL_OPERATION_QUEUES": '{"summarise": "a b"}'}, "summarise: 'a b' is not a queue name"),
         (
             {"KEEL_DATABASE_POOLER": "transaction"},
             "KEEL_DATABASE_DIRECT_URL: required with KEEL_DATABASE_POOLER=transaction",

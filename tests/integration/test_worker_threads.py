@@ -1,0 +1,153 @@
+"""Many jobs in one process (the threads pool): one lease statement for all of them, a run limit that ends one job
+(its thread fenced off) and not its neighbours, and the process replaced only once its stuck work reaches the limit,
+its other jobs handed back uncounted."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from agents.client import Client
+from agents.core.errors import FencedOff
+from agents.core.phases import Event
+from agents.core.policies import DEFAULT_RULES
+from agents.jobs import leases
+from agents.jobs.handler_threads import StuckWork
+from agents.jobs.handlers import JobContext, JobResult, Registry, registry
+from agents.jobs.leases import LeaseKeeper
+from agents.jobs.runner import Runner
+from models.db import Database
+from models.jobs_sql import ClaimedJob, checkpoint, claim, extend_leases, hand_back, job_row
+from tests.support.db import expire_lease
+from tests.support.keys import scoped
+
+pytestmark = pytest.mark.integration
+
+for _operation in ("hang", "work"):
+    registry.declare(_operation)
+
+
+def claimed(client: Client, db: Database, request: str, operation: str = "work") -> ClaimedJob:
+    agent = client.create_agent(f"a-{request}")
+    client.submit(agent.id, request, None, operation=operation)
+    job = claim(db, scoped(agent.id, f"{request}:{operation}:1"), "w", timedelta(seconds=30))
+    assert isinstance(job, ClaimedJob)
+    return job
+
+
+def test_one_statement_renews_every_lease_and_names_the_ones_lost(client: Client, db: Database) -> None:
+    jobs = [claimed(client, db, f"r{n}") for n in range(3)]
+    held = [(job.key, job.fencing_token) for job in jobs]
+    assert extend_leases(db, held, timedelta(seconds=30)) == set(held)
+    expire_lease(db, jobs[1].key)  # its worker looks dead: another takes it over
+    assert isinstance(claim(db, jobs[1].key, "other", timedelta(seconds=30)), ClaimedJob)
+    assert extend_leases(db, held, timedelta(seconds=30)) == {held[0], held[2]}
+
+
+def test_the_lease_keeper_renews_all_its_jobs_in_one_call_per_round(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs = [claimed(client, db, f"r{n}") for n in range(3)]
+    rounds: list[int] = []
+    real = leases.extend_leases
+
+    def counted(db: Database, held: list[tuple[str, int]], lease: timedelta) -> set[tuple[str, int]]:
+        rounds.append(len(held))
+        return real(db, held, lease)
+
+    monkeypatch.setattr(leases, "extend_leases", counted)
+    expire_lease(db, jobs[2].key)
+    assert isinstance(claim(db, jobs[2].key, "other", timedelta(seconds=30)), ClaimedJob)
+    keeper = LeaseKeeper(db, timedelta(seconds=0.6))  # a round every 0.2 s
+    lost = [threading.Event() for _ in jobs]
+    with keeper.hold(jobs[0].key, jobs[0].fencing_token, lost[0]):
+        with keeper.hold(jobs[1].key, jobs[1].fencing_token, lost[1]):
+            with keeper.hold(jobs[2].key, jobs[2].fencing_token, lost[2]):
+                assert lost[2].wait(5), "the job taken over was never told"
+                while len(rounds) < 3:
+                    threading.Event().wait(0.05)
+    assert rounds[0] == 3 and set(rounds[1:]) <= {2}, f"one call per round with every lease held: {rounds}"
+    assert not lost[0].is_set() and not lost[1].is_set()
+
+
+def hanging(gate: threading.Event, seen: list[str]) -> Any:
+    def hang(ctx: JobContext) -> JobResult:
+        gate.wait(10)
+        # Past its run limit: everything it tries through Keel is refused.
+        for name, attempt in (
+            ("transaction", lambda: ctx.db.transaction().__enter__()),
+            ("checkpoint", lambda: ctx.checkpoint({"late": True})),
+        ):
+            try:
+                attempt()
+            except FencedOff:
+                seen.append(f"{name} refused")
+            else:
+                seen.append(f"{name} ran")
+        return JobResult(event=Event.FINISH)
+
+    return hang
+
+
+def threads_runner(db: Database, stuck: StuckWork, handlers: dict[str, Any], *, stuck_limit: int) -> Runner:
+    own = Registry()
+    for name, fn in handlers.items():
+        own.register(name, fn)
+    return Runner(
+        db,
+        own,
+        worker="threads",
+        lease=timedelta(seconds=30),
+        rules=DEFAULT_RULES,
+        run_limits={"hang": 0.5},
+        stuck_limit=stuck_limit,
+        stuck=stuck,
+    )
+
+
+def test_a_handler_past_its_run_limit_is_fenced_off_and_the_process_runs_on(client: Client, db: Database) -> None:
+    gate, seen, stuck = threading.Event(), [], StuckWork()
+    runner = threads_runner(db, stuck, {"hang": hanging(gate, seen)}, stuck_limit=3)
+    agent = client.create_agent("hung")
+    client.submit(agent.id, "r1", None, operation="hang")
+    key = scoped(agent.id, "r1:hang:1")
+    outcome = runner.run(key)
+    assert (outcome.status, outcome.end_process) == ("retrying", False), "one job ended, not its process"
+    row = job_row(db, key)
+    assert row is not None and row["error_attempts"] == {"unknown": 1} and "run limit of 0.5s" in row["last_error"]
+    assert stuck.count() == 1
+    gate.set()  # the stuck handler wakes up and tries to act
+    for _ in range(100):
+        if len(seen) == 2:
+            break
+        threading.Event().wait(0.05)
+    assert seen == ["transaction refused", "checkpoint refused"]
+    assert stuck.count() == 0, "a stuck thread that ends is no longer counted"
+    row = job_row(db, key)
+    assert row is not None and row["status"] == "pending" and row["result"] is None
+
+
+def test_the_process_is_replaced_once_its_stuck_work_reaches_the_limit(client: Client, db: Database) -> None:
+    gate, seen, stuck = threading.Event(), [], StuckWork()
+    runner = threads_runner(db, stuck, {"hang": hanging(gate, seen)}, stuck_limit=2)
+    ends = []
+    for request in ("r1", "r2"):
+        agent = client.create_agent(f"hung-{request}")
+        client.submit(agent.id, request, None, operation="hang")
+        ends.append(runner.run(scoped(agent.id, f"{request}:hang:1")).end_process)
+    gate.set()
+    assert ends == [False, True]
+
+
+def test_a_job_handed_back_is_pending_uncounted_and_its_old_run_is_refused(client: Client, db: Database) -> None:
+    job = claimed(client, db, "r1")
+    assert hand_back(db, [(job.key, job.fencing_token)]) == [job.key]
+    row = job_row(db, job.key)
+    assert row is not None and (row["status"], row["error_attempts"], row["lease_until"]) == ("pending", {}, None)
+    assert not checkpoint(db, job.key, job.fencing_token, {"late": True}), "the old run writes nothing"
+    again = claim(db, job.key, "w2", timedelta(seconds=30))
+    assert isinstance(again, ClaimedJob) and again.error_attempts == {} and again.attempts == 2
+    assert hand_back(db, [(job.key, job.fencing_token)]) == [], "a stale token hands nothing back"

@@ -1,0 +1,30 @@
+"""What a worker runs by default, and where a job is published: Keel's queues, or its operation's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.dispatch_sql import Due
+from models.settings import Settings
+from tasks.app import make_app, queue_of
+
+
+def test_a_worker_keeps_two_hundred_steps_in_flight_in_one_process_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("KEEL_WORKER_POOL", "KEEL_WORKER_CONCURRENCY"):
+        monkeypatch.delenv(name, raising=False)
+    settings = Settings()
+    assert (settings.worker_pool, settings.worker_slots, settings.db_pool_size_worker) == ("threads", 200, 20)
+    assert Settings(worker_pool="prefork").worker_slots >= 1
+    assert Settings(worker_pool="prefork", worker_concurrency=3).worker_slots == 3
+
+
+#: A broker named, so that reading the app's configuration starts no embedded Redis (nothing is sent).
+BROKER = "redis://127.0.0.1:1/0"
+
+
+def test_every_publish_routes_an_operation_to_its_own_queue() -> None:
+    celery = make_app(Settings(broker_url=BROKER, operation_queues={"summarise": "keel.cpu"}))
+    assert queue_of(Due("a~r1:summarise:1", "keel.jobs", False), celery) == "keel.cpu"
+    assert queue_of(Due("a~r1:summarise:1", "keel.jobs.low", False), celery) == "keel.cpu"
+    assert queue_of(Due("a~r1:plan:1", "keel.jobs.low", False), celery) == "keel.jobs.low"
+    assert queue_of(Due("a~r1:plan:1", "keel.jobs", False), make_app(Settings(broker_url=BROKER))) == "keel.jobs"
