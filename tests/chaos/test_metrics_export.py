@@ -66,7 +66,7 @@ def test_an_api_with_two_processes_answers_for_both(db: Database, db_url: str, b
 
 def test_a_prefork_worker_exports_both_childrens_job_runs_in_one_scrape(stack: Stack, client: Client) -> None:
     worker_port, beat_port = free_port(), free_port()
-    stack.worker("w1", concurrency=2, KEEL_WORKER_METRICS_PORT=str(worker_port))
+    stack.worker("w1", concurrency=2, KEEL_WORKER_METRICS_PORT=str(worker_port), KEEL_WORKER_POOL="prefork")
     stack.beat(KEEL_BEAT_METRICS_PORT=str(beat_port))
     keys = []
     for i in range(2):

@@ -123,8 +123,9 @@ def collector() -> Iterator[Collector]:
     running.server.server_close()
 
 
-def test_one_trace_follows_a_request_across_the_api_the_worker_children_and_the_relay(
-    stack: Stack, db: Database, db_url: str, broker: Broker, tmp_path: Path, collector: Collector
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_one_trace_follows_a_request_across_the_api_the_worker_and_the_relay(
+    stack: Stack, db: Database, db_url: str, broker: Broker, tmp_path: Path, collector: Collector, pool: str
 ) -> None:
     slack = FakeSlack(token=SLACK_TOKEN).start()
     assert isinstance(slack, FakeSlack)
@@ -136,7 +137,7 @@ def test_one_trace_follows_a_request_across_the_api_the_worker_children_and_the_
             "KEEL_SLACK_API_URL": f"{slack.url}/api/",
         }
         stack.env.update(traced)
-        stack.worker("w1", concurrency=2)  # prefork: each child sets up its own exporter
+        stack.worker("w1", concurrency=2, KEEL_WORKER_POOL=pool)  # prefork: each child sets up its own exporter
         stack.beat()
         with running_api(db, db_url, broker, tmp_path, env=traced) as api, api.http(api.token("producer")) as http:
             agent = http.post("/v1/agents", json={"name": "traced"}).json()
@@ -171,8 +172,8 @@ def test_one_trace_follows_a_request_across_the_api_the_worker_children_and_the_
     for span in spans:
         if span is not http_span:
             assert span.parent_id in by_id, f"{span.name}: its parent is not in the trace"
-    # Each process role exported its own part: the API its request and submit, worker children (not the parent,
-    # which runs no task) the runs and the send.
+    # Each process role exported its own part: the API its request and submit, the worker the runs and the send
+    # (in prefork its children: the parent runs no task).
     assert {s.service for s in spans} == {"keel-api", "keel-worker"}
     assert {s.service for s in spans if s.name.startswith(("HTTP ", "keel.transition submit"))} == {"keel-api"}
     (send,) = (s for s in spans if s.name == "keel.outbox_send slack")
@@ -180,7 +181,10 @@ def test_one_trace_follows_a_request_across_the_api_the_worker_children_and_the_
         UUID(agent["id"]), "req-x:slack:tool.slack_post:1.call_0_0@post"
     )
     worker_pids = {s.instance.rsplit(":", 1)[1] for s in spans if s.service == "keel-worker"}
-    assert str(stack.procs["w1"].pid) not in worker_pids
+    if pool == "prefork":
+        assert str(stack.procs["w1"].pid) not in worker_pids
+    else:
+        assert worker_pids == {str(stack.procs["w1"].pid)}
     # The trace stored with the rows is this one.
     stored = stack.query("SELECT traceparent FROM jobs UNION ALL SELECT traceparent FROM outbox")
     assert stored and all(row[0].split("-")[1] == TRACE_ID for row in stored)

@@ -58,7 +58,7 @@ pytestmark = pytest.mark.integration
         (("submit", "ops", "r1", "--input", PROMPT, "--wait", "--timeout", "inf"), "'--timeout': inf is not in"),
         (("wait", "ops"), "agent 'ops' has had no request yet: nothing to wait for"),
         (("flower", "--port", "99999999999"), "'--port': 99999999999 is not in the range 1<=x<=65535"),
-        (("up", "--concurrency", str(2**63)), "'--concurrency': 9223372036854775808 is not in the range 1<=x<=256"),
+        (("up", "--concurrency", str(2**63)), "'--concurrency': 9223372036854775808 is not in the range 1<=x<=5000"),
         (("up", "--give-up-after", "99999999999"), "'--give-up-after': 99999999999 is not in the range"),
         (("up", "--stop-timeout", "-1"), "'--stop-timeout': -1 is not in the range 0<=x<=3600"),
         (("db", "downgrade", "nosuchrev"), "cannot downgrade to 'nosuchrev': no migration has this revision (known"),
