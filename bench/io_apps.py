@@ -37,12 +37,23 @@ def _redis(pid: int) -> redis.Redis:
     return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(BROKER, max_connections=64, timeout=60))
 
 
+#: Tries of a call to the slow server: a keep-alive connection it closed as the call went out is tried again, as
+#: every system's model client would.
+TRIES = 3
+
+
 def wait(seconds: float, url: str | None) -> None:
     """The step's wait: a real HTTP call to the slow server when ``url`` is given, else a sleep."""
-    if url:
-        _http(os.getpid()).get(url, params={"s": seconds}).raise_for_status()
-    else:
+    if not url:
         time.sleep(seconds)
+        return
+    for attempt in range(TRIES):
+        try:
+            _http(os.getpid()).get(url, params={"s": seconds}).raise_for_status()
+            return
+        except httpx.TransportError:
+            if attempt == TRIES - 1:
+                raise
 
 
 def record_done() -> None:
@@ -67,12 +78,18 @@ def procrastinate_app() -> Any:
 
     @app.task(name="bench_wait")  # type: ignore[untyped-decorator]
     async def bench_wait_task(seconds: float, url: str | None) -> None:
-        if url:
+        if not url:
+            await asyncio.sleep(seconds)
+        else:
             if not client:
                 client.append(httpx.AsyncClient(limits=HTTP_LIMITS, timeout=60))
-            (await client[0].get(url, params={"s": seconds})).raise_for_status()
-        else:
-            await asyncio.sleep(seconds)
+            for attempt in range(TRIES):
+                try:
+                    (await client[0].get(url, params={"s": seconds})).raise_for_status()
+                    break
+                except httpx.TransportError:
+                    if attempt == TRIES - 1:
+                        raise
         await asyncio.to_thread(record_done)
 
     return app
@@ -97,7 +114,7 @@ def enqueue_procrastinate(n: int, seconds: float, url: str | None) -> None:
 
 
 def dbos_main(what: str, concurrency: int) -> None:
-    from dbos import DBOS, Queue
+    from dbos import DBOS
 
     DBOS(config={"name": "keel-bench-io", "system_database_url": DATABASE, "log_level": "WARNING"})
 
@@ -110,11 +127,11 @@ def dbos_main(what: str, concurrency: int) -> None:
         step(seconds, url)
         record_done()
 
-    Queue("bench_io", worker_concurrency=concurrency)
     DBOS.launch()
     if what == "setup":
         DBOS.destroy()
         return
+    DBOS.register_queue("bench_io", worker_concurrency=concurrency)
     while True:
         time.sleep(3600)
 
@@ -146,7 +163,15 @@ async def slow_server(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def serve(port: int) -> None:
     import uvicorn
 
-    uvicorn.run(slow_server, host="127.0.0.1", port=port, log_level="warning", backlog=4096, access_log=False)
+    uvicorn.run(
+        slow_server,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        backlog=4096,
+        access_log=False,
+        timeout_keep_alive=300,  # a client's idle connection is not closed under it between runs
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import psycopg
 
+import bench.io_apps  # noqa: F401 - registers bench_wait here too: submits are checked against it
 from agents.client import Client
 from bench.peers import BIN, OUT, Peers, missing_peers, processes, wait_for
 from models.db import Database
@@ -48,6 +49,8 @@ reads the PostgreSQL server's processes from /proc, so run it on the database's 
 """
 
 SYSTEMS = ("keel", "celery", "procrastinate", "dbos")
+#: The benchmark's own connection to a run's database (counting completions): not one of the worker's.
+POLLER = "keel-bench-poll"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +139,9 @@ class Sampler:
         connections = 0
         if self.database:
             row = conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'",
-                (self.database,),
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'"
+                " AND application_name <> %s",
+                (self.database, POLLER),
             ).fetchone()
             connections = int(row[0]) if row else 0
         return Sample(time.time(), cpu, self.postgres.cpu(), rss, connections)
@@ -287,7 +291,7 @@ class KeelDone:
     """Keel's completions: its jobs' ``finished_at``."""
 
     def __init__(self, url: str) -> None:
-        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        self.conn = psycopg.connect(libpq_url(url), autocommit=True, application_name=POLLER)
 
     def count(self) -> int:
         row = self.conn.execute("SELECT count(*) FROM jobs WHERE status = 'succeeded'").fetchone()
