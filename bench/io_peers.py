@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s in systems:
                     if s != "keel":
                         o = table[s]
-                        pg = f", PG CPU {keel.pg_cpu_ms / o.pg_cpu_ms:.2f}x" if o.pg_cpu_ms > 0.01 else ""
+                        # (bare Celery has no database: its PostgreSQL figure is the server's idle hum)
+                        pg = f", PG CPU {keel.pg_cpu_ms / o.pg_cpu_ms:.2f}x" if s != "celery" else ""
                         OUT.line(
                             f"  keel / {s:<14} jobs/s {keel.rate / o.rate:.2f}x,"
                             f" worker CPU {keel.worker_cpu_ms / o.worker_cpu_ms:.2f}x{pg}"
