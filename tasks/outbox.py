@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
 
 from celery import shared_task
@@ -11,15 +10,19 @@ from celery import shared_task
 from agents.core.outage import unreachable
 from agents.outbox.relay import Relay
 from tasks.app import RELAY_OUTBOX
-from tasks.runtime import runtime
+from tasks.runtime import PerProcess, runtime
 
 log = logging.getLogger("keel.tasks")
 
 
 @cache
-def _relay(pid: int) -> Relay:
+def _build_relay(pid: int) -> Relay:
     rt = runtime()
     return Relay.from_settings(rt.db, rt.settings)
+
+
+#: This process's relay (passes may run at once on the threads of one worker: they share it).
+_relay = PerProcess(_build_relay)
 
 
 @shared_task(name=RELAY_OUTBOX)  # type: ignore[untyped-decorator]
@@ -30,7 +33,7 @@ def relay_outbox() -> dict[str, int]:
         # KEEL_OUTBOX_INTERVAL_SECONDS) rather than fail it with a traceback.
         return {"sent": 0, "reconciled": 0, "retried": 0, "dead": 0}
     try:
-        report = _relay(os.getpid()).run_pass()
+        report = _relay().run_pass()
     except Exception as exc:
         if not unreachable(exc):
             raise

@@ -6,9 +6,11 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
+from typing import Generic, TypeVar
 
 from agents.core.outage import Outage
 from agents.core.policies import rules_with
@@ -61,19 +63,25 @@ def _runtime(pid: int) -> Runtime:
     return Runtime(settings, db, runner, outage, broker)
 
 
-_lock = threading.Lock()
+T = TypeVar("T")
 
 
-def _new_lock() -> None:
-    global _lock
-    _lock = threading.Lock()  # a fork copies a lock as it was: held, if a thread of the parent held it then
+class PerProcess(Generic[T]):
+    """What ``build()`` makes, once per process (a forked pool child builds its own), however many threads ask at
+    once: the first jobs of a threads worker arrive together, and each would otherwise build a pool of its own."""
+
+    def __init__(self, build: Callable[[int], T]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()  # a fork copies a lock as it was: held, if a thread of the parent held it then
+
+    def __call__(self) -> T:
+        with self._lock:
+            return self._build(os.getpid())
 
 
-os.register_at_fork(after_in_child=_new_lock)
-
-
-def runtime() -> Runtime:
-    """This process's runtime, built once: the first jobs of a threads worker arrive at once, and each would
-    otherwise build a pool, a lease keeper and handler threads of its own."""
-    with _lock:
-        return _runtime(os.getpid())
+#: This process's runtime.
+runtime = PerProcess(_runtime)

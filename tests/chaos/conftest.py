@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -77,6 +78,9 @@ class Stack:
                 "KEEL_IMPORTS": json.dumps(["tests.support.handlers"]),
                 "PYTHONPATH": str(ROOT),
                 "FLOWER_UNAUTHENTICATED_API": "true",
+                # The pool the workers run in: the default (threads), or KEEL_TEST_WORKER_POOL=prefork to run the
+                # whole chaos suite against prefork. A test that needs one pool names it when it starts a worker.
+                "KEEL_WORKER_POOL": os.environ.get("KEEL_TEST_WORKER_POOL", "threads"),
             }
         )
         with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as conn:

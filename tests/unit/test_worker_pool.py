@@ -1,12 +1,19 @@
-"""What a worker runs by default, and where a job is published: Keel's queues, or its operation's own."""
+"""What a worker runs by default, where a job is published (Keel's queues, or its operation's own), and what a
+worker process builds once."""
 
 from __future__ import annotations
+
+import functools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from models.dispatch_sql import Due
 from models.settings import Settings
 from tasks.app import make_app, queue_of
+from tasks.runtime import PerProcess
 
 
 def test_a_worker_keeps_two_hundred_steps_in_flight_in_one_process_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,3 +35,22 @@ def test_every_publish_routes_an_operation_to_its_own_queue() -> None:
     assert queue_of(Due("a~r1:summarise:1", "keel.jobs.low", False), celery) == "keel.cpu"
     assert queue_of(Due("a~r1:plan:1", "keel.jobs.low", False), celery) == "keel.jobs.low"
     assert queue_of(Due("a~r1:plan:1", "keel.jobs", False), make_app(Settings(broker_url=BROKER))) == "keel.jobs"
+
+
+def test_what_a_process_holds_is_built_once_however_many_threads_ask_at_once() -> None:
+    built: list[int] = []
+
+    def build(pid: int) -> int:
+        time.sleep(0.05)  # long enough for every thread to ask before the first build is done
+        built.append(pid)
+        return len(built)
+
+    held = PerProcess(functools.cache(build))
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        got = list(pool.map(lambda _: held(), range(50)))
+    assert got == [1] * 50 and built == [os.getpid()]
+    child = os.fork()
+    if child == 0:  # a forked child builds its own (its parent's pool is not its to use)
+        os._exit(0 if held() == 2 and built[-1] == os.getpid() else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
