@@ -119,3 +119,30 @@ def test_the_api_counts_as_ready_only_when_readyz_answers_200() -> None:
         server.shutdown()
         server.server_close()
     assert not api_ready(url), "nothing listens"
+
+
+def test_a_worker_that_exits_to_be_replaced_is_started_again_and_any_other_exit_stops_the_stack(
+    tmp_path: Path,
+) -> None:
+    starts = tmp_path / "starts"
+    # Exits 70 (asking to be replaced) the first time, then runs until stopped.
+    code = (
+        "import os, sys, time, pathlib\n"
+        f"p = pathlib.Path({str(starts)!r}); n = len(p.read_text()) if p.exists() else 0\n"
+        "p.write_text('x' * (n + 1)); print('ready.', flush=True)\n"
+        "sys.exit(70) if n == 0 else time.sleep(60)\n"
+    )
+    worker = Child("worker", [sys.executable, "-c", code], ready_line=lambda line: "ready." in line, replaceable=True)
+    beat = Child("beat", [sys.executable, "-c", "raise SystemExit(70)"], ready_line=None)
+    supervisor = Supervisor([worker, beat], dict(os.environ), stop_timeout=5)
+    try:
+        supervisor.start()
+        assert worker.proc is not None and worker.proc.wait(10) == 70
+        assert supervisor.replaced(worker), "the worker is started again"
+        assert worker.saw_ready_line.wait(10), "the new worker process showed it was ready"
+        assert worker.proc.poll() is None
+        assert beat.proc is not None and beat.proc.wait(10) == 70
+        assert not supervisor.replaced(beat), "only a child that may be replaced is"
+    finally:
+        supervisor.stop()
+    assert starts.read_text() == "xx"
