@@ -339,7 +339,7 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     checks = Checks()
     try:
         with out.task("starting a worker, a beat and the HTTP API"):
-            stack.start("worker-1", "worker", "-c", "2", "-n", f"demo1-{run}@%h")
+            stack.start("worker-1", "worker", "-n", f"demo1-{run}@%h")  # as it starts by default
             stack.start("beat", "beat")
             api_url = stack.start_api()
             stack.wait_ready("worker-1")
@@ -409,7 +409,7 @@ def _drive_until_rest(
         if not killed and running:
             stack.kill("worker-1")
             out.line(f"  SIGKILL the worker while {running} tool call(s) run; starting a new one")
-            stack.start("worker-2", "worker", "-c", "2", "-n", f"demo2-{run}@%h")
+            stack.start("worker-2", "worker", "-n", f"demo2-{run}@%h")
             stack.wait_ready("worker-2")
             killed = True
             continue
