@@ -119,6 +119,16 @@ class Database:
         pool_timeout_seconds: float = 30.0,
         max_overflow: int | None = None,
     ) -> None:
+        # As given, for :meth:`sibling`.
+        self._given: dict[str, Any] = {
+            "statement_timeout_ms": statement_timeout_ms,
+            "connect_timeout_seconds": connect_timeout_seconds,
+            "audit_keys": audit_keys,
+            "pooler": pooler,
+            "direct_url": direct_url,
+            "keepalives": keepalives,
+            "pool_timeout_seconds": pool_timeout_seconds,
+        }
         self.url = sqlalchemy_url(url)
         self.direct_url = sqlalchemy_url(direct_url) if direct_url is not None else self.url
         self.pooler = pooler
@@ -172,6 +182,11 @@ class Database:
             keepalives=Keepalives.from_settings(settings),
             max_overflow=max_overflow,
         )
+
+    def sibling(self, pool_size: int) -> Database:
+        """The same database with a pool of its own of exactly ``pool_size`` connections, for what must never wait
+        behind the others for one (a worker's lease keeper, behind its 200 jobs)."""
+        return Database(self.url, pool_size=pool_size, max_overflow=0, **self._given)
 
     @property
     def libpq_url(self) -> str:

@@ -251,38 +251,24 @@ def extend_lease(db: Database, key: str, token: int, lease: timedelta) -> bool:
 
 def extend_leases(db: Database, held: Sequence[tuple[str, int]], lease: timedelta) -> set[tuple[str, int]]:
     """Heartbeat for every job a process runs, in one statement: push each lease out; the ``(key, token)`` pairs
-    still held (a job missing from the answer was taken over, cancelled or finished)."""
+    still held (a job missing from the answer was taken over, cancelled or finished). Rows are locked in key order
+    and a row another transaction holds is skipped, not waited for (it is still held: renewed next round), so a
+    renewal neither deadlocks with a transition nor waits behind one."""
     if not held:
         return set()
     keys, tokens = [key for key, _ in held], [token for _, token in held]
     with db.autocommit() as cur:
         cur.execute(
-            "UPDATE jobs j SET lease_until = clock_timestamp() + %s"
-            " FROM unnest(%s::text[], %s::bigint[]) AS h(key, token)"
-            " WHERE j.key = h.key AND j.fencing_token = h.token AND j.status = 'running'"
-            " RETURNING j.key, j.fencing_token",
-            (lease, keys, tokens),
+            "WITH h AS (SELECT * FROM unnest(%s::text[], %s::bigint[]) AS h(key, token)),"
+            " l AS (SELECT j.key FROM jobs j JOIN h ON j.key = h.key AND j.fencing_token = h.token"
+            "  WHERE j.status = 'running' ORDER BY j.key FOR UPDATE OF j SKIP LOCKED),"
+            " u AS (UPDATE jobs j SET lease_until = clock_timestamp() + %s FROM l WHERE j.key = l.key RETURNING j.key)"
+            " SELECT h.key, h.token FROM h WHERE EXISTS (SELECT 1 FROM u WHERE u.key = h.key)"
+            " OR EXISTS (SELECT 1 FROM jobs j WHERE j.key = h.key AND j.fencing_token = h.token"
+            "  AND j.status = 'running')",
+            (keys, tokens, lease),
         )
         return {(str(key), int(token)) for key, token in cur.fetchall()}
-
-
-def hand_back(db: Database, held: Sequence[tuple[str, int]]) -> list[str]:
-    """Give back jobs this process claimed but will not finish (it is being replaced): pending again, due now, not
-    counted as a failure (a late write of this run is refused: it needs the job running); the dispatcher
-    publishes them on its next pass. The keys handed back."""
-    if not held:
-        return []
-    keys, tokens = [key for key, _ in held], [token for _, token in held]
-    with db.autocommit() as cur:
-        cur.execute(
-            "UPDATE jobs j SET status = 'pending', lease_until = NULL, enqueued_at = NULL,"
-            " run_at = LEAST(j.run_at, clock_timestamp()),"
-            " updated_at = clock_timestamp()"
-            " FROM unnest(%s::text[], %s::bigint[]) AS h(key, token)"
-            " WHERE j.key = h.key AND j.fencing_token = h.token AND j.status = 'running' RETURNING j.key",
-            (keys, tokens),
-        )
-        return [str(key) for (key,) in cur.fetchall()]
 
 
 def finish_txn(cur: psycopg.Cursor[Any], params: tuple[Any, ...]) -> bool:

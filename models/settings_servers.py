@@ -52,8 +52,9 @@ class ServerFields(BaseModel):
     # Connections per process (README "Connection budget"): each pool keeps up to its size open and opens as many
     # again in a burst. KEEL_DB_POOL_SIZE is the API's (and any process not named below).
     db_pool_size: int = Field(default=10, ge=1, le=200)
-    # Each worker process (a prefork child): at most this many connections, however many jobs it runs.
-    db_pool_size_worker: int = Field(default=20, ge=1, le=200)
+    # Each worker process (a prefork child): at most this many connections, however many jobs it runs (one of them
+    # its lease keeper's own).
+    db_pool_size_worker: int = Field(default=20, ge=2, le=200)
     # The beat's, besides its lease connection: dispatch, its 3 passes, verify, ship and prune threads.
     db_pool_size_beat: int = Field(default=4, ge=1, le=200)
     db_pool_size_cli: int = Field(default=2, ge=1, le=200)

@@ -44,9 +44,20 @@ def run_job(self: Any, key: str) -> str:
     """Run job ``key`` once. Duplicate deliveries are suppressed by the claim, not by Celery."""
     if self.request.id != key:
         log.warning("run_job for %s arrived with task id %s; the key is what counts", key, self.request.id)
-    rt = runtime()
-    if _replacing.is_set():  # a job this process would start now would only be handed back
+    global _running
+    if _replacing.is_set():  # this process is being replaced: the message goes back for another worker
         raise HandedBack("this worker process is being replaced", requeue=True)
+    with _running_lock:
+        _running += 1
+    try:
+        return _run_job(self, key)
+    finally:
+        with _running_lock:
+            _running -= 1
+
+
+def _run_job(self: Any, key: str) -> str:
+    rt = runtime()
     try:
         with core.store_errors():  # every driver error, wherever it is raised, is a StoreError here
             outcome = rt.runner.run(key)
@@ -101,10 +112,13 @@ END_PROCESS_FLUSH_SECONDS = 0.5
 #: The exit status of a worker process that asks to be replaced (``keel up`` starts it again).
 EX_SOFTWARE = os.EX_SOFTWARE
 
-#: How long a threads worker being replaced gives the jobs it runs to finish before it hands the rest back.
-REPLACE_GRACE_SECONDS = 10.0
-
 _replacing = threading.Event()
+#: run_job calls going on in this process, and their lock.
+_running = 0
+_running_lock = threading.Lock()
+#: Once the last job of a process being replaced has ended, how long Celery gets to acknowledge its messages and
+#: exit by itself before the process ends itself.
+EXIT_GRACE_SECONDS = 5.0
 
 
 def end_process(key: str) -> None:
@@ -119,29 +133,28 @@ def end_process(key: str) -> None:
     _replacing.set()
     log.warning(
         "job %s: this worker process carries %d threads past their limits (KEEL_WORKER_STUCK_LIMIT): it takes no"
-        " more jobs, gives its %d running ones %gs to finish, hands back the rest, and exits with status %d to be"
+        " more jobs, lets its %d running ones finish (each within its run limit), and exits with status %d to be"
         " replaced",
         key,
         STUCK.count(),
         rt.runner.leases.held(),
-        REPLACE_GRACE_SECONDS,
         EX_SOFTWARE,
     )
-    worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown: no more messages, the running ones finish
-    threading.Thread(target=_hand_back_then_exit, args=(rt,), name="keel-replace", daemon=True).start()
+    # Celery's warm shutdown: no more messages (those it holds go back to the broker), the running jobs finish, and
+    # the worker exits with this status. Nothing is handed back mid-step: a step cut off would run (and pay) again.
+    worker_state.should_stop = EX_SOFTWARE
+    threading.Thread(target=_exit_once_done, name="keel-replace", daemon=True).start()
 
 
-def _hand_back_then_exit(rt: Runtime) -> NoReturn:
-    deadline = time.monotonic() + REPLACE_GRACE_SECONDS
-    while rt.runner.leases.held() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
-        given = rt.runner.leases.hand_back()
-    except Exception:  # the database is away: their leases expire, and the dispatcher recovers them
-        log.exception("could not hand back the jobs this process runs; they are recovered once their leases expire")
-    else:
-        if given:
-            log.warning("handed back %d running jobs to be run again elsewhere: %s", len(given), ", ".join(given))
+def _exit_once_done() -> NoReturn:
+    """The safety net of a replacement: once no job runs here, Celery has a few seconds to exit by itself."""
+    while True:
+        with _running_lock:
+            if _running == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(EXIT_GRACE_SECONDS)
+    log.warning("exiting with status %d to be replaced (Celery had not exited by itself)", EX_SOFTWARE)
     _exit_now()
 
 

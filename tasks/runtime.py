@@ -39,8 +39,10 @@ def _runtime(pid: int) -> Runtime:
     # Keyed by pid: a forked pool child must not share its parent's connections.
     settings = Settings()
     # Exactly its size, no burst above it: the jobs of a threads worker borrow a connection in turn, and a burst of
-    # connections opened and closed again costs the server a process each.
-    db = Database.from_settings(settings, pool_size=settings.db_pool_size_worker, max_overflow=0)
+    # connections opened and closed again costs the server a process each. One of KEEL_DB_POOL_SIZE_WORKER is the
+    # lease keeper's own (Runner).
+    size = max(1, settings.db_pool_size_worker - 1)
+    db = Database.from_settings(settings, pool_size=size, max_overflow=0)
     register_settings(settings)  # again: opening the database may have generated the development audit key
     # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
     registry: Registry = load(["agents.runtime.loop", *settings.imports])

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from importlib.metadata import entry_points
@@ -26,36 +27,49 @@ from models.jobs_sql import checkpoint
 class FencedDatabase:
     """The database as a job's handler sees it (``ctx.db``): once the job is lost to this run (its run limit passed,
     its lease taken over, its agent stopped), every new connection, transaction or session is refused with
-    :class:`~agents.core.errors.FencedOff`, so a handler left running cannot act through Keel afterwards."""
+    :class:`~agents.core.errors.FencedOff` (checked again once the connection is had, which may take a while, and
+    before a transaction commits: it then rolls back), so a handler left running cannot act through Keel afterwards."""
 
     def __init__(self, db: Database, key: str, lost: threading.Event) -> None:
         self._db = db
         self._key = key
         self._lost = lost
 
-    def _open(self) -> Database:
+    def _check(self) -> None:
         if self._lost.is_set():
             raise FencedOff(self._key)
-        return self._db
+
+    @contextmanager
+    def _fenced(self, opened: Any) -> Iterator[Any]:
+        self._check()
+        with opened as handle:
+            self._check()
+            yield handle
 
     def connection(self) -> Any:
-        return self._open().connection()
+        return self._fenced(self._db.connection())
 
-    def transaction(self) -> Any:
-        return self._open().transaction()
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        self._check()
+        with self._db.transaction() as cur:
+            self._check()
+            yield cur
+            self._check()  # raising here rolls the transaction back
 
     def autocommit(self) -> Any:
-        return self._open().autocommit()
+        return self._fenced(self._db.autocommit())
 
     def reading(self, **kwargs: Any) -> Any:
-        return self._open().reading(**kwargs)
+        return self._fenced(self._db.reading(**kwargs))
 
     def session(self, **kwargs: Any) -> Any:
-        return self._open().session(**kwargs)
+        return self._fenced(self._db.session(**kwargs))
 
     @property
     def engine(self) -> Any:
-        return self._open().engine
+        self._check()
+        return self._db.engine
 
     def __getattr__(self, name: str) -> Any:  # its URL, audit keys and the like: read, not a way in
         return getattr(self._db, name)

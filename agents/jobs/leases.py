@@ -16,7 +16,7 @@ import sqlalchemy.exc
 
 from agents.core.outage import Outage, is_outage
 from models.db import Database
-from models.jobs_sql import extend_leases, hand_back
+from models.jobs_sql import extend_leases
 
 log = logging.getLogger("keel.runner")  # part of running a job: the runner's logger
 
@@ -34,6 +34,7 @@ class LeaseKeeper:
         self._held: dict[tuple[str, int], tuple[threading.Event, contextvars.Context]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._renewed_at = time.monotonic()  # the last round that reached the database
 
     @contextmanager
     def hold(self, key: str, token: int, lost: threading.Event) -> Iterator[None]:
@@ -53,16 +54,14 @@ class LeaseKeeper:
         with self._lock:
             return len(self._held)
 
-    def hand_back(self) -> list[str]:
-        """Fence off every job this process runs (their ``lost`` set: their database refused) and give them back to
-        be run again elsewhere, not counted as failures (:func:`models.jobs_sql.hand_back`): the process is being
-        replaced. The keys given back."""
-        with self._lock:
-            held = dict(self._held)
-            self._held.clear()
-        for lost, _ in held.values():
+    def _give_up(self, held: dict[tuple[str, int], tuple[threading.Event, contextvars.Context]]) -> None:
+        """No renewal reached the database for a whole lease: another worker may have taken these jobs over, so
+        their runs stop here (what they write is refused: ``lost``)."""
+        for pair, (lost, context) in held.items():
+            with self._lock:
+                self._held.pop(pair, None)
+            context.run(log.warning, "job %s: its lease went unrenewed for a whole lease; this run stops", pair[0])
             lost.set()
-        return hand_back(self.db, list(held))
 
     def _renew_forever(self) -> None:
         interval = self.lease.total_seconds() / 3
@@ -87,7 +86,10 @@ class LeaseKeeper:
                 log.warning("%d leases: renewal failed; retrying in %.1fs", len(held), retry, exc_info=True)
             else:  # one line per outage, not one per second (the retry does not back off: see above)
                 self.outage.failed(exc)
+            if time.monotonic() - self._renewed_at > self.lease.total_seconds():
+                self._give_up(held)
             return False
+        self._renewed_at = time.monotonic()
         self.outage.recovered()
         for pair, (lost, context) in held.items():
             if pair in renewed:

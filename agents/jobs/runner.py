@@ -126,7 +126,8 @@ class Runner:
         self.publish_due = publish_due  # the caller publishes next jobs right after commit
         # What this process knows of the database being away (shared with whatever else it runs: the relay).
         self.outage = outage or Outage("database", log)
-        self.leases = LeaseKeeper(db, lease, self.outage)
+        # On a connection of its own: a renewal waiting behind the jobs for one of theirs could let every lease run out.
+        self.leases = LeaseKeeper(db.sibling(1), lease, self.outage)
         self.stuck = stuck
         self.threads = HandlerThreads(stuck)
         # How much stuck work this process may carry before it is replaced: 1 where a process runs one job (prefork,

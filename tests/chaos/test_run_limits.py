@@ -1,7 +1,7 @@
 """Run limits and connections in a real worker: in the threads pool (the default) a hung handler or tool ends its own
 job, fenced off, while the process and its other jobs run on; a process is replaced only once its stuck threads
-reach KEEL_WORKER_STUCK_LIMIT, its other jobs handed back; in prefork the process that hung is replaced at once. And
-200 jobs in flight in one process hold at most 20 database connections."""
+reach KEEL_WORKER_STUCK_LIMIT, and only after its other jobs have finished; in prefork the process that hung is
+replaced at once. And 200 jobs in flight in one process hold at most 20 database connections."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_in_prefork_a_hung_handler_and_a_stalled_tool_end_with_their_process(sta
     assert worker.poll() is None and not (pids & children), "the worker lives on; the processes that hung are gone"
 
 
-def test_a_threads_worker_at_its_stuck_limit_hands_back_its_jobs_and_exits_to_be_replaced(
+def test_a_threads_worker_at_its_stuck_limit_lets_its_jobs_finish_and_exits_to_be_replaced(
     stack: Stack, client: Client
 ) -> None:
     limited(stack, KEEL_WORKER_STUCK_LIMIT="1")  # (the replacement below may carry more)
@@ -116,17 +116,21 @@ def test_a_threads_worker_at_its_stuck_limit_hands_back_its_jobs_and_exits_to_be
     hung = client.create_agent("hung")
     client.submit(hung.id, "req-hang", None, operation="hang")
 
-    # Its one stuck thread is as many as it may carry: it stops, gives the neighbour 10 s, then hands it back.
-    wait_until("the worker to exit", lambda: worker.poll() is not None, 40)
+    # Its one stuck thread is as many as it may carry: it takes no more jobs, and waits for the neighbour.
+    wait_until("the worker to stop taking jobs", lambda: "exits with status 70 to be replaced" in stack.log("w1"), 30)
+    later = client.create_agent("later")
+    client.submit(later.id, "req-l", {"seconds": 0}, operation="nap")
+    time.sleep(2)
+    assert worker.poll() is None, "the neighbour's step is not cut off"
+    assert scoped(later.id, "req-l:nap:1") not in executions(stack, "start"), "no new job starts here"
+    stack.release(block_key)
+    wait_until("the worker to exit", lambda: worker.poll() is not None, 30)
     assert worker.returncode == 70, stack.log("w1")[-2000:]
-    assert f"handed back 1 running jobs to be run again elsewhere: {block_key}" in stack.log("w1")
-    assert job(stack, block_key)["error_attempts"] == {}, "a job handed back is not counted as failed"
 
     stack.worker("w2", concurrency=4, KEEL_WORKER_STUCK_LIMIT="10")
-    wait_until("the neighbour to start again", lambda: executions(stack, "start").get(block_key) == 2, 30)
-    stack.release(block_key)
-    wait_until("the neighbour to finish", lambda: client.get_state(neighbour.id).phase == "done", 30)
-    assert executions(stack, "finish") == {block_key: 1}
+    wait_until("the later job to run on the new worker", lambda: client.get_state(later.id).phase == "done", 30)
+    assert client.get_state(neighbour.id).phase == "done"
+    assert executions(stack, "start")[block_key] == 1, "the neighbour ran once, to its end"
     assert job(stack, block_key)["error_attempts"] == {}
 
 

@@ -202,12 +202,14 @@ def test_a_job_past_its_hard_deadline_fails_the_agent_and_its_late_outcome_is_fe
     wait_until("the deadline to stop the agent", lambda: client.get_state(agent.id).phase == "failed", 30)
     assert statuses(stack)[key] == "cancelled"
     stopped_at = client.get_state(agent.id)
+    # Its lease keeper's next round finds the job ended: the run is told (``lost``), and what it writes is refused.
+    wait_until("the worker to learn its job was ended", lambda: "this run stops" in stack.log("w1"), 15)
     stack.release(key)
-    wait_until("the handler to finish late", lambda: executions(stack, "finish").get(key) == 1)
     wait_until(
         "the late outcome to be journaled as fenced off",
         lambda: stack.query("SELECT count(*) FROM audit.journal WHERE decision = 'fenced_off'") == [(1,)],
     )
+    assert key not in executions(stack, "finish"), "the handler's late write through ctx.db was refused"
     after = client.get_state(agent.id)
     assert (after.phase, after.revision) == ("failed", stopped_at.revision), "the late outcome changed the agent"
     assert statuses(stack)[key] == "cancelled"

@@ -1,13 +1,15 @@
 """Many jobs in one process (the threads pool): one lease statement for all of them, a run limit that ends one job
-(its thread fenced off) and not its neighbours, and the process replaced only once its stuck work reaches the limit,
-its other jobs handed back uncounted."""
+(its thread fenced off) and not its neighbours, and the process replaced only once its stuck work reaches the
+limit."""
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 
 from agents.client import Client
@@ -16,11 +18,11 @@ from agents.core.phases import Event
 from agents.core.policies import DEFAULT_RULES
 from agents.jobs import leases
 from agents.jobs.handler_threads import StuckWork
-from agents.jobs.handlers import JobContext, JobResult, Registry, registry
+from agents.jobs.handlers import FencedDatabase, JobContext, JobResult, Registry, registry
 from agents.jobs.leases import LeaseKeeper
 from agents.jobs.runner import Runner
 from models.db import Database
-from models.jobs_sql import ClaimedJob, checkpoint, claim, extend_leases, hand_back, job_row
+from models.jobs_sql import ClaimedJob, claim, extend_leases, job_row
 from tests.support.db import expire_lease
 from tests.support.keys import scoped
 
@@ -142,12 +144,34 @@ def test_the_process_is_replaced_once_its_stuck_work_reaches_the_limit(client: C
     assert ends == [False, True]
 
 
-def test_a_job_handed_back_is_pending_uncounted_and_its_old_run_is_refused(client: Client, db: Database) -> None:
-    job = claimed(client, db, "r1")
-    assert hand_back(db, [(job.key, job.fencing_token)]) == [job.key]
-    row = job_row(db, job.key)
-    assert row is not None and (row["status"], row["error_attempts"], row["lease_until"]) == ("pending", {}, None)
-    assert not checkpoint(db, job.key, job.fencing_token, {"late": True}), "the old run writes nothing"
-    again = claim(db, job.key, "w2", timedelta(seconds=30))
-    assert isinstance(again, ClaimedJob) and again.error_attempts == {} and again.attempts == 2
-    assert hand_back(db, [(job.key, job.fencing_token)]) == [], "a stale token hands nothing back"
+def test_a_renewal_skips_a_row_another_transaction_holds_and_still_counts_it_held(client: Client, db: Database) -> None:
+    jobs = [claimed(client, db, f"r{n}") for n in range(2)]
+    held = [(job.key, job.fencing_token) for job in jobs]
+
+    def leases() -> list[Any]:
+        with psycopg.connect(db.libpq_url) as conn:
+            sql = "SELECT lease_until FROM jobs WHERE key = ANY(%s) ORDER BY key = %s DESC"
+            return [row[0] for row in conn.execute(sql, ([job.key for job in jobs], jobs[0].key))]
+
+    before = leases()
+    with psycopg.connect(db.libpq_url) as other:  # a transition holding one job's row, as an outcome's does
+        other.execute("SELECT 1 FROM jobs WHERE key = %s FOR UPDATE", (jobs[0].key,))
+        started = time.monotonic()
+        assert extend_leases(db, held, timedelta(seconds=30)) == set(held), "both are still held"
+        assert time.monotonic() - started < 2, "the renewal waited for the other transaction"
+        other.rollback()
+    after = leases()
+    assert after[0] == before[0] and after[1] > before[1], "the locked row was skipped this round, the other renewed"
+
+
+def test_a_transaction_a_run_had_open_when_it_was_fenced_off_does_not_commit(db: Database) -> None:
+    lost = threading.Event()
+    fenced = FencedDatabase(db, "k", lost)
+    with pytest.raises(FencedOff), fenced.transaction() as cur:
+        cur.execute("CREATE TABLE fenced_probe (x int)")
+        lost.set()  # its run limit passed meanwhile
+    with db.transaction() as cur:
+        cur.execute("SELECT to_regclass('fenced_probe')")
+        assert cur.fetchone() == (None,), "what it wrote was rolled back"
+    with pytest.raises(FencedOff), fenced.connection():
+        pass

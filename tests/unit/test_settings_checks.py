@@ -51,7 +51,7 @@ SERVERS = {"KEEL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "KEEL_BR
         ({"KEEL_OUTBOX_LEASE_SECONDS": "10"}, "KEEL_OUTBOX_LEASE_SECONDS: must be at least 3 x"),
         ({"KEEL_LLM_PROVIDER": "openai"}, "KEEL_LLM_API_KEY: required when KEEL_LLM_PROVIDER=openai"),
         ({"KEEL_DB_POOL_SIZE": "0"}, "KEEL_DB_POOL_SIZE: Input should be greater than or equal to 1"),
-        ({"KEEL_DB_POOL_SIZE_WORKER": "0"}, "KEEL_DB_POOL_SIZE_WORKER: Input should be greater than or equal to 1"),
+        ({"KEEL_DB_POOL_SIZE_WORKER": "1"}, "KEEL_DB_POOL_SIZE_WORKER: Input should be greater than or equal to 2"),
         ({"KEEL_WORKER_POOL": "gevent"}, "KEEL_WORKER_POOL: Input should be 'threads', 'prefork' or 'solo'"),
         ({"KEEL_WORKER_CONCURRENCY": "0"}, "KEEL_WORKER_CONCURRENCY: Input should be greater than or equal to 1"),
         ({"KEEL_OPERATION_QUEUES": '{"summarise": "keel.jobs"}'}, "summarise: 'keel.jobs' is one of Keel's own queues"),
