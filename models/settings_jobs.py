@@ -29,7 +29,7 @@ class JobFields(BaseModel):
     # process per CPU.
     worker_concurrency: int | None = Field(default=None, ge=1, le=5000)
     # A threads worker whose handler or tool threads still running past their limits reach this many is replaced: it
-    # stops taking jobs, lets the others finish, and exits with status 70 (`keel up` starts it again).
+    # stops taking jobs, lets its running ones finish, and exits with status 70 (`keel up` starts it again).
     worker_stuck_limit: int = Field(default=10, ge=1, le=1000)
     # Operations whose jobs go to a queue of their own, e.g. {"summarise": "keel.cpu"}, for a worker that consumes it
     # (`keel worker -P prefork -Q keel.cpu`): CPU-heavy handlers. Every publish routes by it.

@@ -5,6 +5,7 @@ starts nothing (the embedded Redis starts only when needed).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import redis.exceptions
 from celery import Celery, concurrency
 from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.concurrency.solo import TaskPool as SoloPool
 from celery.signals import after_setup_logger, beat_init, worker_init, worker_process_init, worker_process_shutdown
 from kombu import Queue  # type: ignore[attr-defined]
 from kombu.exceptions import OperationalError as BrokerError
@@ -116,8 +118,20 @@ def _quiet_housekeeping(**_: Any) -> None:
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _trace_worker(sender: Any = None, **_: Any) -> None:
     pool = concurrency.get_implementation(getattr(sender, "pool_cls", None) or "prefork")
+    # The pool the jobs run in, as Celery started it (also `celery -A tasks.app worker`, whatever KEEL_WORKER_POOL
+    # says): how much stuck work a process may carry, and how it ends, follow from it (tasks/runtime.py).
+    os.environ["KEEL_WORKER_POOL"] = pool_name(pool)
     if not (isinstance(pool, type) and issubclass(pool, PreforkPool)):  # solo, threads: tasks run in this process
         configure_tracing(Settings(), WORKER)
+
+
+def pool_name(pool: Any) -> str:
+    """``prefork``, ``solo`` or ``threads`` (any other pool that runs many tasks in one process) for a pool class."""
+    if isinstance(pool, type) and issubclass(pool, PreforkPool):
+        return "prefork"
+    if isinstance(pool, type) and issubclass(pool, SoloPool):
+        return "solo"
+    return "threads"
 
 
 @worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]

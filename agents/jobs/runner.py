@@ -367,7 +367,10 @@ class Runner:
         limit = self.run_limit(job.operation)
         # In this context: the handler's model and tool calls belong to this job's run (its span, its log context).
         finished = self.threads.run(f"keel-job-{job.operation}", copy_context(), call, limit)
-        if not finished or not box:
+        if finished and not box:  # it raised past Exception (its thread logged it): no result, nothing left running
+            message = "the handler ended with an exception it did not catch (the worker's log has it)"
+            return _Failure(ErrorClass.UNKNOWN, message, Usage(), None), None
+        if not finished:
             lost.set()  # a cooperative handler stops; one that does not is fenced off (and counted as stuck)
             abandoned.set()
             message = (

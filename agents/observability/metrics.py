@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ class BoundedLabel:
         self.pattern = pattern
         self.limit = limit
         self.seen: set[str] = set()
+        self._lock = threading.Lock()
 
     def __call__(self, value: str | None) -> str:
         if value is None:
@@ -84,9 +86,10 @@ class BoundedLabel:
             return value if value in self.known else OTHER
         if value in self.seen:
             return value
-        if len(self.seen) >= self.limit or not self.pattern.fullmatch(value):
-            return OTHER
-        self.seen.add(value)
+        with self._lock:  # the jobs of a threads worker label at once: the limit holds across them
+            if len(self.seen) >= self.limit or not self.pattern.fullmatch(value):
+                return OTHER
+            self.seen.add(value)
         return value
 
 

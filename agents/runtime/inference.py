@@ -98,6 +98,7 @@ class OpenAICompatible:
         *,
         timeout: float = 60.0,
         prices: Mapping[str, Mapping[str, float]] | None = None,
+        connections: int = 1000,
     ) -> None:
         headers = {"Content-Type": "application/json"}
         if api_key:
@@ -105,7 +106,10 @@ class OpenAICompatible:
         self.model = model
         self.prices = prices or {}
         self.api_key = api_key
-        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
+        # One connection per call in flight (a worker keeps hundreds): httpx's default of 100 would queue the rest,
+        # and a call queued past the timeout would fail as if the endpoint had.
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers, limits=limits)
 
     def close(self) -> None:
         self.client.close()

@@ -7,6 +7,7 @@ loop: docs/explanation/runtime-outbox-and-workers.md#the-agent-loop).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -52,12 +53,26 @@ def _settings() -> Settings:
     return Settings()
 
 
-@cache
+_openai_lock = threading.Lock()
+
+
 def _openai() -> OpenAICompatible:
+    """The process's one client (its connection pool): made once, however many steps ask at once."""
+    with _openai_lock:
+        return _openai_client()
+
+
+@cache
+def _openai_client() -> OpenAICompatible:
     settings = _settings()
     key = settings.llm_api_key.get_secret_value() if settings.llm_api_key else None
     return OpenAICompatible(
-        settings.llm_base_url, settings.llm_model, key, timeout=settings.llm_timeout_seconds, prices=settings.llm_prices
+        settings.llm_base_url,
+        settings.llm_model,
+        key,
+        timeout=settings.llm_timeout_seconds,
+        prices=settings.llm_prices,
+        connections=settings.worker_slots,  # a call per step in flight, none waiting for a connection
     )
 
 

@@ -87,11 +87,11 @@ def openai(llm: RawLLM) -> Iterator[RawLLM]:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     runtime._settings.cache_clear()
-    runtime._openai.cache_clear()
+    runtime._openai_client.cache_clear()
     try:
         yield llm
     finally:
-        if runtime._openai.cache_info().currsize:
+        if runtime._openai_client.cache_info().currsize:
             runtime._openai().close()
         for k, v in old.items():
             if v is None:
@@ -99,7 +99,7 @@ def openai(llm: RawLLM) -> Iterator[RawLLM]:
             else:
                 os.environ[k] = v
         runtime._settings.cache_clear()
-        runtime._openai.cache_clear()
+        runtime._openai_client.cache_clear()
 
 
 def run_all(db: Database, limit: int = 30) -> list[str]:

@@ -396,7 +396,7 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     runtime._settings.cache_clear()
-    runtime._openai.cache_clear()
+    runtime._openai_client.cache_clear()
     try:
         first = claim(db, scoped(agent.id, "req-1:plan:1"), "w1", timedelta(seconds=30))
         assert first is not None and not isinstance(first, type(None))
@@ -413,7 +413,7 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
             ]
         run_all(db)
     finally:
-        if runtime._openai.cache_info().currsize:
+        if runtime._openai_client.cache_info().currsize:
             runtime._openai().close()
         for k, v in old.items():
             if v is None:
@@ -421,7 +421,7 @@ def test_a_checkpointed_reply_is_reused_not_paid_for_again(client: Client, db: D
             else:
                 os.environ[k] = v
         runtime._settings.cache_clear()
-        runtime._openai.cache_clear()
+        runtime._openai_client.cache_clear()
     assert sum(llm.completed.values()) == 1, "the model was called again"
     assert job_row(db, scoped(agent.id, "req-1:plan:1"))["result"]["answer"] == "stored answer"  # type: ignore[index]
     assert client.get_state(agent.id).spent_tokens == 60

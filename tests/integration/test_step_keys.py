@@ -59,11 +59,11 @@ def llm() -> Iterator[FakeLLM]:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     runtime._settings.cache_clear()
-    runtime._openai.cache_clear()
+    runtime._openai_client.cache_clear()
     try:
         yield fake
     finally:
-        if runtime._openai.cache_info().currsize:
+        if runtime._openai_client.cache_info().currsize:
             runtime._openai().close()
         for k, v in old.items():
             if v is None:
@@ -71,7 +71,7 @@ def llm() -> Iterator[FakeLLM]:
             else:
                 os.environ[k] = v
         runtime._settings.cache_clear()
-        runtime._openai.cache_clear()
+        runtime._openai_client.cache_clear()
         fake.stop()
 
 

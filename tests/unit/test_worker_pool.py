@@ -12,7 +12,7 @@ import pytest
 
 from models.dispatch_sql import Due
 from models.settings import Settings
-from tasks.app import make_app, queue_of
+from tasks.app import make_app, pool_name, queue_of
 from tasks.runtime import PerProcess
 
 
@@ -54,3 +54,13 @@ def test_what_a_process_holds_is_built_once_however_many_threads_ask_at_once() -
         os._exit(0 if held() == 2 and built[-1] == os.getpid() else 1)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_pool_a_worker_runs_in_is_read_from_celery() -> None:
+    from celery import concurrency
+
+    assert [pool_name(concurrency.get_implementation(n)) for n in ("prefork", "solo", "threads")] == [
+        "prefork",
+        "solo",
+        "threads",
+    ]
