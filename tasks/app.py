@@ -74,7 +74,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": settings.worker_prefetch_multiplier,
         # On warm shutdown, give running jobs time to finish before their messages go back to the queue.
         "worker_soft_shutdown_timeout": 10.0,
-        "worker_enable_soft_shutdown_on_idle": True,
+        # Not when idle: with no job running there is nothing to wait for (Keel puts no ETA message on the broker).
+        "worker_enable_soft_shutdown_on_idle": False,
         # A broker outage must not interrupt a running step (invariant 12): Celery would cancel every late-ack task
         # in flight when Redis drops, and each cancel counts as a lost run.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
@@ -115,8 +116,20 @@ def _quiet_housekeeping(**_: Any) -> None:
 # none: each child sets up its own provider after the fork (an export thread does not survive one).
 
 
+#: The worker this process runs (Celery's WorkController), once it has started: its exit status is kept on it.
+_worker: list[Any] = []
+
+
+def worker_exit_code() -> int:
+    """The status this process's worker stopped with (0 if none ran): Celery.start drops it, and ``keel worker``
+    exits with it (70 for a worker that stopped to be replaced, 1 for a failure)."""
+    code = getattr(_worker[-1], "exitcode", None) if _worker else None
+    return code if isinstance(code, int) else 0
+
+
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _trace_worker(sender: Any = None, **_: Any) -> None:
+    _worker.append(sender)
     pool = concurrency.get_implementation(getattr(sender, "pool_cls", None) or "prefork")
     # The pool the jobs run in, as Celery started it (also `celery -A tasks.app worker`, whatever KEEL_WORKER_POOL
     # says): how much stuck work a process may carry, and how it ends, follow from it (tasks/runtime.py).

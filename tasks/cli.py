@@ -145,7 +145,7 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     _redact_logs(settings)
     _structured_logs(settings, "worker")
     quiet = _json_from_the_start(settings, "worker")
-    from tasks.app import app
+    from tasks.app import app, worker_exit_code
 
     slots = str(settings.worker_slots)
     # Gossip (worker-to-worker events) is not needed: revokes travel as broadcasts, Flower reads task events. And
@@ -153,7 +153,8 @@ def worker(concurrency: int | None, queues: str, name: str, loglevel: str, pool:
     without = ["--without-mingle", "--without-gossip"]
     events = ["-E"] if settings.worker_task_events else []  # else Flower turns them on while it runs
     argv = ["worker", "-c", slots, "-Q", queues, "-n", name, "-l", loglevel, "-P", settings.worker_pool]
-    app.worker_main([*quiet, *argv, *events, *without])
+    app.start([*quiet, *argv, *events, *without])
+    sys.exit(worker_exit_code())  # Celery's own status, which Celery.start drops
 
 
 @click.command()

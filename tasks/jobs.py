@@ -13,7 +13,7 @@ import time
 from typing import Any, NoReturn
 
 from celery import shared_task
-from celery.signals import task_revoked
+from celery.signals import task_revoked, worker_shutdown
 from celery.utils.functional import maybe_list
 from celery.worker import control as celery_control
 from celery.worker import state as worker_state
@@ -144,6 +144,13 @@ def end_process(key: str) -> None:
     # the worker exits with this status. Nothing is handed back mid-step: a step cut off would run (and pay) again.
     worker_state.should_stop = EX_SOFTWARE
     threading.Thread(target=_exit_once_done, name="keel-replace", daemon=True).start()
+
+
+@worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+def _exit_to_be_replaced(sender: Any = None, **_: Any) -> None:
+    """A worker that stopped to be replaced exits with :data:`EX_SOFTWARE` (``keel up`` starts it again)."""
+    if _replacing.is_set() and sender is not None:
+        sender.exitcode = EX_SOFTWARE
 
 
 def _exit_once_done() -> NoReturn:
