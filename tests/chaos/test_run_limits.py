@@ -52,7 +52,7 @@ def test_in_the_threads_pool_a_hung_handler_and_a_stalled_tool_end_their_own_job
     stack: Stack, client: Client
 ) -> None:
     limited(stack)
-    worker = stack.worker("w1", concurrency=8)
+    worker = stack.worker("w1", concurrency=8, KEEL_WORKER_POOL="threads")
     stack.beat()
     neighbour = client.create_agent("neighbour")
     client.submit(neighbour.id, "req-n", None, operation="block")
@@ -107,7 +107,7 @@ def test_a_threads_worker_at_its_stuck_limit_lets_its_jobs_finish_and_exits_to_b
     stack: Stack, client: Client
 ) -> None:
     limited(stack, KEEL_WORKER_STUCK_LIMIT="1")  # (the replacement below may carry more)
-    worker = stack.worker("w1", concurrency=4)
+    worker = stack.worker("w1", concurrency=4, KEEL_WORKER_POOL="threads")
     stack.beat()
     neighbour = client.create_agent("neighbour")
     client.submit(neighbour.id, "req-n", None, operation="block")
@@ -127,7 +127,7 @@ def test_a_threads_worker_at_its_stuck_limit_lets_its_jobs_finish_and_exits_to_b
     wait_until("the worker to exit", lambda: worker.poll() is not None, 30)
     assert worker.returncode == 70, stack.log("w1")[-2000:]
 
-    stack.worker("w2", concurrency=4, KEEL_WORKER_STUCK_LIMIT="10")
+    stack.worker("w2", concurrency=4, KEEL_WORKER_STUCK_LIMIT="10", KEEL_WORKER_POOL="threads")
     wait_until("the later job to run on the new worker", lambda: client.get_state(later.id).phase == "done", 30)
     assert client.get_state(neighbour.id).phase == "done"
     assert executions(stack, "start")[block_key] == 1, "the neighbour ran once, to its end"
@@ -137,7 +137,7 @@ def test_a_threads_worker_at_its_stuck_limit_lets_its_jobs_finish_and_exits_to_b
 def test_two_hundred_jobs_in_flight_in_one_process_hold_at_most_twenty_connections(
     stack: Stack, client: Client, broker: Broker
 ) -> None:
-    stack.worker("w1", concurrency=200)
+    stack.worker("w1", concurrency=200, KEEL_WORKER_POOL="threads")
     celery = make_app(broker.settings())
     producer = Client(client.db, publisher=publisher(celery))  # published at submit: no beat, no connection of its
     agents = [producer.create_agent(f"napper-{n}") for n in range(200)]
@@ -166,7 +166,7 @@ def test_an_operation_routed_to_a_queue_of_its_own_runs_on_the_prefork_worker_th
     stack: Stack, client: Client
 ) -> None:
     stack.env["KEEL_OPERATION_QUEUES"] = json.dumps({"count": "keel.cpu"})
-    threads = stack.worker("threads", concurrency=4)
+    threads = stack.worker("threads", concurrency=4, KEEL_WORKER_POOL="threads")
     prefork = stack.worker("cpu", concurrency=1, queues="keel.cpu", KEEL_WORKER_POOL="prefork")
     stack.beat()
     routed, other = client.create_agent("routed"), client.create_agent("other")
