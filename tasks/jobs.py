@@ -124,10 +124,11 @@ EXIT_GRACE_SECONDS = 5.0
 def end_process(key: str) -> None:
     """Replace this worker process: job ``key`` left work running past its limit that nothing can stop, as much as
     the process may carry (KEEL_WORKER_STUCK_LIMIT; one job for prefork and solo)."""
-    rt = runtime()
-    if rt.settings.worker_pool != "threads":
+    # Set by the worker at its start (tasks/app.py), from the pool Celery runs; unset means the default, threads.
+    if os.environ.get("KEEL_WORKER_POOL", "threads") != "threads":
         log.warning("job %s: ending this worker process: work past its time limit is still running in it", key)
         _exit_now()
+    rt = runtime()
     if _replacing.is_set():
         return
     _replacing.set()

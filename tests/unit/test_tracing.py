@@ -198,7 +198,9 @@ def test_a_worker_process_that_ends_itself_does_not_wait_for_a_hung_collector(bl
         "print('ending', flush=True)\n"
         "end_process('r1:runaway:1')\n"
     )
+    # A prefork child, the process that ends itself at once (a threads worker lets its other jobs finish first).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KEEL_", "OTEL_"))} | HUNG_EXPORT
+    env["KEEL_WORKER_POOL"] = "prefork"
     started = time.monotonic()
     ended = subprocess.run(
         [sys.executable, "-c", script, blackhole], env=env, capture_output=True, text=True, timeout=120
