@@ -39,11 +39,13 @@ bench-scans:
 bench-scale:
 	$(PY) -m bench.scale
 
-# Installs the peers (the bench extra) first: procrastinate and DBOS Transact.
+# Installs the peers (the bench extra) first: procrastinate and DBOS Transact. Prints every figure docs/benchmarks.md
+# sets a target for: the no-op backlog and the burst, the I/O workload and 1,000 in flight, the producer commands.
 bench-peers:
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.peers
 	$(PY) -m bench.io_peers
+	$(PY) -m bench.transitions --only-commands
 
 bench-verify:
 	$(PY) -m bench.verify

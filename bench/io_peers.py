@@ -5,7 +5,9 @@ DBOS, on the same servers, in one run (``make bench-peers`` runs it after the no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -13,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,6 +161,7 @@ class IoPeers:
         self.peers = Peers(argparse.Namespace(jobs=args.jobs, logs=args.logs, keel_threads=0))
         self.postgres = Postgres(self.peers.server)
         self.http_port = free_port()
+        self.profiles = 0
         self.server: subprocess.Popen[bytes] | None = None
 
     def start_server(self) -> None:
@@ -195,7 +199,7 @@ class IoPeers:
     ) -> IoRun:
         n, seconds = n or self.args.jobs, seconds or self.args.seconds
         with processes(workers, env, Path(self.args.logs) / f"io-{system}.log") as procs:
-            with Sampler(procs, self.postgres, database) as sampler:
+            with Sampler(procs, self.postgres, database) as sampler, self.profiled(system, procs, database):
                 wait_for(f"the {system} I/O backlog", lambda: done.count() >= n, procs, 900)
                 time.sleep(0.2)  # one sample past the last completion
         times = done.times()
@@ -208,6 +212,61 @@ class IoPeers:
             connections=max(s.connections for s in sampler.samples),
             rss_mb=max(s.rss for s in sampler.samples) / 2**20,
         )
+
+    @contextlib.contextmanager
+    def profiled(self, system: str, procs: list[subprocess.Popen[bytes]], database: str | None) -> Iterator[None]:
+        """With ``--profile DIR``: py-spy samples the worker (from outside it, not slowing it: ``--nonblocking``)
+        into DIR/<system>-<n>.txt (collapsed stacks, per thread), and where the server has pg_stat_statements, the
+        run's statements by time go to DIR/<system>-<n>-statements.txt."""
+        if not self.args.profile:
+            yield
+            return
+        out = Path(self.args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        self.profiles += 1
+        name = out / f"{system}-{self.profiles}"
+        spy = subprocess.Popen(
+            [
+                str(BIN / "py-spy"),
+                "record",
+                "--pid",
+                str(procs[0].pid),
+                "--nonblocking",
+                "--threads",
+                "--idle",
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "-o",
+                f"{name}.txt",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        with psycopg.connect(libpq_url(with_database(self.postgres.url, "postgres")), autocommit=True) as conn:
+            statements = bool(
+                conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'pg_stat_statements'").fetchone()
+            )
+            if statements:
+                conn.execute("SELECT pg_stat_statements_reset()")
+        try:
+            yield
+        finally:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
+            if statements:
+                with psycopg.connect(libpq_url(with_database(self.postgres.url, "postgres")), autocommit=True) as conn:
+                    rows = conn.execute(
+                        "SELECT calls, round(total_exec_time::numeric, 1), round(total_plan_time::numeric, 1),"
+                        " rows, left(regexp_replace(query, '\\s+', ' ', 'g'), 300)"
+                        " FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = %s"
+                        " ORDER BY total_exec_time + total_plan_time DESC LIMIT 60",
+                        (database,),
+                    ).fetchall()
+                Path(f"{name}-statements.txt").write_text(
+                    "calls\texec ms\tplan ms\trows\tquery\n" + "".join("\t".join(map(str, r)) + "\n" for r in rows)
+                )
 
     def keel(self, mode: str, concurrency: int, n: int | None = None, seconds: float | None = None) -> IoRun:
         from tasks.app import make_app, publisher
@@ -333,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         "--thousand", type=int, default=3000, metavar="N", help="jobs of the 1,000-in-flight run (0: skip)"
     )
     parser.add_argument("--logs", default=".keel/bench-logs", help="where the workers' logs go")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="sample each worker with py-spy (pip install py-spy) and, where the server has pg_stat_statements,"
+        " record the run's statements: both into DIR (py-spy samples without pausing the worker)",
+    )
     args = parser.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)
     modes = tuple(m for m in args.modes.split(",") if m)

@@ -45,11 +45,13 @@ def run_job(self: Any, key: str) -> str:
     if self.request.id != key:
         log.warning("run_job for %s arrived with task id %s; the key is what counts", key, self.request.id)
     global _running
-    if _replacing.is_set():  # this process is being replaced: the message goes back for another worker
-        raise HandedBack("this worker process is being replaced", requeue=True)
+    # Counted before the check: a replacement that began meanwhile waits for this run (_exit_once_done), or this run
+    # sees it and hands its message back; never both missed.
     with _running_lock:
         _running += 1
     try:
+        if _replacing.is_set():  # this process is being replaced: the message goes back for another worker
+            raise HandedBack("this worker process is being replaced", requeue=True)
         return _run_job(self, key)
     finally:
         with _running_lock:

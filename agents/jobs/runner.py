@@ -237,9 +237,13 @@ class Runner:
                 failure = _Failure(ErrorClass.INVALID, str(exc), result.usage, None)
         if failure is None:
             assert result is not None
+            if not _worth_staging(result.usage, result.messages):
+                return self._succeed(job, result)
             if not self._stage(job, {"result": result.to_json()}):
                 return self._fenced(job, "the job's claim was lost before its outcome was staged", result.usage)
             return self._succeed(job, result, staged=True)
+        if not _worth_staging(failure.usage, ()):
+            return self._fail(job, failure)
         if not self._stage(job, {"failure": failure.to_json()}):
             return self._fenced(job, "the job's claim was lost before its outcome was staged", failure.usage)
         return self._fail(job, failure, staged=True)
@@ -537,6 +541,15 @@ class Runner:
         except KeelError:
             log.exception("job %s: could not journal the fenced-off outcome", job.key)
         return RunOutcome(job.key, "fenced", why)
+
+
+def _worth_staging(usage: Usage, messages: tuple[Any, ...]) -> bool:
+    """Whether an outcome is staged (its own commit) before the transition that records it: when running the step
+    again would cost something, a reply paid for (``usage``), or repeat what it declared it did (``messages``). A
+    free outcome is not: if recording it fails, the step runs again, as after a crash before it ended — the same
+    keys, so the same jobs and messages, and nothing paid twice. Which commits each guarantee needs:
+    docs/explanation/storage-and-jobs.md#the-commits-of-one-job."""
+    return bool(usage) or bool(messages)
 
 
 def _dropping(request_id: str, drops: tuple[tuple[str, str], ...]) -> core.EffectsTxn:

@@ -8,7 +8,7 @@ import pty
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +174,9 @@ def _tamper(raw: psycopg.Connection[Any], *statements: tuple[str, tuple[Any, ...
         raw.execute(f"ALTER TABLE {table} ENABLE TRIGGER USER")
 
 
-def _forged_event_after(client: Client, agent_id: Any) -> tuple[str, tuple[Any, ...]]:
-    """An event appended after the delete event, hashed onto it as Keel would have."""
+def _forged_event_after(client: Client, agent_id: Any, at: datetime | None = None) -> tuple[str, tuple[Any, ...]]:
+    """An event appended after the delete event, hashed onto it as Keel would have (at ``at``, else a second after
+    the delete event)."""
     last = client.journal(agent_id=agent_id)[-1]
     fields: dict[str, Any] = {
         "agent_id": agent_id,
@@ -189,7 +190,7 @@ def _forged_event_after(client: Client, agent_id: Any) -> tuple[str, tuple[Any, 
         "revision": last.revision,
         "decision": "unarchived",
         "details_json": "{}",
-        "at": last.at + timedelta(seconds=1),
+        "at": at or last.at + timedelta(seconds=1),
     }
     digest = journal.event_hash(prev_hash=last.hash, **fields)
     return (
@@ -269,7 +270,9 @@ def test_the_database_deletes_an_agent_only_through_keel(client: Client, raw: ps
             raw.execute(statement)
     # Nothing new can refer to a deleted agent: no event after its delete event, no job, no request.
     with pytest.raises(psycopg.errors.ForeignKeyViolation, match=r"journal: agent .* does not exist"):
-        raw.execute(*_forged_event_after(client, agent.id))
+        with raw.transaction():  # at the database's clock in its own transaction: refused for the agent alone
+            now: Any = raw.execute("SELECT clock_timestamp()").fetchone()
+            raw.execute(*_forged_event_after(client, agent.id, now[0]))
     with pytest.raises(psycopg.errors.ForeignKeyViolation, match=r"requests: agent .* does not exist"):
         raw.execute(
             "INSERT INTO requests (request_id, agent_id, input, actor, submitted_at)"

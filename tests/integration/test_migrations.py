@@ -103,7 +103,8 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
         "journal_kpis",
         "jobs_kpis",
         "delivery_log_kpis",
-        *(f"{table}_agent_exists" for table in ("journal", "requests", "jobs", "outbox")),
+        # (the journal's: its append guard checks the agent, 0029)
+        *(f"{table}_agent_exists" for table in ("requests", "jobs", "outbox")),
     }
     migrations.upgrade(empty_db_url)
     first = _guards(empty_db_url)
@@ -112,6 +113,38 @@ def test_triggers_and_check_constraints_survive_the_cycle(empty_db_url: str) -> 
     assert _guards(empty_db_url) == (set(), set())
     migrations.upgrade(empty_db_url)
     assert _guards(empty_db_url) == first
+
+
+def _trigger_defs(url: str) -> dict[str, str]:
+    with psycopg.connect(libpq_url(url)) as conn:
+        rows = conn.execute(
+            "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger"
+            " WHERE tgname IN ('jobs_guard', 'jobs_kpis', 'journal_agent_exists') AND NOT tgisinternal"
+            " AND tgrelid IN ('jobs'::regclass, 'audit.journal'::regclass)"
+        ).fetchall()
+    return {name: definition for name, definition in rows}
+
+
+def test_0029_fires_the_jobs_triggers_only_for_the_columns_they_read_and_its_downgrade_restores_them(
+    empty_db_url: str,
+) -> None:
+    migrations.upgrade(empty_db_url)
+    up = _trigger_defs(empty_db_url)
+    assert set(up) == {"jobs_guard", "jobs_kpis"}, "the journal's agent check is its append guard's now"
+    assert "BEFORE UPDATE OF key, agent_id, status, fencing_token ON public.jobs" in up["jobs_guard"]
+    assert "AFTER UPDATE OF status, fencing_token, error_attempts, tokens, cost, failed_tokens, failed_cost" in (
+        up["jobs_kpis"]
+    )
+    assert "WHEN (((new.status <> old.status)" in up["jobs_kpis"], "the WHEN clause is kept as it was"
+    migrations.downgrade(empty_db_url, "0028")
+    down = _trigger_defs(empty_db_url)
+    assert set(down) == {"jobs_guard", "jobs_kpis", "journal_agent_exists"}
+    assert "BEFORE UPDATE ON public.jobs" in down["jobs_guard"]
+    assert down["jobs_kpis"].replace("AFTER UPDATE ON", "") == up["jobs_kpis"].replace(
+        "AFTER UPDATE OF status, fencing_token, error_attempts, tokens, cost, failed_tokens, failed_cost ON", ""
+    )
+    migrations.upgrade(empty_db_url)
+    assert _trigger_defs(empty_db_url) == up
 
 
 def test_0021_downgrade_restores_the_append_only_delivery_log(empty_db_url: str) -> None:

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -17,7 +18,7 @@ from sqlalchemy import event
 
 import tests.support.handlers  # noqa: F401 - registers `noop`, which submits are checked against
 from agents.client import Client
-from agents.core.commands import Command, JobOutcome
+from agents.core.commands import Command, JobOutcome, Usage
 from agents.core.errors import FencedOff, LostUpdate
 from agents.core.phases import Event
 from agents.core.policies import DEFAULT_RULES
@@ -117,23 +118,32 @@ def test_a_submit_claims_its_request_in_the_locks_round_trip(one: Database) -> N
     assert client.get_request(agent.id, "req-1").submitted_at == record.at
 
 
-def test_a_jobs_run_is_its_claim_its_staged_outcome_and_a_two_round_trip_transition(one: Database) -> None:
-    """A request of one job (``submit(..., operation=...)``, as the benchmarks' no-op), run to its end."""
+@pytest.mark.parametrize(
+    ("usage", "trips"),
+    [(Usage(), 3), (Usage(120, Decimal("0.01")), 4)],
+    ids=["free: the claim and the transition", "paid: the claim, the staged outcome and the transition"],
+)
+def test_a_jobs_run_is_its_claim_a_staged_outcome_if_it_paid_and_a_two_round_trip_transition(
+    one: Database, usage: Usage, trips: int
+) -> None:
+    """A request of one job (``submit(..., operation=...)``, as the benchmarks' no-op), run to its end. Its outcome is
+    staged (a round trip and a commit of its own) only when running it again would pay again."""
     client = Client(one)
     agent = client.create_agent("job-trips")
     client.submit(agent.id, "req-1", None, operation="noop")
     registry = Registry()
-    registry.register("noop", lambda ctx: JobResult(event=Event.FINISH))
+    registry.register("noop", lambda ctx: JobResult(event=Event.FINISH, usage=usage))
     runner = Runner(one, registry, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES)
     (key,) = [job.key for job in client.get_state(agent.id).pending_jobs]
     with wire(one) as messages:
         outcome = runner.run(key)
     assert outcome.status == "succeeded"
-    # The claim; the staged outcome; the transition: BEGIN with the lock; the outcome with the journal event, the row
-    # (written only under the claim's fencing token), COMMIT and the NOTIFY.
-    assert round_trips(messages) == 4, messages
+    # The claim; [the staged outcome;] the transition: BEGIN with the lock; the outcome with the journal event, the
+    # row (written only under the claim's fencing token), COMMIT and the NOTIFY.
+    assert round_trips(messages) == trips, messages
     assert "Query" not in messages
-    assert client.get_state(agent.id).phase == "done"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens) == ("done", usage.tokens)
 
 
 def test_an_outcome_written_with_the_row_is_refused_whole_once_its_claim_was_taken_over(db: Database) -> None:

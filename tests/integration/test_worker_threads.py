@@ -75,6 +75,49 @@ def test_the_lease_keeper_renews_all_its_jobs_in_one_call_per_round(
     assert not lost[0].is_set() and not lost[1].is_set()
 
 
+def test_a_keeper_that_reaches_no_database_for_a_whole_lease_stops_the_runs_it_holds(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past a whole lease without a renewal another worker may run these jobs: their runs stop here (``lost``), and
+    the keeper holds them no more. Before that, a failed round is only retried (every second at most)."""
+    job = claimed(client, db, "r-away")
+
+    def away(*_: Any) -> set[tuple[str, int]]:
+        raise psycopg.OperationalError("connection refused")
+
+    monkeypatch.setattr(leases, "extend_leases", away)
+    keeper = LeaseKeeper(db, timedelta(seconds=0.9))  # a round every 0.3 s, retried every 0.3 s
+    lost = threading.Event()
+    started = time.monotonic()
+    with keeper.hold(job.key, job.fencing_token, lost):
+        assert not lost.wait(0.5), "stopped before a whole lease had gone by"
+        assert lost.wait(5), "a run whose lease nobody renewed for a whole lease went on"
+        assert time.monotonic() - started >= 0.9
+        assert keeper.held() == 0
+    assert job_row(db, job.key)["status"] == "running"  # nothing written: its lease runs out, the job is recovered
+
+
+def test_leases_are_renewed_while_the_jobs_hold_every_connection_of_the_pool(client: Client, db_url: str) -> None:
+    """The keeper renews on a connection of its own: 200 steps holding the worker's whole pool cannot make their
+    own leases run out."""
+    small = Database(db_url, pool_size=2, max_overflow=0, audit_keys=client.db.audit_keys)
+    try:
+        job = claimed(client, small, "r-busy")
+        runner = threads_runner(small, StuckWork(), {}, stuck_limit=10)
+        keeper = runner.leases
+        keeper.lease = timedelta(seconds=30)
+        before = job_row(small, job.key)["lease_until"]
+        with small.connection(), small.connection():  # every connection of the jobs' pool is taken
+            lost = threading.Event()
+            with keeper.hold(job.key, job.fencing_token, lost):
+                assert keeper._renew_all(1.0), "the renewal waited for (or failed on) the jobs' pool"
+        assert not lost.is_set()
+        assert job_row(small, job.key)["lease_until"] > before
+        runner.leases.db.dispose()
+    finally:
+        small.dispose()
+
+
 def hanging(gate: threading.Event, seen: list[str]) -> Any:
     def hang(ctx: JobContext) -> JobResult:
         gate.wait(10)
