@@ -132,10 +132,11 @@ def test_0029_fires_the_jobs_triggers_only_for_the_columns_they_read_and_its_dow
     up = _trigger_defs(empty_db_url)
     assert set(up) == {"jobs_guard", "jobs_kpis"}, "the journal's agent check is its append guard's now"
     assert "BEFORE UPDATE OF key, agent_id, status, fencing_token ON public.jobs" in up["jobs_guard"]
-    assert "AFTER UPDATE OF status, fencing_token, error_attempts, tokens, cost, failed_tokens, failed_cost" in (
-        up["jobs_kpis"]
+    assert (
+        "AFTER UPDATE OF status, fencing_token, error_attempts, tokens, cost, failed_tokens, failed_cost"
+        in (up["jobs_kpis"])
     )
-    assert "WHEN (((new.status <> old.status)" in up["jobs_kpis"], "the WHEN clause is kept as it was"
+    assert "WHEN ((((new.status <> old.status)" in up["jobs_kpis"], "the WHEN clause is kept as it was"
     migrations.downgrade(empty_db_url, "0028")
     down = _trigger_defs(empty_db_url)
     assert set(down) == {"jobs_guard", "jobs_kpis", "journal_agent_exists"}
