@@ -118,6 +118,7 @@ class Database:
         keepalives: Keepalives | None = None,
         pool_timeout_seconds: float = 30.0,
         max_overflow: int | None = None,
+        prepare_threshold: int = 5,
     ) -> None:
         # As given, for :meth:`sibling`.
         self._given: dict[str, Any] = {
@@ -126,6 +127,7 @@ class Database:
             "audit_keys": audit_keys,
             "pooler": pooler,
             "direct_url": direct_url,
+            "prepare_threshold": prepare_threshold,
             "keepalives": keepalives,
             "pool_timeout_seconds": pool_timeout_seconds,
         }
@@ -142,6 +144,10 @@ class Database:
             connect_args["prepare_threshold"] = None
         else:
             connect_args["options"] = f"-c statement_timeout={statement_timeout_ms}"
+            # After how many runs on a connection a statement is prepared (psycopg's default, 5, unless a caller with
+            # a small fixed set of hot statements asks for 0: a worker, whose 20 connections would otherwise each run
+            # every statement of a job's path unprepared five times, parsed and planned each time).
+            connect_args["prepare_threshold"] = prepare_threshold
         if connect_timeout_seconds is not None:
             connect_args["connect_timeout"] = connect_timeout_seconds
         self.engine: Engine = create_engine(
@@ -168,6 +174,7 @@ class Database:
         pool_size: int | None = None,
         connect_timeout_seconds: int | None = None,
         max_overflow: int | None = None,
+        prepare_threshold: int = 5,
     ) -> Database:
         """The configured database, or the embedded one when ``KEEL_DATABASE_URL`` is unset, with the configured
         audit key ring (or the development key: see models/audit_keys.py)."""
@@ -181,6 +188,7 @@ class Database:
             direct_url=settings.database_direct_url,
             keepalives=Keepalives.from_settings(settings),
             max_overflow=max_overflow,
+            prepare_threshold=prepare_threshold,
         )
 
     def sibling(self, pool_size: int) -> Database:

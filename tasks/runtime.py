@@ -42,7 +42,8 @@ def _runtime(pid: int) -> Runtime:
     # connections opened and closed again costs the server a process each. One of KEEL_DB_POOL_SIZE_WORKER is the
     # lease keeper's own (Runner).
     size = max(1, settings.db_pool_size_worker - 1)
-    db = Database.from_settings(settings, pool_size=size, max_overflow=0)
+    # Its statements are a few, run on every job: prepared at their first run on each connection.
+    db = Database.from_settings(settings, pool_size=size, max_overflow=0, prepare_threshold=0)
     register_settings(settings)  # again: opening the database may have generated the development audit key
     # The agent loop's own handlers (plan, tool, gate) and the tools, then the user's modules.
     registry: Registry = load(["agents.runtime.loop", *settings.imports])

@@ -146,6 +146,32 @@ def test_a_jobs_run_is_its_claim_a_staged_outcome_if_it_paid_and_a_two_round_tri
     assert (state.phase, state.spent_tokens) == ("done", usage.tokens)
 
 
+@pytest.mark.parametrize(("threshold", "prepared"), [(5, False), (0, True)], ids=["default", "worker"])
+def test_a_workers_statements_are_prepared_at_their_first_run(db_url: str, threshold: int, prepared: bool) -> None:
+    """A worker's database prepares each statement the first time a connection runs it (tasks/runtime.py): its
+    connections would otherwise run every statement of a job's path unprepared five times, parsed and planned each
+    time. Elsewhere psycopg's default stands."""
+    one = Database(db_url, pool_size=1, audit_keys=TEST_KEYS, prepare_threshold=threshold)
+    try:
+        client = Client(one)
+        agent = client.create_agent("prepared")
+        client.submit(agent.id, "req-1", None, operation="noop")
+        registry = Registry()
+        registry.register("noop", lambda ctx: JobResult(event=Event.FINISH))
+        runner = Runner(one, registry, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES)
+        (key,) = [job.key for job in client.get_state(agent.id).pending_jobs]
+        assert runner.run(key).status == "succeeded"
+        runner.leases.db.dispose()
+        with one.connection() as conn:  # the pool's one connection: the one the job ran on
+            names = [row[0] for row in conn.execute("SELECT statement FROM pg_prepared_statements").fetchall()]
+            conn.rollback()
+        claimed = any("nextval('job_fencing_token_seq')" in name for name in names)
+        finished = any(name.startswith("WITH fin AS") for name in names)
+        assert (claimed and finished) is prepared, names
+    finally:
+        one.dispose()
+
+
 def test_an_outcome_written_with_the_row_is_refused_whole_once_its_claim_was_taken_over(db: Database) -> None:
     """A finish carrying a claim that was taken over (its lease ran out, another worker claimed the job), while the
     agent still accepts the finish: the statement that writes the outcome with the row writes neither, the commit is
