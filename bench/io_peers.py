@@ -370,6 +370,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def targets(table: dict[str, IoRun]) -> list[str]:
+    """The targets this workload is held to, each met or not, for the systems the run measured."""
+    keel, out = table["keel"], []
+
+    def said(what: str, ok: bool) -> None:
+        out.append(f"  target: {what} -> {'met' if ok else 'NOT MET'}")
+
+    if "celery" in table:
+        celery = table["celery"]
+        said(f"jobs/s at least 0.9x bare Celery ({keel.rate / celery.rate:.2f}x)", keel.rate >= 0.9 * celery.rate)
+        ratio = keel.worker_cpu_ms / celery.worker_cpu_ms
+        said(f"worker CPU per job within 1.5x bare Celery's ({ratio:.2f}x)", ratio <= 1.5)
+    for peer in ("procrastinate", "dbos"):
+        if peer in table:
+            said(f"jobs/s ahead of {peer} ({keel.rate / table[peer].rate:.2f}x)", keel.rate > table[peer].rate)
+    if "procrastinate" in table and table["procrastinate"].pg_cpu_ms > 0:
+        ratio = keel.pg_cpu_ms / table["procrastinate"].pg_cpu_ms
+        said(f"PostgreSQL CPU per job within 2x procrastinate's ({ratio:.2f}x)", ratio <= 2.0)
+    return out
+
+
 def median(runs: list[IoRun]) -> IoRun:
     return IoRun(
         statistics.median(r.rate for r in runs),
@@ -447,13 +468,16 @@ def main(argv: list[str] | None = None) -> int:
                             f"  keel / {s:<14} jobs/s {keel.rate / o.rate:.2f}x,"
                             f" worker CPU {keel.worker_cpu_ms / o.worker_cpu_ms:.2f}x{pg}"
                         )
+                for line in targets(table):
+                    OUT.line(line)
         if args.thousand and "keel" in systems:
             with OUT.task(f"keel, 1,000 in flight, {args.thousand} jobs waiting 10 s"):
                 big = bench.keel("sleep", 1000, args.thousand, 10.0)
+            met = big.rate >= 90 and big.rss_mb <= 300 and big.connections <= 20
             OUT.line(
                 f"\nKeel, 1,000 in flight in one process (10 s waits): {big.rate:.1f} jobs/s (target 90),"
                 f" RSS {big.rss_mb:.0f} MB (target 300), {big.connections} connections (target 20),"
-                f" worker CPU {big.worker_cpu_ms:.2f} ms/job"
+                f" worker CPU {big.worker_cpu_ms:.2f} ms/job\n  target: all three -> {'met' if met else 'NOT MET'}"
             )
         OUT.line(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:

@@ -458,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                 f" {'met' if on_off >= 0.9 else 'NOT MET'}"
             )
         OUT.line(
-            f"target: (d) Client at least 0.60x the raw baseline -> {client_ratio:.2f}x"
-            f" {'met' if client_ratio >= 0.6 else 'NOT MET'}"
+            f"target: (d) Client at least 0.70x the raw baseline -> {client_ratio:.2f}x"
+            f" {'met' if client_ratio >= 0.7 else 'NOT MET'}"
         )
     finally:
         with psycopg.connect(libpq_url(with_database(server, "postgres")), autocommit=True) as admin:

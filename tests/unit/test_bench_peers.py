@@ -36,3 +36,19 @@ def test_missing_peers_are_named_with_the_extra_to_install(
 def test_the_median_run_takes_each_figure_on_its_own() -> None:
     runs = [Run(100, 3.0, 2.0), Run(300, 1.0, 4.0), Run(200, 2.0, 9.0)]
     assert median_run(runs) == Run(200, 2.0, 4.0)
+
+
+def test_the_io_workloads_targets_are_judged_from_the_medians() -> None:
+    from bench.io_peers import IoRun, targets
+
+    table = {
+        "keel": IoRun(rate=230, worker_cpu_ms=2.4, pg_cpu_ms=2.1, connections=19, rss_mb=140),
+        "celery": IoRun(rate=250, worker_cpu_ms=1.7, pg_cpu_ms=0.0, connections=0, rss_mb=125),
+        "procrastinate": IoRun(rate=240, worker_cpu_ms=2.1, pg_cpu_ms=1.0, connections=5, rss_mb=91),
+    }
+    assert targets(table) == [
+        "  target: jobs/s at least 0.9x bare Celery (0.92x) -> met",
+        "  target: worker CPU per job within 1.5x bare Celery's (1.41x) -> met",
+        "  target: jobs/s ahead of procrastinate (0.96x) -> NOT MET",
+        "  target: PostgreSQL CPU per job within 2x procrastinate's (2.10x) -> NOT MET",
+    ]
