@@ -6,6 +6,6 @@ from agents.core.phases import Event
 from agents.jobs.handlers import JobContext, JobResult, handler
 
 
-@handler("bench_noop")
+@handler("bench_noop", repeatable=True)  # does nothing: run twice, no harm (not staged: docs/benchmarks.md)
 def bench_noop(ctx: JobContext) -> JobResult:
     return JobResult(event=Event.FINISH)

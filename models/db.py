@@ -146,7 +146,8 @@ class Database:
             connect_args["options"] = f"-c statement_timeout={statement_timeout_ms}"
             # After how many runs on a connection a statement is prepared (psycopg's default, 5, unless a caller with
             # a small fixed set of hot statements asks for 0: a worker, whose 20 connections would otherwise each run
-            # every statement of a job's path unprepared five times, parsed and planned each time).
+            # every statement of a job's path unprepared five times, parsed and planned each time). A rollback inside a
+            # transaction still makes psycopg forget them all (a rejected command, a fenced-off outcome: rare paths).
             connect_args["prepare_threshold"] = prepare_threshold
         if connect_timeout_seconds is not None:
             connect_args["connect_timeout"] = connect_timeout_seconds

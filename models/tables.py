@@ -149,8 +149,9 @@ agents = Table(
 )
 
 #: Tables whose rows outlive a deleted agent (its story: the journal, and what its requests did). Instead of a
-#: foreign key to ``agents``, a trigger (``keel_agent_exists``, migration 0006) refuses a row whose agent does not
-#: exist when it is written; ``schedules`` keeps its foreign key: an agent's schedules go with it.
+#: foreign key to ``agents``, a trigger (``keel_agent_exists``, migration 0006; for the journal its append guard since
+#: 0029) refuses a row whose agent does not exist when it is written; ``schedules`` keeps its foreign key: an agent's
+#: schedules go with it.
 KEPT_AFTER_DELETE: tuple[str, ...] = ("requests", "audit.journal", "jobs", "outbox")
 
 # One row per request ever submitted, per agent: a request id is its agent's own (migration 0028), so one tenant's

@@ -188,6 +188,7 @@ class Registry:
         self._handlers: dict[str, Handler] = {}
         self._inputs: dict[str, type[BaseModel] | None] = {}
         self._internal: set[str] = set()
+        self._repeatable: set[str] = set()
 
     def register(
         self,
@@ -197,6 +198,7 @@ class Registry:
         input: type[BaseModel] | None = None,
         replace: bool = False,
         internal: bool = False,
+        repeatable: bool = False,
     ) -> None:
         if operation in self._handlers and self._handlers[operation] is not fn and not replace:
             raise ValueError(f"operation {operation!r} has a handler already")
@@ -204,6 +206,15 @@ class Registry:
         self._inputs[operation] = input
         if internal:
             self._internal.add(operation)
+        if repeatable:
+            self._repeatable.add(operation)
+        else:
+            self._repeatable.discard(operation)
+
+    def repeatable(self, operation: str) -> bool:
+        """Whether ``operation``'s handler said a run of it may be repeated (``repeatable=True``): then an outcome of
+        it that spent nothing and declared no messages is recorded without being staged first."""
+        return operation in self._repeatable
 
     def declare(self, operation: str, *, input: type[BaseModel] | None = None) -> None:
         """Make ``operation`` known to producers without its handler (which runs in the workers' processes only):
@@ -255,15 +266,18 @@ registry = Registry()
 
 
 def handler(
-    operation: str, *, input: type[BaseModel] | None = None, internal: bool = False
+    operation: str, *, input: type[BaseModel] | None = None, internal: bool = False, repeatable: bool = False
 ) -> Callable[[Handler], Handler]:
     """Register the decorated function as the handler of ``operation``. ``input`` is the pydantic model of the
     request input it reads (``payload["input"]`` of the request's first job): a submit that does not fit it is
     refused before anything is written. Without it, any JSON is accepted. ``internal``: only scheduled by other
-    steps, never the first job of a request (a submit naming it is refused)."""
+    steps, never the first job of a request (a submit naming it is refused). ``repeatable``: running it twice does
+    no harm (it reads, waits or computes; it acts on nothing outside Keel), so an outcome of it that spent nothing
+    and declared no messages skips its staged checkpoint, a commit, and runs again if recording it fails
+    (docs/explanation/storage-and-jobs.md#the-commits-of-one-job). By default every outcome is staged."""
 
     def register(fn: Handler) -> Handler:
-        registry.register(operation, fn, input=input, internal=internal)
+        registry.register(operation, fn, input=input, internal=internal, repeatable=repeatable)
         return fn
 
     return register

@@ -235,14 +235,15 @@ class Runner:
                 check_json_text("the step's result", result.to_json())
             except InvalidInput as exc:
                 failure = _Failure(ErrorClass.INVALID, str(exc), result.usage, None)
+        repeatable = self.registry.repeatable(job.operation)
         if failure is None:
             assert result is not None
-            if not _worth_staging(result.usage, result.messages):
+            if not _worth_staging(repeatable, result.usage, result.messages):
                 return self._succeed(job, result)
             if not self._stage(job, {"result": result.to_json()}):
                 return self._fenced(job, "the job's claim was lost before its outcome was staged", result.usage)
             return self._succeed(job, result, staged=True)
-        if not _worth_staging(failure.usage, ()):
+        if not _worth_staging(repeatable, failure.usage, ()):
             return self._fail(job, failure)
         if not self._stage(job, {"failure": failure.to_json()}):
             return self._fenced(job, "the job's claim was lost before its outcome was staged", failure.usage)
@@ -543,13 +544,14 @@ class Runner:
         return RunOutcome(job.key, "fenced", why)
 
 
-def _worth_staging(usage: Usage, messages: tuple[Any, ...]) -> bool:
-    """Whether an outcome is staged (its own commit) before the transition that records it: when running the step
-    again would cost something, a reply paid for (``usage``), or repeat what it declared it did (``messages``). A
-    free outcome is not: if recording it fails, the step runs again, as after a crash before it ended — the same
-    keys, so the same jobs and messages, and nothing paid twice. Which commits each guarantee needs:
-    docs/explanation/storage-and-jobs.md#the-commits-of-one-job."""
-    return bool(usage) or bool(messages)
+def _worth_staging(repeatable: bool, usage: Usage, messages: tuple[Any, ...]) -> bool:
+    """Whether an outcome is staged (its own commit) before the transition that records it: always, unless its
+    handler said running it again does no harm (``repeatable``) and the outcome itself spent nothing (``usage``: a
+    reply paid for) and declared nothing to send (``messages``). Such an outcome, if recording it fails, is produced
+    again by running the step again, as after a crash mid-step: the same keys, so the same jobs and messages, nothing
+    paid twice. A model call (its reply differs, and it is paid) or a tool call (it may have acted) is always staged.
+    Which commits each guarantee needs: docs/explanation/storage-and-jobs.md#the-commits-of-one-job."""
+    return not repeatable or bool(usage) or bool(messages)
 
 
 def _dropping(request_id: str, drops: tuple[tuple[str, str], ...]) -> core.EffectsTxn:

@@ -10,7 +10,10 @@
   and now skips both (the guard's plpgsql call, and the KPI trigger's WHEN clause, which PostgreSQL parses again
   for every statement that evaluates it).
 
-Catalog changes only, each a short ACCESS EXCLUSIVE lock on its table.
+Catalog changes only, under ACCESS EXCLUSIVE locks on the journal and on jobs, held for milliseconds: taken with
+``lock_timeout`` 2s and tried again (30 times, as 0017), so a long reader (a ``keel audit verify`` snapshot) makes
+the migration wait, not every append and claim queue behind it. The journal's refusal of an event of a missing agent
+is the append guard's now: an event that is also ill-timed is refused for its time first.
 
 Revision ID: 0029
 Revises: 0028
@@ -19,6 +22,11 @@ Create Date: 2026-12-06
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import time
+
+import sqlalchemy as sa
 from alembic import op
 
 revision = "0029"
@@ -36,7 +44,8 @@ def _fire_on(trigger: str, columns: str | None) -> None:
     """Define ``trigger`` on jobs again as it is now, but firing for an UPDATE of ``columns`` (None: of any)."""
     bind = op.get_bind()
     definition = bind.exec_driver_sql(
-        f"SELECT pg_get_triggerdef(oid) FROM pg_trigger WHERE tgname = '{trigger}' AND tgrelid = 'jobs'::regclass"
+        f"SELECT pg_get_triggerdef(oid) FROM pg_trigger WHERE tgname = '{trigger}'"
+        " AND tgrelid = 'public.jobs'::regclass"
     ).scalar_one()
     head, on, rest = definition.partition(" ON public.jobs ")
     if not on or " UPDATE" not in head:
@@ -46,16 +55,43 @@ def _fire_on(trigger: str, columns: str | None) -> None:
     bind.exec_driver_sql(f"{head}{on}{rest}".replace("%", "%%"))
 
 
+#: How long each try waits for its locks, and how often it tries (as 0017).
+LOCK_TIMEOUT = "2s"
+ATTEMPTS = 30
+
+
+def _briefly(change: Callable[[], None]) -> None:
+    """Run ``change`` with the locks it takes waited for at most :data:`LOCK_TIMEOUT`, tried again until it gets them."""
+    bind = op.get_bind()
+    bind.execute(sa.text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            with bind.begin_nested():
+                change()
+            break
+        except sa.exc.OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != "55P03" or attempt == ATTEMPTS:  # lock_not_available
+                raise
+            time.sleep(min(attempt, 5))
+    bind.execute(sa.text("SET LOCAL lock_timeout = 0"))
+
+
 def upgrade() -> None:
-    op.execute("DROP TRIGGER journal_agent_exists ON audit.journal")
-    _fire_on("jobs_guard", _GUARDED)
-    _fire_on("jobs_kpis", _COUNTED)
+    def change() -> None:
+        op.execute("DROP TRIGGER journal_agent_exists ON audit.journal")
+        _fire_on("jobs_guard", _GUARDED)
+        _fire_on("jobs_kpis", _COUNTED)
+
+    _briefly(change)
 
 
 def downgrade() -> None:
-    _fire_on("jobs_guard", None)
-    _fire_on("jobs_kpis", None)
-    op.execute(
-        "CREATE TRIGGER journal_agent_exists BEFORE INSERT OR UPDATE OF agent_id ON audit.journal"
-        " FOR EACH ROW EXECUTE FUNCTION keel_agent_exists()"
-    )
+    def change() -> None:
+        _fire_on("jobs_guard", None)
+        _fire_on("jobs_kpis", None)
+        op.execute(
+            "CREATE TRIGGER journal_agent_exists BEFORE INSERT OR UPDATE OF agent_id ON audit.journal"
+            " FOR EACH ROW EXECUTE FUNCTION keel_agent_exists()"
+        )
+
+    _briefly(change)

@@ -119,20 +119,24 @@ def test_a_submit_claims_its_request_in_the_locks_round_trip(one: Database) -> N
 
 
 @pytest.mark.parametrize(
-    ("usage", "trips"),
-    [(Usage(), 3), (Usage(120, Decimal("0.01")), 4)],
-    ids=["free: the claim and the transition", "paid: the claim, the staged outcome and the transition"],
+    ("repeatable", "usage", "trips"),
+    [(True, Usage(), 3), (True, Usage(120, Decimal("0.01")), 4), (False, Usage(), 4)],
+    ids=[
+        "repeatable and free: the claim and the transition",
+        "paid: the claim, the staged outcome and the transition",
+        "not said repeatable: staged",
+    ],
 )
-def test_a_jobs_run_is_its_claim_a_staged_outcome_if_it_paid_and_a_two_round_trip_transition(
-    one: Database, usage: Usage, trips: int
+def test_a_jobs_run_is_its_claim_a_staged_outcome_unless_repeatable_and_free_and_a_two_round_trip_transition(
+    one: Database, repeatable: bool, usage: Usage, trips: int
 ) -> None:
     """A request of one job (``submit(..., operation=...)``, as the benchmarks' no-op), run to its end. Its outcome is
-    staged (a round trip and a commit of its own) only when running it again would pay again."""
+    staged (a round trip and a commit of its own) unless its handler said it may run twice and it spent nothing."""
     client = Client(one)
     agent = client.create_agent("job-trips")
     client.submit(agent.id, "req-1", None, operation="noop")
     registry = Registry()
-    registry.register("noop", lambda ctx: JobResult(event=Event.FINISH, usage=usage))
+    registry.register("noop", lambda ctx: JobResult(event=Event.FINISH, usage=usage), repeatable=repeatable)
     runner = Runner(one, registry, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES)
     (key,) = [job.key for job in client.get_state(agent.id).pending_jobs]
     with wire(one) as messages:

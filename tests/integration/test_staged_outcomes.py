@@ -316,3 +316,100 @@ def test_a_staged_outcome_whose_worker_died_is_charged_by_the_cancel_that_sweeps
 
     kpis = totals(db)  # the spend KPIs count it once, as spend wasted on a void attempt
     assert (kpis.spent_tokens, kpis.retry_tokens, kpis.spent_cost, kpis.retry_cost) == (100, 100, 1.0, 1.0)
+
+
+LOOKUPS: list[str] = []
+
+
+class Lookup(BaseModel):
+    order: str
+
+
+@tool("test_lookup", description="Look an order up (free: no usage, no messages).")
+def lookup(args: Lookup, ctx: ToolContext) -> ToolOutput:
+    LOOKUPS.append(ctx.call_id)
+    return ToolOutput(f"order {args.order} shipped")
+
+
+def _failing_once(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    """The outcome transition of job ``key`` fails once, as when the database goes away under it."""
+    real = core.transition
+    failures: list[Any] = []
+
+    def failing(db_: Database, command: Any, **kw: Any) -> Any:
+        if command.outcome is not None and command.outcome.key == key and not failures:
+            failures.append(command)
+            outage = psycopg.OperationalError("terminating connection due to administrator command")
+            raise StoreError("database error: terminating connection due to administrator command") from outage
+        return real(db_, command, **kw)
+
+    monkeypatch.setattr(core, "transition", failing)
+
+
+def _recovered(db: Database, key: str) -> None:
+    expire_lease(db, key)  # the lease runs out; the dispatcher recovers the job under the same key
+    with db.transaction() as cur:
+        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [key]
+
+
+def test_a_free_tool_step_is_staged_all_the_same_and_never_runs_twice(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tool call may have acted however little it reports: its outcome is staged even when it spent nothing and
+    declared no message, so a failed recording replays it instead of calling the tool again."""
+    LOOKUPS.clear()
+    agent = client.create_agent("looker")
+    script = [
+        {"tool_calls": [{"name": "test_lookup", "arguments": {"order": "A-1"}}], "tokens": 10, "cost": "0"},
+        {"content": "It shipped.", "tokens": 5, "cost": "0"},
+    ]
+    client.submit(agent.id, "req-1", {"prompt": "where is A-1?", "script": script})
+    runner = make_runner(db)
+    assert runner.run(scoped(agent.id, "req-1:plan:1")).status == "succeeded"
+    tool_key = scoped(agent.id, "req-1:tool:test_lookup:1.call_0_0")
+    _failing_once(monkeypatch, tool_key)
+    with pytest.raises(StoreError):
+        runner.run(tool_key)
+    assert job_row(db, tool_key)["result"]["staged"]["result"]["usage"] == {"tokens": 0, "cost": "0"}  # type: ignore[index]
+    _recovered(db, tool_key)
+    assert runner.run(tool_key).status == "succeeded"
+    assert LOOKUPS == ["call_0_0"], "the tool was not called again"
+    assert runner.run(scoped(agent.id, "req-1:plan:2")).status == "succeeded"
+    assert client.get_state(agent.id).phase == "done"
+
+
+def test_a_repeatable_free_step_is_not_staged_and_runs_again_once_under_the_same_keys(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler registered ``repeatable`` whose outcome spent nothing is recorded without a staged checkpoint: when
+    recording fails, the step runs again, and its next job (same key) is scheduled once."""
+    from agents.core.commands import JobSpec
+    from agents.jobs.handlers import Registry
+    from agents.jobs.runner import Runner
+
+    runs: list[int] = []
+
+    def step(ctx: JobContext) -> JobResult:
+        runs.append(ctx.attempt)
+        if ctx.operation == "count":
+            return JobResult(event=Event.FINISH)
+        return JobResult(jobs=(JobSpec("count", "next"),))
+
+    own = Registry()
+    own.register("spend", step, repeatable=True)  # (declared above for the client; here: a free, repeatable step)
+    own.register("count", step, repeatable=True)
+    runner = Runner(db, own, worker="w", lease=timedelta(seconds=30), rules=DEFAULT_RULES)
+    agent = client.create_agent("repeater")
+    client.submit(agent.id, "req-1", None, operation="spend")
+    key = scoped(agent.id, "req-1:spend:1")
+    _failing_once(monkeypatch, key)
+    with pytest.raises(StoreError):
+        runner.run(key)
+    assert job_row(db, key)["result"] is None, "nothing staged"  # type: ignore[index]
+    _recovered(db, key)
+    assert runner.run(key).status == "succeeded"
+    assert runs == [1, 2], "it ran again"
+    state = client.get_state(agent.id)
+    assert [job.key for job in state.pending_jobs] == [scoped(agent.id, "req-1:count:next")], "its next job, once"
+    assert runner.run(scoped(agent.id, "req-1:count:next")).status == "succeeded"
+    assert client.get_state(agent.id).phase == "done"

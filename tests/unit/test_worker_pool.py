@@ -64,3 +64,27 @@ def test_the_pool_a_worker_runs_in_is_read_from_celery() -> None:
         "solo",
         "threads",
     ]
+
+
+def test_a_job_arriving_while_its_process_is_replaced_is_counted_before_it_is_handed_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replacement waits until no job runs (``_running == 0``) and a job checks for a replacement before it runs:
+    the job must count itself first, or a replacement starting between the two would see none running and end the
+    process under the job."""
+    from tasks import jobs
+    from tasks.logs import HandedBack
+
+    seen: list[int] = []
+
+    class Replacing:
+        def is_set(self) -> bool:
+            with jobs._running_lock:
+                seen.append(jobs._running)
+            return True
+
+    monkeypatch.setattr(jobs, "_replacing", Replacing())
+    with pytest.raises(HandedBack):
+        jobs.run_job.run("agent~r1:noop:1")
+    assert seen == [1], "the job was counted running when it looked for a replacement"
+    assert jobs._running == 0, "and counted out once it handed its message back"
