@@ -75,26 +75,14 @@ def test_a_tool_step_whose_outcome_failed_is_replayed_with_its_messages_and_usag
     assert runner.run(scoped(agent.id, "req-1:plan:1")).status == "succeeded"
     tool_key = scoped(agent.id, "req-1:tool:test_announce:1.call_0_0")
 
-    real = core.transition
-    failures = []
-
-    def failing(db_: Database, command: Any, **kw: Any) -> Any:
-        if command.outcome is not None and command.outcome.key == tool_key and not failures:
-            failures.append(command)
-            outage = psycopg.OperationalError("terminating connection due to administrator command")
-            raise StoreError("database error: terminating connection due to administrator command") from outage
-        return real(db_, command, **kw)
-
-    monkeypatch.setattr(core, "transition", failing)
+    _failing_once(monkeypatch, tool_key)
     with pytest.raises(StoreError):
         runner.run(tool_key)
     assert POSTS == ["call_0_0"] and outbox_keys(db) == [], "ran; nothing recorded yet"
     staged = job_row(db, tool_key)["result"]["staged"]  # type: ignore[index]
     assert staged["result"]["messages"][0]["destination"] == "C0PS", "the checkpoint holds the whole outcome"
 
-    expire_lease(db, tool_key)  # the lease runs out; the dispatcher recovers the job under the same key
-    with db.transaction() as cur:
-        assert [d.key for d in take_due(cur, enqueue_timeout=timedelta(minutes=5), limit=5)] == [tool_key]
+    _recovered(db, tool_key)
     assert runner.run(tool_key).status == "succeeded"
     assert POSTS == ["call_0_0"], "the tool did not run again"
     assert outbox_keys(db) == [scoped(agent.id, "req-1:slack:tool.test_announce:1.call_0_0@call_0_0")], (
