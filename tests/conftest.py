@@ -155,6 +155,23 @@ def empty_db_url(pg_server_url: str) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(autouse=True)
+def _siblings_disposed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A Runner opens a pool of its own for its lease keeper (``Database.sibling``): closed when its test ends, not
+    left to the garbage collector (which warned about a connection deleted while open, in whichever test it ran)."""
+    made: list[Database] = []
+    real = Database.sibling
+
+    def sibling(self: Database, pool_size: int) -> Database:
+        made.append(real(self, pool_size))
+        return made[-1]
+
+    monkeypatch.setattr(Database, "sibling", sibling)
+    yield
+    for database in made:
+        database.dispose()
+
+
 @pytest.fixture
 def db(db_url: str) -> Iterator[Database]:
     database = Database(db_url, pool_size=12, audit_keys=TEST_KEYS)
