@@ -78,6 +78,9 @@ class LeaseKeeper:
         with self._lock:
             held = dict(self._held)
         if not held:
+            # Nothing to renew is as good as renewed: a job claimed after a long idle spell has a fresh lease, and its
+            # first failed round must not count the idle spell as time without a renewal (it would stop at once).
+            self._renewed_at = time.monotonic()
             return True
         try:
             renewed = extend_leases(self.db, list(held), self.lease)

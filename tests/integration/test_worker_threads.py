@@ -97,6 +97,27 @@ def test_a_keeper_that_reaches_no_database_for_a_whole_lease_stops_the_runs_it_h
     assert job_row(db, job.key)["status"] == "running"  # nothing written: its lease runs out, the job is recovered
 
 
+def test_a_keeper_idle_for_longer_than_a_lease_gives_its_next_job_a_whole_lease_before_it_gives_up(
+    client: Client, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The give-up counts time without a renewal while jobs are held, not an idle spell before them: a job claimed
+    after one, whose first rounds fail, runs on until a whole lease has gone by."""
+    first, second = claimed(client, db, "r-first"), claimed(client, db, "r-second")
+    keeper = LeaseKeeper(db, timedelta(seconds=0.9))  # a round every 0.3 s
+    with keeper.hold(first.key, first.fencing_token, threading.Event()):
+        time.sleep(0.4)  # one round renews it
+    time.sleep(1.5)  # idle for longer than a lease
+
+    def away(*_: Any) -> set[tuple[str, int]]:
+        raise psycopg.OperationalError("connection refused")
+
+    monkeypatch.setattr(leases, "extend_leases", away)
+    lost = threading.Event()
+    with keeper.hold(second.key, second.fencing_token, lost):
+        assert not lost.wait(0.5), "stopped at its first failed round, as if the idle spell had been without renewal"
+        assert lost.wait(5), "and stopped once a whole lease went by without one"
+
+
 def test_leases_are_renewed_while_the_jobs_hold_every_connection_of_the_pool(client: Client, db_url: str) -> None:
     """The keeper renews on a connection of its own: 200 steps holding the worker's whole pool cannot make their
     own leases run out."""
