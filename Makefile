@@ -40,11 +40,13 @@ bench-scale:
 	$(PY) -m bench.scale
 
 # Installs the peers (the bench extra) first: procrastinate and DBOS Transact. Prints every figure docs/benchmarks.md
-# sets a target for: the no-op backlog and the burst, the I/O workload and 1,000 in flight, the producer commands.
+# sets a target for: the no-op backlog and the burst, the I/O workload and 1,000 in flight, the producer commands;
+# and the floor a job's worker CPU cannot go below (bench/floor.py).
 bench-peers:
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.peers
 	$(PY) -m bench.io_peers
+	$(PY) -m bench.floor
 	$(PY) -m bench.transitions --only-commands
 
 bench-verify:
