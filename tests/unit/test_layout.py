@@ -27,6 +27,7 @@ AGENT_ROOMS = {
     "demo",
     "cli",
     "client",
+    "integrations",
     "agents",  # agents/__init__.py itself
 }
 
@@ -41,6 +42,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "ingress": {"client", "core", "models"},
     "observability": {"core", "models"},
     "audit": {"core", "models"},
+    "integrations": {"runtime", "jobs", "core", "models"},
     # The CLI and the demo sit on top of agents/; neither may import tasks/ (the Celery side plugs into the CLI
     # through the keel.commands entry points instead).
     "cli": AGENT_ROOMS | {"models"},

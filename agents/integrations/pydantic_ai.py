@@ -1,0 +1,338 @@
+"""A Pydantic AI agent run as Keel steps, the agent unchanged (``keel[pydantic-ai]``).
+
+::
+
+    support = Agent("openai:gpt-4o-mini", instructions="…", tools=[lookup_order])   # the team's agent, as it is
+    KeelAgent(support, name="support")                                               # registers operation "support"
+
+A request to operation ``support`` (input ``{"prompt": "…"}``) runs the agent through Pydantic AI's public durable
+execution seam (``pydantic_ai.durable_exec``: a durability capability given to each run, and its operation backend).
+Every durable unit Pydantic AI dispatches (a model request, a tool call, a tool listing, an argument check) gets the
+next ordinal of the request's run, and its result is recorded, as JSON, in the Keel step that ran it. A step runs the
+agent from its start: each unit already recorded returns what was recorded (nothing is asked or run again), the first
+unit not yet recorded runs, and at the next model request or tool call after it the step ends, scheduling the next
+step (``{request}:support:{n+1}``, keyed from its own key). So each model request and each tool call is one Keel step:
+deadlines, budgets, cancellation and the journal apply between them as between Keel's own plan and tool steps.
+
+What a step spends is charged once: the usage of the model requests it ran (not of those it replayed) is its
+outcome's usage. A model reply or tool result is checkpointed on the job as soon as it exists, so a step retried after
+a crash replays it instead of asking or running again (what is paid for is paid once). A unit may still run twice if
+the process dies between its effect and that checkpoint (a tool that acted, a model that answered): tools that act on
+the world should be idempotent, or declare their effects through Keel's outbox.
+
+Not supported yet (each refused with a clear error or documented): approvals (a tool needing one), streaming, toolsets
+added at run time (Pydantic AI refuses them inside a durable run). Deps are rebuilt for every step from the request's
+input by the ``deps`` function given (they are never serialised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agents.core.commands import JobSpec, Usage, check_json_text
+from agents.core.errors import InvalidInput, InvalidJob, JobError, RateLimited, TransientError
+from agents.core.keys import derive, split_key
+from agents.core.phases import Event
+from agents.jobs.handlers import JobContext, JobResult, Registry, registry
+from models.jobs_sql import request_steps
+
+try:
+    from pydantic_ai import Agent
+    from pydantic_ai.durable_exec import (
+        JSON_CODEC,
+        BaseDurabilityCapability,
+        DurabilityEngineSpec,
+        DurableOperationBackend,
+        DurableOperationId,
+        JournalCallableOperationBackend,
+        ModelRequestId,
+        RoleBasedOperationConfig,
+        ToolsetCallToolId,
+        conversation_id_from_run_id,
+        model_error_retry_after,
+        record_durable_unit,
+    )
+    from pydantic_ai.exceptions import (
+        ModelAPIError,
+        ModelHTTPError,
+        ModelRateLimitError,
+        UnexpectedModelBehavior,
+        UserError,
+    )
+    from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse
+    from pydantic_ai.tools import DeferredToolRequests
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever the tests run
+    raise ImportError("Keel's Pydantic AI integration needs its extra: pip install 'keel[pydantic-ai]'") from exc
+
+#: The longest a provider's Retry-After is honoured before the step is retried anyway (seconds).
+MAX_RETRY_AFTER_SECONDS = 3600.0
+
+
+class PromptInput(BaseModel):
+    """The input of a Pydantic AI agent's operation: the user prompt, and whatever else its ``deps`` function reads."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str = Field(min_length=1)
+
+
+class NotReplayable(Exception):
+    """A step asked for a different unit than the one recorded at its place: the agent is not deterministic outside
+    its model requests and tool calls (Pydantic AI's requirement for durable runs), or it changed between steps."""
+
+
+class _NextStep(Exception):
+    """Raised inside the run at the first model request or tool call after the one this step ran: the step ends."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+@dataclass
+class _Run:
+    """One step's view of the request's run: what earlier steps recorded, what this step records."""
+
+    run_id: str
+    recorded: list[Mapping[str, Any]]
+    #: Units this step ran (and, after a retry, those its earlier attempt checkpointed): its result.
+    ran: list[dict[str, Any]] = field(default_factory=list)
+    next_unit: int = 0
+    #: "model" or "tool": the kind of the one model request or tool call this step ran (None: none yet).
+    ran_kind: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    checkpoint: Callable[[list[dict[str, Any]]], None] = lambda ran: None
+    cost: Callable[[ModelResponse], Decimal] | None = None
+
+
+_current: ContextVar[_Run | None] = ContextVar("keel_pydantic_ai_run", default=None)
+
+
+def _kind(operation_id: DurableOperationId) -> str | None:
+    """A step's kind of unit: a model request or a tool call; None for the cheap ones a step runs along the way."""
+    if isinstance(operation_id, ModelRequestId):
+        return "model"
+    if isinstance(operation_id, ToolsetCallToolId):
+        return "tool"
+    return None
+
+
+class _Backend(JournalCallableOperationBackend[None]):
+    async def execute(
+        self,
+        *,
+        operation_id: DurableOperationId,
+        name: str,
+        body: Callable[[], Awaitable[object]],
+        cache_key: tuple[object, ...],
+        config: None,
+    ) -> object:
+        run = _current.get()
+        if run is None:  # outside a Keel step (the agent run on its own): not durable
+            return await body()
+        ordinal = run.next_unit  # taken before any await: units are numbered in the order the run meets them
+        run.next_unit += 1
+        kind = _kind(operation_id)
+        known = run.recorded[ordinal] if ordinal < len(run.recorded) else None
+        if known is not None:
+            if known.get("name") != name:
+                raise NotReplayable(
+                    f"unit {ordinal} of the run was {known.get('name')!r} when recorded, and is {name!r} now"
+                )
+            record_durable_unit(executed=False)
+            return known["result"]
+        if kind is not None and run.ran_kind is not None:
+            raise _NextStep(kind)  # this step ran its model request or tool call: the next one is the next step's
+        result = await body()
+        unit: dict[str, Any] = {"name": name, "result": result}
+        if kind is not None:
+            unit["kind"] = kind
+            run.ran_kind = kind
+        run.ran.append(unit)
+        run.recorded.append(unit)
+        record_durable_unit(executed=True)
+        if kind == "model":
+            run.usage = _plus(run.usage, _usage(result, run.cost))
+            run.checkpoint(run.ran)  # paid for: a retry of this step replays it instead of asking again
+        elif kind == "tool":
+            run.checkpoint(run.ran)  # done: a retry replays its result instead of running it again
+        return result
+
+
+def _plus(a: Usage, b: Usage) -> Usage:
+    return Usage(a.tokens + b.tokens, a.cost + b.cost)
+
+
+def _usage(result: object, cost: Callable[[ModelResponse], Decimal] | None) -> Usage:
+    """What a recorded model response spent: its tokens, and its cost if a ``cost`` function prices it."""
+    data: Mapping[str, Any] = result if isinstance(result, Mapping) else {}
+    found = data.get("usage")
+    usage: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    tokens = int(usage.get("input_tokens") or 0) + int(usage.get("output_tokens") or 0)
+    price = Decimal(0)
+    if cost is not None:
+        price = Decimal(cost(ModelResponse.__pydantic_validator__.validate_python(data)))  # type: ignore[attr-defined]
+    return Usage(tokens, price)
+
+
+class KeelDurability(BaseDurabilityCapability[Any]):
+    """Pydantic AI's durability capability for Keel: given to each run of a :class:`KeelAgent`'s agent."""
+
+    engine_spec = DurabilityEngineSpec(
+        engine_name="Keel",
+        durable_unit_noun="unit",
+        durable_container_noun="Keel request",
+        codec=JSON_CODEC,
+        serialization_failure=lambda e: UserError(f"a value Keel cannot store as JSON: {e}"),
+        wrapped_toolset_kinds=frozenset({"function", "mcp", "dynamic"}),
+        toolset_lifecycles={"function": "enter-always", "mcp": "enter-in-durable-unit", "dynamic": "enter-never"},
+        unsupported_runtime_toolset_kinds=frozenset({"function", "mcp", "dynamic"}),
+        tool_call_result_upgrade_lenient=False,
+        journal_discovery=True,
+        # One tool call per step, in the order the model made them: units keep their numbers on every replay.
+        sequential_tools_in_durable_context=True,
+        tool_config_key=None,
+        nondeterminism_error_types=(NotReplayable,),
+    )
+
+    @property
+    def in_durable_context(self) -> bool:
+        return _current.get() is not None
+
+    def get_durable_operation_backend(self) -> DurableOperationBackend[Any]:
+        return _Backend(
+            agent_name=self.name,
+            default_model_id=self.default_model_id,
+            config=RoleBasedOperationConfig(model=None, event=None, capability=None, tool=None),
+        )
+
+    def get_default_run_id(self) -> str | None:
+        run = _current.get()
+        return None if run is None else run.run_id
+
+    def get_default_conversation_id(self, run_id: str) -> str | None:
+        return conversation_id_from_run_id(run_id) if self.in_durable_context else None
+
+
+class KeelAgent:
+    """Register a Pydantic AI ``agent`` with Keel as operation ``name``: a request to it runs the agent, each model
+    request and each tool call one Keel step. ``deps`` builds the run's dependencies from the request's input (called
+    in every step: deterministic, no I/O); ``cost`` prices a model response (default: tokens only, no cost);
+    ``registry`` is the worker's (``@handler``'s) unless given."""
+
+    def __init__(
+        self,
+        agent: Agent[Any, Any],
+        *,
+        name: str,
+        deps: Callable[[Mapping[str, Any]], Any] | None = None,
+        cost: Callable[[ModelResponse], Decimal] | None = None,
+        approve: tuple[str, ...] | list[str] = (),
+        registry: Registry = registry,
+    ) -> None:
+        JobSpec(name, "1")  # the name must be able to be part of a key: refused here, naming the rule, if not
+        if approve:
+            raise InvalidInput(
+                f"KeelAgent {name!r}: approve={list(approve)!r}: approvals of a Pydantic AI agent's tool calls are not"
+                " supported yet"
+            )
+        self.agent = agent
+        self.name = name
+        self.deps = deps
+        self.cost = cost
+        self.durability = KeelDurability(name=agent.name or name)
+        registry.register(name, self.step, input=PromptInput)
+
+    def step(self, ctx: JobContext) -> JobResult:
+        """One step of the request's run: replay what earlier steps recorded, run the next unit, stop at the next."""
+        number = int(ctx.target)
+        request_input, steps = request_steps(ctx.db, ctx.agent_id, ctx.request_id)
+        recorded = self._recorded(ctx.key, number, steps)
+        ran = list((ctx.checkpointed or {}).get("units") or [])  # an earlier attempt of this step got these
+        run = _Run(
+            run_id=f"{split_key(ctx.key)[0]}:{self.name}",
+            recorded=[*recorded, *ran],
+            ran=ran,
+            cost=self.cost,
+            checkpoint=lambda units: ctx.checkpoint({"units": units}),
+        )
+        run.ran_kind = next((u["kind"] for u in ran if u.get("kind")), None)
+        for unit in ran:
+            if unit.get("kind") == "model":
+                run.usage = _plus(run.usage, _usage(unit["result"], self.cost))
+        given = request_input if isinstance(request_input, Mapping) else {"prompt": str(request_input)}
+        try:
+            output, messages = asyncio.run(self._run(run, given))
+        except _NextStep as stop:
+            event = _event(run.ran_kind, stop.kind)
+            return JobResult(
+                output={"units": run.ran},
+                usage=run.usage,
+                event=event,
+                jobs=(JobSpec(self.name, str(number + 1)),),
+            )
+        except JobError as exc:  # a Keel tool's own failure, classified by the tool
+            exc.usage = run.usage
+            raise
+        except (ModelAPIError, UnexpectedModelBehavior, NotReplayable, UserError) as exc:
+            raise _classified(exc, run.usage) from exc
+        answer = output.model_dump(mode="json") if isinstance(output, BaseModel) else output
+        if isinstance(output, DeferredToolRequests):  # pragma: no cover - approvals are refused at registration
+            raise InvalidJob("the agent asked for a tool call's approval: not supported yet", usage=run.usage)
+        result = {"units": run.ran, "answer": answer, "messages": messages}
+        try:
+            check_json_text("the agent's answer", result)
+        except InvalidInput as exc:
+            raise InvalidJob(str(exc), usage=run.usage) from None
+        return JobResult(output=result, usage=run.usage, event=Event.FINISH)
+
+    async def _run(self, run: _Run, given: Mapping[str, Any]) -> tuple[Any, Any]:
+        token = _current.set(run)
+        try:
+            deps = self.deps(given) if self.deps is not None else None
+            result = await self.agent.run(str(given["prompt"]), deps=deps, capabilities=[self.durability])
+        finally:
+            _current.reset(token)
+        return result.output, ModelMessagesTypeAdapter.dump_python(result.all_messages(), mode="json")
+
+    def _recorded(self, key: str, number: int, steps: list[dict[str, Any]]) -> list[Mapping[str, Any]]:
+        """The units the request's earlier steps of this agent recorded, in order; a step missing one is a bug."""
+        units: list[Mapping[str, Any]] = []
+        by_key = {s["key"]: s for s in steps}
+        for n in range(1, number):
+            step = by_key.get(derive(key, self.name, str(n)))
+            result = None if step is None else step.get("result")
+            if not isinstance(result, Mapping) or not isinstance(result.get("units"), list):
+                raise InvalidJob(f"step {n} of this run recorded no units: the run cannot be replayed")
+            units.extend(result["units"])
+        return units
+
+
+def _event(ran: str | None, next_kind: str) -> Event | None:
+    """The agent's move at the end of a step: to executing before a tool call, to planning before a model request."""
+    if next_kind == "tool" and ran != "tool":
+        return Event.PLAN
+    if next_kind == "model" and ran == "tool":
+        return Event.OBSERVE
+    return None
+
+
+def _classified(exc: Exception, usage: Usage) -> JobError:
+    """A failure of the run as Keel's retry policy sees it: a provider's 429 is ``rate_limited`` with its
+    Retry-After; its 5xx, timeouts and dropped connections ``transient``; the rest ``invalid``."""
+    message = f"{type(exc).__name__}: {exc}"[:2000]
+    if isinstance(exc, ModelRateLimitError) or (isinstance(exc, ModelHTTPError) and exc.status_code == 429):
+        after = model_error_retry_after(exc, maximum=MAX_RETRY_AFTER_SECONDS)
+        return RateLimited(message, usage=usage, retry_after=after)
+    if isinstance(exc, ModelHTTPError) and exc.status_code < 500 and exc.status_code not in (408, 409):
+        return InvalidJob(message, usage=usage)
+    if isinstance(exc, ModelAPIError):
+        return TransientError(message, usage=usage)
+    return InvalidJob(message, usage=usage)
