@@ -16,7 +16,7 @@ from agents.core.errors import InvalidInput, InvalidJob, quoted
 from agents.core.json_input import check_depth
 from agents.core.phases import Event
 from agents.runtime import tools
-from agents.runtime.loop import approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
+from agents.runtime.loop import PendingApproval, approval_jobs, cancel_round_txn, pending_approval, rejection_jobs
 from models.approvals_sql import WaitingCall, waiting_calls
 from models.schemas import AgentState, ApprovalPage, WaitingApproval
 
@@ -76,7 +76,7 @@ class ApprovalsMixin(ClientBase):
         details: dict[str, Any] = {"call": pending.as_dict()} if pending else {}
         outcome = "approved"
         if arguments is not None and pending is not None:
-            arguments = self._edited_arguments(pending.tool, arguments)
+            arguments = self._edited_arguments(pending, arguments)
             if arguments != dict(pending.arguments):
                 details["edited_arguments"] = arguments
                 outcome = "approved with edited arguments"
@@ -110,7 +110,7 @@ class ApprovalsMixin(ClientBase):
             messages=messages,
         )
 
-    def _edited_arguments(self, tool_name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    def _edited_arguments(self, pending: PendingApproval, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """A person's edit of a call's arguments, if the tool accepts them (else :class:`InvalidInput`)."""
         if not isinstance(arguments, Mapping):
             raise InvalidInput(f"arguments must be a JSON object, got {type(arguments).__name__}")
@@ -118,6 +118,19 @@ class ApprovalsMixin(ClientBase):
         check_depth("arguments", edited)  # the bound parse_json puts on text, before anything recurses into it
         check_json_text("arguments", edited)
         self._import_handlers()
+        tool_name = pending.tool
+        if pending.resume is not None:  # a call an integration's run holds: its own tool checks them
+            operation = str(pending.resume["operation"])
+            check = tools.argument_check(operation)
+            if check is None:
+                raise InvalidInput(
+                    f"operation {operation!r} is not known to this process, so edited arguments cannot be checked:"
+                    " list the module that registers it in KEEL_IMPORTS"
+                )
+            try:
+                return check(tool_name, edited)
+            except InvalidJob as exc:
+                raise InvalidInput(f"edited arguments refused: {exc}") from None
         tool = tools.stored_tool(tool_name)
         if tool is None:
             raise InvalidInput(

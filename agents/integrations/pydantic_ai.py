@@ -20,9 +20,12 @@ a crash replays it instead of asking or running again (what is paid for is paid 
 the process dies between its effect and that checkpoint (a tool that acted, a model that answered): tools that act on
 the world should be idempotent, or declare their effects through Keel's outbox.
 
-Not supported yet (each refused with a clear error or documented): approvals (a tool needing one), streaming, toolsets
-added at run time (Pydantic AI refuses them inside a durable run). Deps are rebuilt for every step from the request's
-input by the ``deps`` function given (they are never serialised).
+A call of a tool named in ``approve`` (or marked ``requires_approval=True``) is held before it runs: the step hands it
+to Keel's ``gate`` (the agent waits in ``waiting_approval``, its call listed with Keel's own), and a person's decision
+(approve, approve with edited arguments, reject with a reason) schedules the next step, which answers the held call
+with it. Not supported (refused with a clear error, or documented): streaming, tools executed outside the agent,
+toolsets added at run time (Pydantic AI refuses them inside a durable run). Deps are rebuilt for every step from the
+request's input by the ``deps`` function given (they are never serialised).
 """
 
 from __future__ import annotations
@@ -34,17 +37,20 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agents.core.commands import JobSpec, Usage, check_json_text
 from agents.core.errors import InvalidInput, InvalidJob, JobError, RateLimited, TransientError
 from agents.core.keys import derive, split_key
-from agents.core.phases import Event
-from agents.jobs.handlers import JobContext, JobResult, Registry, registry
+from agents.core.phases import Event, Phase
+from agents.jobs.handlers import JobContext, JobResult, Registry, describe, registry
+from agents.runtime.loop import step_target
+from agents.runtime.tools import register_argument_check
 from models.jobs_sql import request_steps
 
 try:
-    from pydantic_ai import Agent
+    from pydantic_ai import Agent, RunContext
+    from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.durable_exec import (
         JSON_CODEC,
         BaseDurabilityCapability,
@@ -60,14 +66,23 @@ try:
         record_durable_unit,
     )
     from pydantic_ai.exceptions import (
+        ApprovalRequired,
         ModelAPIError,
         ModelHTTPError,
         ModelRateLimitError,
         UnexpectedModelBehavior,
         UserError,
     )
-    from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse
-    from pydantic_ai.tools import DeferredToolRequests
+    from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse, ToolCallPart
+    from pydantic_ai.tools import (
+        DeferredToolRequests,
+        DeferredToolResults,
+        Tool,
+        ToolApproved,
+        ToolDefinition,
+        ToolDenied,
+    )
+    from pydantic_ai.toolsets import FunctionToolset
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever the tests run
     raise ImportError("Keel's Pydantic AI integration needs its extra: pip install 'keel[pydantic-ai]'") from exc
 
@@ -96,6 +111,14 @@ class _NextStep(Exception):
         self.kind = kind
 
 
+class _AwaitApproval(Exception):
+    """Raised inside the run at a tool call that waits for a person: the step ends, and a gate holds the call."""
+
+    def __init__(self, call: ToolCallPart) -> None:
+        super().__init__(call.tool_name)
+        self.call = call
+
+
 @dataclass
 class _Run:
     """One step's view of the request's run: what earlier steps recorded, what this step records."""
@@ -110,6 +133,8 @@ class _Run:
     usage: Usage = field(default_factory=Usage)
     checkpoint: Callable[[list[dict[str, Any]]], None] = lambda ran: None
     cost: Callable[[ModelResponse], Decimal] | None = None
+    #: People's decisions on held calls, by tool call id, as the steps they resumed carry them.
+    decisions: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 _current: ContextVar[_Run | None] = ContextVar("keel_pydantic_ai_run", default=None)
@@ -221,6 +246,44 @@ class KeelDurability(BaseDurabilityCapability[Any]):
         return conversation_id_from_run_id(run_id) if self.in_durable_context else None
 
 
+@dataclass
+class _KeelApprovals(AbstractCapability[Any]):
+    """Holds a call to a tool named in ``approve`` for a person (before the tool runs), and answers each held call
+    (these and Pydantic AI's ``requires_approval`` tools') with the decision a person made in Keel, if one was made;
+    if not, the run stops there and the step hands the call to a gate (``waiting_approval``)."""
+
+    approve: frozenset[str] = frozenset()
+
+    async def before_tool_execute(
+        self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any
+    ) -> Any:
+        if call.tool_name in self.approve and not ctx.tool_call_approved and _current.get() is not None:
+            raise ApprovalRequired()
+        return args
+
+    async def handle_deferred_tool_calls(
+        self, ctx: RunContext[Any], *, requests: DeferredToolRequests
+    ) -> DeferredToolResults | None:
+        run = _current.get()
+        if run is None:
+            return None
+        if requests.calls:
+            names = ", ".join(sorted({c.tool_name for c in requests.calls}))
+            raise InvalidJob(f"tools executed outside the agent ({names}) are not supported on Keel")
+        answers: dict[str, bool | ToolApproved | ToolDenied] = {}
+        for call in requests.approvals:
+            decision = run.decisions.get(call.tool_call_id)
+            if decision is None:
+                raise _AwaitApproval(call)
+            if not decision.get("approved"):
+                answers[call.tool_call_id] = ToolDenied(str(decision.get("reason") or "A person rejected this call."))
+            elif isinstance(decision.get("arguments"), Mapping):
+                answers[call.tool_call_id] = ToolApproved(override_args=dict(decision["arguments"]))
+            else:
+                answers[call.tool_call_id] = True
+        return DeferredToolResults(approvals=answers)
+
+
 class KeelAgent:
     """Register a Pydantic AI ``agent`` with Keel as operation ``name``: a request to it runs the agent, each model
     request and each tool call one Keel step. ``deps`` builds the run's dependencies from the request's input (called
@@ -238,17 +301,30 @@ class KeelAgent:
         registry: Registry = registry,
     ) -> None:
         JobSpec(name, "1")  # the name must be able to be part of a key: refused here, naming the rule, if not
-        if approve:
-            raise InvalidInput(
-                f"KeelAgent {name!r}: approve={list(approve)!r}: approvals of a Pydantic AI agent's tool calls are not"
-                " supported yet"
-            )
+        self.tools = _function_tools(agent)
+        unknown = sorted(set(approve) - set(self.tools))
+        if unknown:
+            known = ", ".join(sorted(self.tools)) or "none"
+            raise InvalidInput(f"KeelAgent {name!r}: approve names no tool of the agent: {unknown} (tools: {known})")
         self.agent = agent
         self.name = name
         self.deps = deps
         self.cost = cost
         self.durability = KeelDurability(name=agent.name or name)
+        self.approvals = _KeelApprovals(frozenset(approve))
         registry.register(name, self.step, input=PromptInput)
+        register_argument_check(name, self.check_arguments)
+
+    def check_arguments(self, tool_name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A person's edit of a held call's arguments, as the tool will check them (else InvalidJob naming why)."""
+        tool = self.tools.get(tool_name)
+        if tool is None:
+            raise InvalidJob(f"the agent has no tool named {tool_name!r}")
+        try:
+            tool.function_schema.validator.validate_python(dict(arguments))
+        except ValidationError as exc:
+            raise InvalidJob(f"{tool_name}: {describe(exc, 'arguments')}") from None
+        return dict(arguments)
 
     def step(self, ctx: JobContext) -> JobResult:
         """One step of the request's run: replay what earlier steps recorded, run the next unit, stop at the next."""
@@ -264,6 +340,13 @@ class KeelAgent:
             checkpoint=lambda units: ctx.checkpoint({"units": units}),
         )
         run.ran_kind = next((u["kind"] for u in ran if u.get("kind")), None)
+        mine = [st for st in steps if st["operation"] == self.name]
+        run.decisions = {
+            str(d["tool_call_id"]): d
+            for st in mine
+            if isinstance(d := (st.get("payload") or {}).get("decision"), Mapping) and "tool_call_id" in d
+        }
+        phase = self._phase_at(ctx, number, mine)
         for unit in ran:
             if unit.get("kind") == "model":
                 run.usage = _plus(run.usage, _usage(unit["result"], self.cost))
@@ -271,12 +354,30 @@ class KeelAgent:
         try:
             output, messages = asyncio.run(self._run(run, given))
         except _NextStep as stop:
-            event = _event(run.ran_kind, stop.kind)
+            following = Phase.EXECUTING if stop.kind == "tool" else Phase.PLANNING
             return JobResult(
-                output={"units": run.ran},
+                output={"units": run.ran, "next": stop.kind},
                 usage=run.usage,
-                event=event,
+                event=_move(phase, following),
                 jobs=(JobSpec(self.name, str(number + 1)),),
+            )
+        except _AwaitApproval as held:
+            call = held.call
+            payload = {
+                "arguments": call.args_as_dict(),
+                "round": number,
+                "call_id": call.tool_call_id,
+                "tool_call_id": call.tool_call_id,
+                "function": call.tool_name,
+                "tool": call.tool_name,
+                "resume": {"operation": self.name, "step": number + 1},
+            }
+            gate = JobSpec("gate", step_target(call.tool_name, number, call.tool_call_id), payload=payload)
+            return JobResult(
+                output={"units": run.ran, "next": "gate", "held": call.tool_call_id},
+                usage=run.usage,
+                event=_move(phase, Phase.EXECUTING),
+                jobs=(gate,),
             )
         except JobError as exc:  # a Keel tool's own failure, classified by the tool
             exc.usage = run.usage
@@ -284,8 +385,8 @@ class KeelAgent:
         except (ModelAPIError, UnexpectedModelBehavior, NotReplayable, UserError) as exc:
             raise _classified(exc, run.usage) from exc
         answer = output.model_dump(mode="json") if isinstance(output, BaseModel) else output
-        if isinstance(output, DeferredToolRequests):  # pragma: no cover - approvals are refused at registration
-            raise InvalidJob("the agent asked for a tool call's approval: not supported yet", usage=run.usage)
+        if isinstance(output, DeferredToolRequests):  # unanswered calls the agent's output type lets through
+            raise InvalidJob("the agent's run ended with tool calls no one answered", usage=run.usage)
         result = {"units": run.ran, "answer": answer, "messages": messages}
         try:
             check_json_text("the agent's answer", result)
@@ -297,10 +398,24 @@ class KeelAgent:
         token = _current.set(run)
         try:
             deps = self.deps(given) if self.deps is not None else None
-            result = await self.agent.run(str(given["prompt"]), deps=deps, capabilities=[self.durability])
+            result = await self.agent.run(
+                str(given["prompt"]), deps=deps, capabilities=[self.durability, self.approvals]
+            )
         finally:
             _current.reset(token)
         return result.output, ModelMessagesTypeAdapter.dump_python(result.all_messages(), mode="json")
+
+    def _phase_at(self, ctx: JobContext, number: int, mine: list[dict[str, Any]]) -> Phase:
+        """The agent's phase as this step starts: planning before a model request, executing before a tool call
+        (what the step before it, or the decision that scheduled it, moved it to)."""
+        decision = ctx.payload.get("decision")
+        if isinstance(decision, Mapping):
+            return Phase.EXECUTING if decision.get("approved") else Phase.PLANNING
+        if number == 1:
+            return Phase.PLANNING
+        before = next((st for st in mine if st["key"] == derive(ctx.key, self.name, str(number - 1))), None)
+        said = ((before or {}).get("result") or {}).get("next")
+        return Phase.EXECUTING if said == "tool" else Phase.PLANNING
 
     def _recorded(self, key: str, number: int, steps: list[dict[str, Any]]) -> list[Mapping[str, Any]]:
         """The units the request's earlier steps of this agent recorded, in order; a step missing one is a bug."""
@@ -315,13 +430,21 @@ class KeelAgent:
         return units
 
 
-def _event(ran: str | None, next_kind: str) -> Event | None:
-    """The agent's move at the end of a step: to executing before a tool call, to planning before a model request."""
-    if next_kind == "tool" and ran != "tool":
-        return Event.PLAN
-    if next_kind == "model" and ran == "tool":
-        return Event.OBSERVE
-    return None
+def _move(now: Phase, to: Phase) -> Event | None:
+    """The agent's move at the end of a step: to executing before a tool call (or a held one), to planning before a
+    model request; None when it is there already."""
+    if now is to:
+        return None
+    return Event.PLAN if to is Phase.EXECUTING else Event.OBSERVE
+
+
+def _function_tools(agent: Agent[Any, Any]) -> dict[str, Tool[Any]]:
+    """The agent's own function tools by name (what ``approve`` may name, and what checks an edit's arguments)."""
+    found: dict[str, Tool[Any]] = {}
+    for toolset in agent.toolsets:
+        if isinstance(toolset, FunctionToolset):
+            found.update(toolset.tools)
+    return found
 
 
 def _classified(exc: Exception, usage: Usage) -> JobError:

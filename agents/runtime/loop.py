@@ -365,6 +365,9 @@ class PendingApproval:
     notice_channel: str | None = None
     #: The channel told that the call was escalated (None: it was not, or nobody was): followed up there too.
     escalation_channel: str | None = None
+    #: For a gate a framework integration scheduled (agents/integrations): the step its decision resumes, as
+    #: ``{"operation": …, "step": n}``; None for Keel's own loop (an approval runs the tool, a rejection plans again).
+    resume: Mapping[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"tool": self.tool, "call_id": self.call_id, "arguments": dict(self.arguments), "round": self.round}
@@ -392,12 +395,15 @@ def pending_approval(db: Database, agent_id: UUID, request_id: str | None) -> Pe
     # plan step naming it rejected. Read by key: a waiting agent's view costs its gates, not its whole request.
     answers = [_approved_key(g) for g in gates]
     answers += [derive(g["key"], "plan", str(int(g["payload"]["round"]) + 1)) for g in gates]
+    answers += [k for k in map(_resumed_key, gates) if k is not None]
     _, found = request_steps_by_key(db, agent_id, request_id, answers) if gates else (None, {})
     rejected = _rejections([s for s in found.values() if s["operation"] == "plan"])
     for step in gates:
         payload = step["payload"]
         round_, call_id = int(payload["round"]), str(payload.get("tool_call_id", payload["call_id"]))
         if _approved_key(step) in found or (round_, tool_call_key(call_id)) in rejected:
+            continue
+        if _resumed_key(step) in found:  # an integration's gate: its decision scheduled the step it resumes
             continue
         output = (step["result"] or {}) if isinstance(step["result"], Mapping) else {}
         channel = output.get("notice_channel")
@@ -412,8 +418,22 @@ def pending_approval(db: Database, agent_id: UUID, request_id: str | None) -> Pe
             since=step["finished_at"],
             notice_channel=channel if isinstance(channel, str) else None,
             escalation_channel=None if escalated is None else str(escalated["destination"]),
+            resume=_resume_of(payload),
         )
     return None
+
+
+def _resume_of(payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    resume = payload.get("resume")
+    return resume if isinstance(resume, Mapping) else None
+
+
+def _resumed_key(gate: Mapping[str, Any]) -> str | None:
+    """The key of the step an integration's gate resumes once decided (None: a gate of Keel's own loop)."""
+    resume = _resume_of(gate["payload"] or {})
+    if resume is None:
+        return None
+    return derive(gate["key"], str(resume["operation"]), str(resume["step"]))
 
 
 def _approved_key(gate: Mapping[str, Any]) -> str:
@@ -437,6 +457,12 @@ def approval_jobs(pending: PendingApproval, arguments: Mapping[str, Any] | None 
     """What an approval schedules: the held call itself, marked approved; with ``arguments`` (a person's edit,
     already validated), the call runs with those, and its result tells the model what was changed."""
     edited = arguments is not None and dict(arguments) != dict(pending.arguments)
+    if pending.resume is not None:
+        decision: dict[str, Any] = {"tool_call_id": pending.call_id, "approved": True}
+        if edited:
+            decision["arguments"] = dict(arguments or {})
+            decision["edited_from"] = dict(pending.arguments)
+        return (_resumed(pending.resume, decision),)
     payload: dict[str, Any] = {
         "arguments": dict(arguments if arguments is not None else pending.arguments),
         "round": pending.round,
@@ -455,8 +481,15 @@ def rejection_jobs(pending: PendingApproval, reason: str, *, timed_out: bool = F
     entry: dict[str, Any] = {"tool_call_id": pending.call_id, "reason": reason}
     if timed_out:
         entry["timed_out"] = True
+    if pending.resume is not None:
+        return (_resumed(pending.resume, {**entry, "approved": False}),)
     rejected = [entry]
     return (JobSpec("plan", str(pending.round + 1), payload={"rejected": rejected}),)
+
+
+def _resumed(resume: Mapping[str, Any], decision: Mapping[str, Any]) -> JobSpec:
+    """The step an integration's gate resumes, carrying the person's (or the timeout's) decision."""
+    return JobSpec(str(resume["operation"]), str(resume["step"]), payload={"decision": dict(decision)})
 
 
 def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:

@@ -139,6 +139,22 @@ def stored_tool(name: str) -> Tool | None:
     return _TOOLS.get(name) or _TOOLS.get(name.replace(".", "_"))
 
 
+#: How a framework integration's operation checks a person's edit of a held call's arguments (agents/integrations):
+#: ``check(tool_name, arguments)`` returns them as the tool will take them, or raises InvalidJob saying what is wrong.
+ArgumentCheck = Callable[[str, Mapping[str, Any]], dict[str, Any]]
+_ARGUMENT_CHECKS: dict[str, ArgumentCheck] = {}
+
+
+def register_argument_check(operation: str, check: ArgumentCheck) -> None:
+    """Let a person's edited arguments for a call held by ``operation``'s run be checked before they are accepted."""
+    _ARGUMENT_CHECKS[operation] = check
+
+
+def argument_check(operation: str) -> ArgumentCheck | None:
+    """The check an integration registered for ``operation`` (None: none in this process)."""
+    return _ARGUMENT_CHECKS.get(operation)
+
+
 def load_entry_points() -> None:
     for point in entry_points(group="keel.tools"):
         point.load()

@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.exceptions import ModelHTTPError
-from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RequestUsage
 
@@ -185,8 +185,94 @@ def test_a_submit_without_a_prompt_is_refused_naming_the_field(client: Client) -
     assert client.get_state(agent.id).phase == "idle"
 
 
-def test_approvals_are_refused_until_supported_and_a_bad_name_names_the_rule() -> None:
-    with pytest.raises(InvalidInput, match="approvals of a Pydantic AI agent's tool calls are not supported yet"):
-        KeelAgent(_support_agent(), name="pai_approving", approve=["write_note"])
+def test_approve_must_name_the_agents_tools_and_the_name_must_fit_a_key() -> None:
+    with pytest.raises(InvalidInput, match=r"approve names no tool of the agent: \['refnud'\] \(tools: lookup_order"):
+        KeelAgent(_support_agent(), name="pai_approving", approve=["refnud"])
     with pytest.raises(InvalidInput):
         KeelAgent(_support_agent(), name="bad:name")
+
+
+# --- approvals -------------------------------------------------------------------------------------------------
+
+
+def _refunding_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """Looks the order up, asks for a refund, then says what became of it (the refund's result, or its denial)."""
+    CALLS["model"] += 1
+    parts = [p for m in messages for p in getattr(m, "parts", [])]
+    returned = [p for p in parts if getattr(p, "part_kind", "") in ("tool-return", "retry-prompt")]
+    usage = RequestUsage(input_tokens=10, output_tokens=5)
+    if not returned:
+        return ModelResponse(parts=[ToolCallPart("lookup_order", {"order": "A-1"}, tool_call_id="c1")], usage=usage)
+    if len(returned) == 1:
+        call = ToolCallPart("refund", {"order": "A-1", "amount": 30}, tool_call_id="c2")
+        return ModelResponse(parts=[call], usage=usage)
+    return ModelResponse(parts=[TextPart(f"Outcome: {returned[-1].content}")], usage=usage)
+
+
+REFUNDS: list[dict[str, Any]] = []
+
+
+def _refunding_agent() -> Agent[None, str]:
+    agent: Agent[None, str] = Agent(FunctionModel(_refunding_model), name="refunder")
+
+    @agent.tool_plain
+    def lookup_order(order: str) -> str:
+        CALLS["lookup_order"] += 1
+        return f"{order} arrived broken"
+
+    @agent.tool_plain
+    def refund(order: str, amount: int) -> str:
+        REFUNDS.append({"order": order, "amount": amount})
+        return f"refunded {amount} on {order}"
+
+    return agent
+
+
+REFUNDER = KeelAgent(_refunding_agent(), name="pai_refund", approve=["refund"])
+
+
+def _held(client: Client, db: Database, name: str) -> Any:
+    REFUNDS.clear()
+    agent = client.create_agent(name)
+    client.submit(agent.id, "req-1", {"prompt": "refund A-1"}, operation="pai_refund")
+    run_all(db)
+    state = client.get_state(agent.id)
+    assert state.phase == "waiting_approval"
+    assert state.pending_approval is not None
+    assert (state.pending_approval["tool"], state.pending_approval["arguments"]) == (
+        "refund",
+        {"order": "A-1", "amount": 30},
+    )
+    assert REFUNDS == [], "nothing ran before a person decided"
+    return state
+
+
+def test_a_tool_named_in_approve_waits_for_a_person_and_runs_once_with_the_edited_arguments(
+    client: Client, db: Database
+) -> None:
+    state = _held(client, db, "pai-5")
+    assert [a.tool for a in client.approvals().approvals if a.agent_id == state.id] == ["refund"]
+    with pytest.raises(InvalidInput, match=r"edited arguments refused: refund: arguments\.amount"):
+        client.approve(
+            state.id, expected_revision=state.revision, actor="carol", arguments={"order": "A-1", "amount": "lots"}
+        )
+    assert client.get_state(state.id).revision == state.revision, "a refused edit changed nothing"
+    client.approve(state.id, expected_revision=state.revision, actor="carol", arguments={"order": "A-1", "amount": 20})
+    run_all(db)
+    done = client.get_state(state.id)
+    assert done.phase == "done"
+    assert REFUNDS == [{"order": "A-1", "amount": 20}], "the refund ran once, with the person's arguments"
+    assert CALLS == {"model": 3, "lookup_order": 1}, "no model request or tool call was repeated"
+    last = job_row(db, scoped(state.id, "req-1:pai_refund:5"))
+    assert last is not None and last["result"]["answer"] == "Outcome: refunded 20 on A-1"
+
+
+def test_a_rejected_call_never_runs_and_the_model_is_told_why(client: Client, db: Database) -> None:
+    state = _held(client, db, "pai-6")
+    client.reject(state.id, expected_revision=state.revision, actor="dana", reason="not without a photo")
+    run_all(db)
+    done = client.get_state(state.id)
+    assert done.phase == "done"
+    assert REFUNDS == []
+    answers = [r["result"].get("answer") for r in _steps(db, state.id, "req-1") if r["result"]]
+    assert "Outcome: not without a photo" in answers
