@@ -42,8 +42,15 @@ from models.roles import RoleNames, refuse_privileged
 from models.settings import Settings
 from models.urls import libpq_url
 
+try:  # the demo's Pydantic AI agent, with the pydantic-ai extra (registers operation concierge here too)
+    from agents.demo import pai
+except ImportError:  # pragma: no cover - the extra is installed wherever the tests run
+    pai = None  # type: ignore[assignment]
+
 #: The demo's agents are named with this prefix: its approver token sees only them.
 DEMO_PREFIX = "demo-"
+#: What the Pydantic AI agent's model and tools log over its run (agents/demo/pai.py): each reply and call once.
+PAI_EXPECTED = ["model reply 1", "runbook failover", "model reply 2", "page_oncall database", "model reply 3"]
 
 SLACK_TOKEN = "xoxb-keel-demo-sink-token"
 GITHUB_TOKEN = "ghp_keelDemoSinkToken"
@@ -65,25 +72,29 @@ def _search(query: str, tokens: int = 150) -> dict[str, Any]:
     return {"tool_calls": [{"name": "kb_search", "arguments": {"query": query}}], "tokens": tokens, "cost": "0.002"}
 
 
-def scenarios() -> list[tuple[str, dict[str, Any], dict[str, Any], str]]:
-    """(agent, budget, request input, how it should end)."""
+def scenarios() -> list[tuple[str, dict[str, Any], dict[str, Any], str, str]]:
+    """(agent, budget, request input, how it should end, operation)."""
     post = {"name": "slack_post", "arguments": {"channel": "C0DEMO", "text": "Incident summary posted by Keel"}}
     comment = {
         "name": "github_comment",
         "arguments": {"repository": "acme/api", "issue": 42, "body": "Root cause: failover"},
     }
     final = {"content": "Two incidents; the database failover is the root cause.", "tokens": 90, "cost": "0.001"}
-    out: list[tuple[str, dict[str, Any], dict[str, Any], str]] = []
+    out: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = []
     for n in range(1, 4):
         script = [_search(f"outage {n}"), {"tool_calls": [post], "tokens": 120}, final]
-        out.append((f"triage-{n}", {}, {"prompt": f"Triage outage {n}", "script": script}, "done"))
+        out.append((f"triage-{n}", {}, {"prompt": f"Triage outage {n}", "script": script}, "done", "plan"))
     for n in range(1, 3):
         script = [_search("failover"), {"tool_calls": [comment], "tokens": 110}, final]
-        out.append((f"reviewer-{n}", {}, {"prompt": "Explain the failover on the issue", "script": script}, "done"))
+        asked = {"prompt": "Explain the failover on the issue", "script": script}
+        out.append((f"reviewer-{n}", {}, asked, "done", "plan"))
     flaky = [{**_search("cache"), "error": "transient", "tokens": 40}, final]
-    out.append(("flaky-model", {}, {"prompt": "What broke the cache?", "script": flaky}, "done"))
+    out.append(("flaky-model", {}, {"prompt": "What broke the cache?", "script": flaky}, "done", "plan"))
     spender = [_search("a"), _search("b"), _search("c"), _search("d"), final]
-    out.append(("spender", {"budget_tokens": 400}, {"prompt": "Search everything", "script": spender}, "failed"))
+    asked = {"prompt": "Search everything", "script": spender}
+    out.append(("spender", {"budget_tokens": 400}, asked, "failed", "plan"))
+    if pai is not None:  # the Pydantic AI agent: its own replies, its own tools, one call held for approval
+        out.append(("concierge", {}, {"prompt": "The database failed over: who do we page?"}, "done", "concierge"))
     return out
 
 
@@ -312,7 +323,7 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
             "KEEL_HOME": str(settings.home.resolve()),
             # Log files a person reads: readable lines, unless KEEL_LOG_FORMAT asks for JSON.
             "KEEL_LOG_FORMAT": settings.log_format or "console",
-            "KEEL_IMPORTS": json.dumps(["agents.demo.tools"]),
+            "KEEL_IMPORTS": json.dumps(["agents.demo.tools", *(["agents.demo.pai"] if pai is not None else [])]),
             "KEEL_LLM_PROVIDER": "scripted",
             "KEEL_SLACK_TOKEN": SLACK_TOKEN,
             "KEEL_SLACK_API_URL": f"{slack.url}/api/",
@@ -345,17 +356,24 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
             stack.wait_ready("worker-1")
         approver = HttpClient(api_url, secret)
         out.line(
-            f"worker, beat, the API at {api_url} and the Slack/GitHub sinks are up; submitting 7 scripted requests"
+            f"worker, beat, the API at {api_url} and the Slack/GitHub sinks are up; submitting"
+            f" {len(scenarios())} scripted requests" + ("" if pai is None else " (one to a Pydantic AI agent)")
         )
         expected: dict[str, str] = {}
-        ids = {}
-        for name, budget, request, ending in scenarios():
+        ids: dict[str, Any] = {}
+        late: list[Callable[[], None]] = []
+        for name, budget, request, ending, operation in scenarios():
             # DEMO_PREFIX: the approver token sees only them.
             agent = client.create_agent(f"{DEMO_PREFIX}{name}-{run}", **budget)
-            client.submit(agent.id, f"{name}-{run}", request, actor="demo")
             expected[agent.name] = ending
-            ids[agent.name] = agent.id
-        _drive(client, approver, ids, stack, run, out, checks)
+            submit = _submitter(client, ids, agent, f"{name}-{run}", request, operation)
+            # The Pydantic AI agent's steps take milliseconds: submitted once the worker was killed, so that its
+            # log (each reply and tool call once) is not muddled by a kill between a call and its checkpoint.
+            if operation == "concierge":
+                late.append(submit)
+            else:
+                submit()
+        _drive(client, approver, ids, stack, run, out, checks, late)
         _report(client, db, ids, expected, slack, github, logs, out, checks)
         approvals = [e for a in ids.values() for e in client.journal(agent_id=a) if e.event == "approve"]
         checks(
@@ -383,21 +401,49 @@ def _run_demo(settings: Settings, out: Progress, shutdown: Shutdown, migrate: bo
     return 0 if checks.ok else 1
 
 
+def _submitter(
+    client: Client, ids: dict[str, Any], agent: Any, request_id: str, request: Any, operation: str
+) -> Callable[[], None]:
+    """Submit one scenario's request (now, or when the demo says) and follow its agent from then on."""
+
+    def submit() -> None:
+        client.submit(agent.id, request_id, request, actor="demo", operation=operation)
+        ids[agent.name] = agent.id
+
+    return submit
+
+
 def _drive(
-    client: Client, approver: HttpClient, ids: dict[str, Any], stack: Stack, run: str, out: Progress, checks: Checks
+    client: Client,
+    approver: HttpClient,
+    ids: dict[str, Any],
+    stack: Stack,
+    run: str,
+    out: Progress,
+    checks: Checks,
+    late: list[Callable[[], None]],
 ) -> None:
-    """Run until every request rests: kill the worker once a tool is mid-call, approve what waits (over HTTP)."""
-    with out.task(f"running {len(ids)} requests", total=len(ids)) as step:
-        killed = _drive_until_rest(client, approver, ids, stack, run, out, step)
+    """Run until every request rests: kill the worker once a tool is mid-call (then submit the ``late`` ones),
+    approve what waits (over HTTP)."""
+    with out.task(f"running {len(ids) + len(late)} requests", total=len(ids) + len(late)) as step:
+        killed = _drive_until_rest(client, approver, ids, stack, run, out, step, late)
     checks("the worker was killed mid-run and a new one took over", killed)
     checks("every request came to rest", all(client.get_state(a).phase in ("done", "failed") for a in ids.values()))
 
 
 def _drive_until_rest(
-    client: Client, approver: HttpClient, ids: dict[str, Any], stack: Stack, run: str, out: Progress, step: Step
+    client: Client,
+    approver: HttpClient,
+    ids: dict[str, Any],
+    stack: Stack,
+    run: str,
+    out: Progress,
+    step: Step,
+    late: list[Callable[[], None]],
 ) -> bool:
     killed = False
     approved: set[str] = set()
+    waiting = list(late)  # submitted once the worker was killed (or, if it never was, once the rest came to rest)
     deadline = time.monotonic() + 90
     last = ""
     while time.monotonic() < deadline:
@@ -412,6 +458,8 @@ def _drive_until_rest(
             stack.start("worker-2", "worker", "-n", f"demo2-{run}@%h")
             stack.wait_ready("worker-2")
             killed = True
+            while waiting:
+                waiting.pop(0)()
             continue
         for name, state in states.items():
             if state.phase == "waiting_approval" and name not in approved and state.pending_approval:
@@ -429,7 +477,10 @@ def _drive_until_rest(
             out.line(f"  {line}")
             last = line
         if at_rest == len(states):
-            break
+            if not waiting:
+                break
+            while waiting:
+                waiting.pop(0)()
         time.sleep(0.3)
     return killed
 
@@ -498,6 +549,12 @@ def _report(
     )
     checks("every Slack and GitHub message was delivered", len(at_receivers) == 5 and k["deliveries"] == 5)
     checks("no finished tool call ran again after the crash", all(n == 1 for n in searches.values()))
+    if pai is not None:
+        said = Counter((logs / pai.PAI_LOG).read_text().splitlines()) if (logs / pai.PAI_LOG).exists() else Counter()
+        checks(
+            "the Pydantic AI agent's model was asked once per reply and its tools ran once, the page once approved",
+            said == Counter(PAI_EXPECTED),
+        )
     checks("the killed step and the flaky model recovered", (k["recovery_rate"] or 0) == 1.0)
     report = journal.verify(db)
     checks("every journal hash chain verifies", report.ok)

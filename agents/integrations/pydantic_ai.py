@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from agents.core.commands import JobSpec, Usage, check_json_text
+from agents.core.commands import JobSpec, MessageSpec, Usage, check_json_text
 from agents.core.errors import InvalidInput, InvalidJob, JobError, RateLimited, TransientError
 from agents.core.keys import derive, split_key
 from agents.core.phases import Event, Phase
-from agents.jobs.handlers import JobContext, JobResult, Registry, describe, registry
-from agents.runtime.loop import step_target
+from agents.jobs.handlers import JobContext, JobResult, Registry, describe, message_json, registry
+from agents.runtime.loop import edit_summary, step_target
 from agents.runtime.tools import register_argument_check
 from models.jobs_sql import request_steps
 
@@ -58,6 +58,8 @@ try:
         DurableOperationBackend,
         DurableOperationId,
         JournalCallableOperationBackend,
+        ModelCompactMessagesId,
+        ModelCountTokensId,
         ModelRequestId,
         RoleBasedOperationConfig,
         ToolsetCallToolId,
@@ -71,6 +73,7 @@ try:
         ModelHTTPError,
         ModelRateLimitError,
         UnexpectedModelBehavior,
+        UsageLimitExceeded,
         UserError,
     )
     from pydantic_ai.messages import ModelMessagesTypeAdapter, ModelResponse, ToolCallPart
@@ -98,25 +101,30 @@ class PromptInput(BaseModel):
     prompt: str = Field(min_length=1)
 
 
-class NotReplayable(Exception):
+class NotReplayable(InvalidJob):
     """A step asked for a different unit than the one recorded at its place: the agent is not deterministic outside
-    its model requests and tool calls (Pydantic AI's requirement for durable runs), or it changed between steps."""
+    its model requests and tool calls (Pydantic AI's requirement for durable runs), or it changed between steps.
+    Retrying cannot help: the step fails as ``invalid``."""
 
 
-class _NextStep(Exception):
-    """Raised inside the run at the first model request or tool call after the one this step ran: the step ends."""
+class _NextStep(BaseException):
+    """Raised inside the run at the first model request or tool call after the one this step ran: the step ends.
+    Not an ``Exception``: a capability's tool-error hook (``on_tool_execute_error``) must not take it for a failure."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
         self.kind = kind
 
 
-class _AwaitApproval(Exception):
-    """Raised inside the run at a tool call that waits for a person: the step ends, and a gate holds the call."""
+class _AwaitApproval(BaseException):
+    """Raised inside the run at a tool call that waits for a person: the step ends, and a gate holds the call.
+    ``at`` is where in the run it is held (the number of units met before it): with the call's id, what a decision
+    answers (a provider may reuse a call id in a later reply)."""
 
-    def __init__(self, call: ToolCallPart) -> None:
+    def __init__(self, call: ToolCallPart, at: int) -> None:
         super().__init__(call.tool_name)
         self.call = call
+        self.at = at
 
 
 @dataclass
@@ -133,16 +141,21 @@ class _Run:
     usage: Usage = field(default_factory=Usage)
     checkpoint: Callable[[list[dict[str, Any]]], None] = lambda ran: None
     cost: Callable[[ModelResponse], Decimal] | None = None
-    #: People's decisions on held calls, by tool call id, as the steps they resumed carry them.
-    decisions: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: People's decisions on held calls, by (where the run held the call, its id), as the steps they resumed carry them.
+    decisions: Mapping[tuple[int, str], Mapping[str, Any]] = field(default_factory=dict)
+    #: What the model is told about calls a person approved with edited arguments, by call id, until they run.
+    edited: dict[str, str] = field(default_factory=dict)
+    #: What the tool running now asked to :func:`send` (None: no tool of this step is running).
+    sending: list[MessageSpec] | None = None
 
 
 _current: ContextVar[_Run | None] = ContextVar("keel_pydantic_ai_run", default=None)
 
 
 def _kind(operation_id: DurableOperationId) -> str | None:
-    """A step's kind of unit: a model request or a tool call; None for the cheap ones a step runs along the way."""
-    if isinstance(operation_id, ModelRequestId):
+    """A step's kind of unit: a call to the model (a request, a compaction of the history, a count of tokens: each
+    may be paid for), or a tool call; None for the cheap ones a step runs along the way."""
+    if isinstance(operation_id, ModelRequestId | ModelCompactMessagesId | ModelCountTokensId):
         return "model"
     if isinstance(operation_id, ToolsetCallToolId):
         return "tool"
@@ -175,19 +188,27 @@ class _Backend(JournalCallableOperationBackend[None]):
             return known["result"]
         if kind is not None and run.ran_kind is not None:
             raise _NextStep(kind)  # this step ran its model request or tool call: the next one is the next step's
-        result = await body()
+        if kind == "tool":
+            run.sending = []
+        try:
+            result = await body()
+        finally:
+            sent, run.sending = run.sending or [], None
         unit: dict[str, Any] = {"name": name, "result": result}
+        if sent:  # recorded with the tool's result: a retry of this step replays them with it, under the same keys
+            unit["messages"] = [message_json(m) for m in sent]
         if kind is not None:
             unit["kind"] = kind
             run.ran_kind = kind
         run.ran.append(unit)
         run.recorded.append(unit)
         record_durable_unit(executed=True)
+        if kind is not None:
+            # Paid for, or done: a retry of this step replays it instead of asking (or running) again. Checkpointed
+            # before anything else can fail.
+            run.checkpoint(run.ran)
         if kind == "model":
             run.usage = _plus(run.usage, _usage(result, run.cost))
-            run.checkpoint(run.ran)  # paid for: a retry of this step replays it instead of asking again
-        elif kind == "tool":
-            run.checkpoint(run.ran)  # done: a retry replays its result instead of running it again
         return result
 
 
@@ -195,16 +216,45 @@ def _plus(a: Usage, b: Usage) -> Usage:
     return Usage(a.tokens + b.tokens, a.cost + b.cost)
 
 
+_RESPONSE: TypeAdapter[ModelResponse] = TypeAdapter(ModelResponse)
+
+
 def _usage(result: object, cost: Callable[[ModelResponse], Decimal] | None) -> Usage:
-    """What a recorded model response spent: its tokens, and its cost if a ``cost`` function prices it."""
+    """What a recorded call to the model spent: its tokens, and for a response, its cost if ``cost`` prices it. A
+    ``cost`` that fails is the step's failure (``invalid``), its tokens still charged."""
     data: Mapping[str, Any] = result if isinstance(result, Mapping) else {}
     found = data.get("usage")
-    usage: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    usage: Mapping[str, Any] = found if isinstance(found, Mapping) else data  # a count of tokens is a usage itself
     tokens = int(usage.get("input_tokens") or 0) + int(usage.get("output_tokens") or 0)
-    price = Decimal(0)
-    if cost is not None:
-        price = Decimal(cost(ModelResponse.__pydantic_validator__.validate_python(data)))  # type: ignore[attr-defined]
-    return Usage(tokens, price)
+    if cost is None or data.get("kind") != "response":
+        return Usage(tokens)
+    try:
+        price = Decimal(cost(_RESPONSE.validate_python(data)))
+        return Usage(tokens, price)
+    except Exception as exc:  # the user's pricing function: whatever it raises
+        why = f"cost= could not price the model's response: {type(exc).__name__}: {exc}"
+        raise _Priced(Usage(tokens), why) from exc
+
+
+class _Priced(Exception):
+    """The ``cost`` function failed on a response already checkpointed: its tokens are charged with the failure."""
+
+    def __init__(self, usage: Usage, message: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+def send(message: MessageSpec) -> None:
+    """Inside a tool of a :class:`KeelAgent`'s agent: send ``message`` (Slack or GitHub) through Keel's outbox. It
+    leaves once the step that ran the tool is recorded, keyed from that step (``message.target`` names it within
+    the step), so it is delivered once however often the step is retried or the tool's result replayed; the relay
+    reconciles with the receiver before any resend. Raises InvalidJob outside such a tool."""
+    run = _current.get()
+    if run is None or run.sending is None:
+        raise InvalidJob("send() is for a tool of a KeelAgent's agent, while Keel runs it")
+    if not isinstance(message, MessageSpec):
+        raise InvalidJob(f"send() takes a MessageSpec, got {type(message).__name__}")
+    run.sending.append(message)
 
 
 class KeelDurability(BaseDurabilityCapability[Any]):
@@ -254,6 +304,15 @@ class _KeelApprovals(AbstractCapability[Any]):
 
     approve: frozenset[str] = frozenset()
 
+    async def after_tool_execute(
+        self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any, result: Any
+    ) -> Any:
+        run = _current.get()
+        summary = None if run is None else run.edited.pop(call.tool_call_id, None)
+        if summary is not None and isinstance(result, str):
+            return f"{summary}\n{result}"
+        return result
+
     async def before_tool_execute(
         self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any
     ) -> Any:
@@ -271,14 +330,18 @@ class _KeelApprovals(AbstractCapability[Any]):
             names = ", ".join(sorted({c.tool_name for c in requests.calls}))
             raise InvalidJob(f"tools executed outside the agent ({names}) are not supported on Keel")
         answers: dict[str, bool | ToolApproved | ToolDenied] = {}
+        at = run.next_unit  # the same on every replay: the units met before this point are the same
         for call in requests.approvals:
-            decision = run.decisions.get(call.tool_call_id)
+            decision = run.decisions.get((at, call.tool_call_id))
             if decision is None:
-                raise _AwaitApproval(call)
+                raise _AwaitApproval(call, at)
             if not decision.get("approved"):
                 answers[call.tool_call_id] = ToolDenied(str(decision.get("reason") or "A person rejected this call."))
             elif isinstance(decision.get("arguments"), Mapping):
                 answers[call.tool_call_id] = ToolApproved(override_args=dict(decision["arguments"]))
+                edited_from = decision.get("edited_from")
+                if isinstance(edited_from, Mapping):  # the model must know it was not its own call that ran
+                    run.edited[call.tool_call_id] = edit_summary(edited_from, decision["arguments"])
             else:
                 answers[call.tool_call_id] = True
         return DeferredToolResults(approvals=answers)
@@ -342,9 +405,9 @@ class KeelAgent:
         run.ran_kind = next((u["kind"] for u in ran if u.get("kind")), None)
         mine = [st for st in steps if st["operation"] == self.name]
         run.decisions = {
-            str(d["tool_call_id"]): d
+            (int(d["at"]), str(d["tool_call_id"])): d
             for st in mine
-            if isinstance(d := (st.get("payload") or {}).get("decision"), Mapping) and "tool_call_id" in d
+            if isinstance(d := (st.get("payload") or {}).get("decision"), Mapping) and isinstance(d.get("at"), int)
         }
         phase = self._phase_at(ctx, number, mine)
         for unit in ran:
@@ -357,6 +420,7 @@ class KeelAgent:
             following = Phase.EXECUTING if stop.kind == "tool" else Phase.PLANNING
             return JobResult(
                 output={"units": run.ran, "next": stop.kind},
+                messages=_messages(run.ran),
                 usage=run.usage,
                 event=_move(phase, following),
                 jobs=(JobSpec(self.name, str(number + 1)),),
@@ -370,20 +434,18 @@ class KeelAgent:
                 "tool_call_id": call.tool_call_id,
                 "function": call.tool_name,
                 "tool": call.tool_name,
-                "resume": {"operation": self.name, "step": number + 1},
+                "resume": {"operation": self.name, "step": number + 1, "at": held.at},
             }
             gate = JobSpec("gate", step_target(call.tool_name, number, call.tool_call_id), payload=payload)
             return JobResult(
                 output={"units": run.ran, "next": "gate", "held": call.tool_call_id},
+                messages=_messages(run.ran),
                 usage=run.usage,
                 event=_move(phase, Phase.EXECUTING),
                 jobs=(gate,),
             )
-        except JobError as exc:  # a Keel tool's own failure, classified by the tool
-            exc.usage = run.usage
-            raise
-        except (ModelAPIError, UnexpectedModelBehavior, NotReplayable, UserError) as exc:
-            raise _classified(exc, run.usage) from exc
+        except Exception as exc:
+            raise _failure(exc, run) from exc
         answer = output.model_dump(mode="json") if isinstance(output, BaseModel) else output
         if isinstance(output, DeferredToolRequests):  # unanswered calls the agent's output type lets through
             raise InvalidJob("the agent's run ended with tool calls no one answered", usage=run.usage)
@@ -392,7 +454,7 @@ class KeelAgent:
             check_json_text("the agent's answer", result)
         except InvalidInput as exc:
             raise InvalidJob(str(exc), usage=run.usage) from None
-        return JobResult(output=result, usage=run.usage, event=Event.FINISH)
+        return JobResult(output=result, usage=run.usage, event=Event.FINISH, messages=_messages(run.ran))
 
     async def _run(self, run: _Run, given: Mapping[str, Any]) -> tuple[Any, Any]:
         token = _current.set(run)
@@ -430,6 +492,11 @@ class KeelAgent:
         return units
 
 
+def _messages(units: list[dict[str, Any]]) -> tuple[MessageSpec, ...]:
+    """The messages the tools this step ran sent (:func:`send`), as their units recorded them."""
+    return tuple(MessageSpec(**m) for unit in units for m in unit.get("messages") or ())
+
+
 def _move(now: Phase, to: Phase) -> Event | None:
     """The agent's move at the end of a step: to executing before a tool call (or a held one), to planning before a
     model request; None when it is there already."""
@@ -447,8 +514,29 @@ def _function_tools(agent: Agent[Any, Any]) -> dict[str, Tool[Any]]:
     return found
 
 
+def _failure(exc: Exception, run: _Run) -> JobError:
+    """A failure of the step as Keel's retry policy sees it, charged exactly once.
+
+    A step that already holds a paid call to the model (checkpointed) fails as ``invalid``, charged with what it
+    spent: retried, it would replay that call and fail the same way, and a retry that ran out would leave the spend
+    uncharged. Otherwise nothing was paid, and the failure is classified: a provider's 429 is ``rate_limited`` with
+    its Retry-After; its 5xx, timeouts and dropped connections ``transient``; a Keel tool's own JobError keeps its
+    class; Pydantic AI's usage limits and refusals, a model that broke its contract, a run that is not replayable,
+    ``invalid``; anything else ``unknown`` (retried, like a worker that died)."""
+    if isinstance(exc, _Priced):
+        return InvalidJob(str(exc)[:2000], usage=_plus(run.usage, exc.usage))
+    if run.usage:
+        return InvalidJob(f"after a paid call to the model: {type(exc).__name__}: {exc}"[:2000], usage=run.usage)
+    if isinstance(exc, JobError):
+        exc.usage = Usage()
+        return exc
+    if isinstance(exc, ModelAPIError | UnexpectedModelBehavior | NotReplayable | UserError | UsageLimitExceeded):
+        return _classified(exc, Usage())
+    return JobError(f"{type(exc).__name__}: {exc}"[:2000])
+
+
 def _classified(exc: Exception, usage: Usage) -> JobError:
-    """A failure of the run as Keel's retry policy sees it: a provider's 429 is ``rate_limited`` with its
+    """A failure of a Pydantic AI run as Keel's retry policy sees it: a provider's 429 is ``rate_limited`` with its
     Retry-After; its 5xx, timeouts and dropped connections ``transient``; the rest ``invalid``."""
     message = f"{type(exc).__name__}: {exc}"[:2000]
     if isinstance(exc, ModelRateLimitError) or (isinstance(exc, ModelHTTPError) and exc.status_code == 429):

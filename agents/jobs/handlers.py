@@ -124,7 +124,7 @@ class JobResult:
             "usage": _usage_json(self.usage),
             "event": None if self.event is None else self.event.value,
             "jobs": [_spec_json(s) for s in self.jobs],
-            "messages": [_message_json(m) for m in self.messages],
+            "messages": [message_json(m) for m in self.messages],
             "join": None
             if self.join is None
             else {"event": self.join.event.value, "jobs": [_spec_json(s) for s in self.join.jobs]},
@@ -149,7 +149,8 @@ class JobResult:
         )
 
 
-def _message_json(message: MessageSpec) -> dict[str, Any]:
+def message_json(message: MessageSpec) -> dict[str, Any]:
+    """A message as a step's stored result keeps it (what ``JobResult.from_json`` reads back)."""
     data: dict[str, Any] = {"channel": message.channel, "destination": message.destination, "target": message.target}
     data["payload"] = dict(message.payload)
     return data if message.step is None else {**data, "step": message.step}

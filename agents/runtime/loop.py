@@ -489,7 +489,8 @@ def rejection_jobs(pending: PendingApproval, reason: str, *, timed_out: bool = F
 
 def _resumed(resume: Mapping[str, Any], decision: Mapping[str, Any]) -> JobSpec:
     """The step an integration's gate resumes, carrying the person's (or the timeout's) decision."""
-    return JobSpec(str(resume["operation"]), str(resume["step"]), payload={"decision": dict(decision)})
+    held = {"at": resume["at"]} if "at" in resume else {}  # where the run held the call: what the decision answers
+    return JobSpec(str(resume["operation"]), str(resume["step"]), payload={"decision": {**decision, **held}})
 
 
 def cancel_round_txn(cur: Any, before: Any, after: Any) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def test_a_stopped_demo_stops_its_worker_and_beat(
     try:
         wait_until(
             "the demo to submit its requests",
-            lambda: "submitting 7 scripted requests" in log.read_text() or demo.poll() is not None,
+            lambda: "submitting 8 scripted requests" in log.read_text() or demo.poll() is not None,
             120,
             every=0.1,
         )
@@ -147,7 +147,7 @@ def test_a_sigkilled_demo_leaves_no_orphans(db_url: str, broker: Broker, tmp_pat
     try:
         wait_until(
             "the demo to submit its requests",
-            lambda: "submitting 7 scripted requests" in log.read_text() or demo.poll() is not None,
+            lambda: "submitting 8 scripted requests" in log.read_text() or demo.poll() is not None,
             120,
             every=0.1,
         )

@@ -162,7 +162,8 @@ def test_demo_runs_and_every_invariant_holds(db_url: str, own_redis: dict[str, A
     # The agent column fits the demo's agent names: every outcome starts under its header.
     requests = result.stdout.split("Requests:\n", 1)[1].split("\n\n", 1)[0].splitlines()
     column = requests[0].index("outcome")
-    assert len(requests) == 8 and all(line[column - 1] == " " != line[column] for line in requests), requests
+    assert len(requests) == 9 and all(line[column - 1] == " " != line[column] for line in requests), requests
+    assert "[ok] the Pydantic AI agent's model was asked once per reply and its tools ran once" in result.stdout
     # The approvals went through the HTTP API: the journal's actor is the demo's approver token, as the summary says.
     token = re.search(
         r"the demo's own approver token, (demo-approver-[0-9a-f]{6}):\n"
@@ -178,7 +179,7 @@ def test_demo_runs_and_every_invariant_holds(db_url: str, own_redis: dict[str, A
         (scopes, prefix, revoked) = conn.execute(  # type: ignore[misc]
             "SELECT scopes, agent_prefix, revoked_at IS NOT NULL FROM api_tokens WHERE name = %s", (token[1],)
         ).fetchone()
-    assert approvals == [(token[1],), (token[1],)], approvals
+    assert approvals == [(token[1],)] * 3, approvals  # two reviewers' comments and the concierge's page
     assert (scopes, prefix, revoked) == (["approver"], "demo-", True)
 
 
