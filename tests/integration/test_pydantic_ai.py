@@ -448,3 +448,17 @@ def test_a_tools_message_leaves_through_the_outbox_once_keyed_from_its_step(
 def test_send_outside_a_tool_of_a_keel_run_is_refused() -> None:
     with pytest.raises(InvalidJob, match=r"send\(\) is for a tool of a KeelAgent's agent"):
         integration.send(MessageSpec("slack", "C0PS", "post", {"text": "hi"}))
+
+
+def test_a_cancel_between_steps_ends_the_run_and_no_further_call_is_made(client: Client, db: Database) -> None:
+    agent = client.create_agent("pai-14")
+    client.submit(agent.id, "req-1", {"prompt": "where is A-1?"}, operation="pai_support")
+    runner = make_runner(db)
+    assert runner.run(scoped(agent.id, "req-1:pai_support:1")).status == "succeeded"
+    client.cancel(agent.id, actor="carol", reason="wrong customer")
+    assert run_all(db) == [], "the next step was cancelled with the request"
+    state = client.get_state(agent.id)
+    assert (state.phase, state.spent_tokens) == ("failed", 15)
+    assert CALLS == {"model": 1}
+    row = job_row(db, scoped(agent.id, "req-1:pai_support:2"))
+    assert row is not None and row["status"] == "cancelled"

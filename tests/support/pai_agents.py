@@ -1,13 +1,15 @@
 """A Pydantic AI agent registered with Keel for the chaos tests (``KEEL_IMPORTS``): its model (a ``FunctionModel``: no
-network) and its tool write each call to the ``executions`` table, and the tool waits until the test releases it."""
+network) and its tool write each call to the ``executions`` table, and the call the request's prompt names
+(``block:model1``, ``block:tool`` or ``block:model2``) waits until the test releases it (``Stack.release(RELEASE)``),
+so the test can kill the worker right there."""
 
 from __future__ import annotations
 
 import os
 
 import psycopg
-from pydantic_ai import Agent
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RequestUsage
 
@@ -15,8 +17,8 @@ from agents.integrations.pydantic_ai import KeelAgent
 from models.urls import libpq_url
 from tests.support.handlers import wait_for_release
 
-#: The key the test releases (``Stack.release``) to let the tool finish.
-SHIP_RELEASE = "pai-ship"
+#: The key the test releases (``Stack.release``) to let the blocked call finish.
+RELEASE = "pai-release"
 
 
 def _executed(key: str, phase: str) -> None:
@@ -27,9 +29,18 @@ def _executed(key: str, phase: str) -> None:
         )
 
 
+def _blocked_at(messages: list[ModelMessage]) -> str:
+    prompts = [str(p.content) for m in messages for p in getattr(m, "parts", []) if isinstance(p, UserPromptPart)]
+    return prompts[0].removeprefix("block:") if prompts and prompts[0].startswith("block:") else ""
+
+
 def _model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     answered = any(getattr(p, "part_kind", "") == "tool-return" for m in messages for p in getattr(m, "parts", []))
-    _executed("pai_model", "asked_after_tool" if answered else "asked_first")
+    which = "model2" if answered else "model1"
+    _executed("pai_model", f"{which}_start")
+    if _blocked_at(messages) == which:
+        wait_for_release(RELEASE)
+    _executed("pai_model", f"{which}_done")
     usage = RequestUsage(input_tokens=100, output_tokens=10)
     if not answered:
         return ModelResponse(parts=[ToolCallPart("ship", {"order": "A-1"}, tool_call_id="s1")], usage=usage)
@@ -39,10 +50,11 @@ def _model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
 agent: Agent[None, str] = Agent(FunctionModel(_model), name="shipper")
 
 
-@agent.tool_plain
-def ship(order: str) -> str:
+@agent.tool
+def ship(ctx: RunContext[None], order: str) -> str:
     _executed("pai_ship", "start")
-    wait_for_release(SHIP_RELEASE)
+    if _blocked_at(ctx.messages) == "tool":
+        wait_for_release(RELEASE)
     _executed("pai_ship", "done")
     return f"{order} shipped"
 
