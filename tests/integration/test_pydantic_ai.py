@@ -114,7 +114,8 @@ def test_a_run_is_one_step_per_model_request_and_tool_call_with_its_structured_a
     final = job_row(db, ran[-1])
     assert final is not None
     assert final["result"]["answer"] == {"order": "A-1", "status": "A-1 shipped to ada", "note": "noted: checked"}
-    kinds = [u.get("kind") for row in _steps(db, agent.id, "req-1") for u in row["result"]["units"] if u.get("kind")]
+    units = [u for row in _steps(db, agent.id, "req-1") for u in row["result"]["record"]["units"]]
+    kinds = [u.get("kind") for u in units if u.get("kind")]
     assert kinds == ["model", "tool", "model", "tool", "model"]
     # The conversation is stored with the last step: the prompt, each reply and each tool's result.
     said = str(final["result"]["messages"])
@@ -144,7 +145,7 @@ def test_a_step_that_died_after_its_model_reply_replays_it_and_pays_once(
 
     async def dying(self: Any, **kw: Any) -> object:
         result = await real(self, **kw)
-        run = integration._current.get()
+        run = integration._units.get()
         if run is not None and run.ran and not died:
             died.append(kw["name"])
             raise Died
@@ -154,7 +155,7 @@ def test_a_step_that_died_after_its_model_reply_replays_it_and_pays_once(
     runner = Runner(db, registry, worker="w", lease=timedelta(seconds=30), rules=AT_ONCE)
     assert runner.run(first).status == "retrying"  # (in-process: the runner sees the step end without a result)
     row = job_row(db, first)
-    assert row is not None and row["result"]["units"][0]["kind"] == "model"
+    assert row is not None and row["result"]["record"]["units"][0]["kind"] == "model"
     assert CALLS["model"] == 1
     monkeypatch.setattr(integration._Backend, "execute", real)
     run_all(db, rules=AT_ONCE)
@@ -391,7 +392,8 @@ def test_a_failure_after_a_paid_reply_is_charged_once_and_not_retried(client: Cl
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens, CALLS["model"]) == ("failed", 10, 1)
     row = job_row(db, scoped(agent.id, "req-1:pai_validating:1"))
-    assert row is not None and row["error_class"] == "invalid" and "after a paid call to the model" in row["last_error"]
+    assert row is not None and row["error_class"] == "invalid"
+    assert "after paid work this step checkpointed" in row["last_error"]
 
 
 # --- messages through the outbox -------------------------------------------------------------------------------
@@ -446,7 +448,7 @@ def test_a_tools_message_leaves_through_the_outbox_once_keyed_from_its_step(
 
 
 def test_send_outside_a_tool_of_a_keel_run_is_refused() -> None:
-    with pytest.raises(InvalidJob, match=r"send\(\) is for a tool of a KeelAgent's agent"):
+    with pytest.raises(InvalidJob, match=r"send\(\) is for an agent's tool while Keel runs it"):
         integration.send(MessageSpec("slack", "C0PS", "post", {"text": "hi"}))
 
 
