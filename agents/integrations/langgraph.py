@@ -1,0 +1,211 @@
+"""A LangGraph graph run as Keel steps, the graph unchanged (``keel[langgraph]``).
+
+::
+
+    builder = StateGraph(MessagesState)          # the team's graph, as it is: an agent node, a ToolNode, edges
+    ...
+    KeelGraph(builder, name="support")           # registers operation "support"
+
+A request to operation ``support`` (input ``{"prompt": "…"}``) runs the graph one super-step per Keel step, through
+LangGraph's public persistence seam: the graph is compiled with a checkpointer, each step restores the checkpoint the
+step before it recorded, runs one super-step (``interrupt_after="*"``), and records the checkpoint LangGraph saved after
+it (serialised by LangGraph's own serializer) with the step's result — so a retried step resumes from there and never
+runs a finished super-step again. The steps, their keys, phases, approvals, messages and charging are Keel's one seam
+for every framework (:mod:`agents.integrations.steps`), the same as a Pydantic AI agent's; this module is LangGraph's
+adapter to it.
+
+- **Model calls** are charged once: a LangChain callback counts each chat model's ``usage_metadata`` tokens, charged by
+  the transition that records the super-step. A super-step is LangGraph's unit of durability: a worker that dies in
+  the middle of one runs it again (its model calls too), as on any LangGraph checkpointer.
+- **Approvals** are LangGraph's ``interrupt()``: a node that calls ``interrupt({"tool": …, "arguments": {…}})`` is held
+  in Keel's ``gate`` (the agent waits in ``waiting_approval``, listed with every other call), and a person's decision
+  resumes it with ``Command(resume={"approved": …, "arguments": …, "reason": …})``: ``interrupt()`` returns that
+  mapping (``arguments`` only when edited). As LangGraph documents, the node runs again from its start on resume.
+- **Phases**: a super-step running only nodes named in ``tool_nodes`` (default ``"tools"``, a ToolNode's usual name)
+  is a tool step (executing); any other is a model step (planning).
+- **Messages** through the outbox: :func:`send` inside a node or tool.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agents.core.commands import Usage
+from agents.core.errors import InvalidJob, JobError, RateLimited, TransientError
+from agents.integrations import steps
+from agents.integrations.steps import Finished, Held, NextStep, StepChain, StepState
+from agents.jobs.handlers import Registry, registry
+from agents.runtime.tools import ArgumentCheck
+
+try:
+    from langchain_core.callbacks import BaseCallbackHandler
+    from langchain_core.messages import BaseMessage, messages_to_dict
+    from langchain_core.outputs import LLMResult
+    from langchain_core.runnables import RunnableConfig
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.errors import GraphRecursionError
+    from langgraph.graph import StateGraph
+    from langgraph.types import Command
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever the tests run
+    raise ImportError("Keel's LangGraph integration needs its extra: pip install 'keel[langgraph]'") from exc
+
+__all__ = ["KeelGraph", "send"]
+
+#: Inside a node or tool of a KeelGraph's graph: send a Slack or GitHub message through Keel's outbox.
+send = steps.send
+
+#: The longest a provider's Retry-After is honoured before the step is retried anyway (seconds).
+MAX_RETRY_AFTER_SECONDS = 3600.0
+
+
+def _prompt_input(given: Mapping[str, Any]) -> dict[str, Any]:
+    return {"messages": [("user", str(given["prompt"]))]}
+
+
+def _last_message(values: Mapping[str, Any]) -> Any:
+    messages = values.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], BaseMessage):
+        return messages[-1].content
+    return {k: v for k, v in values.items() if isinstance(v, str | int | float | bool | type(None))}
+
+
+class KeelGraph:
+    """Register a LangGraph ``builder`` (a ``StateGraph``, not compiled: Keel compiles it with its checkpointer) as
+    operation ``name``. ``input`` makes the graph's input from the request's (default: the prompt as a user message
+    in ``messages``); ``answer`` the request's answer from the final state (default: the last message's content);
+    ``tool_nodes`` names the nodes that run tools; ``check`` checks a person's edit of held arguments (default: any
+    JSON object); ``registry`` is the worker's unless given."""
+
+    def __init__(
+        self,
+        builder: StateGraph[Any],
+        *,
+        name: str,
+        input: Callable[[Mapping[str, Any]], Any] = _prompt_input,
+        answer: Callable[[Mapping[str, Any]], Any] = _last_message,
+        tool_nodes: tuple[str, ...] | list[str] = ("tools",),
+        check: ArgumentCheck | None = None,
+        registry: Registry = registry,
+    ) -> None:
+        if not isinstance(builder, StateGraph):
+            raise InvalidJob(f"KeelGraph {name!r} takes a StateGraph (not compiled), got {type(builder).__name__}")
+        self.builder = builder
+        self.input = input
+        self.answer = answer
+        self.tool_nodes = frozenset(tool_nodes)
+        self.chain = StepChain(name, self, check=check or _any_object, registry=registry)
+
+    async def run(self, state: StepState) -> Finished:
+        """One super-step from the last recorded checkpoint (none if this step's earlier attempt recorded its own)."""
+        saver = InMemorySaver()
+        graph = self.builder.compile(checkpointer=saver)
+        config: RunnableConfig = {"configurable": {"thread_id": state.run_id}, "callbacks": [_Counted(state)]}
+        if "checkpoint" in state.record:  # an earlier attempt ran this super-step: its outcome, not a second run
+            await _restore(saver, state.run_id, state.record["checkpoint"])
+            state.spent(Usage.from_json(state.record.get("usage")), checkpointed=True)
+        else:
+            if state.records:
+                await _restore(saver, state.run_id, state.records[-1]["checkpoint"])
+            given: Any = None
+            if state.number == 1:
+                given = self.input(state.given)
+            elif state.decision is not None:
+                given = Command(resume={k: v for k, v in state.decision.items() if k not in ("at", "tool_call_id")})
+            state.sending = []
+            try:
+                async for _ in graph.astream(given, config, stream_mode="updates", interrupt_after="*", version="v1"):
+                    pass
+            finally:
+                sent, state.sending = state.sending or [], None
+            state.record["checkpoint"] = await _saved(saver, state.run_id)
+            state.record["usage"] = {"tokens": state.usage.tokens, "cost": str(state.usage.cost)}
+            if sent:
+                state.record["messages"] = steps.messages_json(sent)
+            state.checkpoint()  # the super-step is done: a retry of this step takes it from here
+            state.checkpointed_usage = state.usage
+        state.sent.extend(steps.messages_from(state.record.get("messages")))
+        snapshot = await graph.aget_state(config)
+        if snapshot.interrupts:
+            held = snapshot.interrupts[0]
+            value = held.value
+            if isinstance(value, Mapping) and isinstance(value.get("arguments"), Mapping):
+                tool, arguments = str(value.get("tool") or "interrupt"), dict(value["arguments"])
+            else:
+                tool, arguments = "interrupt", {"value": value}
+            raise Held(tool, str(held.id), arguments, state.number)
+        if not snapshot.next:
+            values = dict(snapshot.values)
+            messages = values.get("messages")
+            said = messages_to_dict(messages) if isinstance(messages, list) else None
+            return Finished(self.answer(values), said)
+        raise NextStep("tool" if set(snapshot.next) <= self.tool_nodes else "model")
+
+    def classify(self, exc: Exception) -> JobError | None:
+        """A provider's HTTP error (its ``status_code``, as LangChain's model clients raise them): 429
+        ``rate_limited`` after its Retry-After, 5xx ``transient``, other 4xx ``invalid``; a graph past its recursion
+        limit ``invalid``."""
+        message = f"{type(exc).__name__}: {exc}"[:2000]
+        if isinstance(exc, GraphRecursionError):
+            return InvalidJob(message)
+        status = getattr(exc, "status_code", None) or getattr(getattr(exc, "response", None), "status_code", None)
+        if not isinstance(status, int):
+            return None
+        if status == 429:
+            return RateLimited(message, retry_after=_retry_after(exc))
+        if status >= 500 or status in (408, 409):
+            return TransientError(message)
+        return InvalidJob(message)
+
+
+class _Counted(BaseCallbackHandler):
+    """Counts each chat model call's tokens to the step (``usage_metadata``, else the provider's ``token_usage``)."""
+
+    def __init__(self, state: StepState) -> None:
+        self.state = state
+
+    def on_llm_end(self, response: LLMResult, **kwargs: Any) -> None:
+        tokens = 0
+        for generations in response.generations:
+            for generation in generations:
+                usage = getattr(getattr(generation, "message", None), "usage_metadata", None) or {}
+                tokens += int(usage.get("input_tokens") or 0) + int(usage.get("output_tokens") or 0)
+        if not tokens and isinstance(response.llm_output, Mapping):
+            usage = response.llm_output.get("token_usage") or {}
+            tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        self.state.spent(Usage(tokens), checkpointed=False)
+
+
+async def _saved(saver: InMemorySaver, thread: str) -> dict[str, str]:
+    """The thread's latest checkpoint, its metadata and pending writes, as LangGraph's serializer writes them."""
+    found = await saver.aget_tuple({"configurable": {"thread_id": thread}})
+    if found is None:  # pragma: no cover - a super-step always saves one
+        raise InvalidJob("LangGraph saved no checkpoint after the super-step")
+    kind, data = saver.serde.dumps_typed((found.checkpoint, found.metadata, found.pending_writes or []))
+    return {"type": kind, "data": base64.b64encode(data).decode("ascii")}
+
+
+async def _restore(saver: InMemorySaver, thread: str, saved: Mapping[str, str]) -> None:
+    """Put a checkpoint :func:`_saved` wrote (with its pending writes: an interrupt's) back into ``saver``."""
+    checkpoint, metadata, writes = saver.serde.loads_typed((saved["type"], base64.b64decode(saved["data"])))
+    root: RunnableConfig = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    at = await saver.aput(root, checkpoint, metadata, checkpoint["channel_versions"])
+    by_task: dict[str, list[tuple[str, Any]]] = {}
+    for task, channel, value in writes:
+        by_task.setdefault(task, []).append((channel, value))
+    for task, pending in by_task.items():
+        await saver.aput_writes(at, pending, task)
+
+
+def _retry_after(exc: Exception) -> float | None:
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    said = headers.get("retry-after")
+    try:
+        return None if said is None else min(float(said), MAX_RETRY_AFTER_SECONDS)
+    except (TypeError, ValueError):  # an HTTP date, or nonsense: the retry policy's backoff
+        return None
+
+
+def _any_object(tool: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(arguments)
