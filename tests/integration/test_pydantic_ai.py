@@ -464,3 +464,33 @@ def test_a_cancel_between_steps_ends_the_run_and_no_further_call_is_made(client:
     assert CALLS == {"model": 1}
     row = job_row(db, scoped(agent.id, "req-1:pai_support:2"))
     assert row is not None and row["status"] == "cancelled"
+
+
+def test_a_tool_marked_requires_approval_in_pydantic_ai_waits_as_one_named_in_approve(
+    client: Client, db: Database
+) -> None:
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(getattr(p, "part_kind", "") == "tool-return" for m in messages for p in getattr(m, "parts", [])):
+            return ModelResponse(parts=[ToolCallPart("wipe", {"disk": "sdb"}, tool_call_id="w1")])
+        return ModelResponse(parts=[TextPart("wiped")])
+
+    wiper: Agent[None, str] = Agent(FunctionModel(model), name="wiper")
+    wiped: list[str] = []
+
+    @wiper.tool_plain(requires_approval=True)
+    def wipe(disk: str) -> str:
+        wiped.append(disk)
+        return f"{disk} wiped"
+
+    KeelAgent(wiper, name="pai_wipe")  # no approve=[...]: the tool itself asks for a person
+    agent = client.create_agent("pai-15")
+    client.submit(agent.id, "req-1", {"prompt": "wipe sdb"}, operation="pai_wipe")
+    run_all(db)
+    held = client.get_state(agent.id)
+    assert held.phase == "waiting_approval" and held.pending_approval is not None
+    assert (held.pending_approval["tool"], held.pending_approval["arguments"]) == ("wipe", {"disk": "sdb"})
+    assert wiped == []
+    client.approve(agent.id, expected_revision=held.revision, actor="carol")
+    run_all(db)
+    assert client.get_state(agent.id).phase == "done"
+    assert wiped == ["sdb"]

@@ -8,17 +8,18 @@ import sys
 import pytest
 
 
-def test_without_the_extra_the_import_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pydantic_ai", None)  # as if it were not installed
-    monkeypatch.delitem(sys.modules, "agents.integrations.pydantic_ai", raising=False)
+@pytest.mark.parametrize(
+    ("module", "missing", "extra", "framework"),
+    [
+        ("agents.integrations.pydantic_ai", "pydantic_ai", "pydantic-ai", "Pydantic AI"),
+        ("agents.integrations.langgraph", "langgraph.graph", "langgraph", "LangGraph"),
+    ],
+)
+def test_without_the_extra_the_import_names_it(
+    monkeypatch: pytest.MonkeyPatch, module: str, missing: str, extra: str, framework: str
+) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(ImportError) as refused:
-        importlib.import_module("agents.integrations.pydantic_ai")
-    assert str(refused.value) == "Keel's Pydantic AI integration needs its extra: pip install 'keel[pydantic-ai]'"
-
-
-def test_without_the_langgraph_extra_the_import_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "langgraph.graph", None)  # as if it were not installed
-    monkeypatch.delitem(sys.modules, "agents.integrations.langgraph", raising=False)
-    with pytest.raises(ImportError) as refused:
-        importlib.import_module("agents.integrations.langgraph")
-    assert str(refused.value) == "Keel's LangGraph integration needs its extra: pip install 'keel[langgraph]'"
+        importlib.import_module(module)
+    assert str(refused.value) == f"Keel's {framework} integration needs its extra: pip install 'keel[{extra}]'"
