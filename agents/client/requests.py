@@ -18,7 +18,8 @@ from agents.core.json_input import check_depth
 from agents.core.keys import check_request_id, split_key
 from agents.core.phases import Event
 from agents.jobs import handlers
-from models.jobs_sql import Due, request_jobs, unpublish
+from agents.runtime.conversations import conversation_of
+from models.jobs_sql import Due, request_jobs, request_steps, unpublish
 from models.schemas import AgentRow, AgentState, JobView, RequestRecord, Submission, SubmittedRequest
 from models.sql import request_agents, request_record
 
@@ -136,6 +137,17 @@ class RequestsMixin(ClientBase):
         check_request_id(request_id)
         with core.store_errors(), self.db.autocommit() as plain:
             return request_agents(plain.connection, request_id)
+
+    def conversation(self, agent: AgentRef, request_id: str) -> list[dict[str, Any]]:
+        """The conversation of the agent's request ``request_id`` as far as its steps recorded it: the prompt, the
+        model's replies and their calls, the tools' results, in order (:mod:`agents.runtime.conversations`), whatever
+        ran it — Keel's own loop or a framework integration (whose module this process imports: ``KEEL_IMPORTS``)."""
+        check_text("request_id", request_id, limit=200)
+        agent_id = self._chain_id(agent)
+        self._import_handlers()
+        with core.store_errors():
+            request_input, steps = request_steps(self.db, agent_id, request_id)
+        return conversation_of(request_input, steps)
 
     def request_jobs(self, agent: AgentRef, request_id: str) -> list[JobView]:
         """Every job (step) of the agent's request ``request_id``, finished ones included, oldest first."""

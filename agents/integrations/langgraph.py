@@ -37,6 +37,7 @@ from agents.core.errors import InvalidJob, JobError, RateLimited, TransientError
 from agents.integrations import steps
 from agents.integrations.steps import Finished, Held, NextStep, StepChain, StepState
 from agents.jobs.handlers import Registry, registry
+from agents.runtime import conversations
 from agents.runtime.tools import ArgumentCheck
 
 try:
@@ -196,6 +197,34 @@ async def _restore(saver: InMemorySaver, thread: str, saved: Mapping[str, str]) 
         by_task.setdefault(task, []).append((channel, value))
     for task, pending in by_task.items():
         await saver.aput_writes(at, pending, task)
+
+
+_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+
+
+def _conversation(request_input: Any, taken: list[Mapping[str, Any]]) -> list[conversations.Message]:
+    """A graph's conversation: the ``messages`` of the latest checkpoint its steps recorded (none: the prompt)."""
+    saved = taken[-1]["result"]["record"]["checkpoint"]
+    checkpoint, _, _ = InMemorySaver().serde.loads_typed((saved["type"], base64.b64decode(saved["data"])))
+    found = (checkpoint.get("channel_values") or {}).get("messages")
+    if not isinstance(found, list):
+        return [{"role": "user", "content": conversations.prompt_of(request_input)}]
+    messages: list[conversations.Message] = []
+    for message in found:
+        if not isinstance(message, BaseMessage):
+            continue
+        said: conversations.Message = {
+            "role": _ROLES.get(message.type, message.type),
+            "content": conversations.text_of(message.content),
+        }
+        calls = [{"tool": c["name"], "arguments": c["args"]} for c in getattr(message, "tool_calls", None) or ()]
+        if calls:
+            said["calls"] = calls
+        messages.append(said)
+    return messages
+
+
+conversations.register_reader("checkpoint", _conversation)
 
 
 def _retry_after(exc: Exception) -> float | None:

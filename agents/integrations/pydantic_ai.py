@@ -45,6 +45,7 @@ from agents.core.errors import InvalidInput, InvalidJob, JobError, RateLimited, 
 from agents.integrations import steps
 from agents.integrations.steps import Finished, Held, NextStep, NotReplayable, PromptInput, StepChain, StepState
 from agents.jobs.handlers import Registry, describe, registry
+from agents.runtime import conversations
 from agents.runtime.loop import edit_summary
 
 try:
@@ -368,6 +369,39 @@ class KeelAgent:
         if isinstance(exc, ModelAPIError):
             return TransientError(message)
         return InvalidJob(message)
+
+
+def _conversation(request_input: Any, taken: list[Mapping[str, Any]]) -> list[conversations.Message]:
+    """A Pydantic AI run's conversation from its steps' units: each model reply (its text, reasoning, calls) and each
+    tool's result, in the order the run met them."""
+    messages: list[conversations.Message] = [{"role": "user", "content": conversations.prompt_of(request_input)}]
+    for step in taken:
+        for unit in step["result"]["record"].get("units") or ():
+            result = unit.get("result")
+            if unit.get("kind") == "model" and isinstance(result, Mapping) and result.get("kind") == "response":
+                said: conversations.Message = {"role": "assistant", "content": ""}
+                text, reasoning, calls = [], [], []
+                for part in result.get("parts") or ():
+                    if part.get("part_kind") == "text":
+                        text.append(str(part.get("content") or ""))
+                    elif part.get("part_kind") == "thinking":
+                        reasoning.append(str(part.get("content") or ""))
+                    elif part.get("part_kind") == "tool-call":
+                        arguments = conversations.arguments_of(part.get("args"))
+                        calls.append({"tool": part.get("tool_name"), "arguments": arguments})
+                said["content"] = "\n".join(text)
+                if reasoning:
+                    said["reasoning"] = "\n".join(reasoning)
+                if calls:
+                    said["calls"] = calls
+                messages.append(said)
+            elif unit.get("kind") == "tool":
+                returned = result.get("result") if isinstance(result, Mapping) and "result" in result else result
+                messages.append({"role": "tool", "content": conversations.text_of(returned)})
+    return messages
+
+
+conversations.register_reader("units", _conversation)
 
 
 def _function_tools(agent: Agent[Any, Any]) -> dict[str, Tool[Any]]:

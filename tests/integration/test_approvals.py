@@ -561,3 +561,20 @@ def test_a_cancel_without_a_notice_sends_nothing(client: Client, db: Database) -
     waiting = to_approval(client, db, "quiet", "req-1", comment_script())
     client.cancel(waiting.id, expected_revision=waiting.revision, actor="dana")
     assert slack_messages(db) == {}
+
+
+def test_the_conversation_that_led_to_a_held_call_of_keels_own_loop(client: Client, db: Database) -> None:
+    """Keel's own loop reads the same as an integration's (tests/integration/test_pydantic_ai.py): the prompt, each
+    reply with its calls, each tool's result."""
+    agent = client.create_agent("talker")
+    post = {"name": "slack_post", "arguments": {"channel": "C0PS", "text": "looking"}}
+    comment = {"name": "github_comment", "arguments": {"repository": "acme/api", "issue": 7, "body": "Fixed"}}
+    script = [{"tool_calls": [post]}, {"content": "Posted; now the issue.", "tool_calls": [comment]}]
+    client.submit(agent.id, "req-1", {"prompt": "fix A-1", "script": [*script, {"content": "Done."}]})
+    run_all(db)
+    assert client.get_state(agent.id).phase == "waiting_approval"
+    said = client.conversation(agent.id, "req-1")
+    assert [m["role"] for m in said] == ["user", "assistant", "tool", "assistant"]
+    assert said[0]["content"] == "fix A-1"
+    assert said[1]["calls"] == [{"tool": "slack_post", "arguments": {"channel": "C0PS", "text": "looking"}}]
+    assert said[3]["content"] == "Posted; now the issue." and said[3]["calls"][0]["tool"] == "github_comment"

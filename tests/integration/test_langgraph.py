@@ -211,3 +211,15 @@ def test_a_step_that_died_after_recording_its_super_step_takes_it_from_there(
     state = client.get_state(agent.id)
     assert (state.phase, state.spent_tokens) == ("done", 50)
     assert CALLS == {"model": 2, "lookup": 1}, "the recorded super-step was not run again"
+
+
+def test_the_conversation_that_led_to_an_interrupt_reads_as_a_person_reads_it(client: Client, db: Database) -> None:
+    state = _held(client, db, "lg-6", "lg_said")
+    said = client.conversation(state.id, "req-1")
+    refund_args = {"order": "A-1", "amount": 30}  # as the model gave them
+    assert said == [
+        {"role": "user", "content": "refund A-1"},
+        {"role": "assistant", "content": "", "calls": [{"tool": "lookup", "arguments": {"order": "A-1"}}]},
+        {"role": "tool", "content": "A-1 arrived broken"},
+        {"role": "assistant", "content": "", "calls": [{"tool": "refund", "arguments": refund_args}]},
+    ]

@@ -29,6 +29,7 @@ from agents.jobs.handlers import registry
 from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
+from tests.support.api import Api
 from tests.support.keys import scoped
 from tests.support.runs import FAST_RULES, make_runner, run_all
 
@@ -494,3 +495,33 @@ def test_a_tool_marked_requires_approval_in_pydantic_ai_waits_as_one_named_in_ap
     run_all(db)
     assert client.get_state(agent.id).phase == "done"
     assert wiped == ["sdb"]
+
+
+def test_the_conversation_that_led_to_a_held_call_reads_as_a_person_reads_it(client: Client, db: Database) -> None:
+    state = _held(client, db, "pai-16")
+    said = client.conversation(state.id, "req-1")
+    refund_args = {"order": "A-1", "amount": 30}  # as the model gave them
+    assert said == [
+        {"role": "user", "content": "refund A-1"},
+        {"role": "assistant", "content": "", "calls": [{"tool": "lookup_order", "arguments": {"order": "A-1"}}]},
+        {"role": "tool", "content": "A-1 arrived broken"},
+        {"role": "assistant", "content": "", "calls": [{"tool": "refund", "arguments": refund_args}]},
+    ]
+
+
+def test_the_console_shows_an_approver_the_conversation_that_led_to_the_call(
+    api: Api, client: Client, db: Database
+) -> None:
+    from html import unescape
+
+    from tests.support.console import Browsers
+
+    state = _held(client, db, "pai-17")
+    browsers = Browsers(api)
+    try:
+        page = browsers.signed_in(api.token("approver")).get(f"/agents/{state.id}").text
+    finally:
+        browsers.close()
+    said = unescape(page.split('id="conversation"', 1)[1].split("</details>", 1)[0])
+    assert "refund A-1" in said and "lookup_order" in said and "A-1 arrived broken" in said
+    assert said.index("refund A-1") < said.index("lookup_order") < said.index("A-1 arrived broken")

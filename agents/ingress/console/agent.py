@@ -59,9 +59,14 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
         jobs = [row for job in keel.client.request_jobs(state.id, request_id) if (row := job_row(keel.db, job.key))]
         messages = keel.client.request_messages(state.id, request_id)
     waiting_since = None
+    conversation: list[dict[str, Any]] = []
     if state.phase == "waiting_approval":  # since its gate finished, as the inbox says (not its latest move)
         call = approvals_sql.waiting_call(keel.db, state.id)
         waiting_since = call.since if call is not None else state.updated_at
+        if request_id and state.pending_approval and who.can(Permission.READ_APPROVALS):
+            # What an approver decides on, with the call: the prompt, the model's replies and reasoning, earlier calls
+            # and their results (READ_APPROVALS: what waits, and why).
+            conversation = keel.client.conversation(state.id, request_id)
     path = f"/agents/{state.id}"
     return {
         "events": list(journal.events),
@@ -76,6 +81,7 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
         "jobs": jobs,
         "messages": messages,
         "waiting_since": waiting_since,
+        "conversation": conversation,
     }
 
 
