@@ -29,10 +29,11 @@ adapter to it.
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agents.core.commands import Usage
+from agents.core.commands import MessageSpec, Usage
 from agents.core.errors import InvalidJob, JobError, RateLimited, TransientError
 from agents.integrations import steps
 from agents.integrations.steps import Finished, Held, NextStep, StepChain, StepState
@@ -45,8 +46,10 @@ try:
     from langchain_core.messages import BaseMessage, messages_to_dict
     from langchain_core.outputs import LLMResult
     from langchain_core.runnables import RunnableConfig
+    from langgraph.checkpoint.base import CheckpointTuple
     from langgraph.checkpoint.memory import InMemorySaver
-    from langgraph.errors import GraphRecursionError
+    from langgraph.config import get_config
+    from langgraph.errors import EmptyInputError, GraphRecursionError, InvalidUpdateError
     from langgraph.graph import StateGraph
     from langgraph.types import Command
 except ImportError as exc:  # pragma: no cover - the extra is installed wherever the tests run
@@ -56,6 +59,9 @@ __all__ = ["KeelGraph", "send"]
 
 #: Inside a node or tool of a KeelGraph's graph: send a Slack or GitHub message through Keel's outbox.
 send = steps.send
+
+#: The channel of an interrupted task's pending write (what LangGraph's public ``interrupt()`` leaves behind).
+INTERRUPT = "__interrupt__"
 
 #: The longest a provider's Retry-After is honoured before the step is retried anyway (seconds).
 MAX_RETRY_AFTER_SECONDS = 3600.0
@@ -77,7 +83,8 @@ class KeelGraph:
     operation ``name``. ``input`` makes the graph's input from the request's (default: the prompt as a user message
     in ``messages``); ``answer`` the request's answer from the final state (default: the last message's content);
     ``tool_nodes`` names the nodes that run tools; ``check`` checks a person's edit of held arguments (default: any
-    JSON object); ``registry`` is the worker's unless given."""
+    JSON object); ``recursion_limit`` is how many super-steps a run may take (LangGraph's default, counted over the
+    whole run); ``registry`` is the worker's unless given."""
 
     def __init__(
         self,
@@ -88,6 +95,7 @@ class KeelGraph:
         answer: Callable[[Mapping[str, Any]], Any] = _last_message,
         tool_nodes: tuple[str, ...] | list[str] = ("tools",),
         check: ArgumentCheck | None = None,
+        recursion_limit: int = 25,
         registry: Registry = registry,
     ) -> None:
         if not isinstance(builder, StateGraph):
@@ -96,7 +104,11 @@ class KeelGraph:
         self.input = input
         self.answer = answer
         self.tool_nodes = frozenset(tool_nodes)
+        self.recursion_limit = recursion_limit
         self.chain = StepChain(name, self, check=check or _any_object, registry=registry)
+
+    #: A step resumes from the previous step's checkpoint alone (and drops it once its own is recorded).
+    reads = "last"
 
     async def run(self, state: StepState) -> Finished:
         """One super-step from the last recorded checkpoint (none if this step's earlier attempt recorded its own)."""
@@ -107,29 +119,43 @@ class KeelGraph:
             await _restore(saver, state.run_id, state.record["checkpoint"])
             state.spent(Usage.from_json(state.record.get("usage")), checkpointed=True)
         else:
+            done = -1
             if state.records:
-                await _restore(saver, state.run_id, state.records[-1]["checkpoint"])
+                done = await _restore(saver, state.run_id, state.records[-1]["checkpoint"])
+            if done + 1 >= self.recursion_limit:  # LangGraph counts its limit per call: Keel counts it per run
+                raise InvalidJob(
+                    f"the graph has run {done + 1} super-steps, its recursion limit (KeelGraph recursion_limit="
+                    f"{self.recursion_limit}): a cycle that does not end?"
+                )
             given: Any = None
             if state.number == 1:
                 given = self.input(state.given)
-            elif state.decision is not None:
-                given = Command(resume={k: v for k, v in state.decision.items() if k not in ("at", "tool_call_id")})
-            state.sending = []
+            elif state.decision is not None:  # answers the interrupt it was given for (others may be pending too)
+                said = {k: v for k, v in state.decision.items() if k not in ("at", "tool_call_id")}
+                given = Command(resume={str(state.decision["tool_call_id"]): said})
+            sending = state.sending = _Sends()
             try:
                 async for _ in graph.astream(given, config, stream_mode="updates", interrupt_after="*", version="v1"):
                     pass
             finally:
-                sent, state.sending = state.sending or [], None
-            state.record["checkpoint"] = await _saved(saver, state.run_id)
+                state.sending = None
+            found = await saver.aget_tuple({"configurable": {"thread_id": state.run_id}})
+            if found is None:  # pragma: no cover - a super-step always saves one
+                raise InvalidJob("LangGraph saved no checkpoint after the super-step")
+            # A node that was interrupted runs again from its start when resumed: what it sent before interrupt()
+            # is sent by that run, not this one (else twice). Every other node of the super-step is done.
+            interrupted = {task for task, channel, _ in found.pending_writes or () if channel == INTERRUPT}
+            kept = [m for m, task in zip(sending, sending.tasks, strict=True) if task not in interrupted]
+            state.record["checkpoint"] = _saved(saver, found)
             state.record["usage"] = {"tokens": state.usage.tokens, "cost": str(state.usage.cost)}
-            if sent:
-                state.record["messages"] = steps.messages_json(sent)
+            if kept:
+                state.record["messages"] = steps.messages_json(kept)
             state.checkpoint()  # the super-step is done: a retry of this step takes it from here
             state.checkpointed_usage = state.usage
         state.sent.extend(steps.messages_from(state.record.get("messages")))
         snapshot = await graph.aget_state(config)
         if snapshot.interrupts:
-            held = snapshot.interrupts[0]
+            held = snapshot.interrupts[0]  # one at a time: the others wait for the next step's turn
             value = held.value
             if isinstance(value, Mapping) and isinstance(value.get("arguments"), Mapping):
                 tool, arguments = str(value.get("tool") or "interrupt"), dict(value["arguments"])
@@ -139,8 +165,8 @@ class KeelGraph:
         if not snapshot.next:
             values = dict(snapshot.values)
             messages = values.get("messages")
-            said = messages_to_dict(messages) if isinstance(messages, list) else None
-            return Finished(self.answer(values), said)
+            said_all = messages_to_dict(messages) if isinstance(messages, list) else None
+            return Finished(self.answer(values), said_all)
         raise NextStep("tool" if set(snapshot.next) <= self.tool_nodes else "model")
 
     def classify(self, exc: Exception) -> JobError | None:
@@ -148,8 +174,8 @@ class KeelGraph:
         ``rate_limited`` after its Retry-After, 5xx ``transient``, other 4xx ``invalid``; a graph past its recursion
         limit ``invalid``."""
         message = f"{type(exc).__name__}: {exc}"[:2000]
-        if isinstance(exc, GraphRecursionError):
-            return InvalidJob(message)
+        if isinstance(exc, GraphRecursionError | InvalidUpdateError | EmptyInputError | InvalidJob):
+            return InvalidJob(message)  # the graph's own refusals: running it again does the same
         status = getattr(exc, "status_code", None) or getattr(getattr(exc, "response", None), "status_code", None)
         if not isinstance(status, int):
             return None
@@ -161,10 +187,12 @@ class KeelGraph:
 
 
 class _Counted(BaseCallbackHandler):
-    """Counts each chat model call's tokens to the step (``usage_metadata``, else the provider's ``token_usage``)."""
+    """Counts each chat model call's tokens to the step (``usage_metadata``, else the provider's ``token_usage``):
+    under a lock, as parallel nodes' sync calls end on threads of their own."""
 
     def __init__(self, state: StepState) -> None:
         self.state = state
+        self.lock = threading.Lock()
 
     def on_llm_end(self, response: LLMResult, **kwargs: Any) -> None:
         tokens = 0
@@ -175,20 +203,19 @@ class _Counted(BaseCallbackHandler):
         if not tokens and isinstance(response.llm_output, Mapping):
             usage = response.llm_output.get("token_usage") or {}
             tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
-        self.state.spent(Usage(tokens), checkpointed=False)
+        with self.lock:
+            self.state.spent(Usage(tokens), checkpointed=False)
 
 
-async def _saved(saver: InMemorySaver, thread: str) -> dict[str, str]:
-    """The thread's latest checkpoint, its metadata and pending writes, as LangGraph's serializer writes them."""
-    found = await saver.aget_tuple({"configurable": {"thread_id": thread}})
-    if found is None:  # pragma: no cover - a super-step always saves one
-        raise InvalidJob("LangGraph saved no checkpoint after the super-step")
+def _saved(saver: InMemorySaver, found: CheckpointTuple) -> dict[str, str]:
+    """A checkpoint, its metadata and pending writes, as LangGraph's serializer writes them."""
     kind, data = saver.serde.dumps_typed((found.checkpoint, found.metadata, found.pending_writes or []))
     return {"type": kind, "data": base64.b64encode(data).decode("ascii")}
 
 
-async def _restore(saver: InMemorySaver, thread: str, saved: Mapping[str, str]) -> None:
-    """Put a checkpoint :func:`_saved` wrote (with its pending writes: an interrupt's) back into ``saver``."""
+async def _restore(saver: InMemorySaver, thread: str, saved: Mapping[str, str]) -> int:
+    """Put a checkpoint :func:`_saved` wrote (with its pending writes: an interrupt's) back into ``saver``; the
+    number of its super-step (LangGraph's ``step``)."""
     checkpoint, metadata, writes = saver.serde.loads_typed((saved["type"], base64.b64decode(saved["data"])))
     root: RunnableConfig = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
     at = await saver.aput(root, checkpoint, metadata, checkpoint["channel_versions"])
@@ -197,6 +224,29 @@ async def _restore(saver: InMemorySaver, thread: str, saved: Mapping[str, str]) 
         by_task.setdefault(task, []).append((channel, value))
     for task, pending in by_task.items():
         await saver.aput_writes(at, pending, task)
+    step = metadata.get("step") if isinstance(metadata, Mapping) else None
+    return step if isinstance(step, int) else -1
+
+
+class _Sends(list[MessageSpec]):
+    """What :func:`send` puts out during a super-step, with the LangGraph task (node run) that sent each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: list[str] = []
+
+    def append(self, message: MessageSpec) -> None:
+        super().append(message)
+        self.tasks.append(_current_task())
+
+
+def _current_task() -> str:
+    """The id of the LangGraph task running this code (its checkpoint namespace is ``node:task_id``)."""
+    try:
+        namespace = str(get_config().get("configurable", {}).get("checkpoint_ns", ""))
+    except RuntimeError:  # outside a runnable context
+        return ""
+    return namespace.split("|")[0].rpartition(":")[2]
 
 
 _ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}

@@ -333,6 +333,9 @@ class KeelAgent:
             raise InvalidJob(f"{tool_name}: {describe(exc, 'arguments')}") from None
         return dict(arguments)
 
+    #: A step replays the run from its start: it reads every earlier step's units.
+    reads = "all"
+
     async def run(self, state: StepState) -> Finished:
         """The run from its start: recorded units replayed, the next one run, the step ended at the one after."""
         recorded = [u for record in state.records for u in record.get("units") or ()]
@@ -341,8 +344,8 @@ class KeelAgent:
         run = _Units(state, [*recorded, *ran], ran, self.cost)
         for unit in ran:
             run.ran_kind = run.ran_kind or unit.get("kind")
-            if unit.get("kind") == "model":
-                state.spent(_usage(unit["result"], self.cost), checkpointed=True)
+            if unit.get("kind") == "model":  # (a cost= that fails on it counts its tokens first, then fails the step)
+                state.spent(_usage(unit["result"], self.cost, state), checkpointed=True)
             state.sent.extend(steps.messages_from(unit.get("messages")))
         token = _units.set(run)
         try:

@@ -23,6 +23,7 @@ super-step. The chain does the rest, the same for every framework:
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -35,9 +36,10 @@ from agents.core.errors import InvalidInput, InvalidJob, JobError
 from agents.core.keys import derive, split_key
 from agents.core.phases import Event, Phase
 from agents.jobs.handlers import JobContext, JobResult, Registry, message_json, registry
+from agents.runtime.inference import tool_call_key
 from agents.runtime.loop import step_target
 from agents.runtime.tools import ArgumentCheck, register_argument_check
-from models.jobs_sql import request_steps
+from models.jobs_sql import request_steps, request_steps_by_key
 
 
 class PromptInput(BaseModel):
@@ -95,6 +97,8 @@ class StepState:
     records: list[Mapping[str, Any]]
     #: What this step records (JSON): an earlier attempt's checkpoint if there was one, else empty.
     record: dict[str, Any]
+    #: Fields of earlier steps' results this step's makes redundant, dropped when it is recorded.
+    drops: tuple[tuple[str, str], ...]
     #: People's decisions on held calls, by (where the run held the call, its id).
     decisions: Mapping[tuple[int, str], Mapping[str, Any]]
     #: The decision that scheduled this step (None: the step before scheduled it).
@@ -125,6 +129,11 @@ class Segment(Protocol):
     async def run(self, state: StepState) -> Finished:
         """Run from the start or the last record, raise :class:`NextStep` or :class:`Held` where the step ends, or
         return how the run finished."""
+
+    #: What a step reads of the steps before it: ``"all"`` their records (a run replayed from its start), or ``"last"``
+    #: the previous one's alone (a run resumed from its latest checkpoint, which makes the earlier ones redundant:
+    #: each step drops its predecessor's record when it is recorded, so a long run stores one).
+    reads: str
 
     def classify(self, exc: Exception) -> JobError | None:
         """The framework's failure as Keel's retry policy sees it (a provider's 429 ``rate_limited`` …); None: not
@@ -166,6 +175,7 @@ class StepChain:
         JobSpec(operation, "1")  # the name must be able to be part of a key: refused here, naming the rule, if not
         self.operation = operation
         self.segment = segment
+        self.reads_all = getattr(segment, "reads", "all") != "last"
         registry.register(operation, self.step, input=PromptInput)
         if check is not None:
             register_argument_check(operation, check)
@@ -173,7 +183,12 @@ class StepChain:
     def step(self, ctx: JobContext) -> JobResult:
         """One step of the request's run."""
         number = int(ctx.target)
-        request_input, steps = request_steps(ctx.db, ctx.agent_id, ctx.request_id)
+        previous = derive(ctx.key, self.operation, str(number - 1)) if number > 1 else None
+        if self.reads_all:
+            request_input, steps = request_steps(ctx.db, ctx.agent_id, ctx.request_id)
+        else:  # the previous step only, by key (a read scoped to the agent, as every read of a request)
+            request_input, found = request_steps_by_key(ctx.db, ctx.agent_id, ctx.request_id, [previous or ctx.key])
+            steps = list(found.values())
         mine = {s["key"]: s for s in steps if s["operation"] == self.operation}
         given = request_input if isinstance(request_input, Mapping) else {"prompt": str(request_input)}
         state = StepState(
@@ -183,6 +198,7 @@ class StepChain:
             given=given,
             run_id=f"{split_key(ctx.key)[0]}:{self.operation}",
             records=self._records(ctx.key, number, mine),
+            drops=((previous, "record"),) if previous and not self.reads_all else (),
             record=dict((ctx.checkpointed or {}).get("record") or {}),
             decisions=_decisions(mine.values()),
             decision=_decision(ctx.payload),
@@ -195,16 +211,7 @@ class StepChain:
             following = Phase.EXECUTING if stop.kind == "tool" else Phase.PLANNING
             return self._result(state, stop.kind, _move(phase, following), (JobSpec(self.operation, str(number + 1)),))
         except Held as held:
-            payload = {
-                "arguments": held.arguments,
-                "round": number,
-                "call_id": held.call_id,
-                "tool_call_id": held.call_id,
-                "function": held.tool,
-                "tool": held.tool,
-                "resume": {"operation": self.operation, "step": number + 1, "at": held.at},
-            }
-            gate = JobSpec("gate", step_target(held.tool, number, held.call_id), payload=payload)
+            gate = self._gate(held, state)
             return self._result(state, "gate", _move(phase, Phase.EXECUTING), (gate,), held=held.call_id)
         except Exception as exc:
             raise self._failure(exc, state) from exc
@@ -213,7 +220,9 @@ class StepChain:
             check_json_text("the agent's answer", output)
         except InvalidInput as exc:
             raise InvalidJob(str(exc), usage=state.usage) from None
-        return JobResult(output=output, usage=state.usage, event=Event.FINISH, messages=tuple(state.sent))
+        return JobResult(
+            output=output, usage=state.usage, event=Event.FINISH, messages=tuple(state.sent), drops=state.drops
+        )
 
     async def _run(self, state: StepState) -> Finished:
         token = _current.set(state)
@@ -222,11 +231,34 @@ class StepChain:
         finally:
             _current.reset(token)
 
+    def _gate(self, held: Held, state: StepState) -> JobSpec:
+        """The gate that holds ``held`` for a person; a call that cannot be held (its arguments are not JSON, its
+        names cannot be part of a key) fails the step as ``invalid``, charged with what it spent."""
+        payload = {
+            "arguments": held.arguments,
+            "round": state.number,
+            "call_id": held.call_id,
+            "tool_call_id": held.call_id,
+            "function": held.tool,
+            "tool": held.tool,
+            "resume": {"operation": self.operation, "step": state.number + 1, "at": held.at},
+        }
+        try:
+            json.dumps(payload, allow_nan=False)  # what the gate's row will store
+            check_json_text("the held call", payload)
+            target = step_target(tool_call_key(held.tool), state.number, held.call_id)
+            return JobSpec("gate", target, payload=payload)
+        except (InvalidInput, TypeError, ValueError) as exc:
+            why = f"the call to {held.tool!r} cannot be held for a person: {exc}"[:2000]
+            raise InvalidJob(why, usage=state.usage) from None
+
     def _result(
         self, state: StepState, following: str, event: Event | None, jobs: tuple[JobSpec, ...], **extra: Any
     ) -> JobResult:
         output = {"record": state.record, "next": following, **extra}
-        return JobResult(output=output, messages=tuple(state.sent), usage=state.usage, event=event, jobs=jobs)
+        return JobResult(
+            output=output, messages=tuple(state.sent), usage=state.usage, event=event, jobs=jobs, drops=state.drops
+        )
 
     def _failure(self, exc: Exception, state: StepState) -> JobError:
         """The step's failure, charged exactly once (see the module's docstring)."""
@@ -241,7 +273,7 @@ class StepChain:
 
     def _records(self, key: str, number: int, mine: Mapping[str, Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         records: list[Mapping[str, Any]] = []
-        for n in range(1, number):
+        for n in range(1 if self.reads_all else max(1, number - 1), number):
             step = mine.get(derive(key, self.operation, str(n)))
             result = None if step is None else step.get("result")
             if not isinstance(result, Mapping) or not isinstance(result.get("record"), Mapping):

@@ -223,3 +223,94 @@ def test_the_conversation_that_led_to_an_interrupt_reads_as_a_person_reads_it(cl
         {"role": "tool", "content": "A-1 arrived broken"},
         {"role": "assistant", "content": "", "calls": [{"tool": "refund", "arguments": refund_args}]},
     ]
+
+
+# --- what LangGraph's semantics would otherwise let through ---------------------------------------------------
+
+
+def test_a_message_sent_before_interrupt_is_sent_once_by_the_run_that_finishes_the_node(
+    client: Client, db: Database
+) -> None:
+    """A node sends, then interrupts; resumed, it runs again from its start and sends again: only that run's message
+    leaves (the held super-step's is dropped), so one message, whatever LangGraph reruns."""
+
+    def ask(state: MessagesState) -> dict[str, Any]:
+        integration.send(MessageSpec("slack", "C0PS", "heads-up", {"text": "a refund waits for you"}))
+        decision = interrupt({"tool": "refund", "arguments": {"order": "A-1", "amount": 5}})
+        return {"messages": [AIMessage(f"approved: {decision['approved']}")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    builder.add_edge("ask", END)
+    KeelGraph(builder, name="lg_heads_up")
+    agent = client.create_agent("lg-7")
+    client.submit(agent.id, "req-1", {"prompt": "refund"}, operation="lg_heads_up")
+    run_all(db)
+    held = client.get_state(agent.id)
+    assert held.phase == "waiting_approval"
+    client.approve(agent.id, expected_revision=held.revision, actor="carol")
+    run_all(db)
+    assert client.get_state(agent.id).phase == "done"
+    with db.connection() as conn:
+        sent = conn.execute("SELECT count(*) FROM outbox WHERE agent_id = %s", (agent.id,)).fetchone()
+    assert sent == (1,)
+
+
+def test_a_graph_that_cycles_stops_at_its_recursion_limit_counted_over_the_run(client: Client, db: Database) -> None:
+    def spin(state: MessagesState) -> dict[str, Any]:
+        CALLS["spin"] += 1
+        return {}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("spin", spin)
+    builder.add_edge(START, "spin")
+    builder.add_edge("spin", "spin")
+    KeelGraph(builder, name="lg_spin", recursion_limit=5)
+    agent = client.create_agent("lg-8")
+    client.submit(agent.id, "req-1", {"prompt": "go"}, operation="lg_spin")
+    run_all(db)
+    state = client.get_state(agent.id)
+    assert state.phase == "failed"
+    assert CALLS["spin"] == 4  # the input's super-step and four of the node's: five; the fifth step is refused
+    row = job_row(db, scoped(agent.id, "req-1:lg_spin:5"))
+    assert row is not None and row["error_class"] == "invalid" and "recursion limit" in row["last_error"]
+
+
+def test_two_interrupts_at_once_are_each_held_and_answered_in_turn(client: Client, db: Database) -> None:
+    """Two parallel branches interrupt in one super-step: each waits in its own gate, and each decision resumes the
+    interrupt it was given for."""
+
+    def branch(name: str) -> Any:
+        def node(state: MessagesState) -> dict[str, Any]:
+            decision = interrupt({"tool": f"deploy_{name}", "arguments": {"service": name}})
+            return {"messages": [AIMessage(f"{name}: {'deployed' if decision['approved'] else 'kept'}")]}
+
+        return node
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("api", branch("api"))
+    builder.add_node("web", branch("web"))
+    builder.add_edge(START, "api")
+    builder.add_edge(START, "web")
+    builder.add_edge("api", END)
+    builder.add_edge("web", END)
+    KeelGraph(builder, name="lg_two")
+    agent = client.create_agent("lg-9")
+    client.submit(agent.id, "req-1", {"prompt": "deploy both"}, operation="lg_two")
+    decided = []
+    for _ in range(2):
+        run_all(db)
+        held = client.get_state(agent.id)
+        assert held.phase == "waiting_approval" and held.pending_approval is not None
+        tool = held.pending_approval["tool"]
+        decided.append(tool)
+        if tool == "deploy_api":
+            client.approve(agent.id, expected_revision=held.revision, actor="carol")
+        else:
+            client.reject(agent.id, expected_revision=held.revision, actor="carol", reason="not today")
+    run_all(db)
+    assert client.get_state(agent.id).phase == "done"
+    assert sorted(decided) == ["deploy_api", "deploy_web"]
+    said = {m["content"] for m in client.conversation(agent.id, "req-1")}
+    assert {"api: deployed", "web: kept"} <= said
