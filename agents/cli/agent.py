@@ -284,6 +284,13 @@ def _finish(
     metavar="JSON",
     help='The request\'s input as JSON (required; plan: {"prompt": "...", "script": [...]}).',
 )
+@click.option(
+    "--operation",
+    default="plan",
+    show_default=True,
+    help="The operation the request starts with: Keel's own loop (plan), or one a handler or an agent"
+    " (KeelAgent, KeelGraph) registered in a KEEL_IMPORTS module.",
+)
 @click.option("--revision", type=REVISION, help="Expected revision (rejected if stale).")
 @actor_option
 @_wait_options
@@ -293,6 +300,7 @@ def submit(
     agent_ref: str,
     request_id: str,
     input_text: str | None,
+    operation: str,
     revision: int | None,
     actor: str,
     wait: bool,
@@ -307,7 +315,9 @@ def submit(
         raise click.UsageError('--input is required: the request\'s input as JSON, e.g. --input \'{"prompt": "hi"}\'')
     value = json_value("--input", input_text)
     with open_client() as client:
-        state = client.submit(agent_ref, request_id, value, expected_revision=revision, actor=actor)
+        state = client.submit(
+            agent_ref, request_id, value, expected_revision=revision, actor=actor, operation=operation
+        )
         _finish(client, state, request_id, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
 
 

@@ -525,3 +525,28 @@ def test_the_console_shows_an_approver_the_conversation_that_led_to_the_call(
     said = unescape(page.split('id="conversation"', 1)[1].split("</details>", 1)[0])
     assert "refund A-1" in said and "lookup_order" in said and "A-1 arrived broken" in said
     assert said.index("refund A-1") < said.index("lookup_order") < said.index("A-1 arrived broken")
+
+
+def test_the_cli_submits_to_a_registered_agents_operation(db_url: str, client: Client, db: Database) -> None:
+    """`keel submit … --operation NAME`: the CLI's door to an agent registered by a KEEL_IMPORTS module; an operation
+    nobody registered is refused naming the known ones, and changes nothing."""
+    from tests.support.cli import keel
+
+    agent = client.create_agent("pai-cli")
+    imports = '["tests.support.pai_agents"]'
+    refused = keel(db_url, "submit", "pai-cli", "r1", "--operation", "pai_shp", "--input", "{}", check=False)
+    assert refused.returncode != 0 and "pai_shp" in refused.stderr and "Traceback" not in refused.stderr
+    assert client.get_state(agent.id).phase == "idle"
+    done = keel(
+        db_url,
+        "submit",
+        "pai-cli",
+        "r1",
+        "--operation",
+        "pai_ship",
+        "--input",
+        '{"prompt": "ship A-1"}',
+        KEEL_IMPORTS=imports,
+    )
+    assert "planning" in done.stdout
+    assert job_row(db, scoped(agent.id, "r1:pai_ship:1")) is not None
