@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from agents.jobs.runner import Runner
 from models.db import Database
 from models.jobs_sql import job_row
 from tests.support.api import Api
+from tests.support.broker import Broker
 from tests.support.keys import scoped
 from tests.support.runs import FAST_RULES, make_runner, run_all
 
@@ -549,4 +551,28 @@ def test_the_cli_submits_to_a_registered_agents_operation(db_url: str, client: C
         KEEL_IMPORTS=imports,
     )
     assert "planning" in done.stdout
+    assert job_row(db, scoped(agent.id, "r1:pai_ship:1")) is not None
+
+
+def test_http_submits_to_an_agents_operation_and_refuses_a_bad_input_naming_the_field(
+    client: Client, db: Database, db_url: str, broker: Broker, tmp_path: Path
+) -> None:
+    """The HTTP door: POST /v1/agents/{agent}/requests with the operation of an agent a KEEL_IMPORTS module registers
+    in the API's process; its input checked against the agent's input model (a prompt is required) before anything
+    is written."""
+    from tests.support.api import running_api
+
+    agent = client.create_agent("pai-http")
+    imports = {"KEEL_IMPORTS": '["tests.support.handlers", "tests.support.pai_agents"]'}
+    with running_api(db, db_url, broker, tmp_path, env=imports) as api, api.http(api.token("producer")) as http:
+        path = f"/v1/agents/{agent.id}/requests"
+        no_prompt = {"input": {"order": "A-1"}, "operation": "pai_ship"}
+        bad = http.post(path, json=no_prompt, headers={"Idempotency-Key": "r0"})
+        assert bad.status_code == 422 and "input.prompt" in bad.text, bad.text
+        assert client.get_state(agent.id).phase == "idle"
+        made = http.post(
+            path, json={"input": {"prompt": "ship A-1"}, "operation": "pai_ship"}, headers={"Idempotency-Key": "r1"}
+        )
+        assert made.status_code == 201, made.text
+    assert client.get_state(agent.id).phase == "planning"
     assert job_row(db, scoped(agent.id, "r1:pai_ship:1")) is not None
