@@ -41,7 +41,7 @@ def test_the_demo_alone_starts_both_embedded_servers_and_dev_stop_stops_them(tmp
         assert status["postgres"]["running"] and status["redis"]["running"]
         assert embedded.start_redis(home) == status["redis"]["url"], "a second start reuses the running server"
         with psycopg.connect(libpq_url(embedded.start_postgres(home))) as conn:
-            assert conn.execute("SELECT count(*) FROM agents").fetchone() == (7,)
+            assert conn.execute("SELECT count(*) FROM agents").fetchone() == (8,)  # its 8 scenarios (one Pydantic AI)
         import redis
 
         client = redis.Redis.from_url(status["redis"]["url"])
