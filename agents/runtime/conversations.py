@@ -69,7 +69,10 @@ def _record(step: Mapping[str, Any]) -> Any:
 
 
 def _keel_loop(request_input: Any, steps: Sequence[Mapping[str, Any]]) -> list[Message]:
-    """Keel's own loop: each plan step's reply, each tool step's result, in the order they ran."""
+    """Keel's own loop: each plan step's reply, each tool step's result, in the order they ran (none: a request to a
+    handler of its own, which has no conversation)."""
+    if not any(step.get("operation") == "plan" for step in steps):
+        return []
     messages: list[Message] = [{"role": "user", "content": prompt_of(request_input)}]
     for step in steps:
         result = step.get("result")

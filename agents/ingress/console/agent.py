@@ -63,10 +63,11 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
     if state.phase == "waiting_approval":  # since its gate finished, as the inbox says (not its latest move)
         call = approvals_sql.waiting_call(keel.db, state.id)
         waiting_since = call.since if call is not None else state.updated_at
-        if request_id and state.pending_approval and who.can(Permission.READ_APPROVALS):
-            # What an approver decides on, with the call: the prompt, the model's replies and reasoning, earlier calls
-            # and their results (READ_APPROVALS: what waits, and why).
-            conversation = keel.client.conversation(state.id, request_id)
+    # What an approver decides on, with the call (READ_APPROVALS: what waits, and why); and part of the request's
+    # story for whoever reads that: the prompt, the model's replies and reasoning, the calls and their results.
+    waiting = state.phase == "waiting_approval" and state.pending_approval and who.can(Permission.READ_APPROVALS)
+    if request_id and (waiting or who.can(Permission.READ_STORY)):
+        conversation = keel.client.conversation(state.id, request_id)
     path = f"/agents/{state.id}"
     return {
         "events": list(journal.events),
