@@ -122,9 +122,9 @@ class KeelGraph:
             done = -1
             if state.records:
                 done = await _restore(saver, state.run_id, state.records[-1]["checkpoint"])
-            if done + 1 >= self.recursion_limit:  # LangGraph counts its limit per call: Keel counts it per run
+            if done >= self.recursion_limit:  # LangGraph counts its limit per call: Keel counts it per run, as one call
                 raise InvalidJob(
-                    f"the graph has run {done + 1} super-steps, its recursion limit (KeelGraph recursion_limit="
+                    f"the graph has run {done} super-steps, its recursion limit (KeelGraph recursion_limit="
                     f"{self.recursion_limit}): a cycle that does not end?"
                 )
             given: Any = None

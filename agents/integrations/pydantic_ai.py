@@ -175,6 +175,7 @@ class _Backend(JournalCallableOperationBackend[None]):
             # before anything else can fail.
             state.checkpoint()
         if kind == "model":
+            state.holds_paid = True
             state.spent(_usage(result, run.cost, state), checkpointed=True)
         return result
 
@@ -345,6 +346,7 @@ class KeelAgent:
         for unit in ran:
             run.ran_kind = run.ran_kind or unit.get("kind")
             if unit.get("kind") == "model":  # (a cost= that fails on it counts its tokens first, then fails the step)
+                state.holds_paid = True
                 state.spent(_usage(unit["result"], self.cost, state), checkpointed=True)
             state.sent.extend(steps.messages_from(unit.get("messages")))
         token = _units.set(run)

@@ -106,6 +106,9 @@ class StepState:
     #: What this attempt spent; and of it, what is in paid work the step checkpointed (replayed, not bought again).
     usage: Usage = field(default_factory=Usage)
     checkpointed_usage: Usage = field(default_factory=Usage)
+    #: Whether the step holds a paid call it checkpointed (however little it reported spending): a failure after it
+    #: is ``invalid``, not retried (a retry would only replay it and fail alike).
+    holds_paid: bool = False
     #: Messages to send with this step's outcome (:func:`send`; an adapter may collect them elsewhere and add them).
     sent: list[MessageSpec] = field(default_factory=list)
     #: Where :func:`send` puts messages now (None: not inside the framework's code).
@@ -262,7 +265,7 @@ class StepChain:
 
     def _failure(self, exc: Exception, state: StepState) -> JobError:
         """The step's failure, charged exactly once (see the module's docstring)."""
-        if state.checkpointed_usage:
+        if state.holds_paid or state.checkpointed_usage:
             message = f"after paid work this step checkpointed: {type(exc).__name__}: {exc}"[:2000]
             return InvalidJob(message, usage=state.usage)
         found = self.segment.classify(exc)

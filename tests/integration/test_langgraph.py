@@ -272,8 +272,8 @@ def test_a_graph_that_cycles_stops_at_its_recursion_limit_counted_over_the_run(c
     run_all(db)
     state = client.get_state(agent.id)
     assert state.phase == "failed"
-    assert CALLS["spin"] == 4  # the input's super-step and four of the node's: five; the fifth step is refused
-    row = job_row(db, scoped(agent.id, "req-1:lg_spin:5"))
+    assert CALLS["spin"] == 5  # as a plain LangGraph run with recursion_limit=5 (langgraph 1.2): five, then refused
+    row = job_row(db, scoped(agent.id, "req-1:lg_spin:6"))
     assert row is not None and row["error_class"] == "invalid" and "recursion limit" in row["last_error"]
 
 
