@@ -193,6 +193,11 @@ class HttpClient:
     def request_messages(self, agent: AgentRef, request_id: str) -> list[dict[str, Any]]:
         return list(self._story(agent, request_id)["outbox"])
 
+    def conversation(self, agent: AgentRef, request_id: str) -> list[dict[str, Any]]:
+        """As :meth:`Client.conversation` (part of the request's story: a token that may read it)."""
+        said = self._story(agent, request_id)["conversation"]
+        return [{k: v for k, v in m.items() if v is not None} for m in said]
+
     def journal(
         self, *, agent_id: AgentRef | None = None, request_id: str | None = None, limit: int | None = None
     ) -> list[JournalEvent]:

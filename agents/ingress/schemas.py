@@ -86,13 +86,25 @@ class RequestOut(RequestRecord):
     links: Links
 
 
+class ConversationMessage(BaseModel):
+    """One message of a request's conversation, as a person reads it (agents/runtime/conversations.py)."""
+
+    role: str = Field(description="user, assistant, tool or system")
+    content: str
+    calls: list[dict[str, Any]] | None = Field(default=None, description="the tools a reply called: tool, arguments")
+    reasoning: str | None = Field(default=None, description="a reply's reasoning text, when the model gave it")
+
+
 class RequestStory(BaseModel):
-    """Everything that happened for one request: its record, its jobs, its journal events, its outbox messages."""
+    """Everything that happened for one request: its record, its jobs, its journal events, its outbox messages, and
+    its conversation (the prompt, the model's replies and calls, the tools' results: empty for a handler of its
+    own)."""
 
     request: RequestOut
     jobs: list[JobView]
     journal: list[JournalEvent]
     outbox: list[OutboxMessage]
+    conversation: list[ConversationMessage] = Field(default_factory=list)
 
 
 class OutboxMessage(BaseModel):

@@ -586,3 +586,12 @@ def test_http_submits_to_an_agents_operation_and_refuses_a_bad_input_naming_the_
         assert made.status_code == 201, made.text
     assert client.get_state(agent.id).phase == "planning"
     assert job_row(db, scoped(agent.id, "r1:pai_ship:1")) is not None
+
+
+def test_the_http_story_carries_the_conversation_the_client_reads(api: Api, client: Client, db: Database) -> None:
+    """Every door reads the same conversation: HttpClient (the story's) as Client."""
+    from agents.client import HttpClient
+
+    state = _held(client, db, "pai-18")
+    with HttpClient(api.url, api.token("operator")) as http:
+        assert http.conversation(state.id, "req-1") == client.conversation(state.id, "req-1")

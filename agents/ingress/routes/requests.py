@@ -18,7 +18,7 @@ from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.problems import BAD_REQUEST, Problem, kind_for
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.schemas import Links, OutboxMessage, RequestOut, RequestStory, SubmitRequest
+from agents.ingress.schemas import ConversationMessage, Links, OutboxMessage, RequestOut, RequestStory, SubmitRequest
 from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import RequestRecord
 
@@ -140,6 +140,7 @@ def story(
         jobs=keel.client.request_jobs(record.agent_id, request_id),
         journal=journal_events(keel.db, agent_id=record.agent_id, request_id=request_id),
         outbox=[OutboxMessage(**m) for m in keel.client.request_messages(record.agent_id, request_id)],
+        conversation=[ConversationMessage(**m) for m in keel.client.conversation(record.agent_id, request_id)],
     )
 
 
