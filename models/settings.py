@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -312,12 +315,22 @@ def describe(exc: ValidationError) -> str:
     return "bad configuration: " + "; ".join(problems)
 
 
+def import_handler_module(name: str) -> ModuleType:
+    """Import a ``KEEL_IMPORTS`` module: the one rule every process follows. A module in the current directory is
+    found as ``python -m`` finds it, without ``PYTHONPATH=.``; the directory is searched after every installed
+    package, so it shadows none."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+    return importlib.import_module(name)
+
+
 def check_imports(settings: Settings) -> None:
     """Import every ``KEEL_IMPORTS`` module now (a worker's start), so a missing or broken one stops the worker
     with :class:`BadConfiguration` instead of failing each job that needs its handlers."""
     for module in settings.imports:
         try:
-            importlib.import_module(module)
+            import_handler_module(module)
         except Exception as exc:  # whatever the module raises, the worker would die on it later
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
             raise BadConfiguration(

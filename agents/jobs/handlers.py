@@ -5,7 +5,6 @@ entry points are imported at worker start (and by the client, which checks a sub
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from agents.core.errors import FencedOff, InvalidInput, UnknownOperation
 from agents.core.phases import Event
 from models.db import Database
 from models.jobs_sql import checkpoint
+from models.settings import import_handler_module
 
 
 class FencedDatabase:
@@ -285,9 +285,10 @@ def handler(
 
 
 def load(modules: Iterable[str]) -> Registry:
-    """Import handler modules (``KEEL_IMPORTS``) and ``keel.handlers`` entry points; return the registry."""
+    """Import handler modules (``KEEL_IMPORTS``, as :func:`models.settings.import_handler_module` finds them) and
+    ``keel.handlers`` entry points; return the registry."""
     for name in modules:
-        importlib.import_module(name)
+        import_handler_module(name)
     for point in entry_points(group="keel.handlers"):
         point.load()
     return registry
