@@ -34,6 +34,9 @@ from models.schemas import AgentRow
 # Declared on current_token for the OpenAPI document (its security scheme); TokenGate does the checking.
 _bearer = HTTPBearer(auto_error=False, description="An API token: `keel token create NAME --scope …`")
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="keel"'}
+#: What a request without a token is told. Worded so that no "Bearer <word>" in it looks like a credential to the
+#: redaction every error text passes through (it read "as a Bearer *** in the Authorization header").
+NO_TOKEN = "send an API token in the Authorization header (scheme: Bearer), as the API's docs show"
 #: Where :class:`TokenGate` leaves the authenticated token in the request's ``scope["state"]``.
 TOKEN_STATE = "token"
 #: The paths that need a token.
@@ -58,9 +61,7 @@ async def current_token(
     """The token the request carries, as :class:`TokenGate` authenticated it (no second lookup)."""
     token = getattr(request.state, TOKEN_STATE, None)
     if not isinstance(token, ApiToken):  # a route outside the gate's paths: never let it through unauthenticated
-        raise Problem(
-            UNAUTHORIZED, "send an API token as a Bearer token in the Authorization header", headers=_CHALLENGE
-        )
+        raise Problem(UNAUTHORIZED, NO_TOKEN, headers=_CHALLENGE)
     return token
 
 
@@ -151,9 +152,7 @@ class TokenGate:
         keel: Ingress = scope["app"].state.ingress
         scheme, secret = get_authorization_scheme_param(Headers(scope=scope).get("authorization"))
         if scheme.lower() != "bearer" or not secret:
-            raise Problem(
-                UNAUTHORIZED, "send an API token as a Bearer token in the Authorization header", headers=_CHALLENGE
-            )
+            raise Problem(UNAUTHORIZED, NO_TOKEN, headers=_CHALLENGE)
         client = scope.get("client")
         attempt = await run_in_threadpool(keel.try_token, client[0] if client else None, secret)
         if attempt.refused:
