@@ -351,11 +351,12 @@ def run(
 
     _check_wait(wait, follow, timeout)
     value: dict[str, Any] = {"prompt": prompt}
-    if script_path is None and settings_or_exit().llm_provider == "scripted":
-        raise click.UsageError("KEEL_LLM_PROVIDER is scripted: give the replies with --script, or use openai")
     if script_path is not None:
         value["script"] = json_value("--script", script_path.read_text())
     with open_client() as client:
+        client.get_state(agent_ref)  # an agent that does not exist is the first thing to say, not a missing --script
+        if script_path is None and settings_or_exit().llm_provider == "scripted":
+            raise click.UsageError("KEEL_LLM_PROVIDER is scripted: give the replies with --script, or use openai")
         request_id = request_id or f"run-{uuid.uuid4().hex[:12]}"
         state = client.submit(agent_ref, request_id, value, actor=actor)
         _finish(client, state, request_id, wait=wait, follow=follow, timeout=timeout, as_json=as_json)

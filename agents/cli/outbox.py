@@ -34,12 +34,15 @@ def outbox_list(status: str | None, limit: int, as_json: bool) -> None:
 
     with open_client(writes=False) as client:
         rows = list_messages(client.db, status, limit)
+    columns = ("key", "channel", "destination", "status", "attempts")
+    # Each column as wide as its widest cell (keys run long: an agent's request key leads them), under its header.
+    width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns} if rows else {}
+    header = " ".join(f"{c:<{width[c]}}" for c in columns) + "  last error" if rows else ""
     lines = [
-        f"{r['key']:<44} {r['channel']:<7} {r['destination']:<24} {r['status']:<8} attempts {r['attempts']}"
-        + (f"  {r['last_error'][:60]}" if r["last_error"] else "")
+        " ".join(f"{r[c]!s:<{width[c]}}" for c in columns) + (f"  {r['last_error'][:60]}" if r["last_error"] else "")
         for r in rows
     ]
-    emit({"messages": rows}, as_json, "\n".join(lines) or "no messages")
+    emit({"messages": rows}, as_json, "\n".join([header, *lines]) if lines else "no messages")
 
 
 @outbox.command("show")

@@ -57,6 +57,7 @@ pytestmark = pytest.mark.integration
         (("wait", "ops", "r1", "--timeout", "1e308"), "'--timeout': 1e+308 is not in the range 0<x<=2592000"),
         (("submit", "ops", "r1", "--input", PROMPT, "--wait", "--timeout", "inf"), "'--timeout': inf is not in"),
         (("wait", "ops"), "agent 'ops' has had no request yet: nothing to wait for"),
+        (("run", "nobody", "hi"), "no agent has the id or name 'nobody'"),  # before any word about --script
         (("flower", "--port", "99999999999"), "'--port': 99999999999 is not in the range 1<=x<=65535"),
         (("up", "--concurrency", str(2**63)), "'--concurrency': 9223372036854775808 is not in the range 1<=x<=5000"),
         (("up", "--give-up-after", "99999999999"), "'--give-up-after': 99999999999 is not in the range"),
@@ -366,3 +367,16 @@ def test_a_command_traces_when_an_endpoint_is_configured(db_url: str) -> None:
     # The command's exit exported its spans: the submit's transition, in the trace its job carries.
     assert ("keel-cli", "keel.transition submit", trace_id) in collector.spans, collector.spans
     assert stored.get("req-u", "missing") in (None, "missing")
+
+
+def test_outbox_list_has_a_header_row_over_its_columns(db_url: str, client: Client, db: Any) -> None:
+    from tests.support.runs import run_all
+
+    agent = client.create_agent("poster")
+    post = {"name": "slack_post", "arguments": {"channel": "C0PS", "text": "hello"}}
+    client.submit(agent.id, "r1", {"prompt": "post", "script": [{"tool_calls": [post]}, {"content": "Posted."}]})
+    run_all(db)
+    header, row = keel(db_url, "outbox", "list").stdout.splitlines()
+    assert header.split() == ["key", "channel", "destination", "status", "attempts", "last", "error"]
+    assert row.split()[1:5] == ["slack", "C0PS", "pending", "0"]
+    assert header.index("channel") == row.index(" slack ") + 1 and header.index("status") == row.index(" pending ") + 1
