@@ -534,7 +534,8 @@ def _report(
         ),
         ("suppressed duplicates", count(k["suppressed_duplicates"])),
         ("duplicate side effects", count(duplicates)),
-        ("p95 phase-transition latency", f"{seconds(k['p95_step_seconds'] or 0)} (step due -> its transition)"),
+        # Not `keel kpi`'s p95 phase-transition latency (the database's time in one transition): a step's whole wait.
+        ("p95 step latency", f"{seconds(k['p95_step_seconds'] or 0)} (a step due -> its outcome recorded)"),
         (
             "recovery rate after first failure",
             f"{percent(k['recovery_rate'] or 0)} of {count(k['jobs_finished_after_failure'])} jobs finished after a"

@@ -254,7 +254,7 @@ def report_lines(k: Kpis) -> list[tuple[str, str]]:
         ),
         ("requests finished", f"{_count(k.requests_done)} done, {_count(k.requests_failed)} failed"),
         ("failure rate", _percent(k.failure_rate)),
-        ("mean request time", _seconds(k.mean_request_seconds)),
+        ("mean processing time", _seconds(k.mean_request_seconds)),
         ("p95 request time", _seconds(k.p95_request_seconds)),
         ("p95 phase-transition latency", _seconds(k.p95_transition_seconds)),
         (

@@ -107,7 +107,7 @@ def test_kpi_prints_the_counters_for_people_over_all_time_or_a_window(db_url: st
     )
     assert rows["retry-caused cost"] == "12,345 tokens, $0.0025 (100.0% of spend)"
     assert (rows["failure rate"], rows["requests finished"]) == ("100.0%", "0 done, 1 failed")
-    assert re.fullmatch(r"\d+ ms|[\d,]+\.\d\d s", rows["mean request time"]), rows
+    assert re.fullmatch(r"\d+ ms|[\d,]+\.\d\d s", rows["mean processing time"]), rows
     hour = json.loads(keel(db_url, "kpi", "--since", "1h", "--json").stdout)
     assert hour == {**figures, "since": "1h"}
     assert keel(db_url, "kpi", "--since", "90m").stdout.startswith("KPIs over the last 90m\n")
