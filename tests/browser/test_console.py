@@ -48,7 +48,8 @@ def test_approving_live_a_stale_second_approval_and_retrying_a_dead_letter(chrom
     alice.once("dialog", lambda dialog: dialog.accept())
     tab_to(alice, f"Approve at revision {drawn}")  # keyboard only: Tab to the button, Enter
     alice.keyboard.press("Enter")
-    alice.wait_for_url(f"**/agents/{agent['id']}")
+    alice.wait_for_url(f"**/agents/{agent['id']}?decided=approve*")  # the page confirms the decision
+    alice.locator("#decided-notice", has_text="Approved at revision").wait_for()
     alice.locator("#phase", has_text="done").wait_for(timeout=LIVE)  # the held call ran; live to done
     screenshot(alice, "agent-done")
 

@@ -131,7 +131,8 @@ def test_edit_and_approve_runs_the_edited_call_once_and_the_journal_keeps_both(c
     screenshot(erin, "agent-edit")
     erin.once("dialog", lambda dialog: dialog.accept())
     erin.get_by_role("button", name=f"Approve with these arguments at revision {drawn}").click()
-    erin.wait_for_url(f"**/agents/{agent['id']}")
+    erin.wait_for_url(f"**/agents/{agent['id']}?decided=approve*")  # the page confirms the decision
+    erin.locator("#decided-notice", has_text="Approved at revision").wait_for()
     erin.locator("#phase", has_text="done").wait_for(timeout=LIVE)  # the edited call ran; live to done
 
     # The fake GitHub got the edited comment, on the edited issue, once; nothing on the model's.

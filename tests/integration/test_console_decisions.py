@@ -253,3 +253,26 @@ def test_an_auditor_sees_no_edit_form_and_a_forged_edit_changes_nothing(api: Api
     assert journal_count(api.db) == before
     operator_only = browsers.signed_in(api.token("operator"))
     assert 'name="arguments"' not in operator_only.get(f"/agents/{state['id']}").text  # operators do not approve
+
+
+def test_a_decision_is_confirmed_and_the_panel_warns_of_a_move_only_over_decision_forms(
+    api: Api, browsers: Browsers
+) -> None:
+    """After an approval the page confirms it (issue 37: it showed a banner about forms no longer there), to the
+    session that made it only; the live panel warns that the agent moved only when the page drew decision forms."""
+    with api.http(api.token("operator")) as http:
+        state = waiting_agent(api, http)
+    client = browsers.signed_in(api.token("approver", name="alice"))
+    page = client.get(f"/agents/{state['id']}")
+    drawn = state["revision"]
+    done = client.post(f"/agents/{state['id']}/approve", data={"csrf": csrf_of(page), "revision": str(drawn)})
+    assert done.status_code == 303, done.text
+    after = client.get(done.headers["location"])
+    assert f"Approved at revision {drawn}: the call runs next." in after.text
+    assert 'id="moved-notice"' not in after.text
+    crafted = client.get(f"/agents/{state['id']}?decided=reject:{drawn}&proof=00")
+    assert 'id="decided-notice"' not in crafted.text, "a link someone made shows no notice"
+    over_forms = client.get(f"/agents/{state['id']}/panel?drawn={drawn}&forms=true")
+    assert 'id="moved-notice"' in over_forms.text
+    no_forms = client.get(f"/agents/{state['id']}/panel?drawn={drawn}")
+    assert 'id="moved-notice"' not in no_forms.text

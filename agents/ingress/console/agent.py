@@ -19,7 +19,7 @@ from agents.core.errors import AgentNotFound, InvalidInput, KeelError, StaleRevi
 from agents.core.journal import journal_page
 from agents.core.journal.verdict import Verdict
 from agents.ingress.auth import resolve
-from agents.ingress.console import paging, views
+from agents.ingress.console import paging, sessions, views
 from agents.ingress.console.common import Held, Keel, Viewer, Who, bad_cursor, checked, link, page, read_form
 from agents.ingress.console.paging import BadCursor
 from agents.ingress.events import sse_events
@@ -119,7 +119,16 @@ def _journal_cursor(who: Viewer, cursor: str | None, path: str) -> int | HTMLRes
 
 
 @router.get("/agents/{ref}")
-def agent_page(ref: str, keel: Keel, who: Who, cursor: Annotated[str | None, Query()] = None) -> HTMLResponse:
+def agent_page(
+    ref: str,
+    keel: Keel,
+    who: Who,
+    cursor: Annotated[str | None, Query()] = None,
+    decided: Annotated[str | None, Query()] = None,
+    proof: Annotated[str | None, Query()] = None,
+) -> HTMLResponse:
+    """The agent's page; after a decision made on it, a notice confirming it — only for the session that made it
+    (``proof``, see :func:`sessions.notice_proof`): a crafted link shows no text of its own."""
     found = _found(keel, who, ref)
     if found is None:
         return page("message.html", who, status=404, title="No such agent", message=f"No agent is called {ref!r}.")
@@ -127,7 +136,26 @@ def agent_page(ref: str, keel: Keel, who: Who, cursor: Annotated[str | None, Que
     before = _journal_cursor(who, cursor, f"/agents/{state.id}")
     if isinstance(before, HTMLResponse):
         return before
-    return page("agent.html", who, state=state, drawn=state.revision, **_agent_context(keel, who, state, before))
+    done = None
+    if sessions.notice_ok(sessions.session_key(keel.settings), who.session, decided, proof):
+        done = _decided_notice(decided or "")
+    context = _agent_context(keel, who, state, before)
+    return page("agent.html", who, state=state, drawn=state.revision, decided=done, **context)
+
+
+#: What a decision made on the agent page is confirmed with, by act.
+_DECIDED = {
+    "approve": "Approved at revision {0}: the call runs next.",
+    "reject": "Rejected at revision {0}: the call will not run, and the model is told why.",
+}
+
+
+def _decided_notice(decided: str) -> str | None:
+    """``approve:5`` (as the decision's redirect names it) as the notice the page shows."""
+    act, _, revision = decided.partition(":")
+    if act not in _DECIDED or not revision.isdigit():
+        return None
+    return _DECIDED[act].format(revision)
 
 
 @router.get("/agents/{ref}/panel")
@@ -137,6 +165,7 @@ def agent_panel(
     who: Who,
     drawn: Annotated[int, Query(ge=0)] = 0,
     cursor: Annotated[str | None, Query()] = None,
+    forms: Annotated[bool, Query()] = False,
 ) -> HTMLResponse:
     """The agent page's live part (state, journal, jobs, outbox), redrawn by the script; the decision forms stay
     as they were drawn, at their revision, and the journal at the page it shows."""
@@ -147,7 +176,8 @@ def agent_panel(
     before = _journal_cursor(who, cursor, f"/agents/{state.id}")
     if isinstance(before, HTMLResponse):
         return before
-    return page("agent_panel.html", who, state=state, drawn=drawn, **_agent_context(keel, who, state, before))
+    context = _agent_context(keel, who, state, before)
+    return page("agent_panel.html", who, state=state, drawn=drawn, forms=forms, **context)
 
 
 @router.get("/agents/{ref}/live", response_class=EventSourceResponse)
@@ -226,7 +256,9 @@ def _apply(keel: Ingress, who: Viewer, ref: str, act: str, form: dict[str, str])
             error=str(exc),
             **_agent_context(keel, who, state),
         )
-    return RedirectResponse(f"/agents/{agent_id}", status_code=303)
+    decided = f"{act}:{drawn}"
+    proof = sessions.notice_proof(sessions.session_key(keel.settings), who.session, decided)
+    return RedirectResponse(link(f"/agents/{agent_id}", decided=decided, proof=proof), status_code=303)
 
 
 def _edit_refused(keel: Ingress, who: Viewer, agent_id: UUID, drawn: int, typed: str, error: str) -> HTMLResponse:
