@@ -146,11 +146,6 @@ class Segment(Protocol):
 _current: ContextVar[StepState | None] = ContextVar("keel_integration_step", default=None)
 
 
-def current() -> StepState | None:
-    """The step running the framework's code in this context (None: none)."""
-    return _current.get()
-
-
 def send(message: MessageSpec) -> None:
     """Inside an agent's tool (or graph node) while Keel runs it: send ``message`` (Slack or GitHub) through Keel's
     outbox. It leaves once the step is recorded, keyed from that step (``message.target`` names it within the step),

@@ -522,21 +522,17 @@ def test_the_console_shows_an_approver_the_conversation_that_led_to_the_call(
     browsers = Browsers(api)
     try:
         page = browsers.signed_in(api.token("approver")).get(f"/agents/{state.id}").text
-    finally:
-        browsers.close()
-    said = unescape(page.split('id="conversation"', 1)[1].split("</details>", 1)[0])
-    assert "refund A-1" in said and "lookup_order" in said and "A-1 arrived broken" in said
-    assert said.index("refund A-1") < said.index("lookup_order") < said.index("A-1 arrived broken")
-    # Once done, the whole conversation is part of the request's story (an operator's page), the answer last.
-    client.approve(state.id, expected_revision=state.revision, actor="carol")
-    run_all(db)
-    browsers = Browsers(api)
-    try:
+        said = unescape(page.split('id="conversation"', 1)[1].split("</details>", 1)[0])
+        assert "refund A-1" in said and "lookup_order" in said and "A-1 arrived broken" in said
+        assert said.index("refund A-1") < said.index("lookup_order") < said.index("A-1 arrived broken")
+        # Once done, the whole conversation is part of the request's story (an operator's page), the answer last.
+        client.approve(state.id, expected_revision=state.revision, actor="carol")
+        run_all(db)
         page = browsers.signed_in(api.token("operator")).get(f"/agents/{state.id}").text
+        story = unescape(page.split('id="request-conversation"', 1)[1].split("</details>", 1)[0])
+        assert story.rstrip().endswith("</ol>") and "Outcome: refunded 30 on A-1" in story
     finally:
         browsers.close()
-    story = unescape(page.split('id="request-conversation"', 1)[1].split("</details>", 1)[0])
-    assert story.rstrip().endswith("</ol>") and "Outcome: refunded 30 on A-1" in story
 
 
 def test_the_cli_submits_to_a_registered_agents_operation(db_url: str, client: Client, db: Database) -> None:
