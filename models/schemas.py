@@ -99,10 +99,17 @@ class AgentState(BaseModel):
     pending_jobs: tuple[JobView, ...] = ()
     #: While waiting_approval: the tool call a person must approve or reject (tool, call_id, arguments, round).
     pending_approval: dict[str, Any] | None = None
+    #: The agent's outbox messages that are dead now (side effects that never arrived; ``keel outbox retry``); None
+    #: in lists of agents, which do not read it.
+    dead_messages: int | None = None
 
     @classmethod
     def of(
-        cls, row: AgentRow, pending_jobs: tuple[JobView, ...] = (), pending_approval: dict[str, Any] | None = None
+        cls,
+        row: AgentRow,
+        pending_jobs: tuple[JobView, ...] = (),
+        pending_approval: dict[str, Any] | None = None,
+        dead_messages: int | None = None,
     ) -> AgentState:
         return cls(
             id=row.id,
@@ -122,6 +129,7 @@ class AgentState(BaseModel):
             archived_at=row.archived_at,
             pending_jobs=pending_jobs,
             pending_approval=pending_approval,
+            dead_messages=dead_messages,
         )
 
 
@@ -217,6 +225,64 @@ class JournalEvent(BaseModel):
     hash: str
     #: The audit key ``hash`` is an HMAC under; None: a legacy event, from before the journal was keyed.
     key_id: str | None = None
+
+
+class SideEffect(BaseModel):
+    """One Slack or GitHub message a request emitted, and how its delivery went: ``sent`` (with where it is at the
+    receiver), ``pending``/``sending`` (the relay has it), or ``dead`` (given up: ``last_error`` says why; ``keel outbox
+    retry KEY`` sends it again)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key: str
+    channel: str
+    destination: str
+    status: str
+    attempts: int
+    last_error: str | None = None
+    external_url: str | None = None
+    sent_at: datetime | None = None
+
+
+class RequestFailure(BaseModel):
+    """Why a request failed: who stopped it (``event``: ``fail`` for Keel — an error cap, a deadline, the budget —
+    ``cancel`` for a person or producer), the reason journaled, and the step that failed, if one did, with its error
+    class and last error."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event: str
+    actor: str
+    reason: str
+    job: str | None = None
+    error_class: str | None = None
+    error: str | None = None
+
+
+class RequestOutcome(BaseModel):
+    """How a request stands or ended, read from what its steps stored (``agents.core.request_outcome``): its phase (the
+    agent's, as its latest transition left it), the answer (when done), why it failed (when failed), what its steps
+    spent, and its side effects with their delivery."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    agent_id: UUID
+    phase: str
+    #: The revision and time of the request's latest transition.
+    revision: int
+    at: datetime
+    #: The final answer: the last step's ``answer`` (Keel's loop, KeelAgent, KeelGraph), or a handler's whole result.
+    answer: Any = None
+    failure: RequestFailure | None = None
+    tokens: int = 0
+    cost: Decimal = Decimal(0)
+    side_effects: tuple[SideEffect, ...] = ()
+
+    @property
+    def dead(self) -> tuple[SideEffect, ...]:
+        """The side effects Keel gave up on: the request may be done while these never arrived."""
+        return tuple(s for s in self.side_effects if s.status == "dead")
 
 
 class RequestRecord(BaseModel):

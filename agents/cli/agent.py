@@ -22,10 +22,10 @@ from agents.cli.common import (
     json_option,
     json_value,
     open_client,
-    settings_or_exit,
     text_value,
     timestamp,
 )
+from agents.cli.request import outcome_lines
 from agents.cli.watch import EXIT_TIMEOUT, outcome_json, outcome_text, wait_for_rest
 from agents.core.commands import MAX_BIGINT
 from agents.core.errors import BadCursor, quoted
@@ -67,6 +67,14 @@ def state_text(state: Any) -> str:
                 f"  {j.key:<48} {j.status:<9} {j.queue:<14} attempts {j.attempts}"
                 + (f"  last error: {j.last_error[:60]}" if j.last_error else "")
                 for j in state.pending_jobs
+            ),
+            *(
+                [
+                    f"dead       {state.dead_messages} side effect(s) never arrived:"
+                    " keel outbox list --status dead, then keel outbox retry KEY"
+                ]
+                if state.dead_messages
+                else []
             ),
         ]
     )
@@ -268,10 +276,12 @@ def _finish(
             err=True,
         )
     if not (follow and as_json):
+        outcome = client.outcome(agent.id, request_id)
         if agent.request_id == request_id:
-            emit(agent, as_json, state_text(agent))
+            shown, text = agent.model_dump(mode="json"), state_text(agent)
         else:
-            emit(outcome_json(agent, last), as_json, outcome_text(agent, last))
+            shown, text = outcome_json(agent, last), outcome_text(agent, last)
+        emit({**shown, "outcome": outcome.model_dump(mode="json")}, as_json, "\n".join([text, *outcome_lines(outcome)]))
     sys.exit(status)
 
 
@@ -329,7 +339,7 @@ def submit(
     "--script",
     "script_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON array of scripted model replies (KEEL_LLM_PROVIDER=scripted; README: Scripted replies).",
+    help="JSON array of scripted model replies (KEEL_LLM_PROVIDER=scripted; without one, the stand-in model answers).",
 )
 @actor_option
 @_wait_options
@@ -354,9 +364,6 @@ def run(
     if script_path is not None:
         value["script"] = json_value("--script", script_path.read_text())
     with open_client() as client:
-        client.get_state(agent_ref)  # an agent that does not exist is the first thing to say, not a missing --script
-        if script_path is None and settings_or_exit().llm_provider == "scripted":
-            raise click.UsageError("KEEL_LLM_PROVIDER is scripted: give the replies with --script, or use openai")
         request_id = request_id or f"run-{uuid.uuid4().hex[:12]}"
         state = client.submit(agent_ref, request_id, value, actor=actor)
         _finish(client, state, request_id, wait=wait, follow=follow, timeout=timeout, as_json=as_json)
@@ -389,7 +396,12 @@ def state_cmd(agent_ref: str, as_json: bool) -> None:
     """Show AGENT's state: phase, revision, pending jobs and any call waiting for approval."""
     with open_client(writes=False) as client:
         state = client.get_state(agent_ref)
-    emit(state, as_json, state_text(state))
+        outcome = None if state.request_id is None else client.outcome(state.id, state.request_id)
+    if outcome is None:
+        emit(state, as_json, state_text(state))
+    else:
+        shown = {**state.model_dump(mode="json"), "outcome": outcome.model_dump(mode="json")}
+        emit(shown, as_json, "\n".join([state_text(state), *outcome_lines(outcome)]))
 
 
 def _edited_arguments(text: str | None) -> dict[str, Any] | None:

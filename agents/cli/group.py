@@ -10,7 +10,22 @@ from typing import Any
 
 import click
 
-from agents.cli import agent, alerts, approvals, audit, db, demo, dev, docs, job, journal, kpi, outbox, token
+from agents.cli import (
+    agent,
+    alerts,
+    approvals,
+    audit,
+    db,
+    demo,
+    dev,
+    docs,
+    job,
+    journal,
+    kpi,
+    outbox,
+    request,
+    token,
+)
 from agents.core.errors import QUOTED_CHARS, KeelError
 from agents.observability.logs import configure_logging
 from models.settings import Settings
@@ -52,7 +67,7 @@ def cli() -> None:
     """
 
 
-for _module in (db, agent, approvals, job, outbox, token, journal, audit, kpi, alerts, docs, demo, dev):
+for _module in (db, agent, request, approvals, job, outbox, token, journal, audit, kpi, alerts, docs, demo, dev):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

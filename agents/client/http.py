@@ -28,6 +28,7 @@ from models.schemas import (
     ApprovalPage,
     JobView,
     JournalEvent,
+    RequestOutcome,
     RequestRecord,
     Submission,
     SubmittedRequest,
@@ -182,6 +183,12 @@ class HttpClient:
         check_request_id(request_id)
         body = self._call("GET", f"/v1/agents/{_ref(agent)}/requests/{request_id}").json()
         return RequestRecord.model_validate(body)
+
+    def outcome(self, agent: AgentRef, request_id: str) -> RequestOutcome:
+        """As :meth:`Client.outcome` (the ``outcome`` of ``GET …/requests/{id}``)."""
+        check_request_id(request_id)
+        body = self._call("GET", f"/v1/agents/{_ref(agent)}/requests/{request_id}").json()
+        return RequestOutcome.model_validate(body["outcome"])
 
     def _story(self, agent: AgentRef, request_id: str) -> dict[str, Any]:
         check_request_id(request_id)

@@ -17,10 +17,20 @@ from agents.core.errors import AgentNotFound, InvalidInput, RequestNotFound
 from agents.core.json_input import check_depth
 from agents.core.keys import check_request_id, split_key
 from agents.core.phases import Event
+from agents.core.request_outcome import outcome_of
 from agents.jobs import handlers
 from agents.runtime.conversations import conversation_of
 from models.jobs_sql import Due, request_jobs, request_steps, unpublish
-from models.schemas import AgentRow, AgentState, JobView, RequestRecord, Submission, SubmittedRequest
+from models.outcome_sql import request_outcome_parts
+from models.schemas import (
+    AgentRow,
+    AgentState,
+    JobView,
+    RequestOutcome,
+    RequestRecord,
+    Submission,
+    SubmittedRequest,
+)
 from models.sql import request_agents, request_record
 
 
@@ -131,6 +141,18 @@ class RequestsMixin(ClientBase):
             submitted_by=row["actor"],
             revision=row["revision"],
         )
+
+    def outcome(self, agent: AgentRef, request_id: str) -> RequestOutcome:
+        """How the agent's request ``request_id`` stands or ended: its phase, the answer (done), why it failed
+        (failed), what its steps spent, and its Slack/GitHub side effects with their delivery — dead ones
+        included. Raises :class:`RequestNotFound`."""
+        check_request_id(request_id)
+        agent_id = self._chain_id(agent)
+        with core.store_errors():
+            parts = request_outcome_parts(self.db, agent_id, request_id)
+        if parts is None:
+            raise RequestNotFound(request_id)
+        return outcome_of(agent_id, request_id, parts)
 
     def request_agents(self, request_id: str) -> list[UUID]:
         """The agents that have a request ``request_id``, first submitted first (request ids are each agent's own)."""

@@ -11,7 +11,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, mod
 
 from agents.core.commands import MAX_REASON_CHARS
 from agents.ingress.problems import MEDIA_TYPE
-from models.schemas import AgentState, JobView, JournalEvent, RequestRecord
+from models.schemas import AgentState, JobView, JournalEvent, RequestOutcome, RequestRecord
 
 #: A revision or a budget: what a bigint column holds.
 MAX_BIGINT = 2**63 - 1
@@ -86,6 +86,13 @@ class RequestOut(RequestRecord):
     links: Links
 
 
+class RequestView(RequestOut):
+    """A request as submitted, and how it stands or ended (``outcome``: phase, answer, failure, spend, side effects
+    with their delivery)."""
+
+    outcome: RequestOutcome
+
+
 class ConversationMessage(BaseModel):
     """One message of a request's conversation, as a person reads it (agents/runtime/conversations.py)."""
 
@@ -101,6 +108,7 @@ class RequestStory(BaseModel):
     own)."""
 
     request: RequestOut
+    outcome: RequestOutcome
     jobs: list[JobView]
     journal: list[JournalEvent]
     outbox: list[OutboxMessage]

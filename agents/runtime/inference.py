@@ -308,6 +308,28 @@ def parse_script(script: Any) -> tuple[ScriptEntry, ...]:
         raise InvalidJob(f"the scripted provider cannot play this script: {describe(exc, 'input.script')}") from None
 
 
+#: How the stand-in model starts every answer: a reader can tell at once that no model wrote it.
+STAND_IN = "[stand-in model]"
+
+
+@dataclass(frozen=True, slots=True)
+class StandInProvider:
+    """What ``KEEL_LLM_PROVIDER=scripted`` (the default) answers a request that carries no ``script``: one final
+    answer that says it is a stand-in and repeats the prompt, so a first request runs end to end before any model is
+    configured. Deterministic, offline and free."""
+
+    def complete(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], *, attempt: int = 1) -> Reply:
+        prompt = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
+        shown = prompt if len(prompt) <= 200 else prompt[:199] + "…"
+        return Reply(
+            f"{STAND_IN} You asked: {shown!r}. No model is configured, so this answer is Keel's stand-in: set"
+            " KEEL_LLM_PROVIDER=openai (with KEEL_LLM_BASE_URL and KEEL_LLM_API_KEY) for a real one, or give the"
+            " request a script of replies.",
+            (),
+            Usage(0),
+        )
+
+
 @dataclass
 class ScriptedProvider:
     """Replays a script of :class:`ScriptEntry` replies, deterministic and offline (tests, demo): the entry played is

@@ -36,6 +36,7 @@ from agents.runtime.inference import (
     ScriptedCall,
     ScriptedProvider,
     ScriptEntry,
+    StandInProvider,
     parse_script,
     tool_call_key,
 )
@@ -77,12 +78,13 @@ def _openai_client() -> OpenAICompatible:
 
 
 def provider_for(request_input: Any) -> Provider:
-    """The configured provider; with ``scripted``, the conversation the request carries in ``input["script"]``."""
+    """The configured provider; with ``scripted``, the conversation the request carries in ``input["script"]``, or
+    without one the stand-in model (:class:`~agents.runtime.inference.StandInProvider`)."""
     if _settings().llm_provider == "openai":
         return _openai()
     script = request_input.get("script") if isinstance(request_input, Mapping) else None
     if script is None:
-        raise InvalidJob("KEEL_LLM_PROVIDER=scripted needs the request input to carry a 'script' list")
+        return StandInProvider()
     return ScriptedProvider(parse_script(script))
 
 

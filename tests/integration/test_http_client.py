@@ -105,10 +105,22 @@ def producer(keel: Client | HttpClient, db: Database, tag: str, me: str) -> dict
     seen["messages"] = [(unkeyed(m["key"]), m["channel"], m["status"]) for m in messages]
     record = keel.get_request(bot.id, f"{tag}-r1")
     seen["request"] = (record.operation, record.input, record.revision, record.hard_deadline == HARD)
+    outcome = keel.outcome(bot.id, f"{tag}-r1")
+    seen["outcome"] = (
+        outcome.phase,
+        outcome.revision,
+        outcome.answer,
+        outcome.failure,
+        outcome.tokens,
+        [(unkeyed(e.key), e.channel, e.destination, e.status) for e in outcome.side_effects],
+    )
 
     second = keel.submit(bot.id, f"{tag}-r2", script({"content": "hi"}), actor="alice")
     cancelled = keel.cancel(bot.id, actor="alice", reason="changed my mind")
     seen["cancelled"] = (second.revision, cancelled.phase, cancelled.revision, cancelled.pending_jobs)
+    failure = keel.outcome(bot.id, f"{tag}-r2").failure
+    assert failure is not None
+    seen["cancel outcome"] = (failure.event, failure.reason.replace(me, "ME"), failure.job)
     listed = keel.list_agents(phases=["failed"])
     seen["listed"] = [a.name.removeprefix(tag) for a in listed.agents if a.name.startswith(tag)]
     return seen
@@ -138,6 +150,10 @@ def test_a_producer_runs_unchanged_over_http(api: Api, client: Client) -> None:
     assert direct["waiting"][0] == "waiting_approval" and direct["done"][0] == "done"
     assert direct["stale"] == (direct["waiting"][1] - 1, direct["waiting"][1])
     assert "submit" in direct["illegal"][2] and direct["cancelled"][1] == "failed"
+    # The outcome, through both doors: the answer, the spend and the comment not yet relayed; a cancel's reason.
+    comment = (direct["messages"][0][0], "github", "acme/api#7", "pending")
+    assert direct["outcome"] == ("done", direct["done"][1], "Commented.", None, direct["done"][2], [comment])
+    assert direct["cancel outcome"] == ("cancel", "cancelled by ME: changed my mind", None)
 
 
 def _shape(sig: inspect.Signature) -> tuple[list[tuple[str, Any]], Any]:
@@ -406,17 +422,18 @@ def test_follow_journal_gets_existing_then_live_events_across_a_dropped_stream(
     assert len(streams) >= 2, streams  # it did reconnect
 
 
-# --- the README ---------------------------------------------------------------------------------------------------
+# --- the documentation --------------------------------------------------------------------------------------------
 
 
-def test_the_readmes_http_example_runs_as_written(
+def test_the_docs_http_client_example_runs_as_written(
     api: Api, client: Client, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- http-client-example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    """docs/how-to/python-client.md's HttpClient example, taken from the page itself."""
+    page = (ROOT / "docs" / "how-to" / "python-client.md").read_text()
+    block = page.split("<!-- http-client-example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.setenv("KEEL_API_URL", api.url)
     monkeypatch.setenv("KEEL_API_TOKEN", api.token("producer", name="ingest"))
-    exec(compile(block, "README.md", "exec"), {})
+    exec(compile(block, "docs/how-to/python-client.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed == [
         "req-42 True",

@@ -18,7 +18,15 @@ from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.etags import if_match as if_match_revision
 from agents.ingress.problems import BAD_REQUEST, Problem, kind_for
 from agents.ingress.runtime import Ingress, ingress
-from agents.ingress.schemas import ConversationMessage, Links, OutboxMessage, RequestOut, RequestStory, SubmitRequest
+from agents.ingress.schemas import (
+    ConversationMessage,
+    Links,
+    OutboxMessage,
+    RequestOut,
+    RequestStory,
+    RequestView,
+    SubmitRequest,
+)
 from agents.ingress.tokens import ApiToken, Permission
 from models.schemas import RequestRecord
 
@@ -116,14 +124,21 @@ def _record(keel: Keel, token: ApiToken, agent: str, request_id: str) -> Request
     return keel.client.get_request(found.id, request_id)
 
 
-@router.get("/{request_id}", response_model=RequestOut, summary="A request as it was submitted")
+def _view(keel: Keel, record: RequestRecord) -> RequestView:
+    outcome = keel.client.outcome(record.agent_id, record.request_id)
+    return RequestView(**_out(record).model_dump(), outcome=outcome)
+
+
+@router.get("/{request_id}", response_model=RequestView, summary="A request: as submitted, and its outcome")
 def get_request(
     agent: str,
     request_id: str,
     keel: Keel,
     token: Annotated[ApiToken, Depends(require_permission(Permission.READ_STATE))],
-) -> RequestOut:
-    return _out(_record(keel, token, agent, request_id))
+) -> RequestView:
+    """The request as it was submitted, and ``outcome``: its phase, the answer when done, why it failed when failed,
+    what its steps spent, and its Slack/GitHub side effects with their delivery (dead ones included)."""
+    return _view(keel, _record(keel, token, agent, request_id))
 
 
 @router.get("/{request_id}/story", response_model=RequestStory, summary="Everything that happened for a request")
@@ -137,6 +152,7 @@ def story(
     record = _record(keel, token, agent, request_id)
     return RequestStory(
         request=_out(record),
+        outcome=keel.client.outcome(record.agent_id, request_id),
         jobs=keel.client.request_jobs(record.agent_id, request_id),
         journal=journal_events(keel.db, agent_id=record.agent_id, request_id=request_id),
         outbox=[OutboxMessage(**m) for m in keel.client.request_messages(record.agent_id, request_id)],
@@ -147,12 +163,12 @@ def story(
 by_id = APIRouter(prefix="/v1/requests", tags=["requests"], route_class=JsonBodyRoute)
 
 
-@by_id.get("/{request_id}", response_model=RequestOut, summary="A request by its id alone")
+@by_id.get("/{request_id}", response_model=RequestView, summary="A request by its id alone")
 def find_request(
     request_id: str,
     keel: Keel,
     token: Annotated[ApiToken, Depends(require_permission(Permission.READ_STATE))],
-) -> RequestOut:
+) -> RequestView:
     """Where a request id (an ``Idempotency-Key``) went: its agent, and links to its story and the agent's events.
     Request ids are each agent's own: only the token's agents are looked at; if several of them have a request of
     this id, a 409 lists them (read it under its agent instead)."""
@@ -167,4 +183,4 @@ def find_request(
             f" /v1/agents/{{agent}}/requests/{request_id}",
             extra={"request_id": request_id, "agents": [str(a) for a in mine]},
         )
-    return _out(keel.client.get_request(mine[0], request_id))
+    return _view(keel, keel.client.get_request(mine[0], request_id))

@@ -1,0 +1,73 @@
+"""What a request's outcome is made of, read in one transaction so the parts agree: its latest transition, what its
+steps spent, the step that answered or failed it, and its outbox messages (the choke point that reads them:
+``agents.core.request_outcome``)."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID
+
+from psycopg.rows import dict_row
+
+from models.db import Database, end_read
+
+_WHERE = "request_id = %(request_id)s AND agent_id = %(agent_id)s"
+_LAST = (
+    "SELECT event, actor, to_phase, revision, decision, details, at FROM audit.journal"
+    f" WHERE {_WHERE} AND kind = 'transition' ORDER BY seq DESC LIMIT 1"
+)
+# What every attempt of every step spent: the attempts that succeeded and those that failed (charged all the same).
+_SPEND = (
+    "SELECT coalesce(sum(tokens + failed_tokens), 0) AS tokens, coalesce(sum(cost + failed_cost), 0) AS cost"
+    f" FROM jobs WHERE {_WHERE}"
+)
+# The step that finished the request: the latest to succeed (a gate only ever waits; it answers nothing).
+_ANSWERED = (
+    f"SELECT key, result FROM jobs WHERE {_WHERE} AND status = 'succeeded' AND operation <> 'gate'"
+    " ORDER BY finished_at DESC NULLS LAST, key DESC LIMIT 1"
+)
+# The step that failed it: the one its fail event names, else the latest to fail.
+_FAILED = (
+    f"SELECT key, error_class, last_error FROM jobs WHERE {_WHERE} AND status IN ('failed', 'dead')"
+    " ORDER BY (key = %(job)s) DESC, finished_at DESC NULLS LAST, key DESC LIMIT 1"
+)
+_MESSAGES = (
+    "SELECT key, channel, destination, status, attempts, last_error, external_url, sent_at FROM outbox"
+    f" WHERE {_WHERE} ORDER BY seq"
+)
+_DEAD = "SELECT count(*) AS n FROM outbox WHERE agent_id = %s AND status = 'dead'"
+
+
+def request_outcome_parts(db: Database, agent_id: UUID, request_id: str) -> dict[str, Any] | None:
+    """The parts of agent ``agent_id``'s request's outcome (None: the agent has no such request): ``last`` (its latest
+    transition), ``spend``, ``answered`` (the latest step to succeed, when done), ``failed`` (the failed step, when
+    failed) and ``messages``."""
+    params: dict[str, Any] = {"agent_id": agent_id, "request_id": request_id, "job": None}
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_LAST, params)
+        last = cur.fetchone()
+        if last is None:
+            end_read(conn)
+            return None
+        cur.execute(_SPEND, params)
+        spend = cur.fetchone()
+        answered = failed = None
+        if last["to_phase"] == "done":
+            cur.execute(_ANSWERED, params)
+            answered = cur.fetchone()
+        elif last["to_phase"] == "failed":
+            cur.execute(_FAILED, {**params, "job": (last["details"] or {}).get("job")})
+            failed = cur.fetchone()
+        cur.execute(_MESSAGES, params)
+        messages = cur.fetchall()
+        end_read(conn)
+    return {"last": last, "spend": spend, "answered": answered, "failed": failed, "messages": messages}
+
+
+def dead_messages(db: Database, agent_id: UUID) -> int:
+    """How many of the agent's outbox messages are dead now (``ix_outbox_dead_agent``)."""
+    with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(_DEAD, (agent_id,))
+        row = cur.fetchone()
+        end_read(conn)
+    return int(row["n"]) if row else 0

@@ -1,0 +1,98 @@
+"""A request's outcome — answer, failure, spend, side effects and their delivery — shown by every door, and the
+default model answering a request that carries no script (issue 37, items 1, 4 and 5)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.outbox.relay import Backoff, Relay
+from tests.integration.test_cli_requests import run_jobs
+from tests.support.cli import keel
+
+pytestmark = pytest.mark.integration
+
+STAND_IN = "[stand-in model] You asked: 'What is open today?'"
+
+
+def test_a_request_without_a_script_is_answered_by_the_stand_in_and_keel_prints_the_answer(
+    db_url: str, db: Any
+) -> None:
+    """Before: `keel run` refused without --script, and a submit without one went to failed (the scripted provider
+    needed a script); a finished request showed only `phase done`."""
+    keel(db_url, "agent", "create", "helper")
+    ran = keel(db_url, "run", "helper", "What is open today?", "--request-id", "r-1")
+    assert "phase      planning" in ran.stdout
+    keel(db_url, "submit", "helper", "r-1", "--input", json.dumps({"prompt": "What is open today?"}))  # the same
+    run_jobs(db)
+    waited = keel(db_url, "wait", "helper", "r-1", check=False)
+    assert waited.returncode == 0, waited.stderr
+    assert f"answer     {STAND_IN}" in waited.stdout, waited.stdout
+    assert "outcome    r-1: done at revision 2" in waited.stdout
+    assert "spent      0 tokens" in waited.stdout
+    shown = json.loads(keel(db_url, "request", "show", "helper", "--json").stdout)
+    assert shown["answer"].startswith(STAND_IN) and shown["failure"] is None and shown["side_effects"] == []
+    stated = json.loads(keel(db_url, "state", "helper", "--json").stdout)
+    assert stated["outcome"]["answer"] == shown["answer"] and stated["dead_messages"] == 0
+    said = json.loads(keel(db_url, "request", "conversation", "helper", "r-1", "--json").stdout)["messages"]
+    assert [(m["role"], m["content"][:16]) for m in said] == [
+        ("user", "What is open tod"),
+        ("assistant", STAND_IN[:16]),
+    ]
+    text = keel(db_url, "request", "conversation", "helper").stdout
+    assert text.splitlines()[0] == "user       What is open today?"
+
+
+def test_a_failed_request_says_why_and_which_step(db_url: str, db: Any, tmp_path: Path) -> None:
+    failing = tmp_path / "fail.json"
+    failing.write_text(json.dumps([{"error": "invalid", "content": "never given", "tokens": 7}]))
+    keel(db_url, "agent", "create", "ops-bot")
+    keel(db_url, "run", "ops-bot", "hello", "--script", str(failing), "--request-id", "F1")
+    run_jobs(db)
+    waited = keel(db_url, "wait", "ops-bot", "F1", check=False)
+    assert waited.returncode == 3
+    assert "failure    invalid_not_retried" in waited.stdout, waited.stdout
+    assert ":plan:1 (invalid): scripted 400" in waited.stdout
+    assert "spent      7 tokens" in waited.stdout  # the failed attempt's spend is the request's
+    keel(db_url, "run", "ops-bot", "again", "--script", str(failing), "--request-id", "C1")
+    keel(db_url, "cancel", "ops-bot", "--reason", "wrong prompt", "--actor", "alice")
+    cancelled = json.loads(keel(db_url, "request", "show", "ops-bot", "C1", "--json").stdout)
+    assert cancelled["failure"] == {
+        "event": "cancel",
+        "actor": "alice",
+        "reason": "cancelled by alice: wrong prompt",
+        "job": None,
+        "error_class": None,
+        "error": None,
+    }
+    unknown = keel(db_url, "request", "show", "ops-bot", "nope", check=False)
+    assert unknown.returncode == 1 and "nope" in unknown.stderr
+
+
+def test_a_dead_side_effect_shows_on_the_request_and_the_agent(db_url: str, db: Any, tmp_path: Path) -> None:
+    """Before: the request was `done` and nothing said its Slack message never arrived (`slack is not configured`)."""
+    script = tmp_path / "post.json"
+    post = {"name": "slack_post", "arguments": {"channel": "C0OPS", "text": "deploy done"}}
+    script.write_text(json.dumps([{"tool_calls": [post]}, {"content": "Posted."}]))
+    keel(db_url, "agent", "create", "poster")
+    keel(db_url, "run", "poster", "post it", "--script", str(script), "--request-id", "P1")
+    run_jobs(db)
+    relay = Relay(db, {}, lease=timedelta(seconds=10), concurrency=2, backoff=Backoff(0.05, 0.2, 3, 10), pass_seconds=5)
+    try:
+        relay.run_pass()
+    finally:
+        relay.close()
+    waited = keel(db_url, "wait", "poster", "P1", check=False)
+    assert waited.returncode == 0 and "answer     Posted." in waited.stdout
+    assert "effect     slack C0OPS: DEAD (slack is not configured" in waited.stdout, waited.stdout
+    assert "1 side effect(s) never arrived: `keel outbox retry KEY`" in waited.stdout
+    state = keel(db_url, "state", "poster")
+    assert "dead       1 side effect(s) never arrived" in state.stdout
+    as_json = json.loads(keel(db_url, "state", "poster", "--json").stdout)
+    assert as_json["dead_messages"] == 1
+    [effect] = as_json["outcome"]["side_effects"]
+    assert (effect["channel"], effect["status"]) == ("slack", "dead")
