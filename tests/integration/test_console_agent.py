@@ -218,3 +218,31 @@ def test_an_escalated_call_still_says_since_when_it_has_waited(
     page = viewer.get(f"/agents/{paging.id}").text
     since = re.search(r"<dt>Waiting since</dt><dd><time datetime=\"([^\"]+)\"", page)
     assert since is not None and since.group(1) == call.since.isoformat(), (since, call.since)
+
+
+def test_the_agent_page_shows_the_requests_outcome_and_its_dead_side_effects(
+    api: Api, browsers: Browsers, client: Client, db: Database
+) -> None:
+    """Before: the page said `done` while the request's Slack message was dead (`slack is not configured`), and the
+    answer sat in a job nobody opened."""
+    from agents.outbox.relay import Backoff, Relay
+    from tests.support.api import script
+    from tests.support.runs import run_all
+
+    poster = client.create_agent("poster")
+    post = {"name": "slack_post", "arguments": {"channel": "C0OPS", "text": "deploy done"}}
+    client.submit(poster.id, "P1", script({"tool_calls": [post]}, {"content": "Posted <the> note."}))
+    for _ in range(4):
+        run_all(db)
+    relay = Relay(db, {}, lease=timedelta(seconds=10), concurrency=2, backoff=Backoff(0.05, 0.2, 3, 10), pass_seconds=5)
+    try:
+        relay.run_pass()
+    finally:
+        relay.close()
+    page = browsers.signed_in(api.token("operator")).get(f"/agents/{poster.id}").text
+    answer = re.search(r'<dd id="outcome-answer">(.*?)</dd>', page)
+    assert answer is not None and answer.group(1) == "Posted &lt;the&gt; note.", page  # escaped, as every value
+    effects = re.search(r'<dd id="outcome-effects">(.*?)</dd>', page, re.S)
+    assert effects is not None and "slack C0OPS: dead (slack is not configured" in unescape(effects.group(1))
+    assert 'id="outcome-dead"' in page and "never arrived, though the request is done" in page
+    assert re.search(r'id="agent-dead">1 of this agent\'s Slack/GitHub messages is dead', page), page

@@ -15,7 +15,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from agents.core.errors import AgentNotFound, InvalidInput, KeelError, StaleRevision
+from agents.core.errors import AgentNotFound, InvalidInput, KeelError, RequestNotFound, StaleRevision
 from agents.core.journal import journal_page
 from agents.core.journal.verdict import Verdict
 from agents.ingress.auth import resolve
@@ -68,8 +68,15 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
     waiting = state.phase == "waiting_approval" and state.pending_approval and who.can(Permission.READ_APPROVALS)
     if request_id and (waiting or who.can(Permission.READ_STORY)):
         conversation = keel.client.conversation(state.id, request_id)
+    outcome = None
+    if request_id:
+        try:
+            outcome = keel.client.outcome(state.id, request_id)
+        except RequestNotFound:  # its request was pruned with its journal's month, or never got a transition
+            outcome = None
     path = f"/agents/{state.id}"
     return {
+        "outcome": outcome,
         "events": list(journal.events),
         "journal": journal,
         "journal_head": journal.head_seq,
