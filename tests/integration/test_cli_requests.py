@@ -122,10 +122,11 @@ def run_jobs(db: Any, most: int = 10) -> None:
         runner.run(due[0])
 
 
-def test_the_readmes_scripted_replies_run_as_written(db_url: str, db: Any, tmp_path: Path) -> None:
-    """The README's example script, taken from the README itself, submitted with `keel run` and run to the end."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("<!-- scripted-replies-example", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
+def test_the_docs_scripted_replies_run_as_written(db_url: str, db: Any, tmp_path: Path) -> None:
+    """docs/how-to/scripted-replies.md's example script, taken from the page itself, submitted with `keel run` and
+    run to the end."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "how-to" / "scripted-replies.md").read_text()
+    block = page.split("<!-- scripted-replies-example", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "replies.json"
     script.write_text(block)
     keel(db_url, "agent", "create", "ops-bot")
