@@ -22,9 +22,10 @@ from agents.cli.common import emit, friendly, json_option, open_client
 @friendly
 def kpi(since: str | None, include_demo: bool, as_json: bool) -> None:
     """The KPIs, from the counters kept in the database: suppressed duplicates, side-effect duplicates, failure
-    rate, request times, p95 phase-transition latency, recovery rate after a first failure, retry-caused cost."""
+    rate, request times, p95 phase-transition latency, recovery rate after a first failure, retry-caused cost, and the
+    side effects dead now (Slack and GitHub messages that never arrived)."""
     from agents.observability.kpis import parse_duration, report_lines
-    from models.kpi_sql import MIN_WINDOW, totals, window
+    from models.kpi_sql import MIN_WINDOW, gauges, totals, window
 
     if include_demo:
         raise click.UsageError(
@@ -55,12 +56,18 @@ def kpi(since: str | None, include_demo: bool, as_json: bool) -> None:
             k = window(client.db, span)
         else:
             k = totals(client.db)
+        dead = gauges(client.db).dead_letters  # now, whatever the window: side effects that never arrived
     if as_json:
         data = {f.name: getattr(k, f.name) for f in fields(k) if f.name != "counters"}
         data["since"] = since
+        data["dead_side_effects"] = dead
         emit(data, as_json, "")
         return
-    rows = report_lines(k)
+    said = ", ".join(f"{channel} {n:,}" for channel, n in dead.items())
+    rows = [
+        *report_lines(k),
+        ("dead side effects now", f"{sum(dead.values()):,} ({said}): keel outbox list --status dead"),
+    ]
     width = max(len(label) for label, _ in rows) + 1
     title = f"KPIs over the last {since}" if since else "KPIs since the counters began"
     emit(None, False, "\n".join([title, *(f"{label:<{width}} {value}" for label, value in rows)]))

@@ -4,6 +4,7 @@ default model answering a request that carries no script (issue 37, items 1, 4 a
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,7 @@ def test_a_dead_side_effect_shows_on_the_request_and_the_agent(db_url: str, db: 
     assert as_json["dead_messages"] == 1
     [effect] = as_json["outcome"]["side_effects"]
     assert (effect["channel"], effect["status"]) == ("slack", "dead")
+    kpi = keel(db_url, "kpi").stdout
+    line = r"^dead side effects now +1 \(slack 1, github 0\): keel outbox list --status dead$"
+    assert re.search(line, kpi, re.M), kpi
+    assert json.loads(keel(db_url, "kpi", "--json").stdout)["dead_side_effects"] == {"slack": 1, "github": 0}
