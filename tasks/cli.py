@@ -182,9 +182,22 @@ def flower(port: int, flower_args: tuple[str, ...]) -> None:
     settings = _settings()
     _embedded_or_exit(settings, database=False)
     _redact_logs(settings)
+    logging.getLogger("flower.inspector").addFilter(_no_worker_answered)
     from tasks.app import app
 
     app.start(["flower", f"--port={port}", *flower_args])
+
+
+#: What Flower logs when no worker answers one of its inspect calls within --inspect_timeout (a broker failure
+#: is another message, with the error, and stays).
+_NO_REPLY = "Inspect method %s failed"
+
+
+def _no_worker_answered(record: logging.LogRecord) -> bool:
+    # Flower asks the workers about themselves as it starts and calls each unanswered question a failure: a warning
+    # per question whenever it starts before any worker (as in compose, where nothing orders the two).
+    # Nothing failed, and Flower cannot be told otherwise: it lists each worker once it answers or sends events.
+    return record.msg != _NO_REPLY
 
 
 def _stopped(sig: int, frame: FrameType | None) -> None:

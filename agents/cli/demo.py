@@ -119,6 +119,7 @@ def up(
         local_url,
         say,
     )
+    from agents.outbox.credentials import missing_senders
     from models import migrations
     from models.embedded import broker_url_for, database_url_for, migration_url_for, port_is_free
     from models.roles import RoleNames
@@ -164,7 +165,10 @@ def up(
         children.append(Child("api", [*keel, *api_args], ready_line=None, probe=probe, quit_as=signal.SIGTERM))
     if not no_flower:
         flower_args = ["flower", "--port", str(flower_port), "--address=127.0.0.1"]
-        children.append(Child("flower", [*keel, *flower_args], ready_line=None, probe=lambda: _answers(flower_port)))
+        # After the worker is ready: Flower asks the workers about themselves once as it starts, and one still
+        # starting would leave it with an empty list (and a warning per question nobody answered).
+        answers = functools.partial(_answers, flower_port)
+        children.append(Child("flower", [*keel, *flower_args], ready_line=None, probe=answers, after="worker"))
     names = ", ".join(child.name for child in children)
     supervisor = Supervisor(children, env, stop_timeout=stop_timeout)
     servers = [
@@ -185,6 +189,8 @@ def up(
                 scraped = [f"{local_url(host, port)}/metrics ({name})" for name, port in exporters.items()]
                 if scraped:
                     say(f"keel up: metrics at {', '.join(scraped)}")
+                for warning in missing_senders(settings):
+                    say(f"keel up: {warning}")
                 with ServerWatch(servers, every=1.0, wake=supervisor.wake) as watch:
                     while supervisor.received is None:
                         if (culprit := supervisor.first_exited()) is not None:
@@ -236,14 +242,15 @@ def _metrics_ports(settings: Settings, given: dict[str, int | None], *, taken: s
 
 
 def _answers(port: int) -> bool:
-    """Whether an HTTP server answers on 127.0.0.1:``port`` (Flower has bound it)."""
+    """Whether Flower answers its health check on 127.0.0.1:``port`` (it has bound the port: not another server
+    that took it since ``keel up`` found it free)."""
     import httpx
 
     try:
-        httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=2)
+        answer = httpx.get(f"http://127.0.0.1:{port}/healthcheck", timeout=2)
     except httpx.HTTPError:
         return False
-    return True
+    return answer.status_code == 200 and answer.text == "OK"
 
 
 def _postgres_problem(url: str) -> str | None:

@@ -134,6 +134,8 @@ class Child:
     quit_as: signal.Signals = signal.SIGQUIT
     #: Started again when it exits with :data:`REPLACE_ME` (a worker), instead of stopping the stack.
     replaceable: bool = False
+    #: The name of the child it is started after, once that one is ready (None: at once).
+    after: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     relay: threading.Thread | None = None
     saw_ready_line: threading.Event = field(default_factory=threading.Event)
@@ -196,8 +198,10 @@ class Supervisor:
     # --- start ------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the children that wait for no other; :meth:`wait_ready` starts the others in their turn."""
         for child in self.children:
-            self._start(child)
+            if child.after is None:
+                self._start(child)
 
     def _start(self, child: Child) -> None:
         child.proc = subprocess.Popen(
@@ -234,7 +238,8 @@ class Supervisor:
                 say(f"{child.name:<6} | {line}")
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until every child is ready; False if a stop signal came first. Raises :class:`StartFailed`."""
+        """Wait until every child is ready, starting each that waits for another (``after``) once that one is; False
+        if a stop signal came first. Raises :class:`StartFailed`."""
         deadline = time.monotonic() + timeout
         waiting = list(self.children)
         while waiting:
@@ -243,7 +248,11 @@ class Supervisor:
             for child in waiting:
                 if child.exited:
                     raise StartFailed(child.why_exited(), exited=child)
-            waiting = [child for child in waiting if not child.ready()]
+            waiting = [child for child in waiting if child.proc is None or not child.ready()]
+            ready = {child.name for child in self.children} - {child.name for child in waiting}
+            for child in waiting:
+                if child.proc is None and child.after in ready:
+                    self._start(child)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(child.name for child in waiting)
                 raise StartFailed(f"{names} did not show it was ready within {timeout:.0f}s")

@@ -19,6 +19,7 @@ from agents.core import transition as core
 from agents.core.errors import LostClaim, MessageNotDead, MessageNotFound
 from agents.core.keys import request_id_of
 from agents.core.observe import observe
+from agents.outbox.credentials import not_configured, sender_token
 from agents.outbox.identity import Planted
 from agents.outbox.senders import (
     Delivered,
@@ -154,12 +155,10 @@ class Relay:
     def from_settings(cls, db: Database, settings: Settings) -> Relay:
         senders: dict[str, Sender] = {}
         secrets = []
-        if settings.slack_token is not None:
-            token = settings.slack_token.get_secret_value()
+        if (token := sender_token(settings, "slack")) is not None:
             senders["slack"] = SlackSender(token, settings.slack_api_url, settings.http_timeout_seconds)
             secrets.append(token)
-        if settings.github_token is not None:
-            token = settings.github_token.get_secret_value()
+        if (token := sender_token(settings, "github")) is not None:
             senders["github"] = GitHubSender(token, settings.github_api_url, settings.http_timeout_seconds)
             secrets.append(token)
         return cls(
@@ -274,9 +273,7 @@ class Relay:
     ) -> Delivery | SendFailed:
         sender = self.senders.get(message.channel)
         if sender is None:
-            return SendFailed(
-                "permanent", f"{message.channel} is not configured: set KEEL_{message.channel.upper()}_TOKEN"
-            )
+            return SendFailed("permanent", not_configured(message.channel))
         if message.needs_reconcile:
             self._hold(run, message)
             limit = ScanLimit(self.reconcile_pages, time.monotonic() + self.reconcile_seconds)

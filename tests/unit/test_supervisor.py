@@ -146,3 +146,27 @@ def test_a_worker_that_exits_to_be_replaced_is_started_again_and_any_other_exit_
     finally:
         supervisor.stop()
     assert starts.read_text() == "xx"
+
+
+def test_a_child_started_after_another_starts_only_once_that_one_is_ready(tmp_path: Path) -> None:
+    """Flower after the worker (keel up): its first look at the workers, as it starts, finds one."""
+    readied = tmp_path / "worker-ready"
+    worker_code = (
+        "import pathlib, time\n"
+        f"time.sleep(1); pathlib.Path({str(readied)!r}).touch(); print('ready.', flush=True); time.sleep(60)\n"
+    )
+    flower_code = (
+        "import pathlib, time\n"
+        f"print('saw the worker ready' if pathlib.Path({str(readied)!r}).exists() else 'too early', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    worker = Child("worker", [sys.executable, "-c", worker_code], ready_line=lambda line: "ready." in line)
+    flower = Child("flower", [sys.executable, "-c", flower_code], ready_line=bool, after="worker")
+    supervisor = Supervisor([flower, worker], dict(os.environ), stop_timeout=5)
+    try:
+        supervisor.start()
+        assert flower.proc is None, "not started with the others"
+        assert supervisor.wait_ready(timeout=30)
+        assert list(flower.last_lines) == ["saw the worker ready"]
+    finally:
+        supervisor.stop()
