@@ -278,7 +278,7 @@ def test_a_failed_audit_verify_fires_until_one_passes(
     raw.execute("ALTER TABLE audit.journal DISABLE TRIGGER USER")
     raw.execute("UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 1", (agent.id,))
     raw.execute("ALTER TABLE audit.journal ENABLE TRIGGER USER")
-    # Event 1 is below the checkpoint the verify above left: only a full pass sees it (README).
+    # Event 1 is below the checkpoint the verify above left: only a full pass sees it (docs/how-to/audit.md).
     result = keel(db_url, "audit", "verify", "--full", check=False)  # the command's outcome is recorded too
     assert result.returncode == 1
     changes = alerts.evaluate_and_record(db, config)

@@ -2,10 +2,11 @@
 by every scope (and with no token, a token in the wrong scheme, a malformed, an unknown and a revoked one), with a
 token limited to the prefix ``acme-`` or not, on a target inside (``acme-``) or outside (``globex-``) that prefix.
 
-What is expected (:data:`MATRIX`) is written out here from the README (Operations → API tokens, and the table in
-The HTTP API), not read from ``agents/ingress/tokens.py``: the test is a second opinion on the code, and an operation
-the live app serves without an entry here fails it. Every refusal is checked to change nothing (journal, agents,
-requests, jobs, outbox, tokens), and an outside target's refusal to read exactly like a missing one's."""
+What is expected (:data:`MATRIX`) is written out here from the documentation (docs/how-to/tokens-and-tenants.md,
+"What each scope may call" and "Refusals"), not read from ``agents/ingress/tokens.py``: the test is a second opinion on
+the code, and an operation the live app serves without an entry here fails it. Every refusal is checked to change
+nothing (journal, agents, requests, jobs, outbox, tokens), and an outside target's refusal to read exactly like a
+missing one's."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def _if_match(t: Target) -> dict[str, str]:
     return {"If-Match": f'"r{t.waiting_revision}"'}
 
 
-# From the README: "The HTTP API" (method and path | scope) and "API tokens" (scope | may).
+# From docs/how-to/tokens-and-tenants.md: "What each scope may call" (operation | scope).
 MATRIX: dict[tuple[str, str], Op] = {
     ("GET", "/healthz"): Op(None, Reach.NONE, lambda t, n: Call("GET", "/healthz")),
     ("GET", "/readyz"): Op(None, Reach.NONE, lambda t, n: Call("GET", "/readyz")),
@@ -179,8 +180,8 @@ MATRIX: dict[tuple[str, str], Op] = {
 
 
 def expected(op: Op, cred: str, prefix: str | None, side: str) -> int:
-    """The status the README promises for ``cred`` (a scope, or one of :data:`NO_TOKEN`) calling ``op`` with a token
-    limited to ``prefix`` on the target of tenant ``side``. The scope is checked before the agent: a token outside
+    """The status the documentation promises for ``cred`` (a scope, or one of :data:`NO_TOKEN`) calling ``op`` with a
+    token limited to ``prefix`` on the target of tenant ``side``. The scope is checked before the agent: a token outside
     its scope learns nothing about agents either."""
     if op.scopes is None:
         return 200

@@ -291,9 +291,9 @@ def test_behind_pgbouncer_the_servers_statement_timeout_is_accepted(
 def test_a_pooler_keel_was_not_told_of_is_refused_at_start_even_when_the_timeout_matches(
     pg_server_url: str, db_url: str
 ) -> None:
-    """PgBouncer passing the right timeout on (the role's own, as the README advises, equal to Keel's): without
-    ``KEEL_DATABASE_POOLER=transaction`` Keel would prepare statements that other clients' server connections then
-    run. The backend pid the pooler hands out gives it away."""
+    """PgBouncer passing the right timeout on (the role's own, as docs/how-to/deploy.md advises, equal to Keel's):
+    without ``KEEL_DATABASE_POOLER=transaction`` Keel would prepare statements that other clients' server connections
+    then run. The backend pid the pooler hands out gives it away."""
     name = make_url(db_url).database
     with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
         admin.execute(f"ALTER DATABASE {name} SET statement_timeout = '30s'")
