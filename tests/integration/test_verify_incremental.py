@@ -92,7 +92,7 @@ def test_an_edit_below_the_checkpoint_is_caught_by_the_full_pass_only(
     assert verify_and_record(db, "beat", full=False).ok
     _tamper(raw, "UPDATE audit.journal SET actor = 'mallory' WHERE agent_id = %s AND seq = 2", a)
     blind = verify_and_record(db, "beat", full=False)
-    assert blind.ok and blind.read_events == 0, "as docs/how-to/audit.md says: incremental passes cannot see below"
+    assert blind.ok and blind.read_events == 0, "docs/how-to/audit.md: incremental passes cannot see below checkpoints"
     assert (blind.trusted, blind.trusted_chains) == (5, 2), "and it says it trusted them, not that it checked them"
     full = verify_and_record(db, "beat", full=True)
     assert not full.ok and full.full and full.read_events == 4  # a read up to its break at event 2, b whole

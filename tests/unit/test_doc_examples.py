@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import click
 import pytest
 
+import agents.jobs.handlers as handlers
+import agents.runtime.tools as tools
 from agents.cli.group import cli
 from agents.observability.kpis import report_lines
 from models.kpi_sql import Kpis
@@ -57,6 +59,21 @@ def test_the_pages_have_examples_to_check() -> None:
 @pytest.mark.parametrize("block", blocks({"python"}), ids=str)
 def test_every_python_block_compiles(block: Block) -> None:
     compile(block.body, str(block), "exec")
+
+
+DEFINING = [b for b in blocks({"python"}) if ("@handler(" in b.body or "@tool(" in b.body) and "Client" not in b.body]
+
+
+@pytest.mark.parametrize("block", DEFINING, ids=str)
+def test_every_handler_and_tool_example_registers(block: Block, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block that defines handlers or tools runs as a module would (into registries of this test's own): the
+    decorators accept what the page passes them."""
+    own = handlers.Registry()
+    monkeypatch.setattr(handlers, "registry", own)
+    monkeypatch.setattr(tools, "_TOOLS", {})
+    exec(compile(block.body, str(block), "exec"), {"__name__": "docs_example"})
+    named = re.findall(r'@(handler|tool)\("([\w-]+)"', block.body)
+    assert named and all(own.get(n) if kind == "handler" else tools.by_name(n) for kind, n in named)
 
 
 def keel_commands(block: Block) -> list[list[str]]:
