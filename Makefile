@@ -1,7 +1,7 @@
 # Developer shortcuts. The README's two commands need only Python; these assume the venv they create.
 PY ?= .venv/bin/python
 
-.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-verify bench-scale bench-peers bench-streams docs demo
+.PHONY: install check lint types test bench bench-transitions bench-jobs bench-outbox bench-api bench-scans bench-verify bench-scale bench-peers bench-streams docs docs-serve demo
 
 install:
 	python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]'
@@ -9,8 +9,8 @@ install:
 check: lint types test
 
 lint:
-	$(PY) -m ruff check agents tasks models tests bench alembic
-	$(PY) -m ruff format --check agents tasks models tests bench alembic
+	$(PY) -m ruff check agents tasks models tests bench alembic docs/*.py
+	$(PY) -m ruff format --check agents tasks models tests bench alembic docs/*.py
 
 types:
 	$(PY) -m mypy
@@ -56,8 +56,15 @@ bench-verify:
 bench-streams:
 	$(PY) -m bench.streams
 
+# The documentation site (mkdocs.yml): docs/reference/phases.md regenerated, then the site built into site/ with
+# --strict (a broken link or a page missing from the nav fails it). The Material theme's banner about MkDocs 2 is off.
 docs:
 	.venv/bin/keel docs phases
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The site at http://127.0.0.1:8000/, rebuilt as you edit.
+docs-serve:
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 demo:
 	.venv/bin/keel demo

@@ -60,13 +60,33 @@ class Settings(ObservabilityFields, AuditFields, ApiFields, ServiceFields, JobFi
 
     model_config = SettingsConfigDict(env_prefix="KEEL_", env_file=".env", extra="ignore")
 
-    environment: Literal["development", "test", "production"] = "development"
-    home: Path = Path(".keel")
-    #: How processes write their log lines: one JSON object per line, or readable lines; None: readable on a
-    #: terminal, JSON otherwise (agents/observability/logs.py).
-    log_format: Literal["json", "console"] | None = None
-    # Largest accepted request input, as canonical JSON.
-    max_input_bytes: int = Field(default=64 * 1024, ge=1)
+    environment: Literal["development", "test", "production"] = Field(
+        default="development",
+        description=(
+            "`production` refuses to start without `KEEL_DATABASE_URL` and `KEEL_BROKER_URL` (no embedded servers), "
+            "without `KEEL_AUDIT_KEYS`, and as a database role that could rewrite the journal."
+        ),
+    )
+    home: Path = Field(
+        default=Path(".keel"),
+        description=(
+            "Where the embedded development servers keep their data, and the generated development audit key "
+            "(`audit-key.json`)."
+        ),
+    )
+    log_format: Literal["json", "console"] | None = Field(
+        default=None,
+        description=(
+            "`json`: one JSON object per log line; `console`: readable lines. Unset: readable when stderr is a "
+            "terminal, JSON otherwise (a file, a pipe, a container's log); `keel up` and `keel demo` give their "
+            "processes readable lines."
+        ),
+    )
+    max_input_bytes: int = Field(
+        default=64 * 1024,
+        ge=1,
+        description="Largest request input accepted, as canonical JSON.",
+    )
 
     # Field validators say the rule only: the variable's name is added from the error's location. Model
     # validators compare settings and start their message with the variable to change ("KEEL_X: …"). Values that

@@ -41,45 +41,146 @@ DEFAULT_API_RATE_LIMITS: dict[str, ScopeRateLimit] = {
 class ApiFields(BaseModel):
     """``KEEL_API_*`` and ``KEEL_CONSOLE_*``."""
 
-    # The HTTP API's rate control per token, shared by every API process through Redis. Per scope, e.g.
-    # {"producer": {"rate": 100, "burst": 200}}; scopes not named keep their defaults. A token with several scopes
-    # gets the most generous of their limits.
-    api_rate_limit_enabled: bool = True
-    api_rate_limits: dict[str, ScopeRateLimit] = Field(default_factory=lambda: dict(DEFAULT_API_RATE_LIMITS))
+    api_rate_limit_enabled: bool = Field(
+        default=True,
+        description=(
+            "Per-token rate limits on the HTTP API (`KEEL_API_RATE_LIMITS`), shared by every API process through "
+            "Redis; `false` turns them off."
+        ),
+    )
+    api_rate_limits: dict[str, ScopeRateLimit] = Field(
+        default_factory=lambda: dict(DEFAULT_API_RATE_LIMITS),
+        description=(
+            'Per scope (`producer`, `approver`, `operator`, `auditor`) overrides as JSON, e.g. `{"producer": {"rate":'
+            ' 100, "burst": 200}}`: `rate` requests per second sustained, `burst` requests at once; scopes not named '
+            "keep their defaults. A token with several scopes gets the most generous of their limits."
+        ),
+    )
 
-    api_host: str = "127.0.0.1"
-    api_port: int = Field(default=8000, ge=1, le=65535)
-    api_workers: int = Field(default=1, ge=1, le=64)  # uvicorn worker processes
-    api_max_body_bytes: int = Field(default=256 * 1024, ge=1024)  # larger request bodies are refused with 413
-    #: Live event streams (API and console) one token may hold open in one API process, and all tokens together;
-    #: past either a new one is refused with 429. Each is a socket: keep the process's open-file limit above it.
-    api_max_streams_per_token: int = Field(default=100, ge=1, le=100_000)
-    api_max_streams_per_process: int = Field(default=1000, ge=1, le=100_000)
-    #: On SIGTERM, requests in flight get this long to finish (event streams end at once); below compose's 30 s.
-    api_shutdown_seconds: int = Field(default=25, ge=0, le=3600)
-    #: The address people and producers reach the API at (links in Slack messages, the demo's summary);
-    #: None: http://{api_host}:{api_port}.
-    api_public_url: str | None = None
-    #: The proxies whose ``X-Forwarded-For`` and ``X-Forwarded-Proto`` headers ``keel serve`` believes (addresses or
-    #: networks, e.g. ["10.0.0.0/8"]); only these set the client address the console's sign-in limit counts by.
-    #: Empty: believe no one, the connection's own address counts.
-    api_forwarded_allow_ips: list[str] = Field(default_factory=list)
+    api_host: str = Field(
+        default="127.0.0.1",
+        description="The address `keel serve` listens on (`--host` overrides it).",
+    )
+    api_port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="The port `keel serve` listens on (`--port` overrides it).",
+    )
+    api_workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "uvicorn worker processes of `keel serve` (`--workers` overrides it); above 1 they share one metrics "
+            "directory, so `/metrics` answers for all, and `KEEL_CONSOLE_SESSION_KEY` is required."
+        ),
+    )
+    api_max_body_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        description="Largest request body the API reads: a larger one is refused with 413 before it is parsed.",
+    )
+    api_max_streams_per_token: int = Field(
+        default=100,
+        ge=1,
+        le=100_000,
+        description=(
+            "Live event streams (API and console) one token may hold open in one API process; past it 429 "
+            "`too-many-streams`."
+        ),
+    )
+    api_max_streams_per_process: int = Field(
+        default=1000,
+        ge=1,
+        le=100_000,
+        description=(
+            "Live event streams one API process holds open in all; past it 429 `too-many-streams`. Each is a socket: "
+            "keep `ulimit -n` above it."
+        ),
+    )
+    api_shutdown_seconds: int = Field(
+        default=25,
+        ge=0,
+        le=3600,
+        description=(
+            "On SIGTERM, how long `keel serve` gives requests in flight before it cuts them (event streams end at "
+            "once); keep it below the process manager's own grace period (compose: 30 s)."
+        ),
+    )
+    api_public_url: str | None = Field(
+        default=None,
+        description=(
+            "The address people and producers reach the API at, used in the links of Slack notices and the demo's "
+            "summary: set it behind a proxy or a load balancer. Unset: `http://KEEL_API_HOST:KEEL_API_PORT`."
+        ),
+    )
+    api_forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description=(
+            "The reverse proxies `keel serve` believes `X-Forwarded-For` / `X-Forwarded-Proto` from, as a JSON list "
+            'of addresses or networks (e.g. `["10.0.0.0/8"]`; `*` is refused); empty: no one, the connection\'s own '
+            "address is the client's (it is what the console's sign-in limit counts by)."
+        ),
+    )
 
-    #: Signs the operator console's session cookies (at least 32 characters). None: a random key per API process,
-    #: so sessions end when it restarts; required with KEEL_API_WORKERS > 1 (sessions must carry over between them).
-    console_session_key: SecretStr | None = None
+    console_session_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Signs the console's session cookies (32 characters or more); required with `KEEL_API_WORKERS` above 1; "
+            "set it with several API hosts, or to keep sessions across restarts. Unset: a random key per API process."
+        ),
+    )
     #: Failed tokens (unknown or revoked, at the console's sign-in or in an API call), counted in Redis per client
     #: address: at most ``burst`` at once, then one more every 60/``per_minute`` seconds; past it the address is
     #: refused (429) before its token is looked up, a correct one too. The ``global`` pair caps all addresses
     #: together: past it, one failure uses up its address's allowance (agents/ingress/console/signin_limits.py); it
     #: never refuses a real token by itself.
-    console_signin_limit_enabled: bool = True
-    console_signin_burst: int = Field(default=10, ge=1, le=1_000_000)
-    console_signin_per_minute: float = Field(default=5.0, gt=0, le=1_000_000, allow_inf_nan=False)
-    console_signin_global_burst: int = Field(default=100, ge=1, le=1_000_000)
-    console_signin_global_per_minute: float = Field(default=60.0, gt=0, le=1_000_000, allow_inf_nan=False)
-    #: Rows per page of the console's lists: the agents, the outbox's unsent messages, an agent's journal.
-    console_page_size: int = Field(default=100, ge=1, le=1000)
+    console_signin_limit_enabled: bool = Field(
+        default=True,
+        description=(
+            "Limit failed tokens (unknown or revoked), at the console's sign-in and in API calls alike, per client "
+            "address; `false` turns the limit off."
+        ),
+    )
+    console_signin_burst: int = Field(
+        default=10,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Failed tokens one client address may send at once; past it the address is refused (429) before its token"
+            " is looked up."
+        ),
+    )
+    console_signin_per_minute: float = Field(
+        default=5.0,
+        gt=0,
+        le=1_000_000,
+        allow_inf_nan=False,
+        description="Failed tokens a client address gets back a minute.",
+    )
+    console_signin_global_burst: int = Field(
+        default=100,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Failed tokens over every address together (at least `KEEL_CONSOLE_SIGNIN_BURST`); past it, one failure "
+            "uses up its address's allowance, and a real token is never refused by it."
+        ),
+    )
+    console_signin_global_per_minute: float = Field(
+        default=60.0,
+        gt=0,
+        le=1_000_000,
+        allow_inf_nan=False,
+        description="Failed tokens every address together gets back a minute.",
+    )
+    console_page_size: int = Field(
+        default=100,
+        ge=1,
+        le=1000,
+        description="Rows per page of the console's lists: agents, the outbox's unsent messages, an agent's journal.",
+    )
 
     @field_validator("api_rate_limits")
     @classmethod

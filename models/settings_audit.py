@@ -23,42 +23,138 @@ class AuditFields(BaseModel):
     # {"2025-06": "…"}; each journal event is linked to the previous one with an HMAC under one of them and stores
     # its id. KEEL_AUDIT_KEY_ID names the key new events use (optional when the ring holds one); the others stay to
     # check older events. Unset outside production: a key generated once under KEEL_HOME.
-    audit_keys: dict[str, SecretStr] = Field(default_factory=dict)
-    audit_key_id: str | None = None
-    # The leading beat runs `keel audit verify` (in a thread of its own) this often, incrementally: each chain from
-    # its checkpoint; 0: never. Once the last full pass (the beat's or a person's) is this old, the run is a full
-    # pass instead (every chain from its start: the only one that sees an edit below a checkpoint); 0: never.
-    audit_verify_interval_seconds: float = Field(default=3600.0, ge=0)
-    audit_verify_full_interval_seconds: float = Field(default=86400.0, ge=0)
-    # Chains a verify walks per transaction: each chunk's snapshot ends with it, so vacuum is held back for one chunk.
-    audit_verify_chunk_chains: int = Field(default=500, ge=1, le=100_000)
-    # ... and fewer when their walks would read more events than this together (a longer chain is a chunk of its own).
-    audit_verify_chunk_events: int = Field(default=50_000, ge=1, le=10_000_000)
-    # Shipping the journal to a separate store (agents/audit/ship.py, `keel audit ship`): sealed segments of JSON
-    # Lines to s3://bucket/prefix or file:///path; unset, nothing is shipped. The leading beat ships this often
-    # (0: only `keel audit ship` does).
-    audit_ship_url: str | None = None
-    audit_ship_interval_seconds: float = Field(default=60.0, ge=0)
-    # A segment closes at this many events, or once its oldest event is this many minutes old.
-    audit_segment_events: int = Field(default=1000, ge=1, le=100_000)
-    audit_segment_minutes: float = Field(default=10.0, gt=0, le=7 * 24 * 60)
-    # How long a shipper waits for the transactions writing the journal when it starts to end (their ids are final
-    # only then); past it, the rest waits for the next run (`keel audit ship` exits 75).
-    audit_settle_seconds: float = Field(default=30.0, gt=0, le=3600)
-    # An S3-compatible store other than AWS (MinIO, Ceph...); credentials and region come from boto3's own
-    # environment variables and config files.
-    audit_s3_endpoint_url: str | None = None
-    # S3 Object Lock on every shipped object: retained this many days (0: no retention headers), in this mode.
-    audit_object_lock_days: int = Field(default=0, ge=0, le=36_500)
-    audit_object_lock_mode: Literal["COMPLIANCE", "GOVERNANCE"] = "COMPLIANCE"
-    # The journal is partitioned by month (docs/audit-retention.md): the leading beat keeps partitions for the current
-    # month and this many after it (daily, and when it starts leading). The journal_partitions alert fires below 2.
-    audit_partition_months_ahead: int = Field(default=3, ge=2, le=12)
-    # An Ed25519 private key (PEM, PKCS#8: `openssl genpkey -algorithm ed25519`): each segment's manifest is also
-    # signed with it, so a holder of the public key can check the shipped copy without any secret.
-    audit_signing_key: SecretStr | None = None
-    # `keel audit archive` takes a month of the journal only once it ended more than this many days ago.
-    audit_archive_grace_days: int = Field(default=7, ge=0, le=3650)
+    audit_keys: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description=(
+            "The journal's key ring, as JSON: key id (letters, digits, `. _ -`) → secret of at least 32 bytes; every "
+            "event's link is an HMAC under one of them. Required in production; elsewhere, unset: a key generated "
+            "once under `KEEL_HOME`."
+        ),
+    )
+    audit_key_id: str | None = Field(
+        default=None,
+        description=(
+            "The key new journal events are linked with; required when the ring holds several. Unset: the ring's only"
+            " key."
+        ),
+    )
+    audit_verify_interval_seconds: float = Field(
+        default=3600.0,
+        ge=0,
+        description=(
+            "How often the leading beat runs `keel audit verify` (incremental, or a full pass when one is due; in a "
+            "thread of its own); `0`: never."
+        ),
+    )
+    audit_verify_full_interval_seconds: float = Field(
+        default=86400.0,
+        ge=0,
+        description=(
+            "Once the last full pass recorded (the beat's or a person's) is this old, the beat's run is a full pass: "
+            "every chain from its start, the only one that sees an edit below a checkpoint; `0`: never a full one."
+        ),
+    )
+    audit_verify_chunk_chains: int = Field(
+        default=500,
+        ge=1,
+        le=100_000,
+        description=(
+            "Chains a verify walks per transaction: each chunk's snapshot ends with it, so vacuum is held back for "
+            "one chunk, not the whole pass."
+        ),
+    )
+    audit_verify_chunk_events: int = Field(
+        default=50_000,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Fewer chains per chunk when their walks would read more events than this together: long chains make "
+            "short chunks; a chain longer than this is a chunk of its own."
+        ),
+    )
+    audit_ship_url: str | None = Field(
+        default=None,
+        description=(
+            "Where the journal is shipped: `s3://bucket/prefix` (any S3-compatible store) or `file:///absolute/path`."
+            " Unset: nothing is shipped."
+        ),
+    )
+    audit_ship_interval_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        description=(
+            "How often the leading beat ships (in a thread of its own) while `KEEL_AUDIT_SHIP_URL` is set; `0`: only "
+            "`keel audit ship` does."
+        ),
+    )
+    audit_segment_events: int = Field(
+        default=1000,
+        ge=1,
+        le=100_000,
+        description="A shipped segment closes at this many events (or at `KEEL_AUDIT_SEGMENT_MINUTES`).",
+    )
+    audit_segment_minutes: float = Field(
+        default=10.0,
+        gt=0,
+        le=7 * 24 * 60,
+        description=(
+            "A shipped segment closes once its oldest event is this many minutes old, on the database's clock (or at "
+            "`KEEL_AUDIT_SEGMENT_EVENTS`)."
+        ),
+    )
+    audit_settle_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description=(
+            "How long a shipper waits for the transactions writing the journal when it starts to end (only then are "
+            "their ids final); past it the rest waits for the next run and `keel audit ship` exits 75."
+        ),
+    )
+    audit_s3_endpoint_url: str | None = Field(
+        default=None,
+        description=(
+            "An S3-compatible store other than AWS (MinIO, Ceph…), addressed by path; credentials and region come "
+            "from boto3's own variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION`, …) or "
+            "config files."
+        ),
+    )
+    audit_object_lock_days: int = Field(
+        default=0,
+        ge=0,
+        le=36_500,
+        description=(
+            "S3 Object Lock: every shipped object is retained this many days from its shipping (database clock); `0`:"
+            " no retention headers. The bucket must have Object Lock enabled, or every write is refused."
+        ),
+    )
+    audit_object_lock_mode: Literal["COMPLIANCE", "GOVERNANCE"] = Field(
+        default="COMPLIANCE",
+        description="The S3 Object Lock mode of shipped objects' retention.",
+    )
+    # The journal is partitioned by month (docs/audit-retention.md).
+    audit_partition_months_ahead: int = Field(
+        default=3,
+        ge=2,
+        le=12,
+        description=(
+            "The leading beat keeps journal partitions for the current month and this many after it, when it starts "
+            "leading and daily; the `journal_partitions` alert fires below 2."
+        ),
+    )
+    audit_signing_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "An Ed25519 private key (PEM, PKCS#8: `openssl genpkey -algorithm ed25519`): shipped segments' manifests "
+            "are also signed with it, so the public key alone checks the shipped copy."
+        ),
+    )
+    audit_archive_grace_days: int = Field(
+        default=7,
+        ge=0,
+        le=3650,
+        description="`keel audit archive` takes a month only once it ended more than this many days ago.",
+    )
 
     @property
     def current_audit_key_id(self) -> str | None:

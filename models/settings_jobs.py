@@ -21,67 +21,220 @@ class JobFields(BaseModel):
     """``KEEL_WORKER_*``, ``KEEL_DISPATCH_*``, the beat's intervals, retention, ``KEEL_RETRY_POLICY`` and
     ``KEEL_RUN_LIMITS``."""
 
-    imports: list[str] = Field(default_factory=list)  # modules with @handler functions, loaded by workers
-    # How a worker runs jobs (`keel worker --pool`): ``threads`` keeps up to KEEL_WORKER_CONCURRENCY steps in flight in
-    # one process (steps wait on models); ``prefork`` runs one step per process, for CPU-heavy handlers.
-    worker_pool: Literal["threads", "prefork", "solo"] = "threads"
-    # Jobs in flight per `keel worker`: threads of its one process, or prefork processes. None: 200 threads, or one
-    # process per CPU.
-    worker_concurrency: int | None = Field(default=None, ge=1, le=5000)
-    # A threads worker whose handler or tool threads still running past their limits reach this many is replaced: it
-    # stops taking jobs, lets its running ones finish, and exits with status 70 (`keel up` starts it again).
-    worker_stuck_limit: int = Field(default=10, ge=1, le=1000)
-    # Operations whose jobs go to a queue of their own, e.g. {"summarise": "keel.cpu"}, for a worker that consumes it
-    # (`keel worker -P prefork -Q keel.cpu`): CPU-heavy handlers. Every publish routes by it.
-    operation_queues: dict[str, str] = Field(default_factory=dict)
-    # Celery's task events (what Flower's task views show) cost a few broker messages per job: off unless asked for.
-    # A running Flower asks for them itself (its enable_events, on by default), so its views work either way.
-    worker_task_events: bool = False
-    # Messages a worker process holds beyond the one it runs: 1 takes the next message only when a process is free,
-    # so a long step never holds another job back from an idle worker elsewhere (Keel's steps are model calls).
-    worker_prefetch_multiplier: int = Field(default=1, ge=1, le=64)
-    job_lease_seconds: float = Field(default=60.0, gt=0)  # a running job's lease; heartbeats renew it
-    enqueue_timeout_seconds: float = Field(default=300.0, gt=0)  # enqueued but never claimed → re-published
-    dispatch_interval_seconds: float = Field(default=0.5, gt=0)
-    # A submit through `Client.from_settings`, the CLI or the API publishes its first job to the broker right after
-    # its commit (the dispatcher is then only the safety net: a publish that fails leaves the job to its next pass).
-    # false: every job waits for the dispatcher's next pass (up to KEEL_DISPATCH_INTERVAL_SECONDS).
-    publish_at_submit: bool = True
-    # The beat leader's lease (tasks/leadership.py), renewed every dispatch interval: a leader that dies is taken
-    # over at most this long after its last renewal (plus a dispatch interval); one that stops cleanly, at once.
-    beat_lease_seconds: float = Field(default=5.0, gt=0)
-    dispatch_batch: int = Field(default=500, ge=1)
-    # Back-pressure: one dispatcher tick publishes at most this many jobs (the rest stay due in PostgreSQL for the
-    # next tick), and publishes none while a job queue on the broker already holds this many messages (0: never
-    # waits for the broker). Due jobs, recovered ones included, then wait in PostgreSQL, not in Redis.
-    dispatch_max_per_tick: int = Field(default=5000, ge=1)
-    dispatch_max_queue_depth: int = Field(default=20000, ge=0)
-    deadline_check_seconds: float = Field(default=5.0, gt=0)
-    # The deadline pass and the schedule pass take this many due agents / schedules at a time.
-    deadline_batch: int = Field(default=200, ge=1)
-    schedule_batch: int = Field(default=100, ge=1)
-    # The KPI counters (models/kpi_sql.py): the leading beat folds their deltas into per-minute rollups at most this
-    # often, and keeps the per-minute rollups (what `keel kpi --since` and the alerts read) this many days.
-    kpi_fold_seconds: float = Field(default=5.0, gt=0)
-    kpi_retention_days: int = Field(default=35, ge=1, le=3650)
-    # Retention (models/retention_sql.py, `keel db prune`): finished jobs, sent messages with their delivery log rows,
-    # and requests' inputs are pruned this many days after they finished (a request: after its submit; 0: kept for
-    # ever). Never anything in flight, a dead letter, anything unsent, nor the journal (`keel audit archive`). The
-    # leading beat prunes this often (0: only `keel db prune` does), at most ``prune_batch`` rows per transaction.
-    jobs_retention_days: int = Field(default=30, ge=0, le=36500)
-    outbox_retention_days: int = Field(default=30, ge=0, le=36500)
-    requests_retention_days: int = Field(default=90, ge=0, le=36500)
-    prune_interval_seconds: float = Field(default=3600.0, ge=0)
-    prune_batch: int = Field(default=1000, ge=1, le=100_000)
-    # Redis redelivers a message nobody acked after this long; every place that must agree reads this one value.
-    visibility_timeout_seconds: int = Field(default=3600, ge=10)
-    # Per error class overrides of the retry rules, e.g. {"transient": {"max_attempts": 3, "base_seconds": 2}}.
-    retry_policy: dict[str, dict[str, float]] = Field(default_factory=dict)
-    # How long one attempt of an operation may run before it is ended (its thread fenced off, or its prefork process
-    # replaced) and counted as an ``unknown`` failure: per operation, e.g. {"plan": 120, "tool": 300}; others get
-    # the default.
-    run_limit_seconds: float = Field(default=900.0, gt=0)
-    run_limits: dict[str, float] = Field(default_factory=dict)
+    imports: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Handler modules workers import (those with `@handler` and `@tool` functions), as a JSON list, e.g. "
+            '`["myagents"]`; a module in the current directory is found without `PYTHONPATH`.'
+        ),
+    )
+    worker_pool: Literal["threads", "prefork", "solo"] = Field(
+        default="threads",
+        description=(
+            "How `keel worker` runs jobs (`-P` overrides it): `threads` (steps in flight in one process: they wait on"
+            " models), `prefork` (a process per job: CPU-heavy handlers; late effects of a hung handler impossible) "
+            "or `solo`."
+        ),
+    )
+    worker_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        le=5000,
+        description=(
+            "Jobs in flight per `keel worker` (`-c` overrides it). Unset: 200 threads, or one prefork process per CPU."
+        ),
+    )
+    worker_stuck_limit: int = Field(
+        default=10,
+        ge=1,
+        le=1000,
+        description=(
+            "A threads worker with this many handler or tool threads still running past their limits takes no more "
+            "jobs, lets its running ones finish and exits with status 70 to be replaced."
+        ),
+    )
+    operation_queues: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            'Operations whose jobs go to a queue of their own, e.g. `{"summarise": "keel.cpu"}`, for a worker that '
+            "consumes it (`keel worker -P prefork -Q keel.cpu`: CPU-heavy handlers); the others keep Keel's queues."
+        ),
+    )
+    worker_task_events: bool = Field(
+        default=False,
+        description=(
+            "Celery's task events (`-E`: received, started, succeeded; sent at publish), which cost broker messages "
+            "on every job; a running Flower turns them on in the workers itself, so its task views work either way."
+        ),
+    )
+    worker_prefetch_multiplier: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Messages a worker process reserves (Celery's prefetch multiplier): 1 takes the next message only when a "
+            "process is free, so a long step never holds another job back from an idle worker elsewhere; more hides "
+            "the broker round trip between short jobs, and a worker that dies holds that many messages until "
+            "`KEEL_VISIBILITY_TIMEOUT_SECONDS`."
+        ),
+    )
+    job_lease_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A running job's lease; renewed every third of it while the handler runs. Shorter than "
+            "`KEEL_VISIBILITY_TIMEOUT_SECONDS`."
+        ),
+    )
+    enqueue_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "A published job nobody claimed for this long is published again, backlog or not; longer than "
+            "`KEEL_DISPATCH_INTERVAL_SECONDS`."
+        ),
+    )
+    dispatch_interval_seconds: float = Field(
+        default=0.5,
+        gt=0,
+        description="How often the beat dispatcher looks for due jobs (and fires due schedules).",
+    )
+    publish_at_submit: bool = Field(
+        default=True,
+        description=(
+            "A submit (`Client.from_settings`, the CLI, the HTTP API) publishes its first job to the broker right "
+            "after its commit, giving up within about a second when Redis does not answer (the job is then the "
+            "dispatcher's); `false`: every job waits for the dispatcher's next pass."
+        ),
+    )
+    beat_lease_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "The beat leader's lease, renewed every dispatch interval (at least 3 of them): a leader that dies is "
+            "taken over this long after its last renewal, plus a dispatch interval; one that stops cleanly hands over"
+            " at once."
+        ),
+    )
+    dispatch_batch: int = Field(
+        default=500,
+        ge=1,
+        description="Due jobs the dispatcher takes and publishes per transaction.",
+    )
+    # Back-pressure: due jobs, recovered ones included, wait in PostgreSQL, not in Redis.
+    dispatch_max_per_tick: int = Field(
+        default=5000,
+        ge=1,
+        description=(
+            "At most this many jobs published per dispatcher tick; the rest stay due in PostgreSQL for the next."
+        ),
+    )
+    dispatch_max_queue_depth: int = Field(
+        default=20000,
+        ge=0,
+        description=(
+            "No job is published to `keel.jobs` or to `keel.jobs.low` while that queue holds this many messages (its "
+            "due jobs wait in PostgreSQL; the other queue's are still published); `0`: never wait for the broker."
+        ),
+    )
+    deadline_check_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the beat enforces deadlines.",
+    )
+    deadline_batch: int = Field(
+        default=200,
+        ge=1,
+        description="Agents past a deadline read per query of a deadline pass.",
+    )
+    schedule_batch: int = Field(
+        default=100,
+        ge=1,
+        description="Due schedules locked and fired per transaction.",
+    )
+    # The KPI counters: models/kpi_sql.py.
+    kpi_fold_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the leading beat folds the KPI counters' deltas into their per-minute rollups.",
+    )
+    kpi_retention_days: int = Field(
+        default=35,
+        ge=1,
+        le=3650,
+        description=(
+            "Per-minute KPI rollups older than this are dropped (the running totals stay); the longest `keel kpi "
+            "--since`."
+        ),
+    )
+    # Retention (models/retention_sql.py, `keel db prune`) never touches anything in flight, a dead letter, anything
+    # unsent, nor the journal (`keel audit archive`).
+    jobs_retention_days: int = Field(
+        default=30,
+        ge=0,
+        le=36500,
+        description=(
+            "Finished jobs (their replies, their copy of the input) are pruned this many days after they finished, "
+            "their keys kept; `0`: kept for ever."
+        ),
+    )
+    outbox_retention_days: int = Field(
+        default=30,
+        ge=0,
+        le=36500,
+        description=(
+            "Sent outbox messages and their delivery log rows are pruned this many days after they were sent, their "
+            "keys kept; `0`: kept for ever. Dead letters and unsent messages are never pruned."
+        ),
+    )
+    requests_retention_days: int = Field(
+        default=90,
+        ge=0,
+        le=36500,
+        description=(
+            "A request's input is replaced by its sha256 this many days after its submit (the row stays: the id is "
+            "its agent's for ever); `0`: kept for ever."
+        ),
+    )
+    prune_interval_seconds: float = Field(
+        default=3600.0,
+        ge=0,
+        description="How often the leading beat prunes (in a thread of its own); `0`: only `keel db prune` does.",
+    )
+    prune_batch: int = Field(
+        default=1000,
+        ge=1,
+        le=100_000,
+        description="Rows per prune transaction: each batch is one short transaction.",
+    )
+    # Every place that must agree on when Redis redelivers reads this one value.
+    visibility_timeout_seconds: int = Field(
+        default=3600,
+        ge=10,
+        description=(
+            "Redis redelivers a message nobody acknowledged after this long; longer than `KEEL_JOB_LEASE_SECONDS`."
+        ),
+    )
+    retry_policy: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description=(
+            "Per error class (`transient`, `rate_limited`, `invalid`, `budget`, `unknown`) overrides of "
+            '`max_attempts`, `base_seconds`, `max_seconds`, `jitter`, e.g. `{"transient": {"max_attempts": 3, '
+            '"base_seconds": 2}}`; `invalid` and `budget` failures are never retried.'
+        ),
+    )
+    run_limit_seconds: float = Field(
+        default=900.0,
+        gt=0,
+        description=(
+            "How long one attempt of a job may run before it is ended (an `unknown` failure): its thread fenced off, "
+            "or its prefork process replaced."
+        ),
+    )
+    run_limits: dict[str, float] = Field(
+        default_factory=dict,
+        description=('`KEEL_RUN_LIMIT_SECONDS` per operation, e.g. `{"plan": 120, "tool": 300}`.'),
+    )
 
     @property
     def worker_slots(self) -> int:

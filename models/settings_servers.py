@@ -20,52 +20,175 @@ _ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 class ServerFields(BaseModel):
     """``KEEL_DATABASE_*``, ``KEEL_DB_*``, ``KEEL_BROKER_*`` and ``KEEL_STATEMENT_TIMEOUT_MS``."""
 
-    # None means "use the embedded default under home" (development only).
-    database_url: str | None = None
-    broker_url: str | None = None
-    # What `keel db upgrade`, `keel db downgrade` and `keel db roles` connect with: a superuser, or a member of the
-    # owning role (models/roles.py). None: KEEL_DATABASE_URL (development: the embedded server's superuser).
-    migration_database_url: str | None = None
-    # The database roles (models/roles.py): the owner of Keel's schema (migrations SET ROLE to it), the role the
-    # API, workers, beat and relay log in as (SELECT and INSERT on the journal, no more), and a read-only auditor.
-    db_owner_role: str = "keel_owner"
-    db_app_role: str = "keel_app"
-    db_auditor_role: str = "keel_auditor"
-    # Their passwords, set by `keel db roles` (None: the role gets no password; set one with ALTER ROLE … PASSWORD).
-    db_app_password: SecretStr | None = None
-    db_auditor_password: SecretStr | None = None
-    # Put before every Redis key and pub/sub channel Keel's Celery uses (kombu's ``global_keyprefix``), so that
-    # deployments (or test runs) sharing one Redis database never see each other's messages or broadcasts.
-    broker_prefix: str = ""
-    # How long a connection to Redis waits to connect or for an answer before it is given up on (and retried): a
-    # broker that accepts connections but never answers (hung, paused, a lost route) must not hang a worker's publish
-    # or the beat for ever. Above kombu's 1 s BRPOP wait, which a consumer's read spans.
-    broker_socket_timeout_seconds: float = Field(default=10.0, ge=2.0, le=300)
+    database_url: str | None = Field(
+        default=None,
+        description=(
+            "PostgreSQL URL; a plain `postgresql://user@host:port/db` works, the driver is chosen for you. In "
+            "production: the application role's credentials (`keel_app`). Unset: the embedded development server "
+            "under `KEEL_HOME`."
+        ),
+    )
+    broker_url: str | None = Field(
+        default=None,
+        description="Redis URL for Celery (`redis://…`). Unset: the embedded development server under `KEEL_HOME`.",
+    )
+    migration_database_url: str | None = Field(
+        default=None,
+        description=(
+            "What `keel db upgrade`, `keel db downgrade` and `keel db roles` (and `--migrate`) connect with: a "
+            "superuser, or for migrations a member of the owner role. Unset: `KEEL_DATABASE_URL` "
+            "(`KEEL_DATABASE_DIRECT_URL` with `KEEL_DATABASE_POOLER=transaction`)."
+        ),
+    )
+    # The database roles: models/roles.py.
+    db_owner_role: str = Field(
+        default="keel_owner",
+        description=(
+            "The database role that owns Keel's schema (no login; migrations act as it). Lower-case letters, digits "
+            "and `_`; roles are the PostgreSQL cluster's, so give each deployment sharing a cluster names of its own."
+        ),
+    )
+    db_app_role: str = Field(
+        default="keel_app",
+        description=(
+            "The database role Keel's processes log in as (on the journal: SELECT and INSERT, no more); not the "
+            "owner's or the auditor's name."
+        ),
+    )
+    db_auditor_role: str = Field(
+        default="keel_auditor",
+        description="The read-only auditor's database role; not the owner's or the application's name.",
+    )
+    db_app_password: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The password `keel db roles` gives the application role (and sets again when changed). Unset: the role "
+            "gets none (set one with `ALTER ROLE … PASSWORD`, or log in another way, e.g. a client certificate)."
+        ),
+    )
+    db_auditor_password: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The password `keel db roles` gives the auditor role (and sets again when changed). Unset: the role gets "
+            "none."
+        ),
+    )
+    # kombu's ``global_keyprefix``.
+    broker_prefix: str = Field(
+        default="",
+        description=(
+            "Put before every Redis key and pub/sub channel Keel's Celery uses (queues, bindings, unacked messages, "
+            "revoke and other broadcasts, events), e.g. `keel-staging:`, so that deployments sharing one Redis "
+            "database never see each other's messages; letters, digits and `. _ : / -`. Give every worker, beat, "
+            "Flower and producer of one deployment the same value."
+        ),
+    )
+    # Above kombu's 1 s BRPOP wait, which a consumer's read spans.
+    broker_socket_timeout_seconds: float = Field(
+        default=10.0,
+        ge=2.0,
+        le=300,
+        description=(
+            "How long a connection to Redis waits to connect or for an answer before it is given up on and retried (a"
+            " Redis that accepts connections but never answers otherwise hangs a worker's publish for ever). The beat"
+            " waits a tenth of `KEEL_BEAT_LEASE_SECONDS` (0.2 s to 1 s) per attempt, so a hung Redis neither costs it"
+            " its leadership nor stops its passes."
+        ),
+    )
 
-    # Whether KEEL_DATABASE_URL goes through a connection pooler in transaction mode (PgBouncer
-    # pool_mode=transaction): then Keel prepares no statements, sends no startup options (the statement timeout is
-    # the role's: README "Behind PgBouncer") and keeps what needs a session of its own on KEEL_DATABASE_DIRECT_URL.
-    database_pooler: Literal["none", "transaction"] = "none"
-    # A direct connection to PostgreSQL, for what a transaction pooler cannot carry: the API's live events (LISTEN)
-    # and the audit shipper's lock. None: KEEL_DATABASE_URL (required when KEEL_DATABASE_POOLER=transaction).
-    database_direct_url: str | None = None
-    # Connections per process (README "Connection budget"): each pool keeps up to its size open and opens as many
-    # again in a burst. KEEL_DB_POOL_SIZE is the API's (and any process not named below).
-    db_pool_size: int = Field(default=10, ge=1, le=200)
-    # Each worker process (a prefork child): at most this many connections, however many jobs it runs (one of them
-    # its lease keeper's own).
-    db_pool_size_worker: int = Field(default=20, ge=2, le=200)
-    # The beat's, besides its lease connection: dispatch, its 3 passes, verify, ship and prune threads.
-    db_pool_size_beat: int = Field(default=4, ge=1, le=200)
-    db_pool_size_cli: int = Field(default=2, ge=1, le=200)
-    statement_timeout_ms: int = Field(default=30_000, ge=0)
-    # TCP keepalives and the TCP user timeout on every connection to PostgreSQL over TCP (models/keepalives.py): a
-    # server that vanished without a word (a partition, a host powered off) is given up on in about a minute, not
-    # after the kernel's two hours. 0: the operating system's default.
-    db_keepalives_idle_seconds: int = Field(default=30, ge=0, le=86_400)
-    db_keepalives_interval_seconds: int = Field(default=10, ge=0, le=3_600)
-    db_keepalives_count: int = Field(default=3, ge=0, le=100)
-    db_tcp_user_timeout_ms: int = Field(default=30_000, ge=0, le=3_600_000)
+    database_pooler: Literal["none", "transaction"] = Field(
+        default="none",
+        description=(
+            "`transaction`: `KEEL_DATABASE_URL` goes through a pooler in transaction mode (PgBouncer `pool_mode = "
+            "transaction`): no prepared statements, no startup options, and what needs a session of its own on "
+            "`KEEL_DATABASE_DIRECT_URL`."
+        ),
+    )
+    database_direct_url: str | None = Field(
+        default=None,
+        description=(
+            "PostgreSQL itself, not the pooler: the API's live events (LISTEN) and the audit shipper's and the demo's"
+            " session locks connect here; required with `KEEL_DATABASE_POOLER=transaction`. Unset: "
+            "`KEEL_DATABASE_URL`."
+        ),
+    )
+    db_pool_size: int = Field(
+        default=10,
+        ge=1,
+        le=200,
+        description=(
+            "Database connections an API process keeps (and any process without a setting of its own below); a burst "
+            "may open as many again."
+        ),
+    )
+    db_pool_size_worker: int = Field(
+        default=20,
+        ge=2,
+        le=200,
+        description=(
+            "Database connections per worker process (each prefork child): at most this many (no burst above it), "
+            "however many jobs run in it; one is its lease keeper's own."
+        ),
+    )
+    db_pool_size_beat: int = Field(
+        default=4,
+        ge=1,
+        le=200,
+        description=(
+            "Database connections per beat, besides its one lease connection: its dispatch, its pass threads and its "
+            "chores share them."
+        ),
+    )
+    db_pool_size_cli: int = Field(
+        default=2,
+        ge=1,
+        le=200,
+        description="Database connections per `keel` command.",
+    )
+    statement_timeout_ms: int = Field(
+        default=30_000,
+        ge=0,
+        description=(
+            "Server-side statement timeout, sent at connect; behind a transaction pooler set it on the role instead. "
+            "Workers, beat and the API check at start that the server has it."
+        ),
+    )
+    # TCP keepalives (models/keepalives.py): a server that vanished without a word (a partition, a host powered
+    # off) is given up on in about a minute, not after the kernel's two hours.
+    db_keepalives_idle_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=86_400,
+        description=(
+            "TCP keepalives on every connection to PostgreSQL over TCP (not a Unix socket's, and not the beat's lease"
+            " connection, which has fixed tighter ones): the first probe after this much silence; `0`: the OS default"
+            " (2 h on Linux)."
+        ),
+    )
+    db_keepalives_interval_seconds: int = Field(
+        default=10,
+        ge=0,
+        le=3_600,
+        description="Seconds between TCP keepalive probes; `0`: the OS default.",
+    )
+    db_keepalives_count: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description=(
+            "Unanswered keepalive probes before the connection is given up (a server that vanished without a word: "
+            "after about 60 s, not 2 h); `0`: the OS default."
+        ),
+    )
+    db_tcp_user_timeout_ms: int = Field(
+        default=30_000,
+        ge=0,
+        le=3_600_000,
+        description=(
+            "libpq's `tcp_user_timeout`: a write the server does not acknowledge for this long fails the connection; "
+            "`0`: the OS default."
+        ),
+    )
 
     @property
     def uses_embedded(self) -> bool:

@@ -8,7 +8,7 @@ import click
 
 #: The checkout this code runs from (an editable install), if it does: ``docs/`` beside ``agents/``.
 CHECKOUT = Path(__file__).resolve().parents[2]
-DOCS_PHASES = Path("docs/phases.md")
+DOCS_PHASES = Path("docs/reference/phases.md")
 
 
 @click.group()

@@ -86,14 +86,14 @@ def allowed_events(source: Phase) -> tuple[Event, ...]:
 
 
 def mermaid() -> str:
-    """The phase table as a Mermaid state diagram (what ``keel docs phases`` writes to docs/phases.md)."""
+    """The phase table as a Mermaid state diagram (what ``keel docs phases`` writes to docs/reference/phases.md)."""
     lines = ["stateDiagram-v2", f"    [*] --> {Phase.IDLE.value}"]
     lines += [f"    {m.source.value} --> {m.target.value}: {m.event.value}" for m in MOVES]
     return "\n".join(lines) + "\n"
 
 
 def phases_markdown() -> str:
-    """The whole docs/phases.md page, generated from :data:`MOVES`."""
+    """The whole docs/reference/phases.md page, generated from :data:`MOVES`."""
     rows = "\n".join(f"| {m.source.value} | {m.event.value} | {m.target.value} |" for m in MOVES)
     return (
         "# Agent phases\n\n"
@@ -101,6 +101,7 @@ def phases_markdown() -> str:
         "An agent is always in exactly one phase. `transition()` applies an event only when this table has a\n"
         "move for it from the current phase; anything else is rejected with `IllegalTransition` and journaled.\n"
         "`idle`, `done` and `failed` are resting phases: no request is in flight, and `submit` starts the next.\n\n"
+        "The moves as a Mermaid state diagram (any Mermaid viewer draws it), then as a table.\n\n"
         "```mermaid\n" + mermaid() + "```\n\n"
         "| from | event | to |\n|---|---|---|\n" + rows + "\n"
     )

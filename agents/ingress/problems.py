@@ -82,6 +82,11 @@ _BY_STATUS = {
 }
 
 
+def error_kinds() -> tuple[tuple[type[Exception], Kind], ...]:
+    """Keel's errors and the problem type each is answered with, most specific first (the docs' problem types)."""
+    return _ERRORS
+
+
 def all_kinds() -> dict[str, Kind]:
     """Every problem type the API answers with, by slug."""
     kinds = [kind for _, kind in _ERRORS]

@@ -165,7 +165,7 @@ def test_docs_phases_outside_a_checkout_says_what_to_do(installed: Installed, tm
         assert result.returncode == 1, result.stdout + result.stderr
         assert result.stderr == (
             "keel: error: this Keel is installed from a package, not run from its checkout, so there is no "
-            "docs/phases.md to write or check: give --output FILE\n"
+            "docs/reference/phases.md to write or check: give --output FILE\n"
         )
     assert not (tmp_path / "docs").exists()
     written = installed.keel("docs", "phases", "--output", "phases.md", cwd=tmp_path)

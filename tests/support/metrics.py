@@ -27,8 +27,8 @@ def one_of_each_kind() -> None:
 
 
 def contract_problems(collector: Collector, expected: tuple[MetricName, ...] = ALL) -> list[str]:
-    """What ``collector`` exports that the contract does not name, or names differently (type, labels); empty when it
-    keeps to it. (The KPI helper's DomainCollector is checked with this against ``names.DOMAIN``.)"""
+    """What ``collector`` exports that the contract does not name, or names differently (type, labels, help); empty
+    when it keeps to it. (The KPI helper's DomainCollector is checked with this against ``names.DOMAIN``.)"""
     by_family = {m.family: m for m in expected}
     problems = []
     for family in collector.collect():
@@ -38,6 +38,8 @@ def contract_problems(collector: Collector, expected: tuple[MetricName, ...] = A
             continue
         if family.type != known.type:
             problems.append(f"{family.name}: a {family.type}, the contract says {known.type}")
+        if family.documentation != known.help:
+            problems.append(f"{family.name}: help {family.documentation!r}, the contract says {known.help!r}")
         for sample in family.samples:
             labels = set(sample.labels) - {"le"}
             if labels != set(known.labels):

@@ -198,15 +198,17 @@ def test_the_dashboard_shows_the_seed_kpis_first_and_every_exported_metric() -> 
 
 
 def test_a_collector_is_held_to_the_contract() -> None:
-    """How the KPI helper's DomainCollector is checked: names, types and labels as agents/observability/names.py."""
+    """How the KPI helper's DomainCollector is checked: names, types, labels and help as in
+    agents/observability/names.py."""
     assert contract_problems(Contract()) == []
 
     class Drifted:
         def collect(self) -> Iterator[Metric]:
-            yield GaugeMetricFamily("keel_outbox_backlog", "", value=3)  # its channel label missing
+            yield GaugeMetricFamily("keel_outbox_backlog", "Backlog", value=3)  # its help and channel label drifted
             yield GaugeMetricFamily("keel_backlog_total", "", value=1)
 
     assert contract_problems(Drifted()) == [
+        "keel_outbox_backlog: help 'Backlog', the contract says 'Outbox messages pending or sending'",
         "keel_outbox_backlog: labels [], the contract says ['channel']",
         "keel_backlog_total: not in the contract",
     ]

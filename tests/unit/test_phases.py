@@ -51,7 +51,7 @@ def test_approval_moves() -> None:
 
 
 def test_docs_phase_diagram_is_generated_from_the_table() -> None:
-    text = (ROOT / "docs" / "phases.md").read_text()
-    assert text == phases_markdown(), "docs/phases.md is stale: run `keel docs phases`"
+    text = (ROOT / "docs" / "reference" / "phases.md").read_text()
+    assert text == phases_markdown(), "docs/reference/phases.md is stale: run `keel docs phases`"
     for move in MOVES:
         assert f"{move.source.value} --> {move.target.value}: {move.event.value}" in text
