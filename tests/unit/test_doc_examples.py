@@ -20,6 +20,7 @@ import agents.runtime.tools as tools
 from agents.cli.group import cli
 from agents.observability.kpis import report_lines
 from models.kpi_sql import Kpis
+from models.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -200,3 +201,24 @@ def test_the_kpi_page_names_every_kpi_keel_kpi_prints() -> None:
     page = (ROOT / "docs" / "reference" / "kpis.md").read_text()
     missing = [label for label, _ in report_lines(kpis) if f"| {label} |" not in page]  # type: ignore[arg-type]
     assert missing == []
+
+
+# --- settings -----------------------------------------------------------------------------------------------------
+
+VARIABLE = re.compile(r"(?<![A-Za-z0-9_])KEEL_[A-Z0-9_]+")
+#: Names the pages use that are not settings: the HttpClient example's own variables, and a placeholder.
+NOT_SETTINGS = {"KEEL_API_URL", "KEEL_API_TOKEN", "KEEL_X"}
+
+
+def test_every_keel_variable_the_docs_name_is_a_setting() -> None:
+    """A page that names a KEEL_ variable names one Keel reads (or compose's own, from .env.example); a name ending
+    in `_` is a family of settings (`KEEL_ALERT_…`)."""
+    settings = {f"KEEL_{name.upper()}" for name in Settings.model_fields}
+    compose = set(VARIABLE.findall((ROOT / ".env.example").read_text() + (ROOT / "compose.yaml").read_text()))
+    unknown = []
+    for page in PAGES:
+        for name in sorted(set(VARIABLE.findall(page.read_text()))):
+            known = name in settings or name in compose or name in NOT_SETTINGS
+            if not known and not (name.endswith("_") and any(s.startswith(name) for s in settings)):
+                unknown.append(f"{page.relative_to(ROOT)}: {name}")
+    assert unknown == []
