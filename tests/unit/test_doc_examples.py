@@ -222,3 +222,9 @@ def test_every_keel_variable_the_docs_name_is_a_setting() -> None:
             if not known and not (name.endswith("_") and any(s.startswith(name) for s in settings)):
                 unknown.append(f"{page.relative_to(ROOT)}: {name}")
     assert unknown == []
+
+
+def test_every_make_target_the_docs_name_exists() -> None:
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    named = {(page, t) for page in PAGES for t in re.findall(r"`make ([\w-]+)", page.read_text())}
+    assert sorted(f"{page.relative_to(ROOT)}: make {t}" for page, t in named if t not in targets) == []
