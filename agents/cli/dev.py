@@ -133,4 +133,37 @@ def dev_stop() -> None:
             click.echo(f"{shown:<17} {'stopped' if stop(where) else 'was not running'}")
 
 
+@dev.command("slack")
+@click.option("--port", type=click.IntRange(1, 65535), default=9100, show_default=True, help="Port on 127.0.0.1.")
+@click.option("--token", default="xoxb-keel-dev", show_default=True, help="The bot token it accepts.")
+def dev_slack(port: int, token: str) -> None:
+    """A local stand-in for Slack while you develop: it speaks Slack's Web API (chat.postMessage,
+    conversations.history, auth.test) on 127.0.0.1:PORT and prints each message Keel posts. Point Keel at it with
+    KEEL_SLACK_API_URL=http://127.0.0.1:PORT/api/ and KEEL_SLACK_TOKEN=TOKEN. It keeps nothing: stopped, it forgets
+    every message. Ctrl-C stops it."""
+    import signal
+    import threading
+
+    from agents.demo.fake_servers import FakeSlack
+
+    def show(channel: str, text: str) -> None:
+        click.echo(f"slack {channel}: {text}")
+
+    slack = FakeSlack(token=token, port=port, on_accept=show)
+    try:
+        slack.start()
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on 127.0.0.1:{port}: {exc.strerror}; pick another --port") from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo(
+        f"Slack stand-in on {slack.url}/api/: set KEEL_SLACK_API_URL={slack.url}/api/ and KEEL_SLACK_TOKEN={token}"
+    )
+    try:
+        stop.wait()
+    finally:
+        slack.stop()
+
+
 COMMANDS = (dev,)

@@ -83,7 +83,9 @@ def request_conversation(agent_ref: str, request_id: str | None, as_json: bool) 
         if message.get("content"):
             lines.append(f"{message['role']:<10} {message['content']}")
         for call in message.get("calls") or ():
-            lines.append(f"{message['role']:<10} calls {call.get('tool')} {json.dumps(call.get('arguments'))}")
+            lines.append(
+                f"{message['role']:<10} calls {call.get('tool')} {json.dumps(call.get('arguments'), sort_keys=True)}"
+            )
     emit({"request_id": request_id, "messages": said}, as_json, "\n".join(lines) or "(no conversation recorded)")
 
 

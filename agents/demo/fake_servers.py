@@ -41,6 +41,10 @@ class FakeBase:
     requests: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: ThreadingHTTPServer | None = None
+    #: The port to listen on (0: any free one).
+    port: int = 0
+    #: Told of each message accepted (its destination and text): ``keel dev slack`` prints them.
+    on_accept: Callable[[str, str], None] | None = None
 
     @property
     def url(self) -> str:
@@ -62,7 +66,7 @@ class FakeBase:
             def do_POST(self) -> None:
                 fake._handle(self, "POST")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
@@ -186,6 +190,8 @@ class FakeSlack(FakeBase):
             )
             self.channels.setdefault(channel, []).append(message)
             self.accepted.append(Accepted(channel, key, ts))
+        if self.on_accept is not None:
+            self.on_accept(channel, str(body.get("text") or ""))
         if fault == "apply_then_internal_error":  # Slack: "some aspect of the operation may have succeeded"
             return self.reply(request, 200, {"ok": False, "error": "internal_error"})
         self.finish_after_apply(
