@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -88,3 +89,10 @@ def test_no_other_headings() -> None:
         if line.startswith("#"):
             assert number == 1 or line.startswith(("## ", "### ")), f"line {number}: {line!r}"
             assert not line.startswith("####"), f"line {number}: {line!r}"
+
+
+def test_the_package_says_the_newest_release_is_its_version() -> None:
+    """`keel --version` and the wheel's name say the release the changelog lists last, not a number of their own."""
+    pyproject = tomllib.loads((CHANGELOG.parent / "pyproject.toml").read_text())
+    newest = next(r.heading for r in releases() if r.heading != "## Unreleased")
+    assert newest.startswith(f"## {pyproject['project']['version']} — "), (newest, pyproject["project"]["version"])
