@@ -1,3 +1,3 @@
 """Keel's agent control plane, a folder per concern: ``core`` imports only ``models``; ``jobs`` and ``outbox`` build on
 it, ``runtime`` on those, ``client`` and ``cli`` sit on top, and nothing in the product imports ``demo``
-(ARCHITECTURE.md's layout; tests/unit/test_layout.py enforces it)."""
+(docs/explanation/architecture.md#code-layout; tests/unit/test_layout.py enforces it)."""

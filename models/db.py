@@ -140,7 +140,8 @@ class Database:
         self.keepalives = keepalives or Keepalives()
         connect_args: dict[str, Any] = self.keepalives.options(self.url)
         if pooler == "transaction":
-            # The statement timeout is then the server's (ALTER ROLE … SET statement_timeout): README.
+            # The statement timeout is then the role's (ALTER ROLE … SET statement_timeout):
+            # docs/how-to/deploy.md#behind-pgbouncer.
             connect_args["prepare_threshold"] = None
         else:
             connect_args["options"] = f"-c statement_timeout={statement_timeout_ms}"

@@ -254,7 +254,7 @@ def kpis_of(values: Counters, since: timedelta | None) -> Kpis:
         suppressed_duplicates=by("suppressed_duplicates", "kind", SUPPRESSED_KINDS),
         confirmations=confirmations,
         side_effect_duplicates=duplicates,
-        # Deliveries per key - 1 (ARCHITECTURE.md): duplicates over the keys confirmed (each key's first confirmation).
+        # Deliveries per key - 1 (docs/reference/kpis.md): duplicates over the keys confirmed (each key's first one).
         duplicate_rate=_ratio(duplicates, confirmations - duplicates),
         requests_done=done,
         requests_failed=failed,

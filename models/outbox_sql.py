@@ -422,15 +422,10 @@ _DUPLICATED_KEYS = (
 
 
 def stats(db: Database) -> dict[str, Any]:
-    """The outbox KPIs: deliveries per key (must be 1), reconciled and dead counts, messages by status. The duplicate
-    rate is deliveries per key - 1 (ARCHITECTURE.md): confirmations beyond each key's first, per key confirmed — the
-    figure ``keel kpi`` and the dashboard show.
-
-    Confirmations, duplicates and reconciled deliveries come from the KPI counters (kept by the delivery log's
-    trigger), messages not sent yet through partial indexes: nothing here reads every message or delivery, and a
-    delivered message that retention removed still counts. Only when the counters show a duplicate — the promise
-    broken — is the delivery log grouped by key to say how many keys and the worst one's count: of the keys whose
-    delivery log retention has not removed yet (``duplicate_deliveries`` keeps counting them all)."""
+    """The outbox KPIs: deliveries per key (must be 1; docs/reference/kpis.md), reconciled and dead counts, messages by
+    status. Read from the KPI counters and partial indexes, never every message or delivery
+    (docs/explanation/storage-and-jobs.md#kpi-counters); the delivery log is grouped by key only when the counters show
+    a duplicate, to name the keys retention has not removed yet."""
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         counters = counters_txn(conn)
         cur.execute(_UNSENT_BY_STATUS)

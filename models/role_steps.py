@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-#: The schemas whose objects are Keel's (README: Keel's database is its own).
+#: The schemas whose objects are Keel's (docs/how-to/deploy.md#database-roles).
 SCHEMAS = ("public", "audit")
 RELATION_KINDS = ("r", "p", "v", "m", "f", "S")  # tables, partitioned tables, views, materialized, foreign, sequences
 _ALTER = {"r": "TABLE", "p": "TABLE", "f": "FOREIGN TABLE", "v": "VIEW", "m": "MATERIALIZED VIEW", "S": "SEQUENCE"}

@@ -131,11 +131,8 @@ class ApiFields(BaseModel):
             "set it with several API hosts, or to keep sessions across restarts. Unset: a random key per API process."
         ),
     )
-    #: Failed tokens (unknown or revoked, at the console's sign-in or in an API call), counted in Redis per client
-    #: address: at most ``burst`` at once, then one more every 60/``per_minute`` seconds; past it the address is
-    #: refused (429) before its token is looked up, a correct one too. The ``global`` pair caps all addresses
-    #: together: past it, one failure uses up its address's allowance (agents/ingress/console/signin_limits.py); it
-    #: never refuses a real token by itself.
+    #: Failed tokens, counted in Redis per client address and over all addresses together; why the global cap never
+    #: refuses a real token by itself: docs/explanation/ingress-and-audit.md#guessing-tokens-the-sign-in-limits.
     console_signin_limit_enabled: bool = Field(
         default=True,
         description=(

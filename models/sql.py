@@ -210,17 +210,10 @@ def update_agent_and_commit_txn(
     live_jobs_of: UUID | None = None,
     finish: tuple[Any, ...] | None = None,
 ) -> tuple[AgentRow | None, list[dict[str, Any]] | None]:
-    """Write ``after`` over ``before`` together with the event that explains it, then ``COMMIT``, then the journal's
-    wake-ups (``NOTIFY``, each in a transaction of its own: :func:`models.db.queue_notifications`), in one round trip.
-    With ``live_jobs_of`` the agent's live jobs are read in between (what the transaction commits); with ``finish``
-    (:func:`models.jobs_sql.finish_params`) a job's final outcome is written in the same statement, and the row only
-    if that outcome was written under its claim's fencing token.
-
-    Returns the row as stored and the jobs read; (None, None) if nothing was committed: the row had moved on behind
-    the lock (a writer bypassed it), or the ``finish`` outcome's claim was no longer the writer's. Then the event was
-    written past the chain's head, which the deferred check ``journal_within_head`` refuses at commit. Either way the
-    transaction has ended: the caller must not write more. A wake-up that fails after a commit that happened is logged,
-    not raised: the command happened."""
+    """Write ``after`` over ``before`` with the event that explains it (and with ``finish`` a job's final outcome), read
+    the live jobs of ``live_jobs_of``, ``COMMIT`` and send the journal's wake-ups, in one round trip. Returns the row as
+    stored and the jobs read, or (None, None) when nothing was committed; either way the transaction has ended, so the
+    caller must not write more. Why: docs/explanation/storage-and-jobs.md#the-transitions-statements."""
     conn = cur.connection
     _appended(cur, event)  # announced in the commit's round trip, right after it (never if it is refused)
     reads_jobs = conn.cursor(row_factory=dict_row) if live_jobs_of is not None else contextlib.nullcontext()

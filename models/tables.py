@@ -565,12 +565,9 @@ audit_shipments = Table(
     CheckConstraint("first_id <= last_id", name="range"),
 )
 
-#: How far `keel audit verify` has verified each chain: its last verified event (``seq``) and that event's link
-#: (``hash``), with the state the walk had reached there, so an incremental pass reads only the events after it
-#: (agents/core/journal/verification.py). One row per chain, replaced as it advances. Sealed like audit_verifications
-#: (models/audit_records.py): a row whose seal does not hold is reported and ignored, never trusted. ``broken_seq``:
-#: a verify found the chain broken there; every later pass reports it, and a guard (migration 0024) refuses to
-#: change the row, until the owner deletes it.
+#: How far `keel audit verify` has verified each chain (its last verified event, that event's link and the walk's
+#: state there), so an incremental pass reads only the events after it. Sealed, and marked where a chain broke
+#: (``broken_seq``): docs/explanation/storage-and-jobs.md#sealed-audit-records.
 audit_verified_chains = Table(
     "audit_verified_chains",
     metadata,

@@ -33,7 +33,7 @@ class Leadership:
     def __init__(self, url: str, settings: Settings, *, name: str = BEAT, holder: str | None = None) -> None:
         self.url = url
         # A statement timeout of half the lease, so a blocked renewal gives up within it; a transaction pooler
-        # refuses startup options, so there the role's own timeout holds (README, Behind PgBouncer).
+        # refuses startup options, so there the role's own timeout holds (docs/how-to/deploy.md#behind-pgbouncer).
         self._options: dict[str, Any] = (
             {}
             if settings.database_pooler == "transaction"

@@ -1,6 +1,6 @@
 """Shipping the journal to a separate store as sealed segments (`keel audit ship`, and the leading beat): one shipper
 per destination, each segment's body then its manifest, resumed from the store's last manifest after a crash.
-Explained in docs/explanation/ingress-and-audit.md, "Shipping the journal"."""
+Explained in docs/explanation/ingress-and-audit.md#shipping-the-journal-and-crashes."""
 
 from __future__ import annotations
 

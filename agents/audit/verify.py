@@ -21,13 +21,11 @@ def verify_and_record(
     chunk_chains: int = journal.VERIFY_CHUNK_CHAINS,
     chunk_events: int = journal.VERIFY_CHUNK_EVENTS,
 ) -> VerifyReport:
-    """Walk the chains (:func:`agents.core.journal.verify` with ``db``'s audit keys): ``full``, every chain from its
-    start (the default: what a person asks for), or incremental, each from its checkpoint, trusting the events below
-    it. With ``record``: move the checkpoints of the chains found intact and record whether every chain held, and
-    where not (agent ids, event numbers and key ids, never event contents), with what was checked and what trusted
-    (:class:`Verdict`). Events whose key the ring lacks make it fail too: they were not checked. A pass that dies
-    midway records nothing; the checkpoints it moved are true. Without ``record`` (the auditor's read-only role)
-    nothing is written."""
+    """Walk the chains (:func:`agents.core.journal.verify` with ``db``'s audit keys), ``full`` from each chain's start
+    or incremental from its checkpoint; with ``record``, move the intact chains' checkpoints and record the
+    :class:`Verdict` (where a chain broke, never event contents), without it (the auditor's read-only role) write
+    nothing. Why a pass that dies midway leaves only true checkpoints:
+    docs/explanation/journal-and-transitions.md#saving-checkpoints."""
     report = journal.verify(
         db, full=full, save_checkpoints=record, chunk_chains=chunk_chains, chunk_events=chunk_events
     )

@@ -104,7 +104,7 @@ def json_value(option: str, text: str) -> Any:
         raise click.BadParameter(str(exc).removeprefix(f"{option}: "), param_hint=option) from None
 
 
-# One output format for every command: README, "Output", and docs/explanation/clients.md, "Output".
+# One output format for every command (docs/how-to/command-line.md#output, docs/explanation/clients.md#output).
 
 
 def timestamp(at: datetime) -> str:

@@ -78,13 +78,10 @@ OTLP_HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACE
 
 
 def secrets_of(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The secrets in ``settings``: its tokens and API key, the journal's audit keys (the configured ring's, or the
-    development key under ``KEEL_HOME``), the manifests' signing key, the console's session key, the S3 secret key
-    (``AWS_SECRET_ACCESS_KEY`` in ``environ``), the database roles' passwords, the passwords of its database,
-    migration and broker URLs, and the OTLP collector's credentials — the password and query values of
-    ``KEEL_OTLP_ENDPOINT`` and of the standard endpoint variables, and the header values of
-    ``OTEL_EXPORTER_OTLP_HEADERS`` / ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` (read from ``environ``), as written and
-    percent-decoded."""
+    """Every secret Keel holds, as written and percent-decoded: ``settings``' tokens, API, session and signing keys,
+    the journal's audit keys (or the development key under ``KEEL_HOME``), the database roles' passwords and those in
+    its URLs, the OTLP endpoint's credentials; and from ``environ`` the S3 secret key and the credentials in the
+    standard OTLP variables."""
     found = [
         value.get_secret_value()
         for value in (

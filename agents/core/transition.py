@@ -100,12 +100,10 @@ def transition(
     publish_due: bool = False,
     with_jobs: bool = False,
 ) -> Transitioned:
-    """Apply ``command`` to its agent: the only way an agent's state changes. Raises
-    :class:`~agents.core.errors.StaleRevision`, :class:`~agents.core.errors.IllegalTransition` or
-    :class:`~agents.core.errors.RequestConflict` (each journaled as ``rejected``), or
-    :class:`~agents.core.errors.AgentNotFound`; a submit of a request id the agent already had changes nothing and is
-    journaled as ``suppressed``. ``input_json`` is a submit's request input; ``effects`` run in the transaction; with
-    ``with_jobs`` the result carries the agent's live jobs as committed. What else the same transaction writes:
+    """Apply ``command`` to its agent: the only way an agent's state changes. Raises ``StaleRevision``,
+    ``IllegalTransition`` or ``RequestConflict`` (each journaled as ``rejected``) or ``AgentNotFound``; a submit of a
+    request id the agent already had changes nothing (journaled as ``suppressed``). ``input_json`` is a submit's input,
+    ``effects`` run in the transaction, ``with_jobs`` returns the agent's live jobs as committed. What else it writes:
     docs/explanation/journal-and-transitions.md#what-one-transition-writes-in-one-transaction."""
     with observe(
         "transition", command.event.value, request_id=command.request_id, agent_id=command.agent_id, actor=command.actor

@@ -361,16 +361,11 @@ class Guard(Protocol):
 async def agent_events(
     listener: JournalListener, agent_id: UUID, after_seq: int = 0, *, guard: Guard | None = None
 ) -> AsyncIterator[JournalEvent]:
-    """Every journal event of ``agent_id`` with ``seq > after_seq``, in seq order, each once: first those already
-    committed, then each new one as it commits. Ends when the listener stops or after the agent's delete event.
-
-    With ``guard`` the stream also ends as soon as ``guard.ended`` is set, or when ``guard.allowed()`` answers
-    false: it is asked after every journal read that found events, before any is yielded (so an event committed
-    after a token's revocation is never yielded). A quiet stream asks nothing of the database: the listener's
-    notifications and its shared safety re-read wake it.
-
-    A failed journal read (the database restarting) is retried with backoff, and at once when the listener
-    reconnects: the stream goes on from the last event it yielded."""
+    """Every journal event of ``agent_id`` with ``seq > after_seq``, in seq order, each once: those already committed,
+    then each as it commits. Ends when the listener stops, after the agent's delete event, or once ``guard`` ends it or
+    refuses (asked after each read that found events, so no event committed after a token's revocation is yielded). A
+    failed read is retried, and the stream goes on from the last event it yielded
+    (docs/explanation/ingress-and-audit.md#live-journal-events)."""
     ended = None if guard is None else guard.ended
     with listener.subscribe(agent_id, after_seq) as sub:
         failures = 0

@@ -180,13 +180,10 @@ class RateLimiter:
         return f"{self.prefix}{KEY_NAMESPACE}{key}"
 
     def check(self, key: str, policy: Policy, *, count: bool = True) -> Decision:
-        """Count one request of ``key`` (a token id) against ``policy``: one atomic script call. With ``count``
-        false, only say whether it would be allowed (a peek: nothing is counted).
-
-        When Redis cannot be reached or refuses, the request is allowed (``enforced`` false): the limiter protects
-        capacity, while correctness rests on PostgreSQL (revisions, idempotency keys). One WARNING when that starts
-        and one when Redis answers again; in between Redis is asked again only after a backoff (0.5 s doubling to
-        5 s), so requests do not each wait on a dead server."""
+        """Count one request of ``key`` (a token id) against ``policy`` in one atomic script call; with ``count`` false,
+        only say whether it would be allowed. Without an answer from Redis the request is allowed (``enforced`` false):
+        the limiter protects capacity, correctness rests on PostgreSQL
+        (docs/explanation/ingress-and-audit.md#rate-limits-gcra-in-redis)."""
         if self._outage.wait() > 0:
             return self._unenforced(policy)
         try:

@@ -1,30 +1,9 @@
-"""A LangGraph graph run as Keel steps, the graph unchanged (``keel[langgraph]``).
-
-::
-
-    builder = StateGraph(MessagesState)          # the team's graph, as it is: an agent node, a ToolNode, edges
-    ...
-    KeelGraph(builder, name="support")           # registers operation "support"
-
-A request to operation ``support`` (input ``{"prompt": "…"}``) runs the graph one super-step per Keel step, through
-LangGraph's public persistence seam: the graph is compiled with a checkpointer, each step restores the checkpoint the
-step before it recorded, runs one super-step (``interrupt_after="*"``), and records the checkpoint LangGraph saved after
-it (serialised by LangGraph's own serializer) with the step's result — so a retried step resumes from there and never
-runs a finished super-step again. The steps, their keys, phases, approvals, messages and charging are Keel's one seam
-for every framework (:mod:`agents.integrations.steps`), the same as a Pydantic AI agent's; this module is LangGraph's
-adapter to it.
-
-- **Model calls** are charged once: a LangChain callback counts each chat model's ``usage_metadata`` tokens, charged by
-  the transition that records the super-step. A super-step is LangGraph's unit of durability: a worker that dies in
-  the middle of one runs it again (its model calls too), as on any LangGraph checkpointer.
-- **Approvals** are LangGraph's ``interrupt()``: a node that calls ``interrupt({"tool": …, "arguments": {…}})`` is held
-  in Keel's ``gate`` (the agent waits in ``waiting_approval``, listed with every other call), and a person's decision
-  resumes it with ``Command(resume={"approved": …, "arguments": …, "reason": …})``: ``interrupt()`` returns that
-  mapping (``arguments`` only when edited). As LangGraph documents, the node runs again from its start on resume.
-- **Phases**: a super-step running only nodes named in ``tool_nodes`` (default ``"tools"``, a ToolNode's usual name)
-  is a tool step (executing); any other is a model step (planning).
-- **Messages** through the outbox: :func:`send` inside a node or tool.
-"""
+"""A LangGraph graph run as Keel steps, the graph unchanged (``keel[langgraph]``): ``KeelGraph(builder,
+name="support")`` registers operation ``support``, which runs the graph one super-step per Keel step through
+LangGraph's public checkpointer seam, so a retried step resumes from the checkpoint recorded with the step before and
+never runs a finished super-step again. This module is LangGraph's adapter to Keel's one seam for every framework
+(:mod:`agents.integrations.steps`); what a run does (charging, ``interrupt()`` as an approval, phases, :func:`send`):
+docs/how-to/langgraph.md#what-happens."""
 
 from __future__ import annotations
 

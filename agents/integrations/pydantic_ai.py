@@ -1,34 +1,9 @@
-"""A Pydantic AI agent run as Keel steps, the agent unchanged (``keel[pydantic-ai]``).
-
-::
-
-    support = Agent("openai:gpt-4o-mini", instructions="…", tools=[lookup_order])   # the team's agent, as it is
-    KeelAgent(support, name="support")                                               # registers operation "support"
-
-A request to operation ``support`` (input ``{"prompt": "…"}``) runs the agent through Pydantic AI's public durable
-execution seam (``pydantic_ai.durable_exec``: a durability capability given to each run, and its operation backend).
-Every durable unit Pydantic AI dispatches (a model request, a tool call, a tool listing, an argument check) gets the
-next ordinal of the request's run, and its result is recorded, as JSON, in the Keel step that ran it. A step runs the
-agent from its start: each unit already recorded returns what was recorded (nothing is asked or run again), the first
-unit not yet recorded runs, and at the next model request or tool call after it the step ends, scheduling the next
-step (``{request}:support:{n+1}``, keyed from its own key). So each model request and each tool call is one Keel step:
-deadlines, budgets, cancellation and the journal apply between them as between Keel's own plan and tool steps.
-
-The steps, their keys, phases, approvals' gates, messages and charging are Keel's one seam for every framework
-(:mod:`agents.integrations.steps`); this module is Pydantic AI's adapter to it. What a step spends is charged once:
-the usage of the model requests it ran (not of those it replayed) is its outcome's usage. A model reply or tool
-result is checkpointed on the job as soon as it exists, so a step retried after a crash replays it instead of asking
-or running again (what is paid for is paid once). A unit may still run twice if the process dies between its effect
-and that checkpoint (a tool that acted, a model that answered): tools that act on the world should be idempotent, or
-send their Slack and GitHub messages through Keel's outbox (:func:`send`).
-
-A call of a tool named in ``approve`` (or marked ``requires_approval=True``) is held before it runs: the step hands it
-to Keel's ``gate`` (the agent waits in ``waiting_approval``, its call listed with Keel's own), and a person's decision
-(approve, approve with edited arguments, reject with a reason) schedules the next step, which answers the held call
-with it. Not supported (refused with a clear error, or documented): streaming, tools executed outside the agent,
-toolsets added at run time (Pydantic AI refuses them inside a durable run). Deps are rebuilt for every step from the
-request's input by the ``deps`` function given (they are never serialised).
-"""
+"""A Pydantic AI agent run as Keel steps, the agent unchanged (``keel[pydantic-ai]``): ``KeelAgent(support,
+name="support")`` registers operation ``support``, which runs the agent through Pydantic AI's public durable execution
+seam (``pydantic_ai.durable_exec``), one model request or tool call per Keel step, so deadlines, budgets, cancellation,
+approvals and the journal apply between them as between Keel's own plan and tool steps. This module is Pydantic AI's
+adapter to Keel's one seam for every framework (:mod:`agents.integrations.steps`); how a run becomes steps and what
+holds where: docs/explanation/pydantic-ai.md#how-a-run-becomes-keel-steps."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
-"""A framework's agent run as a chain of Keel steps: the one seam every integration goes through.
-
-An integration registers an operation (:class:`StepChain`) with an adapter (:class:`Segment`) that runs the next
-piece of the framework's run in each Keel step — Pydantic AI one model request or tool call, LangGraph one
-super-step. The chain does the rest, the same for every framework:
-
-- the steps' keys: ``{request}:{operation}:1``, ``:2``, …, each scheduled by the one before, in the transition that
-  records it;
-- what the adapter records: each step's ``record`` (JSON) is stored with its result, checkpointed on the job under
-  its fencing token whenever the adapter says (:meth:`StepState.checkpoint`: a paid reply as it arrives), and given
-  back to every later step (:attr:`StepState.records`) and to a retry of the same step (:attr:`StepState.record`);
-- the agent's phase: planning before a model request, executing before a tool call or a held one (the moves
-  ``plan``, ``observe``, ``request_approval`` through Keel's ``gate``, ``finish``);
-- approvals: a call the adapter holds (:class:`Held`) waits in a ``gate``; a person's decision schedules the next
-  step, which finds it in :attr:`StepState.decisions` under where the run held it and the call's id;
-- messages: :func:`send` inside the framework's code puts a Slack or GitHub message through the outbox, keyed from
-  the step that sent it;
-- what is spent, and failures: a step's spend is charged once, by the transition that records it; a step holding paid
-  work it checkpointed fails as ``invalid``, charged with it (retrying would only replay it); otherwise the adapter
-  classifies the failure (a provider's 429, 5xx …) and the attempt's own spend is charged as a failed attempt's.
-"""
+"""A framework's agent run as a chain of Keel steps: the one seam every integration goes through. An integration
+registers an operation (:class:`StepChain`) with an adapter (:class:`Segment`) that runs the next piece of the
+framework's run in each step (Pydantic AI one model request or tool call, LangGraph one super-step); the chain does the
+rest the same way for every framework: the steps' keys, records and checkpoints, phase moves, approvals, :func:`send`,
+charging and failures (docs/explanation/pydantic-ai.md#one-seam-for-every-framework)."""
 
 from __future__ import annotations
 

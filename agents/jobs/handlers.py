@@ -270,12 +270,11 @@ def handler(
     operation: str, *, input: type[BaseModel] | None = None, internal: bool = False, repeatable: bool = False
 ) -> Callable[[Handler], Handler]:
     """Register the decorated function as the handler of ``operation``. ``input`` is the pydantic model of the
-    request input it reads (``payload["input"]`` of the request's first job): a submit that does not fit it is
-    refused before anything is written. Without it, any JSON is accepted. ``internal``: only scheduled by other
-    steps, never the first job of a request (a submit naming it is refused). ``repeatable``: running it twice does
-    no harm (it reads, waits or computes; it acts on nothing outside Keel), so an outcome of it that spent nothing
-    and declared no messages skips its staged checkpoint, a commit, and runs again if recording it fails
-    (docs/explanation/storage-and-jobs.md#the-commits-of-one-job). By default every outcome is staged."""
+    request input it reads (``payload["input"]`` of the request's first job): a submit that does not fit it is refused
+    before anything is written; without it, any JSON is accepted. ``internal``: only scheduled by other steps (a submit
+    naming it is refused). ``repeatable``: running it twice does no harm (it acts on nothing outside Keel), so an
+    outcome that spent nothing and declared no messages skips its staged checkpoint
+    (docs/explanation/storage-and-jobs.md#the-commits-of-one-job)."""
 
     def register(fn: Handler) -> Handler:
         registry.register(operation, fn, input=input, internal=internal, repeatable=repeatable)

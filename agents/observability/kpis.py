@@ -36,7 +36,7 @@ log = logging.getLogger("keel.kpis")
 
 
 class DomainCollector(Collector):
-    """The domain KPIs of the database ``db`` (the names are in the README's KPI table), read at most every
+    """The domain KPIs of the database ``db`` (the names: docs/reference/kpis.md), read at most every
     ``cache_seconds``, each read cut short after ``read_timeout``. Register it on a registry:
     ``registry.register(DomainCollector(db))``."""
 

@@ -1,12 +1,7 @@
 """A request's conversation as a person reads it — the prompt, the model's replies (their reasoning text too), the
 tool calls and their results, in order — whatever ran it: Keel's own plan/tool loop, or a framework integration,
 which registers how to read what its steps record (:func:`register_reader`). What an approver reads before deciding
-on a held call, and what the request's record shows.
-
-A message is ``{"role": "user" | "assistant" | "tool" | "system", "content": str}``, with ``"calls"``
-(``[{"tool": …, "arguments": {…}}]``) on a reply that called tools and ``"reasoning"`` on one that gave its
-reasoning text.
-"""
+on a held call, and what the request's record shows."""
 
 from __future__ import annotations
 
@@ -14,6 +9,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+#: ``{"role": "user" | "assistant" | "tool" | "system", "content": str}``, with ``"calls"``
+#: (``[{"tool": …, "arguments": {…}}]``) on a reply that called tools, ``"reasoning"`` on one that gave its reasoning.
 Message = dict[str, Any]
 #: Reads an integration's steps (the request's steps whose record has the reader's key, oldest first) and the
 #: request's input into messages.
