@@ -2,7 +2,7 @@
 the outcome under the agent row's lock) cost a Python process in psycopg 3 alone, with no Keel code around them.
 
 ``make bench-peers`` prints it after the I/O workload, so the worker CPU per job measured there for Keel and bare
-Celery can be read against it (docs/benchmarks.md, "The floor"): Keel's worker CPU per job cannot go below bare
+Celery can be read against it (docs/benchmarks.md#the-floor): Keel's worker CPU per job cannot go below bare
 Celery's plus this, whatever Keel's own code does.
 
 The statements are the least the guarantees need, on tables of their own: an ``UPDATE … RETURNING`` that claims the

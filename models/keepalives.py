@@ -1,6 +1,6 @@
 """TCP keepalives and the TCP user timeout for Keel's connections to PostgreSQL over TCP: a server that vanished
 without a word (a partition, a host powered off) is given up on in about a minute, not after the kernel's two hours
-(docs/explanation/storage-and-jobs.md, "TCP keepalives")."""
+(docs/explanation/storage-and-jobs.md#tcp-keepalives)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The KPIs: counters kept in the transactions that move them (triggers insert ``kpi_deltas`` rows), folded by the
 leading beat into per-minute rollups, and read back cheaply as rollups plus the deltas not folded yet, exactly, in
-``Decimal``. How the fold, the readers and the rows fit together: docs/explanation/storage-and-jobs.md ("KPI
-counters")."""
+``Decimal``. How the fold, the readers and the rows fit together: docs/explanation/storage-and-jobs.md#kpi-counters."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Leadership leases (the beat leader's: tasks/leadership.py), on the database's clock: a holder renews only its own
 term, so one paused past its lease steps down. Single autocommit statements, so a transaction pooler carries them
-(docs/explanation/storage-and-jobs.md, "Leadership leases")."""
+(docs/explanation/storage-and-jobs.md#leadership-leases)."""
 
 from __future__ import annotations
 

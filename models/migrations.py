@@ -1,6 +1,6 @@
 """Running the Alembic migrations from code (``keel db upgrade``, tests, the demo), and telling whether a database's
 schema is the one this code was written for. The configuration is built from the ``keel_migrations`` package, so an
-installed wheel migrates too (docs/explanation/storage-and-jobs.md, "Migrations from an installed wheel")."""
+installed wheel migrates too (docs/explanation/storage-and-jobs.md#migrations-from-an-installed-wheel)."""
 
 from __future__ import annotations
 

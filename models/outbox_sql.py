@@ -62,8 +62,9 @@ def insert_messages_txn(cur: psycopg.Cursor[Any], messages: Sequence[NewMessage]
     duplicate) keys."""
     inserted: list[str] = []
     suppressed: list[str] = []
-    # No lock on the destination's line: the order it keeps is causal (docs/explanation/storage-and-jobs.md, "The
-    # outbox's order per destination"). A key pruned by retention is refused as an existing one: a suppressed duplicate.
+    # No lock on the destination's line: the order it keeps is causal
+    # (docs/explanation/storage-and-jobs.md#the-outboxs-order-per-destination). A key pruned by retention is refused as
+    # an existing one: a suppressed duplicate.
     for m in messages:
         cur.execute(
             "INSERT INTO outbox (key, agent_id, request_id, channel, destination, payload, traceparent,"

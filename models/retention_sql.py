@@ -1,7 +1,7 @@
 """Retention: finished jobs, sent outbox messages (with their delivery log rows) and old requests' inputs are pruned
 after a configurable age, a short transaction per batch, on the database's clock; a pruned key stays in
 ``pruned_keys``. What is never pruned, and why two pruners never wait on each other:
-docs/explanation/storage-and-jobs.md ("Retention")."""
+docs/explanation/storage-and-jobs.md#retention."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The database roles Keel runs under, so that the journal holds against someone with the application's credentials:
 the owner of Keel's schema (migrations act as it), the application role (reads the journal and appends to it, and
 on the other tables does exactly :data:`APP_PRIVILEGES`), and a read-only auditor. Why the grants are one table
-here: docs/explanation/storage-and-jobs.md ("Database roles")."""
+here: docs/explanation/storage-and-jobs.md#database-roles."""
 
 from __future__ import annotations
 

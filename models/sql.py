@@ -33,7 +33,7 @@ AGENT_ROW = args_row(AgentRow)
 
 _LOCK_AGENT = f"SELECT {AGENT_COLUMNS} FROM agents WHERE id = %s FOR UPDATE"
 # After the lock, in a statement of its own pipelined with it: the agent's live job count, the database's clock and
-# the request's trace context (why apart: docs/explanation/storage-and-jobs.md, "The transition's statements").
+# the request's trace context (why apart: docs/explanation/storage-and-jobs.md#the-transitions-statements).
 _LIVE_JOB_COUNT = (
     "(SELECT count(*) FROM jobs j WHERE j.agent_id = %(agent_id)s AND j.status IN ('pending', 'enqueued', 'running'))"
     " AS live_jobs"

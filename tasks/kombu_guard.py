@@ -1,6 +1,6 @@
 """A guard for kombu's Redis transport: a worker that loses Redis while it holds an unacknowledged message reconnects
 instead of stopping with ``Unrecoverable error: AttributeError("'NoneType' object has no attribute 'hostname'")``.
-:mod:`tasks.app` applies it (docs/runbook.md, Jobs, says what an operator sees without it)."""
+:mod:`tasks.app` applies it (docs/runbook.md#jobs says what an operator sees without it)."""
 
 from __future__ import annotations
 

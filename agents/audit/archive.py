@@ -2,7 +2,7 @@
 leaves only once every event in it is proved, against the store, to be shipped and verified (four checks:
 :func:`check_archivable`); :func:`archive_partition` then records the sealed archive row and drops the month in one
 transaction, and every refusal (:class:`ArchiveRefused`) changes nothing. The checks, one by one:
-docs/explanation/ingress-and-audit.md, "Archiving a month"."""
+docs/explanation/ingress-and-audit.md#archiving-a-month."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def check_archivable(
     public_key: Ed25519PublicKey | None = None,
 ) -> Archivable:
     """Prove that the ``events`` events of ``relation`` with ids in [``first_id``, ``last_id``] are shipped and
-    verified (the four checks of docs/explanation/ingress-and-audit.md, "Archiving a month"), in the caller's
+    verified (the four checks of docs/explanation/ingress-and-audit.md#archiving-a-month), in the caller's
     transaction (which should hold a lock that keeps them as they are); :class:`ArchiveRefused` naming the first thing
     missing or different. ``what`` names the range in those messages (``partition journal_2027_01``). Reads only."""
     if events == 0 or first_id is None or last_id is None:

@@ -1,7 +1,7 @@
 """`keel audit export`: one request's story for an auditor — every journal event carrying its request id, across agents,
 oldest first (by the journal's global id), every stored field, as JSON Lines or CSV — read in one snapshot and written a
 batch at a time. How ``details``, times and formula-looking CSV cells are written:
-docs/explanation/ingress-and-audit.md, "Exporting one request's story"."""
+docs/explanation/ingress-and-audit.md#exporting-one-requests-story."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What is shipped: the journal's events as a segment holds them (JSON Lines, every column as stored), the
 object names of segments and manifests, and the manifest that seals each segment and links it to the one before.
-Explained in docs/explanation/ingress-and-audit.md, "Shipped segments and their manifests"."""
+Explained in docs/explanation/ingress-and-audit.md#shipped-segments-and-their-manifests."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which journal ids are safe to ship: the highest id below which every id is committed or never will be, and the
 check that each agent's events in a new segment follow those already shipped. Why the wait on ``pg_locks`` is
-enough: docs/explanation/ingress-and-audit.md, "Which ids are safe to ship"."""
+enough: docs/explanation/ingress-and-audit.md#which-ids-are-safe-to-ship."""
 
 from __future__ import annotations
 

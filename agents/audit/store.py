@@ -1,6 +1,6 @@
 """The separate store the journal is shipped to: an S3-compatible bucket (boto3) or a local directory. A store only ever
 adds objects (:meth:`SegmentStore.put_new`): one already there is never overwritten, and one there with other content is
-:class:`SegmentConflict`. How: docs/explanation/ingress-and-audit.md, "The store only adds objects"."""
+:class:`SegmentConflict`. How: docs/explanation/ingress-and-audit.md#the-store-only-adds-objects."""
 
 from __future__ import annotations
 

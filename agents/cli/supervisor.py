@@ -1,7 +1,7 @@
 """What ``keel up`` runs on: child processes in process groups of their own, their output relayed line by line, a
 start that counts once each child shows it is ready, a stop on any termination signal (forwarded, waited for, then
 SIGKILL), and a watch on the servers that gives up after a bounded outage. Which signal does what:
-docs/explanation/clients.md, "Stopping keel up"."""
+docs/explanation/clients.md#stopping-keel-up."""
 
 from __future__ import annotations
 

@@ -124,8 +124,8 @@ class AgentsMixin(ClientBase):
         reason: str | None = None,
     ) -> DeletedAgent:
         """Delete an archived agent at rest; its name is free again, its journal and requests stay. Returns its
-        tombstone. Raises ``StaleRevision`` or ``AgentInUse`` (journaled). See docs/explanation/clients.md,
-        "Archived and deleted agents"."""
+        tombstone. Raises ``StaleRevision`` or ``AgentInUse`` (journaled). See
+        docs/explanation/clients.md#archived-and-deleted-agents."""
         check_actor(actor)
         check_reason(reason)
         if expected_revision is not None:

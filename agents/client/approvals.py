@@ -69,7 +69,7 @@ class ApprovalsMixin(ClientBase):
         arguments: Mapping[str, Any] | None = None,
     ) -> AgentState:
         """Approve the pending tool call: it runs next, with ``arguments`` instead of its own if given (checked
-        against the tool's input model first). See docs/explanation/clients.md, "Approving with edited arguments"."""
+        against the tool's input model first). See docs/explanation/clients.md#approving-with-edited-arguments."""
         check_actor(actor)
         row = self._row(agent_id)
         pending = pending_approval(self.db, row.id, row.request_id) if row.phase == "waiting_approval" else None

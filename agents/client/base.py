@@ -37,7 +37,7 @@ Publisher = Callable[[Sequence[Due]], None]
 
 def submit_publisher(settings: Settings) -> Publisher | None:
     """The publisher of the ``keel.publishers`` entry point ``celery`` when ``KEEL_PUBLISH_AT_SUBMIT`` is on, else
-    None (the dispatcher publishes every job). See docs/explanation/clients.md, "Publishing at submit"."""
+    None (the dispatcher publishes every job). See docs/explanation/clients.md#publishing-at-submit."""
     if not settings.publish_at_submit:
         return None
     for point in entry_points(group="keel.publishers", name="celery"):
@@ -106,8 +106,8 @@ class ClientBase:
         return found
 
     def _chain_id(self, agent: AgentRef) -> UUID:
-        """The agent whose journal to read: a live one by id or name, else a deleted one (docs/explanation/clients.md,
-        "Archived and deleted agents")."""
+        """The agent whose journal to read: a live one by id or name, else a deleted one
+        (docs/explanation/clients.md#archived-and-deleted-agents)."""
         try:
             return self._row(agent).id
         except AgentNotFound as exc:

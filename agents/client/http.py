@@ -45,7 +45,7 @@ class HttpClient:
     safely; the journal's actor is the token's name, never ``actor=``. Only ``Client`` has ``archive``,
     ``unarchive``, ``delete_agent``, ``agent_row``, ``agent_names``, ``journal_after``, ``journal_page``,
     ``journal_agent``, ``request_agents`` and ``from_settings``. Why, and how it retries and what it raises:
-    docs/explanation/clients.md, "The HTTP client"."""
+    docs/explanation/clients.md#the-http-client."""
 
     def __init__(
         self,
@@ -444,8 +444,9 @@ class HttpClient:
             body = None if arguments is None else {"arguments": dict(arguments)}
 
         def applied(response: httpx.Response) -> bool:
-            # Whether an earlier attempt, its answer lost, is what moved the agent on (docs/explanation/clients.md,
-            # "Retries and lost answers"): with If-Match the revision it made, else the agent's latest.
+            # Whether an earlier attempt, its answer lost, is what moved the agent on
+            # (docs/explanation/clients.md#retries-and-lost-answers): with If-Match the revision it made, else the
+            # agent's latest.
             if expected is not None:
                 return response.status_code == 412 and self._mine(agent, expected + 1, act)
             if problem_kind(response) != "illegal-transition":

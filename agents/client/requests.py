@@ -51,7 +51,7 @@ class RequestsMixin(ClientBase):
         ``{request}:{operation}:1``), given the input as ``payload["input"]``. Input that does not fit the
         operation raises :class:`InvalidInput`, an unknown operation :class:`UnknownOperation`; a repeat changes
         nothing, a different one under the same id raises :class:`RequestConflict`. See
-        docs/explanation/clients.md, "Submitting a request"."""
+        docs/explanation/clients.md#submitting-a-request."""
         done = self._submit(
             agent_id,
             request_id,

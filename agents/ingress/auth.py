@@ -1,7 +1,7 @@
 """Who is calling and what they may do: the bearer token, its scopes, its agent prefix, its rate. :class:`TokenGate`
 decides on every ``/v1/`` path before anything reads the body (failed-token allowance 429, token 401, rate 429, scope
 403), and each route declares the permission it needs with :func:`require`. The order and why:
-docs/explanation/ingress-and-audit.md, "Who is calling: the token gate"."""
+docs/explanation/ingress-and-audit.md#who-is-calling-the-token-gate."""
 
 from __future__ import annotations
 

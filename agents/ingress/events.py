@@ -1,7 +1,7 @@
 """Live journal events: each committed journal event of an agent, pushed as it commits (Server-Sent Events). A
 ``pg_notify`` after commit only wakes subscribers; the events are always read from the journal, so a lost or late
-notification delays an event but never drops or repeats one. How: docs/explanation/ingress-and-audit.md, "Live journal
-events"."""
+notification delays an event but never drops or repeats one. How:
+docs/explanation/ingress-and-audit.md#live-journal-events."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Rate control per API token, shared by every API process: one atomic Redis script call per request, GCRA (token-bucket
 semantics: ``burst`` requests at once, refilled at ``rate`` a second) on Redis's own clock. Why a script of our own
-rather than a library: docs/explanation/ingress-and-audit.md, "Rate limits: GCRA in Redis"."""
+rather than a library: docs/explanation/ingress-and-audit.md#rate-limits-gcra-in-redis."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The live event streams one API process holds open (the API's and the console's): how many each token may hold and the
 process in all (:meth:`Streams.admit`, a 429 past either), and whether each token is still live, asked for all streams
-together. Why idle streams cost one small query per interval: docs/explanation/ingress-and-audit.md, "Open streams and
-revoked tokens"."""
+together. Why idle streams cost one small query per interval:
+docs/explanation/ingress-and-audit.md#open-streams-and-revoked-tokens."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def _move(
     report: EnforceReport,
 ) -> None:
     # The move carries the revision the agent was seen at; an agent that only made progress on the same request is
-    # read again and the move retried, up to STALE_RETRIES times (docs/explanation/storage-and-jobs.md, "Deadlines").
+    # read again and the move retried, up to STALE_RETRIES times (docs/explanation/storage-and-jobs.md#deadlines).
     done = report.stopped if past.hard else report.demoted
     for attempt in range(STALE_RETRIES + 1):
         command = _command(past, actor, notice, notice_problem)

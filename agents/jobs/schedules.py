@@ -1,6 +1,6 @@
 """Recurring schedules: every N seconds, or a cron expression, submit a request to an agent. Registering is
 idempotent, and each fire's request id is made from the schedule and the fire time, so a fire attempted twice is a
-suppressed duplicate. Times are the database's, in UTC (docs/explanation/storage-and-jobs.md, "Schedules")."""
+suppressed duplicate. Times are the database's, in UTC (docs/explanation/storage-and-jobs.md#schedules)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Console sessions: a signed cookie naming the API token a person signed in with (never its secret), and its CSRF
 token; before sign-in, a short-lived signed pre-session cookie guards the sign-in form. How sessions end (revoked token,
-sign-out, restart) and what the cookie's flags are: docs/explanation/ingress-and-audit.md, "Sessions and CSRF"."""
+sign-out, restart) and what the cookie's flags are: docs/explanation/ingress-and-audit.md#sessions-and-csrf."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """How fast API tokens may be guessed, at the console's sign-in form and in the API's ``Authorization`` header alike:
 failed attempts counted per client address and over every address together, with the ingress's rate limiter.
 :meth:`SignInLimits.try_token` is the one place that decides which bucket is charged when. Why only failures are
-charged, and why a spray cannot lock a person out: docs/explanation/ingress-and-audit.md, "Guessing tokens: the sign-in
-limits"."""
+charged, and why a spray cannot lock a person out:
+docs/explanation/ingress-and-audit.md#guessing-tokens-the-sign-in-limits."""
 
 from __future__ import annotations
 
