@@ -317,6 +317,7 @@ SELECT {_PUBLIC} FROM outbox o
 WHERE (%(status)s::text IS NULL OR o.status = %(status)s)
   AND (%(channel)s::text IS NULL OR o.channel = %(channel)s)
   AND (%(before)s::bigint IS NULL OR o.seq < %(before)s)
+  AND (%(agent)s::uuid IS NULL OR o.agent_id = %(agent)s)
   AND (%(prefix)s::text IS NULL OR o.agent_id IN (
         SELECT id FROM agents WHERE starts_with(name, %(prefix)s)
         UNION ALL SELECT agent_id FROM audit.deleted_agents WHERE starts_with(name, %(prefix)s)))
@@ -332,15 +333,17 @@ def page_messages(
     before_seq: int | None,
     limit: int,
     name_prefix: str | None,
+    agent_id: UUID | None = None,
 ) -> list[dict[str, Any]]:
     """Messages newest first (by creation), before ``before_seq`` if given, of agents named ``name_prefix…`` if
-    given."""
+    given, of agent ``agent_id`` only if given."""
     params = {
         "status": status,
         "channel": channel,
         "before": before_seq,
         "limit": limit,
         "prefix": name_prefix,
+        "agent": agent_id,
     }
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_PAGE, params)

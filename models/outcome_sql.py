@@ -14,16 +14,25 @@ from models.db import Database, end_read
 _WHERE = "request_id = %(request_id)s AND agent_id = %(agent_id)s"
 _LAST = (
     "SELECT event, actor, to_phase, revision, decision, details, at FROM audit.journal"
-    f" WHERE {_WHERE} AND kind = 'transition' ORDER BY seq DESC LIMIT 1"
+    # A late step's charge is journaled as a transition too; it changes no request's outcome.
+    f" WHERE {_WHERE} AND kind = 'transition' AND event <> 'charge' ORDER BY seq DESC LIMIT 1"
 )
 # What every attempt of every step spent: the attempts that succeeded and those that failed (charged all the same).
 _SPEND = (
-    "SELECT coalesce(sum(tokens + failed_tokens), 0) AS tokens, coalesce(sum(cost + failed_cost), 0) AS cost"
-    f" FROM jobs WHERE {_WHERE}"
+    "SELECT coalesce(sum(tokens + failed_tokens), 0) AS tokens, coalesce(sum(cost + failed_cost), 0) AS cost,"
+    f" count(*) AS steps FROM jobs WHERE {_WHERE}"
+)
+# And what attempts whose outcome was void (fenced off: the request was cancelled or stopped under them) spent: charged
+# to the agent by a `charge` event, recorded on no job.
+_VOID_SPEND = (
+    "SELECT coalesce(sum((details -> 'spend' ->> 'tokens')::numeric), 0) AS tokens,"
+    " coalesce(sum((details -> 'spend' ->> 'cost')::numeric), 0) AS cost FROM audit.journal"
+    f" WHERE {_WHERE} AND kind = 'transition' AND event = 'charge' AND decision = 'fenced_off'"
 )
 # The step that finished the request: the latest to succeed (a gate only ever waits; it answers nothing).
 _ANSWERED = (
-    f"SELECT key, result FROM jobs WHERE {_WHERE} AND status = 'succeeded' AND operation <> 'gate'"
+    "SELECT key, CASE WHEN jsonb_typeof(result) = 'object' AND result ? 'answer' THEN result -> 'answer'"
+    f" ELSE result END AS answer FROM jobs WHERE {_WHERE} AND status = 'succeeded' AND operation <> 'gate'"
     " ORDER BY finished_at DESC NULLS LAST, key DESC LIMIT 1"
 )
 # The step that failed it: the one its fail event names, else the latest to fail.
@@ -50,7 +59,11 @@ def request_outcome_parts(db: Database, agent_id: UUID, request_id: str) -> dict
             end_read(conn)
             return None
         cur.execute(_SPEND, params)
-        spend = cur.fetchone()
+        spend = dict(cur.fetchone() or {})
+        cur.execute(_VOID_SPEND, params)
+        void = cur.fetchone() or {}
+        spend["tokens"] = spend.get("tokens", 0) + void.get("tokens", 0)
+        spend["cost"] = spend.get("cost", 0) + void.get("cost", 0)
         answered = failed = None
         if last["to_phase"] == "done":
             cur.execute(_ANSWERED, params)

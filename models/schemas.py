@@ -99,17 +99,10 @@ class AgentState(BaseModel):
     pending_jobs: tuple[JobView, ...] = ()
     #: While waiting_approval: the tool call a person must approve or reject (tool, call_id, arguments, round).
     pending_approval: dict[str, Any] | None = None
-    #: The agent's outbox messages that are dead now (side effects that never arrived; ``keel outbox retry``); None
-    #: in lists of agents, which do not read it.
-    dead_messages: int | None = None
 
     @classmethod
     def of(
-        cls,
-        row: AgentRow,
-        pending_jobs: tuple[JobView, ...] = (),
-        pending_approval: dict[str, Any] | None = None,
-        dead_messages: int | None = None,
+        cls, row: AgentRow, pending_jobs: tuple[JobView, ...] = (), pending_approval: dict[str, Any] | None = None
     ) -> AgentState:
         return cls(
             id=row.id,
@@ -129,7 +122,6 @@ class AgentState(BaseModel):
             archived_at=row.archived_at,
             pending_jobs=pending_jobs,
             pending_approval=pending_approval,
-            dead_messages=dead_messages,
         )
 
 
@@ -278,6 +270,11 @@ class RequestOutcome(BaseModel):
     tokens: int = 0
     cost: Decimal = Decimal(0)
     side_effects: tuple[SideEffect, ...] = ()
+    #: Its steps were pruned by retention (``KEEL_JOBS_RETENTION_DAYS``): the answer and the spend are no longer known.
+    pruned: bool = False
+    #: Read by someone who may not read the request's story: side effects without their errors and receiver links,
+    #: and a failed step without its error text.
+    partial: bool = False
 
     @property
     def dead(self) -> tuple[SideEffect, ...]:

@@ -387,7 +387,8 @@ outbox = Table(
     CheckConstraint(f"agent_id IS NOT NULL OR {_in('request_id', SYSTEM_REQUEST_IDS)}", name="system_message"),
     Index("ix_outbox_line", "destination", "seq", postgresql_where=text("status IN ('pending', 'sending')")),
     Index("ix_outbox_dead", "channel", postgresql_where=text("status = 'dead'")),  # dead letters per channel (KPIs)
-    Index("ix_outbox_dead_agent", "agent_id", postgresql_where=text("status = 'dead'")),  # an agent's (its state)
+    Index("ix_outbox_dead_agent", "agent_id", postgresql_where=text("status = 'dead'")),  # an agent's dead ones
+    Index("ix_outbox_request", "agent_id", "request_id", "seq"),  # a request's messages in order (its outcome, story)
     # The console's Outbox page: what is not sent yet, newest first, a page at a time (sent messages are most rows).
     Index("ix_outbox_unsent", "seq", postgresql_where=text("status IN ('pending', 'sending', 'dead')")),
     Index("ix_outbox_sent", "sent_at", postgresql_where=text("status = 'sent'")),  # retention's batches, oldest first

@@ -182,7 +182,7 @@ def flower(port: int, flower_args: tuple[str, ...]) -> None:
     settings = _settings()
     _embedded_or_exit(settings, database=False)
     _redact_logs(settings)
-    logging.getLogger("flower.inspector").addFilter(_no_worker_answered)
+    logging.getLogger("flower.inspector").addFilter(_NoWorkerAnsweredYet(time.monotonic()))
     from tasks.app import app
 
     app.start(["flower", f"--port={port}", *flower_args])
@@ -193,11 +193,21 @@ def flower(port: int, flower_args: tuple[str, ...]) -> None:
 _NO_REPLY = "Inspect method %s failed"
 
 
-def _no_worker_answered(record: logging.LogRecord) -> bool:
-    # Flower asks the workers about themselves as it starts and calls each unanswered question a failure: a warning
-    # per question whenever it starts before any worker (as in compose, where nothing orders the two).
-    # Nothing failed, and Flower cannot be told otherwise: it lists each worker once it answers or sends events.
-    return record.msg != _NO_REPLY
+#: How long after Flower starts an unanswered question is taken for workers not up yet, not for workers gone.
+_START_SECONDS = 30.0
+
+
+class _NoWorkerAnsweredYet(logging.Filter):
+    """Flower asks the workers about themselves as it starts and calls each unanswered question a failure: a warning
+    per question whenever it starts before any worker (as in compose, where nothing orders the two). Nothing failed
+    then; later, the same warning (every worker dead or hung) is kept."""
+
+    def __init__(self, started: float) -> None:
+        super().__init__()
+        self.started = started
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != _NO_REPLY or time.monotonic() - self.started > _START_SECONDS
 
 
 def _stopped(sig: int, frame: FrameType | None) -> None:

@@ -28,7 +28,7 @@ from agents.cli.common import (
 from agents.cli.request import outcome_lines
 from agents.cli.watch import EXIT_TIMEOUT, outcome_json, outcome_text, wait_for_rest
 from agents.core.commands import MAX_BIGINT
-from agents.core.errors import BadCursor, quoted
+from agents.core.errors import BadCursor, RequestNotFound, quoted
 from agents.core.phases import RESTING, Phase
 
 #: The most agents one page of ``keel agent list`` shows (``--after`` pages on).
@@ -67,14 +67,6 @@ def state_text(state: Any) -> str:
                 f"  {j.key:<48} {j.status:<9} {j.queue:<14} attempts {j.attempts}"
                 + (f"  last error: {j.last_error[:60]}" if j.last_error else "")
                 for j in state.pending_jobs
-            ),
-            *(
-                [
-                    f"dead       {state.dead_messages} side effect(s) never arrived:"
-                    " keel outbox list --status dead, then keel outbox retry KEY"
-                ]
-                if state.dead_messages
-                else []
             ),
         ]
     )
@@ -396,12 +388,22 @@ def state_cmd(agent_ref: str, as_json: bool) -> None:
     """Show AGENT's state: phase, revision, pending jobs and any call waiting for approval."""
     with open_client(writes=False) as client:
         state = client.get_state(agent_ref)
-        outcome = None if state.request_id is None else client.outcome(state.id, state.request_id)
-    if outcome is None:
-        emit(state, as_json, state_text(state))
-    else:
-        shown = {**state.model_dump(mode="json"), "outcome": outcome.model_dump(mode="json")}
-        emit(shown, as_json, "\n".join([state_text(state), *outcome_lines(outcome)]))
+        dead = client.dead_messages(state.id)
+        try:
+            outcome = None if state.request_id is None else client.outcome(state.id, state.request_id)
+        except RequestNotFound:  # its journal's month was archived
+            outcome = None
+    lines = [state_text(state)]
+    if dead:
+        lines.append(
+            f"dead       {dead} side effect(s) never arrived: keel outbox list --status dead --agent {state.name},"
+            " then keel outbox retry KEY"
+        )
+    shown: dict[str, Any] = {**state.model_dump(mode="json"), "dead_messages": dead}
+    if outcome is not None:
+        shown["outcome"] = outcome.model_dump(mode="json")
+        lines.extend(outcome_lines(outcome))
+    emit(shown, as_json, "\n".join(lines))
 
 
 def _edited_arguments(text: str | None) -> dict[str, Any] | None:

@@ -26,14 +26,27 @@ def outbox() -> None:
 @outbox.command("list")
 @click.option("--status", type=click.Choice(["pending", "sending", "sent", "dead"]), help="Only this status.")
 @click.option("--limit", type=click.IntRange(1, MAX_BIGINT), default=50, show_default=True, help="At most this many.")
+@click.option("--agent", "agent_ref", metavar="AGENT", help="Only this agent's messages (its id or name).")
 @json_option
 @friendly
-def outbox_list(status: str | None, limit: int, as_json: bool) -> None:
-    """Newest messages first."""
-    from models.outbox_sql import list_messages
+def outbox_list(status: str | None, limit: int, agent_ref: str | None, as_json: bool) -> None:
+    """Newest messages first (`--status dead --agent AGENT`: the agent's side effects that never arrived)."""
+    from models.outbox_sql import list_messages, page_messages
 
     with open_client(writes=False) as client:
-        rows = list_messages(client.db, status, limit)
+        if agent_ref is None:
+            rows = list_messages(client.db, status, limit)
+        else:
+            agent_id = client.agent_row(agent_ref).id
+            rows = page_messages(
+                client.db,
+                status=status,
+                channel=None,
+                before_seq=None,
+                limit=limit,
+                name_prefix=None,
+                agent_id=agent_id,
+            )
     columns = ("key", "channel", "destination", "status", "attempts")
     # Each column as wide as its widest cell (keys run long: an agent's request key leads them), under its header.
     width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns} if rows else {}

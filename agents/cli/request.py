@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import click
@@ -11,6 +12,16 @@ from agents.cli.common import decimal_text, emit, friendly, json_option, open_cl
 from agents.core.errors import quoted
 from models.schemas import RequestOutcome
 
+#: Control characters but tab and newline: a model's or a handler's text must not move the terminal's cursor.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """Text from a model, a handler or a receiver as a terminal may print it: control characters escaped, every line
+    after the first indented under the value column."""
+    safe = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+    return safe.replace("\n", "\n" + " " * 11)
+
 
 def outcome_lines(outcome: RequestOutcome) -> list[str]:
     """A request's outcome as the CLI prints it, one fact a line (``keel request show``, ``keel run --wait``,
@@ -18,17 +29,22 @@ def outcome_lines(outcome: RequestOutcome) -> list[str]:
     lines = [f"outcome    {outcome.request_id}: {outcome.phase} at revision {outcome.revision}"]
     if outcome.answer is not None:
         text = outcome.answer if isinstance(outcome.answer, str) else json.dumps(outcome.answer, default=str)
-        lines.append(f"answer     {text}")
+        lines.append(f"answer     {shown(text)}")
     if outcome.failure is not None:
         failed = outcome.failure
-        lines.append(f"failure    {failed.reason}")
+        lines.append(f"failure    {shown(failed.reason)}")
         if failed.job is not None:
-            lines.append(f"           step {failed.job} ({failed.error_class or '-'}): {failed.error or '-'}")
-    lines.append(f"spent      {outcome.tokens} tokens, cost {decimal_text(outcome.cost)}")
+            said = shown(failed.error or "-")
+            lines.append(f"           step {failed.job} ({failed.error_class or '-'}): {said}")
+    if outcome.pruned:
+        lines.append("spent      not known: its steps were pruned by retention (KEEL_JOBS_RETENTION_DAYS)")
+    else:
+        lines.append(f"spent      {outcome.tokens} tokens, cost {decimal_text(outcome.cost)}")
     for effect in outcome.side_effects:
         where = effect.external_url or effect.destination
         if effect.status == "dead":
-            lines.append(f"effect     {effect.channel} {where}: DEAD ({effect.last_error or 'no error recorded'})")
+            why = shown(effect.last_error or "no error recorded")
+            lines.append(f"effect     {effect.channel} {where}: DEAD ({why})")
         else:
             lines.append(f"effect     {effect.channel} {where}: {effect.status}")
     if outcome.dead:
@@ -79,9 +95,9 @@ def request_conversation(agent_ref: str, request_id: str | None, as_json: bool) 
     lines: list[str] = []
     for message in said:
         if message.get("reasoning"):
-            lines.append(f"{message['role']:<10} (reasoning) {message['reasoning']}")
+            lines.append(f"{message['role']:<10} (reasoning) {shown(message['reasoning'])}")
         if message.get("content"):
-            lines.append(f"{message['role']:<10} {message['content']}")
+            lines.append(f"{message['role']:<10} {shown(message['content'])}")
         for call in message.get("calls") or ():
             lines.append(
                 f"{message['role']:<10} calls {call.get('tool')} {json.dumps(call.get('arguments'), sort_keys=True)}"

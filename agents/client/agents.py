@@ -39,7 +39,7 @@ class AgentsMixin(ClientBase):
         row = core.create_agent(
             self.db, spec.name, budget_tokens=spec.budget_tokens, budget_cost=spec.budget_cost, actor=actor
         )
-        return AgentState.of(row, dead_messages=0)  # a new agent has sent nothing
+        return AgentState.of(row)
 
     def agent_row(self, agent: AgentRef) -> AgentRow:
         """The agent's row by id or name, without its jobs (one query). Raises :class:`AgentNotFound`, with the

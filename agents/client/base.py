@@ -23,7 +23,6 @@ from agents.runtime import tools
 from agents.runtime.loop import pending_approval
 from models.db import Database
 from models.jobs_sql import Due, pending_jobs
-from models.outcome_sql import dead_messages
 from models.schemas import AgentRow, AgentState, DeletedAgent, JobView
 from models.settings import Settings, check_imports
 from models.sql import find_agent
@@ -126,15 +125,14 @@ class ClientBase:
     def _state(self, row: AgentRow, jobs: tuple[JobView, ...] | None = None) -> AgentState:
         """The state of ``row`` with ``jobs`` as its live jobs (None: read them now), and the call waiting for
         approval if there is one."""
-        with core.store_errors():
-            if jobs is None:
+        if jobs is None:
+            with core.store_errors():
                 jobs = tuple(JobView(**r) for r in pending_jobs(self.db, row.id))
-            dead = dead_messages(self.db, row.id)
         approval = None
         if row.phase == "waiting_approval":
             pending = pending_approval(self.db, row.id, row.request_id)
             approval = None if pending is None else pending.as_dict()
-        return AgentState.of(row, jobs, approval, dead)
+        return AgentState.of(row, jobs, approval)
 
     # --- running a command ------------------------------------------------------------------------------------
 

@@ -424,6 +424,19 @@ class HttpClient:
     ) -> AgentState:
         return self._decide(agent_id, "cancel", expected_revision, reason)
 
+    def dead_messages(self, agent: AgentRef) -> int:
+        """As :meth:`Client.dead_messages` (``GET /v1/outbox?status=dead&agent=…``, every page: a token that may read
+        the outbox)."""
+        check_text("agent", str(agent), limit=200)
+        found, cursor = 0, None
+        while True:
+            params = {"status": "dead", "agent": str(agent), "limit": 1000, **({"cursor": cursor} if cursor else {})}
+            page = self._call("GET", "/v1/outbox", params=params).json()
+            found += len(page["messages"])
+            cursor = page.get("next")
+            if cursor is None:
+                return found
+
     def retry_outbox(self, key: str, *, actor: str = "client") -> None:
         check_text("key", key, limit=600)
         self._call("POST", f"/v1/outbox/{quote(key, safe='')}/retry")

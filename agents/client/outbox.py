@@ -10,6 +10,7 @@ from agents.core import transition as core
 from agents.core.commands import check_text
 from agents.outbox.relay import retry_dead
 from models.outbox_sql import request_messages
+from models.outcome_sql import dead_messages
 
 
 class OutboxMixin(ClientBase):
@@ -19,6 +20,13 @@ class OutboxMixin(ClientBase):
         agent_id = self._chain_id(agent)
         with core.store_errors():
             return request_messages(self.db, agent_id, request_id)
+
+    def dead_messages(self, agent: AgentRef) -> int:
+        """How many of the agent's Slack/GitHub messages are dead now: side effects that never arrived (``keel outbox
+        retry KEY`` sends one again)."""
+        agent_id = self._chain_id(agent)
+        with core.store_errors():
+            return dead_messages(self.db, agent_id)
 
     def retry_outbox(self, key: str, *, actor: str) -> None:
         """Put a dead outbox message back to pending (reconciled with its receiver first if it may have arrived),

@@ -27,18 +27,27 @@ def outcome_of(agent_id: UUID, request_id: str, parts: Mapping[str, Any]) -> Req
         tokens=int(spend.get("tokens") or 0),
         cost=Decimal(str(spend.get("cost") or 0)),
         side_effects=tuple(SideEffect(**m) for m in parts.get("messages") or ()),
+        pruned=not spend.get("steps"),  # every request has a first step: none left means retention took them
     )
 
 
+def as_seen(outcome: RequestOutcome, *, story: bool) -> RequestOutcome:
+    """The outcome as its reader may see it: whole for one who may read the request's story (``read_story``); for
+    others (a producer reading its answer) the side effects keep their channel, destination and status but not their
+    errors or receiver links, and a failed step keeps its error class but not its error text."""
+    if story:
+        return outcome
+    effects = tuple(e.model_copy(update={"last_error": None, "external_url": None}) for e in outcome.side_effects)
+    failure = None if outcome.failure is None else outcome.failure.model_copy(update={"error": None})
+    return outcome.model_copy(update={"side_effects": effects, "failure": failure, "partial": True})
+
+
 def answer_of(step: Mapping[str, Any] | None) -> Any:
-    """What the step that finished a request answered: its result's ``answer`` when it has one (Keel's own loop and
-    the framework integrations store it there), else a handler's whole result (None: the step's result was pruned)."""
+    """What the step that finished a request answered (``models.outcome_sql`` reads it: its result's ``answer`` when it
+    has one — Keel's own loop and the framework integrations store it there — else a handler's whole result)."""
     if step is None:
         return None
-    result = step.get("result")
-    if isinstance(result, Mapping) and "answer" in result:
-        return result["answer"]
-    return result
+    return step.get("answer")
 
 
 def failure_of(last: Mapping[str, Any], step: Mapping[str, Any] | None) -> RequestFailure:

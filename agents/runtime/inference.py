@@ -314,9 +314,9 @@ STAND_IN = "[stand-in model]"
 
 @dataclass(frozen=True, slots=True)
 class StandInProvider:
-    """What ``KEEL_LLM_PROVIDER=scripted`` (the default) answers a request that carries no ``script``: one final
-    answer that says it is a stand-in and repeats the prompt, so a first request runs end to end before any model is
-    configured. Deterministic, offline and free."""
+    """What ``KEEL_LLM_PROVIDER=scripted`` (the default) answers a request that carries no ``script``, outside
+    production: one final answer that says it is a stand-in and quotes the prompt (its first 200 characters), so a
+    first request runs end to end before any model is configured. Deterministic, offline and free."""
 
     def complete(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]], *, attempt: int = 1) -> Reply:
         prompt = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")

@@ -84,6 +84,12 @@ def provider_for(request_input: Any) -> Provider:
         return _openai()
     script = request_input.get("script") if isinstance(request_input, Mapping) else None
     if script is None:
+        if _settings().environment == "production":  # a stand-in's answer must never pass for a model's there
+            raise InvalidJob(
+                "no model is configured: KEEL_LLM_PROVIDER is scripted and the request carries no script, and the"
+                " stand-in model does not answer in production: set KEEL_LLM_PROVIDER=openai, KEEL_LLM_BASE_URL and"
+                " KEEL_LLM_API_KEY"
+            )
         return StandInProvider()
     return ScriptedProvider(parse_script(script))
 

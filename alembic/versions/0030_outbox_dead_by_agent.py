@@ -1,5 +1,6 @@
-"""An agent's dead outbox messages, read by the agent's state (``AgentState.dead_messages``): ``ix_outbox_dead_agent``,
-a partial index holding only dead messages, so the read costs next to nothing however long the outbox is.
+"""Two outbox indexes for a request's outcome and an agent's dead side effects: ``ix_outbox_request`` (a request's
+messages in order: the outcome, the story) and ``ix_outbox_dead_agent`` (an agent's dead messages: a partial index
+that holds only those, so the read costs next to nothing however long the outbox is).
 
 Revision ID: 0030
 Revises: 0029
@@ -17,8 +18,10 @@ depends_on = None
 
 
 def upgrade() -> None:
+    op.execute("CREATE INDEX IF NOT EXISTS ix_outbox_request ON outbox (agent_id, request_id, seq)")
     op.execute("CREATE INDEX IF NOT EXISTS ix_outbox_dead_agent ON outbox (agent_id) WHERE status = 'dead'")
 
 
 def downgrade() -> None:
     op.execute("DROP INDEX IF EXISTS ix_outbox_dead_agent")
+    op.execute("DROP INDEX IF EXISTS ix_outbox_request")

@@ -9,10 +9,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
+from agents.client import Client, HttpClient
+from agents.core.commands import Usage
+from agents.core.phases import Event
+from agents.jobs.handlers import JobContext, JobResult, registry
 from agents.outbox.relay import Backoff, Relay
 from tests.integration.test_cli_requests import run_jobs
+from tests.support.api import Api, script
 from tests.support.cli import keel
 
 pytestmark = pytest.mark.integration
@@ -101,3 +107,78 @@ def test_a_dead_side_effect_shows_on_the_request_and_the_agent(db_url: str, db: 
     line = r"^dead side effects now +1 \(slack 1, github 0\): keel outbox list --status dead$"
     assert re.search(line, kpi, re.M), kpi
     assert json.loads(keel(db_url, "kpi", "--json").stdout)["dead_side_effects"] == {"slack": 1, "github": 0}
+
+
+def test_a_step_that_ends_after_a_cancel_leaves_the_cancel_the_outcome_and_its_spend_counted(
+    db: Any, client: Client
+) -> None:
+    """Found in review: the late step's charge (a transition too) was taken for the request's last move — the outcome
+    said `fail, fenced_off` — and the spend it charged was on no job, so the outcome said 0 tokens."""
+
+    def late(ctx: JobContext) -> JobResult:
+        Client(ctx.db).cancel(ctx.agent_id, actor="alice", reason="wrong prompt")  # while the step is at the model
+        return JobResult(output={"answer": "too late"}, usage=Usage(tokens=40), event=Event.FINISH)
+
+    registry.register("outcome_late", late)
+    agent = client.create_agent("late")
+    client.submit(agent.id, "R1", {"x": 1}, operation="outcome_late")
+    run_jobs(db)
+    outcome = client.outcome(agent.id, "R1")
+    assert outcome.failure is not None
+    assert (outcome.phase, outcome.failure.event, outcome.failure.reason) == (
+        "failed",
+        "cancel",
+        "cancelled by alice: wrong prompt",
+    )
+    assert outcome.tokens == 40 == client.get_state(agent.id).spent_tokens
+
+
+def test_a_request_whose_steps_were_pruned_says_so_and_one_whose_journal_is_gone_leaves_state_readable(
+    db_url: str, db: Any
+) -> None:
+    """Found in review: after retention the outcome said `spent 0 tokens` as a fact, and `keel state` failed once the
+    request's journal month was archived."""
+    keel(db_url, "agent", "create", "dormant")
+    keel(db_url, "run", "dormant", "hello", "--request-id", "old-1")
+    run_jobs(db)
+    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM jobs")  # as retention's prune does after KEEL_JOBS_RETENTION_DAYS
+    shown = keel(db_url, "request", "show", "dormant").stdout
+    assert "spent      not known: its steps were pruned by retention" in shown and "answer" not in shown, shown
+    assert json.loads(keel(db_url, "request", "show", "dormant", "--json").stdout)["pruned"] is True
+    with psycopg.connect(db.libpq_url, autocommit=True) as conn:
+        conn.execute("SET session_replication_role = replica")  # as an archived month's events are gone
+        conn.execute("DELETE FROM audit.journal WHERE request_id = 'old-1'")
+    state = keel(db_url, "state", "dormant", check=False)
+    assert state.returncode == 0 and "phase      done" in state.stdout and "outcome" not in state.stdout, state
+
+
+def test_a_token_that_may_not_read_the_story_gets_the_outcome_without_errors_or_links(
+    api: Api, client: Client, db: Any
+) -> None:
+    """Found in review: a producer token read a side effect's error and a failed step's error text through
+    `GET …/requests/{id}`, which its scope keeps from it on the story and the outbox."""
+    agent = client.create_agent("poster")
+    post = {"name": "slack_post", "arguments": {"channel": "C0OPS", "text": "deploy done"}}
+    client.submit(agent.id, "P1", script({"tool_calls": [post]}, {"content": "Posted."}))
+    run_jobs(db)
+    relay = Relay(db, {}, lease=timedelta(seconds=10), concurrency=2, backoff=Backoff(0.05, 0.2, 3, 10), pass_seconds=5)
+    try:
+        relay.run_pass()
+    finally:
+        relay.close()
+    with HttpClient(api.url, api.token("producer")) as producer:
+        seen = producer.outcome(agent.id, "P1")
+    [effect] = seen.side_effects
+    assert seen.partial and seen.answer == "Posted." and (effect.status, effect.last_error) == ("dead", None)
+    with HttpClient(api.url, api.token("operator")) as operator:
+        whole = operator.outcome(agent.id, "P1")
+        assert operator.dead_messages("poster") == 1 == client.dead_messages(agent.id)
+    assert not whole.partial and "slack is not configured" in (whole.side_effects[0].last_error or "")
+    with api.http(api.token("producer")) as http:
+        assert http.get("/v1/outbox", params={"agent": "poster", "status": "dead"}).status_code == 403
+    with api.http(api.token("operator")) as http:
+        other = client.create_agent("quiet")
+        listed = http.get("/v1/outbox", params={"agent": str(other.id), "status": "dead"}).json()
+        assert listed["messages"] == []
+        assert http.get("/v1/outbox", params={"agent": "nobody"}).status_code == 404

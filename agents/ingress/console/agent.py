@@ -18,6 +18,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from agents.core.errors import AgentNotFound, InvalidInput, KeelError, RequestNotFound, StaleRevision
 from agents.core.journal import journal_page
 from agents.core.journal.verdict import Verdict
+from agents.core.request_outcome import as_seen
 from agents.ingress.auth import resolve
 from agents.ingress.console import paging, sessions, views
 from agents.ingress.console.common import Held, Keel, Viewer, Who, bad_cursor, checked, link, page, read_form
@@ -71,12 +72,15 @@ def _agent_context(keel: Ingress, who: Viewer, state: AgentState, before: int | 
     outcome = None
     if request_id:
         try:
-            outcome = keel.client.outcome(state.id, request_id)
-        except RequestNotFound:  # its request was pruned with its journal's month, or never got a transition
+            outcome = as_seen(keel.client.outcome(state.id, request_id), story=who.can(Permission.READ_STORY))
+        except RequestNotFound:  # its journal's month was archived
             outcome = None
+    # The agent's side effects that never arrived, for whoever may read the outbox.
+    dead = keel.client.dead_messages(state.id) if who.can(Permission.READ_OUTBOX) else 0
     path = f"/agents/{state.id}"
     return {
         "outcome": outcome,
+        "dead_messages": dead,
         "events": list(journal.events),
         "journal": journal,
         "journal_head": journal.head_seq,

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query
 
 from agents.core.errors import InvalidInput, quoted
-from agents.ingress.auth import require, sees_agent
+from agents.ingress.auth import require, resolve, sees_agent
 from agents.ingress.bodies import JsonBodyRoute
 from agents.ingress.problems import NOT_FOUND, Problem
 from agents.ingress.runtime import Ingress, ingress
@@ -52,7 +52,12 @@ def list_outbox(
     channel: Annotated[Literal["slack", "github"] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     cursor: Annotated[str | None, Query(max_length=32, description="The `next` of the previous page")] = None,
+    agent: Annotated[
+        str | None, Query(max_length=200, description="Only this agent's messages: its id or name")
+    ] = None,
 ) -> OutboxPage:
+    """Newest first; ``status=dead&agent=NAME`` lists the side effects of an agent that never arrived."""
+    agent_id = None if agent is None else resolve(keel, token, agent, deleted_ok=True).id
     before = None
     if cursor is not None:
         # ASCII digits only: str.isdigit() also holds for '²' and '١٢', which int() refuses or reads as a number.
@@ -60,7 +65,13 @@ def list_outbox(
             raise InvalidInput(f"cursor {quoted(cursor)} is not a `next` value this API returned")
         before = int(cursor)
     rows = page_messages(
-        keel.db, status=status, channel=channel, before_seq=before, limit=limit + 1, name_prefix=token.agent_prefix
+        keel.db,
+        status=status,
+        channel=channel,
+        before_seq=before,
+        limit=limit + 1,
+        name_prefix=token.agent_prefix,
+        agent_id=agent_id,
     )
     more = len(rows) > limit
     rows = rows[:limit]

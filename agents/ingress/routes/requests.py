@@ -12,6 +12,7 @@ from agents.core.errors import RequestConflict, RequestNotFound, StaleRevision
 from agents.core.journal import events as journal_events
 from agents.core.keys import check_request_id
 from agents.core.observe import annotate
+from agents.core.request_outcome import as_seen
 from agents.ingress.auth import require as require_permission
 from agents.ingress.auth import resolve, seen_agents, stale
 from agents.ingress.bodies import JsonBodyRoute
@@ -124,8 +125,8 @@ def _record(keel: Keel, token: ApiToken, agent: str, request_id: str) -> Request
     return keel.client.get_request(found.id, request_id)
 
 
-def _view(keel: Keel, record: RequestRecord) -> RequestView:
-    outcome = keel.client.outcome(record.agent_id, record.request_id)
+def _view(keel: Keel, token: ApiToken, record: RequestRecord) -> RequestView:
+    outcome = as_seen(keel.client.outcome(record.agent_id, record.request_id), story=token.can(Permission.READ_STORY))
     return RequestView(**_out(record).model_dump(), outcome=outcome)
 
 
@@ -137,8 +138,10 @@ def get_request(
     token: Annotated[ApiToken, Depends(require_permission(Permission.READ_STATE))],
 ) -> RequestView:
     """The request as it was submitted, and ``outcome``: its phase, the answer when done, why it failed when failed,
-    what its steps spent, and its Slack/GitHub side effects with their delivery (dead ones included)."""
-    return _view(keel, _record(keel, token, agent, request_id))
+    what its steps spent, and its Slack/GitHub side effects with their delivery (dead ones included). A token that may
+    not read the request's story gets it ``partial``: no side effect's error or receiver link, no failed step's
+    error text."""
+    return _view(keel, token, _record(keel, token, agent, request_id))
 
 
 @router.get("/{request_id}/story", response_model=RequestStory, summary="Everything that happened for a request")
@@ -183,4 +186,4 @@ def find_request(
             f" /v1/agents/{{agent}}/requests/{request_id}",
             extra={"request_id": request_id, "agents": [str(a) for a in mine]},
         )
-    return _view(keel, keel.client.get_request(mine[0], request_id))
+    return _view(keel, token, keel.client.get_request(mine[0], request_id))
