@@ -114,6 +114,7 @@ def test_a_graph_runs_one_super_step_per_step_and_charges_each_model_call_once(c
     assert CALLS == {"model": 2, "lookup": 1}
     final = job_row(db, ran[-1])
     assert final is not None and final["result"]["answer"] == "All handled."
+    assert (client.outcome(agent.id, "req-1").answer, client.outcome(agent.id, "req-1").tokens) == ("All handled.", 50)
     said = [m["data"]["content"] for m in final["result"]["messages"]]
     assert said[0] == "where is A-1?" and "A-1 arrived broken" in said
     with db.connection() as conn:

@@ -117,6 +117,8 @@ def test_a_run_is_one_step_per_model_request_and_tool_call_with_its_structured_a
     final = job_row(db, ran[-1])
     assert final is not None
     assert final["result"]["answer"] == {"order": "A-1", "status": "A-1 shipped to ada", "note": "noted: checked"}
+    outcome = client.outcome(agent.id, "req-1")  # what every door shows as the request's answer and spend
+    assert (outcome.answer, outcome.tokens) == (final["result"]["answer"], state.spent_tokens)
     units = [u for row in _steps(db, agent.id, "req-1") for u in row["result"]["record"]["units"]]
     kinds = [u.get("kind") for u in units if u.get("kind")]
     assert kinds == ["model", "tool", "model", "tool", "model"]
