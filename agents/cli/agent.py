@@ -28,7 +28,7 @@ from agents.cli.common import (
 from agents.cli.request import outcome_lines
 from agents.cli.watch import EXIT_TIMEOUT, outcome_json, outcome_text, wait_for_rest
 from agents.core.commands import MAX_BIGINT
-from agents.core.errors import BadCursor, RequestNotFound, quoted
+from agents.core.errors import BadCursor, RequestNotFound, StaleRevision, quoted
 from agents.core.phases import RESTING, Phase
 
 #: The most agents one page of ``keel agent list`` shows (``--after`` pages on).
@@ -419,7 +419,12 @@ def _edited_arguments(text: str | None) -> dict[str, Any] | None:
 def _decision_command(name: str, help_text: str) -> click.Command:
     @click.command(name, help=help_text)
     @click.argument("agent_ref", metavar="AGENT")
-    @click.option("--revision", type=REVISION, required=name != "cancel", help="Expected revision.")
+    @click.option(
+        "--revision",
+        type=REVISION,
+        required=name != "cancel",
+        help="The revision you decided on: `keel state AGENT` and `keel approvals` show it (refused if stale).",
+    )
     @click.option("--reason", help="Why (journaled).", hidden=name == "approve")
     @click.option(
         "--arguments",
@@ -438,14 +443,19 @@ def _decision_command(name: str, help_text: str) -> click.Command:
             raise click.UsageError("--arguments is for approve only")
         arguments = _edited_arguments(arguments_json)
         with open_client() as client:
-            if name == "approve":
-                assert revision is not None
-                state = client.approve(agent_ref, expected_revision=revision, actor=actor, arguments=arguments)
-            elif name == "reject":
-                assert revision is not None
-                state = client.reject(agent_ref, expected_revision=revision, actor=actor, reason=reason)
-            else:
-                state = client.cancel(agent_ref, expected_revision=revision, actor=actor, reason=reason)
+            try:
+                if name == "approve":
+                    assert revision is not None
+                    state = client.approve(agent_ref, expected_revision=revision, actor=actor, arguments=arguments)
+                elif name == "reject":
+                    assert revision is not None
+                    state = client.reject(agent_ref, expected_revision=revision, actor=actor, reason=reason)
+                else:
+                    state = client.cancel(agent_ref, expected_revision=revision, actor=actor, reason=reason)
+            except StaleRevision as exc:
+                # Not a number to retry with blindly: what waits at the new revision may be another call.
+                look = command_line("keel", "state", agent_ref)
+                raise click.ClickException(f"{exc}: nothing was done; see what it is at now (`{look}`) first") from None
         emit(state, as_json, state_text(state))
 
     return command

@@ -49,7 +49,7 @@ def open_client(*, writes: bool = True) -> Any:
     (models/roles.py); a read may run as any role."""
     from agents.client import Client, submit_publisher
     from models.db import Database
-    from models.migrations import check_schema
+    from models.migrations import SchemaMismatch, check_schema
     from models.roles import refuse_privileged
 
     settings = settings_or_exit()
@@ -57,7 +57,17 @@ def open_client(*, writes: bool = True) -> Any:
     database = Database.from_settings(settings, pool_size=settings.db_pool_size_cli)
     client = Client(database, settings, publisher=submit_publisher(settings) if writes else None)
     try:
-        check_schema(client.db.engine)
+        try:
+            check_schema(client.db.engine)
+        except SchemaMismatch as exc:
+            if settings.database_url is None and "has no Keel schema" in str(exc):
+                # Most often a command run outside the directory where `keel up` runs: another ./.keel/, empty.
+                raise SchemaMismatch(
+                    f"the embedded database under {settings.home} has no Keel schema: run keel in the directory"
+                    " where your stack runs (`keel up`, `keel dev start`: its .keel/), set KEEL_HOME to that"
+                    " directory's .keel, or run 'keel db upgrade' to start a new, empty one here"
+                ) from None
+            raise
         if writes:
             refuse_privileged(client.db.engine, settings)
     except BaseException:

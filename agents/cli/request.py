@@ -45,6 +45,9 @@ def outcome_lines(outcome: RequestOutcome) -> list[str]:
         if effect.status == "dead":
             why = shown(effect.last_error or "no error recorded")
             lines.append(f"effect     {effect.channel} {where}: DEAD ({why})")
+        elif effect.last_error and effect.status != "sent":  # not through yet: what the last attempt met
+            why = shown(effect.last_error)
+            lines.append(f"effect     {effect.channel} {where}: {effect.status} (attempt {effect.attempts}: {why})")
         else:
             lines.append(f"effect     {effect.channel} {where}: {effect.status}")
     if outcome.dead:

@@ -336,7 +336,10 @@ class Runner:
         handler = self.registry.get(job.operation)
         if handler is None:
             known = ", ".join(self.registry.operations()) or "none"
-            error = InvalidJob(f"no handler is registered for operation {job.operation!r} (registered: {known})")
+            error = InvalidJob(
+                f"no handler is registered for operation {job.operation!r} in this worker (registered: {known}): a"
+                " worker imports KEEL_IMPORTS when it starts, so restart it (keel up) after adding a handler"
+            )
             return self._classify(error), None
         context = JobContext(
             key=job.key,
@@ -360,7 +363,8 @@ class Runner:
             try:
                 result = handler(context)
             except Exception as exc:  # every failure is classified, none crashes the worker
-                log.info("job %s failed: %r", job.key, exc)
+                # A JobError is the handler saying how it failed; anything else is a bug whose traceback is wanted.
+                log.info("job %s failed: %r", job.key, exc, exc_info=not isinstance(exc, JobError))
                 box.append((self._classify(exc), None))
                 return
             if not isinstance(result, JobResult):

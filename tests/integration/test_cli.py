@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,6 +40,7 @@ pytestmark = pytest.mark.integration
         (("submit", "ops", "r1", "--input", "{oops"), "not valid JSON"),
         (("approve", "ops", "--revision", "0"), "agent 'ops' is idle: 'approve' is not allowed (allowed: submit)"),
         (("cancel", "ops", "--revision", "5"), "stale revision for agent 'ops': the command expected revision 5,"),
+        (("cancel", "ops", "--revision", "5"), "nothing was done; see what it is at now (`keel state ops`) first"),
         (("submit", "ops", "r1"), "--input is required: the request's input as JSON"),
         (
             ("submit", "ops", "r1", "--input", "null"),
@@ -381,3 +384,20 @@ def test_outbox_list_has_a_header_row_over_its_columns(db_url: str, client: Clie
     assert header.split() == ["key", "channel", "destination", "status", "attempts", "last", "error"]
     assert row.split()[1:5] == ["slack", "C0PS", "pending", "0"]
     assert header.index("channel") == row.index(" slack ") + 1 and header.index("status") == row.index(" pending ") + 1
+
+
+def test_a_command_run_outside_the_stacks_directory_says_so(tmp_path: Path) -> None:
+    """Found by a newcomer's walkthrough: `keel state oncall` one directory off started an empty embedded database
+    there and said only `run 'keel db upgrade'`, which led on to `no agent has the id or name 'oncall'`."""
+    home = tmp_path / ".keel"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")} | {"KEEL_HOME": str(home)}
+    keel_bin = str(Path(sys.executable).parent / "keel")
+    try:
+        result = subprocess.run(
+            [keel_bin, "state", "oncall"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 1
+        assert result.stderr.startswith(f"keel: error: the embedded database under {home} has no Keel schema: run")
+        assert "in the directory where your stack runs" in result.stderr, result.stderr
+    finally:
+        subprocess.run([keel_bin, "dev", "stop"], env=env, cwd=tmp_path, capture_output=True, timeout=120)

@@ -157,7 +157,10 @@ def test_unknown_operation_fails_the_job_with_a_clear_error(client: Client, db: 
     assert outcome.status == "failed"
     row = job_row(db, scoped(agent.id, "req-1:nope:1"))
     assert row is not None and row["error_class"] == "invalid"
-    assert row["last_error"] == "no handler is registered for operation 'nope' (registered: answer)"
+    assert row["last_error"] == (
+        "no handler is registered for operation 'nope' in this worker (registered: answer): a worker imports"
+        " KEEL_IMPORTS when it starts, so restart it (keel up) after adding a handler"
+    )
     assert (client.get_state(agent.id).phase, client.journal(agent_id=agent.id)[-1].decision) == (
         "failed",
         "invalid_not_retried",

@@ -182,3 +182,31 @@ def test_a_token_that_may_not_read_the_story_gets_the_outcome_without_errors_or_
         listed = http.get("/v1/outbox", params={"agent": str(other.id), "status": "dead"}).json()
         assert listed["messages"] == []
         assert http.get("/v1/outbox", params={"agent": "nobody"}).status_code == 404
+
+
+def test_a_side_effect_not_through_yet_says_what_its_last_attempt_met(db_url: str, db: Any, tmp_path: Path) -> None:
+    """Found by a newcomer's walkthrough: with Slack unreachable the outcome said `pending` and nothing else, so the
+    tutorial's "ask again" went on for ever; the reason was only in `keel outbox list`."""
+    from agents.outbox.senders import SlackSender
+
+    script = tmp_path / "post.json"
+    post = {"name": "slack_post", "arguments": {"channel": "C0OPS", "text": "deploy done"}}
+    script.write_text(json.dumps([{"tool_calls": [post]}, {"content": "Posted."}]))
+    keel(db_url, "agent", "create", "poster")
+    keel(db_url, "run", "poster", "post it", "--script", str(script), "--request-id", "P1")
+    run_jobs(db)
+    unreachable = SlackSender("xoxb-test", "http://127.0.0.1:1/api/", timeout=1.0)
+    relay = Relay(
+        db,
+        {"slack": unreachable},
+        lease=timedelta(seconds=10),
+        concurrency=2,
+        backoff=Backoff(5, 10, 5, 10),
+        pass_seconds=5,
+    )
+    try:
+        relay.run_pass()
+    finally:
+        relay.close()
+    shown = keel(db_url, "request", "show", "poster", "P1").stdout
+    assert re.search(r"^effect     slack C0OPS: pending \(attempt 1: .*connect", shown, re.M | re.I), shown
