@@ -363,8 +363,10 @@ class Runner:
             try:
                 result = handler(context)
             except Exception as exc:  # every failure is classified, none crashes the worker
-                # A JobError is the handler saying how it failed; anything else is a bug whose traceback is wanted.
-                log.info("job %s failed: %r", job.key, exc, exc_info=not isinstance(exc, JobError))
+                # A JobError is the handler saying how it failed, and an outage is said once elsewhere; anything
+                # else is most likely a bug in the handler, whose traceback its author needs.
+                bug = not isinstance(exc, JobError) and not is_outage(exc)
+                log.info("job %s failed: %r", job.key, exc, exc_info=bug)
                 box.append((self._classify(exc), None))
                 return
             if not isinstance(result, JobResult):
