@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -14,7 +16,7 @@ import pytest
 
 from agents.client import Client
 from agents.core.commands import Command, JobSpec, Usage
-from agents.core.errors import InvalidInput
+from agents.core.errors import InvalidInput, InvalidJob
 from agents.core.phases import Event
 from agents.core.policies import DEFAULT_RULES, ErrorClass
 from agents.core.queues import LOW_QUEUE
@@ -165,6 +167,32 @@ def test_unknown_operation_fails_the_job_with_a_clear_error(client: Client, db: 
         "failed",
         "invalid_not_retried",
     )
+
+
+def test_a_handlers_bug_is_logged_with_its_traceback_and_a_job_error_without(
+    client: Client, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a newcomer's walkthrough: `{}["missing"]` in a handler was one line, `KeyError('missing')`, nowhere a
+    file or a line number."""
+
+    def buggy(ctx: JobContext) -> JobResult:
+        return {}["missing"]  # type: ignore[no-any-return]
+
+    def refusing(ctx: JobContext) -> JobResult:
+        raise InvalidJob("the input names no order")
+
+    agent = client.create_agent("a")
+    client.submit(agent.id, "req-1", None, operation="crash")
+    client.submit(client.create_agent("b").id, "req-2", None, operation="bad")
+    caplog.set_level(logging.INFO, logger="keel.runner")
+    runner(db, {"crash": buggy}).run(scoped(agent.id, "req-1:crash:1"))
+    b = client.get_state("b").id
+    runner(db, {"bad": refusing}).run(scoped(b, "req-2:bad:1"))
+    failed = [r for r in caplog.records if " failed: " in r.getMessage()]
+    [bug] = [r for r in failed if scoped(agent.id, "req-1:crash:1") in r.getMessage()]
+    [said] = [r for r in failed if scoped(b, "req-2:bad:1") in r.getMessage()]
+    assert bug.exc_info is not None and "buggy" in "".join(traceback.format_tb(bug.exc_info[2]))
+    assert not said.exc_info
 
 
 def test_over_budget_job_is_not_started(client: Client, db: Database) -> None:
