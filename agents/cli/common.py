@@ -98,7 +98,12 @@ def friendly(fn: Callable[P, R]) -> Callable[P, R]:
             with store_errors():
                 return fn(*args, **kwargs)
         except KeelError as exc:
-            raise click.ClickException(str(exc)) from None
+            said = str(exc)
+            more = exc.errors[1:] if isinstance(exc, InvalidInput) else []
+            suffix = f" (and {len(more)} more)"
+            if more and said.endswith(suffix):  # every problem, not a count: the telling one may be among them
+                said = said.removesuffix(suffix) + "".join(f"; {p['path']}: {p['message']}" for p in more)
+            raise click.ClickException(said) from None
         except (FileNotFoundError, RuntimeError) as exc:  # alembic's CommandError, embedded server failures
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 

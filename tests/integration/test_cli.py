@@ -47,6 +47,11 @@ pytestmark = pytest.mark.integration
             "input of operation 'plan': input: must be a JSON object, got null",
         ),
         (("submit", "ops", "r1", "--input", '"hello"'), "input: must be a JSON object, got a string"),
+        # Every problem, each on its line: the second is the one that says what went wrong (a newcomer's find).
+        (
+            ("submit", "ops", "r1", "--input", '{"title": "x"}'),
+            "input.prompt: is required; input.title: is not a field",
+        ),
         (("submit", "ops", "r1", "--input", "[1, 2]"), "input: must be a JSON object, got an array"),
         (("submit", "ops", "r1", "--input", '{"prompt": "hi", "script": [1, 2]}'), "input.script[0]: must be a JSON"),
         (("agent", "create", "x", "--budget-tokens", str(2**63)), "'--budget-tokens': 9223372036854775808 is not in"),

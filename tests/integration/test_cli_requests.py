@@ -63,7 +63,10 @@ def test_wait_times_out_with_its_own_status_and_the_request_goes_on(db_url: str)
 def test_a_run_script_that_does_not_fit_is_refused_in_one_line(db_url: str, tmp_path: Path) -> None:
     keel(db_url, "agent", "create", "helper")
     for script, message in [
-        ([1, 2], "input of operation 'plan': input.script[0]: must be a JSON object, got a number (and 1 more)"),
+        (
+            [1, 2],
+            "input of operation 'plan': input.script[0]: must be a JSON object, got a number; input.script[1]: must",
+        ),
         (
             [{"tool_calls": [{"name": "slack.post", "arguments": {"channel": "C1", "text": "hi"}}]}],
             "input.script[0].tool_calls[0].name: there is no tool named 'slack.post'"
@@ -78,7 +81,7 @@ def test_a_run_script_that_does_not_fit_is_refused_in_one_line(db_url: str, tmp_
         ),
         (
             [{"tool_calls": [{"name": "slack_post", "arguments": {"chan": 1}}]}, {"content": "ok"}],
-            "input.script[0].tool_calls[0].arguments.channel: is required (and 1 more)",
+            "input.script[0].tool_calls[0].arguments.channel: is required; input.script[0].tool_calls[0].arguments",
         ),
     ]:
         path = tmp_path / "replies.json"
