@@ -436,12 +436,12 @@ def test_the_docs_http_client_example_runs_as_written(
     exec(compile(block, "docs/how-to/python-client.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed == [
-        "req-42 True",
+        "req-7 True",
         "1 created create ingest",
         "2 transition submit ingest",
     ]
-    state = client.get_state("ops-bot")
-    assert (state.phase, state.revision, state.request_id) == ("planning", 1, "req-42")
+    state = client.get_state("triage-bot")  # its own agent: the Client example's ops-bot and req-42 do not collide
+    assert (state.phase, state.revision, state.request_id) == ("planning", 1, "req-7")
     assert [(e.event, e.actor) for e in client.journal(agent_id=state.id) if e.kind == "transition"] == [
         ("submit", "ingest")
     ]
