@@ -314,7 +314,10 @@ def submit(
     and with --wait waits for that request)."""
     _check_wait(wait, follow, timeout)
     if input_text is None:  # no default: a forgotten --input is not the same as an input of null
-        raise click.UsageError('--input is required: the request\'s input as JSON, e.g. --input \'{"prompt": "hi"}\'')
+        example = (
+            """'{"prompt": "hi"}'""" if operation == "plan" else "'{...}' (what the operation takes; '{}' for none)"
+        )
+        raise click.UsageError(f"--input is required: the request's input as JSON, e.g. --input {example}")
     value = json_value("--input", input_text)
     with open_client() as client:
         state = client.submit(

@@ -31,10 +31,16 @@ def approvals(
             limit=limit,
             after=cursor,
         )
-    lines = [
-        f"{a.agent:<24} r{a.revision:<5} {a.tool:<20} waiting {waited_text(a.waited_seconds):>10} since"
-        f" {timestamp(a.since)}  {text_value(a.arguments)[:80]}"
+    rows = [
+        (a.agent, f"r{a.revision}", a.tool, waited_text(a.waited_seconds), timestamp(a.since), text_value(a.arguments))
         for a in page.approvals
+    ]
+    header = ("agent", "revision", "tool", "waiting", "since", "arguments")
+    # Each column as wide as its widest cell, under its header; the arguments last, cut at 80 characters.
+    width = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(5)] if rows else []
+    lines = [
+        " ".join(f"{cell:<{width[i]}}" for i, cell in enumerate(row[:5])) + f"  {row[5][:80]}"
+        for row in ([header, *rows] if rows else [])
     ] or ["no calls are waiting for approval"]
     if page.next:
         lines.append(f"more: keel approvals --cursor {page.next}")

@@ -266,6 +266,8 @@ def test_the_command_line_lists_and_edits(db_url: str, client: Client, db: Datab
     assert (
         "cli-editor" in listed.stdout and f"r{waiting.revision}" in listed.stdout and "github_comment" in listed.stdout
     )
+    header = listed.stdout.splitlines()[0].split()
+    assert header == ["agent", "revision", "tool", "waiting", "since", "arguments"], listed.stdout  # a header row
     as_json = json.loads(run("approvals", "--json").stdout)
     assert as_json["approvals"][0]["agent"] == "cli-editor"
     revision = str(waiting.revision)

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.integration
         (("approve", "ops", "--revision", "0"), "agent 'ops' is idle: 'approve' is not allowed (allowed: submit)"),
         (("cancel", "ops", "--revision", "5"), "stale revision for agent 'ops': the command expected revision 5,"),
         (("cancel", "ops", "--revision", "5"), "nothing was done; see what it is at now (`keel state ops`) first"),
-        (("submit", "ops", "r1"), "--input is required: the request's input as JSON"),
+        (("submit", "ops", "r1"), """--input is required: the request's input as JSON, e.g. --input '{"prompt": """),
+        (("submit", "ops", "r1", "--operation", "summarise"), "e.g. --input '{...}' (what the operation takes; '{}'"),
         (
             ("submit", "ops", "r1", "--input", "null"),
             "input of operation 'plan': input: must be a JSON object, got null",
