@@ -245,4 +245,5 @@ def test_the_agent_page_shows_the_requests_outcome_and_its_dead_side_effects(
     effects = re.search(r'<dd id="outcome-effects">(.*?)</dd>', page, re.S)
     assert effects is not None and "slack C0OPS: dead (slack is not configured" in unescape(effects.group(1))
     assert 'id="outcome-dead"' in page and "never arrived, though the request is done" in page
+    assert "<dt>Spent</dt><dd>200 tokens, $0.0020</dd>" in page  # as the state's spend says it
     assert re.search(r'id="agent-dead">1 of this agent\'s Slack/GitHub messages is dead', page), page
