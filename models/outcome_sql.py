@@ -40,6 +40,11 @@ _FAILED = (
     f"SELECT key, error_class, last_error FROM jobs WHERE {_WHERE} AND status IN ('failed', 'dead')"
     " ORDER BY (key = %(job)s) DESC, finished_at DESC NULLS LAST, key DESC LIMIT 1"
 )
+# The attempts of its steps that failed, by error class (the retries that got it here, and the last failure).
+_FAILED_ATTEMPTS = (
+    "SELECT e.key AS error_class, sum(e.value::bigint) AS n FROM jobs, jsonb_each_text(jobs.error_attempts) AS e"
+    f" WHERE {_WHERE} GROUP BY e.key ORDER BY e.key"
+)
 _MESSAGES = (
     "SELECT key, channel, destination, status, attempts, last_error, external_url, sent_at FROM outbox"
     f" WHERE {_WHERE} ORDER BY seq"
@@ -71,6 +76,8 @@ def request_outcome_parts(db: Database, agent_id: UUID, request_id: str) -> dict
         elif last["to_phase"] == "failed":
             cur.execute(_FAILED, {**params, "job": (last["details"] or {}).get("job")})
             failed = cur.fetchone()
+        cur.execute(_FAILED_ATTEMPTS, params)
+        spend["failed_attempts"] = {row["error_class"]: int(row["n"]) for row in cur.fetchall()}
         cur.execute(_MESSAGES, params)
         messages = cur.fetchall()
         end_read(conn)

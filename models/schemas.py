@@ -269,6 +269,8 @@ class RequestOutcome(BaseModel):
     failure: RequestFailure | None = None
     tokens: int = 0
     cost: Decimal = Decimal(0)
+    #: The attempts of its steps that failed, by error class (``{"transient": 2}``): what retries it took.
+    failed_attempts: dict[str, int] = Field(default_factory=dict)
     side_effects: tuple[SideEffect, ...] = ()
     #: Its steps were pruned by retention (``KEEL_JOBS_RETENTION_DAYS``): the answer and the spend are no longer known.
     pruned: bool = False

@@ -40,6 +40,9 @@ def outcome_lines(outcome: RequestOutcome) -> list[str]:
         lines.append("spent      not known: its steps were pruned by retention (KEEL_JOBS_RETENTION_DAYS)")
     else:
         lines.append(f"spent      {outcome.tokens} tokens, cost {decimal_text(outcome.cost)}")
+    if outcome.failed_attempts:
+        said = ", ".join(f"{kind} {n}" for kind, n in outcome.failed_attempts.items())
+        lines.append(f"failed     {said} (attempts that failed, by error class: `keel job KEY` for each step)")
     for effect in outcome.side_effects:
         where = effect.external_url or effect.destination
         if effect.status == "dead":

@@ -143,6 +143,8 @@ def test_the_docs_scripted_replies_run_as_written(db_url: str, db: Any, tmp_path
     answer = json.loads(keel(db_url, "job", scoped(agent, "r-readme:plan:2"), "--json").stdout)
     assert answer["result"]["answer"] == "Two incidents are open; both are about the database."
     assert "transient" in answer["error_attempts"]
+    outcome = json.loads(keel(db_url, "request", "show", "ops-bot", "r-readme", "--json").stdout)
+    assert outcome["failed_attempts"] == {"transient": 1}  # the outage the script plays, retried and not hidden
 
 
 def test_waiting_on_an_older_request_reports_that_requests_own_outcome(db_url: str, db: Any, tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ def test_a_failed_request_says_why_and_which_step(db_url: str, db: Any, tmp_path
     assert "failure    invalid_not_retried" in waited.stdout, waited.stdout
     assert ":plan:1 (invalid): scripted 400" in waited.stdout
     assert "spent      7 tokens" in waited.stdout  # the failed attempt's spend is the request's
+    assert "failed     invalid 1 (attempts that failed, by error class" in waited.stdout
     keel(db_url, "run", "ops-bot", "again", "--script", str(failing), "--request-id", "C1")
     keel(db_url, "cancel", "ops-bot", "--reason", "wrong prompt", "--actor", "alice")
     cancelled = json.loads(keel(db_url, "request", "show", "ops-bot", "C1", "--json").stdout)
