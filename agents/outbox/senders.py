@@ -140,12 +140,13 @@ def _unknown_identity(failure: SendFailed) -> SendFailed:
     return SendFailed(kind, f"who Keel posts as is unknown: {failure.error}", failure.retry_after)
 
 
-def _network_failure(exc: BaseException) -> SendFailed:
-    """Before the request was written (refused, DNS) nothing happened; after, the receiver may have it."""
+def _network_failure(exc: BaseException, where: str) -> SendFailed:
+    """Before the request was written (refused, DNS) nothing happened; after, the receiver may have it. ``where``:
+    the receiver's address as configured, so that the error says which setting to look at."""
     reason = getattr(exc, "reason", exc)
     if isinstance(reason, ConnectionRefusedError | socket.gaierror) or isinstance(exc, httpx.ConnectError):
-        return SendFailed("transient", f"connection failed: {type(reason).__name__}")
-    return SendFailed("ambiguous", f"no response: {type(reason).__name__}: {reason}")
+        return SendFailed("transient", f"connection to {where} failed: {type(reason).__name__}")
+    return SendFailed("ambiguous", f"no response from {where}: {type(reason).__name__}: {reason}")
 
 
 # --- Slack ------------------------------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ class SlackSender:
         except SlackApiError as exc:
             return self._api_failure(exc, sent=True)
         except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
-            return self._scrub(_network_failure(exc))
+            return self._scrub(_network_failure(exc, f"Slack at {self.client.base_url} (KEEL_SLACK_API_URL)"))
         return Delivered(str(response["ts"]), None)
 
     def find(self, key: str, destination: str, since: datetime, limit: ScanLimit) -> Lookup:
@@ -332,7 +333,7 @@ class GitHubSender:
         try:
             response = self.client.post(self._path(destination), json={"body": body})
         except httpx.TransportError as exc:
-            return self._scrub(_network_failure(exc))
+            return self._scrub(_network_failure(exc, f"GitHub at {self.client.base_url} (KEEL_GITHUB_API_URL)"))
         if response.status_code == 201:
             data = response.json()
             return Delivered(str(data["id"]), data.get("html_url"))

@@ -211,3 +211,4 @@ def test_a_side_effect_not_through_yet_says_what_its_last_attempt_met(db_url: st
         relay.close()
     shown = keel(db_url, "request", "show", "poster", "P1").stdout
     assert re.search(r"^effect     slack C0OPS: pending \(attempt 1: .*connect", shown, re.M | re.I), shown
+    assert "connection to Slack at http://127.0.0.1:1/api/ (KEEL_SLACK_API_URL) failed" in shown, shown
