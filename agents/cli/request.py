@@ -60,12 +60,14 @@ def outcome_lines(outcome: RequestOutcome) -> list[str]:
 
 
 def _request_of(client: Any, agent_ref: str, request_id: str | None) -> tuple[Any, str]:
+    """The agent to read for (a deleted one too, given a request id: its journal and requests stay) and the request:
+    the one given, or the agent's current or last one."""
+    if request_id is not None:
+        return agent_ref, request_id
     state = client.get_state(agent_ref)
-    if request_id is None:
-        if state.request_id is None:
-            raise click.ClickException(f"agent {quoted(state.name)} has had no request yet")
-        request_id = state.request_id
-    return state, request_id
+    if state.request_id is None:
+        raise click.ClickException(f"agent {quoted(state.name)} has had no request yet")
+    return state.id, state.request_id
 
 
 @click.group("request")
@@ -82,8 +84,8 @@ def request_show(agent_ref: str, request_id: str | None, as_json: bool) -> None:
     """AGENT's request REQUEST_ID (default: its current or last one): phase, the answer when done, why it failed
     when failed, what its steps spent, and its Slack/GitHub side effects with their delivery (dead ones flagged)."""
     with open_client(writes=False) as client:
-        state, request_id = _request_of(client, agent_ref, request_id)
-        outcome = client.outcome(state.id, request_id)
+        agent, request_id = _request_of(client, agent_ref, request_id)
+        outcome = client.outcome(agent, request_id)
     emit(outcome, as_json, "\n".join(outcome_lines(outcome)))
 
 
@@ -96,8 +98,8 @@ def request_conversation(agent_ref: str, request_id: str | None, as_json: bool) 
     """The conversation of AGENT's request REQUEST_ID (default: its current or last one) as a person reads it: the
     prompt, the model's replies (and reasoning) with the tools they called, and the tools' results."""
     with open_client(writes=False) as client:
-        state, request_id = _request_of(client, agent_ref, request_id)
-        said = client.conversation(state.id, request_id)
+        agent, request_id = _request_of(client, agent_ref, request_id)
+        said = client.conversation(agent, request_id)
     lines: list[str] = []
     for message in said:
         if message.get("reasoning"):

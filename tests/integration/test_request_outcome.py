@@ -212,3 +212,17 @@ def test_a_side_effect_not_through_yet_says_what_its_last_attempt_met(db_url: st
     shown = keel(db_url, "request", "show", "poster", "P1").stdout
     assert re.search(r"^effect     slack C0OPS: pending \(attempt 1: .*connect", shown, re.M | re.I), shown
     assert "connection to Slack at http://127.0.0.1:1/api/ (KEEL_SLACK_API_URL) failed" in shown, shown
+
+
+def test_a_deleted_agents_request_is_still_shown(db_url: str, db: Any) -> None:
+    """Found in review: `keel request show` read the agent's state first, so a deleted agent's request (its journal
+    and requests are kept) could be read by the Client and HTTP but not the CLI."""
+    keel(db_url, "agent", "create", "gone")
+    keel(db_url, "run", "gone", "What is open today?", "--request-id", "r-1")
+    run_jobs(db)
+    keel(db_url, "agent", "archive", "gone")
+    keel(db_url, "agent", "delete", "gone", "--yes")
+    shown = keel(db_url, "request", "show", "gone", "r-1").stdout
+    assert f"answer     {STAND_IN}" in shown, shown
+    said = keel(db_url, "request", "conversation", "gone", "r-1").stdout
+    assert said.splitlines()[0] == "user       What is open today?"
