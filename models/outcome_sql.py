@@ -54,8 +54,8 @@ _DEAD = "SELECT count(*) AS n FROM outbox WHERE agent_id = %s AND status = 'dead
 
 def request_outcome_parts(db: Database, agent_id: UUID, request_id: str) -> dict[str, Any] | None:
     """The parts of agent ``agent_id``'s request's outcome (None: the agent has no such request): ``last`` (its latest
-    transition), ``spend``, ``answered`` (the latest step to succeed, when done), ``failed`` (the failed step, when
-    failed) and ``messages``."""
+    transition), ``spend`` (tokens, cost, and how many steps are left), ``failed_attempts`` (by error class),
+    ``answered`` (the latest step to succeed, when done), ``failed`` (the failed step, when failed) and ``messages``."""
     params: dict[str, Any] = {"agent_id": agent_id, "request_id": request_id, "job": None}
     with db.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
         cur.execute(_LAST, params)
@@ -77,11 +77,18 @@ def request_outcome_parts(db: Database, agent_id: UUID, request_id: str) -> dict
             cur.execute(_FAILED, {**params, "job": (last["details"] or {}).get("job")})
             failed = cur.fetchone()
         cur.execute(_FAILED_ATTEMPTS, params)
-        spend["failed_attempts"] = {row["error_class"]: int(row["n"]) for row in cur.fetchall()}
+        failed_attempts = {row["error_class"]: int(row["n"]) for row in cur.fetchall()}
         cur.execute(_MESSAGES, params)
         messages = cur.fetchall()
         end_read(conn)
-    return {"last": last, "spend": spend, "answered": answered, "failed": failed, "messages": messages}
+    return {
+        "last": last,
+        "spend": spend,
+        "failed_attempts": failed_attempts,
+        "answered": answered,
+        "failed": failed,
+        "messages": messages,
+    }
 
 
 def dead_messages(db: Database, agent_id: UUID) -> int:

@@ -26,7 +26,7 @@ def outcome_of(agent_id: UUID, request_id: str, parts: Mapping[str, Any]) -> Req
         failure=failure_of(last, parts.get("failed")) if last["to_phase"] == "failed" else None,
         tokens=int(spend.get("tokens") or 0),
         cost=Decimal(str(spend.get("cost") or 0)),
-        failed_attempts=dict(spend.get("failed_attempts") or {}),
+        failed_attempts=dict(parts.get("failed_attempts") or {}),
         side_effects=tuple(SideEffect(**m) for m in parts.get("messages") or ()),
         pruned=not spend.get("steps"),  # every request has a first step: none left means retention took them
     )

@@ -225,8 +225,8 @@ def test_the_agent_page_shows_the_requests_outcome_and_its_dead_side_effects(
 ) -> None:
     """Before: the page said `done` while the request's Slack message was dead (`slack is not configured`), and the
     answer sat in a job nobody opened."""
-    from agents.outbox.relay import Backoff, Relay
     from tests.support.api import script
+    from tests.support.outbox import one_pass
     from tests.support.runs import run_all
 
     poster = client.create_agent("poster")
@@ -234,11 +234,7 @@ def test_the_agent_page_shows_the_requests_outcome_and_its_dead_side_effects(
     client.submit(poster.id, "P1", script({"tool_calls": [post]}, {"content": "Posted <the> note."}))
     for _ in range(4):
         run_all(db)
-    relay = Relay(db, {}, lease=timedelta(seconds=10), concurrency=2, backoff=Backoff(0.05, 0.2, 3, 10), pass_seconds=5)
-    try:
-        relay.run_pass()
-    finally:
-        relay.close()
+    one_pass(db)  # no senders: the Slack message goes dead
     page = browsers.signed_in(api.token("operator")).get(f"/agents/{poster.id}").text
     answer = re.search(r'<dd id="outcome-answer">(.*?)</dd>', page)
     assert answer is not None and answer.group(1) == "Posted &lt;the&gt; note.", page  # escaped, as every value

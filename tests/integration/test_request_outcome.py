@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,11 @@ from agents.client import Client, HttpClient
 from agents.core.commands import Usage
 from agents.core.phases import Event
 from agents.jobs.handlers import JobContext, JobResult, registry
-from agents.outbox.relay import Backoff, Relay
+from agents.outbox.relay import Backoff
 from tests.integration.test_cli_requests import run_jobs
 from tests.support.api import Api, script
 from tests.support.cli import keel
+from tests.support.outbox import one_pass
 
 pytestmark = pytest.mark.integration
 
@@ -89,11 +89,7 @@ def test_a_dead_side_effect_shows_on_the_request_and_the_agent(db_url: str, db: 
     keel(db_url, "agent", "create", "poster")
     keel(db_url, "run", "poster", "post it", "--script", str(script), "--request-id", "P1")
     run_jobs(db)
-    relay = Relay(db, {}, lease=timedelta(seconds=10), concurrency=2, backoff=Backoff(0.05, 0.2, 3, 10), pass_seconds=5)
-    try:
-        relay.run_pass()
-    finally:
-        relay.close()
+    one_pass(db)  # no senders: the Slack message goes dead, `slack is not configured`
     waited = keel(db_url, "wait", "poster", "P1", check=False)
     assert waited.returncode == 0 and "answer     Posted." in waited.stdout
     assert "effect     slack C0OPS: DEAD (slack is not configured" in waited.stdout, waited.stdout
@@ -163,11 +159,7 @@ def test_a_token_that_may_not_read_the_story_gets_the_outcome_without_errors_or_
     post = {"name": "slack_post", "arguments": {"channel": "C0OPS", "text": "deploy done"}}
     client.submit(agent.id, "P1", script({"tool_calls": [post]}, {"content": "Posted."}))
     run_jobs(db)
-    relay = Relay(db, {}, lease=timedelta(seconds=10), concurrency=2, backoff=Backoff(0.05, 0.2, 3, 10), pass_seconds=5)
-    try:
-        relay.run_pass()
-    finally:
-        relay.close()
+    one_pass(db)  # no senders: the Slack message goes dead, `slack is not configured`
     with HttpClient(api.url, api.token("producer")) as producer:
         seen = producer.outcome(agent.id, "P1")
     [effect] = seen.side_effects
@@ -183,6 +175,10 @@ def test_a_token_that_may_not_read_the_story_gets_the_outcome_without_errors_or_
         listed = http.get("/v1/outbox", params={"agent": str(other.id), "status": "dead"}).json()
         assert listed["messages"] == []
         assert http.get("/v1/outbox", params={"agent": "nobody"}).status_code == 404
+    # Another tenant's agent is not there for a token limited to its own prefix, by name or by id.
+    with api.http(api.token("operator", prefix="acme-")) as http:
+        for ref in ("poster", str(agent.id)):
+            assert http.get("/v1/outbox", params={"agent": ref, "status": "dead"}).status_code == 404
 
 
 def test_a_side_effect_not_through_yet_says_what_its_last_attempt_met(db_url: str, db: Any, tmp_path: Path) -> None:
@@ -197,18 +193,7 @@ def test_a_side_effect_not_through_yet_says_what_its_last_attempt_met(db_url: st
     keel(db_url, "run", "poster", "post it", "--script", str(script), "--request-id", "P1")
     run_jobs(db)
     unreachable = SlackSender("xoxb-test", "http://127.0.0.1:1/api/", timeout=1.0)
-    relay = Relay(
-        db,
-        {"slack": unreachable},
-        lease=timedelta(seconds=10),
-        concurrency=2,
-        backoff=Backoff(5, 10, 5, 10),
-        pass_seconds=5,
-    )
-    try:
-        relay.run_pass()
-    finally:
-        relay.close()
+    one_pass(db, {"slack": unreachable}, backoff=Backoff(5, 10, 5, 10))
     shown = keel(db_url, "request", "show", "poster", "P1").stdout
     assert re.search(r"^effect     slack C0OPS: pending \(attempt 1: .*connect", shown, re.M | re.I), shown
     assert "connection to Slack at http://127.0.0.1:1/api/ (KEEL_SLACK_API_URL) failed" in shown, shown

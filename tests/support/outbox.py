@@ -121,3 +121,19 @@ def outbox_keys(db: Database) -> list[str]:
     """Every outbox message's key, in the order they were emitted."""
     with psycopg.connect(db.libpq_url) as conn:
         return [r[0] for r in conn.execute("SELECT key FROM outbox ORDER BY seq").fetchall()]
+
+
+def one_pass(db: Database, senders: dict[str, Any] | None = None, *, backoff: Backoff | None = None) -> None:
+    """One relay pass with these senders (none: every channel unconfigured, so its messages go dead), then closed."""
+    made = Relay(
+        db,
+        senders or {},
+        lease=timedelta(seconds=10),
+        concurrency=2,
+        backoff=backoff or Backoff(0.05, 0.2, 3, 10),
+        pass_seconds=5,
+    )
+    try:
+        made.run_pass()
+    finally:
+        made.close()
